@@ -1,0 +1,318 @@
+"""The graph IR: an elaborated model (one config variant) as nodes, edges and walk region trees.
+
+`mstarc.lower` builds a `ModelIR` from the AST; every pass in `mstarc.passes` is a pure
+function `ModelIR -> ModelIR` that fills one of the result fields at the bottom of `ModelIR`
+(via `dataclasses.replace`, never by mutation). The node/edge topology is also available as
+a networkx `MultiDiGraph` (`ModelIR.graph()`), which the passes use for reachability and
+ordering. Region trees mirror the walk primitives: `Seq`, `Parallel`, `Loop` (fixed or
+dynamic), `OnStream`, and the leaf statements `Call`, `Emit`, `Acc`, `Fork`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Union
+
+import networkx as nx
+
+from mstarc.diagnostics import Span
+
+if TYPE_CHECKING:
+    from mstarc.archs import ArchSpec
+
+ConfigValue = Union[int, float, str, bool, list]
+
+SCALAR_KINDS = ("str", "int", "float", "bool", "image")
+DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4, "i64": 8, "u8": 1, "bool": 1}
+
+_NO_SPAN = Span.unknown()
+
+
+@dataclass(frozen=True)
+class ValueType:
+    """A port or walk-value type: a scalar kind, or a tensor with dtype and (symbolic) dims."""
+
+    kind: str  # "tensor" or one of SCALAR_KINDS
+    dtype: str | None = None
+    dims: tuple[int | str, ...] = ()
+
+    def __str__(self) -> str:
+        if self.kind != "tensor":
+            return self.kind
+        return f"{self.dtype}[{', '.join(str(d) for d in self.dims)}]"
+
+    def to_json(self) -> dict[str, Any]:
+        if self.kind != "tensor":
+            return {"kind": self.kind}
+        return {"kind": "tensor", "dtype": self.dtype, "dims": list(self.dims)}
+
+    def compatible(self, other: ValueType) -> bool:
+        """Same kind/dtype/rank; concrete dims equal; a symbolic dim matches anything."""
+        if self.kind != other.kind or self.dtype != other.dtype:
+            return False
+        if self.kind != "tensor":
+            return True
+        if len(self.dims) != len(other.dims):
+            return False
+        return all(isinstance(a, str) or isinstance(b, str) or a == b for a, b in zip(self.dims, other.dims))
+
+
+@dataclass(frozen=True)
+class PortIR:
+    name: str
+    direction: str  # "in" | "out"
+    type: ValueType
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
+class PhaseIR:
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
+class NodeIR:
+    """A GraphNode: one resident instance of a component, shared by every walk that uses it."""
+
+    name: str
+    engine: str  # "kv" | "stateless"
+    impl: str  # import path under mstar_models, e.g. "mstar_models.orpheus.LlamaBackbone"
+    inputs: dict[str, PortIR]
+    outputs: dict[str, PortIR]
+    phases: dict[str, PhaseIR]
+    tags: tuple[str, ...]  # KV contexts of one request (kv nodes); ("main",) by default
+    settings: dict[str, ConfigValue]
+    arch_name: str | None
+    arch_args: dict[str, ConfigValue]
+    arch: ArchSpec | None  # noqa: F821 - resolved lazily (TYPE_CHECKING import)
+    dtype: str = "bf16"
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
+class ChunkPolicyIR:
+    kind: str  # "fixed" | "sliding" | "left_context"
+    params: dict[str, int]
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.kind}({', '.join(f'{k}={v}' for k, v in self.params.items())})"
+
+
+@dataclass(frozen=True)
+class EdgeIR:
+    """A GraphEdge (tensor moves when the producer step ends) or, with a policy, a StreamingGraphEdge."""
+
+    src_node: str
+    src_port: str
+    dst_node: str
+    dst_port: str
+    policy: ChunkPolicyIR | None = None
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+    @property
+    def id(self) -> str:
+        return f"{self.src_node}.{self.src_port}->{self.dst_node}.{self.dst_port}"
+
+    @property
+    def streaming(self) -> bool:
+        return self.policy is not None
+
+
+# ---- walk regions -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
+class Const:
+    value: ConfigValue
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+Operand = Union[Var, Const]
+
+
+@dataclass(frozen=True)
+class Call:
+    id: str  # stable step id, e.g. "tts/s3"
+    node: str
+    phase: str
+    tag: str | None  # None: the node's default tag (kv) or no tag (stateless)
+    args: dict[str, Operand]  # input port -> operand
+    results: tuple[str, ...]  # value names bound to the phase's outputs, in order (may be empty)
+    span: Span = field(default=_NO_SPAN, compare=False)
+    tag_span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
+class Seq:
+    body: tuple[Region, ...]
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
+class Branch:
+    name: str
+    body: Seq
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
+class Parallel:
+    id: str
+    branches: tuple[Branch, ...]
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
+class Loop:
+    """Loop(n) when not dynamic; DynamicLoop(max, until) when dynamic."""
+
+    id: str
+    dynamic: bool
+    count: Operand | None  # trip count (fixed loops); None when missing (verify reports E040)
+    max: int | None  # upper bound: required for dynamic loops and input-dependent counts
+    until: str | None  # stop flag (dynamic loops)
+    index: str | None
+    carry: tuple[str, ...]
+    body: Seq
+    span: Span = field(default=_NO_SPAN, compare=False)
+    clause_spans: dict[str, Span] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class OnStream:
+    id: str
+    stream: str  # EdgeIR.id of the streaming edge
+    name: str  # the chunk's value name inside the body
+    body: Seq
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
+class Emit:
+    output: str
+    op: str  # "+=" appends (and streams) | "=" sets
+    value: Operand
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
+class Acc:
+    name: str
+    value: Operand
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
+class Fork:
+    node: str
+    src_tag: str
+    dst_tag: str
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+Region = Union[Call, Seq, Parallel, Loop, OnStream, Emit, Acc, Fork]
+
+
+@dataclass(frozen=True)
+class ParamIR:
+    name: str
+    type: ValueType
+    default: ConfigValue | None
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
+class WalkIR:
+    name: str
+    inputs: tuple[ParamIR, ...]
+    outputs: tuple[ParamIR, ...]
+    body: Seq
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
+class KeepIR:
+    node: str
+    tag: str
+    as_tag: str
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
+class TransitionIR:
+    src: str
+    dst: str
+    when: str
+    keep: tuple[KeepIR, ...]
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
+class CheckpointIR:
+    """Weights given at compile time: a folder (relative path) or random weights ("dummy")."""
+
+    kind: str  # "dummy" | "dir" | "none"
+    path: str | None = None  # as given on the command line, relative where possible
+    files: tuple[tuple[str, str, int], ...] = ()  # (file name, sha256 of its safetensors header, size)
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # name -> (dtype, shape)
+
+
+@dataclass(frozen=True)
+class ModelIR:
+    name: str
+    variant: str
+    source: str  # display path of the .walk file
+    config: dict[str, ConfigValue]
+    nodes: dict[str, NodeIR]
+    edges: tuple[EdgeIR, ...]
+    walks: dict[str, WalkIR]
+    transitions: tuple[TransitionIR, ...]
+    checkpoint: CheckpointIR = field(default_factory=lambda: CheckpointIR("none"))
+    span: Span = field(default=_NO_SPAN, compare=False)
+    # ---- filled by passes (None until the pass ran) ----
+    verified: bool = False
+    placement: Any = None  # mstarc.passes.place.PlacementIR
+    sharding: Any = None  # dict[node, mstarc.passes.shard_tp.ShardSpec]
+    memory: Any = None  # mstarc.passes.memory.MemoryIR
+    stream_buffers: Any = None  # tuple[mstarc.passes.streams.StreamBufferIR, ...]
+    cuda_graphs: Any = None  # tuple[mstarc.passes.cuda_graphs.GraphCaptureIR, ...]
+    schedule: Any = None  # dict[walk, step program (JSON-ready dict)]
+
+    def graph(self) -> nx.MultiDiGraph:
+        """The node/edge topology; nodes carry `ir=NodeIR`, edges are keyed by `EdgeIR.id`."""
+        g = nx.MultiDiGraph()
+        for name in sorted(self.nodes):
+            g.add_node(name, ir=self.nodes[name])
+        for e in self.edges:
+            g.add_edge(e.src_node, e.dst_node, key=e.id, ir=e)
+        return g
+
+    def edge(self, edge_id: str) -> EdgeIR | None:
+        return next((e for e in self.edges if e.id == edge_id), None)
+
+
+def iter_regions(region: Region):
+    """Pre-order traversal of a region tree."""
+    yield region
+    if isinstance(region, Seq):
+        for r in region.body:
+            yield from iter_regions(r)
+    elif isinstance(region, Parallel):
+        for b in region.branches:
+            yield from iter_regions(b.body)
+    elif isinstance(region, Loop | OnStream):
+        yield from iter_regions(region.body)
+
+
+def walk_calls(walk: WalkIR) -> list[Call]:
+    return [r for r in iter_regions(walk.body) if isinstance(r, Call)]

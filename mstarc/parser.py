@@ -1,0 +1,360 @@
+"""Front end: `.walk` text -> `mstarc.ast.Model`, with Lark errors turned into diagnostics.
+
+The Lark LALR parser is built once per process from grammar/walk.lark (positions kept) and
+cached. No Lark exception ever reaches a caller: a syntax error becomes `CompileError` with
+code E001 (unexpected token), E002 (unexpected character) or E003 (unexpected end of file),
+naming what was expected in words.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import lark
+from lark import Token, Transformer, v_args
+
+from mstarc import ast
+from mstarc.diagnostics import CompileError, Diagnostic, Span
+
+GRAMMAR_PATH = Path(__file__).resolve().parent / "grammar" / "walk.lark"
+
+# Lark's terminal names -> what a user reads in "expected ..." lists.
+_TERMINAL_WORDS = {
+    "NAME": "a name", "INT": "an integer", "FLOAT": "a number", "STRING": "a string",
+    "LBRACE": "'{'", "RBRACE": "'}'", "LPAR": "'('", "RPAR": "')'", "LSQB": "'['", "RSQB": "']'",
+    "COMMA": "','", "COLON": "':'", "EQUAL": "'='", "DOT": "'.'", "AT": "'@'", "MINUS": "'-'",
+    "PLUS": "'+'", "STAR": "'*'", "SLASH": "'/'", "PERCENT": "'%'", "__ANON_0": "'->'",
+}
+
+
+@functools.cache
+def _lark() -> lark.Lark:
+    return lark.Lark(GRAMMAR_PATH.read_text(encoding="utf-8"), parser="lalr",
+                     propagate_positions=True, maybe_placeholders=True)
+
+
+def _describe_expected(parser: lark.Lark, names: set[str]) -> str:
+    words = []
+    for name in sorted(names):
+        if name in _TERMINAL_WORDS:
+            words.append(_TERMINAL_WORDS[name])
+            continue
+        try:
+            pattern = parser.get_terminal(name).pattern
+        except KeyError:
+            words.append(name)
+            continue
+        if pattern.type == "str":
+            words.append(f"'{pattern.value}'")
+        else:
+            words.append(name.lower())
+    words = sorted(set(words))
+    if len(words) > 8:
+        words = words[:8] + ["..."]
+    return ", ".join(words)
+
+
+def _token_text(tok: Token) -> str:
+    text = str(tok)
+    return text if len(text) <= 30 else text[:27] + "..."
+
+
+def parse(text: str, file: str) -> ast.Model:
+    """Parse one `.walk` source. Raises CompileError (one syntax diagnostic) on bad input."""
+    parser = _lark()
+    try:
+        tree = parser.parse(text)
+    except lark.exceptions.UnexpectedToken as e:
+        expected = _describe_expected(parser, set(e.expected))
+        if e.token.type == "$END":
+            lines = text.splitlines() or [""]
+            span = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 2)
+            diag = Diagnostic("E003", f"unexpected end of file; expected {expected}", span,
+                              "a block or a call is not closed")
+        else:
+            span = Span(file, e.line, e.column, e.token.end_line or e.line,
+                        e.token.end_column or e.column + 1)
+            diag = Diagnostic("E001", f"unexpected '{_token_text(e.token)}'; expected {expected}", span)
+        raise CompileError([diag]) from None
+    except lark.exceptions.UnexpectedCharacters as e:
+        span = Span(file, e.line, e.column, e.line, e.column + 1)
+        char = text[e.pos_in_stream] if 0 <= e.pos_in_stream < len(text) else "?"
+        raise CompileError([Diagnostic("E002", f"unexpected character {char!r}", span)]) from None
+    except lark.exceptions.UnexpectedEOF as e:  # pragma: no cover - LALR reports $END as a token
+        lines = text.splitlines() or [""]
+        span = Span(file, len(lines), len(lines[-1]) + 1)
+        raise CompileError([Diagnostic("E003", f"unexpected end of file; expected {e.expected}", span)]) from None
+    except lark.exceptions.LarkError as e:  # pragma: no cover - defensive: never leak Lark
+        raise CompileError([Diagnostic("E001", f"cannot parse: {e}", Span(file, 1, 1))]) from None
+    return _ToAst(file).transform(tree)
+
+
+def parse_file(path: str | Path, display_name: str | None = None) -> ast.Model:
+    """Read and parse a file; an unreadable file is E004, not an OSError."""
+    name = display_name or str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise CompileError([Diagnostic("E004", f"cannot read '{name}': {reason}", Span(name, 0, 0))]) from None
+    return parse(text, name)
+
+
+def _kids(children: list[Any]) -> list[Any]:
+    return [c for c in children if c is not None]
+
+
+@v_args(meta=True)
+class _ToAst(Transformer):
+    """Lark tree -> AST. One method per grammar rule; spans from Lark's meta."""
+
+    def __init__(self, file: str):
+        super().__init__(visit_tokens=True)
+        self.file = file
+
+    def _span(self, meta: Any) -> Span:
+        if getattr(meta, "empty", True):
+            return Span(self.file, 0, 0)
+        return Span(self.file, meta.line, meta.column, meta.end_line, meta.end_column)
+
+    def _tok_span(self, tok: Token) -> Span:
+        return Span(self.file, tok.line, tok.column, tok.end_line, tok.end_column)
+
+    # terminals (visit_tokens): names carry spans; v_args(meta) does not apply to tokens
+    @v_args(meta=False, inline=False)
+    def NAME(self, tok: Token) -> ast.Ident:  # noqa: N802 - Lark calls terminal callbacks by name
+        return ast.Ident(str(tok), self._tok_span(tok))
+
+    # ---- top level
+    def start(self, meta, children):
+        return children[0]
+
+    def model(self, meta, children):
+        name, *items = children
+        groups: dict[type, list] = {t: [] for t in (ast.Variant, ast.Node, ast.Edge, ast.Stream,
+                                                    ast.Walk, ast.Transition)}
+        for item in items:
+            groups[type(item)].append(item)
+        return ast.Model(name, *(tuple(groups[t]) for t in groups), span=self._span(meta))
+
+    def variant(self, meta, children):
+        name, *rest = children
+        extends = rest.pop(0) if rest and isinstance(rest[0], ast.Ident) else None
+        return ast.Variant(name, extends, tuple(rest), self._span(meta))
+
+    def extends(self, meta, children):
+        return children[0]
+
+    def setting(self, meta, children):
+        return ast.Setting(children[0], children[1], self._span(meta))
+
+    # ---- nodes
+    def node(self, meta, children):
+        name, engine, impl, *body = children
+        items = body[0] if body else []
+        archs = [i for i in items if isinstance(i, ast.Arch)]
+        tags = [i for i in items if isinstance(i, ast.Tags)]
+        return ast.Node(
+            name=name, engine=engine, impl=impl, arch=archs[0] if archs else None,
+            ports=tuple(i for i in items if isinstance(i, ast.Port)),
+            phases=tuple(i for i in items if isinstance(i, ast.Phase)),
+            tags=ast.Tags(tuple(n for t in tags for n in t.names), tags[0].span) if tags else None,
+            settings=tuple(i for i in items if isinstance(i, ast.Setting)),
+            span=self._span(meta), extra_archs=tuple(archs[1:]),
+        )
+
+    def dotted(self, meta, children):
+        return tuple(children)
+
+    def node_body(self, meta, children):
+        return list(children)
+
+    def arch(self, meta, children):
+        return ast.Arch(children[0], tuple(children[1] or ()), self._span(meta))
+
+    def port(self, meta, children):
+        return ast.Port(children[0], children[1], children[2], self._span(meta))
+
+    def port_dir(self, meta, children):
+        return str(children[0])
+
+    def phase(self, meta, children):
+        name, ins, outs = children
+        return ast.Phase(name, tuple(ins or ()), tuple(outs or ()), self._span(meta))
+
+    def tags(self, meta, children):
+        return ast.Tags(tuple(children[0]), self._span(meta))
+
+    def name_list(self, meta, children):
+        return list(children)
+
+    def type(self, meta, children):
+        dims = children[1] if len(children) > 1 else None
+        return ast.TypeRef(children[0], dims, self._span(meta))
+
+    def dims(self, meta, children):
+        return tuple(_kids(children))
+
+    # ---- edges
+    def edge(self, meta, children):
+        return ast.Edge(children[0], children[1], self._span(meta))
+
+    def stream(self, meta, children):
+        return ast.Stream(children[0], children[1], children[2], self._span(meta))
+
+    def endpoint(self, meta, children):
+        return ast.Endpoint(children[0], children[1], self._span(meta))
+
+    def policy(self, meta, children):
+        return ast.Policy(children[0], tuple(children[1] or ()), self._span(meta))
+
+    # ---- walks
+    def walk(self, meta, children):
+        name, ins, outs, body = children
+        return ast.Walk(name, tuple(ins or ()), tuple(outs or ()), body, self._span(meta))
+
+    def params(self, meta, children):
+        return list(_kids(children))
+
+    def param(self, meta, children):
+        default = children[2] if len(children) > 2 else None
+        return ast.Param(children[0], children[1], default, self._span(meta))
+
+    def default(self, meta, children):
+        return children[0]
+
+    def block(self, meta, children):
+        return ast.Block(tuple(children), self._span(meta))
+
+    def call_stmt(self, meta, children):
+        targets = children[0] if len(children) == 2 else ()
+        return ast.CallStmt(tuple(targets), children[-1], self._span(meta))
+
+    def targets(self, meta, children):
+        return tuple(children)
+
+    def call(self, meta, children):
+        node, phase, args, *tag = children
+        return ast.Call(node, phase, tuple(args or ()), tag[0] if tag else None, self._span(meta))
+
+    def tag(self, meta, children):
+        return children[0]
+
+    def loop(self, meta, children):
+        kind, *clauses, body = children
+        pick = {k: [] for k in ("setting", "index", "carry", "until")}
+        for kind_name, value in clauses:
+            pick[kind_name].extend(value)
+        return ast.LoopStmt(kind, tuple(pick["setting"]), tuple(pick["index"]), tuple(pick["carry"]),
+                            tuple(pick["until"]), body, self._span(meta))
+
+    def loop_kind(self, meta, children):
+        return str(children[0])
+
+    def loop_setting(self, meta, children):
+        return ("setting", [ast.Setting(children[0], children[1], self._span(meta))])
+
+    def loop_index(self, meta, children):
+        return ("index", [children[0]])
+
+    def loop_carry(self, meta, children):
+        return ("carry", list(children[0]))
+
+    def loop_until(self, meta, children):
+        return ("until", [children[0]])
+
+    def parallel(self, meta, children):
+        return ast.ParallelStmt(tuple(children), self._span(meta))
+
+    def branch(self, meta, children):
+        return ast.Branch(children[0], children[1], self._span(meta))
+
+    def on_stream(self, meta, children):
+        return ast.OnStream(children[0], children[1], children[2], children[3], self._span(meta))
+
+    def emit(self, meta, children):
+        return ast.Emit(children[0], children[1], children[2], self._span(meta))
+
+    def emit_op(self, meta, children):
+        return str(children[0])
+
+    def acc(self, meta, children):
+        return ast.Acc(children[0], children[1], self._span(meta))
+
+    def fork(self, meta, children):
+        return ast.Fork(children[0], children[1], children[2], self._span(meta))
+
+    def transition(self, meta, children):
+        src, dst, when, *keep = children
+        return ast.Transition(src, dst, when, tuple(keep[0]) if keep else (), self._span(meta))
+
+    def keep(self, meta, children):
+        return list(children)
+
+    def keep_item(self, meta, children):
+        as_tag = children[2] if len(children) > 2 else None
+        return ast.KeepItem(children[0], children[1], as_tag, self._span(meta))
+
+    # ---- expressions
+    def args(self, meta, children):
+        out = []
+        for c in _kids(children):
+            out.append(c if isinstance(c, ast.Arg) else ast.Arg(None, c, getattr(c, "span", Span.unknown())))
+        return out
+
+    def kwarg(self, meta, children):
+        return ast.Arg(children[0], children[1], self._span(meta))
+
+    def _bin(self, op: str, meta, children):
+        return ast.BinOp(op, children[0], children[1], self._span(meta))
+
+    def add(self, meta, children):
+        return self._bin("+", meta, children)
+
+    def sub(self, meta, children):
+        return self._bin("-", meta, children)
+
+    def mul(self, meta, children):
+        return self._bin("*", meta, children)
+
+    def div(self, meta, children):
+        return self._bin("/", meta, children)
+
+    def floordiv(self, meta, children):
+        return self._bin("//", meta, children)
+
+    def mod(self, meta, children):
+        return self._bin("%", meta, children)
+
+    def neg(self, meta, children):
+        return ast.Neg(children[0], self._span(meta))
+
+    def int(self, meta, children):
+        return ast.IntLit(int(str(children[0]).replace("_", "")), self._span(meta))
+
+    def float(self, meta, children):
+        text = str(children[0])
+        return ast.FloatLit(float(text.replace("_", "")), text, self._span(meta))
+
+    def string(self, meta, children):
+        raw = str(children[0])[1:-1]
+        value = raw.encode("utf-8").decode("unicode_escape") if "\\" in raw else raw
+        return ast.StrLit(value, self._span(meta))
+
+    def true(self, meta, children):
+        return ast.BoolLit(True, self._span(meta))
+
+    def false(self, meta, children):
+        return ast.BoolLit(False, self._span(meta))
+
+    def name(self, meta, children):
+        ident = children[0]
+        return ast.NameRef(ident.name, ident.span)
+
+    def list(self, meta, children):
+        return ast.ListLit(tuple(_kids(children)), self._span(meta))
+
+    def funcall(self, meta, children):
+        return ast.FunCall(children[0], tuple(children[1] or ()), self._span(meta))

@@ -1,0 +1,377 @@
+"""verify: the model's names resolve, ports type-check, loops are bounded, walks are typed.
+
+Requires: a lowered `ModelIR` (every expression evaluated).
+Ensures:  every call names a known node, phase, tag and input ports, with every phase input
+          given once and values of matching types; every value is bound before use; every
+          value that crosses from one node to another follows a declared edge; every loop
+          has a bound (Loop: n, DynamicLoop: max and a stop flag bound in its body); every
+          stream block names a streaming edge that the walk feeds; every walk output is
+          produced; transitions name real walks, flags and KV tags. Sets `verified`.
+Fails when: any of the above does not hold (all diagnostics of the model, collected).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from mstarc import ir as I
+from mstarc.diagnostics import DiagnosticSink, Span
+
+INT = I.ValueType("int")
+BOOL = I.ValueType("bool")
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    type: I.ValueType
+    producer: tuple[str, str] | None  # (node, out port) that produced it, None for inputs/constants
+    stream: str | None = None  # set for an on-stream chunk: the streaming edge id
+
+
+def verify(model: I.ModelIR) -> I.ModelIR:
+    sink = DiagnosticSink()
+    _check_nodes(model, sink)
+    _check_edges(model, sink)
+    for walk in model.walks.values():
+        _WalkChecker(model, walk, sink).run()
+    _check_transitions(model, sink)
+    _check_usage(model, sink)
+    sink.check()
+    return dataclasses.replace(model, verified=True)
+
+
+def _check_nodes(model: I.ModelIR, sink: DiagnosticSink) -> None:
+    for node in model.nodes.values():
+        for ph in node.phases.values():
+            for port in ph.inputs:
+                if port not in node.inputs:
+                    sink.error("E013", f"phase '{node.name}.{ph.name}' reads unknown input port '{port}'", ph.span,
+                               _known("input ports", node.inputs))
+            for port in ph.outputs:
+                if port not in node.outputs:
+                    sink.error("E013", f"phase '{node.name}.{ph.name}' writes unknown output port '{port}'", ph.span,
+                               _known("output ports", node.outputs))
+
+
+def _known(what: str, names) -> str:
+    names = sorted(names)
+    return f"known {what}: {', '.join(names)}" if names else f"there are no {what}"
+
+
+def _check_edges(model: I.ModelIR, sink: DiagnosticSink) -> None:
+    for e in model.edges:
+        src, dst = model.nodes.get(e.src_node), model.nodes.get(e.dst_node)
+        for name, node in ((e.src_node, src), (e.dst_node, dst)):
+            if node is None:
+                sink.error("E012", f"edge {e.id} names unknown node '{name}'", e.span, _known("nodes", model.nodes))
+        if src is None or dst is None:
+            continue
+        sp, dp = src.outputs.get(e.src_port), dst.inputs.get(e.dst_port)
+        if sp is None:
+            sink.error("E013", f"node '{src.name}' has no output port '{e.src_port}'", e.span, _known("output ports", src.outputs))
+        if dp is None:
+            sink.error("E013", f"node '{dst.name}' has no input port '{e.dst_port}'", e.span, _known("input ports", dst.inputs))
+        if sp and dp and e.policy is None and not sp.type.compatible(dp.type):
+            sink.error("E030", f"edge {e.id} joins {sp.type} to {dp.type}", e.span,
+                       "producer and consumer ports need the same dtype, rank and dims")
+        if sp and dp and e.policy is not None:
+            _check_stream_types(e, sp.type, dp.type, sink)
+
+
+def chunk_length(policy: I.ChunkPolicyIR) -> int | None:
+    """The most items one chunk of this policy holds (None for a malformed policy)."""
+    p = policy.params
+    try:
+        return {"fixed": lambda: p["size"], "sliding": lambda: p["window"],
+                "left_context": lambda: p["chunk"] + p["left"]}[policy.kind]()
+    except KeyError:
+        return None
+
+
+def _check_stream_types(e: I.EdgeIR, src: I.ValueType, dst: I.ValueType, sink: DiagnosticSink) -> None:
+    """A stream carries items: the producer's port is [n, *item] per step, the consumer's [chunk, *item]."""
+    ok = src.kind == dst.kind == "tensor" and src.dtype == dst.dtype and len(src.dims) == len(dst.dims) >= 1 \
+        and I.ValueType("tensor", src.dtype, src.dims[1:]).compatible(I.ValueType("tensor", dst.dtype, dst.dims[1:]))
+    if not ok:
+        sink.error("E030", f"stream {e.id} joins {src} to {dst}", e.span,
+                   "a stream's ports need the same dtype and item dims; the first dim counts items")
+        return
+    need = chunk_length(e.policy) if e.policy else None
+    lead = dst.dims[0]
+    if need is not None and isinstance(lead, int) and lead != need:
+        sink.error("E030", f"stream {e.id} delivers chunks of up to {need} items, but {e.dst_node}.{e.dst_port} "
+                   f"takes {lead}", e.span, f"make the consumer's first dim {need} or symbolic")
+
+
+class _WalkChecker:
+    def __init__(self, model: I.ModelIR, walk: I.WalkIR, sink: DiagnosticSink):
+        self.m, self.w, self.sink = model, walk, sink
+        self.outputs = {p.name: p for p in walk.outputs}
+        self.emitted: set[str] = set()
+        self.fed_streams: set[str] = set()
+        self.stream_blocks: list[I.OnStream] = []
+        self.all_bound = {r for c in I.iter_regions(walk.body) if isinstance(c, I.Call) for r in c.results}
+
+    def run(self) -> None:
+        env = {p.name: ValueInfo(p.type, None) for p in self.w.inputs}
+        self.seq(self.w.body, env, loop_depth=0)
+        for block in self.stream_blocks:
+            if block.stream not in self.fed_streams and self.m.edge(block.stream) is not None:
+                self.sink.error("E047", f"stream {block.stream} is never fed in walk '{self.w.name}'", block.span,
+                                "a call in this walk must bind the stream's producer port")
+        for out in self.w.outputs:
+            if out.name not in self.emitted:
+                self.sink.error("E036", f"walk '{self.w.name}' never produces its output '{out.name}'", out.span,
+                                f"add `emit {out.name} = VALUE` or `emit {out.name} += VALUE`")
+
+    # ---- values
+    def use(self, op: I.Operand, env: dict[str, ValueInfo]) -> ValueInfo | None:
+        if isinstance(op, I.Const):
+            return None
+        if op.name in env:
+            return env[op.name]
+        if op.name in self.all_bound or any(p.name == op.name for p in self.w.inputs):
+            self.sink.error("E034", f"value '{op.name}' is used before it is bound here", op.span,
+                            "a value bound in a loop body, branch or stream block is local to it unless carried or accumulated")
+        else:
+            self.sink.error("E011", f"unknown name '{op.name}'", op.span, "not a walk input, a bound value or a config value")
+        return None
+
+    def seq(self, seq: I.Seq, env: dict[str, ValueInfo], loop_depth: int) -> None:
+        for r in seq.body:
+            self.region(r, env, loop_depth)
+
+    def region(self, r: I.Region, env: dict[str, ValueInfo], loop_depth: int) -> None:
+        if isinstance(r, I.Call):
+            self.call(r, env)
+        elif isinstance(r, I.Loop):
+            self.loop(r, env, loop_depth)
+        elif isinstance(r, I.Parallel):
+            self.parallel(r, env, loop_depth)
+        elif isinstance(r, I.OnStream):
+            self.on_stream(r, env, loop_depth)
+        elif isinstance(r, I.Emit):
+            self.emit(r, env)
+        elif isinstance(r, I.Acc):
+            if loop_depth == 0:
+                self.sink.error("E049", f"`acc {r.name}` is outside a loop", r.span, "accumulate inside a loop body")
+            self.use(r.value, env)
+        elif isinstance(r, I.Fork):
+            self.fork(r)
+        elif isinstance(r, I.Seq):
+            self.seq(r, env, loop_depth)
+
+    def node_and_tag(self, node_name: str, tag: str | None, span: Span, tag_span: Span) -> I.NodeIR | None:
+        node = self.m.nodes.get(node_name)
+        if node is None:
+            self.sink.error("E012", f"unknown node '{node_name}'", span, _known("nodes", self.m.nodes))
+            return None
+        if tag is not None:
+            if node.engine != "kv":
+                self.sink.error("E046", f"node '{node_name}' is stateless; '@{tag}' names a KV context", tag_span,
+                                "only kv nodes have KV tags")
+            elif tag not in node.tags:
+                self.sink.error("E016", f"node '{node_name}' has no KV tag '{tag}'", tag_span, _known("tags", node.tags))
+        return node
+
+    def call(self, c: I.Call, env: dict[str, ValueInfo]) -> None:
+        node = self.node_and_tag(c.node, c.tag, c.span, c.tag_span)
+        if node is None:
+            return
+        phase = node.phases.get(c.phase)
+        if phase is None:
+            self.sink.error("E014", f"node '{c.node}' has no phase '{c.phase}'", c.span, _known("phases", node.phases))
+            return
+        for port, op in c.args.items():
+            if port not in phase.inputs:
+                self.sink.error("E013", f"phase '{c.node}.{c.phase}' has no input '{port}'", op.span,
+                                _known("inputs", phase.inputs))
+                continue
+            self.check_arg(c, node, port, op, env)
+        missing = [p for p in phase.inputs if p not in c.args]
+        if missing:
+            self.sink.error("E033", f"call to '{c.node}.{c.phase}' is missing input{'s' if len(missing) > 1 else ''} "
+                            f"{', '.join(missing)}", c.span, "every input port of a phase must be given")
+        if c.results and len(c.results) != len(phase.outputs):
+            self.sink.error("E032", f"'{c.node}.{c.phase}' has {len(phase.outputs)} output"
+                            f"{'s' if len(phase.outputs) != 1 else ''} ({', '.join(phase.outputs)}), "
+                            f"but {len(c.results)} name{'s are' if len(c.results) != 1 else ' is'} bound", c.span)
+            return
+        for name, port in zip(c.results, phase.outputs):
+            if port in node.outputs:
+                env[name] = ValueInfo(node.outputs[port].type, (node.name, port))
+                for e in self.m.edges:
+                    if e.streaming and e.src_node == node.name and e.src_port == port:
+                        self.fed_streams.add(e.id)
+
+    def check_arg(self, c: I.Call, node: I.NodeIR, port: str, op: I.Operand, env) -> None:
+        want = node.inputs[port].type
+        if isinstance(op, I.Const):
+            if not _const_fits(op.value, want):
+                self.sink.error("E030", f"input '{port}' of '{c.node}.{c.phase}' is {want}, got constant {op.value!r}", op.span)
+            return
+        info = self.use(op, env)
+        if info is None:
+            return
+        if info.stream is not None:
+            edge = self.m.edge(info.stream)
+            if edge and (edge.dst_node, edge.dst_port) != (c.node, port):
+                self.sink.error("E047", f"chunk '{op.name}' of stream {info.stream} must feed {edge.dst_node}.{edge.dst_port}",
+                                op.span)
+            return
+        if not info.type.compatible(want):
+            self.sink.error("E030", f"input '{port}' of '{c.node}.{c.phase}' is {want}, but '{op.name}' is {info.type}",
+                            op.span)
+        if info.producer and info.producer[0] != c.node:
+            src_node, src_port = info.producer
+            if not any(not e.streaming and (e.src_node, e.src_port, e.dst_node, e.dst_port) ==
+                       (src_node, src_port, c.node, port) for e in self.m.edges):
+                self.sink.error("E035", f"'{op.name}' flows from {src_node}.{src_port} to {c.node}.{port} "
+                                "but no edge declares it", op.span,
+                                f"declare `edge {src_node}.{src_port} -> {c.node}.{port}`")
+
+    def loop(self, lp: I.Loop, env: dict[str, ValueInfo], depth: int) -> None:
+        kind = "dynamic_loop" if lp.dynamic else "loop"
+        if lp.dynamic:
+            if lp.max is None:
+                self.sink.error("E040", "dynamic_loop has no bound", lp.span, "add max=N: every loop must be bounded")
+            if lp.until is None:
+                self.sink.error("E041", "dynamic_loop has no stop flag", lp.span, "add `until FLAG` (a bool bound in the body)")
+        elif lp.count is None:
+            self.sink.error("E040", "loop has no bound", lp.span, "add n=N: a Loop has a fixed trip count")
+        elif isinstance(lp.count, I.Var):
+            info = self.use(lp.count, env)
+            if info is not None and info.type != INT:
+                self.sink.error("E040", f"loop count '{lp.count.name}' is {info.type}, not int", lp.count.span)
+            elif info is not None and lp.max is None:
+                self.sink.error("E040", f"loop count '{lp.count.name}' comes from the request but the loop has no max",
+                                lp.count.span, "add max=N so that the loop stays bounded")
+        elif isinstance(lp.count, I.Const) and (isinstance(lp.count.value, bool) or not isinstance(lp.count.value, int)
+                                                 or lp.count.value < 0):
+            self.sink.error("E040", f"loop count must be a non-negative integer, got {lp.count.value!r}", lp.count.span)
+        for name in lp.carry:
+            if name not in env:
+                self.sink.error("E034", f"carried value '{name}' is not bound before the {kind}", lp.span)
+        inner = dict(env)
+        if lp.index:
+            inner[lp.index] = ValueInfo(INT, None)
+        outer = set(env)
+        assigned = {n for r in I.iter_regions(lp.body) if isinstance(r, I.Call) for n in r.results}
+        for r in I.iter_regions(lp.body):
+            if isinstance(r, I.Call):
+                for n in r.results:
+                    if n in outer and n not in lp.carry:
+                        self.sink.error("E043", f"'{n}' is bound before the {kind} and assigned in its body without carry",
+                                        r.span, f"add `carry {n}` to the {kind}, or use a new name")
+        self.seq(lp.body, inner, depth + 1)
+        if lp.dynamic and lp.until is not None:
+            flag = inner.get(lp.until)
+            if lp.until not in assigned:
+                self.sink.error("E041", f"stop flag '{lp.until}' is not bound in the dynamic_loop body",
+                                lp.clause_spans.get("until", lp.span))
+            elif flag is not None and not _is_bool(flag.type):
+                self.sink.error("E041", f"stop flag '{lp.until}' is {flag.type}, not bool", lp.clause_spans.get("until", lp.span))
+        for name in lp.carry:  # carried values keep their (checked) type after the loop
+            if name in inner and name in env:
+                env[name] = inner[name]
+        for r in I.iter_regions(lp.body):
+            if isinstance(r, I.Acc) and isinstance(r.value, I.Var) and r.value.name in inner:
+                t = inner[r.value.name].type
+                env[r.name] = ValueInfo(I.ValueType("tensor", t.dtype, ("N",) + t.dims[1:]) if t.kind == "tensor" else t, None)
+
+    def parallel(self, par: I.Parallel, env: dict[str, ValueInfo], depth: int) -> None:
+        names: set[str] = set()
+        bound_by: dict[str, str] = {}
+        merged: dict[str, ValueInfo] = {}
+        for b in par.branches:
+            if b.name in names:
+                self.sink.error("E010", f"branch '{b.name}' appears twice", b.span)
+            names.add(b.name)
+            inner = dict(env)
+            self.seq(b.body, inner, depth)
+            for n, v in inner.items():
+                if n in env and env[n] is v:
+                    continue
+                if n in bound_by:
+                    self.sink.error("E045", f"'{n}' is bound in branches '{bound_by[n]}' and '{b.name}'", b.span,
+                                    "each branch must bind distinct names")
+                bound_by[n] = b.name
+                merged[n] = v
+        env.update(merged)
+
+    def on_stream(self, block: I.OnStream, env: dict[str, ValueInfo], depth: int) -> None:
+        self.stream_blocks.append(block)
+        edge = self.m.edge(block.stream)
+        if edge is None or not edge.streaming:
+            known = [e.id for e in self.m.edges if e.streaming]
+            self.sink.error("E047", f"no stream {block.stream} is declared", block.span, _known("streams", known))
+            return
+        inner = dict(env)
+        node = self.m.nodes.get(edge.dst_node)
+        port = node.inputs.get(edge.dst_port) if node else None
+        inner[block.name] = ValueInfo(port.type if port else I.ValueType("tensor", "f32", ("N",)), None, edge.id)
+        self.seq(block.body, inner, depth)
+
+    def emit(self, e: I.Emit, env: dict[str, ValueInfo]) -> None:
+        out = self.outputs.get(e.output)
+        if out is None:
+            self.sink.error("E011", f"walk '{self.w.name}' has no output '{e.output}'", e.span, _known("outputs", self.outputs))
+        info = self.use(e.value, env)
+        self.emitted.add(e.output)
+        if out is None or info is None:
+            return
+        t = info.type
+        ok = t.dtype == out.type.dtype and t.kind == out.type.kind if e.op == "+=" else t.compatible(out.type)
+        if not ok:
+            self.sink.error("E030", f"output '{e.output}' is {out.type}, but '{e.value.name}' is {t}", e.span)
+
+    def fork(self, f: I.Fork) -> None:
+        node = self.node_and_tag(f.node, f.src_tag, f.span, f.span)
+        if node is not None and node.engine == "kv":
+            self.node_and_tag(f.node, f.dst_tag, f.span, f.span)
+
+
+def _is_bool(t: I.ValueType) -> bool:
+    return t.kind == "bool" or (t.kind == "tensor" and t.dtype == "bool")
+
+
+def _const_fits(value: I.ConfigValue, t: I.ValueType) -> bool:
+    if t.kind == "str":
+        return isinstance(value, str)
+    if t.kind == "bool" or (t.kind == "tensor" and t.dtype == "bool"):
+        return isinstance(value, bool)
+    if t.kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if t.kind == "float" or (t.kind == "tensor" and t.dtype in ("bf16", "f16", "f32")):
+        return isinstance(value, int | float | list) and not isinstance(value, bool)
+    if t.kind == "tensor":
+        return isinstance(value, int | list) and not isinstance(value, bool)
+    return False
+
+
+def _check_transitions(model: I.ModelIR, sink: DiagnosticSink) -> None:
+    for t in model.transitions:
+        for name in (t.src, t.dst):
+            if name not in model.walks:
+                sink.error("E018", f"transition names unknown walk '{name}'", t.span, _known("walks", model.walks))
+        src = model.walks.get(t.src)
+        if src is not None:
+            flag = next((p for p in src.outputs if p.name == t.when), None)
+            if flag is None or not _is_bool(flag.type):
+                sink.error("E048", f"transition flag '{t.when}' must be a bool output of walk '{t.src}'", t.span)
+        for k in t.keep:
+            node = model.nodes.get(k.node)
+            if node is None or node.engine != "kv":
+                sink.error("E048", f"transition keeps '{k.node}@{k.tag}', but '{k.node}' is not a kv node", k.span)
+                continue
+            for tag in (k.tag, k.as_tag):
+                if tag not in node.tags:
+                    sink.error("E016", f"node '{k.node}' has no KV tag '{tag}'", k.span, _known("tags", node.tags))
+
+
+def _check_usage(model: I.ModelIR, sink: DiagnosticSink) -> None:
+    used = {c.node for w in model.walks.values() for c in I.walk_calls(w)}
+    for name, node in model.nodes.items():
+        if name not in used:
+            sink.warning("E019", f"node '{name}' is not used by any walk", node.span)

@@ -281,6 +281,7 @@ class ModelIR:
     span: Span = field(default=_NO_SPAN, compare=False)
     # ---- filled by passes (None until the pass ran) ----
     verified: bool = False
+    warnings: tuple = ()  # Diagnostic warnings found by verify (printed, never fatal)
     placement: Any = None  # mstarc.passes.place.PlacementIR
     sharding: Any = None  # dict[node, mstarc.passes.shard_tp.ShardSpec]
     memory: Any = None  # mstarc.passes.memory.MemoryIR

@@ -38,7 +38,8 @@ def verify(model: I.ModelIR) -> I.ModelIR:
     _check_transitions(model, sink)
     _check_usage(model, sink)
     sink.check()
-    return dataclasses.replace(model, verified=True)
+    warnings = tuple(d for d in sink.diagnostics if d.severity == "warning")
+    return dataclasses.replace(model, verified=True, warnings=warnings)
 
 
 def _check_nodes(model: I.ModelIR, sink: DiagnosticSink) -> None:

@@ -1,0 +1,191 @@
+"""`mstarc`: check, compile, explain and diff M* plans.
+
+    mstarc check   MODEL.walk [-p PLACEMENT.yaml] [--variant NAME] [--weights DIR|dummy]
+    mstarc compile MODEL.walk -p PLACEMENT.yaml [--variant NAME] [--weights DIR|dummy] -o PLAN
+                   [--verify-each] [--print-after PASS] [--time-passes]
+    mstarc explain PLAN [--format text|markdown|dot|json]
+    mstarc diff    PLAN_A PLAN_B
+
+Exit status: 0 success (and equal plans for diff), 1 a user error (diagnostics on stderr:
+`FILE:LINE:COL: error[CODE]: message`, the source line and a caret) or differing plans,
+2 bad usage, 3 an internal compiler error (which names the pass). Never a traceback for
+user input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+from mstar_runtime import planfile
+from mstarc import ir as I
+from mstarc.diagnostics import CompileError, Diagnostic, InternalError, SourceCache, Span, render, render_all
+
+EXIT_OK, EXIT_USER, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+def _display(path: str) -> str:
+    """Paths in diagnostics and plans are relative: plans must not depend on where they were built."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return path
+    return rel if not rel.startswith("..") else path
+
+
+def _frontend(args: argparse.Namespace) -> tuple[I.ModelIR, str, object | None]:
+    """Parse, lower (with weights) and load the placement: the inputs of the pipeline."""
+    from mstarc import checkpoint
+    from mstarc.lower import lower
+    from mstarc.parser import parse_file
+
+    src = _display(args.model)
+    model_ast = parse_file(args.model, src)
+    weights_dir: Path | None = None
+    ck = I.CheckpointIR("none")
+    if args.weights == "dummy":
+        ck = I.CheckpointIR("dummy")
+    elif args.weights:
+        try:
+            ck = checkpoint.scan(args.weights)
+        except checkpoint.CheckpointError as e:
+            raise CompileError([Diagnostic("E062", str(e), Span(src, 0, 0), "pass a folder of .safetensors files")]) from None
+        weights_dir = Path(args.weights)
+    model = lower(model_ast, args.variant, src, weights_dir, ck)
+    problems = checkpoint.compare(model)
+    if problems:
+        raise CompileError(problems)
+    spec = None
+    if getattr(args, "placement", None):
+        from mstarc.placement import load_placement
+        spec = load_placement(args.placement, _display(args.placement))
+    digest = hashlib.sha256(Path(args.model).read_bytes()).hexdigest()
+    return model, digest, spec
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from mstarc import pipeline
+
+    model, _, spec = _frontend(args)
+    until = "memory" if spec is not None else "verify"
+    model = pipeline.run(model, spec, until=until, verify_each=args.verify_each)
+    _warn(model)
+    walks = ", ".join(sorted(model.walks)) or "none"
+    where = f" on {args.placement}" if spec is not None else ""
+    print(f"ok: model '{model.name}' ({model.variant}){where}: {len(model.nodes)} nodes, "
+          f"{len(model.edges)} edges, walks {walks}")
+    return EXIT_OK
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from mstarc import pipeline
+    from mstarc.plan import build_plan
+
+    bad = [p for p in args.print_after if p not in pipeline.PIPELINE]
+    if bad:
+        print(f"mstarc: error: --print-after: unknown pass '{bad[0]}' (passes: {', '.join(pipeline.PIPELINE)})",
+              file=sys.stderr)
+        return EXIT_USAGE
+    model, digest, spec = _frontend(args)
+    model = pipeline.run(model, spec, verify_each=args.verify_each, print_after=frozenset(args.print_after),
+                         time_passes=args.time_passes)
+    _warn(model)
+    body = build_plan(model, digest)
+    try:
+        size = planfile.write(args.output, body)
+    except planfile.PlanFileError as e:
+        raise CompileError([Diagnostic("E072", str(e), Span(_display(args.model), 0, 0))]) from None
+    except OSError as e:
+        print(f"mstarc: error: cannot write '{args.output}': {e.strerror or e}", file=sys.stderr)
+        return EXIT_USER
+    print(f"wrote {args.output}: model '{model.name}' ({model.variant}), {len(model.placement.ranks)} rank(s), "
+          f"{size} bytes")
+    return EXIT_OK
+
+
+def _read_plan(path: str) -> dict:
+    try:
+        return planfile.read(path)
+    except planfile.PlanFileError as e:
+        code = "E071" if "version" in str(e) else ("E072" if "cap" in str(e) else "E070")
+        raise CompileError([Diagnostic(code, str(e).removeprefix(f"{path}: "), Span(path, 0, 0))]) from None
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from mstarc.explain import explain
+
+    print(explain(_read_plan(args.plan), args.format), end="")
+    return EXIT_OK
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from mstarc.diff import diff_plans
+
+    a, b = _read_plan(args.plan_a), _read_plan(args.plan_b)
+    changes = diff_plans(a, b)
+    if not changes:
+        print("plans are equal")
+        return EXIT_OK
+    print(f"--- {args.plan_a}\n+++ {args.plan_b}")
+    print("\n".join(changes))
+    return EXIT_USER
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mstarc", description="The M* compiler: .walk + placement -> plan.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def model_args(sp: argparse.ArgumentParser, placement_required: bool) -> None:
+        sp.add_argument("model", metavar="MODEL.walk")
+        sp.add_argument("-p", "--placement", metavar="PLACEMENT.yaml", required=placement_required)
+        sp.add_argument("--variant", default="real", help="config variant (default: real)")
+        sp.add_argument("--weights", metavar="DIR|dummy", help="checkpoint folder (safetensors), or dummy")
+        sp.add_argument("--verify-each", action="store_true", help="check IR invariants after every pass")
+
+    c = sub.add_parser("check", help="check a model (and a placement) without writing a plan")
+    model_args(c, False)
+    c.set_defaults(fn=cmd_check)
+    c = sub.add_parser("compile", help="compile a model for a placement into a plan file")
+    model_args(c, True)
+    c.add_argument("-o", "--output", required=True, metavar="PLAN")
+    c.add_argument("--print-after", action="append", default=[], metavar="PASS", help="print the IR after PASS")
+    c.add_argument("--time-passes", action="store_true", help="print each pass's time")
+    c.set_defaults(fn=cmd_compile)
+    c = sub.add_parser("explain", help="render a plan for humans")
+    c.add_argument("plan", metavar="PLAN")
+    c.add_argument("--format", choices=("text", "markdown", "dot", "json"), default="text")
+    c.set_defaults(fn=cmd_explain)
+    c = sub.add_parser("diff", help="semantic diff of two plans; exit 1 when they differ")
+    c.add_argument("plan_a", metavar="PLAN_A")
+    c.add_argument("plan_b", metavar="PLAN_B")
+    c.set_defaults(fn=cmd_diff)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    sources = SourceCache()
+    try:
+        return args.fn(args)
+    except CompileError as e:
+        errors = [d for d in e.diagnostics if d.severity == "error"]
+        print(render_all(e.diagnostics, sources), file=sys.stderr)
+        return EXIT_USER if errors else EXIT_OK
+    except InternalError as e:
+        print(f"mstarc: internal compiler error: {e}\n(this is a bug in mstarc, not in your input)", file=sys.stderr)
+        return EXIT_INTERNAL
+    except KeyboardInterrupt:
+        return 130
+
+
+def _warn(model: I.ModelIR) -> None:
+    sources = SourceCache()
+    for w in model.warnings:
+        print(render(w, sources), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""schedule: each walk's step program, the tree the conductor interprets per request.
+
+Requires: `verify`, `place`, `streams` and `cuda-graphs` have run.
+Ensures:  `model.schedule[walk]` is a JSON-ready dict: the walk's typed inputs (with
+          defaults) and outputs (append or set), and `program`, a region tree of ops:
+          `seq`, `call` (node, phase, tag, ranks, args, results, the CUDA graph it replays,
+          the streams its outputs feed), `parallel` (branches with their rank), `loop`
+          (count or max/until, index, carry, accumulated values, whole-loop graph),
+          `on_stream` (the buffer it drains), `emit`, `acc`, `fork`, and `transfer`
+          (a value copied between ranks, placed right before the step that needs it).
+          The program is a pure function of the IR: the same model gives the same bytes.
+Fails when: never (everything it needs was checked by earlier passes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mstarc import ir as I
+
+
+def schedule(model: I.ModelIR) -> I.ModelIR:
+    programs = {name: _Scheduler(model, walk).program() for name, walk in sorted(model.walks.items())}
+    return dataclasses.replace(model, schedule=programs)
+
+
+def operand_json(op: I.Operand) -> dict[str, Any]:
+    return {"var": op.name} if isinstance(op, I.Var) else {"const": op.value}
+
+
+class _Scheduler:
+    def __init__(self, model: I.ModelIR, walk: I.WalkIR):
+        self.m, self.w = model, walk
+        pl = model.placement
+        self.call_ranks = pl.call_ranks
+        self.transfers_by_consumer: dict[str, list] = {}
+        for t in pl.transfers:
+            if t.walk == walk.name:
+                self.transfers_by_consumer.setdefault(t.consumer_step, []).append(t)
+        self.branch_ranks = {b: r for (w, b), r in _branch_ranks(pl).items() if w == walk.name}
+        self.graph_of_step = {}
+        self.graph_of_loop = {}
+        for g in model.cuda_graphs:
+            if g.kind == "loop":
+                self.graph_of_loop[g.loop] = g.key
+            else:
+                for s in g.steps:
+                    if self.call_ranks[s][0] == g.rank:
+                        self.graph_of_step[s] = g.key
+        self.buffers = {b.edge: b for b in model.stream_buffers if b.walk == walk.name}
+
+    def program(self) -> dict[str, Any]:
+        return {
+            "walk": self.w.name,
+            "inputs": [{"name": p.name, "type": p.type.to_json(), "default": p.default} for p in self.w.inputs],
+            "outputs": [{"name": p.name, "type": p.type.to_json(), "mode": _emit_mode(self.w, p.name)}
+                        for p in self.w.outputs],
+            "streams": sorted(b.id for b in self.buffers.values()),
+            "program": self.region(self.w.body),
+        }
+
+    def region(self, r: I.Region) -> dict[str, Any]:
+        if isinstance(r, I.Seq):
+            body: list[dict[str, Any]] = []
+            for item in r.body:
+                if isinstance(item, I.Call):
+                    body.extend(self.transfers(item.id))
+                body.append(self.region(item))
+            return {"op": "seq", "body": body}
+        if isinstance(r, I.Call):
+            return self.call(r)
+        if isinstance(r, I.Parallel):
+            return {"op": "parallel", "id": r.id, "branches": [
+                {"name": b.name, "rank": self.branch_ranks.get(b.name), "body": self.region(b.body)}
+                for b in r.branches]}
+        if isinstance(r, I.Loop):
+            return {"op": "loop", "id": r.id, "dynamic": r.dynamic,
+                    "count": operand_json(r.count) if r.count is not None else None,
+                    "max": r.max, "until": r.until, "index": r.index, "carry": list(r.carry),
+                    "acc": [{"name": a.name, "value": operand_json(a.value)}
+                            for a in r.body.body if isinstance(a, I.Acc)],
+                    "graph": self.graph_of_loop.get(r.id), "body": self.region(r.body)}
+        if isinstance(r, I.OnStream):
+            return {"op": "on_stream", "id": r.id, "stream": self.buffers[r.stream].id, "as": r.name,
+                    "body": self.region(r.body)}
+        if isinstance(r, I.Emit):
+            return {"op": "emit", "output": r.output, "mode": "append" if r.op == "+=" else "set",
+                    "value": operand_json(r.value)}
+        if isinstance(r, I.Acc):
+            return {"op": "acc", "name": r.name, "value": operand_json(r.value)}
+        if isinstance(r, I.Fork):
+            return {"op": "fork", "node": r.node, "src": r.src_tag, "dst": r.dst_tag}
+        raise AssertionError(f"unknown region {type(r).__name__}")  # pragma: no cover
+
+    def call(self, c: I.Call) -> dict[str, Any]:
+        node = self.m.nodes[c.node]
+        phase = node.phases[c.phase]
+        results = [[port, name] for port, name in zip(phase.outputs, c.results)]
+        feeds = [{"stream": self.buffers[e.id].id, "port": e.src_port, "var": name}
+                 for port, name in results for e in self.m.edges
+                 if e.streaming and e.src_node == c.node and e.src_port == port and e.id in self.buffers]
+        tag = c.tag if c.tag is not None else (node.tags[0] if node.engine == "kv" else None)
+        return {"op": "call", "id": c.id, "node": c.node, "phase": c.phase, "tag": tag,
+                "ranks": list(self.call_ranks[c.id]),
+                "args": {port: operand_json(op) for port, op in sorted(c.args.items())},
+                "results": results, "graph": self.graph_of_step.get(c.id), "feeds": feeds}
+
+    def transfers(self, step: str) -> list[dict[str, Any]]:
+        return [{"op": "transfer", "value": t.value, "src": t.src_rank, "dst": t.dst_rank}
+                for t in sorted(self.transfers_by_consumer.get(step, []), key=lambda t: (t.value, t.src_rank))]
+
+
+def _branch_ranks(pl) -> dict[tuple[str, str], int]:
+    return dict(getattr(pl, "branch_ranks", {}) or {})
+
+
+def _emit_mode(walk: I.WalkIR, output: str) -> str:
+    for r in I.iter_regions(walk.body):
+        if isinstance(r, I.Emit) and r.output == output:
+            return "append" if r.op == "+=" else "set"
+    return "set"

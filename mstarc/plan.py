@@ -1,0 +1,72 @@
+"""Plan building: a fully compiled `ModelIR` -> the plan body (schema 1), and back to bytes.
+
+The body is plain JSON data in a fixed shape (docs/plan-format.md). Everything in it is
+derived from the `.walk` source, the placement and the checkpoint headers: no timestamps,
+no absolute paths, no host names, so compiling twice gives the same bytes on any machine.
+Weights are referenced by path and header hash, never embedded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from mstar_runtime import planfile
+from mstarc import __version__
+from mstarc import ir as I
+
+
+def build_plan(model: I.ModelIR, source_sha256: str) -> dict[str, Any]:
+    for field in ("placement", "sharding", "memory", "stream_buffers", "cuda_graphs", "schedule"):
+        if getattr(model, field) is None:
+            raise ValueError(f"cannot build a plan before the pass that fills '{field}' has run")
+    return {
+        "schema": {"major": planfile.SCHEMA_MAJOR, "minor": planfile.SCHEMA_MINOR},
+        "compiler": f"mstarc {__version__}",
+        "model": {"name": model.name, "variant": model.variant, "source": model.source,
+                  "source_sha256": source_sha256, "config": model.config},
+        "weights": _weights(model.checkpoint),
+        "placement": model.placement.to_json(),
+        "nodes": {name: _node(model, node) for name, node in sorted(model.nodes.items())},
+        "edges": [_edge(e) for e in model.edges],
+        "memory": model.memory.to_json(),
+        "streams": [b.to_json() for b in model.stream_buffers],
+        "cuda_graphs": [g.to_json() for g in model.cuda_graphs],
+        "walks": model.schedule,
+        "transitions": [{"src": t.src, "dst": t.dst, "when": t.when,
+                         "keep": [{"node": k.node, "tag": k.tag, "as": k.as_tag} for k in t.keep]}
+                        for t in model.transitions],
+    }
+
+
+def _weights(ck: I.CheckpointIR) -> dict[str, Any]:
+    return {"kind": ck.kind, "path": ck.path,
+            "files": [{"name": n, "header_sha256": h, "bytes": s} for n, h, s in ck.files]}
+
+
+def _node(model: I.ModelIR, node: I.NodeIR) -> dict[str, Any]:
+    arch = None
+    if node.arch is not None:
+        tensors = [[t.name, list(t.shape), t.dtype, t.shard] for t in node.arch.tensors]
+        digest = hashlib.sha256(planfile.dump_body({"t": tensors})).hexdigest()
+        kv = node.arch.kv
+        arch = {"name": node.arch_name, "args": node.arch_args, "dims": dict(sorted(node.arch.dims.items())),
+                "kv": {"layers": kv.layers, "kv_heads": kv.kv_heads, "head_dim": kv.head_dim} if kv else None,
+                "params": node.arch.param_count(), "bytes": node.arch.bytes(),
+                "tensors_sha256": digest, "tensors": tensors}
+    shard = model.sharding.get(node.name)
+    return {
+        "engine": node.engine, "impl": node.impl, "dtype": node.dtype, "tags": list(node.tags),
+        "settings": node.settings,
+        "inputs": {p: port.type.to_json() for p, port in sorted(node.inputs.items())},
+        "outputs": {p: port.type.to_json() for p, port in sorted(node.outputs.items())},
+        "phases": {n: {"inputs": list(ph.inputs), "outputs": list(ph.outputs)} for n, ph in sorted(node.phases.items())},
+        "ranks": list(model.placement.node_ranks.get(node.name, ())),
+        "arch": arch,
+        "shard": shard.to_json() if shard is not None else None,
+    }
+
+
+def _edge(e: I.EdgeIR) -> dict[str, Any]:
+    return {"id": e.id, "src": [e.src_node, e.src_port], "dst": [e.dst_node, e.dst_port],
+            "policy": {"kind": e.policy.kind, **e.policy.params} if e.policy else None}

@@ -1,0 +1,104 @@
+"""The plan file container: magic, version, size cap, checksum, canonical JSON body.
+
+Owned by the runtime (the consumer); the compiler writes plans through this module too, so
+there is exactly one codec. No torch, no pickle: a plan is data, never code.
+
+Layout (all integers little-endian):
+
+    offset  size  field
+    0       8     magic b"MSTARPLN"
+    8       2     container version (1)
+    10      2     flags (0; reserved)
+    12      8     body length in bytes (<= MAX_BODY_BYTES)
+    20      32    SHA-256 of the body
+    52      n     body: canonical JSON, UTF-8 (sorted keys, no whitespace, no NaN)
+
+The body's `schema.major` must equal `SCHEMA_MAJOR`; a newer minor is accepted (fields are
+only ever added within a major). `dump_body` is canonical, so equal plans are equal bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+MAGIC = b"MSTARPLN"
+CONTAINER_VERSION = 1
+SCHEMA_MAJOR = 1
+SCHEMA_MINOR = 0
+MAX_BODY_BYTES = 64 << 20  # a plan references weights and never embeds them: 64 MiB is ample
+_HEADER = struct.Struct("<8sHHQ32s")
+HEADER_BYTES = _HEADER.size
+
+
+class PlanFileError(Exception):
+    """A plan that cannot be used: corrupt, truncated, too large, or of an unknown version."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        super().__init__(f"{path}: {message}")
+
+
+def dump_body(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    raw = dump_body(body)
+    if len(raw) > MAX_BODY_BYTES:
+        raise PlanFileError("<plan>", f"plan body is {len(raw)} bytes, over the {MAX_BODY_BYTES}-byte cap")
+    return _HEADER.pack(MAGIC, CONTAINER_VERSION, 0, len(raw), hashlib.sha256(raw).digest()) + raw
+
+
+def decode(data: bytes, path: str = "<plan>") -> dict[str, Any]:
+    """Bytes -> body, checking in order: header, size, checksum, JSON, schema version."""
+    if len(data) < HEADER_BYTES:
+        raise PlanFileError(path, f"not a plan file: {len(data)} bytes is shorter than the {HEADER_BYTES}-byte header")
+    magic, version, _flags, length, digest = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise PlanFileError(path, "not a plan file (bad magic bytes); was it written by `mstarc compile`?")
+    if version != CONTAINER_VERSION:
+        raise PlanFileError(path, f"plan container version {version} is not supported (this runtime reads "
+                            f"version {CONTAINER_VERSION}); recompile the plan with a matching mstarc")
+    if length > MAX_BODY_BYTES:
+        raise PlanFileError(path, f"plan body claims {length} bytes, over the {MAX_BODY_BYTES}-byte cap")
+    raw = data[HEADER_BYTES:]
+    if len(raw) != length:
+        raise PlanFileError(path, f"plan file is truncated or padded: body has {len(raw)} bytes, header says {length}")
+    if hashlib.sha256(raw).digest() != digest:
+        raise PlanFileError(path, "plan checksum mismatch: the file is corrupt")
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise PlanFileError(path, f"plan body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise PlanFileError(path, "plan body is not a JSON object")
+    schema = body.get("schema")
+    major = schema.get("major") if isinstance(schema, dict) else None
+    if not isinstance(major, int):
+        raise PlanFileError(path, "plan body has no schema version")
+    if major != SCHEMA_MAJOR:
+        raise PlanFileError(path, f"plan schema version {major}.x is not supported (this runtime reads "
+                            f"{SCHEMA_MAJOR}.x); recompile the plan with a matching mstarc")
+    return body
+
+
+def read(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        if size > MAX_BODY_BYTES + HEADER_BYTES:
+            raise PlanFileError(str(path), f"file is {size} bytes, over the plan size cap")
+        data = p.read_bytes()
+    except OSError as e:
+        raise PlanFileError(str(path), f"cannot read plan: {e.strerror or e}") from None
+    return decode(data, str(path))
+
+
+def write(path: str | Path, body: dict[str, Any]) -> int:
+    data = encode(body)
+    Path(path).write_bytes(data)
+    return len(data)

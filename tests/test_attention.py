@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+
 from mstar_runtime.attention import (
     AttentionError,
     AttentionMetadata,

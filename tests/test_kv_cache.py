@@ -3,6 +3,7 @@
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from mstar_runtime.kv_cache import (
     BlockManager,
     KVCacheError,

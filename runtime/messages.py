@@ -1,0 +1,309 @@
+"""Typed control messages between the conductor and worker processes.
+
+Each message is a frozen dataclass with a ``type`` tag; on the wire it is one msgpack map
+``{"type": tag, <field>: <value>, ...}``. ``decode`` accepts only the tags in
+``MESSAGE_TYPES`` and checks every field against the dataclass annotations (exact field
+set, exact types, nested structs), so a peer can never make us build an arbitrary object:
+no pickle anywhere. Any malformed input, truncated or bit-flipped, raises ``MessageError``.
+
+Small tensors (token ids, stop flags) may ride inside a message as ``{dtype, shape, data}``
+with raw little-endian bytes, capped at ``MAX_INLINE_TENSOR_BYTES``; activations go through
+torch.distributed and messages only name them.
+"""
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, get_args, get_origin
+
+import msgpack
+import torch
+
+MAX_MESSAGE_BYTES = 64 << 20
+MAX_INLINE_TENSOR_BYTES = 4 << 20
+MAX_TENSOR_DIMS = 8
+
+# Explicit allowlist of dtypes a message may carry, by wire name.
+TENSOR_DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+_DTYPE_NAMES = {dt: name for name, dt in TENSOR_DTYPES.items()}
+
+
+class MessageError(ValueError):
+    """A message that cannot be encoded or decoded: unknown type, bad field, corrupt bytes."""
+
+
+# ------------------------------------------------------------------- structs inside messages
+@dataclass(frozen=True, slots=True, eq=False)
+class StepEntry:
+    """One request's part of a batched step: which KV context and which named input values
+    (already resident or arriving over torch.distributed). ``inline`` holds small tensors."""
+
+    request_id: str
+    tag: str
+    inputs: list[str]
+    inline: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ResultEntry:
+    """One request's outcome of a step: names of the values produced, small ones inline
+    (e.g. the sampled token and the stop flag a ``DynamicLoop`` reads)."""
+
+    request_id: str
+    tag: str
+    outputs: list[str]
+    inline: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------- messages
+@dataclass(frozen=True, slots=True, eq=False)
+class StepRequest:
+    """Conductor -> worker: run ``node.phase`` once over a batch of requests."""
+
+    type: ClassVar[str] = "step_request"
+    step_id: int
+    node: str
+    phase: str
+    entries: list[StepEntry]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StepResult:
+    """Worker -> conductor: step ``step_id`` finished on ``rank``."""
+
+    type: ClassVar[str] = "step_result"
+    step_id: int
+    rank: int
+    entries: list[ResultEntry]
+    elapsed_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class AllocateKV:
+    """Conductor -> worker: reserve room for ``n_tokens`` more tokens of ``(request_id, tag)``
+    in ``node``'s pool, first forking it from tag ``fork_from`` of the same request if given."""
+
+    type: ClassVar[str] = "allocate_kv"
+    node: str
+    request_id: str
+    tag: str
+    n_tokens: int
+    fork_from: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FreeRequest:
+    """Conductor -> worker: drop every KV context and stream of a finished or cancelled request."""
+
+    type: ClassVar[str] = "free_request"
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Conductor -> worker: finish the current step, release resources, exit."""
+
+    type: ClassVar[str] = "shutdown"
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerError:
+    """Worker -> conductor: a step (or the worker itself, when ``step_id`` is None) failed."""
+
+    type: ClassVar[str] = "worker_error"
+    rank: int
+    message: str
+    step_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Worker -> conductor: liveness, so a watchdog can tell a hung worker from a slow step."""
+
+    type: ClassVar[str] = "heartbeat"
+    rank: int
+    seq: int
+
+
+Message = StepRequest | StepResult | AllocateKV | FreeRequest | Shutdown | WorkerError | Heartbeat
+
+# The allowlists: the only classes decode will ever instantiate.
+MESSAGE_TYPES: dict[str, type] = {
+    cls.type: cls
+    for cls in (StepRequest, StepResult, AllocateKV, FreeRequest, Shutdown, WorkerError, Heartbeat)
+}
+STRUCT_TYPES: frozenset[type] = frozenset({StepEntry, ResultEntry})
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+_SCHEMAS: dict[type, dict[str, Any]] = {cls: _field_types(cls) for cls in (*MESSAGE_TYPES.values(), *STRUCT_TYPES)}
+
+
+# ------------------------------------------------------------------------------- tensors
+def _tensor_to_wire(t: torch.Tensor, path: str) -> dict[str, Any]:
+    if t.dtype not in _DTYPE_NAMES:
+        raise MessageError(f"{path}: dtype {t.dtype} cannot travel in a message")
+    if t.dim() > MAX_TENSOR_DIMS:
+        raise MessageError(f"{path}: {t.dim()} dims is over the limit of {MAX_TENSOR_DIMS}")
+    nbytes = t.numel() * t.element_size()
+    if nbytes > MAX_INLINE_TENSOR_BYTES:
+        raise MessageError(f"{path}: {nbytes} bytes is too big to inline; send it over torch.distributed")
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data": flat.view(torch.uint8).numpy().tobytes()}
+
+
+def _tensor_from_wire(value: Any, path: str) -> torch.Tensor:
+    if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data"}:
+        raise MessageError(f"{path}: a tensor must be a map with exactly dtype, shape, data")
+    dtype = TENSOR_DTYPES.get(value["dtype"]) if isinstance(value["dtype"], str) else None
+    shape, data = value["shape"], value["data"]
+    if dtype is None:
+        raise MessageError(f"{path}: unsupported tensor dtype {value['dtype']!r}")
+    if not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+        raise MessageError(f"{path}: bad tensor shape {shape!r}")
+    if not isinstance(data, bytes):
+        raise MessageError(f"{path}: tensor data must be bytes")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if math.prod(shape) * itemsize != len(data):
+        raise MessageError(f"{path}: {len(data)} data bytes do not match shape {shape} of {value['dtype']}")
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+
+
+# ------------------------------------------------------------------ schema-directed walk
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _union_args(tp: Any) -> tuple[Any, ...] | None:
+    if isinstance(tp, types.UnionType) or get_origin(tp) is typing.Union:
+        return get_args(tp)
+    return None
+
+
+def _convert(value: Any, tp: Any, path: str, to_wire: bool) -> Any:
+    """Check ``value`` against annotation ``tp`` and convert it to (or from) its wire form."""
+    if (options := _union_args(tp)) is not None:
+        if value is None and type(None) in options:
+            return None
+        inner = [o for o in options if o is not type(None)]
+        if len(inner) != 1:  # only ``X | None`` is used in messages; keep decoding unambiguous
+            raise MessageError(f"{path}: unsupported union annotation {tp}")
+        return _convert(value, inner[0], path, to_wire)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if _is_int(value):
+            return value
+    elif tp is float:
+        if isinstance(value, float) or _is_int(value):
+            return float(value)
+    elif tp is str or tp is bytes:
+        if isinstance(value, tp):
+            return value
+    elif tp is torch.Tensor:
+        if to_wire and isinstance(value, torch.Tensor):
+            return _tensor_to_wire(value, path)
+        if not to_wire:
+            return _tensor_from_wire(value, path)
+    elif get_origin(tp) is list:
+        if isinstance(value, list):
+            (item,) = get_args(tp)
+            return [_convert(v, item, f"{path}[{i}]", to_wire) for i, v in enumerate(value)]
+    elif get_origin(tp) is dict:
+        if isinstance(value, dict):
+            key_tp, val_tp = get_args(tp)
+            if key_tp is not str:
+                raise MessageError(f"{path}: only str-keyed maps are supported")
+            if not all(isinstance(k, str) for k in value):
+                raise MessageError(f"{path}: map keys must be strings")
+            return {k: _convert(v, val_tp, f"{path}.{k}", to_wire) for k, v in value.items()}
+    elif tp in STRUCT_TYPES:
+        if to_wire and isinstance(value, tp):
+            return _fields_to_wire(value, path)
+        if not to_wire and isinstance(value, dict):
+            return tp(**_fields_from_wire(tp, value, path))
+    else:
+        raise MessageError(f"{path}: unsupported annotation {tp}")
+    raise MessageError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__}")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _fields_to_wire(obj: Any, path: str) -> dict[str, Any]:
+    return {
+        name: _convert(getattr(obj, name), tp, f"{path}.{name}", to_wire=True)
+        for name, tp in _SCHEMAS[type(obj)].items()
+    }
+
+
+def _fields_from_wire(cls: type, wire: dict[str, Any], path: str) -> dict[str, Any]:
+    schema = _SCHEMAS[cls]
+    missing = [n for n in schema if n not in wire]
+    extra = sorted(str(k) for k in wire if k not in schema)
+    if missing or extra:
+        raise MessageError(
+            f"{path}: {cls.__name__}"
+            + (f" is missing {', '.join(missing)}" if missing else "")
+            + (f" has unexpected {', '.join(extra)}" if extra else "")
+        )
+    return {name: _convert(wire[name], tp, f"{path}.{name}", to_wire=False) for name, tp in schema.items()}
+
+
+# ------------------------------------------------------------------------------ public API
+def encode(msg: Message) -> bytes:
+    """msgpack bytes of an allowlisted message; fields are checked as strictly as on decode."""
+    cls = type(msg)
+    if MESSAGE_TYPES.get(getattr(cls, "type", None)) is not cls:
+        raise MessageError(f"{cls.__name__} is not an allowlisted message type")
+    wire = {"type": cls.type, **_fields_to_wire(msg, cls.type)}
+    try:
+        data = msgpack.packb(wire, use_bin_type=True)
+    except (OverflowError, ValueError, TypeError) as exc:  # e.g. an int beyond 64 bits
+        raise MessageError(f"{cls.type}: cannot encode: {exc}") from exc
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"{cls.type}: {len(data)} bytes is over the {MAX_MESSAGE_BYTES}-byte message limit")
+    return data
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """The message in ``data``; raises ``MessageError`` for anything but a well-formed,
+    allowlisted message."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise MessageError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"{len(data)} bytes is over the {MAX_MESSAGE_BYTES}-byte message limit")
+    try:
+        # strict_map_key: only str/bytes keys; ext types and timestamps are rejected by the schema.
+        wire = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises many unrelated types for corrupt input
+        raise MessageError(f"corrupt message: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(wire, dict):
+        raise MessageError(f"a message must be a map, got {type(wire).__name__}")
+    tag = wire.pop("type", None)
+    cls = MESSAGE_TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise MessageError(f"unknown message type {tag!r}; allowed: {', '.join(MESSAGE_TYPES)}")
+    return cls(**_fields_from_wire(cls, wire, tag))

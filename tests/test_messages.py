@@ -1,0 +1,252 @@
+"""Control messages round-trip through msgpack, and every malformed input is a MessageError."""
+
+import dataclasses
+import random
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mstar_runtime.messages import (
+    MAX_INLINE_TENSOR_BYTES,
+    MESSAGE_TYPES,
+    AllocateKV,
+    FreeRequest,
+    Heartbeat,
+    Message,
+    MessageError,
+    ResultEntry,
+    Shutdown,
+    StepEntry,
+    StepRequest,
+    StepResult,
+    WorkerError,
+    decode,
+    encode,
+)
+
+
+def samples() -> list[Message]:
+    return [
+        StepRequest(
+            step_id=7,
+            node="llm",
+            phase="decode",
+            entries=[
+                StepEntry("req-1", "main", ["llm.token"], {"ids": torch.tensor([[1, 2, 3]], dtype=torch.int32)}),
+                StepEntry("req-2", "cfg_text", [], {}),
+            ],
+        ),
+        StepResult(
+            step_id=7,
+            rank=1,
+            entries=[
+                ResultEntry(
+                    "req-1",
+                    "main",
+                    ["llm.token", "llm.code"],
+                    {"done": torch.tensor([True]), "logp": torch.tensor([-0.5], dtype=torch.bfloat16)},
+                )
+            ],
+            elapsed_s=0.0125,
+        ),
+        StepRequest(step_id=0, node="vae", phase="decode", entries=[]),
+        AllocateKV(node="llm", request_id="r", tag="cfg_img", n_tokens=4096, fork_from="gen"),
+        AllocateKV(node="llm", request_id="r", tag="gen", n_tokens=1),
+        FreeRequest(request_id="r"),
+        Shutdown(),
+        Shutdown(reason="SIGTERM"),
+        WorkerError(rank=3, message="CUDA error: out of memory", step_id=12),
+        WorkerError(rank=0, message="ünïcode ok"),
+        Heartbeat(rank=2, seq=2**40),
+    ]
+
+
+def same(a: object, b: object) -> bool:
+    """Structural equality that compares tensors by dtype, shape and values."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and all(
+            same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+        )
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(same, a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("msg", samples(), ids=lambda m: type(m).__name__)
+def test_round_trip(msg: Message) -> None:
+    data = encode(msg)
+    back = decode(data)
+    assert same(msg, back)
+    assert encode(back) == data  # canonical: field order is the dataclass order
+    assert same(decode(bytearray(data)), msg) and same(decode(memoryview(data)), msg)
+
+
+def test_allowlist_is_explicit_and_complete() -> None:
+    assert set(MESSAGE_TYPES) == {
+        "step_request", "step_result", "allocate_kv", "free_request", "shutdown", "worker_error", "heartbeat"
+    }
+    assert {type(m) for m in samples()} == set(MESSAGE_TYPES.values())
+
+
+def test_inline_tensors_all_dtypes_and_shapes() -> None:
+    for dtype in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                  torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        for shape in ((), (0,), (3,), (2, 0, 4), (2, 3)):
+            t = (torch.rand(shape) * 100).to(dtype)
+            msg = StepRequest(1, "n", "p", [StepEntry("r", "t", [], {"x": t})])
+            back = decode(encode(msg))
+            assert same(back.entries[0].inline["x"], t)  # type: ignore[union-attr]
+    # Non-contiguous tensors and views travel by value.
+    t = torch.arange(12).reshape(3, 4).t()[1:]
+    back = decode(encode(StepRequest(1, "n", "p", [StepEntry("r", "t", [], {"x": t})])))
+    assert torch.equal(back.entries[0].inline["x"], t)  # type: ignore[union-attr]
+
+
+def wire(msg: Message) -> dict:
+    return msgpack.unpackb(encode(msg), raw=False)
+
+
+def pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def bad_wires() -> list[tuple[object, str]]:
+    hb = wire(Heartbeat(1, 2))
+    step = wire(samples()[0])
+    cases: list[tuple[object, str]] = [
+        ({**hb, "type": "exec_python"}, "unknown message type 'exec_python'"),
+        ({k: v for k, v in hb.items() if k != "type"}, "unknown message type None"),
+        ({**hb, "type": 5}, "unknown message type 5"),
+        ({"type": "heartbeat", "rank": 1}, "missing seq"),
+        ({**hb, "extra": 1}, "unexpected extra"),
+        ({**hb, "rank": "1"}, "heartbeat.rank: expected int, got str"),
+        ({**hb, "rank": True}, "expected int, got bool"),
+        ({**hb, "rank": 1.0}, "expected int, got float"),
+        ({**hb, "rank": None}, "expected int, got NoneType"),
+        ([hb], "a message must be a map"),
+        ("heartbeat", "a message must be a map"),
+        ({**wire(WorkerError(0, "x")), "step_id": "3"}, "worker_error.step_id"),
+        ({**wire(Shutdown()), "reason": b"bytes"}, "expected str, got bytes"),
+    ]
+    e = step["entries"][0]
+    mutations = [
+        ({**e, "inputs": "llm.token"}, "inputs: expected list"),
+        ({**e, "inputs": [1]}, "inputs[0]: expected str"),
+        ({**e, "bogus": 1}, "unexpected bogus"),
+        ({k: v for k, v in e.items() if k != "tag"}, "missing tag"),
+        ({**e, "inline": {"ids": {**e["inline"]["ids"], "dtype": "object"}}}, "unsupported tensor dtype 'object'"),
+        ({**e, "inline": {"ids": {**e["inline"]["ids"], "shape": [2, 3]}}}, "do not match shape"),
+        ({**e, "inline": {"ids": {**e["inline"]["ids"], "shape": [-1]}}}, "bad tensor shape"),
+        ({**e, "inline": {"ids": {**e["inline"]["ids"], "shape": [2**62, 2**62]}}}, "do not match shape"),
+        ({**e, "inline": {"ids": {**e["inline"]["ids"], "data": "abc"}}}, "tensor data must be bytes"),
+        ({**e, "inline": {"ids": [1, 2, 3]}}, "a tensor must be a map"),
+        ({**e, "inline": {"ids": {**e["inline"]["ids"], "extra": 1}}}, "exactly dtype, shape, data"),
+        ({**e, "inline": [1]}, "expected dict"),
+        ("entry", "expected StepEntry, got str"),
+    ]
+    cases += [({**step, "entries": [m]}, msg) for m, msg in mutations]
+    return cases
+
+
+@pytest.mark.parametrize("obj,message", bad_wires())
+def test_bad_messages_raise_message_error(obj: object, message: str) -> None:
+    with pytest.raises(MessageError) as err:
+        decode(pack(obj))
+    assert message in str(err.value)
+
+
+def test_non_string_map_keys_and_ext_types() -> None:
+    step = wire(samples()[0])
+    step["entries"][0]["inline"] = {b"ids": step["entries"][0]["inline"]["ids"]}
+    with pytest.raises(MessageError, match="map keys must be strings"):
+        decode(pack(step))
+    with pytest.raises(MessageError):
+        decode(msgpack.packb({1: 2}))
+    with pytest.raises(MessageError):
+        decode(pack({"type": "shutdown", "reason": msgpack.ExtType(1, b"x")}))
+    with pytest.raises(MessageError):
+        decode(pack({"type": "shutdown", "reason": msgpack.Timestamp(1, 0)}))
+
+
+def test_encode_rejects_what_decode_would() -> None:
+    with pytest.raises(MessageError, match="not an allowlisted"):
+        encode(StepEntry("r", "t", []))  # type: ignore[arg-type]
+    with pytest.raises(MessageError, match="expected int"):
+        encode(Heartbeat(rank="0", seq=1))  # type: ignore[arg-type]
+    with pytest.raises(MessageError, match="cannot encode"):
+        encode(Heartbeat(rank=0, seq=2**70))
+    big = torch.zeros(MAX_INLINE_TENSOR_BYTES // 4 + 1, dtype=torch.float32)
+    with pytest.raises(MessageError, match="torch.distributed"):
+        encode(StepRequest(1, "n", "p", [StepEntry("r", "t", [], {"x": big})]))
+    with pytest.raises(MessageError, match="cannot travel"):
+        encode(StepRequest(1, "n", "p", [StepEntry("r", "t", [], {"x": torch.zeros(2, dtype=torch.complex64)})]))
+    with pytest.raises(MessageError):
+        decode("not bytes")  # type: ignore[arg-type]
+
+
+def _decode_or_error(data: bytes) -> None:
+    """Corrupt input must decode to an allowlisted message or raise MessageError, nothing else."""
+    try:
+        msg = decode(data)
+    except MessageError:
+        return
+    assert type(msg) in MESSAGE_TYPES.values()
+    encode(msg)  # whatever decoded is itself a valid message
+
+
+@pytest.mark.parametrize("msg", samples(), ids=lambda m: type(m).__name__)
+def test_truncated_bytes_raise_message_error(msg: Message) -> None:
+    data = encode(msg)
+    for cut in range(len(data)):
+        with pytest.raises(MessageError):
+            decode(data[:cut])
+    with pytest.raises(MessageError, match="corrupt"):
+        decode(data + b"\x00")
+
+
+@pytest.mark.parametrize("msg", samples(), ids=lambda m: type(m).__name__)
+def test_every_single_bit_flip(msg: Message) -> None:
+    data = encode(msg)
+    for bit in range(len(data) * 8):
+        flipped = bytearray(data)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        _decode_or_error(bytes(flipped))
+
+
+def test_random_multi_byte_corruption() -> None:
+    rng = random.Random(0)
+    encoded = [encode(m) for m in samples()]
+    for _ in range(3000):
+        data = bytearray(rng.choice(encoded))
+        for _ in range(rng.randrange(1, 6)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        _decode_or_error(bytes(data))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes(data: bytes) -> None:
+    _decode_or_error(data)
+
+
+json_like = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=5)
+    | st.binary(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tag=st.sampled_from([*MESSAGE_TYPES, "nope"]), fields=st.dictionaries(st.sampled_from(
+    ["step_id", "node", "phase", "entries", "rank", "elapsed_s", "request_id", "tag", "n_tokens", "fork_from",
+     "reason", "message", "seq", "inputs", "inline"]), json_like, max_size=6))
+def test_well_formed_msgpack_with_wrong_shapes(tag: str, fields: dict) -> None:
+    _decode_or_error(pack({"type": tag, **fields}))

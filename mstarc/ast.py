@@ -8,7 +8,6 @@ evaluated: config expressions stay expressions until `mstarc.lower` elaborates a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 from mstarc.diagnostics import Span
 
@@ -91,7 +90,7 @@ class FunCall:
     span: Span = field(default=_NO_SPAN, compare=False)
 
 
-Expr = Union[IntLit, FloatLit, StrLit, BoolLit, NameRef, ListLit, BinOp, Neg, FunCall]
+Expr = IntLit | FloatLit | StrLit | BoolLit | NameRef | ListLit | BinOp | Neg | FunCall
 
 
 # ---- model-level declarations ---------------------------------------------------------
@@ -278,7 +277,7 @@ class Fork:
     span: Span = field(default=_NO_SPAN, compare=False)
 
 
-Stmt = Union[CallStmt, LoopStmt, ParallelStmt, OnStream, Emit, Acc, Fork]
+Stmt = CallStmt | LoopStmt | ParallelStmt | OnStream | Emit | Acc | Fork
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ dynamic), `OnStream`, and the leaf statements `Call`, `Emit`, `Acc`, `Fork`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
@@ -20,7 +20,7 @@ from mstarc.diagnostics import Span
 if TYPE_CHECKING:
     from mstarc.archs import ArchSpec
 
-ConfigValue = Union[int, float, str, bool, list]
+ConfigValue = int | float | str | bool | list
 
 SCALAR_KINDS = ("str", "int", "float", "bool", "image")
 DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4, "i64": 8, "u8": 1, "bool": 1}
@@ -137,7 +137,7 @@ class Const:
     span: Span = field(default=_NO_SPAN, compare=False)
 
 
-Operand = Union[Var, Const]
+Operand = Var | Const
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ class Fork:
     span: Span = field(default=_NO_SPAN, compare=False)
 
 
-Region = Union[Call, Seq, Parallel, Loop, OnStream, Emit, Acc, Fork]
+Region = Call | Seq | Parallel | Loop | OnStream | Emit | Acc | Fork
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,9 @@ class KVPool:
         idx = _as_index(slots, self.device)
         expect = (idx.numel(), self.kv_heads, self.head_dim)
         if tuple(k.shape) != expect or tuple(v.shape) != expect:
-            raise AttentionError(f"write expects k and v of shape {expect}, got {tuple(k.shape)} and {tuple(v.shape)}")
+            raise AttentionError(
+                f"write expects k and v of shape {expect}, got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
         pages, offsets = idx // self.page_size, idx % self.page_size
         self.data[layer, pages, 0, offsets] = k.to(self.dtype)
         self.data[layer, pages, 1, offsets] = v.to(self.dtype)
@@ -81,12 +83,16 @@ class KVPool:
         """Copy K and V of every layer from ``src[i]`` to ``dst[i]`` (the copy-on-write of a fork)."""
         s, d = _as_index(src, self.device), _as_index(dst, self.device)
         if s.numel() != d.numel():
-            raise AttentionError(f"copy_slots needs as many sources as destinations, got {s.numel()} and {d.numel()}")
+            raise AttentionError(
+                f"copy_slots needs as many sources as destinations, got {s.numel()} and {d.numel()}"
+            )
         ps = self.page_size
         # The right-hand gather materialises a copy first, so overlapping slots cannot alias.
         self.data[:, d // ps, :, d % ps] = self.data[:, s // ps, :, s % ps]
 
-    def gather(self, layer: int, page_table: Sequence[int] | torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(
+        self, layer: int, page_table: Sequence[int] | torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one sequence's first ``kv_len`` tokens, each ``[kv_len, kv_heads, head_dim]``."""
         n_pages = -(-kv_len // self.page_size)
         pages = _as_index(page_table, self.device)
@@ -145,10 +151,12 @@ class AttentionMetadata:
         blocks = list(block_sizes) if block_sizes is not None else [None] * n
         if len(kinds) != n or len(blocks) != n:
             raise AttentionError("masks and block_sizes must have one entry per sequence")
-        return cls(tuple(
-            SequenceAttention(q, kv, tuple(pt), m, b)
-            for q, kv, pt, m, b in zip(q_lens, kv_lens, page_tables, kinds, blocks, strict=True)
-        ))
+        return cls(
+            tuple(
+                SequenceAttention(q, kv, tuple(pt), m, b)
+                for q, kv, pt, m, b in zip(q_lens, kv_lens, page_tables, kinds, blocks, strict=True)
+            )
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -173,7 +181,10 @@ class AttentionMetadata:
 
 
 def attention_mask(
-    q_len: int, kv_len: int, kind: MaskKind = "causal", block_size: int | None = None,
+    q_len: int,
+    kv_len: int,
+    kind: MaskKind = "causal",
+    block_size: int | None = None,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor | None:
     """Boolean ``[q_len, kv_len]`` mask (True = may attend) or ``None`` for "full".
@@ -195,7 +206,9 @@ def attention_mask(
     raise AttentionError(f"unknown mask kind {kind!r}; supported: {', '.join(MASK_KINDS)}")
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     """Grouped-query attention of one sequence: q ``[Lq, H, D]``, k/v ``[Lk, Hkv, D]``."""
     lq, heads, dim = q.shape
     kv_heads = k.shape[1]
@@ -204,7 +217,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     qg = q.reshape(lq, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * lq, dim)
     scores = torch.matmul(qg, k.permute(1, 2, 0)).mul_(scale)  # [Hkv, G*Lq, Lk]
     if mask is not None:
-        scores = scores.view(kv_heads, group, lq, -1).masked_fill_(~mask, float("-inf")).view(kv_heads, group * lq, -1)
+        scores = (
+            scores.view(kv_heads, group, lq, -1)
+            .masked_fill_(~mask, float("-inf"))
+            .view(kv_heads, group * lq, -1)
+        )
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v.permute(1, 0, 2))  # [Hkv, G*Lq, D]
     return out.view(kv_heads, group, lq, dim).permute(2, 0, 1, 3).reshape(lq, heads, dim)
@@ -232,8 +249,8 @@ def paged_attention(
     for s in meta.seqs:
         k, v = pool.gather(layer, s.page_table, s.kv_len)
         mask = attention_mask(s.q_len, s.kv_len, s.mask, s.block_size, device=q.device)
-        qs = q[start : start + s.q_len]
-        out[start : start + s.q_len] = _attend(qs.to(compute), k.to(compute), v.to(compute), mask, scale).to(q.dtype)
+        qs = q[start : start + s.q_len].to(compute)
+        out[start : start + s.q_len] = _attend(qs, k.to(compute), v.to(compute), mask, scale).to(q.dtype)
         start += s.q_len
     return out
 

@@ -154,7 +154,9 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-_SCHEMAS: dict[type, dict[str, Any]] = {cls: _field_types(cls) for cls in (*MESSAGE_TYPES.values(), *STRUCT_TYPES)}
+_SCHEMAS: dict[type, dict[str, Any]] = {
+    cls: _field_types(cls) for cls in (*MESSAGE_TYPES.values(), *STRUCT_TYPES)
+}
 
 
 # ------------------------------------------------------------------------------- tensors
@@ -167,7 +169,11 @@ def _tensor_to_wire(t: torch.Tensor, path: str) -> dict[str, Any]:
     if nbytes > MAX_INLINE_TENSOR_BYTES:
         raise MessageError(f"{path}: {nbytes} bytes is too big to inline; send it over torch.distributed")
     flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data": flat.view(torch.uint8).numpy().tobytes()}
+    return {
+        "dtype": _DTYPE_NAMES[t.dtype],
+        "shape": list(t.shape),
+        "data": flat.view(torch.uint8).numpy().tobytes(),
+    }
 
 
 def _tensor_from_wire(value: Any, path: str) -> torch.Tensor:
@@ -177,7 +183,11 @@ def _tensor_from_wire(value: Any, path: str) -> torch.Tensor:
     shape, data = value["shape"], value["data"]
     if dtype is None:
         raise MessageError(f"{path}: unsupported tensor dtype {value['dtype']!r}")
-    if not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_TENSOR_DIMS
+        or not all(_is_int(d) and d >= 0 for d in shape)
+    ):
         raise MessageError(f"{path}: bad tensor shape {shape!r}")
     if not isinstance(data, bytes):
         raise MessageError(f"{path}: tensor data must be bytes")
@@ -284,7 +294,9 @@ def encode(msg: Message) -> bytes:
     except (OverflowError, ValueError, TypeError) as exc:  # e.g. an int beyond 64 bits
         raise MessageError(f"{cls.type}: cannot encode: {exc}") from exc
     if len(data) > MAX_MESSAGE_BYTES:
-        raise MessageError(f"{cls.type}: {len(data)} bytes is over the {MAX_MESSAGE_BYTES}-byte message limit")
+        raise MessageError(
+            f"{cls.type}: {len(data)} bytes is over the {MAX_MESSAGE_BYTES}-byte message limit"
+        )
     return data
 
 

@@ -288,7 +288,9 @@ class StreamBuffer:
         if n < 0:
             raise StreamError("items need a leading item dimension")
         if not self.can_push(n):
-            raise StreamFull(f"push of {n} item(s) with {self.pending} pending exceeds capacity {self.capacity}")
+            raise StreamFull(
+                f"push of {n} item(s) with {self.pending} pending exceeds capacity {self.capacity}"
+            )
         if n == 0:
             return
         if self._ring is None:

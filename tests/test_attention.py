@@ -35,7 +35,9 @@ def _mask_by_definition(q_len: int, kv_len: int, kind: str, block: int | None) -
     return out
 
 
-@pytest.mark.parametrize("kind,block", [("causal", None), ("full", None), ("block_causal", 1), ("block_causal", 4)])
+@pytest.mark.parametrize(
+    "kind,block", [("causal", None), ("full", None), ("block_causal", 1), ("block_causal", 4)]
+)
 @pytest.mark.parametrize("q_len,kv_len", [(1, 1), (1, 9), (5, 5), (3, 11), (8, 13)])
 def test_mask_matches_definition(kind: str, block: int | None, q_len: int, kv_len: int) -> None:
     mask = attention_mask(q_len, kv_len, kind, block)  # type: ignore[arg-type]
@@ -116,7 +118,10 @@ def test_fork_copy_on_write_keeps_both_sequences_correct() -> None:
     def extend(key: tuple[str, str], n: int) -> None:
         slots = bm.append(key, n)
         for layer in range(layers):
-            k, v = torch.randn(n, kv_heads, dim, dtype=torch.float64), torch.randn(n, kv_heads, dim, dtype=torch.float64)
+            k, v = (
+                torch.randn(n, kv_heads, dim, dtype=torch.float64),
+                torch.randn(n, kv_heads, dim, dtype=torch.float64),
+            )
             pool.write(layer, k, v, slots)
             if layer == 1:
                 ctx[key].append((k, v))
@@ -132,7 +137,9 @@ def test_fork_copy_on_write_keeps_both_sequences_correct() -> None:
     assert bm.page_table(src)[1] != bm.page_table(dst)[1]
 
     q_lens = [6, 4]
-    meta = AttentionMetadata.build(q_lens, [bm.seq_len(src), bm.seq_len(dst)], [bm.page_table(src), bm.page_table(dst)])
+    meta = AttentionMetadata.build(
+        q_lens, [bm.seq_len(src), bm.seq_len(dst)], [bm.page_table(src), bm.page_table(dst)]
+    )
     q = torch.randn(sum(q_lens), heads, dim, dtype=torch.float64)
     out = paged_attention(q, pool, 1, meta)
     for key, start, q_len in ((src, 0, 6), (dst, 6, 4)):

@@ -35,7 +35,9 @@ def samples() -> list[Message]:
             node="llm",
             phase="decode",
             entries=[
-                StepEntry("req-1", "main", ["llm.token"], {"ids": torch.tensor([[1, 2, 3]], dtype=torch.int32)}),
+                StepEntry(
+                    "req-1", "main", ["llm.token"], {"ids": torch.tensor([[1, 2, 3]], dtype=torch.int32)}
+                ),
                 StepEntry("req-2", "cfg_text", [], {}),
             ],
         ),
@@ -90,14 +92,30 @@ def test_round_trip(msg: Message) -> None:
 
 def test_allowlist_is_explicit_and_complete() -> None:
     assert set(MESSAGE_TYPES) == {
-        "step_request", "step_result", "allocate_kv", "free_request", "shutdown", "worker_error", "heartbeat"
+        "step_request",
+        "step_result",
+        "allocate_kv",
+        "free_request",
+        "shutdown",
+        "worker_error",
+        "heartbeat",
     }
     assert {type(m) for m in samples()} == set(MESSAGE_TYPES.values())
 
 
 def test_inline_tensors_all_dtypes_and_shapes() -> None:
-    for dtype in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                  torch.float16, torch.bfloat16, torch.float32, torch.float64):
+    for dtype in (
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    ):
         for shape in ((), (0,), (3,), (2, 0, 4), (2, 3)):
             t = (torch.rand(shape) * 100).to(dtype)
             msg = StepRequest(1, "n", "p", [StepEntry("r", "t", [], {"x": t})])
@@ -141,7 +159,10 @@ def bad_wires() -> list[tuple[object, str]]:
         ({**e, "inputs": [1]}, "inputs[0]: expected str"),
         ({**e, "bogus": 1}, "unexpected bogus"),
         ({k: v for k, v in e.items() if k != "tag"}, "missing tag"),
-        ({**e, "inline": {"ids": {**e["inline"]["ids"], "dtype": "object"}}}, "unsupported tensor dtype 'object'"),
+        (
+            {**e, "inline": {"ids": {**e["inline"]["ids"], "dtype": "object"}}},
+            "unsupported tensor dtype 'object'",
+        ),
         ({**e, "inline": {"ids": {**e["inline"]["ids"], "shape": [2, 3]}}}, "do not match shape"),
         ({**e, "inline": {"ids": {**e["inline"]["ids"], "shape": [-1]}}}, "bad tensor shape"),
         ({**e, "inline": {"ids": {**e["inline"]["ids"], "shape": [2**62, 2**62]}}}, "do not match shape"),
@@ -186,7 +207,9 @@ def test_encode_rejects_what_decode_would() -> None:
     with pytest.raises(MessageError, match="torch.distributed"):
         encode(StepRequest(1, "n", "p", [StepEntry("r", "t", [], {"x": big})]))
     with pytest.raises(MessageError, match="cannot travel"):
-        encode(StepRequest(1, "n", "p", [StepEntry("r", "t", [], {"x": torch.zeros(2, dtype=torch.complex64)})]))
+        encode(
+            StepRequest(1, "n", "p", [StepEntry("r", "t", [], {"x": torch.zeros(2, dtype=torch.complex64)})])
+        )
     with pytest.raises(MessageError):
         decode("not bytes")  # type: ignore[arg-type]
 
@@ -237,7 +260,11 @@ def test_arbitrary_bytes(data: bytes) -> None:
 
 
 json_like = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=5)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=5)
     | st.binary(max_size=5),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=12,
@@ -245,8 +272,31 @@ json_like = st.recursive(
 
 
 @settings(max_examples=300, deadline=None)
-@given(tag=st.sampled_from([*MESSAGE_TYPES, "nope"]), fields=st.dictionaries(st.sampled_from(
-    ["step_id", "node", "phase", "entries", "rank", "elapsed_s", "request_id", "tag", "n_tokens", "fork_from",
-     "reason", "message", "seq", "inputs", "inline"]), json_like, max_size=6))
+@given(
+    tag=st.sampled_from([*MESSAGE_TYPES, "nope"]),
+    fields=st.dictionaries(
+        st.sampled_from(
+            [
+                "step_id",
+                "node",
+                "phase",
+                "entries",
+                "rank",
+                "elapsed_s",
+                "request_id",
+                "tag",
+                "n_tokens",
+                "fork_from",
+                "reason",
+                "message",
+                "seq",
+                "inputs",
+                "inline",
+            ]
+        ),
+        json_like,
+        max_size=6,
+    ),
+)
 def test_well_formed_msgpack_with_wrong_shapes(tag: str, fields: dict) -> None:
     _decode_or_error(pack({"type": tag, **fields}))

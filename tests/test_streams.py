@@ -22,7 +22,9 @@ from mstar_runtime.streams import (
 Window = tuple[int, int, int, bool]  # (start, end, context, final)
 
 
-def run(policy: ChunkPolicy, pushes: list[int], pop_every_push: bool = True, close: bool = True) -> list[Chunk]:
+def run(
+    policy: ChunkPolicy, pushes: list[int], pop_every_push: bool = True, close: bool = True
+) -> list[Chunk]:
     """Push item ids 0, 1, 2, ... in groups of ``pushes``; items are [n, 2] so each item is
     a row ``(id, -id)``. Checks every chunk's items against its absolute range."""
     buf = StreamBuffer(policy, capacity=10_000)
@@ -69,7 +71,11 @@ def test_fixed_releases_final_partial_chunk(pattern: str) -> None:
 
 
 def test_fixed_one_is_thinker_to_talker() -> None:
-    assert windows(run(FixedChunkPolicy(1), [1, 1, 1])) == [(0, 1, 0, False), (1, 2, 0, False), (2, 3, 0, False)]
+    assert windows(run(FixedChunkPolicy(1), [1, 1, 1])) == [
+        (0, 1, 0, False),
+        (1, 2, 0, False),
+        (2, 3, 0, False),
+    ]
 
 
 @pytest.mark.parametrize("pushes", [[1] * 50, [3, 20, 4, 1, 9, 13], [50]])
@@ -83,7 +89,11 @@ def test_sliding_orpheus_windows(pushes: list[int]) -> None:
 
 def test_sliding_releases_nothing_partial_on_close() -> None:
     assert run(SlidingWindowChunkPolicy(4, 2), [1] * 3) == []
-    assert windows(run(SlidingWindowChunkPolicy(4, 2), [1] * 9)) == [(0, 4, 0, False), (2, 6, 2, False), (4, 8, 2, False)]
+    assert windows(run(SlidingWindowChunkPolicy(4, 2), [1] * 9)) == [
+        (0, 4, 0, False),
+        (2, 6, 2, False),
+        (4, 8, 2, False),
+    ]
     # Closed before popping: the last full window is known to be the final one.
     assert windows(run(SlidingWindowChunkPolicy(4, 2), [9], pop_every_push=False))[-1] == (4, 8, 2, True)
 
@@ -213,7 +223,13 @@ def test_backpressure_sliding_memory_is_bounded() -> None:
 
 
 @pytest.mark.parametrize(
-    "policy", [FixedChunkPolicy(3), SlidingWindowChunkPolicy(4, 1), SlidingWindowChunkPolicy(5, 2), LeftContextChunkPolicy(3, 2)]
+    "policy",
+    [
+        FixedChunkPolicy(3),
+        SlidingWindowChunkPolicy(4, 1),
+        SlidingWindowChunkPolicy(5, 2),
+        LeftContextChunkPolicy(3, 2),
+    ],
 )
 def test_full_buffer_keeps_history_later_chunks_need(policy: ChunkPolicy) -> None:
     """Fill to capacity before every pop, so each push overwrites the oldest ring slot."""
@@ -260,7 +276,10 @@ def test_policy_from_spec(spec: dict, cls: type) -> None:
 @pytest.mark.parametrize(
     "spec,message",
     [
-        ({"kind": "ring", "size": 1}, "unknown chunk policy kind 'ring'; supported: fixed, sliding, left_context"),
+        (
+            {"kind": "ring", "size": 1},
+            "unknown chunk policy kind 'ring'; supported: fixed, sliding, left_context",
+        ),
         ({"size": 1}, "unknown chunk policy kind None"),
         ({"kind": ["fixed"]}, "unknown chunk policy kind"),
         ({"kind": "fixed"}, "missing size"),

@@ -1,0 +1,241 @@
+"""memory: bytes per rank (weights, CUDA-graph pool, workspace) and the paged KV pool they leave.
+
+Requires: `place` and `shard-tp` have run.
+Ensures:  `model.memory` is a `MemoryIR` with, per rank:
+  weights    the sum over the node instances resident there of their per-rank bytes after
+             sharding; when `model.checkpoint.tensors` is non-empty each arch tensor found
+             there is sized from the checkpoint's dtype and shape instead of the arch's.
+  graph pool (cuda ranks only) for every graphed node there (an arch, `cuda_graphs` not
+             false, a phase whose inputs all have fixed shapes, as the cuda-graphs pass
+             captures them): max_batch * (act + logits) + buckets * 4 MiB. All buckets of
+             a node share one pool, captured largest first, so the largest bucket's
+             activations are what the pool holds; 4 MiB per bucket covers each graph's
+             executable and private allocations.
+  workspace  the largest over the rank's arch nodes (a worker runs one step at a time) of
+             prefill_tokens * act + max_batch * logits, plus 256 MiB on a cuda rank with an
+             arch node (FlashInfer's 128 MiB float workspace and cuBLAS workspaces).
+             prefill_tokens is the node's `max_prefill_tokens` setting (default 8192, the
+             chunked-prefill budget).
+  where, per token, with per-rank sizes after sharding and d the node dtype's bytes:
+             act    = d * (4 * hidden + heads_r * head_dim + 2 * kv_heads_r * head_dim
+                           + 2 * inter_r)        (residual, norm, attention and MLP outputs;
+                                                  q, k, v; gate and up)
+             inter_r = intermediate / tp, or moe_intermediate * top_k / tp for MoE
+                       (top_k from the arch's dims, default 8)
+             logits = 4 * vocab / tp             (fp32 logits for sampling)
+  KV         bytes per token of each kv node there: 2 * layers * kv_heads_r * head_dim * d;
+             pool budget = floor(kv_memory_fraction * (capacity - weights - graph pool
+             - workspace)), split so that every kv node of the rank holds the same number
+             of tokens, in whole pages; a TP group's ranks all take the smallest page count
+             of the group so that page ids agree. Only kv nodes with KV geometry (an arch
+             with `kv`) hold a pool.
+Fails when: weights + graph pool + workspace exceed a rank's memory (E060), or a kv node's
+          pool cannot hold one sequence of its `max_seq_len` setting, default 4096 (E061);
+          both at the device's YAML entry, all ranks checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from mstarc import ir as I
+from mstarc.diagnostics import DiagnosticSink
+from mstarc.passes.cuda_graphs import batch_buckets
+from mstarc.passes.shard_tp import ShardSpec, tensor_bytes_per_rank
+
+GIB = 1 << 30
+MIB = 1 << 20
+DEFAULT_MAX_SEQ_LEN = 4096
+DEFAULT_PREFILL_TOKENS = 8192
+DEFAULT_MOE_TOP_K = 8
+GRAPH_BYTES_PER_BUCKET = 4 * MIB
+CUDA_WORKSPACE_FIXED = 256 * MIB
+# safetensors dtypes as mstarc.checkpoint names them, beyond the IR's own
+_DTYPE_BYTES = {**I.DTYPE_BYTES, "f64": 8, "i8": 1, "i16": 2, "f8e4m3": 1, "f8e5m2": 1}
+
+
+@dataclass(frozen=True)
+class KVPoolIR:
+    node: str
+    bytes_per_token: int
+    tokens: int
+    pages: int
+    bytes: int
+    max_seq_len: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "bytes_per_token": self.bytes_per_token, "tokens": self.tokens,
+                "pages": self.pages, "bytes": self.bytes, "max_seq_len": self.max_seq_len}
+
+
+@dataclass(frozen=True)
+class RankMemoryIR:
+    rank: int
+    capacity_bytes: int
+    node_weights: dict[str, int]  # resident node -> its bytes on this rank
+    graph_pool_bytes: int
+    workspace_bytes: int
+    kv_budget_bytes: int
+    kv: tuple[KVPoolIR, ...]  # sorted by node
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(self.node_weights.values())
+
+    @property
+    def free_bytes(self) -> int:
+        """What is left after everything above; never negative for a compiled plan."""
+        used = self.weights_bytes + self.graph_pool_bytes + self.workspace_bytes + sum(k.bytes for k in self.kv)
+        return self.capacity_bytes - used
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "capacity_bytes": self.capacity_bytes, "weights_bytes": self.weights_bytes,
+                "node_weights": dict(sorted(self.node_weights.items())), "graph_pool_bytes": self.graph_pool_bytes,
+                "workspace_bytes": self.workspace_bytes, "kv_budget_bytes": self.kv_budget_bytes,
+                "kv": [k.to_json() for k in self.kv], "free_bytes": self.free_bytes}
+
+
+@dataclass(frozen=True)
+class MemoryIR:
+    page_size: int
+    ranks: tuple[RankMemoryIR, ...]
+    weights_source: dict[str, str]  # node with an arch -> "arch" | "checkpoint" | "mixed"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"page_size": self.page_size, "ranks": [r.to_json() for r in self.ranks],
+                "weights_source": dict(sorted(self.weights_source.items()))}
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def memory(model: I.ModelIR) -> I.ModelIR:
+    sink = DiagnosticSink()
+    pl, sharding = model.placement, model.sharding
+    node_bytes, sources = _node_weight_bytes(model, sharding)
+    max_batch = pl.max_batch
+    rows: list[RankMemoryIR] = []
+    pages: dict[int, dict[str, int]] = {}  # rank -> kv node -> pages
+    too_full: set[int] = set()
+    for rank in pl.ranks:
+        resident = [model.nodes[n] for n in pl.resident.get(rank.rank, ())]
+        weights = {n.name: node_bytes[n.name] for n in resident}
+        graph = ws = 0
+        for n in resident:
+            if n.arch is None:
+                continue
+            act, logits = _act_bytes(n, sharding[n.name])
+            if rank.type == "cuda" and _graphed(n):
+                graph += max_batch * (act + logits) + len(batch_buckets(max_batch)) * GRAPH_BYTES_PER_BUCKET
+            ws = max(ws, _setting(n, "max_prefill_tokens", DEFAULT_PREFILL_TOKENS) * act + max_batch * logits)
+        if rank.type == "cuda" and any(n.arch is not None for n in resident):
+            ws += CUDA_WORKSPACE_FIXED
+        need = sum(weights.values()) + graph + ws
+        if need > rank.memory_bytes:
+            too_full.add(rank.rank)
+            largest = sorted(weights.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+            sink.error("E060", f"{rank.label} needs {_gib(sum(weights.values()))} for weights, {_gib(graph)} for "
+                       f"the CUDA-graph pool and {_gib(ws)} of workspace: {_gib(need)} in all; largest nodes: "
+                       + ", ".join(f"{n} {_gib(b)}" for n, b in largest), rank.span,
+                       "use more ranks (or `default_rank: spread`), a higher tp for the largest node, "
+                       "or a smaller variant")
+        budget = max(0, int(pl.kv_memory_fraction * (rank.memory_bytes - need)))
+        kv_bpt = {n.name: _kv_bytes_per_token(n, sharding[n.name]) for n in resident
+                  if n.engine == "kv" and n.arch is not None and n.arch.kv is not None}
+        per_token = sum(kv_bpt.values())
+        pages[rank.rank] = {n: budget // (pl.page_size * per_token) for n in sorted(kv_bpt)}
+        rows.append(RankMemoryIR(rank.rank, rank.memory_bytes, weights, graph, ws, budget, ()))
+    # TP shards of one node must agree on page ids: every rank of the group takes its minimum
+    for name, spec in sharding.items():
+        held = [p[name] for p in pages.values() if name in p]
+        if spec.tp > 1 and held:
+            for p in pages.values():
+                if name in p:
+                    p[name] = min(held)
+    out: list[RankMemoryIR] = []
+    for row, rank in zip(rows, pl.ranks):
+        pools = []
+        for name, n_pages in pages[row.rank].items():
+            node = model.nodes[name]
+            bpt = _kv_bytes_per_token(node, sharding[name])
+            tokens = n_pages * pl.page_size
+            max_seq = _setting(node, "max_seq_len", DEFAULT_MAX_SEQ_LEN)
+            pools.append(KVPoolIR(name, bpt, tokens, n_pages, tokens * bpt, max_seq))
+            if tokens < max_seq and row.rank not in too_full:
+                sink.error("E061", f"{rank.label}: the KV pool of node '{name}' holds {tokens} tokens, fewer than "
+                           f"one sequence of max_seq_len {max_seq} ({bpt} bytes per token)", rank.span,
+                           "give the rank more memory or fewer nodes, raise kv_memory_fraction or tp, "
+                           "or lower the node's max_seq_len")
+        out.append(dataclasses.replace(row, kv=tuple(pools)))
+    sink.check()
+    return dataclasses.replace(model, memory=MemoryIR(pl.page_size, tuple(out), sources))
+
+
+def _setting(node: I.NodeIR, key: str, default: int) -> int:
+    v = node.settings.get(key, default)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
+
+
+def _node_weight_bytes(model: I.ModelIR, sharding: dict[str, ShardSpec]) -> tuple[dict[str, int], dict[str, str]]:
+    """Per node, one rank's weight bytes; from the checkpoint's headers where it has the tensor."""
+    ck = model.checkpoint.tensors
+    out: dict[str, int] = {}
+    sources: dict[str, str] = {}
+    for name, node in model.nodes.items():
+        spec = sharding[name]
+        if node.arch is None or not ck:
+            out[name] = spec.bytes_per_rank
+            if node.arch is not None:
+                sources[name] = "arch"
+            continue
+        total = found = 0
+        for t in node.arch.tensors:
+            dtype, shape = ck.get(t.name, (t.dtype, tuple(t.shape)))
+            found += t.name in ck
+            numel = 1
+            for d in shape:
+                numel *= int(d)
+            total += tensor_bytes_per_rank(numel, _DTYPE_BYTES.get(dtype, 2), spec.splits[t.name])
+        out[name] = total
+        sources[name] = "checkpoint" if found == len(node.arch.tensors) else ("arch" if not found else "mixed")
+    return out, sources
+
+
+def _dims(node: I.NodeIR) -> dict[str, int]:
+    return dict(node.arch.dims) if node.arch is not None else {}
+
+
+def _act_bytes(node: I.NodeIR, spec: ShardSpec) -> tuple[int, int]:
+    """(activation bytes, fp32 logits bytes) per token on one rank; see the module docstring."""
+    dims = _dims(node)
+    tp = spec.tp
+    d = I.DTYPE_BYTES.get(node.dtype, 2)
+    kv = node.arch.kv if node.arch is not None else None
+    head_dim = kv.head_dim if kv is not None else dims.get("head_dim", 0)
+    if dims.get("intermediate"):
+        inter = dims["intermediate"] // tp
+    else:
+        inter = dims.get("moe_intermediate", 0) * dims.get("top_k", DEFAULT_MOE_TOP_K) // tp
+    act = d * (4 * dims.get("hidden", 0) + (spec.heads_per_rank or 0) * head_dim
+               + 2 * (spec.kv_heads_per_rank or 0) * head_dim + 2 * inter)
+    return act, 4 * (dims.get("vocab", 0) // tp)
+
+
+def _kv_bytes_per_token(node: I.NodeIR, spec: ShardSpec) -> int:
+    kv = node.arch.kv
+    heads = spec.kv_heads_per_rank or kv.kv_heads
+    return 2 * kv.layers * heads * kv.head_dim * I.DTYPE_BYTES.get(node.dtype, 2)
+
+
+def _graphed(node: I.NodeIR) -> bool:
+    """Mirrors the cuda-graphs pass: a phase whose every input has a fixed shape is captured."""
+    if node.settings.get("cuda_graphs", True) is False:
+        return False
+    for phase in node.phases.values():
+        types = [node.inputs[p].type for p in phase.inputs if p in node.inputs]
+        if all(t.kind not in ("str", "image") and not any(isinstance(x, str) for x in t.dims) for t in types):
+            return True
+    return False

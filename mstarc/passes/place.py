@@ -1,0 +1,398 @@
+"""place: which ranks hold each node, where every call runs, and which values cross ranks.
+
+Requires: a verified `ModelIR` and a `PlacementSpec` (mstarc.placement).
+Ensures:  `model.placement` is a `PlacementIR`: the ranks' devices; per node its ranks and
+          TP degree; per call of every walk the rank group it runs on (`call_ranks`);
+          per rank every node instance resident there (`resident`); and every value or
+          KV context that a step on one rank hands to a step on another (`transfers`).
+          Resolution order for a call: the innermost mapped (walk, branch), else the
+          (walk, node) override, else the node's first TP group. Unplaced nodes go to
+          `default_rank`, or with `spread` largest weights first onto the least-loaded
+          rank (ties: lowest rank; equal weights: node name), so the result never
+          depends on dict or hash order.
+Fails when: a rank is out of range (E051); an override names a group whose size is not the
+          node's tp (E052); the model's section names an unknown node, or a walk override
+          a node the walk never calls (E053); it names an unknown walk or branch (E054).
+          Each diagnostic points at the YAML value; all are collected.
+
+Transfers: a value counts as defined by the call that binds it (a value accumulated with
+`acc` in a loop, by the call that bound the accumulated value). A use is a call argument,
+a stream chunk (the streaming edge's producer calls are its definitions), or one of the
+conductor's reads, which happen beside rank 0 (`CONDUCTOR_RANK`): an `emit` (consumer
+`<walk>:emit:<output>`), a loop's request-dependent trip count (`<loop>:count`) and a
+dynamic loop's stop flag (`<loop>:until`). A KV context `node@tag` counts as a value
+too (kind "kv"): every call on it reads and rewrites it, and `fork` copies it, so a
+branch that continues a forked context on another rank shows the pages that must move.
+A stream chunk's transfer (kind "stream") names the streaming edge: its items go from the
+producer's rank to the stream buffer at the consumer's rank.
+A group holds a TP node's outputs on every rank, so only ranks outside the producer's
+group receive a copy, sent by the group's first rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from mstarc import ir as I
+from mstarc.diagnostics import DiagnosticSink, Span
+from mstarc.placement import SPREAD, PlacementSpec, RankGroup
+
+CONDUCTOR_RANK = 0
+_NO_SPAN = Span.unknown()
+
+
+@dataclass(frozen=True)
+class RankIR:
+    rank: int
+    type: str  # "cuda" | "cpu"
+    name: str
+    memory_bytes: int
+    hbm_bytes_per_s: int | None
+    span: Span = field(default=_NO_SPAN, compare=False)  # the device's YAML entry
+
+    @property
+    def label(self) -> str:
+        return f"rank {self.rank} ({self.type} {self.name}, {self.memory_bytes / (1 << 30):.1f} GiB)"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "type": self.type, "name": self.name, "memory_bytes": self.memory_bytes,
+                "hbm_bytes_per_s": self.hbm_bytes_per_s}
+
+
+@dataclass(frozen=True)
+class TransferIR:
+    walk: str
+    value: str  # a walk value name, "node@tag" for a KV context, the edge id for a stream
+    src_rank: int
+    dst_rank: int
+    producer_step: str
+    consumer_step: str  # a call's step id, or a conductor read (see the module docstring)
+    kind: str = "value"  # "value" | "kv" | "stream"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"walk": self.walk, "value": self.value, "kind": self.kind, "src_rank": self.src_rank,
+                "dst_rank": self.dst_rank, "producer_step": self.producer_step, "consumer_step": self.consumer_step}
+
+
+@dataclass(frozen=True)
+class PlacementIR:
+    name: str
+    ranks: tuple[RankIR, ...]
+    kv_memory_fraction: float
+    page_size: int
+    max_batch: int
+    node_ranks: dict[str, tuple[int, ...]]  # every rank of the node's own entry (TP groups in order)
+    node_tp: dict[str, int]
+    call_ranks: dict[str, tuple[int, ...]]  # step id -> ranks it runs on (one TP group)
+    resident: dict[int, tuple[str, ...]]  # rank -> node instances there, sorted; every rank present
+    transfers: tuple[TransferIR, ...]
+    tp_spans: dict[str, Span] = field(default_factory=dict, compare=False)  # node -> YAML tp/ranks value
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kv_memory_fraction": self.kv_memory_fraction,
+            "page_size": self.page_size,
+            "max_batch": self.max_batch,
+            "ranks": [r.to_json() for r in self.ranks],
+            "nodes": {n: {"ranks": list(self.node_ranks[n]), "tp": self.node_tp[n]} for n in sorted(self.node_ranks)},
+            "call_ranks": {s: list(r) for s, r in sorted(self.call_ranks.items())},
+            "resident": [{"rank": r, "nodes": list(ns)} for r, ns in sorted(self.resident.items())],
+            "transfers": [t.to_json() for t in self.transfers],
+        }
+
+
+def place(model: I.ModelIR, spec: PlacementSpec) -> I.ModelIR:
+    sink = DiagnosticSink()
+    ranks = tuple(RankIR(d.rank, d.type, d.name, d.memory_bytes, d.hbm_bytes_per_s, d.span) for d in spec.devices)
+    section = spec.model(model.name)
+    p = _Placer(model, spec, len(ranks), sink)
+    node_ranks, node_tp, tp_spans = p.nodes(section.nodes)
+    call_ranks: dict[str, tuple[int, ...]] = {}
+    transfers: list[TransferIR] = []
+    for wname, wp in section.walks.items():
+        if wname not in model.walks:
+            sink.error("E054", f"placement names unknown walk '{wname}' of model '{model.name}'", wp.span,
+                       _known("walks", model.walks))
+    for walk in model.walks.values():
+        wp = section.walks.get(walk.name)
+        node_over = p.node_overrides(walk, wp.nodes if wp else {}, node_tp)
+        branch_over = p.branch_overrides(walk, wp.branches if wp else {})
+        resolver = _CallResolver(walk, node_ranks, node_tp, node_over, branch_over, sink)
+        resolver.seq(walk.body, None)
+        call_ranks.update(resolver.call_ranks)
+    sink.check()
+    for walk in model.walks.values():
+        transfers.extend(_Flow(model, walk, call_ranks).run())
+    resident: dict[int, set[str]] = {r.rank: set() for r in ranks}
+    for node, rs in node_ranks.items():
+        for r in rs:
+            resident[r].add(node)
+    for walk in model.walks.values():
+        for c in I.walk_calls(walk):
+            for r in call_ranks[c.id]:
+                resident[r].add(c.node)
+    return dataclasses.replace(model, placement=PlacementIR(
+        spec.name, ranks, spec.kv_memory_fraction, spec.page_size, spec.max_batch, node_ranks, node_tp,
+        call_ranks, {r: tuple(sorted(ns)) for r, ns in sorted(resident.items())}, tuple(transfers), tp_spans))
+
+
+def _known(what: str, names) -> str:
+    names = sorted(names)
+    return f"known {what}: {', '.join(names)}" if names else f"there are no {what}"
+
+
+class _Placer:
+    def __init__(self, model: I.ModelIR, spec: PlacementSpec, n_ranks: int, sink: DiagnosticSink):
+        self.m, self.spec, self.n, self.sink = model, spec, n_ranks, sink
+
+    def in_range(self, group: RankGroup, what: str) -> bool:
+        ok = True
+        for r, span in zip(group.ranks, group.rank_spans or (group.span,) * len(group.ranks)):
+            if not 0 <= r < self.n:
+                ok = False
+                self.sink.error("E051", f"{what} is placed on rank {r}, but the placement has "
+                                f"{self.n} rank{'s' if self.n != 1 else ''}", span,
+                                f"known ranks: {', '.join(str(i) for i in range(self.n))}")
+        return ok
+
+    def nodes(self, entries) -> tuple[dict[str, tuple[int, ...]], dict[str, int], dict[str, Span]]:
+        node_ranks: dict[str, tuple[int, ...]] = {}
+        node_tp: dict[str, int] = {}
+        spans: dict[str, Span] = {}
+        for name, e in entries.items():
+            if name not in self.m.nodes:
+                self.sink.error("E053", f"placement names unknown node '{name}' of model '{self.m.name}'",
+                                e.group.span, _known("nodes", self.m.nodes))
+                continue
+            if self.in_range(e.group, f"node '{name}'"):
+                node_ranks[name], node_tp[name], spans[name] = e.ranks, e.tp, e.tp_span
+        default = self.spec.default_rank
+        if isinstance(default, int) and not 0 <= default < self.n:
+            self.sink.error("E051", f"default_rank {default} is out of range", self.spec.default_rank_span,
+                            f"known ranks: {', '.join(str(i) for i in range(self.n))}, or `spread`")
+            default = 0
+        unplaced = [n for n in self.m.nodes if n not in node_ranks and n not in entries]
+        if default == SPREAD:
+            node_ranks.update(self.spread(unplaced, node_ranks, node_tp))
+        else:
+            node_ranks.update({n: (int(default),) for n in unplaced})
+        for n in unplaced:
+            node_tp[n] = 1
+        return ({n: node_ranks[n] for n in self.m.nodes if n in node_ranks},
+                {n: node_tp[n] for n in self.m.nodes if n in node_tp}, spans)
+
+    def spread(self, unplaced: list[str], placed: dict[str, tuple[int, ...]],
+               tp: dict[str, int]) -> dict[str, tuple[int, ...]]:
+        """Largest weights first onto the least-loaded rank, counting explicitly placed nodes."""
+        load = [0] * self.n
+        for node, rs in placed.items():
+            for r in rs:
+                load[r] += _weight_bytes(self.m.nodes[node]) // tp[node]
+        out: dict[str, tuple[int, ...]] = {}
+        for node in sorted(unplaced, key=lambda n: (-_weight_bytes(self.m.nodes[n]), n)):
+            r = min(range(self.n), key=lambda i: (load[i], i))
+            load[r] += _weight_bytes(self.m.nodes[node])
+            out[node] = (r,)
+        return out
+
+    def node_overrides(self, walk: I.WalkIR, entries: dict[str, RankGroup],
+                       node_tp: dict[str, int]) -> dict[str, tuple[int, ...]]:
+        called = {c.node for c in I.walk_calls(walk)}
+        out: dict[str, tuple[int, ...]] = {}
+        for name, g in entries.items():
+            if name not in self.m.nodes:
+                self.sink.error("E053", f"walk '{walk.name}' override names unknown node '{name}'", g.span,
+                                _known("nodes", self.m.nodes))
+            elif name not in called:
+                self.sink.error("E053", f"walk '{walk.name}' never calls node '{name}'", g.span,
+                                _known(f"nodes called by walk '{walk.name}'", called))
+            elif self.in_range(g, f"node '{name}' in walk '{walk.name}'"):
+                tp = node_tp.get(name, 1)
+                if len(g.ranks) != tp:
+                    self.sink.error("E052", f"walk '{walk.name}' runs node '{name}' on {len(g.ranks)} "
+                                    f"rank{'s' if len(g.ranks) != 1 else ''}, but its tp is {tp}", g.span,
+                                    f"name {tp} rank{'s' if tp != 1 else ''}: one tensor-parallel group")
+                else:
+                    out[name] = g.ranks
+        return out
+
+    def branch_overrides(self, walk: I.WalkIR, entries: dict[str, RankGroup]) -> dict[str, RankGroup]:
+        branches = {b.name for r in I.iter_regions(walk.body) if isinstance(r, I.Parallel) for b in r.branches}
+        out: dict[str, RankGroup] = {}
+        for name, g in entries.items():
+            if name not in branches:
+                self.sink.error("E054", f"walk '{walk.name}' has no branch '{name}'", g.span,
+                                _known(f"branches of walk '{walk.name}'", branches))
+            elif self.in_range(g, f"branch '{name}' of walk '{walk.name}'"):
+                out[name] = g
+        return out
+
+
+def _weight_bytes(node: I.NodeIR) -> int:
+    return node.arch.bytes() if node.arch is not None else 0
+
+
+class _CallResolver:
+    """Assigns each call of one walk its rank group (innermost mapped branch wins)."""
+
+    def __init__(self, walk: I.WalkIR, node_ranks, node_tp, node_over, branch_over, sink: DiagnosticSink):
+        self.walk, self.node_ranks, self.node_tp = walk, node_ranks, node_tp
+        self.node_over, self.branch_over, self.sink = node_over, branch_over, sink
+        self.call_ranks: dict[str, tuple[int, ...]] = {}
+        self.reported: set[tuple[str, str]] = set()
+
+    def seq(self, seq: I.Seq, branch: tuple[str, RankGroup] | None) -> None:
+        for r in seq.body:
+            if isinstance(r, I.Call):
+                self.call(r, branch)
+            elif isinstance(r, I.Parallel):
+                for b in r.branches:
+                    mapped = self.branch_over.get(b.name)
+                    self.seq(b.body, (b.name, mapped) if mapped is not None else branch)
+            elif isinstance(r, I.Loop | I.OnStream):
+                self.seq(r.body, branch)
+            elif isinstance(r, I.Seq):
+                self.seq(r, branch)
+
+    def call(self, c: I.Call, branch: tuple[str, RankGroup] | None) -> None:
+        tp = self.node_tp.get(c.node, 1)
+        if branch is not None:
+            name, g = branch
+            if len(g.ranks) != tp:
+                if (name, c.node) not in self.reported:
+                    self.reported.add((name, c.node))
+                    self.sink.error("E052", f"branch '{name}' of walk '{self.walk.name}' runs node '{c.node}' "
+                                    f"(tp {tp}) on {len(g.ranks)} rank{'s' if len(g.ranks) != 1 else ''}", g.span,
+                                    f"map the branch to {tp} rank{'s' if tp != 1 else ''}: one tensor-parallel group")
+                return
+            self.call_ranks[c.id] = g.ranks
+        elif c.node in self.node_over:
+            self.call_ranks[c.id] = self.node_over[c.node]
+        else:
+            self.call_ranks[c.id] = self.node_ranks.get(c.node, (0,))[:tp]
+
+
+_Defs = frozenset[str]  # step ids whose result may reach a use
+
+
+class _Flow:
+    """Reaching definitions over one walk's region tree, turned into cross-rank transfers."""
+
+    def __init__(self, model: I.ModelIR, walk: I.WalkIR, call_ranks: dict[str, tuple[int, ...]]):
+        self.m, self.w, self.call_ranks = model, walk, call_ranks
+        self.out: dict[TransferIR, None] = {}  # an ordered set: discovery order, no duplicates
+        self.acc_stack: list[dict[str, _Defs]] = []
+        self.chunks: dict[str, str] = {}  # chunk name of an enclosing stream block -> edge id
+        self.calls = I.walk_calls(walk)
+
+    def run(self) -> list[TransferIR]:
+        self.seq(self.w.body, {})
+        return list(self.out)
+
+    def use(self, value: str, defs: _Defs, consumer: str, dst: tuple[int, ...], kind: str = "value") -> None:
+        for producer in sorted(defs):
+            src = self.call_ranks[producer]
+            for d in dst:
+                if d not in src:
+                    self.out[TransferIR(self.w.name, value, src[0], d, producer, consumer, kind)] = None
+
+    def use_operand(self, op: I.Operand | None, env: dict[str, _Defs], consumer: str,
+                    dst: tuple[int, ...]) -> None:
+        if isinstance(op, I.Var) and op.name in env:
+            if op.name in self.chunks:  # items reach the consumer's stream buffer, not a value
+                self.use(self.chunks[op.name], env[op.name], consumer, dst, "stream")
+            else:
+                self.use(op.name, env[op.name], consumer, dst)
+
+    def kv_key(self, c: I.Call) -> str | None:
+        node = self.m.nodes[c.node]
+        if node.engine != "kv":
+            return None
+        return f"{c.node}@{c.tag or (node.tags[0] if node.tags else 'main')}"
+
+    def seq(self, seq: I.Seq, env: dict[str, _Defs]) -> None:
+        for r in seq.body:
+            self.region(r, env)
+
+    def region(self, r: I.Region, env: dict[str, _Defs]) -> None:
+        conductor = (CONDUCTOR_RANK,)
+        if isinstance(r, I.Call):
+            dst = self.call_ranks[r.id]
+            for op in r.args.values():
+                self.use_operand(op, env, r.id, dst)
+            key = self.kv_key(r)
+            if key is not None:
+                if key in env:
+                    self.use(key, env[key], r.id, dst, "kv")
+                env[key] = frozenset({r.id})
+            for name in r.results:
+                env[name] = frozenset({r.id})
+        elif isinstance(r, I.Emit):
+            self.use_operand(r.value, env, f"{self.w.name}:emit:{r.output}", conductor)
+        elif isinstance(r, I.Acc):
+            if self.acc_stack and isinstance(r.value, I.Var):
+                stack = self.acc_stack[-1]
+                stack[r.name] = stack.get(r.name, frozenset()) | env.get(r.value.name, frozenset())
+        elif isinstance(r, I.Fork):
+            src = f"{r.node}@{r.src_tag}"
+            if src in env:
+                env[f"{r.node}@{r.dst_tag}"] = env[src]
+        elif isinstance(r, I.Loop):
+            self.loop(r, env)
+        elif isinstance(r, I.Parallel):
+            self.parallel(r, env)
+        elif isinstance(r, I.OnStream):
+            self.on_stream(r, env)
+        elif isinstance(r, I.Seq):
+            self.seq(r, env)
+
+    def loop(self, lp: I.Loop, env: dict[str, _Defs]) -> None:
+        self.use_operand(lp.count, env, f"{lp.id}:count", (CONDUCTOR_RANK,))
+        self.acc_stack.append({})
+        first = dict(env)
+        self.seq(lp.body, first)
+        # Second pass over the body with the back edge: carried values and KV contexts may
+        # come from the previous iteration's end as well as from before the loop.
+        carried = [n for n in first if n in lp.carry or "@" in n]
+        again = dict(env)
+        for n in carried:
+            again[n] = env.get(n, frozenset()) | first[n]
+        self.seq(lp.body, again)
+        if lp.until is not None and lp.until in again:
+            self.use(lp.until, again[lp.until], f"{lp.id}:until", (CONDUCTOR_RANK,))
+        for n in carried:
+            env[n] = env.get(n, frozenset()) | again[n]
+        env.update(self.acc_stack.pop())
+
+    def parallel(self, par: I.Parallel, env: dict[str, _Defs]) -> None:
+        merged: dict[str, _Defs] = {}
+        for b in par.branches:
+            inner = dict(env)
+            self.seq(b.body, inner)
+            for n, defs in inner.items():
+                if env.get(n) != defs:
+                    merged[n] = merged.get(n, frozenset()) | defs
+        env.update(merged)
+
+    def on_stream(self, block: I.OnStream, env: dict[str, _Defs]) -> None:
+        edge = self.m.edge(block.stream)
+        inner = dict(env)
+        if edge is not None:
+            producers = set()
+            for c in self.calls:
+                phase = self.m.nodes[c.node].phases.get(c.phase)
+                if c.node == edge.src_node and phase is not None and edge.src_port in phase.outputs[:len(c.results)]:
+                    producers.add(c.id)
+            inner[block.name] = frozenset(producers)
+        outer = self.chunks.get(block.name)
+        self.chunks[block.name] = block.stream
+        self.seq(block.body, inner)
+        if outer is None:
+            del self.chunks[block.name]
+        else:
+            self.chunks[block.name] = outer
+        # Values bound in a stream block are local to it; KV contexts it advances are not.
+        env.update({n: d for n, d in inner.items() if "@" in n})

@@ -1,0 +1,229 @@
+"""shard-tp: gpt-fast-style tensor-parallel sharding specs, one per node.
+
+Requires: `place` has run (each node's TP degree and ranks are known).
+Ensures:  `model.sharding[node]` is a `ShardSpec` for every node (tp 1 included, so later
+          passes need no special case): heads and KV heads per rank, how each weight is
+          cut, the collectives a forward pass needs, and the weight bytes one rank holds.
+          The vocabulary is the catalogue's `TensorSpec.shard`:
+            col       split dim 0 (q/k/v, gate/up: output features)
+            row       split dim 1 (o_proj, down_proj: input features); an all-reduce follows
+            vocab     split dim 0 of an embedding (an all-reduce follows the lookup) or of
+                      an output head (its logits are all-gathered)
+            expert    each expert's gate/up/down split along moe_intermediate; one
+                      all-reduce after the layer's expert combine
+            replicate whole on every rank (norms, routers, row-layer biases)
+          KV heads: when tp does not divide kv_heads but is a multiple of it, each rank keeps
+          one KV head (vLLM's replication): k/v projections are then cut into kv_heads parts,
+          not tp, and `kv_replicas` = tp / kv_heads ranks hold each head.
+Fails when (E052, at the YAML `tp` value, naming the node, the dimension and its size):
+          tp does not divide heads, intermediate, moe_intermediate or vocab; tp neither
+          divides nor is a multiple of kv_heads; a split tensor's dimension is not
+          divisible; or tp > 1 for a node without weights (no arch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from mstarc import ir as I
+from mstarc.diagnostics import DiagnosticSink, Span
+
+SHARD_KINDS = ("col", "row", "vocab", "expert", "replicate")
+_DIVIDED_DIMS = ("heads", "intermediate", "moe_intermediate", "vocab")
+_KV_PROJ = re.compile(r"(^|[._])(k|v|key|value|wk|wv)(_proj)?([._]|$)")
+_EMBED = re.compile(r"embed|wte|tok_emb")
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    kind: str  # one of SHARD_KINDS
+    dim: int | None  # the dimension that is cut; None: whole on every rank
+    parts: int  # equal slices the tensor is cut into; a rank holds one (1 when whole)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "dim": self.dim, "parts": self.parts}
+
+
+@dataclass(frozen=True)
+class Collective:
+    op: str  # "all_reduce" | "all_gather"
+    after: str  # module name pattern, layer/expert numbers as '*', e.g. "model.layers.*.mlp.down_proj"
+    count: int  # how many times one forward pass runs it
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": self.op, "after": self.after, "count": self.count}
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    node: str
+    tp: int
+    ranks: tuple[int, ...]  # the node's ranks from the placement (its TP groups, in order)
+    heads_per_rank: int | None
+    kv_heads_per_rank: int | None
+    kv_replicas: int  # ranks holding each KV head (1 unless tp is a multiple of kv_heads)
+    splits: dict[str, TensorSplit]  # tensor name -> how it is cut
+    collectives: tuple[Collective, ...]  # empty at tp 1
+    bytes_per_rank: int  # from the arch's shapes/dtypes (memory re-sizes from a checkpoint)
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.ranks[i:i + self.tp] for i in range(0, len(self.ranks), self.tp))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tp": self.tp, "ranks": list(self.ranks), "heads_per_rank": self.heads_per_rank,
+                "kv_heads_per_rank": self.kv_heads_per_rank, "kv_replicas": self.kv_replicas,
+                "bytes_per_rank": self.bytes_per_rank,
+                "splits": {n: s.to_json() for n, s in sorted(self.splits.items())},
+                "collectives": [c.to_json() for c in self.collectives]}
+
+
+def sharding_to_json(sharding: dict[str, ShardSpec]) -> dict[str, Any]:
+    return {n: s.to_json() for n, s in sorted(sharding.items())}
+
+
+def tensor_bytes_per_rank(numel: int, itemsize: int, split: TensorSplit) -> int:
+    """One rank's bytes of a tensor; the ceiling keeps an estimate safe if parts do not divide."""
+    return -(-numel // split.parts) * itemsize
+
+
+def shard_tp(model: I.ModelIR) -> I.ModelIR:
+    sink = DiagnosticSink()
+    pl = model.placement
+    out: dict[str, ShardSpec] = {}
+    for name, node in model.nodes.items():
+        tp = pl.node_tp.get(name, 1)
+        span = pl.tp_spans.get(name, pl.ranks[0].span if pl.ranks else Span.unknown())
+        spec = _shard_node(node, tp, pl.node_ranks.get(name, (0,)), span, sink)
+        if spec is not None:
+            out[name] = spec
+    sink.check()
+    return dataclasses.replace(model, sharding=out)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _shard_node(node: I.NodeIR, tp: int, ranks: tuple[int, ...], span: Span,
+                sink: DiagnosticSink) -> ShardSpec | None:
+    arch = node.arch
+    if arch is None:
+        if tp > 1:
+            sink.error("E052", f"node '{node.name}' has no weights (no arch) to shard, but its tp is {tp}", span,
+                       "run it at tp 1 (omit tp), or give the node an arch")
+            return None
+        return ShardSpec(node.name, 1, ranks, None, None, 1, {}, (), 0)
+    dims = dict(arch.dims)
+    kv = arch.kv
+    heads, kv_heads = dims.get("heads"), kv.kv_heads if kv is not None else dims.get("kv_heads")
+    head_dim = kv.head_dim if kv is not None else dims.get("head_dim")
+    errors_before = len(sink.diagnostics)
+    if tp > 1:
+        for dim in _DIVIDED_DIMS:
+            size = dims.get(dim)
+            if size and size % tp:
+                sink.error("E052", f"tp {tp} does not divide {dim} = {size} of node '{node.name}'", span,
+                           f"use a tp that divides {size}: {_divisors(size)}")
+        if kv_heads and kv_heads % tp and tp % kv_heads:
+            sink.error("E052", f"tp {tp} neither divides kv_heads = {kv_heads} of node '{node.name}' nor is "
+                       "a multiple of it", span,
+                       f"use a divisor of {kv_heads} ({_divisors(kv_heads)}) or a multiple of it")
+    kv_parts = tp if not kv_heads or kv_heads % tp == 0 else kv_heads
+    splits: dict[str, TensorSplit] = {}
+    bad_sizes: set[tuple[int, int]] = set()
+    total = 0
+    for t in arch.tensors:
+        split = _split(t, tp, dims, kv_parts, kv_heads, head_dim)
+        if split.dim is not None and t.shape[split.dim] % split.parts and tp > 1:
+            if len(sink.diagnostics) == errors_before and (split.dim, t.shape[split.dim]) not in bad_sizes:
+                size = t.shape[split.dim]
+                sink.error("E052", f"tp {tp} does not divide dim {split.dim} = {size} of tensor '{t.name}' "
+                           f"of node '{node.name}'", span, f"use a tp that divides {size}: {_divisors(size)}")
+            bad_sizes.add((split.dim, t.shape[split.dim]))
+        splits[t.name] = split
+        total += tensor_bytes_per_rank(_numel(t.shape), I.DTYPE_BYTES.get(t.dtype, 2), split)
+    if len(sink.diagnostics) > errors_before:
+        return None
+    replicated_kv = bool(kv_heads) and kv_heads % tp != 0
+    return ShardSpec(
+        node.name, tp, ranks,
+        heads // tp if heads else None,
+        (1 if replicated_kv else kv_heads // tp) if kv_heads else None,
+        tp // kv_heads if replicated_kv else 1,
+        splits, _collectives(arch.tensors, splits) if tp > 1 else (), total)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _split(t, tp: int, dims: dict[str, int], kv_parts: int, kv_heads: int | None,
+           head_dim: int | None) -> TensorSplit:
+    kind = t.shard if t.shard in SHARD_KINDS else "replicate"
+    if tp == 1 or kind == "replicate" or not t.shape:
+        return TensorSplit(kind, None, 1)
+    if kind == "row":
+        # a row layer's bias is added once, after the all-reduce: it stays whole
+        return TensorSplit(kind, 1, tp) if len(t.shape) >= 2 else TensorSplit(kind, None, 1)
+    if kind == "expert":
+        return TensorSplit(kind, _expert_dim(t, dims), tp) if _expert_dim(t, dims) is not None \
+            else TensorSplit(kind, None, 1)
+    if kind == "col" and kv_parts != tp and _is_kv_proj(t, kv_heads, head_dim):
+        return TensorSplit(kind, 0, kv_parts)
+    return TensorSplit(kind, 0, tp)  # col, vocab
+
+
+def _is_kv_proj(t, kv_heads: int | None, head_dim: int | None) -> bool:
+    """A k/v projection: by name, and by its output size when the catalogue gives the geometry."""
+    if not _KV_PROJ.search(t.name):
+        return False
+    return not (kv_heads and head_dim) or t.shape[0] == kv_heads * head_dim
+
+
+def _expert_dim(t, dims: dict[str, int]) -> int | None:
+    """The dim of size moe_intermediate (down_proj: the last such), or 2x it for a fused gate_up."""
+    inter = dims.get("moe_intermediate")
+    if not inter:
+        return None
+    for size in (inter, 2 * inter):
+        found = [i for i, s in enumerate(t.shape) if s == size]
+        if found:
+            return found[-1] if "down" in t.name else found[0]
+    return None
+
+
+def _module(name: str) -> str:
+    return name.removesuffix(".weight").removesuffix(".bias")
+
+
+def _pattern(module: str) -> str:
+    return ".".join("*" if p.isdigit() else p for p in module.split("."))
+
+
+def _collectives(tensors, splits: dict[str, TensorSplit]) -> tuple[Collective, ...]:
+    """One entry per module pattern, in tensor order; count = distinct module instances."""
+    found: dict[tuple[str, str], set[str]] = {}
+    for t in tensors:
+        s = splits[t.name]
+        if s.dim is None:
+            continue
+        module = _module(t.name)
+        if s.kind == "row":
+            op = "all_reduce"
+        elif s.kind == "expert":
+            parts = module.split(".")
+            cut = max((i for i, p in enumerate(parts) if p == "experts"), default=len(parts) - 2)
+            module, op = ".".join(parts[:cut + 1]), "all_reduce"
+        elif s.kind == "vocab":
+            op = "all_reduce" if _EMBED.search(module) else "all_gather"
+        else:
+            continue
+        found.setdefault((op, _pattern(module)), set()).add(module)
+    return tuple(Collective(op, pat, len(mods)) for (op, pat), mods in found.items())

@@ -1,0 +1,158 @@
+"""Shared machinery of the architecture catalogue: argument checking and tensor building.
+
+`parse_args` validates an `arch` line's keyword arguments against a small schema (missing,
+unknown and ill-typed arguments become `ArchError`s naming the argument). `Tensors` collects
+`TensorSpec`s with the naming/shape conventions of PyTorch modules (Linear weight is
+[out, in], Conv weight is [out, in / groups, *kernel], ConvTranspose is [in, out, *kernel]),
+and the `decoder_*` helpers emit the Llama/Qwen-style attention and SwiGLU blocks that
+several families share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mstarc.archs.spec import SHARD_ROLES, WEIGHT_DTYPES, ArchError, ArchSpec, KVGeometry, TensorSpec
+
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One keyword argument of an arch: its kind and, if optional, its default."""
+
+    kind: str  # "int" | "bool" | "float" | "ints" (a non-empty list of ints)
+    default: Any = _REQUIRED
+    minimum: int = 1  # for "int" and each item of "ints"
+    allow_empty: bool = False  # for "ints"
+
+
+def INT(default: Any = _REQUIRED, minimum: int = 1) -> Arg:  # noqa: N802 - schema constructors read as types
+    return Arg("int", default, minimum)
+
+
+def BOOL(default: Any = _REQUIRED) -> Arg:  # noqa: N802
+    return Arg("bool", default)
+
+
+def INTS(default: Any = _REQUIRED, minimum: int = 1, allow_empty: bool = False) -> Arg:  # noqa: N802
+    return Arg("ints", default, minimum, allow_empty)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # True is an int in Python; not here
+
+
+def _check(name: str, spec: Arg, value: Any) -> Any:
+    if spec.kind == "int":
+        if not _is_int(value) or value < spec.minimum:
+            raise ArchError(f"argument '{name}' must be an integer >= {spec.minimum}, got {value!r}", name)
+        return value
+    if spec.kind == "bool":
+        if not isinstance(value, bool):
+            raise ArchError(f"argument '{name}' must be true or false, got {value!r}", name)
+        return value
+    if spec.kind == "float":
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ArchError(f"argument '{name}' must be a number, got {value!r}", name)
+        return float(value)
+    if spec.kind == "ints":
+        if not isinstance(value, list | tuple) or not all(_is_int(v) and v >= spec.minimum for v in value):
+            raise ArchError(f"argument '{name}' must be a list of integers >= {spec.minimum}, got {value!r}", name)
+        if not value and not spec.allow_empty:
+            raise ArchError(f"argument '{name}' must not be empty", name)
+        return tuple(value)
+    raise AssertionError(f"unknown argument kind {spec.kind!r}")  # pragma: no cover - schema bug
+
+
+def parse_args(arch: str, args: Mapping[str, Any], schema: Mapping[str, Arg]) -> dict[str, Any]:
+    """Check `args` against `schema`: every required argument present, no unknown ones,
+    every value of the right kind. Returns the values with defaults filled in."""
+    for name in args:
+        if name not in schema:
+            raise ArchError(f"{arch}() has no argument '{name}' (it takes: {', '.join(schema)})", name)
+    out: dict[str, Any] = {}
+    for name, spec in schema.items():
+        if name in args:
+            out[name] = _check(name, spec, args[name])
+        elif spec.default is _REQUIRED:
+            raise ArchError(f"{arch}() is missing argument '{name}'", name)
+        else:
+            out[name] = spec.default
+    return out
+
+
+def check_dtype(dtype: str) -> str:
+    if dtype not in WEIGHT_DTYPES:
+        raise ArchError(f"weights dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {dtype!r}")
+    return dtype
+
+
+def require(cond: bool, message: str, arg: str) -> None:
+    """A cross-argument constraint (e.g. heads divisible by kv_heads), blamed on `arg`."""
+    if not cond:
+        raise ArchError(message, arg)
+
+
+class Tensors:
+    """An ordered, duplicate-free list of TensorSpecs in one dtype."""
+
+    def __init__(self, dtype: str):
+        self.dtype = check_dtype(dtype)
+        self._items: dict[str, TensorSpec] = {}
+
+    def add(self, name: str, shape: tuple[int, ...], shard: str = "replicate") -> None:
+        assert shard in SHARD_ROLES, shard
+        assert name not in self._items, f"duplicate tensor {name}"  # a catalogue bug, not user error
+        self._items[name] = TensorSpec(name, tuple(shape), self.dtype, shard)
+
+    def linear(self, prefix: str, out_f: int, in_f: int, bias: bool = True, shard: str = "replicate") -> None:
+        self.add(f"{prefix}.weight", (out_f, in_f), shard)
+        if bias:
+            # a column-split layer's bias is split with it; a row-split layer adds its bias
+            # once after the all-reduce, so it stays whole
+            self.add(f"{prefix}.bias", (out_f,), shard if shard in ("col", "expert") else "replicate")
+
+    def norm(self, prefix: str, dim: int, bias: bool = False) -> None:
+        self.add(f"{prefix}.weight", (dim,))
+        if bias:
+            self.add(f"{prefix}.bias", (dim,))
+
+    def conv(self, prefix: str, out_c: int, in_per_group: int, kernel: tuple[int, ...], bias: bool = True) -> None:
+        self.add(f"{prefix}.weight", (out_c, in_per_group, *kernel))
+        if bias:
+            self.add(f"{prefix}.bias", (out_c,))
+
+    def conv_transpose(self, prefix: str, in_c: int, out_c: int, kernel: tuple[int, ...], bias: bool = True) -> None:
+        self.add(f"{prefix}.weight", (in_c, out_c, *kernel))
+        if bias:
+            self.add(f"{prefix}.bias", (out_c,))
+
+    def spec(self, dims: Mapping[str, int], kv: KVGeometry | None) -> ArchSpec:
+        return ArchSpec(tuple(self._items.values()), dict(dims), kv)
+
+
+def decoder_attention(t: Tensors, prefix: str, hidden: int, heads: int, kv_heads: int, head_dim: int, *,
+                      qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False,
+                      suffix: str = "") -> None:
+    """q/k/v/o projections of a GQA decoder layer (`suffix` names a MoT expert copy)."""
+    t.linear(f"{prefix}.q_proj{suffix}", heads * head_dim, hidden, qkv_bias, "col")
+    t.linear(f"{prefix}.k_proj{suffix}", kv_heads * head_dim, hidden, qkv_bias, "col")
+    t.linear(f"{prefix}.v_proj{suffix}", kv_heads * head_dim, hidden, qkv_bias, "col")
+    t.linear(f"{prefix}.o_proj{suffix}", hidden, heads * head_dim, o_bias, "row")
+    if qk_norm:  # RMSNorm over head_dim, shared by all heads: every rank needs all of it
+        t.norm(f"{prefix}.q_norm{suffix}", head_dim)
+        t.norm(f"{prefix}.k_norm{suffix}", head_dim)
+
+
+def swiglu(t: Tensors, prefix: str, hidden: int, intermediate: int, shard: tuple[str, str] = ("col", "row")) -> None:
+    """gate/up/down projections, no bias (Llama, Qwen, their MoE experts)."""
+    t.linear(f"{prefix}.gate_proj", intermediate, hidden, False, shard[0])
+    t.linear(f"{prefix}.up_proj", intermediate, hidden, False, shard[0])
+    t.linear(f"{prefix}.down_proj", hidden, intermediate, False, shard[1])
+
+
+def gqa_checks(heads: int, kv_heads: int) -> None:
+    require(heads % kv_heads == 0, f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})", "kv_heads")

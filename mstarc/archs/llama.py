@@ -1,0 +1,51 @@
+"""Llama decoder LMs in Hugging Face naming (`model.layers.{i}...`): Orpheus-3B's backbone.
+
+Owns `llama`: embed_tokens, per layer q/k/v/o (no bias), RMSNorms and a SwiGLU MLP, the final
+norm, and `lm_head.weight` only when the head is not tied (Orpheus ties it, so its
+checkpoint has no lm_head: 3,300,867,072 parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from mstarc.archs._common import BOOL, INT, Tensors, decoder_attention, gqa_checks, parse_args, swiglu
+from mstarc.archs.spec import ArchSpec, KVGeometry
+
+LLAMA_ARGS = {
+    "layers": INT(),
+    "hidden": INT(),
+    "heads": INT(),
+    "kv_heads": INT(),
+    "head_dim": INT(),
+    "intermediate": INT(),
+    "vocab": INT(),
+    "tie_embeddings": BOOL(False),
+    # Llama 3 has no attention bias; kept as an argument so Llama-likes with a q/k/v bias fit
+    "attention_bias": BOOL(False),
+}
+
+
+def llama(args: Mapping[str, Any], dtype: str) -> ArchSpec:
+    a = parse_args("llama", args, LLAMA_ARGS)
+    gqa_checks(a["heads"], a["kv_heads"])
+    t = Tensors(dtype)
+    h = a["hidden"]
+    t.add("model.embed_tokens.weight", (a["vocab"], h), "vocab")
+    for i in range(a["layers"]):
+        p = f"model.layers.{i}"
+        decoder_attention(t, f"{p}.self_attn", h, a["heads"], a["kv_heads"], a["head_dim"],
+                          qkv_bias=a["attention_bias"])
+        swiglu(t, f"{p}.mlp", h, a["intermediate"])
+        t.norm(f"{p}.input_layernorm", h)
+        t.norm(f"{p}.post_attention_layernorm", h)
+    t.norm("model.norm", h)
+    if not a["tie_embeddings"]:
+        t.add("lm_head.weight", (a["vocab"], h), "vocab")
+    dims = {"layers": a["layers"], "hidden": h, "heads": a["heads"], "kv_heads": a["kv_heads"],
+            "head_dim": a["head_dim"], "intermediate": a["intermediate"], "vocab": a["vocab"]}
+    return t.spec(dims, KVGeometry(a["layers"], a["kv_heads"], a["head_dim"]))
+
+
+ARCHS = {"llama": llama}

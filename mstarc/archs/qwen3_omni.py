@@ -116,7 +116,8 @@ def qwen3_omni_code_predictor(args: Mapping[str, Any], dtype: str) -> ArchSpec:
         t.add(f"{cp}.model.codec_embedding.{g}.weight", (a["vocab"], h))
     for g in range(a["code_groups"] - 1):
         t.add(f"{cp}.lm_head.{g}.weight", (a["vocab"], h))
-    dims = _dims(a, intermediate=a["intermediate"], vocab=a["vocab"])
+    # the 15 small tables and heads stay whole on every rank, so no "vocab" dim to divide
+    dims = _dims(a, intermediate=a["intermediate"])
     return t.spec(dims, KVGeometry(a["layers"], a["kv_heads"], a["head_dim"]))
 
 

@@ -3,8 +3,10 @@
 Requires: a verified `ModelIR` and a `PlacementSpec` (mstarc.placement).
 Ensures:  `model.placement` is a `PlacementIR`: the ranks' devices; per node its ranks and
           TP degree; per call of every walk the rank group it runs on (`call_ranks`);
-          per rank every node instance resident there (`resident`); and every value or
-          KV context that a step on one rank hands to a step on another (`transfers`).
+          per rank every node instance resident there (`resident`: where its calls
+          run, every rank of its own entry, and its default rank if no walk calls it);
+          and every value or KV context that a step on one rank hands to a step on
+          another (`transfers`).
           Resolution order for a call: the innermost mapped (walk, branch), else the
           (walk, node) override, else the node's first TP group. Unplaced nodes go to
           `default_rank`, or with `spread` largest weights first onto the least-loaded
@@ -126,14 +128,19 @@ def place(model: I.ModelIR, spec: PlacementSpec) -> I.ModelIR:
     sink.check()
     for walk in model.walks.values():
         transfers.extend(_Flow(model, walk, call_ranks).run())
+    # A node is resident where its calls run, on every rank its own entry names (replicas
+    # the deployer asked for), and, if no walk calls it, at its default rank.
     resident: dict[int, set[str]] = {r.rank: set() for r in ranks}
-    for node, rs in node_ranks.items():
-        for r in rs:
-            resident[r].add(node)
+    called: set[str] = set()
     for walk in model.walks.values():
         for c in I.walk_calls(walk):
+            called.add(c.node)
             for r in call_ranks[c.id]:
                 resident[r].add(c.node)
+    for node, rs in node_ranks.items():
+        if node in section.nodes or node not in called:
+            for r in rs:
+                resident[r].add(node)
     return dataclasses.replace(model, placement=PlacementIR(
         spec.name, ranks, spec.kv_memory_fraction, spec.page_size, spec.max_batch, node_ranks, node_tp,
         call_ranks, {r: tuple(sorted(ns)) for r, ns in sorted(resident.items())}, tuple(transfers), tp_spans))

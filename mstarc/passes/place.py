@@ -28,7 +28,9 @@ branch that continues a forked context on another rank shows the pages that must
 A stream chunk's transfer (kind "stream") names the streaming edge: its items go from the
 producer's rank to the stream buffer at the consumer's rank.
 A group holds a TP node's outputs on every rank, so only ranks outside the producer's
-group receive a copy, sent by the group's first rank.
+group receive a copy, sent by the group's first rank. A KV context that a transition
+keeps enters the target walk from the source walk's last calls on it (producer steps of
+the source walk), so a chat context continued by a CFG branch on another rank moves too.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from mstarc.placement import SPREAD, PlacementSpec, RankGroup
 
 CONDUCTOR_RANK = 0
 _NO_SPAN = Span.unknown()
+_Defs = frozenset[str]  # step ids whose result may reach a use
 
 
 @dataclass(frozen=True)
@@ -126,8 +129,19 @@ def place(model: I.ModelIR, spec: PlacementSpec) -> I.ModelIR:
         resolver.seq(walk.body, None)
         call_ranks.update(resolver.call_ranks)
     sink.check()
+    # KV contexts a transition keeps (chat -> t2i keep llm@gen) enter the target walk where
+    # the source walk left them: one transition deep, from each walk's own final state.
+    finals = {w: _Flow(model, walk, call_ranks).run({})[1] for w, walk in model.walks.items()}
     for walk in model.walks.values():
-        transfers.extend(_Flow(model, walk, call_ranks).run())
+        entry: dict[str, _Defs] = {}
+        for t in model.transitions:
+            if t.dst == walk.name and t.src in finals:
+                for k in t.keep:
+                    defs = finals[t.src].get(f"{k.node}@{k.tag}")
+                    if defs:
+                        key = f"{k.node}@{k.as_tag}"
+                        entry[key] = entry.get(key, frozenset()) | defs
+        transfers.extend(_Flow(model, walk, call_ranks).run(entry)[0])
     # A node is resident where its calls run, on every rank its own entry names (replicas
     # the deployer asked for), and, if no walk calls it, at its default rank.
     resident: dict[int, set[str]] = {r.rank: set() for r in ranks}
@@ -282,9 +296,6 @@ class _CallResolver:
             self.call_ranks[c.id] = self.node_ranks.get(c.node, (0,))[:tp]
 
 
-_Defs = frozenset[str]  # step ids whose result may reach a use
-
-
 class _Flow:
     """Reaching definitions over one walk's region tree, turned into cross-rank transfers."""
 
@@ -295,9 +306,11 @@ class _Flow:
         self.chunks: dict[str, str] = {}  # chunk name of an enclosing stream block -> edge id
         self.calls = I.walk_calls(walk)
 
-    def run(self) -> list[TransferIR]:
-        self.seq(self.w.body, {})
-        return list(self.out)
+    def run(self, entry: dict[str, _Defs]) -> tuple[list[TransferIR], dict[str, _Defs]]:
+        """The walk's transfers, and the definitions live at its end (for transitions)."""
+        env = dict(entry)
+        self.seq(self.w.body, env)
+        return list(self.out), env
 
     def use(self, value: str, defs: _Defs, consumer: str, dst: tuple[int, ...], kind: str = "value") -> None:
         for producer in sorted(defs):

@@ -154,7 +154,7 @@ def _shard_node(node: I.NodeIR, tp: int, ranks: tuple[int, ...], span: Span,
         heads // tp if heads else None,
         (1 if replicated_kv else kv_heads // tp) if kv_heads else None,
         tp // kv_heads if replicated_kv else 1,
-        splits, _collectives(arch.tensors, splits) if tp > 1 else (), total)
+        splits, _collectives(arch.tensors, splits, "vocab" in dims) if tp > 1 else (), total)
 
 
 def _numel(shape) -> int:
@@ -207,7 +207,7 @@ def _pattern(module: str) -> str:
     return ".".join("*" if p.isdigit() else p for p in module.split("."))
 
 
-def _collectives(tensors, splits: dict[str, TensorSplit]) -> tuple[Collective, ...]:
+def _collectives(tensors, splits: dict[str, TensorSplit], has_vocab: bool) -> tuple[Collective, ...]:
     """One entry per module pattern, in tensor order; count = distinct module instances."""
     found: dict[tuple[str, str], set[str]] = {}
     for t in tensors:
@@ -226,4 +226,8 @@ def _collectives(tensors, splits: dict[str, TensorSplit]) -> tuple[Collective, .
         else:
             continue
         found.setdefault((op, _pattern(module)), set()).add(module)
+    embeds = [pat for op, pat in found if op == "all_reduce" and _EMBED.search(pat)]
+    if embeds and has_vocab and not any(op == "all_gather" for op, _ in found):
+        # a tied head reuses the embedding: its logits still need the all-gather
+        found[("all_gather", f"{embeds[0]} (tied head)")] = {embeds[0]}
     return tuple(Collective(op, pat, len(mods)) for (op, pat), mods in found.items())

@@ -348,7 +348,8 @@ class _Reader:
             seen.add(rank)
         return tuple(sorted(out, key=lambda dv: dv.rank))
 
-    def device_fields(self, d: dict[str, tuple[yaml.Node, yaml.Node]], span: Span, what: str):
+    def device_fields(self, d: dict[str, tuple[yaml.Node, yaml.Node]], span: Span,
+                      what: str) -> tuple[Span, str, str, int, int | None] | None:
         """(span, type, name, memory bytes, HBM bytes/s) of a device entry, or None."""
         ok = True
         dtype = None

@@ -116,23 +116,13 @@ def memory(model: I.ModelIR) -> I.ModelIR:
     sink = DiagnosticSink()
     pl, sharding = model.placement, model.sharding
     node_bytes, sources = _node_weight_bytes(model, sharding)
-    max_batch = pl.max_batch
     rows: list[RankMemoryIR] = []
     pages: dict[int, dict[str, int]] = {}  # rank -> kv node -> pages
     too_full: set[int] = set()
     for rank in pl.ranks:
         resident = [model.nodes[n] for n in pl.resident.get(rank.rank, ())]
         weights = {n.name: node_bytes[n.name] for n in resident}
-        graph = ws = 0
-        for n in resident:
-            if n.arch is None:
-                continue
-            act, logits = _act_bytes(n, sharding[n.name])
-            if rank.type == "cuda" and _graphed(n):
-                graph += max_batch * (act + logits) + len(batch_buckets(max_batch)) * GRAPH_BYTES_PER_BUCKET
-            ws = max(ws, _setting(n, "max_prefill_tokens", DEFAULT_PREFILL_TOKENS) * act + max_batch * logits)
-        if rank.type == "cuda" and any(n.arch is not None for n in resident):
-            ws += CUDA_WORKSPACE_FIXED
+        graph, ws = _graph_pool_and_workspace(rank.type == "cuda", resident, sharding, pl.max_batch)
         need = sum(weights.values()) + graph + ws
         if need > rank.memory_bytes:
             too_full.add(rank.rank)
@@ -172,6 +162,22 @@ def memory(model: I.ModelIR) -> I.ModelIR:
         out.append(dataclasses.replace(row, kv=tuple(pools)))
     sink.check()
     return dataclasses.replace(model, memory=MemoryIR(pl.page_size, tuple(out), sources))
+
+
+def _graph_pool_and_workspace(cuda: bool, resident: list[I.NodeIR], sharding: dict[str, ShardSpec],
+                              max_batch: int) -> tuple[int, int]:
+    """The two estimates of the module docstring for one rank."""
+    graph = ws = 0
+    for n in resident:
+        if n.arch is None:
+            continue
+        act, logits = _act_bytes(n, sharding[n.name])
+        if cuda and _graphed(n):
+            graph += max_batch * (act + logits) + len(batch_buckets(max_batch)) * GRAPH_BYTES_PER_BUCKET
+        ws = max(ws, _setting(n, "max_prefill_tokens", DEFAULT_PREFILL_TOKENS) * act + max_batch * logits)
+    if cuda and any(n.arch is not None for n in resident):
+        ws += CUDA_WORKSPACE_FIXED
+    return graph, ws
 
 
 def _setting(node: I.NodeIR, key: str, default: int) -> int:

@@ -36,12 +36,13 @@ the source walk), so a chat context continued by a CFG branch on another rank mo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from mstarc import ir as I
 from mstarc.diagnostics import DiagnosticSink, Span
-from mstarc.placement import SPREAD, PlacementSpec, RankGroup
+from mstarc.placement import SPREAD, NodePlacement, PlacementSpec, RankGroup
 
 CONDUCTOR_RANK = 0
 _NO_SPAN = Span.unknown()
@@ -116,7 +117,6 @@ def place(model: I.ModelIR, spec: PlacementSpec) -> I.ModelIR:
     p = _Placer(model, spec, len(ranks), sink)
     node_ranks, node_tp, tp_spans = p.nodes(section.nodes)
     call_ranks: dict[str, tuple[int, ...]] = {}
-    transfers: list[TransferIR] = []
     for wname, wp in section.walks.items():
         if wname not in model.walks:
             sink.error("E054", f"placement names unknown walk '{wname}' of model '{model.name}'", wp.span,
@@ -129,9 +129,18 @@ def place(model: I.ModelIR, spec: PlacementSpec) -> I.ModelIR:
         resolver.seq(walk.body, None)
         call_ranks.update(resolver.call_ranks)
     sink.check()
+    resident = _resident(model, node_ranks, call_ranks, set(section.nodes), [r.rank for r in ranks])
+    return dataclasses.replace(model, placement=PlacementIR(
+        spec.name, ranks, spec.kv_memory_fraction, spec.page_size, spec.max_batch, node_ranks, node_tp,
+        call_ranks, resident, _transfers(model, call_ranks), tp_spans))
+
+
+def _transfers(model: I.ModelIR, call_ranks: dict[str, tuple[int, ...]]) -> tuple[TransferIR, ...]:
+    """Every walk's transfers, walks in source order, each in discovery order."""
     # KV contexts a transition keeps (chat -> t2i keep llm@gen) enter the target walk where
     # the source walk left them: one transition deep, from each walk's own final state.
     finals = {w: _Flow(model, walk, call_ranks).run({})[1] for w, walk in model.walks.items()}
+    out: list[TransferIR] = []
     for walk in model.walks.values():
         entry: dict[str, _Defs] = {}
         for t in model.transitions:
@@ -141,10 +150,16 @@ def place(model: I.ModelIR, spec: PlacementSpec) -> I.ModelIR:
                     if defs:
                         key = f"{k.node}@{k.as_tag}"
                         entry[key] = entry.get(key, frozenset()) | defs
-        transfers.extend(_Flow(model, walk, call_ranks).run(entry)[0])
-    # A node is resident where its calls run, on every rank its own entry names (replicas
-    # the deployer asked for), and, if no walk calls it, at its default rank.
-    resident: dict[int, set[str]] = {r.rank: set() for r in ranks}
+        out.extend(_Flow(model, walk, call_ranks).run(entry)[0])
+    return tuple(out)
+
+
+def _resident(model: I.ModelIR, node_ranks: dict[str, tuple[int, ...]],
+              call_ranks: dict[str, tuple[int, ...]], explicit: set[str],
+              ranks: list[int]) -> dict[int, tuple[str, ...]]:
+    """Where its calls run, every rank its own entry names (replicas the deployer asked
+    for), and, if no walk calls it, its default rank; a rank's nodes sorted by name."""
+    resident: dict[int, set[str]] = {r: set() for r in ranks}
     called: set[str] = set()
     for walk in model.walks.values():
         for c in I.walk_calls(walk):
@@ -152,15 +167,13 @@ def place(model: I.ModelIR, spec: PlacementSpec) -> I.ModelIR:
             for r in call_ranks[c.id]:
                 resident[r].add(c.node)
     for node, rs in node_ranks.items():
-        if node in section.nodes or node not in called:
+        if node in explicit or node not in called:
             for r in rs:
                 resident[r].add(node)
-    return dataclasses.replace(model, placement=PlacementIR(
-        spec.name, ranks, spec.kv_memory_fraction, spec.page_size, spec.max_batch, node_ranks, node_tp,
-        call_ranks, {r: tuple(sorted(ns)) for r, ns in sorted(resident.items())}, tuple(transfers), tp_spans))
+    return {r: tuple(sorted(ns)) for r, ns in sorted(resident.items())}
 
 
-def _known(what: str, names) -> str:
+def _known(what: str, names: Iterable[str]) -> str:
     names = sorted(names)
     return f"known {what}: {', '.join(names)}" if names else f"there are no {what}"
 
@@ -179,7 +192,8 @@ class _Placer:
                                 f"known ranks: {', '.join(str(i) for i in range(self.n))}")
         return ok
 
-    def nodes(self, entries) -> tuple[dict[str, tuple[int, ...]], dict[str, int], dict[str, Span]]:
+    def nodes(self, entries: dict[str, NodePlacement]
+              ) -> tuple[dict[str, tuple[int, ...]], dict[str, int], dict[str, Span]]:
         node_ranks: dict[str, tuple[int, ...]] = {}
         node_tp: dict[str, int] = {}
         spans: dict[str, Span] = {}
@@ -259,7 +273,8 @@ def _weight_bytes(node: I.NodeIR) -> int:
 class _CallResolver:
     """Assigns each call of one walk its rank group (innermost mapped branch wins)."""
 
-    def __init__(self, walk: I.WalkIR, node_ranks, node_tp, node_over, branch_over, sink: DiagnosticSink):
+    def __init__(self, walk: I.WalkIR, node_ranks: dict[str, tuple[int, ...]], node_tp: dict[str, int],
+                 node_over: dict[str, tuple[int, ...]], branch_over: dict[str, RankGroup], sink: DiagnosticSink):
         self.walk, self.node_ranks, self.node_tp = walk, node_ranks, node_tp
         self.node_over, self.branch_over, self.sink = node_over, branch_over, sink
         self.call_ranks: dict[str, tuple[int, ...]] = {}

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mstarc import ir as I
+from mstarc.archs import TensorSpec
 from mstarc.diagnostics import DiagnosticSink, Span
 
 SHARD_KINDS = ("col", "row", "vocab", "expert", "replicate")
@@ -157,14 +158,14 @@ def _shard_node(node: I.NodeIR, tp: int, ranks: tuple[int, ...], span: Span,
         splits, _collectives(arch.tensors, splits, "vocab" in dims) if tp > 1 else (), total)
 
 
-def _numel(shape) -> int:
+def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
         n *= int(d)
     return n
 
 
-def _split(t, tp: int, dims: dict[str, int], kv_parts: int, kv_heads: int | None,
+def _split(t: TensorSpec, tp: int, dims: dict[str, int], kv_parts: int, kv_heads: int | None,
            head_dim: int | None) -> TensorSplit:
     kind = t.shard if t.shard in SHARD_KINDS else "replicate"
     if tp == 1 or kind == "replicate" or not t.shape:
@@ -180,14 +181,14 @@ def _split(t, tp: int, dims: dict[str, int], kv_parts: int, kv_heads: int | None
     return TensorSplit(kind, 0, tp)  # col, vocab
 
 
-def _is_kv_proj(t, kv_heads: int | None, head_dim: int | None) -> bool:
+def _is_kv_proj(t: TensorSpec, kv_heads: int | None, head_dim: int | None) -> bool:
     """A k/v projection: by name, and by its output size when the catalogue gives the geometry."""
     if not _KV_PROJ.search(t.name):
         return False
     return not (kv_heads and head_dim) or t.shape[0] == kv_heads * head_dim
 
 
-def _expert_dim(t, dims: dict[str, int]) -> int | None:
+def _expert_dim(t: TensorSpec, dims: dict[str, int]) -> int | None:
     """The dim of size moe_intermediate (down_proj: the last such), or 2x it for a fused gate_up."""
     inter = dims.get("moe_intermediate")
     if not inter:
@@ -207,7 +208,8 @@ def _pattern(module: str) -> str:
     return ".".join("*" if p.isdigit() else p for p in module.split("."))
 
 
-def _collectives(tensors, splits: dict[str, TensorSplit], has_vocab: bool) -> tuple[Collective, ...]:
+def _collectives(tensors: tuple[TensorSpec, ...], splits: dict[str, TensorSplit],
+                 has_vocab: bool) -> tuple[Collective, ...]:
     """One entry per module pattern, in tensor order; count = distinct module instances."""
     found: dict[tuple[str, str], set[str]] = {}
     for t in tensors:

@@ -1,0 +1,257 @@
+"""Running one batched step of one node: KV slots in, attention context built, node called, outputs out.
+
+`KVCacheEngine` owns a KV node's paged pool (`attention.KVPool`, geometry from
+`node.kv_geometry`) and the per-(request, tag) node states (`attn.states[i]`). It never
+allocates pages: the conductor's `BlockManager` does, and every entry arrives with its
+`KVSlots` (where its new tokens go and its whole page table). For one step the engine:
+
+1. checks each entry's slots against its page table (a mismatch would silently attend to
+   the wrong tokens, so it is an error naming the request);
+2. builds one `AttentionContext` over the mixed batch; its `attend(layer, q, k, v)` writes
+   the new K/V of every entry at its slots (`keep=False` entries too: the conductor
+   reserved their slots and truncates them after the step) and then runs the attention
+   backend over all entries at once, with kv_len = start + q_len and each entry's mask;
+3. calls `node.run(phase, inputs, attn)` under `torch.inference_mode()`;
+4. checks the outputs: one mapping per entry, each holding every output port of the phase
+   (extra keys are allowed and passed through). Anything else is a `NodeError` naming the
+   node and the phase.
+
+Entries with `q_len == 0` (a phase that adds no KV) are part of the batch but not of the
+attention metadata; they must not call `attend`.
+
+The attention backend is pluggable: any callable with `paged_attention`'s signature
+`(q, pool, layer, meta, scale) -> out`. If it also has `prepare(pool, meta)`, that is called
+once per step before the node runs (a FlashInfer backend plans its kernels there, once per
+step rather than once per layer). A node class may set `attention_scale` (default
+1/sqrt(head_dim)).
+
+`StatelessEngine` runs a stateless node's batched phase with the same output checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from copy import deepcopy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mstar_runtime.attention import AttentionError, AttentionMetadata, KVPool, paged_attention
+from mstar_runtime.kv_cache import SlotCopy
+from mstar_runtime.node import AttentionContext, KVNode, NodeError, SeqState, StatelessNode
+
+DEFAULT_TAG = "main"  # the KV context of an entry whose tag is None (the conductor's convention)
+
+AttentionBackend = Callable[..., torch.Tensor]
+"""`(q [N, H, D], pool, layer, meta, scale) -> [N, H, D]`, like `attention.paged_attention`."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVSlots:
+    """Where one entry's new tokens go in the pool, as the conductor's BlockManager reserved them."""
+
+    start: int  # tokens in the context before this step
+    q_len: int  # new tokens of this step
+    slots: list[int]  # pool slot of each new token (page * page_size + offset)
+    page_table: list[int]  # the context's pages, covering start + q_len tokens
+    mask: str = "causal"
+    block_size: int | None = None
+    keep: bool = True  # False: the conductor truncates these tokens after the step
+
+
+@dataclass(slots=True)
+class StepEntry:
+    """One request's (or one KV tag's) part of a batched step."""
+
+    request_id: str
+    tag: str | None
+    inputs: dict[str, Any]
+    kv: KVSlots | None = None
+
+
+def check_outputs(
+    name: str, phase: str, outputs: Any, n_entries: int, ports: Sequence[str] | None
+) -> list[dict]:
+    """A node's outputs, checked: a list of one mapping per entry with every port of the phase."""
+    if not isinstance(outputs, list) or len(outputs) != n_entries:
+        got = f"{len(outputs)} outputs" if isinstance(outputs, list) else f"a {type(outputs).__name__}"
+        raise NodeError(
+            f"node '{name}' phase '{phase}' returned {got} for a batch of {n_entries} entries; "
+            "it must return a list with one dict per entry"
+        )
+    for i, out in enumerate(outputs):
+        if not isinstance(out, Mapping):
+            raise NodeError(
+                f"node '{name}' phase '{phase}': output {i} is a {type(out).__name__}, not a dict"
+            )
+        missing = [p for p in ports or () if p not in out]
+        if missing:
+            raise NodeError(
+                f"node '{name}' phase '{phase}': output {i} lacks port(s) {', '.join(missing)} "
+                f"(it has: {', '.join(map(str, out)) or 'nothing'})"
+            )
+    return outputs
+
+
+class _Engine:
+    """What both engines share: the node, its name, and the output ports of each phase."""
+
+    def __init__(self, node: StatelessNode | KVNode, output_ports: Mapping[str, Sequence[str]] | None):
+        self.node = node
+        self.name = node.spec.name
+        self.output_ports = output_ports
+
+    def _ports(self, phase: str) -> Sequence[str] | None:
+        if self.output_ports is None:
+            return None
+        if phase not in self.output_ports:
+            raise NodeError(
+                f"node '{self.name}' has no phase '{phase}'; phases: {', '.join(self.output_ports)}"
+            )
+        return self.output_ports[phase]
+
+
+class StatelessEngine(_Engine):
+    """Batched forward of a stateless node (encoder, codec, VAE, tokenizer)."""
+
+    def __init__(self, node: StatelessNode, output_ports: Mapping[str, Sequence[str]] | None = None):
+        super().__init__(node, output_ports)
+
+    def run(self, phase: str, entries: list[StepEntry]) -> list[dict[str, Any]]:
+        ports = self._ports(phase)
+        if not entries:
+            return []
+        for e in entries:
+            if e.kv is not None:
+                raise NodeError(
+                    f"node '{self.name}' phase '{phase}': stateless, but request "
+                    f"'{e.request_id}' came with KV slots"
+                )
+        with torch.inference_mode():
+            outputs = self.node.run(phase, [e.inputs for e in entries])
+        return check_outputs(self.name, phase, outputs, len(entries), ports)
+
+
+class KVCacheEngine(_Engine):
+    """A KV node with its paged pool and per-(request, tag) states."""
+
+    def __init__(
+        self,
+        node: KVNode,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        *,
+        attention_backend: AttentionBackend | None = None,
+        output_ports: Mapping[str, Sequence[str]] | None = None,
+    ):
+        super().__init__(node, output_ports)
+        geo = node.kv_geometry
+        self.pool = KVPool(geo.layers, num_pages, page_size, geo.kv_heads, geo.head_dim, dtype, device)
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.backend: AttentionBackend = attention_backend or paged_attention
+        self.scale: float | None = getattr(node, "attention_scale", None)
+        self._states: dict[tuple[str, str], dict[str, Any]] = {}
+        self._tags: dict[str, dict[str, None]] = {}  # request -> its tags holding a state, in order
+
+    # ------------------------------------------------------------------ states
+    def state(self, request_id: str, tag: str | None) -> dict[str, Any]:
+        """The node state of one KV context, created empty on first use."""
+        key = (request_id, tag or DEFAULT_TAG)
+        st = self._states.get(key)
+        if st is None:
+            st = self._states[key] = {}
+            self._tags.setdefault(request_id, {})[key[1]] = None
+        return st
+
+    def has_state(self, request_id: str, tag: str | None) -> bool:
+        return (request_id, tag or DEFAULT_TAG) in self._states
+
+    def fork_state(self, request_id: str, src_tag: str, dst_tag: str) -> None:
+        """`dst_tag` starts as a deep copy of `src_tag`'s state (replacing any it had).
+
+        A source without state gives the destination none, as forking an empty context
+        gives an empty context."""
+        src = self._states.get((request_id, src_tag))
+        self.drop_tag(request_id, dst_tag)
+        if src is not None:
+            self.state(request_id, dst_tag).update(deepcopy(src))
+
+    def drop_tag(self, request_id: str, tag: str) -> None:
+        """Forget one KV context's state (a transition that does not keep the tag)."""
+        if self._states.pop((request_id, tag), None) is not None:
+            tags = self._tags[request_id]
+            del tags[tag]
+            if not tags:
+                del self._tags[request_id]
+
+    def free(self, request_id: str) -> None:
+        """Drop every state of a finished, failed or preempted request (unknown ids are a no-op)."""
+        for tag in self._tags.pop(request_id, {}):
+            del self._states[(request_id, tag)]
+
+    @property
+    def num_states(self) -> int:
+        return len(self._states)
+
+    def copy_slots(self, copy: SlotCopy) -> None:
+        """Apply a BlockManager fork/truncate copy-on-write: slots src[i] -> dst[i], all layers."""
+        self.pool.copy_slots(list(copy.src), list(copy.dst))
+
+    # ------------------------------------------------------------------ running
+    def run(self, phase: str, entries: list[StepEntry]) -> list[dict[str, Any]]:
+        ports = self._ports(phase)
+        if not entries:
+            return []
+        kvs = [self._check_slots(phase, e) for e in entries]
+        attending = [kv for kv in kvs if kv.q_len > 0]
+        try:
+            meta = AttentionMetadata.build(
+                [kv.q_len for kv in attending],
+                [kv.start + kv.q_len for kv in attending],
+                [kv.page_table for kv in attending],
+                [kv.mask for kv in attending],
+                [kv.block_size for kv in attending],
+            )
+        except AttentionError as err:
+            raise NodeError(f"node '{self.name}' phase '{phase}': {err}") from None
+        flat = [s for kv in attending for s in kv.slots]
+        slots = torch.tensor(flat, dtype=torch.long, device=self.device)
+        prepare = getattr(self.backend, "prepare", None)
+        if prepare is not None:
+            prepare(self.pool, meta)
+        pool, backend, scale = self.pool, self.backend, self.scale
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            pool.write(layer, k, v, slots)
+            return backend(q, pool, layer, meta, scale)
+
+        seqs = [SeqState(kv.start, kv.q_len, self.state(e.request_id, e.tag)) for e, kv in zip(entries, kvs)]
+        attn = AttentionContext(seqs, attend, self.device, extra={"metadata": meta, "pool": pool})
+        with torch.inference_mode():
+            outputs = self.node.run(phase, [e.inputs for e in entries], attn)
+        return check_outputs(self.name, phase, outputs, len(entries), ports)
+
+    def _check_slots(self, phase: str, e: StepEntry) -> KVSlots:
+        where = f"node '{self.name}' phase '{phase}', request '{e.request_id}' tag '{e.tag or DEFAULT_TAG}'"
+        kv = e.kv
+        if kv is None:
+            raise NodeError(f"{where}: a KV node's entry needs KV slots")
+        if kv.start < 0 or kv.q_len < 0 or len(kv.slots) != kv.q_len:
+            raise NodeError(f"{where}: {len(kv.slots)} slot(s) for q_len {kv.q_len} at start {kv.start}")
+        ps, n_pages = self.page_size, self.pool.num_pages
+        need = -(-(kv.start + kv.q_len) // ps)
+        if len(kv.page_table) < need or any(not 0 <= p < n_pages for p in kv.page_table[:need]):
+            raise NodeError(
+                f"{where}: page table {kv.page_table[:need]} does not hold {kv.start + kv.q_len} "
+                f"tokens in a pool of {n_pages} pages"
+            )
+        table = kv.page_table
+        for i, slot in enumerate(kv.slots):
+            pos = kv.start + i
+            if slot != table[pos // ps] * ps + pos % ps:
+                raise NodeError(f"{where}: slot {slot} of token {pos} is not where its page table puts it")
+        return kv

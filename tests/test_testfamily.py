@@ -57,7 +57,7 @@ class PagedKV:
             [p.q_len for p in plans],
             [s + p.q_len for s, p in zip(starts, plans)],
             [self.blocks.page_table(k) for k in keys],
-            [p.mask for p in plans],  # type: ignore[misc]
+            [p.mask for p in plans],
         )
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

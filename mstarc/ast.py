@@ -62,7 +62,7 @@ class ListLit:
 
 @dataclass(frozen=True)
 class BinOp:
-    op: str  # one of + - * / // %
+    op: str  # one of + - * / %
     left: Expr
     right: Expr
     span: Span = field(default=_NO_SPAN, compare=False)

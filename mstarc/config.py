@@ -30,7 +30,7 @@ def _arith(op: str, a: ConfigValue, b: ConfigValue, span: Span) -> ConfigValue:
         if op == "+" and isinstance(a, list) and isinstance(b, list):
             return a + b
         raise EvalError("E020", f"operator '{op}' needs numbers, got {type(a).__name__} and {type(b).__name__}", span)
-    if op in ("/", "//", "%") and b == 0:
+    if op in ("/", "%") and b == 0:
         raise EvalError("E020", "division by zero", span)
     if op == "+":
         return a + b
@@ -43,8 +43,6 @@ def _arith(op: str, a: ConfigValue, b: ConfigValue, span: Span) -> ConfigValue:
         if isinstance(a, int) and isinstance(b, int) and a % b == 0:
             return a // b
         return a / b
-    if op == "//":
-        return a // b
     return a % b
 
 

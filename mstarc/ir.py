@@ -47,7 +47,13 @@ class ValueType:
         return {"kind": "tensor", "dtype": self.dtype, "dims": list(self.dims)}
 
     def compatible(self, other: ValueType) -> bool:
-        """Same kind/dtype/rank; concrete dims equal; a symbolic dim matches anything."""
+        """Same kind/dtype/rank; concrete dims equal; a symbolic dim matches anything.
+
+        Kind "any" is the type of a value whose definition was already reported as an error:
+        it matches everything, so one mistake does not cascade into many diagnostics.
+        """
+        if self.kind == "any" or other.kind == "any":
+            return True
         if self.kind != other.kind or self.dtype != other.dtype:
             return False
         if self.kind != "tensor":

@@ -67,7 +67,13 @@ def parse(text: str, file: str) -> ast.Model:
     try:
         tree = parser.parse(text)
     except lark.exceptions.UnexpectedToken as e:
-        expected = _describe_expected(parser, set(e.expected))
+        # LALR merges look-ahead sets of similar states; asking the parser state which tokens it
+        # would really accept here gives an exact "expected" list.
+        try:
+            accepts = set(e.interactive_parser.accepts()) if e.interactive_parser is not None else set(e.expected)
+        except Exception:  # noqa: BLE001 - best effort; fall back to Lark's own list
+            accepts = set(e.expected)
+        expected = _describe_expected(parser, accepts or set(e.expected))
         if e.token.type == "$END":
             lines = text.splitlines() or [""]
             span = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 2)
@@ -321,9 +327,6 @@ class _ToAst(Transformer):
 
     def div(self, meta, children):
         return self._bin("/", meta, children)
-
-    def floordiv(self, meta, children):
-        return self._bin("//", meta, children)
 
     def mod(self, meta, children):
         return self._bin("%", meta, children)

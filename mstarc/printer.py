@@ -10,7 +10,7 @@ from __future__ import annotations
 from mstarc import ast
 from mstarc import ir as I
 
-_PREC = {"+": 1, "-": 1, "*": 2, "/": 2, "//": 2, "%": 2}
+_PREC = {"+": 1, "-": 1, "*": 2, "/": 2, "%": 2}
 
 
 def format_expr(e: ast.Expr, parent_prec: int = 0, right: bool = False) -> str:

@@ -153,6 +153,37 @@ class BlockManager:
         self._tags.setdefault(dst_key[0], {})[dst_key[1]] = None
         return copy
 
+    def truncate(self, key: SeqKey, new_len: int) -> SlotCopy | None:
+        """Shrink a sequence to its first ``new_len`` tokens, returning pages it no longer needs.
+
+        Used to drop the KV of a wasted speculative step and of queries that attend but are not
+        kept (BAGEL's denoise block). If the new last page is partial and shared with a fork,
+        it is copied first (the ``SlotCopy`` the engine must apply), so the other sequence's
+        tokens on that page are never overwritten by later appends.
+        """
+        table = self._tables[self._known(key)]
+        n = self._lens[key]
+        if not 0 <= new_len <= n:
+            raise KVCacheError(f"cannot truncate {key} of {n} tokens to {new_len}")
+        keep = self.pages_needed(new_len)
+        for page in table[keep:]:
+            self._refcount[page] -= 1
+            if self._refcount[page] == 0:
+                heapq.heappush(self._free, page)
+        del table[keep:]
+        self._lens[key] = new_len
+        partial = new_len % self.page_size
+        if partial and table and self._refcount[table[-1]] > 1:
+            if not self._free:
+                raise OutOfPages(f"truncate {key} needs 1 page to unshare its last page; none free")
+            (page,) = self._take(1)
+            old = table[-1]
+            self._refcount[old] -= 1
+            table[-1] = page
+            src0, dst0 = old * self.page_size, page * self.page_size
+            return SlotCopy(range(src0, src0 + partial), range(dst0, dst0 + partial))
+        return None
+
     def free(self, key: SeqKey) -> int:
         """Drop one sequence; returns how many pages went back to the pool (shared ones may not)."""
         table = self._tables.pop(self._known(key))

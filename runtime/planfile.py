@@ -57,12 +57,14 @@ def decode(data: bytes, path: str = "<plan>") -> dict[str, Any]:
     """Bytes -> body, checking in order: header, size, checksum, JSON, schema version."""
     if len(data) < HEADER_BYTES:
         raise PlanFileError(path, f"not a plan file: {len(data)} bytes is shorter than the {HEADER_BYTES}-byte header")
-    magic, version, _flags, length, digest = _HEADER.unpack_from(data)
+    magic, version, flags, length, digest = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise PlanFileError(path, "not a plan file (bad magic bytes); was it written by `mstarc compile`?")
     if version != CONTAINER_VERSION:
         raise PlanFileError(path, f"plan container version {version} is not supported (this runtime reads "
                             f"version {CONTAINER_VERSION}); recompile the plan with a matching mstarc")
+    if flags != 0:
+        raise PlanFileError(path, f"plan header has unknown flags {flags:#06x}: corrupt, or written by a newer mstarc")
     if length > MAX_BODY_BYTES:
         raise PlanFileError(path, f"plan body claims {length} bytes, over the {MAX_BODY_BYTES}-byte cap")
     raw = data[HEADER_BYTES:]

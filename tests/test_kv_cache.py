@@ -185,3 +185,19 @@ def test_block_manager_model(ops: list, page_size: int) -> None:
         bm.free_request(request)
     assert bm.free_pages == bm.num_pages
     assert all(bm.refcount(p) == 0 for p in range(bm.num_pages))
+
+
+def test_truncate_returns_pages_and_unshares_a_partial_shared_page() -> None:
+    bm = BlockManager(num_pages=8, page_size=4)
+    bm.append(("r", "a"), 8)  # two full pages
+    bm.fork(("r", "a"), ("r", "b"))  # shares both
+    bm.append(("r", "b"), 3)  # b gets a third page of its own
+    free_before = bm.free_pages
+    assert bm.truncate(("r", "b"), 8) is None  # back to the shared prefix: its own page is freed
+    assert bm.free_pages == free_before + 1
+    copy = bm.truncate(("r", "b"), 6)  # page 2 of the prefix becomes partial: must stop sharing it
+    assert copy is not None and len(copy.src) == 2
+    assert bm.page_table(("r", "a"))[1] != bm.page_table(("r", "b"))[1]
+    assert bm.seq_len(("r", "b")) == 6 and bm.seq_len(("r", "a")) == 8
+    bm.free_request("r")
+    assert bm.free_pages == 8

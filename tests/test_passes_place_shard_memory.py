@@ -545,10 +545,11 @@ def test_memory_on_a_cpu_rank_by_hand() -> None:
     workspace = 8192 * act + 8 * logits  # default max_prefill_tokens; no CUDA reserve on a cpu rank
     budget = int(0.5 * (1 * 1024 * MIB - weights - workspace))
     per_token = 2 * 2 * 2 * 16 * 2  # K and V, 2 layers, 2 kv heads, head_dim 16, bf16
-    pages = budget // (16 * per_token)
+    pages = min(budget // (16 * per_token), 8 * 1 * 1024 // 16)  # capped: max_batch x tags x max_seq_len
+    assert pages == 512
     assert (r.capacity_bytes, r.weights_bytes, r.graph_pool_bytes, r.workspace_bytes, r.kv_budget_bytes) == (
         1024 * MIB, weights, 0, workspace, budget)
-    assert (weights, workspace, budget, pages) == (213632, 10493952, 531517120, 129764)
+    assert (weights, workspace, budget, budget // (16 * per_token)) == (213632, 10493952, 531517120, 129764)
     (kv,) = r.kv
     assert (kv.node, kv.bytes_per_token, kv.pages, kv.tokens, kv.bytes, kv.max_seq_len) == (
         "llm", per_token, pages, pages * 16, pages * 16 * per_token, 1024)
@@ -568,7 +569,8 @@ def test_memory_on_cuda_at_tp2_by_hand() -> None:
     for r in m.memory.ranks:
         assert (r.weights_bytes, r.graph_pool_bytes, r.workspace_bytes) == (weights, graph, workspace)
         budget = int(0.9 * (80 * 1024 * MIB - weights - graph - workspace))
-        assert r.kv[0].pages == budget // (16 * per_token) and r.kv[0].bytes_per_token == per_token
+        useful = 64 * 1 * 4096 // 16  # max_batch x tags x max_seq_len tokens, in pages
+        assert r.kv[0].pages == min(budget // (16 * per_token), useful) and r.kv[0].bytes_per_token == per_token
 
 
 @needs_archs
@@ -585,7 +587,7 @@ def test_kv_nodes_of_a_rank_hold_the_same_tokens() -> None:
     emit token = token
   }
   walk gen""")
-    (r,) = compile_to(walk, "devices: {count: 1, type: cpu, memory_gib: 1}\n").memory.ranks
+    (r,) = compile_to(walk, "devices: {count: 1, type: cpu, memory_gib: 1}\nmax_batch: 1024\n").memory.ranks
     draft, llm = r.kv
     assert (draft.node, llm.node) == ("draft", "llm")
     assert draft.tokens == llm.tokens and (draft.bytes_per_token, llm.bytes_per_token) == (256, 256)

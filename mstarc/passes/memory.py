@@ -28,7 +28,9 @@ Ensures:  `model.memory` is a `MemoryIR` with, per rank:
              - workspace)), split so that every kv node of the rank holds the same number
              of tokens, in whole pages; a TP group's ranks all take the smallest page count
              of the group so that page ids agree. Only kv nodes with KV geometry (an arch
-             with `kv`) hold a pool.
+             with `kv`) hold a pool. A pool is capped at what can ever be used at once:
+             max_batch requests x the node's KV tags x its max_seq_len tokens (so a CPU
+             rank with 16 GiB does not zero 14 GiB of pool for a tiny model).
 Fails when: weights + graph pool + workspace exceed a rank's memory (E060), or a kv node's
           pool cannot hold one sequence of its `max_seq_len` setting, default 4096 (E061);
           both at the device's YAML entry, all ranks checked.
@@ -136,7 +138,8 @@ def memory(model: I.ModelIR) -> I.ModelIR:
         kv_bpt = {n.name: _kv_bytes_per_token(n, sharding[n.name]) for n in resident
                   if n.engine == "kv" and n.arch is not None and n.arch.kv is not None}
         per_token = sum(kv_bpt.values())
-        pages[rank.rank] = {n: budget // (pl.page_size * per_token) for n in sorted(kv_bpt)}
+        pages[rank.rank] = {n: min(budget // (pl.page_size * per_token), _useful_pages(model.nodes[n], pl))
+                            for n in sorted(kv_bpt)}
         rows.append(RankMemoryIR(rank.rank, rank.memory_bytes, weights, graph, ws, budget, ()))
     # TP shards of one node must agree on page ids: every rank of the group takes its minimum
     for name, spec in sharding.items():
@@ -162,6 +165,12 @@ def memory(model: I.ModelIR) -> I.ModelIR:
         out.append(dataclasses.replace(row, kv=tuple(pools)))
     sink.check()
     return dataclasses.replace(model, memory=MemoryIR(pl.page_size, tuple(out), sources))
+
+
+def _useful_pages(node: I.NodeIR, pl) -> int:
+    """Pages beyond max_batch requests, each with all its tags at max_seq_len, are never used."""
+    tokens = pl.max_batch * len(node.tags) * _setting(node, "max_seq_len", DEFAULT_MAX_SEQ_LEN)
+    return -(-tokens // pl.page_size)
 
 
 def _graph_pool_and_workspace(cuda: bool, resident: list[I.NodeIR], sharding: dict[str, ShardSpec],

@@ -35,10 +35,9 @@ class _Scheduler:
         pl = model.placement
         self.call_ranks = pl.call_ranks
         self.transfers_by_consumer: dict[str, list] = {}
-        for t in pl.transfers:
-            if t.walk == walk.name:
+        for t in pl.transfers:  # value moves before a call; kv/stream moves are listed in the placement
+            if t.walk == walk.name and t.kind == "value":
                 self.transfers_by_consumer.setdefault(t.consumer_step, []).append(t)
-        self.branch_ranks = {b: r for (w, b), r in _branch_ranks(pl).items() if w == walk.name}
         self.graph_of_step = {}
         self.graph_of_loop = {}
         for g in model.cuda_graphs:
@@ -72,8 +71,7 @@ class _Scheduler:
             return self.call(r)
         if isinstance(r, I.Parallel):
             return {"op": "parallel", "id": r.id, "branches": [
-                {"name": b.name, "rank": self.branch_ranks.get(b.name), "body": self.region(b.body)}
-                for b in r.branches]}
+                {"name": b.name, "rank": self._branch_rank(b), "body": self.region(b.body)} for b in r.branches]}
         if isinstance(r, I.Loop):
             return {"op": "loop", "id": r.id, "dynamic": r.dynamic,
                     "count": operand_json(r.count) if r.count is not None else None,
@@ -106,13 +104,14 @@ class _Scheduler:
                 "args": {port: operand_json(op) for port, op in sorted(c.args.items())},
                 "results": results, "graph": self.graph_of_step.get(c.id), "feeds": feeds}
 
+    def _branch_rank(self, branch: I.Branch) -> int | None:
+        """The rank a branch runs on, when all its steps run on one (single-rank) group."""
+        groups = {self.call_ranks[c.id] for c in I.iter_regions(branch.body) if isinstance(c, I.Call)}
+        return next(iter(groups))[0] if len(groups) == 1 and len(next(iter(groups))) == 1 else None
+
     def transfers(self, step: str) -> list[dict[str, Any]]:
         return [{"op": "transfer", "value": t.value, "src": t.src_rank, "dst": t.dst_rank}
                 for t in sorted(self.transfers_by_consumer.get(step, []), key=lambda t: (t.value, t.src_rank))]
-
-
-def _branch_ranks(pl) -> dict[tuple[str, str], int]:
-    return dict(getattr(pl, "branch_ranks", {}) or {})
 
 
 def _emit_mode(walk: I.WalkIR, output: str) -> str:

@@ -20,6 +20,7 @@ from mstarc.diagnostics import DiagnosticSink, Span
 
 INT = I.ValueType("int")
 BOOL = I.ValueType("bool")
+ANY = I.ValueType("any")  # a value whose producer was already reported: matches everything
 
 
 @dataclass(frozen=True)
@@ -177,8 +178,12 @@ class _WalkChecker:
         return node
 
     def call(self, c: I.Call, env: dict[str, ValueInfo]) -> None:
+        for name in c.results:  # bound even when the call is wrong, so errors do not cascade
+            env[name] = ValueInfo(ANY, None)
         node = self.node_and_tag(c.node, c.tag, c.span, c.tag_span)
         if node is None:
+            for op in c.args.values():
+                self.use(op, env)
             return
         phase = node.phases.get(c.phase)
         if phase is None:
@@ -200,7 +205,7 @@ class _WalkChecker:
                             f"but {len(c.results)} name{'s are' if len(c.results) != 1 else ' is'} bound", c.span)
             return
         for name, port in zip(c.results, phase.outputs):
-            if port in node.outputs:
+            if port in node.outputs:  # an unknown port was reported with the phase; its value stays ANY
                 env[name] = ValueInfo(node.outputs[port].type, (node.name, port))
                 for e in self.m.edges:
                     if e.streaming and e.src_node == node.name and e.src_port == port:
@@ -304,11 +309,13 @@ class _WalkChecker:
     def on_stream(self, block: I.OnStream, env: dict[str, ValueInfo], depth: int) -> None:
         self.stream_blocks.append(block)
         edge = self.m.edge(block.stream)
+        inner = dict(env)
         if edge is None or not edge.streaming:
             known = [e.id for e in self.m.edges if e.streaming]
             self.sink.error("E047", f"no stream {block.stream} is declared", block.span, _known("streams", known))
+            inner[block.name] = ValueInfo(ANY, None)
+            self.seq(block.body, inner, depth)  # still check the body (and count its emits)
             return
-        inner = dict(env)
         node = self.m.nodes.get(edge.dst_node)
         port = node.inputs.get(edge.dst_port) if node else None
         inner[block.name] = ValueInfo(port.type if port else I.ValueType("tensor", "f32", ("N",)), None, edge.id)

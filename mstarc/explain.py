@@ -1,0 +1,147 @@
+"""`mstarc explain`: a plan body rendered for humans (text, markdown, graphviz dot) or as JSON.
+
+The view is built in Python (`plan_view`) and rendered by jinja2 templates in
+`mstarc/templates/`; the templates only lay out what the view holds, so every format shows
+the same facts: per rank its device, nodes, weights and KV bytes, TP degree, captured CUDA
+graphs with their batch buckets, and stream buffers with their policies; then each walk's
+step program as an indented tree.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any
+
+import jinja2
+
+GIB = 1 << 30
+
+
+def human_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _operand(op: dict[str, Any]) -> str:
+    return op["var"] if "var" in op else json.dumps(op["const"])
+
+
+def program_lines(op: dict[str, Any], depth: int = 0) -> list[tuple[int, str]]:
+    """A step program as (depth, text) lines, one per op."""
+    kind = op["op"]
+    if kind == "seq":
+        return [line for child in op["body"] for line in program_lines(child, depth)]
+    if kind == "call":
+        lhs = ", ".join(name for _, name in op["results"])
+        args = ", ".join(f"{k}={_operand(v)}" for k, v in op["args"].items())
+        tag = f" @{op['tag']}" if op.get("tag") else ""
+        ranks = ",".join(str(r) for r in op["ranks"])
+        extras = [f"rank {ranks}"] + ([f"graph {op['graph']}"] if op.get("graph") else [])
+        extras += [f"feeds {f['stream'].split(':', 1)[1]}" for f in op.get("feeds", [])]
+        return [(depth, f"{lhs + ' = ' if lhs else ''}{op['node']}.{op['phase']}({args}){tag}   [{'; '.join(extras)}]")]
+    if kind == "loop":
+        if op["dynamic"]:
+            head = f"dynamic_loop max={op['max']} until {op['until']}"
+        else:
+            head = f"loop n={_operand(op['count']) if op['count'] else '?'}" + (f" max={op['max']}" if op["max"] else "")
+        head += f" index {op['index']}" if op.get("index") else ""
+        head += f" carry {', '.join(op['carry'])}" if op.get("carry") else ""
+        head += f"   [captured whole: {op['graph']}]" if op.get("graph") else ""
+        return [(depth, head)] + program_lines(op["body"], depth + 1)
+    if kind == "parallel":
+        lines = [(depth, "parallel")]
+        for b in op["branches"]:
+            rank = f"   [rank {b['rank']}]" if b.get("rank") is not None else ""
+            lines.append((depth + 1, f"branch {b['name']}{rank}"))
+            lines += program_lines(b["body"], depth + 2)
+        return lines
+    if kind == "on_stream":
+        return [(depth, f"on stream {op['stream'].split(':', 1)[1]} as {op['as']}")] + program_lines(op["body"], depth + 1)
+    if kind == "emit":
+        return [(depth, f"emit {op['output']} {'+=' if op['mode'] == 'append' else '='} {_operand(op['value'])}")]
+    if kind == "acc":
+        return [(depth, f"acc {op['name']} += {_operand(op['value'])}")]
+    if kind == "fork":
+        return [(depth, f"fork {op['node']} @{op['src']} -> @{op['dst']}")]
+    if kind == "transfer":
+        return [(depth, f"transfer {op['value']}: rank {op['src']} -> rank {op['dst']}")]
+    return [(depth, f"<{kind}>")]
+
+
+def plan_view(plan: dict[str, Any]) -> dict[str, Any]:
+    nodes = plan["nodes"]
+    mem_by_rank = {m["rank"]: m for m in plan["memory"]["ranks"]}
+    ranks = []
+    for dev in plan["placement"]["ranks"]:
+        r = dev["rank"]
+        mem = mem_by_rank.get(r, {})
+        resident = next((x["nodes"] for x in plan["placement"]["resident"] if x["rank"] == r), [])
+        node_rows = []
+        for name in resident:
+            n = nodes[name]
+            shard = n.get("shard") or {}
+            kv = next((k for k in mem.get("kv", []) if k["node"] == name), None)
+            node_rows.append({
+                "name": name, "engine": n["engine"], "impl": n["impl"], "tp": shard.get("tp", 1),
+                "params": n["arch"]["params"] if n["arch"] else 0,
+                "weights": human_bytes(mem.get("node_weights", {}).get(name)),
+                "kv_per_token": human_bytes(kv["bytes_per_token"]) if kv else "-",
+                "kv_tokens": kv["tokens"] if kv else None, "kv_pages": kv["pages"] if kv else None,
+                "tags": ", ".join(n["tags"]) if n["engine"] == "kv" else "",
+            })
+        ranks.append({
+            "rank": r, "device": dev["type"] if dev["name"] == dev["type"] else f"{dev['type']} {dev['name']}", "capacity": human_bytes(dev["memory_bytes"]),
+            "weights": human_bytes(mem.get("weights_bytes")),
+            "kv_pool": human_bytes(sum(k["bytes"] for k in mem.get("kv", []))),
+            "graph_pool": human_bytes(mem.get("graph_pool_bytes")), "workspace": human_bytes(mem.get("workspace_bytes")),
+            "nodes": node_rows,
+            "graphs": [{"key": g["key"], "kind": g["kind"], "buckets": ", ".join(str(b) for b in g["buckets"])}
+                       for g in plan["cuda_graphs"] if g["rank"] == r],
+            "streams": [{"id": s["id"], "policy": _policy(s["policy"]), "capacity": s["capacity"],
+                         "route": f"rank {s['producer_rank']} -> rank {s['consumer_rank']}"}
+                        for s in plan["streams"] if s["consumer_rank"] == r],
+        })
+    walks = []
+    for name, w in sorted(plan["walks"].items()):
+        sig_in = ", ".join(f"{p['name']}: {_type(p['type'])}" + (f" = {json.dumps(p['default'])}" if p["default"] is not None else "")
+                           for p in w["inputs"])
+        sig_out = ", ".join(f"{p['name']}: {_type(p['type'])}" for p in w["outputs"])
+        walks.append({"name": name, "signature": f"({sig_in}) -> ({sig_out})", "lines": program_lines(w["program"], 1)})
+    edges = [{"id": e["id"], "src": e["src"], "dst": e["dst"], "policy": _policy(e["policy"]) if e["policy"] else None}
+             for e in plan["edges"]]
+    return {"model": plan["model"], "weights": plan["weights"], "ranks": ranks, "walks": walks, "edges": edges,
+            "transitions": plan["transitions"], "placement": plan["placement"].get("name", ""),
+            "schema": f"{plan['schema']['major']}.{plan['schema']['minor']}", "compiler": plan.get("compiler", "")}
+
+
+_POLICY_ORDER = {"fixed": ("size",), "sliding": ("window", "stride"), "left_context": ("chunk", "left")}
+
+
+def _policy(p: dict[str, Any]) -> str:
+    order = _POLICY_ORDER.get(p["kind"], tuple(sorted(k for k in p if k != "kind")))
+    args = ", ".join(f"{k}={p[k]}" for k in order if k in p)
+    return f"{p['kind']}({args})"
+
+
+def _type(t: dict[str, Any]) -> str:
+    if t["kind"] != "tensor":
+        return t["kind"]
+    return f"{t['dtype']}[{', '.join(str(d) for d in t['dims'])}]"
+
+
+def _env() -> jinja2.Environment:
+    loader = jinja2.FunctionLoader(lambda name: resources.files("mstarc.templates").joinpath(name).read_text("utf-8"))
+    return jinja2.Environment(loader=loader, autoescape=False, keep_trailing_newline=True,
+                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+
+
+def explain(plan: dict[str, Any], fmt: str = "text") -> str:
+    if fmt == "json":
+        return json.dumps(plan, indent=2, sort_keys=True) + "\n"
+    template = {"text": "explain.txt.j2", "markdown": "explain.md.j2", "dot": "explain.dot.j2"}[fmt]
+    return _env().get_template(template).render(v=plan_view(plan))

@@ -1,0 +1,15 @@
+"""Shared pytest options: `--update-goldens` rewrites golden files instead of comparing."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-goldens", action="store_true", default=False,
+                     help="rewrite tests/golden/* from the current compiler output (review the diff!)")
+
+
+@pytest.fixture
+def update_goldens(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--update-goldens"))

@@ -36,8 +36,9 @@ def _passes(placement: Any) -> dict[str, Callable[[I.ModelIR], I.ModelIR]]:
 
 
 def run(model: I.ModelIR, placement: Any = None, *, until: str = "schedule", verify_each: bool = False,
-        print_after: frozenset[str] = frozenset(), time_passes: bool = False, out: TextIO = sys.stderr) -> I.ModelIR:
+        print_after: frozenset[str] = frozenset(), time_passes: bool = False, out: TextIO | None = None) -> I.ModelIR:
     """Run the pipeline up to and including `until` (only `verify` when there is no placement)."""
+    out = out if out is not None else sys.stderr  # looked up now, so redirections of stderr apply
     passes = _passes(placement)
     names = PIPELINE[: PIPELINE.index(until) + 1] if placement is not None else ("verify",)
     timings: list[tuple[str, float]] = []

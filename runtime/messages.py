@@ -8,7 +8,14 @@ no pickle anywhere. Any malformed input, truncated or bit-flipped, raises ``Mess
 
 Small tensors (token ids, stop flags) may ride inside a message as ``{dtype, shape, data}``
 with raw little-endian bytes, capped at ``MAX_INLINE_TENSOR_BYTES``; activations go through
-torch.distributed and messages only name them.
+torch.distributed and messages only name them (``TensorMeta``: name, dtype, shape, in the
+order of the step's one flat byte buffer). Python scalars ride as ``Scalar`` values: msgpack
+keeps bool, int, float, str and nil apart, so that union decodes without ambiguity.
+
+The conversation between the conductor and a worker process (``remote.py``):
+conductor -> worker: ``StepRequest``, ``ForkKV``, ``CopySlots``, ``FreeRequest``,
+``Heartbeat``, ``Shutdown``; worker -> conductor: ``WorkerReady`` (once), ``StepResult``,
+``StepRejected`` (a node's ``RequestError``), ``WorkerError``, ``Heartbeat`` (the echo).
 """
 
 import dataclasses
@@ -40,32 +47,83 @@ TENSOR_DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES = {dt: name for name, dt in TENSOR_DTYPES.items()}
 
+# A Python value that rides inside a message as itself (a node's `int`, `float`, `bool`
+# or `str` port, or an absent optional value).
+Scalar = bool | int | float | str | None
+_PRIMITIVES = (bool, int, float, str, bytes)
+
 
 class MessageError(ValueError):
     """A message that cannot be encoded or decoded: unknown type, bad field, corrupt bytes."""
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of an allowlisted dtype; a MessageError for any other."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise MessageError(f"dtype {dtype} cannot travel between ranks")
+    return name
+
+
 # ------------------------------------------------------------------- structs inside messages
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """A tensor that travels over torch.distributed: what the receiver allocates and views.
+
+    The tensors of one step (every entry, in entry then list order) travel as one flat byte
+    buffer, so the receiver needs only these to cut it up again."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class KVSlots:
+    """Where one entry's new tokens go in the worker's KV pool (``engines.KVSlots`` on the wire)."""
+
+    start: int
+    q_len: int
+    slots: list[int]
+    page_table: list[int]
+    mask: str = "causal"
+    block_size: int | None = None
+    keep: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class SlotCopy:
+    """A BlockManager copy-on-write: slots ``src_start + i -> dst_start + i`` for i < count."""
+
+    src_start: int
+    dst_start: int
+    count: int
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class StepEntry:
-    """One request's part of a batched step: which KV context and which named input values
-    (already resident or arriving over torch.distributed). ``inline`` holds small tensors."""
+    """One request's part of a batched step: which KV context (``tag``; None for a stateless
+    node) and its input values: ``inputs`` arrive over torch.distributed, ``inline`` holds
+    small tensors, ``scalars`` Python values; ``kv`` the slots a KV node writes."""
 
     request_id: str
-    tag: str
-    inputs: list[str]
+    tag: str | None
+    inputs: list[TensorMeta]
     inline: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: dict[str, Scalar] = field(default_factory=dict)
+    kv: KVSlots | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ResultEntry:
-    """One request's outcome of a step: names of the values produced, small ones inline
-    (e.g. the sampled token and the stop flag a ``DynamicLoop`` reads)."""
+    """One request's outcome of a step: values produced, split like ``StepEntry``'s inputs
+    (e.g. the sampled token and the stop flag a ``DynamicLoop`` reads ride inline)."""
 
     request_id: str
-    tag: str
-    outputs: list[str]
+    tag: str | None
+    outputs: list[TensorMeta]
     inline: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: dict[str, Scalar] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------- messages
@@ -121,6 +179,53 @@ class Shutdown:
 
 
 @dataclass(frozen=True, slots=True)
+class StepRejected:
+    """Worker -> conductor: a node rejected step ``step_id``'s input (its ``RequestError``):
+    fails those requests only (the conductor reruns a batch one by one to find the culprit)."""
+
+    type: ClassVar[str] = "step_rejected"
+    step_id: int
+    rank: int
+    message: str
+    field: str | None
+    request_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ForkKV:
+    """Conductor -> worker: KV context ``dst_tag`` starts as ``src_tag`` (the conductor's
+    BlockManager already shares the pages; ``copy`` is its copy-on-write of a partial page)."""
+
+    type: ClassVar[str] = "fork_kv"
+    node: str
+    request_id: str
+    src_tag: str
+    dst_tag: str
+    copy: SlotCopy | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CopySlots:
+    """Conductor -> worker: apply a BlockManager copy-on-write (from a truncate) in ``node``'s pool."""
+
+    type: ClassVar[str] = "copy_slots"
+    node: str
+    copy: SlotCopy
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReady:
+    """Worker -> conductor, once: rank ``rank`` (process ``pid``) joined the process group and
+    built its nodes from the plan whose canonical body hashes to ``plan_digest``."""
+
+    type: ClassVar[str] = "worker_ready"
+    rank: int
+    pid: int
+    nodes: list[str]
+    plan_digest: str
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerError:
     """Worker -> conductor: a step (or the worker itself, when ``step_id`` is None) failed."""
 
@@ -132,21 +237,46 @@ class WorkerError:
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """Worker -> conductor: liveness, so a watchdog can tell a hung worker from a slow step."""
+    """Liveness, so a watchdog can tell a hung worker from a slow step: the conductor sends
+    one, the worker echoes ``seq`` with its own rank."""
 
     type: ClassVar[str] = "heartbeat"
     rank: int
     seq: int
 
 
-Message = StepRequest | StepResult | AllocateKV | FreeRequest | Shutdown | WorkerError | Heartbeat
+Message = (
+    StepRequest
+    | StepResult
+    | StepRejected
+    | AllocateKV
+    | ForkKV
+    | CopySlots
+    | FreeRequest
+    | Shutdown
+    | WorkerReady
+    | WorkerError
+    | Heartbeat
+)
 
 # The allowlists: the only classes decode will ever instantiate.
 MESSAGE_TYPES: dict[str, type] = {
     cls.type: cls
-    for cls in (StepRequest, StepResult, AllocateKV, FreeRequest, Shutdown, WorkerError, Heartbeat)
+    for cls in (
+        StepRequest,
+        StepResult,
+        StepRejected,
+        AllocateKV,
+        ForkKV,
+        CopySlots,
+        FreeRequest,
+        Shutdown,
+        WorkerReady,
+        WorkerError,
+        Heartbeat,
+    )
 }
-STRUCT_TYPES: frozenset[type] = frozenset({StepEntry, ResultEntry})
+STRUCT_TYPES: frozenset[type] = frozenset({StepEntry, ResultEntry, TensorMeta, KVSlots, SlotCopy})
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -216,7 +346,9 @@ def _convert(value: Any, tp: Any, path: str, to_wire: bool) -> Any:
         if value is None and type(None) in options:
             return None
         inner = [o for o in options if o is not type(None)]
-        if len(inner) != 1:  # only ``X | None`` is used in messages; keep decoding unambiguous
+        if len(inner) > 1 and all(o in _PRIMITIVES for o in inner):
+            return _convert_primitive_union(value, inner, path)
+        if len(inner) != 1:  # else only ``X | None``: keep decoding unambiguous
             raise MessageError(f"{path}: unsupported union annotation {tp}")
         return _convert(value, inner[0], path, to_wire)
     if tp is bool:
@@ -256,6 +388,22 @@ def _convert(value: Any, tp: Any, path: str, to_wire: bool) -> Any:
     else:
         raise MessageError(f"{path}: unsupported annotation {tp}")
     raise MessageError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__}")
+
+
+def _convert_primitive_union(value: Any, options: list[Any], path: str) -> Any:
+    """A value of a union of msgpack primitives (``Scalar``): its own type must be one of the
+    options, exactly (no int -> float widening, no bool as int), so encode and decode agree."""
+    for tp in options:
+        if tp is bool and isinstance(value, bool):
+            return value
+        if tp is int and _is_int(value):
+            return int(value)
+        if tp is float and isinstance(value, float):
+            return float(value)
+        if tp in (str, bytes) and isinstance(value, tp):
+            return value
+    names = " | ".join(_type_name(o) for o in options)
+    raise MessageError(f"{path}: expected {names}, got {type(value).__name__}")
 
 
 def _type_name(tp: Any) -> str:

@@ -13,16 +13,23 @@ from mstar_runtime.messages import (
     MAX_INLINE_TENSOR_BYTES,
     MESSAGE_TYPES,
     AllocateKV,
+    CopySlots,
+    ForkKV,
     FreeRequest,
     Heartbeat,
+    KVSlots,
     Message,
     MessageError,
     ResultEntry,
     Shutdown,
+    SlotCopy,
     StepEntry,
+    StepRejected,
     StepRequest,
     StepResult,
+    TensorMeta,
     WorkerError,
+    WorkerReady,
     decode,
     encode,
 )
@@ -36,9 +43,15 @@ def samples() -> list[Message]:
             phase="decode",
             entries=[
                 StepEntry(
-                    "req-1", "main", ["llm.token"], {"ids": torch.tensor([[1, 2, 3]], dtype=torch.int32)}
+                    "req-1",
+                    "main",
+                    [TensorMeta("hidden", "bfloat16", [1, 4096])],
+                    {"ids": torch.tensor([[1, 2, 3]], dtype=torch.int32)},
+                    {"max_new": 16, "scale": 2.5, "final": True, "text": "hi", "none": None},
+                    KVSlots(start=3, q_len=2, slots=[3, 4], page_table=[0], mask="full", keep=False),
                 ),
                 StepEntry("req-2", "cfg_text", [], {}),
+                StepEntry("req-3", None, [], kv=KVSlots(0, 1, [16], [1, 7], "block_causal", 4)),
             ],
         ),
         StepResult(
@@ -48,12 +61,20 @@ def samples() -> list[Message]:
                 ResultEntry(
                     "req-1",
                     "main",
-                    ["llm.token", "llm.code"],
+                    [TensorMeta("hidden", "float32", [1, 32]), TensorMeta("v", "float16", [])],
                     {"done": torch.tensor([True]), "logp": torch.tensor([-0.5], dtype=torch.bfloat16)},
-                )
+                    {"done": False, "count": -(2**63), "big": 2**64 - 1},
+                ),
+                ResultEntry("req-2", None, []),
             ],
             elapsed_s=0.0125,
         ),
+        StepRejected(step_id=7, rank=1, message="prompt too long", field="tokens", request_ids=["a", "b"]),
+        StepRejected(step_id=8, rank=2, message="bad", field=None, request_ids=[]),
+        ForkKV(node="llm", request_id="r", src_tag="uncond", dst_tag="cond", copy=SlotCopy(32, 48, 5)),
+        ForkKV(node="llm", request_id="r", src_tag="main", dst_tag="cont"),
+        CopySlots(node="llm", copy=SlotCopy(src_start=0, dst_start=16, count=16)),
+        WorkerReady(rank=1, pid=4242, nodes=["lm", "codec"], plan_digest="ab" * 32),
         StepRequest(step_id=0, node="vae", phase="decode", entries=[]),
         AllocateKV(node="llm", request_id="r", tag="cfg_img", n_tokens=4096, fork_from="gen"),
         AllocateKV(node="llm", request_id="r", tag="gen", n_tokens=1),
@@ -94,9 +115,13 @@ def test_allowlist_is_explicit_and_complete() -> None:
     assert set(MESSAGE_TYPES) == {
         "step_request",
         "step_result",
+        "step_rejected",
         "allocate_kv",
+        "fork_kv",
+        "copy_slots",
         "free_request",
         "shutdown",
+        "worker_ready",
         "worker_error",
         "heartbeat",
     }
@@ -131,6 +156,11 @@ def wire(msg: Message) -> dict:
     return msgpack.unpackb(encode(msg), raw=False)
 
 
+def first(cls: type) -> dict:
+    """The wire map of the first sample of a message class."""
+    return wire(next(m for m in samples() if type(m) is cls))
+
+
 def pack(obj: object) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
@@ -152,11 +182,23 @@ def bad_wires() -> list[tuple[object, str]]:
         ("heartbeat", "a message must be a map"),
         ({**wire(WorkerError(0, "x")), "step_id": "3"}, "worker_error.step_id"),
         ({**wire(Shutdown()), "reason": b"bytes"}, "expected str, got bytes"),
+        ({**first(ForkKV), "copy": {"src_start": 0, "dst_start": 1}}, "SlotCopy is missing count"),
+        ({**first(StepRejected), "request_ids": ["a", 1]}, "request_ids[1]: expected str"),
+        ({**first(WorkerReady), "nodes": "lm"}, "worker_ready.nodes: expected list"),
     ]
     e = step["entries"][0]
     mutations = [
         ({**e, "inputs": "llm.token"}, "inputs: expected list"),
-        ({**e, "inputs": [1]}, "inputs[0]: expected str"),
+        ({**e, "inputs": [1]}, "inputs[0]: expected TensorMeta, got int"),
+        (
+            {**e, "inputs": [{"name": "x", "dtype": "float32", "shape": ["3"]}]},
+            "inputs[0].shape[0]: expected int",
+        ),
+        ({**e, "scalars": {"x": [1]}}, "scalars.x: expected bool | int | float | str, got list"),
+        ({**e, "scalars": {"x": b"raw"}}, "expected bool | int | float | str, got bytes"),
+        ({**e, "kv": {**e["kv"], "slots": "0"}}, "kv.slots: expected list"),
+        ({**e, "kv": {**e["kv"], "block_size": 1.5}}, "kv.block_size: expected int"),
+        ({**e, "tag": 3}, "tag: expected str, got int"),
         ({**e, "bogus": 1}, "unexpected bogus"),
         ({k: v for k, v in e.items() if k != "tag"}, "missing tag"),
         (
@@ -292,6 +334,16 @@ json_like = st.recursive(
                 "seq",
                 "inputs",
                 "inline",
+                "scalars",
+                "kv",
+                "field",
+                "request_ids",
+                "src_tag",
+                "dst_tag",
+                "copy",
+                "pid",
+                "nodes",
+                "plan_digest",
             ]
         ),
         json_like,

@@ -367,12 +367,12 @@ def test_codec_context_changes_only_what_it_should(family: Family) -> None:
     hop = int(family.config["hop"])
     with torch.no_grad():
         full, tail = family.codec.run(
-            "decode_frames", [{"frames": codes, "frames.context": 0}, {"frames": codes, "frames.context": 2}]
+            "decode_frames", [{"frames": codes, "frames:context": 0}, {"frames": codes, "frames:context": 2}]
         )
-        (alone,) = family.codec.run("decode_frames", [{"frames": codes[2:], "frames.context": 0}])
+        (alone,) = family.codec.run("decode_frames", [{"frames": codes[2:], "frames:context": 0}])
     torch.testing.assert_close(tail["pcm"], full["pcm"][2 * hop :], **TOL)  # same items, same samples
     assert not torch.allclose(alone["pcm"][:hop], tail["pcm"][:hop])  # the context shaped them
-    with pytest.raises(NodeError, match="frames.context"):
+    with pytest.raises(NodeError, match="frames:context"):
         family.codec.run("decode_frames", [{"frames": codes}])
 
 

@@ -6,7 +6,7 @@ Node classes (the plan names them `mstar_models.testfamily.<Class>`):
   TinyCodec  (stateless)  decode_window / decode_block / decode_frames  codes -> samples
   TinyFlow   (stateless)  init / time / step                      flow-matching arithmetic
 
-Stream chunks reach TinyCodec as `entry[port]` (the items) plus `entry[port + ".context"]`
+Stream chunks reach TinyCodec as `entry[port]` (the items) plus `entry[port + ":context"]`
 (how many leading items are context); see `common.CONTEXT_SUFFIX`.
 `reference.py` runs every walk densely on the same modules, without the runtime.
 """

@@ -2,7 +2,7 @@
 
 code -> embedding -> + causal conv over the chunk's items (SiLU) -> linear upsampler to `hop`
 samples per item -> tanh. Only the chunk's NEW items are returned: its leading context items
-(given by the runtime as `entry["<port>.context"]`, see `common.CONTEXT_SUFFIX`) only shape the
+(given by the runtime as `entry["<port>:context"]`, see `common.CONTEXT_SUFFIX`) only shape the
 new items' samples through the causal conv, as left context does for a causal vocoder.
 """
 

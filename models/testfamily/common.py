@@ -12,9 +12,10 @@ from mstar_runtime.node import NodeError, NodeSpec, RequestError
 
 # The runtime passes a stream chunk to its consumer port P as the items tensor `entry[P]` and
 # the number of its leading context items (already seen in an earlier chunk) as
-# `entry[P + CONTEXT_SUFFIX]`, an int. A port name is an identifier, so the dot keeps the key
-# from ever clashing with a port, and a walk needs no extra syntax to pass it.
-CONTEXT_SUFFIX = ".context"
+# `entry[P + CONTEXT_SUFFIX]`, an int (mstar_runtime.interpreter.chunk_inputs). A port name is
+# an identifier, so the colon keeps the key from ever clashing with a port, and a walk needs
+# no extra syntax to pass it.
+CONTEXT_SUFFIX = ":context"
 
 
 def setting(spec: NodeSpec, name: str) -> Any:

@@ -19,7 +19,8 @@ Semantics it fixes (the runtime must agree):
                           min(c, L) context items
   - `emit X += v` concatenates along dim 0 in program order; `acc` likewise.
   - A transition keeps the context as it stands: chat's prompt and every token chat fed back
-    (all its tokens but the last); `continue` starts with its inputs' defaults.
+    (all its tokens but the last). `continue` takes chat's inputs and set outputs of the same
+    names (so chat's `max_new`), else its defaults.
 """
 
 from __future__ import annotations
@@ -321,16 +322,12 @@ WALK_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def run_request(
-    family: Family,
-    walk: str,
-    inputs: Mapping[str, Any],
-    next_inputs: Mapping[str, Mapping[str, Any]] | None = None,
-) -> list[tuple[str, dict[str, Any]]]:
+def run_request(family: Family, walk: str, inputs: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """One request from `walk`, following the transition chat -> continue when `handoff`.
 
-    Returns [(walk, outputs), ...] in order; outputs are exactly the walk's outputs.
-    `next_inputs[walk]` overrides the defaults of a walk started by a transition."""
+    Returns [(walk, outputs), ...] in order; outputs are exactly the walk's outputs. A walk
+    started by a transition takes the previous walk's inputs (and set outputs) of the same
+    names, else its defaults: `continue` gets chat's `max_new` and the default `text`."""
     args = {**WALK_DEFAULTS[walk], **inputs}
     if walk in ("generate", "generate_fixed", "generate_left"):
         out = run_generate(family, walk, **args)
@@ -345,6 +342,8 @@ def run_request(
     chat, kv = run_chat(family, **args)
     result = [("chat", chat)]
     if chat["handoff"]:
-        cont_args = {**WALK_DEFAULTS["continue"], **((next_inputs or {}).get("continue", {}))}
+        carried = {**args, "handoff": chat["handoff"]}
+        defaults = WALK_DEFAULTS["continue"]
+        cont_args = {k: carried.get(k, v) for k, v in defaults.items()}
         result.append(("continue", run_continue(family, kv, **cont_args)))
     return result

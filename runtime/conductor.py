@@ -1,0 +1,585 @@
+"""The conductor: requests, their walk tasks and stream buffers, and the engine loop.
+
+One `Conductor` serves one plan. `submit` validates a request against its walk's typed
+inputs and queues it; `step` runs one iteration of the engine loop:
+
+1. admit waiting requests (up to `max_running`), starting each one's main `WalkTask`;
+2. advance every runnable task until it blocks on a step, a chunk, space, or children;
+3. let the `Scheduler` pick the next group of ready steps (same node, phase, ranks);
+4. reserve KV pages for its entries, preempting the newest request when a pool is full;
+5. run the group as one batched step on its worker(s) and resume the tasks with outputs.
+
+Requests join and leave between steps (continuous batching); a finished request frees its
+pages at once. A preempted request restarts from scratch later; whatever it already
+streamed is not streamed again (replay is deterministic). `preempt_every=N` forces a
+preemption every N steps, for tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from mstar_runtime.engines import KVSlots, StepEntry
+from mstar_runtime.interpreter import (
+    ForkKV,
+    Interpreter,
+    Join,
+    Spawn,
+    StepCall,
+    WaitChunk,
+    WaitSpace,
+    WalkError,
+    WalkTask,
+    _Wasted,
+    chunk_inputs,
+    concat,
+    read_flag,
+)
+from mstar_runtime.kv_cache import OutOfPages
+from mstar_runtime.node import KVNode, NodeSpec, RequestError
+from mstar_runtime.plan import Plan
+from mstar_runtime.remote import EngineStopped, WorkerLost
+from mstar_runtime.scheduler import KVPages, Scheduler
+from mstar_runtime.streams import StreamBuffer, policy_from_spec
+from mstar_runtime.validate import TORCH_DTYPES, validate_inputs
+from mstar_runtime.worker import StepBatch, WorkerStepError
+
+WAITING, RUNNING, FINISHED, FAILED, CANCELLED = "waiting", "running", "finished", "failed", "cancelled"
+
+
+def _empty(t: Mapping[str, Any]) -> Any:
+    if t["kind"] == "str":
+        return ""
+    dtype = TORCH_DTYPES.get(t.get("dtype") or "f32", torch.float32)
+    dims = [0] + [d if isinstance(d, int) else 0 for d in t.get("dims", [])[1:]]
+    return torch.zeros(dims, dtype=dtype)
+
+
+class WorkerLike(Protocol):
+    def run_step(self, batch: StepBatch) -> list[dict[str, Any]]: ...
+    def fork(self, node: str, request_id: str, src_tag: str, dst_tag: str, copy: Any) -> None: ...
+    def copy_slots(self, node: str, copy: Any) -> None: ...
+    def free(self, request_id: str) -> None: ...
+
+
+class Listener(Protocol):
+    def on_output(self, request: Request, name: str, value: Any) -> None: ...
+    def on_finish(self, request: Request) -> None: ...
+
+
+@dataclass
+class RequestStats:
+    steps: int = 0
+    wasted_steps: int = 0
+    preemptions: int = 0
+    submitted_at: float = 0.0
+    first_output_at: float | None = None
+    finished_at: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """One client request: a walk (and the walks its transitions lead to) over typed inputs."""
+
+    id: str
+    walk: str
+    inputs: dict[str, Any]
+    arrival: int
+    conductor: Conductor
+    listener: Listener | None = None
+    deadline: float | None = None
+    state: str = WAITING
+    error: str | None = None
+    error_field: str | None = None
+    finish_reason: str | None = None
+    outputs: dict[str, Any] = field(default_factory=dict)
+    walks_done: list[str] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    # ---- per attempt (reset on preemption)
+    tasks: set[WalkTask] = field(default_factory=set)
+    buffers: dict[str, StreamBuffer] = field(default_factory=dict)
+    appended: dict[str, int] = field(default_factory=dict)
+    # ---- across attempts
+    delivered: dict[str, int] = field(default_factory=dict)
+    current_walk: str = ""
+    current_inputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.state in (FINISHED, FAILED, CANCELLED)
+
+    # ---- effects called by the interpreter
+    def emit(self, name: str, value: Any, mode: str) -> None:
+        if mode == "set":
+            self.outputs[name] = value
+            return
+        self.outputs.setdefault(name, []).append(value)
+        n = self.appended.get(name, 0) + 1
+        self.appended[name] = n
+        if n <= self.delivered.get(name, 0):
+            return  # a replay after preemption: the client already has this item
+        self.delivered[name] = n
+        if self.stats.first_output_at is None:
+            self.stats.first_output_at = time.perf_counter()
+        if self.listener is not None:
+            self.listener.on_output(self, name, value)
+
+    def push(self, stream_id: str, buffer: StreamBuffer, items: Any) -> None:
+        if isinstance(items, torch.Tensor) and items.dim() >= 1 and items.shape[0] == 0:
+            return
+        buffer.push(items)
+        self.conductor._stream_changed(buffer)
+
+    def stream_closed(self, stream_id: str) -> None:
+        self.conductor._stream_changed(self.buffers[stream_id])
+
+    def wasted_iteration(self, kv_log: list[tuple[str, tuple[str, str], int]]) -> None:
+        self.stats.wasted_steps += 1
+        self.conductor.stats["wasted_steps"] += 1
+        first: dict[tuple[str, tuple[str, str]], int] = {}
+        for node, key, start in kv_log:
+            first[(node, key)] = min(start, first.get((node, key), start))
+        for (node, key), start in first.items():
+            self.conductor._truncate(node, key, start)
+
+
+class Conductor:
+    """Admission, per-request walk interpreters, the scheduler loop, streams, transitions."""
+
+    def __init__(self, plan: Plan, workers: Mapping[int, WorkerLike], *, max_running: int | None = None,
+                 preempt_every: int | None = None, request_timeout: float | None = None):
+        self.plan = plan
+        self.workers = dict(workers)
+        self.scheduler = Scheduler(max_batch=plan.max_batch)
+        self.max_running = max_running or plan.max_batch
+        self.preempt_every = preempt_every
+        self.request_timeout = request_timeout
+        self.kv = KVPages({(name, rank): (plan.kv_pages(name, rank), plan.page_size)
+                           for name, rank in plan.kv_pools()})
+        self._kv_classes: dict[str, type[KVNode]] = {}
+        self._kv_specs: dict[str, NodeSpec] = {}
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.pending: list[StepCall] = []
+        self.ready: deque[tuple[WalkTask, Any, BaseException | None]] = deque()
+        self._chunk_waiters: dict[int, WalkTask] = {}
+        self._chunk_queues: dict[int, deque] = {}
+        self._space_waiters: dict[int, list[WalkTask]] = {}
+        self._task_calls: dict[WalkTask, StepCall] = {}
+        self._ids = itertools.count()
+        self._seq = itertools.count()
+        self._readmit_after_finish = False
+        self.broken: str | None = None  # set when a worker process was lost: the engine has stopped
+        self.stats: dict[str, float] = {"steps": 0, "batched_entries": 0, "wasted_steps": 0, "preemptions": 0,
+                                        "finished": 0, "failed": 0, "cancelled": 0, "step_seconds": 0.0}
+
+    # ------------------------------------------------------------------ public
+    def submit(self, walk: str, inputs: Mapping[str, Any], *, request_id: str | None = None,
+               listener: Listener | None = None, timeout: float | None = None) -> Request:
+        """Queue a request; raises RequestError (naming the field) for bad input."""
+        if self.broken is not None:
+            raise EngineStopped(f"the engine stopped: {self.broken}")
+        program = self.plan.walk(walk)  # raises RequestError for an unknown walk
+        values = validate_inputs(walk, program, inputs)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests and not self.requests[rid].done:
+            raise RequestError(f"request id '{rid}' is already in use", "request_id")
+        req = Request(rid, walk, values, next(self._seq), self, listener)
+        req.stats.submitted_at = time.perf_counter()
+        limit = timeout if timeout is not None else self.request_timeout
+        req.deadline = req.stats.submitted_at + limit if limit else None
+        req.current_walk, req.current_inputs = walk, values
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.done:
+            return False
+        self._end(req, CANCELLED, reason=reason)
+        return True
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def run_until_idle(self, on_step: Callable[[], None] | None = None) -> None:
+        while self.step():
+            if on_step is not None:
+                on_step()
+
+    def step(self) -> bool:
+        """One engine-loop iteration. Returns False when there is nothing left to do."""
+        self._expire()
+        self._admit()
+        self._drive()
+        picked = self.scheduler.next_group(self.pending)
+        if picked is None:
+            stuck = [r for r in self.running if not r.done]
+            for r in stuck:  # tasks blocked on nothing that can ever arrive: a walk bug, never a hang
+                self._fail(r, "walk cannot make progress (all of its tasks wait on each other)")
+            return bool(self.waiting or self.running)
+        key, calls = picked
+        entries = self._reserve(key, calls)
+        if entries:
+            self._run(key, entries)
+        return True
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self) -> None:
+        if self._readmit_after_finish and self.running:
+            return
+        self._readmit_after_finish = False
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting.popleft()
+            if req.done:
+                continue
+            req.state = RUNNING
+            self.running.append(req)
+            self._start_walk(req, req.current_walk, req.current_inputs)
+
+    def _start_walk(self, req: Request, walk: str, inputs: dict[str, Any]) -> None:
+        program = self.plan.walk(walk)
+        req.buffers = {}
+        for sid in program.get("streams", []):
+            spec = self.plan.stream(sid)
+            req.buffers[sid] = StreamBuffer(policy_from_spec(spec["policy"]), spec["capacity"])
+        req.appended = {}
+        req.outputs = {k: v for k, v in req.outputs.items() if k not in {o["name"] for o in program["outputs"]}}
+        task = Interpreter(req, program, req.buffers).main_task(dict(inputs))
+        req.tasks = {task}
+        self.ready.append((task, None, None))
+
+    # ------------------------------------------------------------------ tasks
+    def _drive(self) -> None:
+        while self.ready:
+            task, value, exc = self.ready.popleft()
+            if task.request.done or task not in task.request.tasks:
+                continue
+            self._advance(task, value, exc)
+
+    def _advance(self, task: WalkTask, value: Any, exc: BaseException | None) -> None:
+        req = task.request
+        try:
+            y = task.gen.throw(exc) if exc is not None else task.gen.send(value)
+        except StopIteration:
+            self._task_finished(task, None)
+            return
+        except _Wasted as e:  # raised in a branch of a speculative iteration: belongs to the parent
+            self._task_finished(task, e)
+            return
+        except RequestError as e:
+            self._fail(req, str(e), e.field)
+            return
+        except (WalkError, ValueError, TypeError, RuntimeError, KeyError, IndexError) as e:
+            self._fail(req, f"walk '{req.current_walk}' failed: {type(e).__name__}: {e}")
+            return
+        if isinstance(y, StepCall):
+            y.seq, y.task = next(self._seq), task
+            self._task_calls[task] = y
+            self.pending.append(y)
+        elif isinstance(y, WaitChunk):
+            self._wait_chunk(task, y.buffer)
+        elif isinstance(y, WaitSpace):
+            if y.buffer.can_push(y.items):
+                self.ready.append((task, None, None))
+            else:
+                self._space_waiters.setdefault(id(y.buffer), []).append(task)
+        elif isinstance(y, Join):
+            task.waiting_children = len(y.tasks)
+            for child in y.tasks:
+                child.parent = task
+                req.tasks.add(child)
+                self.ready.append((child, None, None))
+            if not y.tasks:
+                self.ready.append((task, None, None))
+        elif isinstance(y, Spawn):
+            req.tasks.add(y.task)
+            self.ready.append((y.task, None, None))
+            self.ready.append((task, None, None))
+        elif isinstance(y, ForkKV):
+            self._fork(req, y)
+            self.ready.append((task, None, None))
+        else:  # pragma: no cover - the interpreter yields nothing else
+            self._fail(req, f"internal error: unknown yield {type(y).__name__}")
+
+    def _task_finished(self, task: WalkTask, exc: BaseException | None) -> None:
+        req = task.request
+        req.tasks.discard(task)
+        parent = task.parent
+        if parent is not None and parent in req.tasks:
+            if exc is not None:
+                for sibling in [t for t in req.tasks if t.parent is parent]:
+                    self._drop_task(sibling)
+                self.ready.append((parent, None, exc))
+            else:
+                parent.waiting_children -= 1
+                if parent.waiting_children == 0:
+                    self.ready.append((parent, None, None))
+        if not req.tasks and not req.done:
+            self._walk_finished(req)
+
+    def _drop_task(self, task: WalkTask) -> None:
+        task.request.tasks.discard(task)
+        call = self._task_calls.pop(task, None)
+        if call is not None and call in self.pending:
+            self.pending.remove(call)
+        task.gen.close()
+
+    # ------------------------------------------------------------------ streams
+    def _wait_chunk(self, task: WalkTask, buffer: StreamBuffer) -> None:
+        queue = self._chunk_queues.setdefault(id(buffer), deque())
+        if not queue:
+            queue.extend(buffer.pop_ready())
+        if queue:
+            self.ready.append((task, queue.popleft(), None))
+            self._wake_space(buffer)
+        elif buffer.closed:
+            self._chunk_queues.pop(id(buffer), None)
+            self.ready.append((task, None, None))
+        else:
+            self._chunk_waiters[id(buffer)] = task
+
+    def _stream_changed(self, buffer: StreamBuffer) -> None:
+        task = self._chunk_waiters.pop(id(buffer), None)
+        if task is not None:
+            self._wait_chunk(task, buffer)
+
+    def _wake_space(self, buffer: StreamBuffer) -> None:
+        for task in self._space_waiters.pop(id(buffer), []):
+            self.ready.append((task, None, None))
+
+    # ------------------------------------------------------------------ KV
+    def _kv_class(self, node: str) -> tuple[type[KVNode], NodeSpec]:
+        if node not in self._kv_classes:
+            info = self.plan.node(node)
+            module, _, cls = info["impl"].rpartition(".")
+            self._kv_classes[node] = getattr(importlib.import_module(module), cls)
+            self._kv_specs[node] = self.plan.node_spec(node)
+        return self._kv_classes[node], self._kv_specs[node]
+
+    def _truncate(self, node: str, key: tuple[str, str], length: int) -> None:
+        for (n, rank), _ in list(self.kv.managers.items()):
+            if n == node:
+                copy = self.kv.truncate((n, rank), key, length)
+                if copy is not None:
+                    self.workers[rank].copy_slots(node, copy)
+
+    def _fork(self, req: Request, f: ForkKV) -> None:
+        for (n, rank), _ in list(self.kv.managers.items()):
+            if n != f.node:
+                continue
+            copy = self.kv.fork((n, rank), (req.id, f.src), (req.id, f.dst))
+            self.workers[rank].fork(f.node, req.id, f.src, f.dst, copy)
+
+    def _reserve(self, key: tuple[str, str, tuple[int, ...]], calls: list[StepCall]) -> list[tuple[StepCall, StepEntry]]:
+        node, phase, ranks = key
+        is_kv = self.plan.node(node)["engine"] == "kv"
+        entries: list[tuple[StepCall, StepEntry]] = []
+        for call in calls:
+            req = call.request
+            if req.done or call not in self.pending:
+                continue
+            inputs = chunk_inputs(call.inputs)
+            kv: KVSlots | None = None
+            if is_kv:
+                kv = self._reserve_one(node, phase, ranks[0], call, inputs)
+                if kv is None:
+                    continue
+            entries.append((call, StepEntry(req.id, call.tag, inputs, kv)))
+        return entries
+
+    def _reserve_one(self, node: str, phase: str, rank: int, call: StepCall, inputs: dict[str, Any]) -> KVSlots | None:
+        cls, spec = self._kv_class(node)
+        shapes = {p: tuple(v.shape) for p, v in inputs.items() if isinstance(v, torch.Tensor)}
+        try:
+            plan = cls.kv_plan(phase, shapes, spec)
+        except RequestError as e:
+            self._fail(call.request, str(e), e.field)
+            return None
+        key = (call.request.id, call.tag or "main")
+        while True:
+            try:
+                kv = self.kv.reserve((node, rank), key, plan)
+            except OutOfPages:
+                victim = self._newest_holding_kv()
+                if victim is None or victim is call.request and len(self._kv_holders()) == 1:
+                    self._fail(call.request, f"request needs more KV pages for node '{node}' than its pool holds "
+                               f"({self.kv.capacity_tokens((node, rank))} tokens); it can never fit")
+                    return None
+                self._preempt(victim)
+                if victim is call.request:
+                    return None
+                continue
+            call.frame.log_kv(node, key, kv.start)
+            return kv
+
+    def _kv_holders(self) -> list[Request]:
+        return [r for r in self.running if self.kv.holds(r.id)]
+
+    def _newest_holding_kv(self) -> Request | None:
+        holders = self._kv_holders()
+        return max(holders, key=lambda r: r.arrival) if holders else None
+
+    # ------------------------------------------------------------------ running a step
+    def _run(self, key: tuple[str, str, tuple[int, ...]], entries: list[tuple[StepCall, StepEntry]]) -> None:
+        node, phase, ranks = key
+        for call, _ in entries:
+            self.pending.remove(call)
+        batch = StepBatch(node, phase, [e for _, e in entries])
+        t0 = time.perf_counter()
+        try:
+            outputs = self._dispatch(ranks, batch)
+        except RequestError as e:
+            self._isolate(key, entries, e)
+            return
+        except WorkerStepError as e:
+            for call, _ in entries:
+                self._fail(call.request, str(e))
+            return
+        except WorkerLost as e:  # a worker process died or hung: nothing can run any more
+            self.broken = str(e)
+            for req in list(self.running) + list(self.waiting):
+                self._fail(req, str(e))
+            return
+        self.stats["step_seconds"] += time.perf_counter() - t0
+        self.stats["steps"] += 1
+        self.stats["batched_entries"] += len(entries)
+        for (call, entry), out in zip(entries, outputs):
+            if entry.kv is not None and not entry.kv.keep:
+                self._truncate(node, (entry.request_id, entry.tag or "main"), entry.kv.start)
+            call.request.stats.steps += 1
+            self._task_calls.pop(call.task, None)
+            if call.task is not None and not call.request.done:
+                self.ready.append((call.task, out, None))
+        if self.preempt_every and self.stats["steps"] % self.preempt_every == 0:
+            victim = self._newest_holding_kv() or (max(self.running, key=lambda r: r.arrival) if self.running else None)
+            if victim is not None:
+                self._preempt(victim, forced=True)
+
+    def _dispatch(self, ranks: tuple[int, ...], batch: StepBatch) -> list[dict[str, Any]]:
+        if len(ranks) == 1:
+            return self.workers[ranks[0]].run_step(batch)
+        # a tensor-parallel group: every rank runs its shard; collectives join them
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(ranks)) as pool:
+            futures = [pool.submit(self.workers[r].run_step, batch) for r in ranks]
+            results = [f.result() for f in futures]
+        return results[0]
+
+    def _isolate(self, key, entries, error: RequestError) -> None:
+        """A node rejected one entry of a batch: rerun them one by one so only the culprit fails."""
+        if len(entries) == 1:
+            call = entries[0][0]
+            self._fail(call.request, str(error), error.field)
+            return
+        for call, _ in entries:
+            self.pending.append(call)
+        for _, entry in entries:
+            if entry.kv is not None:  # the reservation is redone on the rerun
+                self._truncate(key[0], (entry.request_id, entry.tag or "main"), entry.kv.start)
+        for call, _ in entries:
+            if call.request.done:
+                continue
+            single = self._reserve(key, [call])
+            if single:
+                self._run(key, single)
+
+    # ------------------------------------------------------------------ endings
+    def _walk_finished(self, req: Request) -> None:
+        walk = req.current_walk
+        req.walks_done.append(walk)
+        for t in self.plan.transitions():
+            if t["src"] != walk:
+                continue
+            flag = req.outputs.get(t["when"])
+            if flag is not None and read_flag(flag):
+                self._transition(req, t)
+                return
+        self._end(req, FINISHED, reason="stop")
+
+    def _transition(self, req: Request, t: dict[str, Any]) -> None:
+        keep = {(k["node"], k["tag"]): k["as"] for k in t["keep"]}
+        for (node, tag), as_tag in keep.items():
+            if tag != as_tag:
+                self._fork(req, ForkKV(node, tag, as_tag))
+        kept = {(node, as_tag) for (node, _), as_tag in keep.items()}
+        for (node, _rank), bm in self.kv.managers.items():
+            for tag in bm.tags(req.id):
+                if (node, tag) not in kept:
+                    bm.free((req.id, tag))
+        program = self.plan.walk(t["dst"])
+        carried = {**req.current_inputs, **{k: v for k, v in req.outputs.items() if not isinstance(v, list)}}
+        inputs = validate_inputs(t["dst"], program, {p["name"]: carried[p["name"]] for p in program["inputs"]
+                                                     if p["name"] in carried})
+        req.current_walk, req.current_inputs = t["dst"], inputs
+        self._start_walk(req, t["dst"], inputs)
+
+    def _release(self, req: Request) -> None:
+        for task in list(req.tasks):
+            self._drop_task(task)
+        req.tasks.clear()
+        self.pending = [c for c in self.pending if c.request is not req]
+        for buf in req.buffers.values():
+            self._chunk_waiters.pop(id(buf), None)
+            self._chunk_queues.pop(id(buf), None)
+            self._space_waiters.pop(id(buf), None)
+        self.kv.free_request(req.id)
+        for w in self.workers.values():
+            w.free(req.id)
+        if req in self.running:
+            self.running.remove(req)
+
+    def _preempt(self, req: Request, forced: bool = False) -> None:
+        self._release(req)
+        req.state = WAITING
+        req.stats.preemptions += 1
+        self.stats["preemptions"] += 1
+        req.current_walk, req.current_inputs = req.walk, req.inputs  # recompute from the start
+        req.outputs = {}
+        req.walks_done = []
+        # back to the head of the queue, in arrival order
+        self.waiting.appendleft(req)
+        self.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival))
+        self._readmit_after_finish = not forced
+
+    def _fail(self, req: Request, message: str, field_name: str | None = None) -> None:
+        if req.done:
+            return
+        req.error, req.error_field = message, field_name
+        self._end(req, FAILED, reason="error")
+
+    def _end(self, req: Request, state: str, reason: str) -> None:
+        self._release(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.state, req.finish_reason = state, reason
+        req.stats.finished_at = time.perf_counter()
+        for name, value in list(req.outputs.items()):
+            if isinstance(value, list):
+                req.outputs[name] = concat(value)
+        if state == FINISHED:  # an appended output that never got an item is empty, not missing
+            for out in self.plan.walk(req.current_walk)["outputs"]:
+                if out["mode"] == "append" and out["name"] not in req.outputs:
+                    req.outputs[out["name"]] = _empty(out["type"])
+        self.stats[{FINISHED: "finished", FAILED: "failed", CANCELLED: "cancelled"}[state]] += 1
+        if req.listener is not None:
+            req.listener.on_finish(req)
+
+    def _expire(self) -> None:
+        now = time.perf_counter()
+        for req in list(self.running) + list(self.waiting):
+            if req.deadline is not None and now > req.deadline and not req.done:
+                req.error = f"request timed out after {req.deadline - req.stats.submitted_at:.1f} s"
+                self._end(req, FAILED, reason="timeout")

@@ -1,0 +1,88 @@
+"""The scheduler: which ready steps run together next, and KV pages for them.
+
+Ready `StepCall`s of all requests are grouped by (node, phase, ranks): calls in one group
+run as one batched step (continuous batching: requests join and leave between steps; CFG
+branches of one request on different KV tags share a group). The group whose oldest call
+was issued first runs next, up to `max_batch` entries in issue order, so no request starves.
+
+`KVPages` holds the `BlockManager` of every KV node and turns an entry's `SeqPlan` into
+the `KVSlots` the worker writes to. It never preempts by itself: when a reservation fails
+it raises `OutOfPages`, and the conductor decides whom to preempt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from mstar_runtime.engines import KVSlots
+from mstar_runtime.interpreter import StepCall
+from mstar_runtime.kv_cache import BlockManager, OutOfPages, SlotCopy
+from mstar_runtime.node import SeqPlan
+
+GroupKey = tuple[str, str, tuple[int, ...]]
+
+
+def group_key(call: StepCall) -> GroupKey:
+    return call.op["node"], call.op["phase"], tuple(call.op["ranks"])
+
+
+@dataclass
+class Scheduler:
+    max_batch: int
+
+    def next_group(self, ready: Iterable[StepCall]) -> tuple[GroupKey, list[StepCall]] | None:
+        groups: dict[GroupKey, list[StepCall]] = {}
+        for call in ready:
+            groups.setdefault(group_key(call), []).append(call)
+        if not groups:
+            return None
+        key = min(groups, key=lambda k: min(c.seq for c in groups[k]))
+        calls = sorted(groups[key], key=lambda c: c.seq)[: self.max_batch]
+        return key, calls
+
+
+class KVPages:
+    """The conductor's view of every KV pool: page tables per (request, tag) for each KV node."""
+
+    def __init__(self, pools: dict[str, tuple[int, int]]):
+        """pools: node -> (num_pages, page_size)."""
+        self.managers = {node: BlockManager(pages, size) for node, (pages, size) in pools.items()}
+
+    def reserve(self, node: str, key: tuple[str, str], plan: SeqPlan) -> KVSlots:
+        bm = self.managers[node]
+        start = bm.seq_len(key) if key in bm else 0
+        slots = bm.append(key, plan.q_len)  # raises OutOfPages, changing nothing
+        return KVSlots(start=start, q_len=plan.q_len, slots=slots, page_table=bm.page_table(key),
+                       mask=plan.mask, block_size=plan.block_size, keep=plan.keep)
+
+    def truncate(self, node: str, key: tuple[str, str], length: int) -> SlotCopy | None:
+        bm = self.managers[node]
+        return bm.truncate(key, length) if key in bm else None
+
+    def fork(self, node: str, src: tuple[str, str], dst: tuple[str, str]) -> SlotCopy | None:
+        bm = self.managers[node]
+        if src not in bm:  # forking an empty context gives an empty context
+            return None
+        if dst in bm:
+            bm.free(dst)
+        return bm.fork(src, dst)
+
+    def free_request(self, request_id: str) -> int:
+        return sum(bm.free_request(request_id) for bm in self.managers.values())
+
+    def holds(self, request_id: str) -> bool:
+        return any(bm.tags(request_id) for bm in self.managers.values())
+
+    def capacity_tokens(self, node: str) -> int:
+        bm = self.managers[node]
+        return bm.num_pages * bm.page_size
+
+    def used_pages(self) -> int:
+        return sum(bm.used_pages for bm in self.managers.values())
+
+    def total_pages(self) -> int:
+        return sum(bm.num_pages for bm in self.managers.values())
+
+
+__all__ = ["KVPages", "OutOfPages", "Scheduler", "group_key"]

@@ -1,0 +1,159 @@
+"""Sampling: Hugging Face's processing, reproducible draws that ignore batch composition, valid params."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mstar_runtime.node import RequestError
+from mstar_runtime.sampler import SamplingParams, gumbel_noise, process_logits, sample
+
+V = 97
+
+
+def logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def history(seed: int, n: int = 12) -> torch.Tensor:
+    return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+MIXED = [
+    SamplingParams(0.7, 5, 0.9, 1.3, seed=1),
+    SamplingParams(1.0, 0, 0.5, 1.0, seed=2),
+    SamplingParams(1.5, 10, 1.0, 0.8, seed=3),
+    SamplingParams(0.0, 3, 0.2, 1.2, seed=4),
+    SamplingParams(0.3, 1, 1.0, 1.0, seed=5),
+    SamplingParams(1.0, 0, 1.0, 1.0, seed=None),
+    SamplingParams(0.9, 200, 0.95, 2.0, seed=7),
+]
+
+
+def test_greedy_is_argmax_after_the_penalty() -> None:
+    x = logits(3)
+    params = [SamplingParams(temperature=0.0)] * 3
+    assert torch.equal(sample(x, params, [None] * 3, [0, 1, 2]), x.argmax(-1))
+    # the penalty applies to greedy decoding too (as in HF's generate)
+    top = int(x[0].argmax())
+    x[0, top] = x[0].max() + 0.1
+    pen = [SamplingParams(temperature=0.0, repetition_penalty=1e6)]
+    assert int(sample(x[:1], pen, [torch.tensor([top])], [0])[0]) != top
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative() -> None:
+    x = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
+    out = process_logits(x, [SamplingParams(repetition_penalty=2.0)], [torch.tensor([0, 1, 1, 7])])
+    assert torch.equal(out, torch.tensor([[1.0, -4.0, 1.0, -1.0, 0.5]]))  # id 7 is beyond the vocab: ignored
+
+
+def test_matches_huggingface_processors() -> None:
+    hf = pytest.importorskip("transformers.generation.logits_process")
+    x = logits(len(MIXED), seed=3)
+    hists = [history(i) if i % 3 else None for i in range(len(MIXED))]
+    mine = process_logits(x, MIXED, hists)
+    for b, p in enumerate(MIXED):
+        ref = x[b : b + 1].clone()
+        if hists[b] is not None and p.repetition_penalty != 1.0:
+            ref = hf.RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(hists[b][None], ref)
+        if p.temperature == 0:  # greedy: only the penalty
+            assert torch.equal(mine[b], ref[0])
+            continue
+        if p.temperature != 1.0:
+            ref = hf.TemperatureLogitsWarper(p.temperature)(None, ref)
+        if p.top_k:
+            ref = hf.TopKLogitsWarper(p.top_k)(None, ref)
+        if p.top_p < 1.0:
+            ref = hf.TopPLogitsWarper(p.top_p)(None, ref)
+        assert torch.equal(torch.isinf(mine[b]), torch.isinf(ref[0])), b
+        kept = ~torch.isinf(ref[0])
+        assert torch.allclose(mine[b][kept], ref[0][kept], rtol=0, atol=1e-6), b
+
+
+def test_a_row_ignores_the_rest_of_the_batch() -> None:
+    x = logits(len(MIXED), seed=4)
+    seeded = [b for b, p in enumerate(MIXED) if p.seed is not None]
+    hists = [history(10 + b) for b in range(len(MIXED))]
+    steps = [5, 9, 0, 3, 2, 1, 40]
+    batched = sample(x, MIXED, hists, steps)
+    for b in seeded:
+        alone = sample(x[b : b + 1], [MIXED[b]], [hists[b]], [steps[b]])
+        assert int(alone[0]) == int(batched[b]), b
+    # and in another order, next to other rows
+    order = list(reversed(seeded))
+    shuffled = sample(
+        x[order], [MIXED[b] for b in order], [hists[b] for b in order], [steps[b] for b in order]
+    )
+    assert [int(t) for t in shuffled] == [int(batched[b]) for b in order]
+
+
+def test_a_recomputed_request_replays_its_tokens() -> None:
+    p = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    x = logits(1, seed=9)
+    first = [int(sample(x, [p], [None], [n])[0]) for n in range(30)]
+    again = [int(sample(x, [p], [None], [n])[0]) for n in range(30)]
+    assert first == again and len(set(first)) > 3  # and the steps really draw different tokens
+    other = [int(sample(x, [SamplingParams(top_p=0.95, seed=4321)], [None], [n])[0]) for n in range(30)]
+    assert other != first
+
+
+def test_frequencies_follow_the_distribution() -> None:
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    n = 20000
+    rows = probs.log()[None].expand(n, 4)
+    toks = sample(rows, [SamplingParams(seed=7)] * n, [None] * n, list(range(n)))
+    freq = torch.bincount(toks, minlength=4).float() / n
+    assert torch.allclose(freq, probs, atol=0.015), freq
+    # with temperature 0.5 the distribution sharpens to probs**2 / sum
+    toks = sample(rows, [SamplingParams(temperature=0.5, seed=8)] * n, [None] * n, list(range(n)))
+    sharp = probs**2 / (probs**2).sum()
+    assert torch.allclose(torch.bincount(toks, minlength=4).float() / n, sharp, atol=0.015)
+
+
+def test_filtered_tokens_are_never_drawn() -> None:
+    x = logits(1, seed=11)
+    top3 = set(x[0].topk(3).indices.tolist())
+    drawn = {
+        int(sample(x, [SamplingParams(temperature=2.0, top_k=3, seed=1)], [None], [n])[0]) for n in range(300)
+    }
+    assert drawn <= top3 and len(drawn) > 1
+    nucleus = {int(sample(x, [SamplingParams(top_p=1e-6, seed=1)], [None], [n])[0]) for n in range(50)}
+    assert nucleus == {int(x[0].argmax())}  # top-p keeps at least the most likely token
+
+
+def test_gumbel_noise_is_a_pure_function_with_gumbel_moments() -> None:
+    keys = [3, 2**63 + 5, 12345678901234567]
+    a, b = gumbel_noise(keys, 50000, torch.device("cpu")), gumbel_noise(keys, 50000, torch.device("cpu"))
+    assert torch.equal(a, b) and torch.isfinite(a).all()
+    assert not torch.equal(a[0], a[1])
+    assert abs(float(a.mean()) - 0.5772) < 0.01 and abs(float(a.var()) - math.pi**2 / 6) < 0.03
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"seed": "7"}, "seed"),
+    ],
+)
+def test_invalid_params_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(RequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.field == field and field in str(info.value)
+
+
+def test_with_seed_and_shape_checks() -> None:
+    p = SamplingParams().with_seed()
+    assert p.seed is not None and p.with_seed() is p
+    with pytest.raises(ValueError, match="need logits"):
+        sample(logits(2), [p], [None], [0])
+    with pytest.raises(ValueError, match="one step per row"):
+        sample(logits(1), [p], [None], [0, 1])

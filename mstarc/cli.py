@@ -110,8 +110,10 @@ def _read_plan(path: str) -> dict:
     try:
         return planfile.read(path)
     except planfile.PlanFileError as e:
-        code = "E071" if "version" in str(e) else ("E072" if "cap" in str(e) else "E070")
-        raise CompileError([Diagnostic(code, str(e).removeprefix(f"{path}: "), Span(path, 0, 0))]) from None
+        if e.kind == "io":
+            raise CompileError([Diagnostic("E004", e.message, Span(path, 0, 0))]) from None
+        code = {"version": "E071", "size": "E072"}.get(e.kind, "E070")
+        raise CompileError([Diagnostic(code, e.message, Span(path, 0, 0))]) from None
 
 
 def cmd_explain(args: argparse.Namespace) -> int:

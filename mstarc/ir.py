@@ -321,5 +321,16 @@ def iter_regions(region: Region):
         yield from iter_regions(region.body)
 
 
+def loop_accs(region: Region) -> list[Acc]:
+    """The `acc` statements that belong to a loop: in its body and branches, not in nested loops."""
+    if isinstance(region, Acc):
+        return [region]
+    if isinstance(region, Seq):
+        return [a for r in region.body for a in loop_accs(r)]
+    if isinstance(region, Parallel):
+        return [a for b in region.branches for a in loop_accs(b.body)]
+    return []  # a nested Loop owns its accs; OnStream blocks run beside the loop
+
+
 def walk_calls(walk: WalkIR) -> list[Call]:
     return [r for r in iter_regions(walk.body) if isinstance(r, Call)]

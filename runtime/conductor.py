@@ -308,8 +308,8 @@ class Conductor:
             self.ready.append((y.task, None, None))
             self.ready.append((task, None, None))
         elif isinstance(y, ForkKV):
-            self._fork(req, y)
-            self.ready.append((task, None, None))
+            if self._fork_or_preempt(req, y):
+                self.ready.append((task, None, None))
         else:  # pragma: no cover - the interpreter yields nothing else
             self._fail(req, f"internal error: unknown yield {type(y).__name__}")
 
@@ -382,6 +382,24 @@ class Conductor:
             copy = self.kv.fork((n, rank), (req.id, f.src), (req.id, f.dst))
             self.workers[rank].fork(f.node, req.id, f.src, f.dst, copy)
 
+    def _fork_or_preempt(self, req: Request, f: ForkKV) -> bool:
+        """Fork a KV context; when the pool is full, preempt the newest request and retry.
+
+        Returns False when `req` itself was preempted or failed (its task is gone)."""
+        while True:
+            try:
+                self._fork(req, f)
+                return True
+            except OutOfPages:
+                victim = self._newest_holding_kv()
+                if victim is None or (victim is req and len(self._kv_holders()) == 1):
+                    self._fail(req, f"forking KV context {f.node}@{f.src} needs a page the pool does not have; "
+                               "the request can never fit")
+                    return False
+                self._preempt(victim)
+                if victim is req:
+                    return False
+
     def _reserve(self, key: tuple[str, str, tuple[int, ...]], calls: list[StepCall]) -> list[tuple[StepCall, StepEntry]]:
         node, phase, ranks = key
         is_kv = self.plan.node(node)["engine"] == "kv"
@@ -397,7 +415,8 @@ class Conductor:
                 if kv is None:
                     continue
             entries.append((call, StepEntry(req.id, call.tag, inputs, kv)))
-        return entries
+        # a later entry's reservation may have preempted an earlier entry's request
+        return [(c, e) for c, e in entries if c in self.pending and not c.request.done]
 
     def _reserve_one(self, node: str, phase: str, rank: int, call: StepCall, inputs: dict[str, Any]) -> KVSlots | None:
         cls, spec = self._kv_class(node)
@@ -463,9 +482,10 @@ class Conductor:
             if call.task is not None and not call.request.done:
                 self.ready.append((call.task, out, None))
         if self.preempt_every and self.stats["steps"] % self.preempt_every == 0:
-            victim = self._newest_holding_kv() or (max(self.running, key=lambda r: r.arrival) if self.running else None)
-            if victim is not None:
-                self._preempt(victim, forced=True)
+            # each request is preempted at most once by the forced mode, so every one finishes
+            fresh = [r for r in self.running if r.stats.preemptions == 0]
+            if fresh:
+                self._preempt(max(fresh, key=lambda r: r.arrival), forced=True)
 
     def _dispatch(self, ranks: tuple[int, ...], batch: StepBatch) -> list[dict[str, Any]]:
         if len(ranks) == 1:
@@ -505,7 +525,10 @@ class Conductor:
                 continue
             flag = req.outputs.get(t["when"])
             if flag is not None and read_flag(flag):
-                self._transition(req, t)
+                try:
+                    self._transition(req, t)
+                except RequestError as e:
+                    self._fail(req, f"transition {walk} -> {t['dst']}: {e}", e.field)
                 return
         self._end(req, FINISHED, reason="stop")
 

@@ -191,6 +191,12 @@ class Interpreter:
         frame = Frame(self.request)
 
         def body() -> Gen:
+            # `on stream` blocks start with their walk and run beside it, wherever they are
+            # written: a consumer that started only when reached would let its producer fill
+            # the buffer and stall (or, after a loop, turn streaming into batch).
+            for op in _stream_blocks(self.program["program"]):
+                buffer = self.buffers[op["stream"]]
+                yield Spawn(WalkTask(self.request, self._stream_block(op, dict(env), buffer), op["id"]))
             yield from self._region(self.program["program"], env, frame)
             for sid in self.program.get("streams", []):  # every producer is done: flush the streams
                 self.buffers[sid].close()
@@ -224,8 +230,7 @@ class Interpreter:
         elif kind == "parallel":
             yield from self._parallel(op, env, frame)
         elif kind == "on_stream":
-            buffer = self.buffers[op["stream"]]
-            yield Spawn(WalkTask(self.request, self._stream_block(op, dict(env), buffer, frame), op["id"]))
+            pass  # started with the walk (main_task)
         elif kind == "emit":
             value = self._value(op["value"], env)
             name, mode = op["output"], op["mode"]
@@ -285,7 +290,9 @@ class Interpreter:
         and one wasted step is counted.
         """
         accs = {a["name"]: [] for a in op["acc"]}
-        pending = None
+        # A flag already bound before the loop (e.g. by a prefill) is checked before the first
+        # iteration -- speculatively too: iteration 0 is issued before that flag is read.
+        pending = env.get(op["until"])
         for i in range(op["max"]):
             inner = dict(env)
             if op.get("index"):
@@ -313,7 +320,7 @@ class Interpreter:
         for e in envs:  # fan-in: each branch binds distinct names (checked by the compiler)
             env.update({k: v for k, v in e.items() if k not in env or env[k] is not v})
 
-    def _stream_block(self, op: dict[str, Any], env: Env, buffer: StreamBuffer, frame: Frame) -> Gen:
+    def _stream_block(self, op: dict[str, Any], env: Env, buffer: StreamBuffer) -> Gen:
         while True:
             chunk: Chunk | None = yield WaitChunk(buffer)
             if chunk is None:
@@ -321,6 +328,15 @@ class Interpreter:
             inner = dict(env)
             inner[op["as"]] = ChunkValue(chunk)
             yield from self._region(op["body"], inner, Frame(self.request))
+
+
+def _stream_blocks(op: dict[str, Any]):
+    if op["op"] == "on_stream":
+        yield op
+    for child in op.get("body", []) if isinstance(op.get("body"), list) else [op["body"]] if "body" in op else []:
+        yield from _stream_blocks(child)
+    for branch in op.get("branches", []):
+        yield from _stream_blocks(branch["body"])
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,10 @@ HEADER_BYTES = _HEADER.size
 class PlanFileError(Exception):
     """A plan that cannot be used: corrupt, truncated, too large, or of an unknown version."""
 
-    def __init__(self, path: str, message: str):
+    def __init__(self, path: str, message: str, kind: str = "corrupt"):
         self.path = path
+        self.message = message
+        self.kind = kind  # "corrupt" | "version" | "size" | "io"
         super().__init__(f"{path}: {message}")
 
 
@@ -49,7 +51,7 @@ def dump_body(body: dict[str, Any]) -> bytes:
 def encode(body: dict[str, Any]) -> bytes:
     raw = dump_body(body)
     if len(raw) > MAX_BODY_BYTES:
-        raise PlanFileError("<plan>", f"plan body is {len(raw)} bytes, over the {MAX_BODY_BYTES}-byte cap")
+        raise PlanFileError("<plan>", f"plan body is {len(raw)} bytes, over the {MAX_BODY_BYTES}-byte cap", "size")
     return _HEADER.pack(MAGIC, CONTAINER_VERSION, 0, len(raw), hashlib.sha256(raw).digest()) + raw
 
 
@@ -62,11 +64,11 @@ def decode(data: bytes, path: str = "<plan>") -> dict[str, Any]:
         raise PlanFileError(path, "not a plan file (bad magic bytes); was it written by `mstarc compile`?")
     if version != CONTAINER_VERSION:
         raise PlanFileError(path, f"plan container version {version} is not supported (this runtime reads "
-                            f"version {CONTAINER_VERSION}); recompile the plan with a matching mstarc")
+                            f"version {CONTAINER_VERSION}); recompile the plan with a matching mstarc", "version")
     if flags != 0:
         raise PlanFileError(path, f"plan header has unknown flags {flags:#06x}: corrupt, or written by a newer mstarc")
     if length > MAX_BODY_BYTES:
-        raise PlanFileError(path, f"plan body claims {length} bytes, over the {MAX_BODY_BYTES}-byte cap")
+        raise PlanFileError(path, f"plan body claims {length} bytes, over the {MAX_BODY_BYTES}-byte cap", "size")
     raw = data[HEADER_BYTES:]
     if len(raw) != length:
         raise PlanFileError(path, f"plan file is truncated or padded: body has {len(raw)} bytes, header says {length}")
@@ -84,7 +86,7 @@ def decode(data: bytes, path: str = "<plan>") -> dict[str, Any]:
         raise PlanFileError(path, "plan body has no schema version")
     if major != SCHEMA_MAJOR:
         raise PlanFileError(path, f"plan schema version {major}.x is not supported (this runtime reads "
-                            f"{SCHEMA_MAJOR}.x); recompile the plan with a matching mstarc")
+                            f"{SCHEMA_MAJOR}.x); recompile the plan with a matching mstarc", "version")
     return body
 
 
@@ -93,10 +95,10 @@ def read(path: str | Path) -> dict[str, Any]:
     try:
         size = p.stat().st_size
         if size > MAX_BODY_BYTES + HEADER_BYTES:
-            raise PlanFileError(str(path), f"file is {size} bytes, over the plan size cap")
+            raise PlanFileError(str(path), f"file is {size} bytes, over the plan size cap", "size")
         data = p.read_bytes()
     except OSError as e:
-        raise PlanFileError(str(path), f"cannot read plan: {e.strerror or e}") from None
+        raise PlanFileError(str(path), f"cannot read plan: {e.strerror or e}", "io") from None
     return decode(data, str(path))
 
 

@@ -45,6 +45,8 @@ def coerce(walk: str, name: str, t: Mapping[str, Any], value: Any) -> Any:
         return value
     # a tensor
     dtype = TORCH_DTYPES[t["dtype"]]
+    if isinstance(value, list) and not value:  # [] is the empty tensor of the declared rank ("absent")
+        return torch.zeros([d if isinstance(d, int) else 0 for d in t["dims"]], dtype=dtype)
     try:
         tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
     except (TypeError, ValueError, RuntimeError) as e:

@@ -8,8 +8,9 @@ separate forwards; a DynamicLoop is a Python loop. Nothing here imports the runt
 the node classes.
 
 Semantics it fixes (the runtime must agree):
-  - `dynamic_loop ... until done` runs its body at least once and stops after the iteration
-    whose `done` is true, or after `max_new_tokens` iterations.
+  - `dynamic_loop ... until done` stops after the iteration whose `done` is true, or after
+    `max_new_tokens` iterations; a `done` already true before the loop (bound by the prefill
+    and carried) runs no iteration at all.
   - A stream's items are the codes of every token a prefill or kept decode step produced,
     except eos (which pushes no item). Chunks (start, end, context) per policy:
       fixed(K):           [s, min(s + K, n)) for s = 0, K, 2K, ... (the last may be partial)
@@ -249,10 +250,10 @@ class Generation:
 
 def generate(family: Family, kv: DenseKV, ids: torch.Tensor, max_new: int) -> Generation:
     steps = [ref_prefill(family.lm, kv, ids, max_new)]
-    for _ in range(int(family.config["max_new_tokens"])):  # do-while: the body runs at least once
-        steps.append(ref_decode(family.lm, kv, steps[-1].token))
+    for _ in range(int(family.config["max_new_tokens"])):  # while not done (the prefill's flag counts)
         if steps[-1].done:
             break
+        steps.append(ref_decode(family.lm, kv, steps[-1].token))
     return Generation(steps)
 
 

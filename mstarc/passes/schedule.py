@@ -76,8 +76,7 @@ class _Scheduler:
             return {"op": "loop", "id": r.id, "dynamic": r.dynamic,
                     "count": operand_json(r.count) if r.count is not None else None,
                     "max": r.max, "until": r.until, "index": r.index, "carry": list(r.carry),
-                    "acc": [{"name": a.name, "value": operand_json(a.value)}
-                            for a in r.body.body if isinstance(a, I.Acc)],
+                    "acc": [{"name": a.name, "value": operand_json(a.value)} for a in I.loop_accs(r.body)],
                     "graph": self.graph_of_loop.get(r.id), "body": self.region(r.body)}
         if isinstance(r, I.OnStream):
             return {"op": "on_stream", "id": r.id, "stream": self.buffers[r.stream].id, "as": r.name,

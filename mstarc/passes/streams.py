@@ -65,7 +65,11 @@ def streams(model: I.ModelIR) -> I.ModelIR:
             item = I.ValueType("tensor", src_port.type.dtype, src_port.type.dims[1:])
             chunk = chunk_length(edge.policy) or 1
             node = model.nodes[edge.dst_node]
-            capacity = int(node.settings.get("stream_capacity", CAPACITY_CHUNKS * chunk))
+            capacity = node.settings.get("stream_capacity", CAPACITY_CHUNKS * chunk)
+            if isinstance(capacity, bool) or not isinstance(capacity, int):
+                sink.error("E044", f"stream_capacity of '{node.name}' must be an integer number of items, "
+                           f"not {capacity!r}", node.span)
+                continue
             if capacity < chunk:
                 sink.error("E044", f"stream {edge.id} needs room for a chunk of {chunk} items, but stream_capacity "
                            f"of '{node.name}' is {capacity}", node.span)

@@ -114,8 +114,14 @@ class _WalkChecker:
         self.fed_streams: set[str] = set()
         self.stream_blocks: list[I.OnStream] = []
         self.all_bound = {r for c in I.iter_regions(walk.body) if isinstance(c, I.Call) for r in c.results}
+        self.loops: list[str] = []  # ids of the loops being checked, innermost last
+        self.acc_values: dict[tuple[str, str], ValueInfo] = {}
 
     def run(self) -> None:
+        for p in self.w.inputs:
+            if p.default is not None and not _default_fits(p.default, p.type):
+                self.sink.error("E030", f"default of input '{p.name}' is {p.default!r}, which is not a {p.type}", p.span,
+                                "an empty list [] is the empty tensor; other tensor defaults need the declared rank")
         env = {p.name: ValueInfo(p.type, None) for p in self.w.inputs}
         self.seq(self.w.body, env, loop_depth=0)
         for block in self.stream_blocks:
@@ -158,7 +164,9 @@ class _WalkChecker:
         elif isinstance(r, I.Acc):
             if loop_depth == 0:
                 self.sink.error("E049", f"`acc {r.name}` is outside a loop", r.span, "accumulate inside a loop body")
-            self.use(r.value, env)
+            info = self.use(r.value, env)
+            if info is not None and self.loops:
+                self.acc_values[(self.loops[-1], r.name)] = info
         elif isinstance(r, I.Fork):
             self.fork(r)
         elif isinstance(r, I.Seq):
@@ -270,7 +278,9 @@ class _WalkChecker:
                     if n in outer and n not in lp.carry:
                         self.sink.error("E043", f"'{n}' is bound before the {kind} and assigned in its body without carry",
                                         r.span, f"add `carry {n}` to the {kind}, or use a new name")
+        self.loops.append(lp.id)
         self.seq(lp.body, inner, depth + 1)
+        self.loops.pop()
         if lp.dynamic and lp.until is not None:
             flag = inner.get(lp.until)
             if lp.until not in assigned:
@@ -281,10 +291,12 @@ class _WalkChecker:
         for name in lp.carry:  # carried values keep their (checked) type after the loop
             if name in inner and name in env:
                 env[name] = inner[name]
-        for r in I.iter_regions(lp.body):
-            if isinstance(r, I.Acc) and isinstance(r.value, I.Var) and r.value.name in inner:
-                t = inner[r.value.name].type
-                env[r.name] = ValueInfo(I.ValueType("tensor", t.dtype, ("N",) + t.dims[1:]) if t.kind == "tensor" else t, None)
+        for r in I.loop_accs(lp.body):
+            info = self.acc_values.get((lp.id, r.name))
+            if info is not None:  # the accumulated value keeps its producer: the edge rule still applies
+                t = info.type
+                acc_type = I.ValueType("tensor", t.dtype, ("N",) + t.dims[1:]) if t.kind == "tensor" else t
+                env[r.name] = ValueInfo(acc_type, info.producer)
 
     def parallel(self, par: I.Parallel, env: dict[str, ValueInfo], depth: int) -> None:
         names: set[str] = set()
@@ -309,7 +321,8 @@ class _WalkChecker:
     def on_stream(self, block: I.OnStream, env: dict[str, ValueInfo], depth: int) -> None:
         self.stream_blocks.append(block)
         edge = self.m.edge(block.stream)
-        inner = dict(env)
+        # the block starts with the walk (runtime/interpreter.py): it sees the walk's inputs only
+        inner = {p.name: ValueInfo(p.type, None) for p in self.w.inputs}
         if edge is None or not edge.streaming:
             known = [e.id for e in self.m.edges if e.streaming]
             self.sink.error("E047", f"no stream {block.stream} is declared", block.span, _known("streams", known))
@@ -342,6 +355,18 @@ class _WalkChecker:
 
 def _is_bool(t: I.ValueType) -> bool:
     return t.kind == "bool" or (t.kind == "tensor" and t.dtype == "bool")
+
+
+def _default_fits(value: I.ConfigValue, t: I.ValueType) -> bool:
+    if t.kind == "tensor" and isinstance(value, list):
+        return value == [] or _rank(value) == len(t.dims)
+    if t.kind == "image":
+        return False  # an image cannot be written as a literal
+    return _const_fits(value, t)
+
+
+def _rank(value: I.ConfigValue) -> int:
+    return 1 + _rank(value[0]) if isinstance(value, list) and value else (1 if isinstance(value, list) else 0)
 
 
 def _const_fits(value: I.ConfigValue, t: I.ValueType) -> bool:

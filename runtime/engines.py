@@ -17,7 +17,9 @@ allocates pages: the conductor's `BlockManager` does, and every entry arrives wi
    node and the phase.
 
 Entries with `q_len == 0` (a phase that adds no KV) are part of the batch but not of the
-attention metadata; they must not call `attend`.
+attention metadata; they must not call `attend`. `attn.extra` holds the step's
+`AttentionMetadata` ("metadata") and the `KVPool` ("pool") for nodes that need more than
+`attend` (e.g. reading cached K/V directly).
 
 The attention backend is pluggable: any callable with `paged_attention`'s signature
 `(q, pool, layer, meta, scale) -> out`. If it also has `prepare(pool, meta)`, that is called

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         print(render_all(e.diagnostics, sources), file=sys.stderr)
         return EXIT_USER if errors else EXIT_OK
     except InternalError as e:
-        print(f"mstarc: internal compiler error: {e}\n(this is a bug in mstarc, not in your input)", file=sys.stderr)
+        print(f"mstarc: error[E090]: {e}\n(this is a bug in mstarc, not in your input)", file=sys.stderr)
         return EXIT_INTERNAL
     except KeyboardInterrupt:
         return 130

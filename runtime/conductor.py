@@ -68,6 +68,7 @@ class WorkerLike(Protocol):
     def fork(self, node: str, request_id: str, src_tag: str, dst_tag: str, copy: Any) -> None: ...
     def copy_slots(self, node: str, copy: Any) -> None: ...
     def free(self, request_id: str) -> None: ...
+    def drop_tag(self, node: str, request_id: str, tag: str) -> None: ...
 
 
 class Listener(Protocol):
@@ -158,7 +159,9 @@ class Conductor:
                  preempt_every: int | None = None, request_timeout: float | None = None):
         self.plan = plan
         self.workers = dict(workers)
-        self.scheduler = Scheduler(max_batch=plan.max_batch)
+        limits = {name: int(n.settings["max_batch"]) for name, n in plan.nodes.items()
+                  if isinstance(n.settings.get("max_batch"), int) and not isinstance(n.settings.get("max_batch"), bool)}
+        self.scheduler = Scheduler(max_batch=plan.max_batch, node_limits=limits)
         self.max_running = max_running or plan.max_batch
         self.preempt_every = preempt_every
         self.request_timeout = request_timeout
@@ -538,10 +541,11 @@ class Conductor:
             if tag != as_tag:
                 self._fork(req, ForkKV(node, tag, as_tag))
         kept = {(node, as_tag) for (node, _), as_tag in keep.items()}
-        for (node, _rank), bm in self.kv.managers.items():
+        for (node, rank), bm in self.kv.managers.items():
             for tag in bm.tags(req.id):
                 if (node, tag) not in kept:
                     bm.free((req.id, tag))
+                    self.workers[rank].drop_tag(node, req.id, tag)
         program = self.plan.walk(t["dst"])
         carried = {**req.current_inputs, **{k: v for k, v in req.outputs.items() if not isinstance(v, list)}}
         inputs = validate_inputs(t["dst"], program, {p["name"]: carried[p["name"]] for p in program["inputs"]

@@ -13,7 +13,7 @@ it raises `OutOfPages`, and the conductor decides whom to preempt.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mstar_runtime.engines import KVSlots
 from mstar_runtime.interpreter import StepCall
@@ -30,6 +30,7 @@ def group_key(call: StepCall) -> GroupKey:
 @dataclass
 class Scheduler:
     max_batch: int
+    node_limits: dict[str, int] = field(default_factory=dict)  # a node's own `max_batch` setting
 
     def next_group(self, ready: Iterable[StepCall]) -> tuple[GroupKey, list[StepCall]] | None:
         groups: dict[GroupKey, list[StepCall]] = {}
@@ -38,7 +39,8 @@ class Scheduler:
         if not groups:
             return None
         key = min(groups, key=lambda k: min(c.seq for c in groups[k]))
-        calls = sorted(groups[key], key=lambda c: c.seq)[: self.max_batch]
+        limit = min(self.max_batch, self.node_limits.get(key[0], self.max_batch))
+        calls = sorted(groups[key], key=lambda c: c.seq)[:limit]
         return key, calls
 
 
@@ -62,10 +64,10 @@ class KVPages:
 
     def fork(self, node: str, src: tuple[str, str], dst: tuple[str, str]) -> SlotCopy | None:
         bm = self.managers[node]
+        if dst in bm:  # the destination is replaced, also by an empty source
+            bm.free(dst)
         if src not in bm:  # forking an empty context gives an empty context
             return None
-        if dst in bm:
-            bm.free(dst)
         return bm.fork(src, dst)
 
     def free_request(self, request_id: str) -> int:

@@ -10,7 +10,9 @@ Ensures:  `model.cuda_graphs` lists one `GraphCaptureIR` per captured (node, pha
           A fixed-count `Loop` whose body is only captured calls on one rank with no
           streams, emits or nested loops is captured whole (kind "loop"): e.g. a
           multi-token code-predictor loop becomes one replay per outer step.
-          A node setting `cuda_graphs = false` opts a node out. CPU ranks capture nothing.
+          A node setting `cuda_graphs = false` opts a node out; nodes without weights (no
+          `arch`: tokenizers, samplers, schedulers) run on the host and are never captured,
+          as the memory pass assumes. CPU ranks capture nothing.
 Fails when: never (capture is an optimisation; nothing here is a user error).
 """
 
@@ -72,8 +74,8 @@ def cuda_graphs(model: I.ModelIR) -> I.ModelIR:
             node = model.nodes[c.node]
             phase = node.phases[c.phase]
             ranks = pl.call_ranks[c.id]
-            ok = (ranks[0] in cuda_ranks and node.settings.get("cuda_graphs", True) is not False
-                  and _fixed_shape(node, phase))
+            ok = (ranks[0] in cuda_ranks and node.arch is not None  # weightless nodes are host-side logic
+                  and node.settings.get("cuda_graphs", True) is not False and _fixed_shape(node, phase))
             capturable[c.id] = ok
             if ok:
                 for r in ranks:

@@ -141,7 +141,7 @@ class _WalkChecker:
             return env[op.name]
         if op.name in self.all_bound or any(p.name == op.name for p in self.w.inputs):
             self.sink.error("E034", f"value '{op.name}' is used before it is bound here", op.span,
-                            "a value bound in a loop body, branch or stream block is local to it unless carried or accumulated")
+                            "a value bound in a loop body or stream block is local to it unless carried or accumulated")
         else:
             self.sink.error("E011", f"unknown name '{op.name}'", op.span, "not a walk input, a bound value or a config value")
         return None

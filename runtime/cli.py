@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from mstar_runtime.api import MStar, RequestFailed, RequestHandle
 from mstar_runtime.node import NodeError, RequestError
-from mstar_runtime.outputs import jsonable, write_outputs
+from mstar_runtime.outputs import jsonable, output_order, write_outputs
 from mstar_runtime.plan import Plan, PlanError, load_plan
 from mstar_runtime.validate import TORCH_DTYPES, validate_inputs
 
@@ -204,7 +204,7 @@ def run_one(m: MStar, args: argparse.Namespace, inputs: dict[str, Any]) -> int:
         print(f"record -> {paths[-1]}")
         return 1
     paths = write_outputs(out, handle.id, program, outputs, m.plan.config, summary=handle.summary())
-    for name, path in zip(outputs, paths):
+    for name, path in zip(output_order(program, outputs), paths):
         print(f"{name} -> {path}")
     print(f"record -> {paths[-1]}")
     return 0

@@ -124,6 +124,13 @@ def write_output(out_dir: Path, stem: str, name: str, value: Any, declared: Mapp
     return path
 
 
+def output_order(walk_program: Mapping[str, Any], outputs: Mapping[str, Any]) -> list[str]:
+    """Declared outputs in the walk's order, then any others (a transition's walk) by name:
+    the order of the files, whatever order the outputs were produced in."""
+    declared = [o["name"] for o in walk_program.get("outputs", []) if o["name"] in outputs]
+    return declared + sorted(set(outputs) - set(declared))
+
+
 def write_outputs(
     out_dir: str | Path,
     request_id: str,
@@ -134,7 +141,7 @@ def write_outputs(
     summary: Mapping[str, Any] | None = None,
 ) -> list[Path]:
     """Write every output of one request, then its `<request_id>.json` record; returns the paths
-    (output files first, the record last).
+    (output files first, in `output_order`, the record last).
 
     `summary` is what the record says about the request beyond its files (the API's
     `RequestHandle.summary()`: state, error, field, finish_reason, timings, steps, ...).
@@ -144,7 +151,8 @@ def write_outputs(
     stem = safe_name(request_id)
     declared = {o["name"]: o.get("type") for o in walk_program.get("outputs", [])}
     rate = int(plan_config.get("sample_rate", DEFAULT_SAMPLE_RATE))
-    paths = [write_output(out, stem, name, value, declared.get(name), rate) for name, value in outputs.items()]
+    paths = [write_output(out, stem, name, outputs[name], declared.get(name), rate)
+             for name in output_order(walk_program, outputs)]
     record: dict[str, Any] = {"id": request_id, "walk": walk_program.get("walk")}
     record.update(jsonable(dict(summary or {})))
     record["files"] = [p.name for p in paths]
@@ -153,4 +161,4 @@ def write_outputs(
     return [*paths, meta]
 
 
-__all__ = ["DEFAULT_SAMPLE_RATE", "file_kind", "is_audio_name", "safe_name", "write_outputs"]
+__all__ = ["DEFAULT_SAMPLE_RATE", "file_kind", "is_audio_name", "output_order", "safe_name", "write_outputs"]

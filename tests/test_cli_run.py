@@ -1,0 +1,291 @@
+"""`mstar-run` end to end (subprocesses, as a user runs it) and `write_outputs` file formats."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from mstar_runtime.api import MStar
+from mstar_runtime.cli import main, parse_text
+from mstar_runtime.node import RequestError
+from mstar_runtime.outputs import safe_name, write_outputs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny test-family plan, compiled once per session: test_api.py's fixture compiles
+    to the same file in the session's base temp folder, and whichever runs first does it."""
+    from mstarc.cli import main as mstarc
+
+    out = tmp_path_factory.getbasetemp() / "testfamily-tiny.plan"
+    if not out.exists():
+        args = ["compile", str(ROOT / "models/testfamily/testfamily.walk"), "--variant", "tiny",
+                "-p", str(ROOT / "placements/cpu.yaml"), "-o", str(out)]
+        assert mstarc(args) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def m(plan_path: Path) -> Iterator[MStar]:
+    """The same plan in-process: dummy weights are seeded by name, so its outputs are the CLI's."""
+    with MStar.load(plan_path) as engine:
+        yield engine
+
+
+def mstar_run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    script = Path(sys.executable).with_name("mstar-run")  # the console script, where installed
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "mstar_runtime.cli"]
+    # one intra-op thread: tiny steps, and a 2-core CI box running pytest beside it
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def no_traceback(p: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout, p.stderr
+
+
+def read_wav(path: Path) -> tuple[wave._wave_params, torch.Tensor]:
+    with wave.open(str(path), "rb") as w:
+        params = w.getparams()
+        frames = w.readframes(params.nframes)
+    return params, torch.frombuffer(bytearray(frames), dtype=torch.int16)
+
+
+# ----------------------------------------------------------------------------- one-shot
+def test_one_shot_writes_the_expected_files(plan_path: Path, m: MStar, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    p = mstar_run(str(plan_path), "--walk", "generate", "--input", "prompt=hello there", "--input", "max_new=14",
+                  "--out", str(out), "--stream")
+    no_traceback(p)
+    assert p.returncode == 0, p.stderr
+    expected = m.submit("generate", {"prompt": "hello there", "max_new": 14}).result(timeout=30)
+
+    # a line per streamed chunk, before the files
+    lines = p.stdout.splitlines()
+    assert sum(line.startswith("stream tokens #") for line in lines) == 14
+    assert any(line.startswith("stream audio #") for line in lines)
+    assert f"audio -> {out / 'generate.audio.wav'}" in lines
+    assert sorted(f.name for f in out.iterdir()) == [
+        "generate.audio.wav", "generate.hidden.safetensors", "generate.json", "generate.tokens.json"]
+
+    params, pcm = read_wav(out / "generate.audio.wav")
+    assert (params.nchannels, params.sampwidth, params.framerate) == (1, 2, 24000)
+    assert params.nframes == expected["audio"].numel() > 0
+    want = (expected["audio"].clamp(-1, 1) * 32767).round().to(torch.int16)
+    assert (pcm.int() - want.int()).abs().max() <= 1
+
+    assert json.loads((out / "generate.tokens.json").read_text()) == expected["tokens"].tolist()
+    hidden = load_file(str(out / "generate.hidden.safetensors"))
+    assert list(hidden) == ["hidden"] and torch.allclose(hidden["hidden"], expected["hidden"], atol=1e-5)
+
+    record = json.loads((out / "generate.json").read_text())
+    assert record["state"] == "finished" and record["walk"] == "generate" and record["finish_reason"] == "stop"
+    assert record["steps"] > 0 and record["timings"]["total_s"] > 0 and "preemptions" in record
+    assert record["files"] == ["generate.tokens.json", "generate.hidden.safetensors", "generate.audio.wav"]  # declared order
+
+
+def test_bad_input_names_the_field_and_exits_1(plan_path: Path, tmp_path: Path) -> None:
+    p = mstar_run(str(plan_path), "--walk", "generate", "--input", "prompt=x", "--input", "max_new=lots",
+                  "--out", str(tmp_path))
+    no_traceback(p)
+    assert p.returncode == 1
+    assert p.stderr.startswith("mstar-run: error:") and "'max_new'" in p.stderr and "lots" in p.stderr
+    assert not list(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_corrupt_plan_is_a_clear_error(plan_path: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "corrupt.plan"
+    data = bytearray(plan_path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: the checksum catches it
+    bad.write_bytes(bytes(data))
+    p = mstar_run(str(bad), "--walk", "generate", "--input", "prompt=x")
+    no_traceback(p)
+    assert p.returncode == 1
+    assert p.stderr.startswith(f"mstar-run: error: {bad}") and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_serve_is_not_there_yet(plan_path: Path) -> None:
+    p = mstar_run(str(plan_path), "--serve", "--port", "8123")
+    no_traceback(p)
+    assert p.returncode == 2 and "--serve is not available yet" in p.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],  # no mode
+        ["--walk", "generate", "--serve"],  # two modes
+        ["--requests", "x.jsonl"],  # batch without --out
+        ["--walk", "generate", "--input", "novalue"],
+        ["--requests", "x.jsonl", "--out", "d", "--input", "a=1"],
+    ],
+)
+def test_bad_usage_exits_2(plan_path: Path, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main([str(plan_path), *argv])
+    assert e.value.code == 2
+    assert "mstar-run: error:" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- batch
+WALKS = ["generate", "generate_fixed", "generate_left", "chat", "flow"]
+
+
+def random_request(rng: random.Random, i: int) -> dict[str, Any]:
+    walk = rng.choice(WALKS)
+    inputs: dict[str, Any] = {"prompt": "".join(rng.choice("abcdefghij klmno") for _ in range(rng.randint(1, 24)))}
+    if walk == "flow":
+        inputs["steps"] = rng.randint(1, 3)
+    else:
+        inputs["max_new"] = rng.randint(1, 6)  # short: 200 requests on 2 cores
+    return {"id": f"r{i:03d}", "walk": walk, "inputs": inputs}
+
+
+def test_batch_of_200_loses_none_and_bad_lines_fail_alone(plan_path: Path, m: MStar, tmp_path: Path) -> None:
+    rng = random.Random(7)
+    good = [random_request(rng, i) for i in range(200)]
+    lines = [json.dumps(r) for r in good]
+    bad = {
+        37: "{this is not json",
+        90: json.dumps({"id": "bad-walk", "walk": "sing", "inputs": {"prompt": "x"}}),
+        150: json.dumps({"id": "bad-type", "walk": "generate", "inputs": {"prompt": "x", "max_new": "five"}}),
+    }
+    for at in sorted(bad):  # inserted in order, so line number = index + 1
+        lines.insert(at - 1, bad[at])
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+
+    p = mstar_run(str(plan_path), "--requests", str(requests), "--out", str(out))
+    no_traceback(p)
+    assert p.returncode == 1  # three requests failed
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["requests"], summary["finished"], summary["failed"]) == (203, 200, 3)
+    assert summary["requests_per_s"] > 0 and summary["steps"] > 0 and summary["mean_batch"] > 1
+    assert {"wall_s", "wasted_steps", "preemptions"} <= set(summary)
+    assert "requests/s" in p.stdout and "mean batch size" in p.stdout
+    assert "requests:" in p.stderr  # the progress bar
+
+    failures = {f["line"]: f for f in summary["failures"]}
+    assert sorted(failures) == [37, 90, 150]
+    assert "malformed JSON" in failures[37]["error"]
+    assert failures[90]["field"] == "walk" and "unknown walk 'sing'" in failures[90]["error"]
+    assert failures[150]["field"] == "max_new"
+    for line in (37, 90, 150):
+        assert f"line {line} " in p.stderr
+    assert json.loads((out / "line-37.json").read_text())["state"] == "failed"
+    assert json.loads((out / "bad-type.json").read_text())["field"] == "max_new"
+
+    # every good request finished and wrote its files
+    for r in good:
+        record = json.loads((out / f"{r['id']}.json").read_text())
+        assert record["state"] == "finished", record
+        for name in record["files"]:
+            assert (out / name).stat().st_size > 0
+    # spot checks against the in-process API (same seeded dummy weights)
+    flow = next(r for r in good if r["walk"] == "flow")
+    latent = load_file(str(out / f"{flow['id']}.latent.safetensors"))["latent"]
+    assert torch.allclose(latent, m.submit("flow", flow["inputs"]).result(timeout=30)["latent"], atol=1e-5)
+    gen = next(r for r in good if r["walk"] == "generate_left")
+    tokens = json.loads((out / f"{gen['id']}.tokens.json").read_text())
+    assert tokens == m.submit("generate_left", gen["inputs"]).result(timeout=30)["tokens"].tolist()
+
+
+def test_all_good_batch_exits_0(plan_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    requests = tmp_path / "ok.jsonl"
+    requests.write_text("\n".join(json.dumps({"walk": "chat", "inputs": {"prompt": f"hi {i}", "max_new": 2}})
+                                  for i in range(5)) + "\n\n")
+    assert main([str(plan_path), "--requests", str(requests), "--out", str(tmp_path / "o")]) == 0
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert (summary["requests"], summary["finished"], summary["failed"]) == (5, 5, 0)
+    assert "finished: 5" in capsys.readouterr().out
+
+
+def test_missing_requests_file_exits_1(plan_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(plan_path), "--requests", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- --input parsing
+def test_input_values_are_parsed_by_declared_type(tmp_path: Path) -> None:
+    assert parse_text("w", "n", {"kind": "int"}, "12") == 12
+    assert parse_text("w", "x", {"kind": "float"}, "0.5") == 0.5
+    assert parse_text("w", "b", {"kind": "bool"}, "true") is True
+    assert parse_text("w", "b", {"kind": "bool"}, "False") is False
+    assert parse_text("w", "s", {"kind": "str"}, "a=b c") == "a=b c"
+    t = {"kind": "tensor", "dtype": "i32", "dims": ["N"]}
+    assert torch.equal(parse_text("w", "ids", t, "[1, 2, 3]"), torch.tensor([1, 2, 3], dtype=torch.int32))
+    save_file({"ids": torch.arange(4, dtype=torch.int32)}, str(tmp_path / "ids.safetensors"))
+    assert torch.equal(parse_text("w", "ids", t, f"@{tmp_path / 'ids.safetensors'}"), torch.arange(4))
+    pixels = torch.randint(0, 256, (5, 7, 3), dtype=torch.uint8)
+    Image.fromarray(pixels.numpy()).save(tmp_path / "in.png")
+    image = parse_text("w", "img", {"kind": "image"}, f"@{tmp_path / 'in.png'}")
+    assert image.dtype == torch.uint8 and torch.equal(image, pixels)
+
+    for kind, text, words in [({"kind": "bool"}, "maybe", "true or false"), (t, "[1, 2", "JSON list"),
+                              ({"kind": "image"}, "@/nonexistent.png", "does not exist"),
+                              (t, "@/nonexistent.safetensors", "does not exist")]:
+        with pytest.raises(RequestError) as e:
+            parse_text("w", "field_x", kind, text)
+        assert e.value.field == "field_x" and "'field_x'" in str(e.value) and words in str(e.value)
+
+
+# ----------------------------------------------------------------------------- write_outputs
+def test_write_outputs_formats(tmp_path: Path) -> None:
+    program = {
+        "walk": "paint",
+        "outputs": [
+            {"name": "image", "mode": "set", "type": {"kind": "image"}},
+            {"name": "speech_pcm", "mode": "append", "type": {"kind": "tensor", "dtype": "f32", "dims": ["S"]}},
+        ],
+    }
+    image = torch.randint(0, 256, (6, 9, 3), dtype=torch.uint8)
+    pcm = torch.tensor([0.0, 0.5, -0.5, 2.0, -3.0])  # out of range is clamped
+    outputs = {"image": image, "speech_pcm": pcm, "caption": "a cat", "done": True, "count": 3,
+               "codes": torch.tensor([[1, 2], [3, 4]]), "latents": torch.randn(2, 4, dtype=torch.bfloat16)}
+    paths = write_outputs(tmp_path, "user/42 ../x", program, outputs, {"sample_rate": 16000},
+                          summary={"state": "finished", "steps": 3})
+    stem = safe_name("user/42 ../x")
+    assert "/" not in stem and not stem.startswith(".") and stem != safe_name("user_42 .._x")
+    # declared outputs in the walk's order, then the others by name
+    assert [p.name for p in paths] == [f"{stem}.{n}" for n in (
+        "image.png", "speech_pcm.wav", "caption.txt", "codes.json", "count.json", "done.json", "latents.safetensors")
+    ] + [f"{stem}.json"]
+    assert all(p.parent == tmp_path for p in paths)
+
+    with Image.open(paths[0]) as img:
+        assert img.mode == "RGB" and img.size == (9, 6)
+        assert torch.equal(torch.from_numpy(np.array(img)), image)
+    params, frames = read_wav(paths[1])
+    assert (params.nchannels, params.sampwidth, params.framerate, params.nframes) == (1, 2, 16000, 5)
+    assert frames.tolist() == [0, 16384, -16384, 32767, -32767]
+    assert paths[2].read_text() == "a cat"
+    assert json.loads(paths[3].read_text()) == [[1, 2], [3, 4]]
+    assert json.loads(paths[4].read_text()) == 3 and json.loads(paths[5].read_text()) is True
+    back = load_file(str(paths[6]))
+    assert list(back) == ["latents"] and torch.equal(back["latents"], outputs["latents"])
+    record = json.loads(paths[-1].read_text())
+    assert record["walk"] == "paint" and record["steps"] == 3 and record["files"] == [p.name for p in paths[:-1]]
+
+
+def test_a_3d_uint8_tensor_is_a_png_and_1d_float_audio_defaults_to_24k(tmp_path: Path) -> None:
+    program = {"walk": "w", "outputs": []}
+    paths = write_outputs(tmp_path, "r", program, {"frame": torch.zeros(4, 4, 3, dtype=torch.uint8),
+                                                   "audio": torch.zeros(10), "x": torch.zeros(10)}, {})
+    assert [p.name for p in paths] == ["r.audio.wav", "r.frame.png", "r.x.safetensors", "r.json"]
+    assert read_wav(paths[0])[0].framerate == 24000

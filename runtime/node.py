@@ -91,6 +91,8 @@ class AttentionContext:
     attend_fn: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     device: torch.device
     extra: dict[str, Any] = field(default_factory=dict)
+    # Set by an engine that replays CUDA graphs; None runs `fn` eagerly (CPU, prefill, big batches).
+    graph_runner: Callable[..., Any] | None = None
 
     @property
     def states(self) -> list[dict[str, Any]]:
@@ -117,6 +119,21 @@ class AttentionContext:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k/v of the new tokens (unless not kept) and attend. q: [N, H, D], k/v: [N, Hkv, D]."""
         return self.attend_fn(layer, q, k, v)
+
+    def run_graphed(self, fn: Callable[..., Any], *tensors: torch.Tensor) -> Any:
+        """Run the tensor function `fn(*tensors)` -- a node's forward without its host logic.
+
+        `fn` must be pure tensor code whose only attention is `self.attend`, whose inputs
+        are the packed per-token tensors given here (first dim = tokens of the batch) and
+        whose outputs are tensors (or a tuple of them) with the same first dim. An engine
+        that captures CUDA graphs (the plan's `cuda-graphs` pass says which steps) pads the
+        inputs into static buffers of the batch bucket, captures `fn` once per bucket and
+        replays it; everywhere else `fn` simply runs. Sampling and other host logic stay
+        outside `fn`, in `run`.
+        """
+        if self.graph_runner is None:
+            return fn(*tensors)
+        return self.graph_runner(fn, *tensors)
 
 
 @dataclass(frozen=True)

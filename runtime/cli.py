@@ -407,14 +407,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     with m:
         try:
             return run_one(m, args, inputs) if args.walk else run_batch(m, args)
-        except (UserError, OSError) as e:
+        except UserError as e:
             return _error(e)
+        except OSError as e:  # the output folder: missing permissions, a full disk
+            return _error(f"cannot write {e.filename or 'the output files'}: {e.strerror or e}")
         except KeyboardInterrupt:
             print(f"{PROG}: interrupted", file=sys.stderr)
             return 130
 
 
-def _error(e: BaseException) -> int:
+def _error(e: BaseException | str) -> int:
     print(f"{PROG}: error: {e}", file=sys.stderr)
     return 1
 

@@ -189,6 +189,25 @@ def test_async_failure_raises_request_failed(fresh: Callable[..., MStar]) -> Non
     assert e.value.finish_reason == "cancelled"
 
 
+def test_a_bad_plan_raises_plan_error_unchanged(tmp_path: Path) -> None:
+    from mstar_runtime.plan import PlanError
+
+    bad = tmp_path / "bad.plan"
+    bad.write_bytes(b"not a plan at all")
+    with pytest.raises(PlanError) as e:
+        MStar.load(bad)
+    assert str(e.value).startswith(str(bad))
+
+
+def test_an_idle_engine_sleeps(m: MStar) -> None:
+    import time
+
+    m.generate("generate", prompt="wake", max_new=2)
+    before = time.process_time()  # CPU time of every thread of this process
+    time.sleep(0.5)
+    assert time.process_time() - before < 0.1  # a polling engine would burn ~0.5 s here
+
+
 # ----------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
     ("walk", "inputs", "field", "words"),

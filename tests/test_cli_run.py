@@ -210,9 +210,11 @@ def test_all_good_batch_exits_0(plan_path: Path, tmp_path: Path, capsys: pytest.
     requests = tmp_path / "ok.jsonl"
     requests.write_text("\n".join(json.dumps({"walk": "chat", "inputs": {"prompt": f"hi {i}", "max_new": 2}})
                                   for i in range(5)) + "\n\n")
-    assert main([str(plan_path), "--requests", str(requests), "--out", str(tmp_path / "o")]) == 0
+    argv = [str(plan_path), "--requests", str(requests), "--out", str(tmp_path / "o"), "--preempt-every", "4"]
+    assert main(argv) == 0
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert (summary["requests"], summary["finished"], summary["failed"]) == (5, 5, 0)
+    assert summary["preemptions"] > 0  # the hidden debug flag reached the conductor
     assert "finished: 5" in capsys.readouterr().out
 
 

@@ -413,8 +413,11 @@ def _parse_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
     walks = r.get(body, "walks", "dict", "plan")
     for name, w in walks.items():
         r.get(w, "program", "dict", f"walks.{name}")
-        r.get(w, "inputs", "list", f"walks.{name}")
-        r.get(w, "outputs", "list", f"walks.{name}")
+        r.strs(w, "streams", f"walks.{name}")
+        for key in ("inputs", "outputs"):
+            for i, port in enumerate(r.get(w, key, "list", f"walks.{name}")):
+                r.get(port, "name", "str", f"walks.{name}.{key}[{i}]")
+                r.get(port, "type", "dict", f"walks.{name}.{key}[{i}]")
     streams = {}
     for i, d in enumerate(r.get(body, "streams", "list", "plan")):
         s = StreamSpec(
@@ -618,11 +621,18 @@ def _parse_transition(r: _Reader, d: Any, where: str) -> TransitionSpec:
 
 
 # ---------------------------------------------------------------------------- invariants
+def _opt(op: Mapping[str, Any], key: str, kind: type) -> Any:
+    """`op[key]` if it has type `kind`, else None: invariant checks report, they never raise."""
+    value = op.get(key)
+    return value if isinstance(value, kind) and not (kind is int and isinstance(value, bool)) else None
+
+
 class _Invariants:
     """Cross-section checks; collects every violation so one run of the loader shows them all."""
 
     def __init__(self, parts: Mapping[str, Any]):
         self.p = parts
+        self.nodes: Mapping[str, PlanNode] = parts["nodes"]
         self.n_ranks = len(parts["ranks"])
         self.problems: list[str] = []
 
@@ -632,21 +642,23 @@ class _Invariants:
     def rank_ok(self, rank: Any) -> bool:
         return isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < self.n_ranks
 
+    def resident(self, node: str, rank: int) -> bool:
+        return node in self.p["resident"].get(rank, ())
+
     def run(self) -> list[str]:
         p = self.p
-        if [r.rank for r in p["ranks"]] != list(range(self.n_ranks)) or not self.n_ranks:
-            self.add(
-                f"placement ranks should be 0..{self.n_ranks - 1} in order, got {[r.rank for r in p['ranks']]}"
-            )
-        if [m.rank for m in p["memory"]] != list(range(self.n_ranks)):
+        ranks = [r.rank for r in p["ranks"]]
+        if ranks != list(range(self.n_ranks)) or not ranks:
+            self.add(f"placement ranks should be 0..{self.n_ranks - 1} in order, got {ranks}")
+        if [m.rank for m in p["memory"]] != ranks:
             self.add("memory should have one entry per rank, in rank order")
         for rank, names in p["resident"].items():
             if not self.rank_ok(rank):
                 self.add(f"placement.resident names rank {rank}, out of range 0..{self.n_ranks - 1}")
             for n in names:
-                if n not in p["nodes"]:
+                if n not in self.nodes:
                     self.add(f"rank {rank} hosts unknown node '{n}'")
-        for node in p["nodes"].values():
+        for node in self.nodes.values():
             self.node(node)
         for name, walk in p["walks"].items():
             for op in self.ops(name, walk["program"]):
@@ -662,30 +674,31 @@ class _Invariants:
 
     def ops(self, walk: str, region: Any) -> Iterator[Mapping[str, Any]]:
         """Pre-order ops, reporting (and skipping) malformed regions instead of raising."""
-        if not isinstance(region, dict) or region.get("op") not in PROGRAM_OPS:
-            op = region.get("op") if isinstance(region, dict) else region
-            self.add(f"walk '{walk}': unknown program op {op!r}")
+        kind = region.get("op") if isinstance(region, dict) else None
+        if not isinstance(kind, str) or kind not in PROGRAM_OPS:
+            self.add(f"walk '{walk}': a program region is not a known op ({str(kind)[:40]!r})")
             return
         yield region
         children: list[Any] = []
-        if region["op"] == "seq":
-            children = region.get("body") if isinstance(region.get("body"), list) else [None]
-        elif region["op"] == "parallel":
-            branches = region.get("branches") if isinstance(region.get("branches"), list) else []
-            children = [b.get("body") if isinstance(b, dict) else None for b in branches]
-        elif region["op"] in ("loop", "on_stream"):
+        if kind == "seq":
+            children = _opt(region, "body", list) or []
+        elif kind == "parallel":
+            children = [
+                b.get("body") if isinstance(b, dict) else None for b in _opt(region, "branches", list) or []
+            ]
+        elif kind in ("loop", "on_stream"):
             children = [region.get("body")]
         for child in children:
             yield from self.ops(walk, child)
 
     def node(self, node: PlanNode) -> None:
+        if not node.ranks:
+            self.add(f"node '{node.name}' is placed on no rank")
         for rank in node.ranks:
             if not self.rank_ok(rank):
                 self.add(f"node '{node.name}' is placed on rank {rank}, out of range 0..{self.n_ranks - 1}")
-            elif node.name not in self.p["resident"].get(rank, ()):
+            elif not self.resident(node.name, rank):
                 self.add(f"node '{node.name}' is placed on rank {rank} but is not resident there")
-        if not node.ranks:
-            self.add(f"node '{node.name}' is placed on no rank")
         if node.engine != "kv":
             return
         if node.arch is None or node.arch.kv is None:
@@ -700,50 +713,14 @@ class _Invariants:
 
     def op(self, walk: str, program: Mapping[str, Any], op: Mapping[str, Any]) -> None:
         kind = op["op"]
-        step = f"walk '{walk}' step '{op.get('id', '?')}'"
-        nodes = self.p["nodes"]
         if kind == "call":
-            node = nodes.get(op.get("node"))
-            if node is None:
-                self.add(f"{step} calls unknown node {op.get('node')!r}")
-                return
-            phase = node.phases.get(op.get("phase"))
-            if phase is None:
-                self.add(
-                    f"{step} calls unknown phase {node.name}.{op.get('phase')!r}; "
-                    f"phases: {', '.join(node.phases) or '(none)'}"
-                )
-            tag = op.get("tag")
-            if node.engine == "kv" and tag not in node.tags:
-                self.add(
-                    f"{step} uses KV tag {tag!r} of '{node.name}', which has tags: {', '.join(node.tags)}"
-                )
-            if node.engine == "stateless" and tag is not None:
-                self.add(f"{step} gives a KV tag to stateless node '{node.name}'")
-            ranks = op.get("ranks")
-            if not isinstance(ranks, list) or not ranks or not all(self.rank_ok(x) for x in ranks):
-                self.add(
-                    f"{step} ({node.name}.{op.get('phase')}) runs on ranks {ranks!r}, "
-                    f"out of range 0..{self.n_ranks - 1}"
-                )
-            else:
-                for x in ranks:
-                    if node.name not in self.p["resident"].get(x, ()):
-                        self.add(f"{step} runs '{node.name}' on rank {x}, where it is not resident")
-            if phase is not None:
-                args = op.get("args") if isinstance(op.get("args"), dict) else {}
-                extra = sorted(set(args) - set(phase.inputs))
-                if extra:
-                    self.add(f"{step} passes {', '.join(extra)} that {node.name}.{phase.name} does not take")
-                for res in op.get("results") or ():
-                    if not (isinstance(res, list) and len(res) == 2 and res[0] in phase.outputs):
-                        self.add(f"{step} binds {res!r}, not an output port of {node.name}.{phase.name}")
+            self.call(walk, op)
         elif kind == "on_stream":
-            sid = op.get("stream")
-            if sid not in self.p["streams"] or sid not in (program.get("streams") or ()):
+            sid = _opt(op, "stream", str)
+            if sid not in self.p["streams"] or sid not in program["streams"]:
                 self.add(f"walk '{walk}' on_stream '{op.get('id', '?')}' reads unknown stream {sid!r}")
         elif kind == "fork":
-            node = nodes.get(op.get("node"))
+            node = self.nodes.get(_opt(op, "node", str) or "")
             if node is None or node.engine != "kv":
                 self.add(f"walk '{walk}' forks {op.get('node')!r}, which is not a kv node")
             elif op.get("src") not in node.tags or op.get("dst") not in node.tags:
@@ -758,17 +735,64 @@ class _Invariants:
                     f"{op.get('src')!r} -> {op.get('dst')!r}, out of range 0..{self.n_ranks - 1}"
                 )
         elif kind == "parallel":
-            for b in op.get("branches") or ():
+            for b in _opt(op, "branches", list) or []:
                 rank = b.get("rank") if isinstance(b, dict) else None
                 if rank is not None and not self.rank_ok(rank):
-                    self.add(f"walk '{walk}' parallel '{op.get('id', '?')}' puts a branch on rank {rank}")
+                    self.add(f"walk '{walk}' parallel '{op.get('id', '?')}' puts a branch on rank {rank!r}")
+
+    def call(self, walk: str, op: Mapping[str, Any]) -> None:
+        step = f"walk '{walk}' step '{_opt(op, 'id', str) or '?'}'"
+        node = self.nodes.get(_opt(op, "node", str) or "")
+        if node is None:
+            self.add(f"{step} calls unknown node {op.get('node')!r}")
+            return
+        phase = node.phases.get(_opt(op, "phase", str) or "")
+        if phase is None:
+            self.add(
+                f"{step} calls unknown phase {node.name}.{op.get('phase')!r}; "
+                f"phases: {', '.join(node.phases) or '(none)'}"
+            )
+        tag = op.get("tag")
+        if node.engine == "kv" and tag not in node.tags:
+            self.add(f"{step} uses KV tag {tag!r} of '{node.name}', which has tags: {', '.join(node.tags)}")
+        if node.engine == "stateless" and tag is not None:
+            self.add(f"{step} gives a KV tag to stateless node '{node.name}'")
+        ranks = _opt(op, "ranks", list)
+        if not ranks or not all(self.rank_ok(x) for x in ranks):
+            self.add(
+                f"{step} ({node.name}.{op.get('phase')}) runs on ranks {op.get('ranks')!r}, "
+                f"out of range 0..{self.n_ranks - 1}"
+            )
+        else:
+            for x in ranks:
+                if not self.resident(node.name, x):
+                    self.add(f"{step} runs '{node.name}' on rank {x}, where it is not resident")
+        if phase is None:
+            return
+        args = _opt(op, "args", dict)
+        if args is None:
+            self.add(f"{step} has no argument map")
+        elif extra := sorted(set(args) - set(phase.inputs)):
+            self.add(f"{step} passes {', '.join(extra)} that {node.name}.{phase.name} does not take")
+        results = _opt(op, "results", list)
+        if results is None:
+            self.add(f"{step} has no result list")
+            return
+        for res in results:
+            if not (
+                isinstance(res, list)
+                and len(res) == 2
+                and res[0] in phase.outputs
+                and isinstance(res[1], str)
+            ):
+                self.add(f"{step} binds {res!r}, not [output port of {node.name}.{phase.name}, name]")
 
     def transition(self, t: TransitionSpec) -> None:
         for w in (t.src, t.dst):
             if w not in self.p["walks"]:
                 self.add(f"transition {t.src} -> {t.dst} names unknown walk '{w}'")
         for k in t.keep:
-            node = self.p["nodes"].get(k.node)
+            node = self.nodes.get(k.node)
             if node is None or node.engine != "kv":
                 self.add(f"transition {t.src} -> {t.dst} keeps '{k.node}@{k.tag}', not a kv node")
             elif k.tag not in node.tags or k.as_tag not in node.tags:

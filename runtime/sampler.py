@@ -5,11 +5,12 @@ only on its own logits, `params[b]`, `histories[b]` and `(params[b].seed, steps[
 on the rest of the batch, so a request gives the same tokens alone or batched, and again
 when it is recomputed after preemption.
 
-How: Gumbel-max. A token is `argmax(processed_logits + g)` with one Gumbel draw `g[v]` per
-vocabulary entry, which samples exactly from `softmax(processed_logits)`. The draws come
-from a counter-based hash of (seed, step, token id) computed with int64 tensor ops (no
-generator objects, no per-row loop, the same bits on CPU and GPU), so a whole batch takes
-one set of kernels and no host sync.
+How: inverse-CDF sampling with one uniform number per row. The number is a counter-based
+hash (splitmix64) of (seed, step), computed on the host with no generator object and no
+device sync; the token is the first whose cumulative probability (float64, over
+`softmax(processed_logits)`) exceeds it. So a row's choice is exact, costs one softmax,
+cumsum and search over the vocabulary, and the same (seed, step) gives the same draw on any
+device.
 
 Logit processing follows Hugging Face's processors in `generate`'s order: repetition
 penalty (over the tokens in the history: positive logits divided by the penalty, negative
@@ -33,7 +34,6 @@ import torch
 
 from mstar_runtime.node import RequestError
 
-_M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
 
 
@@ -133,19 +133,21 @@ def _top_k(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
 
 
 def _top_p(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    on = [p.top_p < 1.0 and not p.greedy for p in params]
-    if not any(on):
+    rows = [b for b, p in enumerate(params) if p.top_p < 1.0 and not p.greedy]
+    if not rows:
         return x
     # As Hugging Face's TopPLogitsWarper: ascending sort, drop the prefix whose cumulative
-    # probability is <= 1 - top_p, always keep the most likely token.
-    sorted_x, order = torch.sort(x, dim=-1, descending=False)
+    # probability is <= 1 - top_p, always keep the most likely token. Only the rows that
+    # use top-p pay for the sort over the vocabulary.
+    r = torch.tensor(rows, device=x.device)
+    sub = x.index_select(0, r)
+    sorted_x, order = torch.sort(sub, dim=-1, descending=False)
     cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
-    limit = torch.tensor([1 - p.top_p for p in params], dtype=torch.float32, device=x.device)[:, None]
+    limit = torch.tensor([1 - params[b].top_p for b in rows], dtype=torch.float32, device=x.device)[:, None]
     drop_sorted = cum <= limit
     drop_sorted[:, -1] = False
     drop = drop_sorted.scatter(1, order, drop_sorted)
-    drop &= torch.tensor(on, device=x.device)[:, None]
-    return x.masked_fill(drop, float("-inf"))
+    return x.index_copy(0, r, sub.masked_fill(drop, float("-inf")))
 
 
 # -------------------------------------------------------------------------------- sampling
@@ -163,10 +165,17 @@ def sample(
     rows = [b for b, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
-    keys = [_row_key(params[b].seed, steps[b]) for b in rows]
     r = torch.tensor(rows, device=scores.device)
-    noisy = scores.index_select(0, r) + gumbel_noise(keys, scores.shape[1], scores.device)
-    return out.index_copy(0, r, noisy.argmax(dim=-1))
+    # float64 CDF: exact enough that a 150k-token vocabulary loses no probability mass.
+    cdf = torch.softmax(scores.index_select(0, r), dim=-1).to(torch.float64).cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.tensor(
+        [[uniform(params[b].seed, steps[b])] for b in rows], dtype=torch.float64, device=cdf.device
+    )
+    picked = torch.searchsorted(cdf, u * total, right=True)
+    # u * total may round up to total: then take the last token with probability > 0.
+    last = (cdf < total).sum(dim=-1, keepdim=True)
+    return out.index_copy(0, r, torch.minimum(picked, last).squeeze(1))
 
 
 def _splitmix64(x: int) -> int:
@@ -176,32 +185,10 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _row_key(seed: int | None, step: int) -> int:
-    """A 64-bit key from (seed, step): the only source of a row's randomness."""
+def uniform(seed: int | None, step: int) -> float:
+    """A uniform draw in [0, 1) that is a pure function of (seed, step): a row's only randomness.
+
+    A missing seed draws from the OS (not reproducible)."""
     s = secrets.randbits(64) if seed is None else seed & _M64
-    return _splitmix64(_splitmix64(s) ^ (step & _M64))
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x * c mod 2**32 for x in [0, 2**32), without int64 overflow (two 16-bit halves of c)."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Wellons' lowbias32) on int64 tensors holding 32-bit values."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def gumbel_noise(keys: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
-    """Standard Gumbel draws [len(keys), vocab], a pure function of (key, token id)."""
-    k = torch.tensor([[key & _M32, key >> 32] for key in keys], dtype=torch.int64, device=device)
-    v = torch.arange(vocab, dtype=torch.int64, device=device)[None, :]
-    h = _mix32(_mix32((v + k[:, :1]) & _M32) ^ k[:, 1:])
-    # 24 bits: exactly representable in float32, so u is strictly inside (0, 1).
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(u))
+    key = _splitmix64(_splitmix64(_splitmix64(s) ^ (step & _M64)))
+    return (key >> 11) * 2.0**-53

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from mstar_runtime.node import RequestError
-from mstar_runtime.sampler import SamplingParams, gumbel_noise, process_logits, sample
+from mstar_runtime.sampler import SamplingParams, process_logits, sample, uniform
 
 V = 97
 
@@ -123,12 +121,24 @@ def test_filtered_tokens_are_never_drawn() -> None:
     assert nucleus == {int(x[0].argmax())}  # top-p keeps at least the most likely token
 
 
-def test_gumbel_noise_is_a_pure_function_with_gumbel_moments() -> None:
-    keys = [3, 2**63 + 5, 12345678901234567]
-    a, b = gumbel_noise(keys, 50000, torch.device("cpu")), gumbel_noise(keys, 50000, torch.device("cpu"))
-    assert torch.equal(a, b) and torch.isfinite(a).all()
-    assert not torch.equal(a[0], a[1])
-    assert abs(float(a.mean()) - 0.5772) < 0.01 and abs(float(a.var()) - math.pi**2 / 6) < 0.03
+def test_uniform_draws_are_a_pure_function_of_seed_and_step() -> None:
+    draws = [uniform(42, n) for n in range(20000)]
+    assert draws == [uniform(42, n) for n in range(20000)]
+    assert all(0.0 <= u < 1.0 for u in draws) and len(set(draws)) == len(draws)
+    mean = sum(draws) / len(draws)
+    var = sum((u - mean) ** 2 for u in draws) / len(draws)
+    assert abs(mean - 0.5) < 0.01 and abs(var - 1 / 12) < 0.003
+    assert uniform(43, 0) != uniform(42, 0) and uniform(2**70 + 42, 0) == uniform(42, 0)  # seeds are 64-bit
+
+
+def test_zero_probability_tokens_are_never_drawn_even_at_the_edge(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mstar_runtime import sampler
+
+    x = torch.full((1, V), float("-inf"))
+    x[0, 10], x[0, 20] = 0.0, 0.0
+    for u in (0.0, 0.5 - 1e-12, 0.5, 1.0 - 2.0**-53):
+        monkeypatch.setattr(sampler, "uniform", lambda seed, step, u=u: u)
+        assert int(sample(x, [SamplingParams(seed=1)], [None], [0])[0]) in (10, 20)
 
 
 @pytest.mark.parametrize(

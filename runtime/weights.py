@@ -26,6 +26,12 @@ maps to the checkpoint name `node.rename(n)` when the class defines `rename`, el
 must be a module tensor; a module tensor outside the arch (glue the arch catalogue does not
 describe) must be in the checkpoint, with the module's shape. Tied parameters (one
 Parameter under two names) are loaded once, by their first name.
+
+Sub-folders. A node class may declare `checkpoint_subdir: ClassVar[str]` for weights that
+ship as a second checkpoint beside the main one (Orpheus' SNAC codec): when the source is a
+folder, that node's tensors are read from `folder / checkpoint_subdir` instead, with every
+check above. The plan's header hashes cover the top folder only (the compiler scans just
+that), so a sub-folder's files are not hash-checked.
 """
 
 from __future__ import annotations
@@ -170,13 +176,15 @@ def load_weights(module: nn.Module, plan: Plan, node: str, source: str | Path) -
     if src in DUMMY_SOURCES:
         _dummy_init(node, tensors)
         return
-    folder = Path(src)
+    subdir = str(getattr(type(module), "checkpoint_subdir", ""))
+    folder = Path(src) / subdir if subdir else Path(src)
     if not folder.is_dir():
         raise WeightsError(
             f"node '{node}': weights folder '{folder}' does not exist (use 'dummy' for random weights)"
         )
     checkpoint = Checkpoint.open(folder)
-    checkpoint.verify_against(plan)
+    if not subdir:  # the plan hashed only the top folder's files
+        checkpoint.verify_against(plan)
     arch = {t.name: t.shape for t in info.arch.tensors} if info.arch is not None else {}
     plan_claims = {t.name for n in plan.nodes.values() if n.arch is not None for t in n.arch.tensors}
     plan_claims |= set(tensors)

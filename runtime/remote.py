@@ -1,0 +1,885 @@
+"""Worker processes: one per rank > 0 of a plan, driven by the conductor's process (rank 0).
+
+Rank 0 runs the conductor and an in-process `Worker`; every other rank is a process started
+with `python -m mstar_runtime.remote` (never multiprocessing: nothing is pickled). The
+conductor talks to it through a `RemoteWorker`, which implements the conductor's
+`WorkerLike` (`run_step`, `fork`, `copy_slots`, `drop_tag`, `free`) plus `heartbeat` and
+`close`.
+
+Control: typed msgpack messages (`messages.py`, decoded through its allowlist), one per
+frame: a 4-byte big-endian length, then the bytes. The conductor writes to the worker's
+stdin and reads its stdout; the worker's fd 1 is pointed at its stderr as soon as it
+starts, so nothing a node prints can corrupt a frame.
+
+Tensors: torch.distributed point-to-point (Gloo on CPU, NCCL on GPU) in the default group,
+whose rank 0 is the conductor's process. A step's tensors travel as ONE flat byte buffer
+per direction, in entry order, then each entry's input (or output) order; the message's
+`TensorMeta`s (name, dtype, shape) say how to cut it up. Empty tensors and tensors of at
+most `inline_bytes` ride inside the message, Python scalars too. One step:
+
+    conductor: StepRequest frame -> dist.send(inputs buffer)    (if it has bytes)
+    worker:    read frame -> dist.recv(inputs) -> run -> StepResult frame -> dist.send(outputs)
+    conductor: read frame -> dist.recv(outputs buffer)           (if it has bytes)
+
+The frame always goes first, so each side posts its receive knowing the size, and a step
+that fails sends no buffer back. `ForkKV`, `CopySlots`, `DropTag` and `FreeRequest` get no
+answer (the pipe keeps them in order with the steps); `Heartbeat` is echoed.
+
+Failures:
+- a node's `RequestError` -> `StepRejected` -> `RequestError` (with `request_ids`) here: the
+  conductor fails that request only;
+- any other exception in a step -> `WorkerError` with the traceback -> `WorkerStepError`
+  here: the batch's requests fail, the worker serves on (as the in-process `Worker` does);
+- a worker that dies, closes its pipe, breaks the protocol or does not answer within
+  `answer_timeout` -> `WorkerLost(rank, message)`, naming the exit code or signal and the
+  last lines of its stderr. The conductor then stops: every request fails with it.
+
+A worker exits when its stdin reaches EOF (the conductor closed it or died) and, on Linux,
+gets SIGKILL when the thread that started it dies (PR_SET_PDEATHSIG): start workers from a
+thread that lives as long as they should (the main thread). `start_workers` also registers
+an atexit hook, so no worker outlives a conductor that exits normally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import collections
+import ctypes
+import hashlib
+import logging
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import IO, Any, BinaryIO, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from mstar_runtime import engines
+from mstar_runtime import messages as m
+from mstar_runtime.kv_cache import SlotCopy
+from mstar_runtime.node import RequestError
+from mstar_runtime.plan import Plan, load_plan
+from mstar_runtime.planfile import dump_body
+from mstar_runtime.worker import StepBatch, Worker, WorkerStepError
+
+log = logging.getLogger(__name__)
+
+INLINE_BYTES = 64  # token ids and flags ride in the message; activations over torch.distributed
+ANSWER_TIMEOUT_S = 300.0  # a step that takes longer than this means a hung worker
+START_TIMEOUT_S = 120.0  # joining the group and building the nodes
+CLOSE_TIMEOUT_S = 5.0
+STDERR_LINES = 20  # kept per worker for the message of a WorkerLost
+
+_FRAME = struct.Struct(">I")
+_POLL_S = 0.25  # how often a wait for an answer also checks that the process is alive
+
+
+class WorkerLost(RuntimeError):
+    """A worker process died, hung or broke the protocol: the run cannot go on."""
+
+    def __init__(self, rank: int, message: str):
+        self.rank, self.message = rank, message
+        super().__init__(f"worker rank {rank} lost: {message}")
+
+
+class EngineStopped(RequestError):
+    """Raised by `Conductor.submit` once a worker was lost: no request can run any more."""
+
+
+class ProtocolError(Exception):
+    """A frame that is too long, cut short, or not the message expected at this point."""
+
+
+# ------------------------------------------------------------------------------- frames
+def write_frame(out: IO[bytes], msg: m.Message) -> None:
+    data = m.encode(msg)
+    out.write(_FRAME.pack(len(data)) + data)
+    out.flush()
+
+
+def read_frame(inp: BinaryIO) -> m.Message | None:
+    """The next message from a blocking stream; None at a clean EOF (between frames)."""
+    head = inp.read(_FRAME.size)
+    if not head:
+        return None
+    if len(head) < _FRAME.size:
+        raise ProtocolError("the stream ended inside a frame header")
+    (n,) = _FRAME.unpack(head)
+    if n > m.MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"a frame of {n} bytes is over the {m.MAX_MESSAGE_BYTES}-byte limit")
+    data = inp.read(n)
+    if len(data) < n:
+        raise ProtocolError(f"the stream ended inside a frame ({len(data)} of {n} bytes)")
+    return m.decode(data)
+
+
+class _FrameReader:
+    """Frames from a pipe's fd, with a deadline (select + os.read), for the conductor side."""
+
+    def __init__(self, fd: int):
+        self.fd, self.buf = fd, bytearray()
+
+    def read(self, timeout: float, alive: Any) -> m.Message | None:
+        """The next message; None at EOF; TimeoutError after `timeout` seconds.
+        `alive()` is polled while waiting, so a dead process that left its pipe open
+        (a grandchild holding it) is still noticed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if len(self.buf) >= _FRAME.size:
+                (n,) = _FRAME.unpack_from(self.buf)
+                if n > m.MAX_MESSAGE_BYTES:
+                    raise ProtocolError(f"a frame of {n} bytes is over the {m.MAX_MESSAGE_BYTES}-byte limit")
+                if len(self.buf) >= _FRAME.size + n:
+                    data = bytes(self.buf[_FRAME.size : _FRAME.size + n])
+                    del self.buf[: _FRAME.size + n]
+                    return m.decode(data)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            ready, _, _ = select.select([self.fd], [], [], min(left, _POLL_S))
+            if not ready:
+                if not alive():
+                    return None
+                continue
+            chunk = os.read(self.fd, 1 << 20)
+            if not chunk:
+                if self.buf:
+                    raise ProtocolError(f"the pipe ended inside a frame ({len(self.buf)} bytes)")
+                return None
+            self.buf += chunk
+
+
+# ------------------------------------------------------------------------------- values
+Packed = tuple[list[m.TensorMeta], dict[str, torch.Tensor], dict[str, m.Scalar], list[torch.Tensor]]
+
+
+def pack_values(values: Mapping[str, Any], inline_bytes: int, what: str) -> Packed:
+    """Split one entry's values for the wire: (metas and tensors for torch.distributed, inline
+    tensors, scalars). Anything else cannot cross ranks: a TypeError naming the value."""
+    metas: list[m.TensorMeta] = []
+    tensors: list[torch.Tensor] = []
+    inline: dict[str, torch.Tensor] = {}
+    scalars: dict[str, m.Scalar] = {}
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            dtype = m.dtype_name(value.dtype)  # an unsupported dtype is a MessageError (a ValueError)
+            if value.numel() == 0 or value.numel() * value.element_size() <= inline_bytes:
+                inline[name] = value  # empty tensors always: a zero-byte transfer buys nothing
+            else:
+                metas.append(m.TensorMeta(name, dtype, list(value.shape)))
+                tensors.append(value)
+        elif value is None or isinstance(value, bool | int | float | str):
+            scalars[name] = value
+        else:
+            raise TypeError(
+                f"{what} '{name}' is a {type(value).__name__}, which cannot cross ranks "
+                "(tensors, bool, int, float, str and None can)"
+            )
+    return metas, inline, scalars, tensors
+
+
+def unpack_values(
+    metas: Sequence[m.TensorMeta],
+    tensors: Sequence[torch.Tensor],
+    inline: Mapping[str, torch.Tensor],
+    scalars: Mapping[str, m.Scalar],
+    device: torch.device,
+) -> dict[str, Any]:
+    out: dict[str, Any] = dict(scalars)
+    out.update({k: v.to(device) for k, v in inline.items()})
+    out.update({meta.name: t for meta, t in zip(metas, tensors, strict=True)})
+    return out
+
+
+def _nbytes(meta: m.TensorMeta) -> int:
+    n = m.TENSOR_DTYPES[meta.dtype].itemsize
+    for d in meta.shape:
+        n *= d
+    return n
+
+
+def send_tensors(tensors: Sequence[torch.Tensor], dst: int, comm_device: torch.device) -> None:
+    """All of a step's tensors as one flat byte buffer: one transfer, whatever their dtypes
+    (bytes also sidestep Gloo's gaps, bool and bfloat16)."""
+    if not tensors:
+        return
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8).to(comm_device) for t in tensors]
+    dist.send(torch.cat(parts), dst=dst)
+
+
+def recv_tensors(
+    metas: Sequence[m.TensorMeta], src: int, comm_device: torch.device, device: torch.device
+) -> list[torch.Tensor]:
+    sizes = [_nbytes(meta) for meta in metas]
+    if not sizes:
+        return []
+    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=comm_device)
+    dist.recv(buf, src=src)
+    out, off = [], 0
+    for meta, n in zip(metas, sizes):
+        # clone: each value owns aligned storage (a dtype view needs it) and no value aliases another
+        t = buf[off : off + n].clone().view(m.TENSOR_DTYPES[meta.dtype]).reshape(meta.shape)
+        out.append(t.to(device))
+        off += n
+    return out
+
+
+def _kv_to_wire(kv: engines.KVSlots | None) -> m.KVSlots | None:
+    if kv is None:
+        return None
+    return m.KVSlots(kv.start, kv.q_len, list(kv.slots), list(kv.page_table), kv.mask, kv.block_size, kv.keep)
+
+
+def _kv_from_wire(kv: m.KVSlots | None) -> engines.KVSlots | None:
+    if kv is None:
+        return None
+    return engines.KVSlots(kv.start, kv.q_len, kv.slots, kv.page_table, kv.mask, kv.block_size, kv.keep)
+
+
+def _copy_to_wire(copy: SlotCopy) -> m.SlotCopy:
+    src, dst = copy.src, copy.dst
+    if len(src) != len(dst) or (len(src) and (src.step != 1 or dst.step != 1)):
+        raise ValueError(f"a slot copy must map one contiguous range onto another, got {copy}")
+    return m.SlotCopy(src.start, dst.start, len(src))
+
+
+def _copy_from_wire(copy: m.SlotCopy) -> SlotCopy:
+    return SlotCopy(
+        range(copy.src_start, copy.src_start + copy.count), range(copy.dst_start, copy.dst_start + copy.count)
+    )
+
+
+def plan_digest(plan: Plan) -> str:
+    """The hash of the plan's canonical body: both sides must have loaded the same plan."""
+    return hashlib.sha256(dump_body(dict(plan.body))).hexdigest()
+
+
+def _comm_device(device: torch.device) -> torch.device:
+    """Where torch.distributed buffers live: the host for Gloo, this rank's GPU for NCCL."""
+    return device if device.type == "cuda" else torch.device("cpu")
+
+
+# =========================================================================== worker side
+def _die_with_parent(parent_pid: int | None) -> None:
+    """SIGKILL this process when its parent dies, even if the control pipe lingers (Linux)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            pr_set_pdeathsig = 1
+            libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the stdin EOF still ends the worker
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)  # the parent died before prctl took effect: nobody is left to serve
+
+
+class _Server:
+    """The worker process's loop: frames from stdin, answers on the saved stdout."""
+
+    def __init__(self, worker: Worker, rank: int, out: IO[bytes]):
+        self.worker, self.rank, self.out = worker, rank, out
+        self.device = worker.device
+        self.comm = _comm_device(worker.device)
+
+    def serve(self, inp: BinaryIO) -> int:
+        while True:
+            msg = read_frame(inp)
+            if msg is None or isinstance(msg, m.Shutdown):
+                return 0
+            if isinstance(msg, m.StepRequest):
+                self._step(msg)
+            elif isinstance(msg, m.ForkKV):
+                copy = _copy_from_wire(msg.copy) if msg.copy is not None else None
+                self.worker.fork(msg.node, msg.request_id, msg.src_tag, msg.dst_tag, copy)
+            elif isinstance(msg, m.CopySlots):
+                self.worker.copy_slots(msg.node, _copy_from_wire(msg.copy))
+            elif isinstance(msg, m.DropTag):
+                self.worker.drop_tag(msg.node, msg.request_id, msg.tag)
+            elif isinstance(msg, m.FreeRequest):
+                self.worker.free(msg.request_id)
+            elif isinstance(msg, m.Heartbeat):
+                write_frame(self.out, m.Heartbeat(self.rank, msg.seq))
+            else:
+                raise ProtocolError(f"a worker does not take '{msg.type}' messages")
+
+    def _step(self, msg: m.StepRequest) -> None:
+        t0 = time.perf_counter()
+        # Receive first, whatever happens next: the conductor has already sent the buffer.
+        metas = [meta for e in msg.entries for meta in e.inputs]
+        received = iter(recv_tensors(metas, 0, self.comm, self.device))
+        entries = [
+            engines.StepEntry(
+                e.request_id,
+                e.tag,
+                unpack_values(e.inputs, [next(received) for _ in e.inputs], e.inline, e.scalars, self.device),
+                _kv_from_wire(e.kv),
+            )
+            for e in msg.entries
+        ]
+        try:
+            outputs = self.worker.run_step(StepBatch(msg.node, msg.phase, entries))
+            packed = [pack_values(o, INLINE_BYTES, "output") for o in outputs]
+            result = m.StepResult(
+                msg.step_id,
+                self.rank,
+                [
+                    m.ResultEntry(e.request_id, e.tag, metas, inline, scalars)
+                    for e, (metas, inline, scalars, _) in zip(msg.entries, packed)
+                ],
+                time.perf_counter() - t0,
+            )
+            data = m.encode(result)  # encode here, so a value that cannot travel is this step's error
+        except RequestError as e:
+            ids = getattr(e, "request_ids", None) or [x.request_id for x in entries]
+            write_frame(self.out, m.StepRejected(msg.step_id, self.rank, str(e), e.field, list(ids)))
+            return
+        except Exception as e:
+            write_frame(self.out, m.WorkerError(self.rank, _error_text(e), msg.step_id))
+            return
+        self.out.write(_FRAME.pack(len(data)) + data)
+        self.out.flush()
+        send_tensors([t for p in packed for t in p[3]], 0, self.comm)
+
+
+def _error_text(e: BaseException) -> str:
+    """The error, then the traceback: the first line is what a client sees first."""
+    cause = e.__cause__ if isinstance(e, WorkerStepError) and e.__cause__ is not None else e
+    tb = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)).rstrip()
+    head = str(e) if isinstance(e, WorkerStepError) else f"{type(e).__name__}: {e}"
+    return f"{head}\nworker traceback:\n{tb}"
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    """`python -m mstar_runtime.remote --plan P --rank R --world N --init-method tcp://H:P ...`"""
+    ap = argparse.ArgumentParser(prog="python -m mstar_runtime.remote", description=__doc__.split("\n")[0])
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--init-method", required=True)
+    ap.add_argument("--weights", default="dummy")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--kv-pages-cap", type=int, default=None)
+    ap.add_argument("--parent-pid", type=int, default=None)
+    ap.add_argument("--timeout", type=float, default=ANSWER_TIMEOUT_S)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = ap.parse_args(argv)
+    _die_with_parent(args.parent_pid)
+    # The control channel is the original stdout; fd 1 becomes stderr for everything else
+    # (prints, C libraries), so only frames ever reach the conductor's pipe.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    inp = sys.stdin.buffer
+    rank = args.rank
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl" if args.device == "cuda" else "gloo",
+        init_method=args.init_method,
+        rank=rank,
+        world_size=args.world,
+        timeout=timedelta(seconds=args.timeout),
+    )
+    try:
+        plan = load_plan(args.plan, device=args.device, kv_pages_cap=args.kv_pages_cap)
+        worker = Worker(plan, rank, plan.torch_device(rank), args.weights)
+        write_frame(out, m.WorkerReady(rank, os.getpid(), list(worker.engines), plan_digest(plan)))
+        _Server(worker, rank, out).serve(inp)
+    except BrokenPipeError:
+        os._exit(1)  # the conductor is gone: nobody to tell, nothing to tear down politely
+    except Exception as e:
+        text = _error_text(e)
+        print(text, file=sys.stderr, flush=True)
+        try:
+            write_frame(out, m.WorkerError(rank, text, None))
+        except OSError:
+            pass
+        # Skip the group's teardown: a peer may be gone, and the conductor kills what is left.
+        os._exit(1)
+    dist.destroy_process_group()
+    return 0
+
+
+# ========================================================================= conductor side
+def _how_it_ended(proc: subprocess.Popen[bytes]) -> str:
+    code = proc.poll()
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class RemoteWorker:
+    """The conductor's proxy of one worker process (see the module docstring)."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        rank: int,
+        init_method: str,
+        *,
+        weights: str | Path = "dummy",
+        device: str = "cpu",
+        answer_timeout: float = ANSWER_TIMEOUT_S,
+        inline_bytes: int = INLINE_BYTES,
+        threads: int | None = None,
+        env: Mapping[str, str] | None = None,
+        peers: _Peers | None = None,
+    ):
+        self.plan, self.rank = plan, rank
+        self.peers = peers
+        self.answer_timeout, self.inline_bytes = answer_timeout, inline_bytes
+        self.comm = _comm_device(plan.torch_device(0))
+        self.has_kv = any(plan.node(n)["engine"] == "kv" for n in plan.resident_nodes(rank))
+        self.lost: str | None = None
+        self.nodes: list[str] = []
+        self._closed = False
+        self._lock = threading.Lock()  # one conversation at a time (a watchdog may heartbeat)
+        self._step_ids = iter(range(1, 1 << 62))
+        self._seq = 0
+        cmd = [
+            sys.executable,
+            "-m",
+            "mstar_runtime.remote",
+            "--plan",
+            os.path.abspath(plan.path),
+            "--rank",
+            str(rank),
+            "--world",
+            str(plan.num_ranks),
+            "--init-method",
+            init_method,
+            "--weights",
+            os.fspath(weights),
+            "--device",
+            device,
+            "--parent-pid",
+            str(os.getpid()),
+            "--timeout",
+            str(answer_timeout),
+        ]
+        if plan.kv_pages_cap is not None:
+            cmd += ["--kv-pages-cap", str(plan.kv_pages_cap)]
+        environ = os.environ if env is None else env
+        if threads is None and device == "cpu" and "OMP_NUM_THREADS" not in environ:
+            # The ranks of a CPU plan share this host's cores: a process each with all of them
+            # oversubscribes, and OpenMP's spinning threads then slow every step by 10-100x.
+            threads = max(1, (os.cpu_count() or 1) // plan.num_ranks)
+        if threads:
+            cmd += ["--threads", str(threads)]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=dict(env) if env is not None else None,
+            close_fds=True,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None and self.proc.stderr is not None
+        self.pid = self.proc.pid
+        self._in = self.proc.stdin
+        self._out = _FrameReader(self.proc.stdout.fileno())
+        # Drain stderr all the time (a full pipe would block the worker); keep its tail for errors.
+        self._stderr: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
+        self._stderr_thread = threading.Thread(
+            target=self._drain, args=(self.proc.stderr,), name=f"mstar-worker-{rank}-stderr", daemon=True
+        )
+        self._stderr_thread.start()
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------ start-up
+    def wait_ready(self, timeout: float = START_TIMEOUT_S, digest: str | None = None) -> None:
+        """Wait for the worker's `WorkerReady` (after the group is up); WorkerLost if it fails."""
+        msg = self._read(timeout, "starting")
+        if isinstance(msg, m.WorkerError):
+            self._lose("failed to start", msg.message)
+        if not isinstance(msg, m.WorkerReady) or msg.rank != self.rank:
+            self._lose(f"sent {getattr(msg, 'type', msg)!r} instead of worker_ready")
+        if digest is not None and msg.plan_digest != digest:
+            self._lose(
+                f"loaded a different plan from {self.plan.path} (the file changed since this process "
+                "loaded it)"
+            )
+        self.nodes = list(msg.nodes)
+
+    # ------------------------------------------------------------------ WorkerLike
+    def run_step(self, batch: StepBatch) -> list[dict[str, Any]]:
+        with self._lock:
+            return self._run_step(batch)
+
+    def _run_step(self, batch: StepBatch) -> list[dict[str, Any]]:
+        if self.lost is not None:
+            raise WorkerLost(self.rank, self.lost)
+        if self.peers is not None:
+            self.peers.check()
+        step_id = next(self._step_ids)
+        try:
+            wire, tensors = [], []
+            for e in batch.entries:
+                metas, inline, scalars, ts = pack_values(e.inputs, self.inline_bytes, "input")
+                wire.append(m.StepEntry(e.request_id, e.tag, metas, inline, scalars, _kv_to_wire(e.kv)))
+                tensors += ts
+            data = m.encode(m.StepRequest(step_id, batch.node, batch.phase, wire))
+        except (TypeError, ValueError) as e:  # MessageError is a ValueError
+            # Nothing was sent: the worker is fine, this batch cannot travel.
+            raise WorkerStepError(batch.node, batch.phase, f"cannot send to rank {self.rank}: {e}") from e
+        self._send_bytes(data)
+        try:
+            send_tensors(tensors, self.rank, self.comm)
+        except RuntimeError as e:
+            self._lose(f"torch.distributed send failed: {e}")
+        while True:
+            msg = self._read(self.answer_timeout, f"running {batch.node}.{batch.phase}")
+            if isinstance(msg, m.Heartbeat):
+                continue  # a late echo of a heartbeat that timed out
+            if isinstance(msg, m.WorkerError) and msg.step_id is None:
+                self._lose("failed", msg.message)
+            if getattr(msg, "step_id", None) != step_id:
+                self._lose(
+                    f"answered step {getattr(msg, 'step_id', None)} with '{msg.type}' while step "
+                    f"{step_id} was running"
+                )
+            break
+        if isinstance(msg, m.StepRejected):
+            err = RequestError(msg.message, msg.field)
+            err.request_ids = list(msg.request_ids)  # type: ignore[attr-defined]
+            raise err
+        if isinstance(msg, m.WorkerError):
+            raise WorkerStepError(
+                batch.node, batch.phase, f"on rank {self.rank}: {_strip_head(msg.message, batch)}"
+            )
+        assert isinstance(msg, m.StepResult)
+        if len(msg.entries) != len(batch.entries):
+            self._lose(f"returned {len(msg.entries)} results for {len(batch.entries)} entries")
+        metas = [meta for e in msg.entries for meta in e.outputs]
+        try:
+            received = iter(recv_tensors(metas, self.rank, self.comm, self.comm))
+        except RuntimeError as e:
+            self._lose(f"torch.distributed receive failed: {e}")
+        return [
+            unpack_values(e.outputs, [next(received) for _ in e.outputs], e.inline, e.scalars, self.comm)
+            for e in msg.entries
+        ]
+
+    def fork(self, node: str, request_id: str, src_tag: str, dst_tag: str, copy: SlotCopy | None) -> None:
+        wire = _copy_to_wire(copy) if copy is not None else None
+        self._post(m.ForkKV(node, request_id, src_tag, dst_tag, wire))
+
+    def copy_slots(self, node: str, copy: SlotCopy) -> None:
+        self._post(m.CopySlots(node, _copy_to_wire(copy)))
+
+    def drop_tag(self, node: str, request_id: str, tag: str) -> None:
+        self._post(m.DropTag(node, request_id, tag))
+
+    def free(self, request_id: str) -> None:
+        if self.has_kv:  # only KV engines keep per-request state
+            self._post(m.FreeRequest(request_id))
+
+    def heartbeat(self, timeout: float = 10.0) -> float:
+        """Round-trip seconds of a heartbeat; WorkerLost if there is no answer in time."""
+        with self._lock:
+            return self._heartbeat(timeout)
+
+    def _heartbeat(self, timeout: float) -> float:
+        if self.lost is not None:
+            raise WorkerLost(self.rank, self.lost)
+        self._seq += 1
+        t0 = time.perf_counter()
+        self._send_bytes(m.encode(m.Heartbeat(0, self._seq)))
+        while True:
+            msg = self._read(timeout, "answering a heartbeat")
+            if isinstance(msg, m.Heartbeat) and msg.seq == self._seq:
+                return time.perf_counter() - t0
+            if isinstance(msg, m.WorkerError):
+                self._lose("failed", msg.message)
+            if not isinstance(msg, m.Heartbeat):
+                self._lose(f"sent '{msg.type}' when only a heartbeat was due")
+
+    @property
+    def alive(self) -> bool:
+        return self.lost is None and self.proc.poll() is None
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Ask the worker to exit, wait a little, then kill it. Idempotent; never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.discard(self)
+        if self.proc.poll() is None:
+            try:
+                self._in.write(_frame(m.Shutdown("closed by the conductor")))
+                self._in.flush()
+            except OSError:
+                pass
+        try:
+            self._in.close()  # EOF: the worker exits even if it never read the Shutdown
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._stderr_thread.join(1.0)
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                f.close()
+
+    # ------------------------------------------------------------------ plumbing
+    def _drain(self, stream: IO[bytes]) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip()
+            self._stderr.append(line)
+            log.debug("[rank %d] %s", self.rank, line)
+
+    def _post(self, msg: m.Message) -> None:
+        """A message without an answer. On a lost worker it does nothing: fork and free are
+        called while the conductor fails requests, and the next step reports the loss."""
+        if self.lost is not None:
+            return
+        try:
+            with self._lock:
+                self._send_bytes(m.encode(msg))
+        except WorkerLost:
+            pass
+
+    def _send_bytes(self, data: bytes) -> None:
+        try:
+            self._in.write(_FRAME.pack(len(data)) + data)
+            self._in.flush()
+        except (BrokenPipeError, ValueError, OSError) as e:  # ValueError: the pipe was closed here
+            self._lose(f"stopped reading its control pipe ({type(e).__name__})")
+
+    def _read(self, timeout: float, doing: str) -> m.Message:
+        try:
+            msg = self._out.read(timeout, lambda: self.proc.poll() is None)
+        except TimeoutError:
+            self._lose(f"did not answer within {timeout:.0f} s while {doing}")
+        except (ProtocolError, m.MessageError) as e:
+            self._lose(f"sent a bad frame while {doing}: {e}")
+        if msg is None:
+            self._lose(f"closed its control pipe while {doing}")
+        return msg
+
+    def _lose(self, why: str, reported: str | None = None) -> NoReturn:
+        """Record the loss (killing the process if it still runs) and raise WorkerLost.
+
+        `reported`: the text of the worker's own fatal WorkerError (error, then traceback),
+        which then stands in for its stderr (that holds the same traceback)."""
+        if self.lost is None:
+            killed_here = False
+            if self.proc.poll() is None:
+                try:  # a crashing process may be exiting right now: let it say how
+                    self.proc.wait(0.5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+                    killed_here = True
+            self._stderr_thread.join(1.0)
+            how = "was killed here, as it still ran" if killed_here else _how_it_ended(self.proc)
+            if reported is not None:
+                head, _, detail = reported.partition("\n")
+                self.lost = f"its process (pid {self.pid}) {why}: {head}; it {how}" + (
+                    f"\n{detail}" if detail else ""
+                )
+            else:
+                tail = "\n".join(f"  | {line}" for line in self._stderr)
+                self.lost = f"its process (pid {self.pid}) {why}; it {how}" + (
+                    f"; the last lines of its stderr:\n{tail}" if tail else "; it wrote nothing to stderr"
+                )
+        raise WorkerLost(self.rank, self.lost)
+
+
+def _frame(msg: m.Message) -> bytes:
+    data = m.encode(msg)
+    return _FRAME.pack(len(data)) + data
+
+
+def _strip_head(message: str, batch: StepBatch) -> str:
+    """A WorkerStepError's text already says node and phase; do not say it twice."""
+    return message.removeprefix(f"node '{batch.node}' phase '{batch.phase}': ")
+
+
+# ------------------------------------------------------------------------ the whole set
+class _Peers:
+    """The worker processes of one plan: any step, on any rank, first checks that all of them
+    still run, so a worker that dies ends the run at the next step, not at its own next one."""
+
+    def __init__(self) -> None:
+        self.remotes: list[RemoteWorker] = []
+
+    def check(self) -> None:
+        for w in self.remotes:
+            if w.lost is not None:
+                raise WorkerLost(w.rank, w.lost)
+            if not w._closed and w.proc.poll() is not None:
+                w._lose("died")
+
+
+class LocalWorker(Worker):
+    """Rank 0's in-process worker, checking its peer processes before each step."""
+
+    peers: _Peers | None = None
+
+    def run_step(self, batch: StepBatch) -> list[dict[str, Any]]:
+        if self.peers is not None:
+            self.peers.check()
+        return super().run_step(batch)
+
+
+_LIVE: weakref.WeakSet[RemoteWorker] = weakref.WeakSet()
+_OWN_GROUP = False  # True while this module owns the default process group
+
+
+@atexit.register
+def _close_all() -> None:
+    """No worker outlives a conductor that exits normally (a killed one: pipe EOF, pdeathsig)."""
+    for w in list(_LIVE):
+        w.close(timeout=1.0)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_workers(
+    plan: Plan,
+    weights: str | Path = "dummy",
+    device: str | None = None,
+    *,
+    answer_timeout: float = ANSWER_TIMEOUT_S,
+    start_timeout: float = START_TIMEOUT_S,
+    inline_bytes: int = INLINE_BYTES,
+    threads: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[int, Any]:
+    """Rank 0 in this process, ranks 1..N-1 as worker processes; returns {rank: worker}.
+
+    A one-rank plan starts no process and no process group. Otherwise this process joins a
+    fresh default group as rank 0 (Gloo on CPU, NCCL on GPU) over a free port of 127.0.0.1.
+    Any failure stops what was started and raises (WorkerLost names the rank)."""
+    device = device or plan.device
+    if device != plan.device:
+        raise ValueError(
+            f"the plan was loaded for '{plan.device}', not '{device}': load_plan(..., device=...)"
+        )
+    if plan.num_ranks == 1:
+        return {0: Worker(plan, 0, plan.torch_device(0), weights)}
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a torch.distributed process group already exists in this process; "
+            "call shutdown_workers() on the workers that made it first"
+        )
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    peers = _Peers()
+    peers.remotes = [
+        RemoteWorker(
+            plan,
+            r,
+            init,
+            weights=weights,
+            device=device,
+            answer_timeout=answer_timeout,
+            inline_bytes=inline_bytes,
+            threads=threads,
+            env=env,
+            peers=peers,
+        )
+        for r in range(1, plan.num_ranks)
+    ]
+    remotes = peers.remotes
+    workers: dict[int, Any] = {w.rank: w for w in remotes}
+    try:
+        # rank 0's nodes are built while the worker processes import torch and build theirs
+        local = LocalWorker(plan, 0, plan.torch_device(0), weights)
+        local.peers = peers
+        workers[0] = local
+        _join_group(remotes, init, plan.num_ranks, device, start_timeout, answer_timeout)
+        digest = plan_digest(plan)
+        for w in remotes:
+            w.wait_ready(start_timeout, digest)
+    except BaseException:
+        for w in remotes:
+            w.close(timeout=1.0)  # a start that failed: no point in waiting long for the others
+        shutdown_workers(workers)
+        raise
+    return workers
+
+
+def _join_group(
+    remotes: Sequence[RemoteWorker],
+    init: str,
+    world: int,
+    device: str,
+    start_timeout: float,
+    op_timeout: float,
+) -> None:
+    """init_process_group as rank 0, watching the children: one that dies before joining
+    would otherwise leave us waiting for the whole store timeout."""
+    global _OWN_GROUP
+    failure: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            dist.init_process_group(
+                "nccl" if device == "cuda" else "gloo",
+                init_method=init,
+                rank=0,
+                world_size=world,
+                timeout=timedelta(seconds=max(start_timeout, op_timeout)),
+            )
+        except BaseException as e:  # re-raised in the caller's thread
+            failure.append(e)
+
+    t = threading.Thread(target=join, name="mstar-init-group", daemon=True)
+    t.start()
+    deadline = time.monotonic() + start_timeout
+    while t.is_alive():
+        t.join(0.1)
+        for w in remotes:
+            if w.proc.poll() is not None:
+                w._lose("exited before joining the process group")
+        if time.monotonic() > deadline:
+            raise WorkerLost(remotes[0].rank, f"the process group did not form within {start_timeout:.0f} s")
+    if failure:
+        raise failure[0]
+    _OWN_GROUP = True
+
+
+def shutdown_workers(workers: Mapping[int, Any]) -> None:
+    """Close every worker process, then this process's group. Never raises."""
+    global _OWN_GROUP
+    for w in workers.values():
+        if isinstance(w, RemoteWorker):
+            w.close()
+    if _OWN_GROUP and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # a group with a dead peer may complain; it is gone either way
+            log.debug("destroy_process_group: %s", e)
+    _OWN_GROUP = False
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

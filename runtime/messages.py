@@ -13,7 +13,7 @@ order of the step's one flat byte buffer). Python scalars ride as ``Scalar`` val
 keeps bool, int, float, str and nil apart, so that union decodes without ambiguity.
 
 The conversation between the conductor and a worker process (``remote.py``):
-conductor -> worker: ``StepRequest``, ``ForkKV``, ``CopySlots``, ``FreeRequest``,
+conductor -> worker: ``StepRequest``, ``ForkKV``, ``CopySlots``, ``DropTag``, ``FreeRequest``,
 ``Heartbeat``, ``Shutdown``; worker -> conductor: ``WorkerReady`` (once), ``StepResult``,
 ``StepRejected`` (a node's ``RequestError``), ``WorkerError``, ``Heartbeat`` (the echo).
 """
@@ -214,6 +214,17 @@ class CopySlots:
 
 
 @dataclass(frozen=True, slots=True)
+class DropTag:
+    """Conductor -> worker: forget one KV context's node state (a transition that does not
+    keep the tag; its pages are the conductor's to free)."""
+
+    type: ClassVar[str] = "drop_tag"
+    node: str
+    request_id: str
+    tag: str
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerReady:
     """Worker -> conductor, once: rank ``rank`` (process ``pid``) joined the process group and
     built its nodes from the plan whose canonical body hashes to ``plan_digest``."""
@@ -252,6 +263,7 @@ Message = (
     | AllocateKV
     | ForkKV
     | CopySlots
+    | DropTag
     | FreeRequest
     | Shutdown
     | WorkerReady
@@ -269,6 +281,7 @@ MESSAGE_TYPES: dict[str, type] = {
         AllocateKV,
         ForkKV,
         CopySlots,
+        DropTag,
         FreeRequest,
         Shutdown,
         WorkerReady,

@@ -269,6 +269,11 @@ def test_killing_a_worker_ends_the_run(plans: dict[int, Path]) -> None:
         with pytest.raises(EngineStopped, match="the engine stopped: worker rank 2 lost"):
             conductor.submit("generate", {"prompt": "after"})
         assert not conductor.step()
+        # A worker that hangs (stopped) is lost once the answer is overdue, and killed.
+        os.kill(workers[1].pid, signal.SIGSTOP)
+        with pytest.raises(WorkerLost, match=r"worker rank 1 lost: .*did not answer within 1 s.*killed here"):
+            workers[1].heartbeat(timeout=1.0)
+        assert workers[1].proc.returncode == -signal.SIGKILL
     assert _gone(victim)
 
 

@@ -400,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = load_plan(args.plan, device=args.device)
         inputs = cli_inputs(plan, args.walk, args.input, parser) if args.walk else {}
         m = MStar.from_plan(plan, weights=args.weights, preempt_every=args.preempt_every)
-    except (PlanError, NodeError, RequestError) as e:
+    except _startup_errors() as e:
         return _error(e)
     except KeyboardInterrupt:
         return 130
@@ -414,6 +414,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print(f"{PROG}: interrupted", file=sys.stderr)
             return 130
+
+
+def _startup_errors() -> tuple[type[BaseException], ...]:
+    """What loading can fail with for reasons the user can fix: a bad plan, weights or input,
+    and a worker process that did not start (when the multi-rank runtime is installed)."""
+    errors: tuple[type[BaseException], ...] = (PlanError, NodeError, RequestError)
+    try:
+        from mstar_runtime.remote import WorkerLost
+    except ImportError:
+        return errors
+    return (*errors, WorkerLost)
 
 
 def _error(e: BaseException | str) -> int:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mstar_runtime.node import RequestError
-from mstar_runtime.sampler import SamplingParams, process_logits, sample, uniform
+from mstar_runtime.sampler import SamplingParams, SamplingTensors, process_logits, sample, uniform, uniforms
 
 V = 97
 
@@ -137,8 +137,10 @@ def test_zero_probability_tokens_are_never_drawn_even_at_the_edge(monkeypatch: p
     x = torch.full((1, V), float("-inf"))
     x[0, 10], x[0, 20] = 0.0, 0.0
     for u in (0.0, 0.5 - 1e-12, 0.5, 1.0 - 2.0**-53):
-        monkeypatch.setattr(sampler, "uniform", lambda seed, step, u=u: u)
+        fixed = torch.tensor([u], dtype=torch.float64)
+        monkeypatch.setattr(sampler, "uniforms", lambda seed, step, fixed=fixed: fixed)
         assert int(sample(x, [SamplingParams(seed=1)], [None], [0])[0]) in (10, 20)
+    assert [int(t) for t in sampler.pick_from_cdf(x.expand(2, V), torch.tensor([0.0, 0.75]).double())] == [10, 20]
 
 
 @pytest.mark.parametrize(
@@ -167,3 +169,59 @@ def test_with_seed_and_shape_checks() -> None:
         sample(logits(2), [p], [None], [0])
     with pytest.raises(ValueError, match="one step per row"):
         sample(logits(1), [p], [None], [0, 1])
+
+
+# ------------------------------------------------------------------ device-side, batched draws
+def test_tensor_uniforms_are_the_host_bits() -> None:
+    """The per-row uniform computed with int64 tensor ops (wrapping adds and multiplies, masked
+    shifts) equals the host `uniform` bit for bit, for seeds and steps that overflow int64."""
+    seeds = [0, 1, 42, 2**63 - 1, 2**63, 2**64 - 1, 2**70 + 42, -1, -(2**63), 12345678901234567]
+    steps = [0, 1, 7, 2**31, 2**62 + 3, 2**64 - 2]
+    pairs = [(s, t) for s in seeds for t in steps]
+    st = SamplingTensors.build([SamplingParams(seed=s) for s, _ in pairs], [None] * len(pairs),
+                               [t for _, t in pairs], V, "cpu")
+    got = uniforms(st.seed, st.step).tolist()
+    assert got == [uniform(s, t) for s, t in pairs]
+
+
+def test_a_row_ignores_its_batch_in_every_position() -> None:
+    """Each row drawn alone, in a batch of 7, in a batch of 64 at another position, with penalties,
+    greedy neighbours and different history lengths: always the same token."""
+    x = logits(64, seed=21)
+    params = [MIXED[b % len(MIXED)] for b in range(64)]
+    params = [p if p.seed is not None else SamplingParams(0.8, 0, 0.9, 1.1, seed=99) for p in params]
+    hists = [history(100 + b, n=1 + (5 * b) % 30) if b % 4 else None for b in range(64)]
+    steps = [3 * b + 1 for b in range(64)]
+    full = sample(x, params, hists, steps)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(5)).tolist()
+    shuffled = sample(x[perm], [params[b] for b in perm], [hists[b] for b in perm], [steps[b] for b in perm])
+    assert [int(t) for t in shuffled] == [int(full[b]) for b in perm]
+    for b in range(0, 64, 9):
+        alone = sample(x[b : b + 1], [params[b]], [hists[b]], [steps[b]])
+        assert int(alone[0]) == int(full[b]), b
+
+
+def test_repeated_calls_give_identical_tokens() -> None:
+    x = logits(32, seed=22)
+    params = [SamplingParams(0.7, 20 * (b % 3), 0.8 + 0.01 * (b % 10), 1.3, seed=1000 + b) for b in range(32)]
+    hists = [history(200 + b) for b in range(32)]
+    first = sample(x, params, hists, list(range(32)))
+    for _ in range(3):
+        assert torch.equal(sample(x, params, hists, list(range(32))), first)
+
+
+def test_device_joined_histories_equal_host_padded() -> None:
+    """The path for histories that live on the device (one cat + one gather) pads exactly as the host path."""
+    from mstar_runtime.sampler import _join_histories, _pad_histories
+
+    hs = [history(b, n=3 + 4 * b) for b in range(5)]
+    host = _pad_histories(hs, [0, 2, 3, 4], 5, torch.device("cpu"))
+    joined = _join_histories({b: hs[b] for b in (0, 2, 3, 4)}, 5, host.shape[1], torch.device("cpu"))
+    assert torch.equal(host, joined) and bool((host[1] == -1).all())
+
+
+def test_penalty_ignores_padding_and_out_of_vocab_ids_in_a_batch() -> None:
+    x = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    params = [SamplingParams(repetition_penalty=2.0), SamplingParams(repetition_penalty=1.0)]
+    out = process_logits(x, params, [torch.tensor([0, 1, 1, 7, -3]), torch.tensor([0, 1, 2])])
+    assert torch.equal(out, torch.tensor([[1.0, -4.0, 1.0, -1.0, 0.5], [1.0, 1.0, 1.0, 1.0, 1.0]]))

@@ -8,6 +8,7 @@ size a 65 GB checkpoint in milliseconds. Both layouts are accepted: a single
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -80,6 +81,29 @@ def scan(folder: str | Path) -> I.CheckpointIR:
             tensors[t] = v
         files.append((name, digest, path.stat().st_size))
     return I.CheckpointIR("dir", os.path.relpath(root), tuple(files), tensors)
+
+
+def with_subdirs(model: I.ModelIR, folder: str | Path) -> I.ModelIR:
+    """Merge the checkpoints that nodes keep in sub-folders (`checkpoint_subdir = "snac"`).
+
+    A composite model ships several checkpoints (Orpheus: the Llama backbone and SNAC); the
+    node setting names the sub-folder of the weights folder that holds a node's tensors.
+    Their files are listed as `<subdir>/<file>`.
+    """
+    ck = model.checkpoint
+    tensors = dict(ck.tensors)
+    files = list(ck.files)
+    for node in model.nodes.values():
+        sub = node.settings.get("checkpoint_subdir")
+        if not isinstance(sub, str) or not sub:
+            continue
+        part = scan(Path(folder) / sub)
+        for name, value in part.tensors.items():
+            if name in tensors:
+                raise CheckpointError(f"tensor '{name}' of sub-folder '{sub}' is also in another checkpoint file")
+            tensors[name] = value
+        files.extend((f"{sub}/{n}", h, s) for n, h, s in part.files)
+    return dataclasses.replace(model, checkpoint=dataclasses.replace(ck, files=tuple(files), tensors=tensors))
 
 
 def compare(model: I.ModelIR) -> list[Diagnostic]:

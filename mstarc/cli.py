@@ -55,6 +55,11 @@ def _frontend(args: argparse.Namespace) -> tuple[I.ModelIR, str, object | None]:
             raise CompileError([Diagnostic("E062", str(e), Span(src, 0, 0), "pass a folder of .safetensors files")]) from None
         weights_dir = Path(args.weights)
     model = lower(model_ast, args.variant, src, weights_dir, ck)
+    if weights_dir is not None:
+        try:
+            model = checkpoint.with_subdirs(model, weights_dir)
+        except checkpoint.CheckpointError as e:
+            raise CompileError([Diagnostic("E062", str(e), Span(src, 0, 0), "pass a folder of .safetensors files")]) from None
     problems = checkpoint.compare(model)
     if problems:
         raise CompileError(problems)

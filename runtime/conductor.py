@@ -121,13 +121,18 @@ class Request:
     def emit(self, name: str, value: Any, mode: str) -> None:
         if mode == "set":
             self.outputs[name] = value
+            if self.stats.first_output_at is None:
+                self.stats.first_output_at = time.perf_counter()
             return
         self.outputs.setdefault(name, []).append(value)
-        n = self.appended.get(name, 0) + 1
-        self.appended[name] = n
-        if n <= self.delivered.get(name, 0):
+        # counted per walk of the request (a transition starts a new count), so a replay after
+        # preemption, which restarts from the first walk, lines up with what was delivered
+        key = f"{len(self.walks_done)}:{name}"
+        n = self.appended.get(key, 0) + 1
+        self.appended[key] = n
+        if n <= self.delivered.get(key, 0):
             return  # a replay after preemption: the client already has this item
-        self.delivered[name] = n
+        self.delivered[key] = n
         if self.stats.first_output_at is None:
             self.stats.first_output_at = time.perf_counter()
         if self.listener is not None:
@@ -601,6 +606,8 @@ class Conductor:
                 if out["mode"] == "append" and out["name"] not in req.outputs:
                     req.outputs[out["name"]] = _empty(out["type"])
         self.stats[{FINISHED: "finished", FAILED: "failed", CANCELLED: "cancelled"}[state]] += 1
+        if self.requests.get(req.id) is req:  # ended requests are the caller's to keep, not ours
+            del self.requests[req.id]
         if req.listener is not None:
             req.listener.on_finish(req)
 

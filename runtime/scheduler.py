@@ -2,8 +2,10 @@
 
 Ready `StepCall`s of all requests are grouped by (node, phase, ranks): calls in one group
 run as one batched step (continuous batching: requests join and leave between steps; CFG
-branches of one request on different KV tags share a group). The group whose oldest call
-was issued first runs next, up to `max_batch` entries in issue order, so no request starves.
+branches of one request on different KV tags share a group). The largest group runs next
+(a bigger batch costs about the same GPU time as a small one), up to `max_batch` entries in
+issue order; the group of a call that has been passed over `max_wait` times runs first, so
+no request starves.
 
 `KVPages` holds the `BlockManager` of every KV node and turns an entry's `SeqPlan` into
 the `KVSlots` the worker writes to. It never preempts by itself: when a reservation fails
@@ -31,16 +33,26 @@ def group_key(call: StepCall) -> GroupKey:
 class Scheduler:
     max_batch: int
     node_limits: dict[str, int] = field(default_factory=dict)  # a node's own `max_batch` setting
+    max_wait: int = 8  # times a ready call may be passed over before its group must run
+    _passed: dict[int, int] = field(default_factory=dict)  # call seq -> times passed over
 
     def next_group(self, ready: Iterable[StepCall]) -> tuple[GroupKey, list[StepCall]] | None:
         groups: dict[GroupKey, list[StepCall]] = {}
         for call in ready:
             groups.setdefault(group_key(call), []).append(call)
         if not groups:
+            self._passed.clear()
             return None
-        key = min(groups, key=lambda k: min(c.seq for c in groups[k]))
+        oldest = min((c for calls in groups.values() for c in calls), key=lambda c: c.seq)
+        if self._passed.get(oldest.seq, 0) >= self.max_wait:
+            key = group_key(oldest)
+        else:  # the biggest batch; among equals, the one with the oldest call
+            key = max(groups, key=lambda k: (len(groups[k]), -min(c.seq for c in groups[k])))
         limit = min(self.max_batch, self.node_limits.get(key[0], self.max_batch))
         calls = sorted(groups[key], key=lambda c: c.seq)[:limit]
+        chosen = {c.seq for c in calls}
+        self._passed = {c.seq: self._passed.get(c.seq, 0) + 1
+                        for cs in groups.values() for c in cs if c.seq not in chosen}
         return key, calls
 
 

@@ -27,11 +27,16 @@ must be a module tensor; a module tensor outside the arch (glue the arch catalog
 describe) must be in the checkpoint, with the module's shape. Tied parameters (one
 Parameter under two names) are loaded once, by their first name.
 
-Sub-folders. A node class may declare `checkpoint_subdir: ClassVar[str]` for weights that
-ship as a second checkpoint beside the main one (Orpheus' SNAC codec): when the source is a
-folder, that node's tensors are read from `folder / checkpoint_subdir` instead, with every
-check above. The plan's header hashes cover the top folder only (the compiler scans just
-that), so a sub-folder's files are not hash-checked.
+Sub-folders. A node's `checkpoint_subdir` setting in the `.walk` (or, failing that, a
+`checkpoint_subdir: ClassVar[str]` on its class) names a second checkpoint beside the main
+one (Orpheus' SNAC codec): when the source is a folder, that node's tensors are read from
+`folder / checkpoint_subdir`, with every check above. The compiler scans sub-folders too and
+lists their files as `<subdir>/<file>`; each folder is hash-checked against its own files.
+
+Hook. After a folder's tensors are copied, `load_weights` calls `module.on_weights(source)`
+(the weights source as given, a string) when the node's class defines `on_weights`: a node
+that needs other files of the checkpoint reads them there (Orpheus' PromptBuilder takes the
+checkpoint's `tokenizer.json`). Not called for `dummy` or `init`, which have no files.
 """
 
 from __future__ import annotations
@@ -176,15 +181,14 @@ def load_weights(module: nn.Module, plan: Plan, node: str, source: str | Path) -
     if src in DUMMY_SOURCES:
         _dummy_init(node, tensors)
         return
-    subdir = str(getattr(type(module), "checkpoint_subdir", ""))
+    subdir = str(plan.node(node).settings.get("checkpoint_subdir") or getattr(type(module), "checkpoint_subdir", ""))
     folder = Path(src) / subdir if subdir else Path(src)
     if not folder.is_dir():
         raise WeightsError(
             f"node '{node}': weights folder '{folder}' does not exist (use 'dummy' for random weights)"
         )
     checkpoint = Checkpoint.open(folder)
-    if not subdir:  # the plan hashed only the top folder's files
-        checkpoint.verify_against(plan)
+    checkpoint.verify_against(plan, subdir)
     arch = {t.name: t.shape for t in info.arch.tensors} if info.arch is not None else {}
     plan_claims = {t.name for n in plan.nodes.values() if n.arch is not None for t in n.arch.tensors}
     plan_claims |= set(tensors)
@@ -223,6 +227,8 @@ def load_weights(module: nn.Module, plan: Plan, node: str, source: str | Path) -
     with torch.no_grad():
         for cname, target, slices in plan_jobs:
             target.copy_(checkpoint.read(cname, slices))
+    if callable(getattr(type(module), "on_weights", None)):  # the hook of the module docstring
+        module.on_weights(src)  # type: ignore[operator]
 
 
 def _node_prefix(module: nn.Module, names: Iterable[str]) -> str:
@@ -337,12 +343,17 @@ class Checkpoint:
                     )
         return cls(folder, files_of, headers, hashes)
 
-    def verify_against(self, plan: Plan) -> None:
-        """The files the plan was compiled against must be unchanged (same header hash)."""
+    def verify_against(self, plan: Plan, subdir: str = "") -> None:
+        """The files the plan was compiled against must be unchanged (same header hash).
+
+        Files of sub-folder checkpoints are listed as `<subdir>/<file>`; each folder checks its own."""
         if plan.weights.kind != "dir":
             return
+        prefix = f"{subdir}/" if subdir else ""
         for f in plan.weights.files:
-            have = self.header_sha256.get(f.name)
+            if "/" in f.name and not f.name.startswith(prefix) or (not prefix and "/" in f.name):
+                continue  # another folder's file
+            have = self.header_sha256.get(f.name.removeprefix(prefix))
             if have is None:
                 raise WeightsError(
                     f"checkpoint file '{f.name}' that the plan was compiled against is "

@@ -148,5 +148,12 @@ def test_weights_folder_headers(tmp_path: Path, capsys: pytest.CaptureFixture[st
     (tmp_path / "config.json").write_text(json.dumps(config))
     code = main(["check", ORPHEUS, "--variant", "tiny", "--weights", str(tmp_path)])
     assert code == 1
+    assert f"error[E062]: weights folder '{tmp_path / 'snac'}' does not exist" in capsys.readouterr().err
+    (tmp_path / "snac").mkdir()  # SNAC's own checkpoint lives in the sub-folder the walk names
+    snac = json.dumps({"decoder.model.0.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 0]}}).encode()
+    (tmp_path / "snac" / "model.safetensors").write_bytes(struct.pack("<Q", len(snac)) + snac)
+    code = main(["check", ORPHEUS, "--variant", "tiny", "--weights", str(tmp_path)])
+    assert code == 1
     err = capsys.readouterr().err
     assert "error[E062]: node 'llm': missing tensor 'model.layers.0.input_layernorm.weight'" in err
+    assert "error[E062]: node 'snac': tensor 'decoder.model.0.weight' has shape [1]" in err

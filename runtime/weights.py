@@ -8,7 +8,7 @@ from the `NodeSpec` the plan implies. `load_weights` fills its parameters:
   its own generator, seeded from a hash of (node, tensor name), so a value never depends on
   the other tensors or on the global RNG. The generator lives on the parameter's device, so
   the values are reproducible per device type (CPU and CUDA give different ones). Rule:
-  tensors of 2 or more dims ~ N(0, 0.02); 1-D tensors whose name contains "norm" (and is not
+  matrices ~ N(0, 0.02); conv kernels (3+ dims) ~ N(0, 1/sqrt(fan_in)); 1-D tensors whose name contains "norm" (and is not
   a bias) = 1 (norm gains); every other 1-D or 0-D tensor = 0 (biases, gates).
 - `"init"`: keep what the constructor made (nodes that seed themselves, e.g. the test family).
 - a folder: `model.safetensors.index.json` shards, else every `*.safetensors` file in it,
@@ -280,9 +280,12 @@ def _dummy_init(node: str, tensors: Mapping[str, tuple[torch.Tensor, bool]]) -> 
                 continue  # buffers are computed constants (RoPE tables, ...); keep them
             seed = int.from_bytes(hashlib.sha256(f"{node}/{name}".encode()).digest()[:8], "little") >> 1
             if t.dim() >= 2:
+                # matrices: N(0, 0.02) as transformers initialise them; conv kernels (3+ dims):
+                # N(0, 1/sqrt(fan_in)), else a deep codec's output decays to silence (1e-9)
+                std = 0.02 if t.dim() == 2 else (t[0].numel()) ** -0.5
                 gen = torch.Generator(device=t.device).manual_seed(seed)
                 values = torch.empty(t.shape, dtype=torch.float32, device=t.device).normal_(
-                    0.0, 0.02, generator=gen
+                    0.0, std, generator=gen
                 )
                 t.copy_(values)
             elif t.dim() == 1 and "norm" in name.lower() and not name.endswith("bias"):

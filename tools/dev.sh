@@ -29,8 +29,21 @@ case "${1:-}" in
     mkdir -p out
     echo "==> mstarc compile models/orpheus/orpheus.walk --variant tiny -p placements/cpu.yaml -o out/orpheus-tiny.plan"
     "$VENV/bin/mstarc" compile models/orpheus/orpheus.walk --variant tiny -p placements/cpu.yaml -o out/orpheus-tiny.plan
-    echo "==> mstarc explain out/orpheus-tiny.plan"
-    "$VENV/bin/mstarc" explain out/orpheus-tiny.plan
+    echo "==> mstar-run out/orpheus-tiny.plan --walk tts --input text=... --input voice=tara --out out/"
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VENV/bin/mstar-run" out/orpheus-tiny.plan --walk tts \
+      --input "text=Hello from M star, a serving system for composite multimodal models." \
+      --input voice=tara --input max_tokens=400 --out out/
+    cat <<'MSG'
+
+Wrote out/tts.audio.wav (24 kHz mono), spoken by the tiny Orpheus variant with RANDOM
+weights: it is noise shaped like speech tokens, not speech. For real speech, put the
+released checkpoints in a folder -- canopylabs/orpheus-3b-0.1-ft (safetensors, config.json,
+tokenizer.json) with the SNAC 24 kHz codec converted into its snac/ sub-folder by
+`python tools/convert_snac.py SNAC_DIR WEIGHTS/snac` -- and run:
+  .venv/bin/mstarc compile models/orpheus/orpheus.walk -p placements/h200x1.yaml --weights WEIGHTS -o out/orpheus.plan
+  .venv/bin/mstar-run out/orpheus.plan --weights WEIGHTS --walk tts --input text="..." --out out/
+`mstarc explain out/orpheus-tiny.plan` shows what the plan holds.
+MSG
     ;;
   test)
     setup

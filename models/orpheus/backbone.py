@@ -1,0 +1,455 @@
+"""Orpheus' Llama-3.2 backbone as a KV node: prefill/decode, seeded sampling, token -> SNAC code.
+
+The math is Hugging Face's `LlamaForCausalLM` (transformers 5.x) step for step: RMSNorm in
+float32 then cast back, llama3-scaled RoPE applied in the activation dtype (as HF does),
+grouped-query attention through the runtime's paged context, SwiGLU, and a head tied to
+the input embedding. Parameter names are the checkpoint's (`model.embed_tokens.weight`,
+`model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`; `lm_head.weight`
+only when the head is untied), so `mstar_runtime.weights` loads a HF folder directly.
+
+Phases (models/orpheus/orpheus.walk, node `llm`):
+  prefill(prompt, temperature, top_p, repetition_penalty, max_tokens, seed) -> (token, code, done)
+  decode(token) -> (token, code, done)
+
+Per-(request, tag) state in `attn.states[i]`, written by prefill (the sampling settings
+are given once, as vLLM keeps SamplingParams with a sequence, so decode needs only the
+last token):
+  `sampling`:   the request's `SamplingParams` (temperature, top_p, repetition_penalty, seed)
+  `max_tokens`: tokens the request may generate in all (prefill's token counts as the first)
+  `history`:    int64 [cap] on the device, the token id at each KV position (prompt, then
+                every token fed back), -1 where unknown; the repetition penalty reads the
+                prefix that is in the context, i.e. prompt + generated, as HF and vLLM do.
+                None when the penalty is 1 (nothing would read it).
+  `step`:       tokens sampled so far = the sampler step of the next draw, so a request's
+                draws depend only on (seed, step), never on its batch or its timing
+  `k`:          audio codes emitted so far (selects the code position k % 7 of the next one)
+
+Token -> code (reference/models.md 3.3): `code = T - 128266 - (k % 7) * 4096`; a token
+gives one code item iff 0 <= code < 4096 (then k += 1), anything else (end_of_speech, a
+text id, an audio id of the wrong position) gives zero items. The reference decoder also
+drops code 0 (its check is `> 0`), which shifts its 7-position alignment for the rest of
+the stream; we keep code 0, since it is a valid SNAC code.
+
+`done` is raised on end_of_speech, when `max_tokens` tokens have been generated, or when
+the context reaches the `max_seq_len` setting (the next decode would not fit; vLLM's
+"length" finish). The runtime reads `done` one step late (speculative loop): a decode after
+`done` may still run; it must not fail, and its results are thrown away.
+
+Node settings: `max_seq_len` (default 4096, as the compiler's memory pass assumes);
+`audio_only` (default false): mask the logits to the audio ids of the current code position
+plus end_of_speech before sampling. For benchmarks with random (dummy) weights, which would
+otherwise sample text ids that carry no code and starve the SNAC stream; with it every
+generated token but end_of_speech is a valid code. Never set it for real checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar_runtime.node import (
+    AttentionContext,
+    Batch,
+    KVGeometry,
+    KVNode,
+    NodeError,
+    NodeSpec,
+    RequestError,
+    SeqPlan,
+)
+from mstar_runtime.sampler import SamplingParams, sample
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Llama 3.x RoPE scaling (HF `rope_type: llama3`); the walk does not carry these because every
+# Llama-3.2 checkpoint (Orpheus' included) uses exactly them.
+LLAMA3_ROPE = {
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+DEFAULT_MAX_SEQ_LEN = 4096  # the compiler's memory-pass default for `max_seq_len`
+# reference/models.md 3.3; the walk's config normally supplies these.
+TOKEN_DEFAULTS = {
+    "audio_token_offset": 128266,
+    "codebook_size": 4096,
+    "end_of_speech": 128258,
+    "frame_tokens": 7,
+}
+
+
+def llama3_inv_freq(
+    head_dim: int,
+    theta: float,
+    factor: float = LLAMA3_ROPE["factor"],
+    low_freq_factor: float = LLAMA3_ROPE["low_freq_factor"],
+    high_freq_factor: float = LLAMA3_ROPE["high_freq_factor"],
+    original_max_position_embeddings: int = int(LLAMA3_ROPE["original_max_position_embeddings"]),
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim / 2], float32: HF's `_compute_llama3_parameters`, op for op
+    (long wavelengths divided by `factor`, short ones kept, a smooth blend in between)."""
+    inv_freq = 1.0 / (
+        theta
+        ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / head_dim)
+    )
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# --------------------------------------------------------------------------------- modules
+class RMSNorm(nn.Module):
+    """HF's LlamaRMSNorm: normalise in float32, cast back, then scale (the order matters in bf16)."""
+
+    def __init__(self, dim: int, eps: float, **factory: Any):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, **factory))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, **factory: Any):
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False, **factory)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False, **factory)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False, **factory)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False, **factory)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, **factory: Any):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, **factory)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False, **factory)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        eps: float,
+        **factory: Any,
+    ):
+        super().__init__()
+        self.self_attn = Attention(hidden, heads, kv_heads, head_dim, **factory)
+        self.mlp = MLP(hidden, intermediate, **factory)
+        self.input_layernorm = RMSNorm(hidden, eps, **factory)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, **factory)
+
+
+class LlamaModel(nn.Module):
+    """`model.*` of the checkpoint."""
+
+    def __init__(
+        self,
+        vocab: int,
+        hidden: int,
+        layers: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        eps: float,
+        **factory: Any,
+    ):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden, **factory)
+        self.layers = nn.ModuleList(
+            DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, **factory)
+            for _ in range(layers)
+        )
+        self.norm = RMSNorm(hidden, eps, **factory)
+
+
+# ------------------------------------------------------------------------------- helpers
+def _config(spec: NodeSpec, name: str, default: Any = None) -> Any:
+    """A size or constant: the node's `arch` argument, else the model config, else `default`."""
+    if name in spec.arch_args:
+        return spec.arch_args[name]
+    if name in spec.config:
+        return spec.config[name]
+    if default is None:
+        raise NodeError(f"node '{spec.name}' (LlamaBackbone): config value '{name}' is missing")
+    return default
+
+
+def max_seq_len(spec: NodeSpec) -> int:
+    """The `max_seq_len` setting, read as the compiler reads it (a positive int, else the default)."""
+    value = spec.settings.get("max_seq_len", DEFAULT_MAX_SEQ_LEN)
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if ok else DEFAULT_MAX_SEQ_LEN
+
+
+def _scalar(entry: Mapping[str, Any], port: str, kind: type) -> Any:
+    """A scalar port's value (a Python number, or a one-element tensor), checked; bools are refused."""
+    value = entry.get(port)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    ok = isinstance(value, int) if kind is int else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok:
+        raise RequestError(
+            f"input '{port}' must be {'an integer' if kind is int else 'a number'}, got {value!r}", port
+        )
+    return kind(value)
+
+
+# ---------------------------------------------------------------------------------- node
+class LlamaBackbone(KVNode):
+    """The Orpheus LLM node; see the module docstring for its phases, state and settings."""
+
+    def __init__(self, spec: NodeSpec):
+        super().__init__(spec)
+        if spec.tp_size != 1:
+            raise NodeError(
+                f"node '{spec.name}' (LlamaBackbone) does not shard; place it with tp=1, not {spec.tp_size}"
+            )
+        g = lambda name, default=None: _config(spec, name, default)  # noqa: E731 - a local shorthand
+        self.vocab, self.hidden, self.layers = int(g("vocab")), int(g("hidden")), int(g("layers"))
+        self.heads, self.kv_heads, self.head_dim = int(g("heads")), int(g("kv_heads")), int(g("head_dim"))
+        self.tied = bool(g("tie_embeddings", False))
+        if self.heads % self.kv_heads or self.head_dim % 2:
+            raise NodeError(
+                f"node '{spec.name}': heads ({self.heads}) must be a multiple of kv_heads "
+                f"({self.kv_heads}) and head_dim ({self.head_dim}) even"
+            )
+        self.audio_offset = int(g("audio_token_offset", TOKEN_DEFAULTS["audio_token_offset"]))
+        self.codebook = int(g("codebook_size", TOKEN_DEFAULTS["codebook_size"]))
+        self.eos = int(g("end_of_speech", TOKEN_DEFAULTS["end_of_speech"]))
+        self.frame_tokens = int(g("frame_tokens", TOKEN_DEFAULTS["frame_tokens"]))
+        self.max_seq_len = max_seq_len(spec)
+        self.audio_only = spec.settings.get("audio_only", False) is True
+        if self.audio_only and self.audio_offset + self.frame_tokens * self.codebook > self.vocab:
+            raise NodeError(f"node '{spec.name}': audio_only needs the audio ids below vocab {self.vocab}")
+
+        # Built on the meta device and then given real (uninitialised) storage: a 3B model
+        # must not pay for torch's default init only to be overwritten by the loader.
+        with torch.device("meta"):
+            self.model = LlamaModel(
+                self.vocab,
+                self.hidden,
+                self.layers,
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                int(g("intermediate")),
+                float(g("rms_eps", 1e-5)),
+                dtype=spec.dtype,
+            )
+            if not self.tied:
+                self.lm_head = nn.Linear(self.hidden, self.vocab, bias=False, dtype=spec.dtype)
+        self.to_empty(device=spec.device)
+        self._init_weights()
+        # float32 whatever the weights' dtype, computed on the CPU and then moved, as HF does (a
+        # GPU pow can differ in the last bit); not persistent: the loader never looks for it
+        inv_freq = llama3_inv_freq(self.head_dim, float(g("rope_theta", 500000.0)))
+        self.register_buffer("inv_freq", inv_freq.to(spec.device), persistent=False)
+
+    def _init_weights(self) -> None:
+        """HF's Llama init (N(0, 0.02) matrices, unit norm gains), seeded by the node name, so the
+        `init` weights source is deterministic; `dummy` and checkpoints overwrite it."""
+        seed = sum(ord(c) * 31**i for i, c in enumerate(self.spec.name)) % (2**31)
+        gen = torch.Generator(device=self.spec.device).manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.02, generator=gen)
+                else:  # every 1-D parameter is an RMSNorm gain
+                    p.fill_(1.0)
+
+    # ------------------------------------------------------------------ contract
+    @property
+    def kv_geometry(self) -> KVGeometry:
+        return KVGeometry(self.layers, self.kv_heads, self.head_dim)
+
+    @classmethod
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+        if phase == "prefill":
+            shape = tuple(shapes["prompt"])
+            if len(shape) != 1 or shape[0] < 1:
+                raise RequestError(f"prompt must be a 1-D, non-empty token list, got shape {shape}", "prompt")
+            limit = max_seq_len(spec)
+            if shape[0] > limit:
+                raise RequestError(
+                    f"prompt of {shape[0]} tokens is longer than max_seq_len {limit}", "prompt"
+                )
+            return SeqPlan(q_len=shape[0])
+        if phase == "decode":
+            return SeqPlan(q_len=1)
+        raise NodeError(f"node '{spec.name}' (LlamaBackbone) has no phase '{phase}'")
+
+    # ------------------------------------------------------------------ phases
+    def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
+        # Validate every entry before touching any state: a RequestError makes the conductor
+        # rerun the entries one by one, which must find them as they were.
+        checked = [self._check_prefill(entry, seq.start, seq.q_len) for entry, seq in zip(batch, attn.seqs)]
+        for (prompt, params, max_tokens), seq in zip(checked, attn.seqs, strict=True):
+            seq.state.clear()
+            seq.state.update(
+                sampling=params,
+                max_tokens=max_tokens,
+                step=0,
+                k=0,
+                history=self._new_history(prompt, seq.start, max_tokens, params),
+            )
+        ids = torch.cat([prompt for prompt, _, _ in checked]).to(torch.long)
+        hidden = attn.run_graphed(lambda i, p: self.forward_hidden(i, p, attn.attend), ids, attn.positions())
+        return self._next_tokens(self.head(attn.last_rows(hidden)), attn)
+
+    def phase_decode(self, batch: Batch, attn: AttentionContext) -> Batch:
+        for entry, seq in zip(batch, attn.seqs, strict=True):
+            token = entry.get("token")
+            if not isinstance(token, torch.Tensor) or tuple(token.shape) != (1,):
+                shape = tuple(token.shape) if isinstance(token, torch.Tensor) else type(token).__name__
+                raise RequestError(f"token must be a tensor of shape [1], got {shape}", "token")
+            if "sampling" not in seq.state:
+                raise RequestError("decode on a KV context that was never prefilled", "token")
+        ids = torch.cat([entry["token"] for entry in batch]).to(torch.long)
+        for i, seq in enumerate(attn.seqs):
+            hist = seq.state["history"]
+            if hist is not None and seq.start < hist.numel():  # beyond: a decode after `done`
+                hist[seq.start : seq.start + 1].copy_(ids[i : i + 1])
+        logits = attn.run_graphed(
+            lambda i, p: self.head(self.forward_hidden(i, p, attn.attend)), ids, attn.positions()
+        )
+        return self._next_tokens(logits, attn)
+
+    # ------------------------------------------------------------------ math
+    def forward_hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Packed token ids [N] at absolute `positions` [N] -> final-normed hidden states [N, hidden].
+
+        Pure tensor code whose only attention is `attend` (so an engine may capture it in a CUDA graph)."""
+        h = self.model.embed_tokens(ids)
+        n = h.shape[0]
+        # HF's LlamaRotaryEmbedding: angles in float32, cos/sin cast to the activation dtype
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.q_proj(x).view(n, self.heads, self.head_dim)
+            k = a.k_proj(x).view(n, self.kv_heads, self.head_dim)
+            v = a.v_proj(x).view(n, self.kv_heads, self.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            h = h + a.o_proj(attend(i, q, k, v).reshape(n, self.heads * self.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.norm(h)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] (computed in the weights' dtype, as HF does, then widened)."""
+        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ------------------------------------------------------------------ sampling
+    def _check_prefill(
+        self, entry: Mapping[str, Any], start: int, q_len: int
+    ) -> tuple[torch.Tensor, SamplingParams, int]:
+        prompt = entry.get("prompt")
+        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0:
+            raise RequestError("prompt must be a 1-D, non-empty tensor of token ids", "prompt")
+        if prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
+            raise RequestError(f"prompt must hold integer token ids, got {prompt.dtype}", "prompt")
+        if prompt.numel() != q_len:
+            raise NodeError(
+                f"node '{self.spec.name}': prefill of {prompt.numel()} tokens got {q_len} KV slots"
+            )
+        if start + q_len > self.max_seq_len:
+            raise RequestError(
+                f"prompt of {q_len} tokens (context {start + q_len}) is longer than "
+                f"max_seq_len {self.max_seq_len}",
+                "prompt",
+            )
+        lo, hi = prompt.aminmax()  # a host read, once per request: prefill is not the hot path
+        if int(lo) < 0 or int(hi) >= self.vocab:
+            raise RequestError(
+                f"prompt token ids must lie in [0, {self.vocab}), got [{int(lo)}, {int(hi)}]", "prompt"
+            )
+        max_tokens = _scalar(entry, "max_tokens", int)
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+        seed = entry.get("seed")
+        params = SamplingParams(
+            temperature=_scalar(entry, "temperature", float),
+            top_p=_scalar(entry, "top_p", float),
+            repetition_penalty=_scalar(entry, "repetition_penalty", float),
+            seed=None if seed is None else _scalar(entry, "seed", int),
+        )
+        return prompt.to(self.inv_freq.device), params, max_tokens
+
+    def _new_history(
+        self, prompt: torch.Tensor, start: int, max_tokens: int, params: SamplingParams
+    ) -> torch.Tensor | None:
+        if params.repetition_penalty == 1.0:
+            return None
+        # Room for every position a sampled token can see: the last one is drawn with a
+        # context of start + len(prompt) + max_tokens - 1 tokens, never more than max_seq_len.
+        cap = min(start + prompt.numel() + max_tokens - 1, self.max_seq_len)
+        hist = torch.full((cap,), -1, dtype=torch.long, device=prompt.device)
+        hist[start : start + prompt.numel()] = prompt
+        return hist
+
+    def _next_tokens(self, logits: torch.Tensor, attn: AttentionContext) -> Batch:
+        """Sample one token per entry (one sampler call for the batch) and map it to its code."""
+        states = attn.states
+        kv_after = [s.start + s.q_len for s in attn.seqs]
+        # the first id of the current code position's range, per entry
+        lo_host = [self.audio_offset + (st["k"] % self.frame_tokens) * self.codebook for st in states]
+        lo = torch.tensor(lo_host, dtype=torch.long, device=logits.device)
+        if self.audio_only:
+            ids = torch.arange(logits.shape[1], device=logits.device)[None, :]
+            allowed = ((ids >= lo[:, None]) & (ids < lo[:, None] + self.codebook)) | (ids == self.eos)
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        histories = [
+            None if st["history"] is None else st["history"][: min(kv, st["history"].numel())]
+            for st, kv in zip(states, kv_after)
+        ]
+        tokens = sample(logits, [st["sampling"] for st in states], histories, [st["step"] for st in states])
+        tok32 = tokens.to(torch.int32)
+        codes = (tokens - lo).to(torch.int32)
+        # The step's one device -> host read: `code` carries 0 or 1 items, so its shape depends
+        # on the token; `done` then costs nothing more.
+        host = tokens.tolist()
+        out: Batch = []
+        for i, (tok, st, kv) in enumerate(zip(host, states, kv_after)):
+            keep = 0 <= tok - lo_host[i] < self.codebook
+            if keep:
+                st["k"] += 1
+            st["step"] += 1
+            done = tok == self.eos or st["step"] >= st["max_tokens"] or kv >= self.max_seq_len
+            out.append(
+                {"token": tok32[i : i + 1], "code": codes[i : i + 1] if keep else codes[i:i], "done": done}
+            )
+        return out

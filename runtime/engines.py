@@ -25,7 +25,15 @@ The attention backend is pluggable: any callable with `paged_attention`'s signat
 `(q, pool, layer, meta, scale) -> out`. If it also has `prepare(pool, meta)`, that is called
 once per step before the node runs (a FlashInfer backend plans its kernels there, once per
 step rather than once per layer). A node class may set `attention_scale` (default
-1/sqrt(head_dim)).
+1/sqrt(head_dim)). On a GPU the worker passes `flashinfer_backend.select_backend(device)`.
+
+CUDA graphs (`graphs`: phase -> batch buckets, from the plan's `cuda_graphs` entries for
+this node and rank): the engine owns one `graphs.GraphRunner` per such phase and, for a
+decode batch that fits a bucket, binds it to the step as `attn.graph_runner`, so the node's
+`attn.run_graphed(fn, ...)` replays a captured graph. The pool then has one scratch page
+after the `num_pages` usable ones, for the pad rows. In such a step the backend's
+`prepare` and the eager slot tensor are made only if the node attends outside
+`run_graphed`.
 
 `StatelessEngine` runs a stateless node's batched phase with the same output checks.
 """
@@ -40,6 +48,7 @@ from typing import Any
 import torch
 
 from mstar_runtime.attention import AttentionError, AttentionMetadata, KVPool, paged_attention
+from mstar_runtime.graphs import GraphRunner, graph_runners
 from mstar_runtime.kv_cache import SlotCopy
 from mstar_runtime.node import AttentionContext, KVNode, NodeError, SeqState, StatelessNode
 
@@ -96,6 +105,14 @@ def check_outputs(
     return outputs
 
 
+def _upload_slots(flat: list[int], device: torch.device) -> torch.Tensor:
+    """The step's slot indices on the device. On a GPU through pinned memory and a non-blocking
+    copy: `torch.tensor(..., device=cuda)` would synchronise the stream on every step."""
+    if device.type != "cuda":
+        return torch.tensor(flat, dtype=torch.long, device=device)
+    return torch.tensor(flat, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+
+
 class _Engine:
     """What both engines share: the node, its name, and the output ports of each phase."""
 
@@ -148,14 +165,26 @@ class KVCacheEngine(_Engine):
         *,
         attention_backend: AttentionBackend | None = None,
         output_ports: Mapping[str, Sequence[str]] | None = None,
+        graphs: Mapping[str, Sequence[int]] | None = None,
+        capture_graphs: bool | None = None,
     ):
         super().__init__(node, output_ports)
         geo = node.kv_geometry
-        self.pool = KVPool(geo.layers, num_pages, page_size, geo.kv_heads, geo.head_dim, dtype, device)
+        # Graphed phases pad their batches with rows that write and read one scratch page: the
+        # pool gets it after the `num_pages` usable ones, which the BlockManager never hands out.
+        scratch = 1 if graphs else 0
+        self.num_pages = num_pages
+        self.pool = KVPool(geo.layers, num_pages + scratch, page_size, geo.kv_heads, geo.head_dim, dtype, device)
         self.page_size = page_size
         self.device = torch.device(device)
         self.backend: AttentionBackend = attention_backend or paged_attention
         self.scale: float | None = getattr(node, "attention_scale", None)
+        # phase -> GraphRunner for the phases the plan captures (`graphs`: phase -> batch buckets);
+        # `capture_graphs=False` keeps the padding but runs eagerly (CPU tests), None: capture on cuda
+        self.graph_runners: dict[str, GraphRunner] = graph_runners(
+            self.pool, graphs or {}, self.backend, self.scale, scratch_page=num_pages,
+            capture=capture_graphs, name=self.name,
+        )
         self._states: dict[tuple[str, str], dict[str, Any]] = {}
         self._tags: dict[str, dict[str, None]] = {}  # request -> its tags holding a state, in order
 
@@ -221,18 +250,35 @@ class KVCacheEngine(_Engine):
         except AttentionError as err:
             raise NodeError(f"node '{self.name}' phase '{phase}': {err}") from None
         flat = [s for kv in attending for s in kv.slots]
-        slots = torch.tensor(flat, dtype=torch.long, device=self.device)
-        prepare = getattr(self.backend, "prepare", None)
-        if prepare is not None:
-            prepare(self.pool, meta)
+        runner = self.graph_runners.get(phase)
+        graphed = runner is not None and runner.accepts(meta, len(entries))
         pool, backend, scale = self.pool, self.backend, self.scale
+        prepare = getattr(backend, "prepare", None)
+        eager: dict[str, torch.Tensor] = {}
+
+        def eager_slots() -> torch.Tensor:
+            # Built once per step, and in a graphed step only if the node attends outside
+            # run_graphed; then the backend's per-step plan is made here too, before first use.
+            if "slots" not in eager:
+                eager["slots"] = _upload_slots(flat, self.device)
+                if graphed and prepare is not None:
+                    prepare(pool, meta)
+            return eager["slots"]
+
+        if not graphed:
+            eager_slots()
+            if prepare is not None:
+                prepare(pool, meta)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            pool.write(layer, k, v, slots)
+            pool.write(layer, k, v, eager_slots())
             return backend(q, pool, layer, meta, scale)
 
         seqs = [SeqState(kv.start, kv.q_len, self.state(e.request_id, e.tag)) for e, kv in zip(entries, kvs)]
         attn = AttentionContext(seqs, attend, self.device, extra={"metadata": meta, "pool": pool})
+        if graphed:
+            assert runner is not None
+            attn.graph_runner = runner.bind(attn, meta, flat)
         with torch.inference_mode():
             outputs = self.node.run(phase, [e.inputs for e in entries], attn)
         return check_outputs(self.name, phase, outputs, len(entries), ports)
@@ -244,7 +290,7 @@ class KVCacheEngine(_Engine):
             raise NodeError(f"{where}: a KV node's entry needs KV slots")
         if kv.start < 0 or kv.q_len < 0 or len(kv.slots) != kv.q_len:
             raise NodeError(f"{where}: {len(kv.slots)} slot(s) for q_len {kv.q_len} at start {kv.start}")
-        ps, n_pages = self.page_size, self.pool.num_pages
+        ps, n_pages = self.page_size, self.num_pages
         need = -(-(kv.start + kv.q_len) // ps)
         if len(kv.page_table) < need or any(not 0 <= p < n_pages for p in kv.page_table[:need]):
             raise NodeError(

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 
 from mstar_runtime.engines import AttentionBackend, KVCacheEngine, StatelessEngine, StepEntry
+from mstar_runtime.flashinfer_backend import select_backend
+from mstar_runtime.graphs import graph_buckets
 from mstar_runtime.kv_cache import SlotCopy
 from mstar_runtime.node import KVNode, RequestError
 from mstar_runtime.plan import Plan
@@ -75,6 +77,11 @@ class Worker:
         self.plan, self.rank, self.device = plan, rank, torch.device(device)
         self.engines: dict[str, KVCacheEngine | StatelessEngine] = {}
         self._stats: dict[tuple[str, str], _PhaseStats] = {}
+        on_gpu = self.device.type == "cuda"
+        if attention_backend is None and on_gpu:
+            # FlashInfer when it imports, else the reference (logged once which): one backend,
+            # and so one FlashInfer workspace, for every KV node of the rank
+            attention_backend = select_backend(self.device)
         for name in plan.resident_nodes(rank):
             info = plan.node(name)
             tp_rank, tp_size = info.tp_of(rank)
@@ -90,6 +97,8 @@ class Worker:
                     self.device,
                     attention_backend=attention_backend,
                     output_ports=ports,
+                    # the plan's captured phases of this node on this rank; graphs only on a GPU
+                    graphs=graph_buckets(plan.body.get("cuda_graphs", ()), name, rank) if on_gpu else None,
                 )
             else:
                 self.engines[name] = StatelessEngine(module, output_ports=ports)
@@ -164,7 +173,7 @@ class Worker:
                 "seconds": st.seconds,
             }
         kv = {
-            name: {"pages": e.pool.num_pages, "page_size": e.page_size, "states": e.num_states}
+            name: {"pages": e.num_pages, "page_size": e.page_size, "states": e.num_states}
             for name, e in self.engines.items()
             if isinstance(e, KVCacheEngine)
         }

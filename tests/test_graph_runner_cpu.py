@@ -1,0 +1,337 @@
+"""The GPU fast path's host-side logic, on the CPU.
+
+- `GraphRunner` with `capture=False`: bucketing, padding with scratch rows, static buffers and
+  slicing, checked by running the test family's TinyLM decode through `attn.run_graphed`
+  and comparing every step with the plain (unpadded, eager) engine: same tokens, same hidden
+  states, same KV in every real page.
+- `FlashInferBackend` and `FlashInferGraphDecode` against a fake `flashinfer` module whose
+  wrappers compute attention from the indptr / indices / last_page_len / mask arrays they are
+  given (an independent reading of FlashInfer's conventions): so the host arrays, the mask
+  kinds and the plan/run order are checked here; the real kernels are checked by
+  tests/test_gpu_flashinfer.py on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from mstar_models.testfamily import TinyLM
+from mstar_models.testfamily.family import CONFIGS, node_spec
+from mstar_runtime import flashinfer_backend as fib
+from mstar_runtime.attention import (
+    AttentionMetadata,
+    KVPool,
+    attention_mask,
+    paged_attention,
+)
+from mstar_runtime.engines import KVCacheEngine, KVSlots, StepEntry
+from mstar_runtime.graphs import GraphRunner, ReferenceBucketDecode, graph_buckets, pad_decode
+from mstar_runtime.kv_cache import BlockManager
+from mstar_runtime.node import AttentionContext, Batch, NodeError
+
+PAGE, PAGES, BUCKETS = 4, 64, (1, 2, 4, 8)
+PORTS = {"prefill": ("token", "code", "done"), "decode": ("token", "code", "done"), "denoise": ("v",)}
+
+
+class GraphedTinyLM(TinyLM):
+    """TinyLM whose decode forward goes through `attn.run_graphed`, as a GPU-served node's does."""
+
+    def phase_decode(self, batch: Batch, attn: AttentionContext) -> Batch:
+        for seq in attn.seqs:
+            assert "gen_base" in seq.state
+        ids = torch.cat([entry["token"] for entry in batch]).long()
+        hidden = attn.run_graphed(
+            lambda i, p: self.forward_hidden(self.model.embed_tokens(i), p, attn.attend), ids, attn.positions()
+        )
+        return self._next_tokens(hidden, attn)
+
+
+def tiny_lm(cls: type[TinyLM]) -> TinyLM:
+    return cls(node_spec("lm", CONFIGS["tiny"])).eval()
+
+
+class Driver:
+    """An engine plus the BlockManager that a conductor would run beside it."""
+
+    def __init__(self, engine: KVCacheEngine):
+        self.engine = engine
+        self.blocks = BlockManager(PAGES, PAGE)
+
+    def step(self, phase: str, items: list[tuple[str, dict[str, Any], int]]) -> list[dict[str, Any]]:
+        entries = []
+        for rid, inputs, q_len in items:
+            key = (rid, "main")
+            start = self.blocks.seq_len(key) if key in self.blocks else 0
+            slots = self.blocks.append(key, q_len)
+            entries.append(StepEntry(rid, None, inputs, KVSlots(start, q_len, slots, self.blocks.page_table(key))))
+        return self.engine.run(phase, entries)
+
+
+@pytest.fixture
+def drivers() -> tuple[Driver, Driver]:
+    plain = tiny_lm(TinyLM)
+    graphed = tiny_lm(GraphedTinyLM)
+    graphed.load_state_dict(plain.state_dict())  # weights are seeded by class name: copy them
+    a = KVCacheEngine(plain, PAGES, PAGE, torch.float32, "cpu", output_ports=PORTS)
+    b = KVCacheEngine(graphed, PAGES, PAGE, torch.float32, "cpu", output_ports=PORTS,
+                      graphs={"decode": BUCKETS}, capture_graphs=False)
+    return Driver(a), Driver(b)
+
+
+def test_buckets_and_acceptance() -> None:
+    pool = KVPool(1, 5, PAGE, 1, 8)
+    runner = GraphRunner(pool, [8, 1, 2, 4, 4], lambda b, m: ReferenceBucketDecode(pool, None),
+                         scratch_page=4, capture=False)
+    assert runner.buckets == [1, 2, 4, 8]
+    assert [runner.bucket_for(n) for n in (1, 2, 3, 5, 8, 9, 0)] == [1, 2, 4, 8, 8, None, None]
+    decode = AttentionMetadata.build([1, 1, 1], [3, 9, 1], [[0], [1, 2, 3], [0]])
+    assert runner.accepts(decode, 3)
+    assert not runner.accepts(decode, 4)  # an entry with q_len 0 is in the batch but not attending
+    assert not runner.accepts(AttentionMetadata.build([2, 1], [3, 9], [[0], [1, 2, 3]]), 2)  # prefill
+    assert not runner.accepts(AttentionMetadata.build([1] * 9, [1] * 9, [[0]] * 9), 9)  # beyond 8
+    with pytest.raises(ValueError, match="cuda pool"):
+        GraphRunner(pool, [1], lambda b, m: ReferenceBucketDecode(pool, None), scratch_page=4, capture=True)
+
+
+def test_padded_arrays_use_the_scratch_page_for_pad_rows() -> None:
+    meta = AttentionMetadata.build([1, 1], [5, 1], [[3, 7], [2]])
+    step = pad_decode(meta, [7 * 4 + 0, 2 * 4 + 0], 4, 4, scratch_page=9, pin=False)
+    assert step.indptr.tolist() == [0, 2, 3, 4, 5] and step.indptr.dtype == torch.int32
+    assert step.indices.tolist() == [3, 7, 2, 9, 9] and step.last_page_len.tolist() == [1, 1, 1, 1]
+    assert step.pages.tolist() == [7, 2, 9, 9] and step.offsets.tolist() == [0, 0, 0, 0]
+    assert [s.page_table for s in step.meta.seqs[2:]] == [(9,), (9,)] and step.real == 2
+    with pytest.raises(ValueError):
+        pad_decode(meta, [1, 2], 1, 4, scratch_page=9, pin=False)
+
+
+def test_graph_buckets_from_plan_entries() -> None:
+    entries = [
+        {"kind": "step", "node": "llm", "phase": "decode", "rank": 0, "buckets": [1, 2, 4]},
+        {"kind": "step", "node": "llm", "phase": "decode", "rank": 1, "buckets": [8]},
+        {"kind": "step", "node": "snac", "phase": "decode", "rank": 0, "buckets": [1]},
+        {"kind": "loop", "node": None, "phase": None, "rank": 0, "buckets": [1]},
+    ]
+    assert graph_buckets(entries, "llm", 0) == {"decode": (1, 2, 4)}
+    assert graph_buckets(entries, "llm", 2) == {}
+
+
+def test_padded_decode_equals_the_unpadded_run(drivers: tuple[Driver, Driver]) -> None:
+    plain, graphed = drivers
+    runner = graphed.engine.graph_runners["decode"]
+    assert graphed.engine.pool.num_pages == PAGES + 1 and graphed.engine.num_pages == PAGES
+    prompts = [torch.randint(16, 272, (3 + 2 * i,), generator=torch.Generator().manual_seed(i)) for i in range(9)]
+    tokens: dict[str, torch.Tensor] = {}
+    for d in drivers:
+        outs = d.step("prefill", [(f"r{i}", {"tokens": p, "max_new": 30}, len(p)) for i, p in enumerate(prompts)])
+        tokens = {f"r{i}": o["token"] for i, o in enumerate(outs)}
+    # batches of 3 (bucket 4), 5 (8), 1 (1), 9 (beyond the largest bucket: eager), 2 (2), 8 (8)
+    groups = [[0, 1, 2], [0, 1, 2, 3, 4], [5], list(range(9)), [6, 7], [1, 2, 3, 4, 5, 6, 7, 8]] * 3
+    graphed_steps = 0
+    for group in groups:
+        items = [(f"r{i}", {"token": tokens[f"r{i}"]}, 1) for i in group]
+        a = plain.step("decode", items)
+        b = graphed.step("decode", items)
+        graphed_steps += len(group) <= max(BUCKETS)
+        for i, x, y in zip(group, a, b):
+            assert x["token"].tolist() == y["token"].tolist() and x["done"] == y["done"], i
+            torch.testing.assert_close(x["hidden"], y["hidden"], atol=1e-5, rtol=1e-5)
+            tokens[f"r{i}"] = x["token"]
+    assert runner.replays == graphed_steps
+    # the pad rows wrote only the scratch page: every real page holds exactly what the plain engine wrote
+    torch.testing.assert_close(graphed.engine.pool.data[:, :PAGES], plain.engine.pool.data, atol=1e-5, rtol=1e-5)
+    assert torch.equal(graphed.engine.pool.data[:, :PAGES] == 0, plain.engine.pool.data == 0)
+    assert graphed.engine.pool.data[:, PAGES].abs().sum() > 0  # ... and they did write it
+
+
+def test_run_graphed_checks_its_inputs(drivers: tuple[Driver, Driver]) -> None:
+    _, graphed = drivers
+    pool = graphed.engine.pool
+    runner = graphed.engine.graph_runners["decode"]
+    meta = AttentionMetadata.build([1, 1], [1, 1], [[0], [1]])
+    attn = AttentionContext([], lambda *a: a[1], pool.device)
+    bound = runner.bind(attn, meta, [0, 4])
+    with pytest.raises(NodeError, match="one row per entry"):
+        bound(lambda x: x, torch.zeros(3, 2))
+
+
+# ------------------------------------------------------------------------ a fake flashinfer
+def _fake_attention(q: torch.Tensor, kv: torch.Tensor, rows: list[tuple[int, int]], tables: list[list[int]],
+                    lasts: list[int], scale: float, masks: list[torch.Tensor | None]) -> torch.Tensor:
+    """Attention read straight from FlashInfer-style arrays: rows (qo range), page lists, last_page_len."""
+    out = torch.empty_like(q)
+    ps = kv.shape[2]
+    for (a, b), pages, last, mask in zip(rows, tables, lasts, masks):
+        kv_len = (len(pages) - 1) * ps + last
+        k = kv[pages, 0].reshape(-1, *kv.shape[3:])[:kv_len].float()
+        v = kv[pages, 1].reshape(-1, *kv.shape[3:])[:kv_len].float()
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        s = torch.einsum("qhd,khd->hqk", q[a:b].float(), k) * scale
+        if mask is not None:
+            s = s.masked_fill(~mask.view(1, b - a, kv_len), float("-inf"))
+        out[a:b] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(q.dtype)
+    return out
+
+
+class _FakeWrapper:
+    """Records plan() arguments (as host lists) and computes run() from them."""
+
+    calls: list[str] = []
+
+    def __init__(self, workspace: torch.Tensor, layout: str, **kw: Any):
+        assert layout == "NHD"
+        self.kw = kw
+        self.plan_args: dict[str, Any] | None = None
+
+    def _tables(self, indptr: list[int], indices: list[int]) -> list[list[int]]:
+        return [indices[indptr[i] : indptr[i + 1]] for i in range(len(indptr) - 1)]
+
+    def run(self, q: torch.Tensor, kv: torch.Tensor, **kw: Any) -> torch.Tensor:
+        p = self.plan_args
+        assert p is not None, "run() before plan()"
+        assert q.dtype == p["q_data_type"] and kv.dtype == p["kv_data_type"] and q.shape[1] == p["heads"]
+        _FakeWrapper.calls.append(f"run {type(self).__name__}")
+        return _fake_attention(q, kv, p["rows"], p["tables"], p["last"], p["sm_scale"], p["masks"])
+
+
+class FakeDecode(_FakeWrapper):
+    def plan(self, indptr, indices, last, heads, kv_heads, head_dim, page_size, **kw: Any) -> None:
+        assert indptr.dtype == indices.dtype == last.dtype == torch.int32 and indptr.device.type == "cpu"
+        if self.kw.get("use_cuda_graph"):
+            assert len(indptr) == len(self.kw["paged_kv_indptr_buffer"])
+            assert len(indices) <= len(self.kw["paged_kv_indices_buffer"])
+        ip = indptr.tolist()
+        self.plan_args = dict(kw, heads=heads, rows=[(i, i + 1) for i in range(len(ip) - 1)],
+                              tables=self._tables(ip, indices.tolist()), last=last.tolist(),
+                              masks=[None] * (len(ip) - 1))
+        _FakeWrapper.calls.append("plan decode")
+
+
+class FakePrefill(_FakeWrapper):
+    def plan(self, qo, indptr, indices, last, heads, kv_heads, head_dim, page_size, *, causal: bool,
+             custom_mask: torch.Tensor | None, **kw: Any) -> None:
+        qo_l, ip, lasts = qo.tolist(), indptr.tolist(), last.tolist()
+        tables = self._tables(ip, indices.tolist())
+        rows = [(qo_l[i], qo_l[i + 1]) for i in range(len(qo_l) - 1)]
+        masks: list[torch.Tensor | None] = []
+        at = 0
+        for (a, b), pages, lp in zip(rows, tables, lasts):
+            kv_len = (len(pages) - 1) * page_size + lp
+            if custom_mask is not None:
+                masks.append(custom_mask[at : at + (b - a) * kv_len].cpu())
+                at += (b - a) * kv_len
+            else:
+                masks.append(attention_mask(b - a, kv_len, "causal") if causal else None)
+        assert custom_mask is None or at == custom_mask.numel()
+        self.plan_args = dict(kw, heads=heads, rows=rows, tables=tables, last=lasts, masks=masks)
+        _FakeWrapper.calls.append(f"plan prefill causal={causal} custom={custom_mask is not None}")
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    mod = types.ModuleType("flashinfer")
+    mod.__version__ = "fake"  # type: ignore[attr-defined]
+    mod.BatchDecodeWithPagedKVCacheWrapper = FakeDecode  # type: ignore[attr-defined]
+    mod.BatchPrefillWithPagedKVCacheWrapper = FakePrefill  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flashinfer", mod)
+    monkeypatch.setattr(fib, "unsupported", lambda pool: None)  # let the CPU pool through
+    _FakeWrapper.calls = []
+    return mod
+
+
+def _pool_with(seqs: list[tuple[int, int, str, int | None]], seed: int = 0) -> tuple[KVPool, AttentionMetadata, torch.Tensor]:
+    """A pool holding random K/V for each (q_len, kv_len, mask, block) entry, their metadata and a q."""
+    g = torch.Generator().manual_seed(seed)
+    bm = BlockManager(40, PAGE)
+    pool = KVPool(2, 40, PAGE, 2, 8)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=g))
+    tables = []
+    for i, (_, kv_len, _, _) in enumerate(seqs):
+        bm.append((f"r{i}", "main"), kv_len)
+        tables.append(bm.page_table((f"r{i}", "main")))
+    meta = AttentionMetadata.build([s[0] for s in seqs], [s[1] for s in seqs], tables,
+                                   [s[2] for s in seqs], [s[3] for s in seqs])
+    q = torch.randn(meta.num_tokens, 4, 8, generator=g)
+    return pool, meta, q
+
+
+BATCHES = {
+    "decode": [(1, 1, "causal", None), (1, 9, "causal", None), (1, 4, "full", None), (1, 17, "block_causal", 3)],
+    "causal": [(5, 5, "causal", None), (1, 12, "causal", None), (7, 19, "causal", None)],
+    "full": [(4, 10, "full", None), (3, 3, "full", None), (1, 6, "causal", None)],
+    "mixed": [(5, 5, "causal", None), (4, 10, "full", None), (6, 14, "block_causal", 4), (1, 3, "causal", None)],
+}
+EXPECT = {"decode": "plan decode", "causal": "plan prefill causal=True custom=False",
+          "full": "plan prefill causal=False custom=False", "mixed": "plan prefill causal=True custom=True"}
+
+
+@pytest.mark.parametrize("kind", list(BATCHES))
+def test_flashinfer_backend_host_side_equals_the_reference(fake_flashinfer: types.ModuleType, kind: str) -> None:
+    pool, meta, q = _pool_with(BATCHES[kind])
+    backend = fib.FlashInferBackend("cpu")
+    backend.prepare(pool, meta)  # heads and scale unknown yet: planned at the first call
+    assert _FakeWrapper.calls == []
+    for layer in range(2):
+        torch.testing.assert_close(backend(q, pool, layer, meta, None), paged_attention(q, pool, layer, meta),
+                                   atol=1e-5, rtol=1e-5)
+    plan = EXPECT[kind].replace("causal=True custom=True", "causal=False custom=True")
+    assert _FakeWrapper.calls[0] == plan and _FakeWrapper.calls.count(plan) == 1
+    # the next step plans in prepare(), with the learnt head count and scale
+    _FakeWrapper.calls = []
+    backend.prepare(pool, meta)
+    assert _FakeWrapper.calls == [plan]
+    scale = 0.3
+    torch.testing.assert_close(backend(q, pool, 0, meta, scale), paged_attention(q, pool, 0, meta, scale),
+                               atol=1e-5, rtol=1e-5)
+    assert _FakeWrapper.calls.count(plan) == 2  # another scale: planned again once
+
+
+def test_flashinfer_backend_falls_back_when_planning_fails(
+    fake_flashinfer: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*a: Any, **k: Any) -> None:
+        raise RuntimeError("no kernel for this")
+
+    monkeypatch.setattr(FakePrefill, "plan", broken)
+    pool, meta, q = _pool_with(BATCHES["causal"])
+    backend = fib.FlashInferBackend("cpu")
+    for _ in range(2):
+        backend.prepare(pool, meta)
+        torch.testing.assert_close(backend(q, pool, 1, meta, None), paged_attention(q, pool, 1, meta))
+    assert ("prefill", False) in backend._failed
+
+
+def test_select_backend_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert fib.select_backend("cpu") is paged_attention
+    monkeypatch.setenv(fib.ENV_VAR, "reference")
+    assert fib.select_backend("cpu") is paged_attention
+    assert fib.backend_name(paged_attention) == "reference"
+
+
+def test_graph_decode_wrapper_over_padded_buckets(fake_flashinfer: types.ModuleType) -> None:
+    """The GPU composition without the capture: GraphRunner + FlashInferGraphDecode buckets."""
+    pool, meta, q = _pool_with(BATCHES["decode"], seed=3)
+    backend = fib.FlashInferBackend("cpu")
+    make = backend.graph_decoder(pool, None)
+    assert make is not None
+    runner = GraphRunner(pool, (1, 2, 8), make, scratch_page=39, capture=False)
+    attn = AttentionContext([], lambda *a: None, pool.device)  # type: ignore[arg-type]
+    k = torch.randn(4, 2, 8)
+    slots = [s.page_table[(s.kv_len - 1) // PAGE] * PAGE + (s.kv_len - 1) % PAGE for s in meta.seqs]
+
+    def fn(q_rows: torch.Tensor, k_rows: torch.Tensor) -> torch.Tensor:
+        return attn.attend(0, q_rows, k_rows, k_rows) * 1.0
+
+    out = runner.bind(attn, meta, slots)(fn, q, k)
+    ref_pool = KVPool(2, 40, PAGE, 2, 8)
+    ref_pool.data.copy_(pool.data)
+    ref_pool.write(0, k, k, slots)
+    torch.testing.assert_close(out, paged_attention(q, ref_pool, 0, meta), atol=1e-5, rtol=1e-5)
+    assert out.shape == (4, 4, 8) and runner.replays == 1
+    assert math.isclose(make(1, 8).scale, 1 / math.sqrt(8))

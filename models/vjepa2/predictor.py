@@ -146,8 +146,9 @@ class ACPredictor(KVNode):
     # ------------------------------------------------------------------ phases
     def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
         parts, outs = [], []
+        dev = self.spec.device  # walk inputs (the context pose, say) arrive on the host
         for entry, seq in zip(batch, attn.seqs):
-            frames, states, actions = entry["frames"], entry["states"], entry["actions"]
+            frames, states, actions = (entry[k].to(dev) for k in ("frames", "states", "actions"))
             steps = int(frames.shape[0])
             self._check_frames(frames, "frames")
             if tuple(states.shape) != (steps, self.action_encoder.in_features):
@@ -182,7 +183,7 @@ class ACPredictor(KVNode):
             st = seq.state
             if "T" not in st:
                 raise RequestError("predictor.step before predictor.prefill on this context", "actions")
-            actions = entry["actions"]
+            actions = entry["actions"].to(self.spec.device)
             rows, t = int(actions.shape[0]), st["T"] - 1 + st["done"]
             if t >= self.max_steps:
                 raise RequestError(f"step {t} is past the predictor's {self.max_steps} steps "
@@ -191,7 +192,8 @@ class ACPredictor(KVNode):
                 raise RequestError(f"step {t} needs actions[:, {t}]; got actions {list(actions.shape)}", "actions")
             if st["rows"] not in (None, rows):
                 raise RequestError(f"a rollout keeps its {st['rows']} trajectories; got {rows}", "actions")
-            frame, state = self._rows(entry["frame"], rows, "frame"), self._rows(entry["state"], rows, "state")
+            frame = self._rows(entry["frame"].to(self.spec.device), rows, "frame")
+            state = self._rows(entry["state"].to(self.spec.device), rows, "state")
             self._check_frames(frame, "frame")
             if seq.start != st["hist"] + st["done"] * rows * per:
                 raise NodeError(f"node '{self.spec.name}': KV context at {seq.start} tokens, expected "

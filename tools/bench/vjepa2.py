@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
           f"T={t_ctx} context frame(s), {args.rows} trajector(ies)")
     if skipped:
         print(f"  horizons {skipped} skipped: context + horizon must be <= {cfg['max_steps']} steps")
-    print(f"  {'H':>3} {'M* ms':>10} {'recompute ms':>13} {'ratio':>7} {'model':>7} {'max|diff|':>10}")
+    print(f"  {'H':>3} {'M* ms':>10} {'recompute ms':>13} {'ratio':>7} {'model':>7} {'max|diff|':>10} {'rel L2':>9}")
     for horizon in horizons:
         hist = torch.randn(1, t_ctx - 1, 7, generator=g).expand(args.rows, -1, -1)
         actions = torch.cat([hist, torch.randn(args.rows, horizon, 7, generator=g)], dim=1).mul(0.05).to(dev)
@@ -167,12 +167,13 @@ def main(argv: list[str] | None = None) -> int:
                                  args.repeats, args.warmup, dev)
         ours = out["predicted"].view(horizon, args.rows, n_tok, e_dim).transpose(0, 1).float()
         diff = (ours - r_frames.float()).abs().max().item()
+        rel = ((ours - r_frames.float()).norm() / r_frames.float().norm()).item()
         model = cost_model(cfg, t_ctx, horizon, args.rows)
         row = {"horizon": horizon, "mstar_ms": t_m * 1e3, "recompute_ms": t_r * 1e3, "ratio": t_r / t_m,
-               "max_abs_diff": diff, **model}
+               "max_abs_diff": diff, "rel_l2_diff": rel, **model}
         report["rollout"].append(row)
         print(f"  {horizon:>3} {t_m * 1e3:>10.2f} {t_r * 1e3:>13.2f} {t_r / t_m:>6.2f}x "
-              f"{model['predicted_ratio']:>6.2f}x {diff:>10.2e}")
+              f"{model['predicted_ratio']:>6.2f}x {diff:>10.2e} {rel:>9.2e}")
 
     frames8 = (torch.rand(8, int(cfg["img"]), int(cfg["img"]), 3, generator=g) * 255).to(torch.uint8)
     t_enc, _ = p50(lambda: run("encode", {"frames": frames8}), args.repeats, args.warmup, dev)

@@ -1,0 +1,40 @@
+"""The Orpheus benchmark's CPU smoke run: tools/bench/orpheus.py end to end at the tiny size.
+
+The figures mean nothing on a CPU; what is checked is that the one command the GPU machine
+runs works: the walk compiles with the end check disabled, M* and both HF modes run on the
+same weights at every batch size, every request generates exactly --tokens tokens, and the
+JSON has every figure the table prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_orpheus_bench_smoke_on_cpu(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "orpheus.json"
+    cmd = [sys.executable, str(ROOT / "tools/bench/orpheus.py"), "--device", "cpu", "--variant", "tiny",
+           "--batches", "1,2", "--tokens", "16", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "M* / best HF tokens/s" in proc.stdout
+    rec = json.loads(out.read_text())
+    assert rec["errors"] == [] and rec["audio_only"] is True and rec["read_bandwidth_tb_s"] > 0
+    for b in ("1", "2"):
+        m = rec["mstar"][b]
+        assert m["generated_tokens"] == 16 * int(b) and m["min_tokens"] == 16  # the end check never fired
+        assert m["decode_step_ms"] > 0 and m["floor_ms"] > 0 and m["rtf_p50"] > 0
+        for mode in ("dynamic", "static"):
+            h = rec["hf"][mode][b]
+            assert h["generated_tokens"] == 16 * int(b) and h["tokens_per_s"] > 0
+        assert rec["speedup_vs_best_hf"][b] > 0

@@ -1,0 +1,163 @@
+"""Helpers shared by the benchmarks in tools/bench: bandwidth floor, percentiles, memory, JSON, tables.
+
+Benchmarks run as scripts (`python tools/bench/X.py`), so this module is imported as a
+sibling (`from common import ...`, the script's folder is on sys.path) or as
+`tools.bench.common` from the repository root.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_read_bandwidth(device: torch.device | str, gib: float = 4.0, repeats: int = 10) -> float:
+    """Read bandwidth in bytes/s of a big reduction (`x.sum()` over `gib` GiB of bf16), measured now.
+
+    This is the decode floor's denominator (reference/device.md 4: 4.31 TB/s on the H200): a
+    decode step must at least read every weight and the KV it attends to once. CUDA events on
+    a GPU; on the CPU a smaller float32 buffer and wall time (a smoke figure only)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        x = torch.ones(int(64 * 2**20 // 4), dtype=torch.float32)
+        x.sum()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            x.sum()
+        return x.numel() * 4 * repeats / (time.perf_counter() - t0)
+    x = torch.ones(int(gib * 2**30 // 2), dtype=torch.bfloat16, device=dev)
+    for _ in range(3):
+        x.sum()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        x.sum()
+    end.record()
+    torch.cuda.synchronize(dev)
+    seconds = start.elapsed_time(end) / 1e3
+    del x
+    torch.cuda.empty_cache()
+    return int(gib * 2**30 // 2) * 2 * repeats / seconds
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation; None for no values."""
+    vals = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not vals:
+        return None
+    if len(vals) == 1:
+        return vals[0]
+    pos = (len(vals) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(vals) - 1)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+def median(values: Iterable[float]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def gpu_memory(device: torch.device | str) -> dict[str, float]:
+    """GiB: peak allocated by torch since the last reset, reserved by torch, and used on the device
+    (all processes and contexts: what nvidia-smi would show)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(dev)
+    return {
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(dev) / 2**30,
+        "reserved_gib": torch.cuda.memory_reserved(dev) / 2**30,
+        "device_used_gib": (total - free) / 2**30,
+    }
+
+
+def reset_peak(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def environment(device: torch.device | str) -> dict[str, Any]:
+    """What ran: versions and the device, for the JSON record."""
+    dev = torch.device(device)
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "device": str(dev)}
+    if dev.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(dev)
+        env["cuda"] = torch.version.cuda
+    for name in ("transformers", "flashinfer"):
+        try:
+            module = __import__(name)
+            env[name] = getattr(module, "__version__", "?")
+        except Exception as e:  # noqa: BLE001 - absent or broken: record why
+            env[name] = f"unavailable ({type(e).__name__})"
+    return env
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> None:
+    """Write atomically (a benchmark killed mid-write leaves the previous complete file)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=_jsonable) + "\n")
+    tmp.replace(p)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    return str(value)
+
+
+def fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, int]]) -> str:
+    """A plain-text table: columns are (key, header, decimals)."""
+    cells = [[h for _, h, _ in columns]] + [[fmt(r.get(k), d) for k, _, d in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+class Budget:
+    """A wall-clock budget for optional parts of a benchmark (so one command fits its time limit)."""
+
+    def __init__(self, seconds: float | None):
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+
+    def left(self) -> float:
+        return math.inf if self.deadline is None else self.deadline - time.monotonic()
+
+    def allows(self, seconds: float) -> bool:
+        return self.left() >= seconds
+
+
+def timed(fn: Callable[[], Any], device: torch.device | str) -> tuple[Any, float]:
+    """(fn(), seconds) with the device synchronised before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0

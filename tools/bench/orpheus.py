@@ -1,0 +1,423 @@
+"""Orpheus-3B TTS: M* against Hugging Face `transformers` on the same dummy weights, one process.
+
+    python tools/bench/orpheus.py                                   # H200: real size, B = 1, 16, 64
+    python tools/bench/orpheus.py --device cpu --variant tiny --batches 1,2 --tokens 16   # smoke
+
+What runs:
+- M*: the walk compiled with `python -m mstarc.cli` for placements/h200x1.yaml (cpu.yaml on the
+  CPU), variant `bench` (the real sizes with `audio_only`: random weights would otherwise
+  sample text ids and starve the SNAC stream), run through Conductor + Worker in this
+  process: B `tts` requests submitted at once, each generating exactly `--tokens` tokens. The
+  fixed length comes from `max_tokens` plus an end check that never fires: the walk copy
+  compiled here sets `end_of_speech` beyond the vocabulary, so no token can end a request.
+- HF: `LlamaForCausalLM` built from the same config with the M* node's weights copied in by
+  name, the same prompt token ids (left-padded), the same sampling settings, and
+  `min_new_tokens = max_new_tokens = --tokens`; with the default dynamic cache, and with
+  `cache_implementation="static"` and transformers' automatic torch.compile (its first call,
+  compile included, is reported apart; on the CPU the static run is not compiled).
+
+Figures per system and batch size (all in the JSON written to --out, default $OUT/orpheus.json):
+- tokens/s (all generated tokens over the wall time, prefill and SNAC included) and audio
+  seconds per second (tokens/s / 82);
+- time to first audio, p50 and p90: submit -> the first 2048-sample chunk (28 codes + a SNAC
+  decode of the window). For HF: time to its 28th generated token plus a SNAC decode of B
+  windows with the same SNAC module;
+- real-time factor p50: a request's generation time over its audio length (82 tokens = 1 s);
+- the decode step time against the floor: (weight bytes + KV bytes read at the run's average
+  context) / the read bandwidth of a 4 GiB `x.sum()` measured in the same run;
+- GPU memory (peak allocated, reserved, device used).
+The JSON is rewritten after every measurement, so a run cut short keeps what it measured;
+`--budget-s` skips HF runs that would not fit (recorded as skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402 - the sibling module, found through the line above
+    Budget,
+    environment,
+    gpu_memory,
+    measure_read_bandwidth,
+    percentile,
+    reset_peak,
+    sync,
+    table,
+    write_json,
+)
+
+WALK = ROOT / "models/orpheus/orpheus.walk"
+TOKENS_PER_SECOND_OF_AUDIO = 82.0
+FIRST_AUDIO_CODES = 28
+NEVER_EOS = 2_000_000_000  # an end_of_speech id no token can have: every request runs to max_tokens
+PAD_ID = 128263
+SAMPLING = {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3}  # orpheus-speech defaults
+VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
+TEXTS = (
+    "Hello there, this is M star speaking.",
+    "The quick brown fox jumps over the lazy dog, twice on Sundays.",
+    "Streaming speech arrives chunk by chunk while the model keeps writing codes.",
+    "Can you hear the difference between one request and sixty four at once?",
+    "Benchmarks measure what they measure; read the method before the numbers.",
+    "A short one.",
+    "Composite multimodal models change their execution path with the task at hand.",
+    "Every eighty two tokens make one second of audio at twenty four kilohertz.",
+)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+log = logging.getLogger("bench.orpheus")
+
+
+# ------------------------------------------------------------------------------ set-up
+def compile_plan(variant: str, device: str, workdir: Path) -> Path:
+    """The walk with an end check that never fires, compiled by the CLI for this device's placement."""
+    text = WALK.read_text()
+    patched, n = re.subn(r"(\bend_of_speech\s*=\s*)\d+", rf"\g<1>{NEVER_EOS}", text)
+    if n != 1:
+        raise SystemExit(f"{WALK}: expected one `end_of_speech = N` line to disable, found {n}")
+    walk = workdir / "orpheus.walk"
+    walk.write_text(patched)
+    placement = ROOT / ("placements/cpu.yaml" if device == "cpu" else "placements/h200x1.yaml")
+    out = workdir / f"orpheus-{variant}.plan"
+    cmd = [sys.executable, "-m", "mstarc.cli", "compile", str(walk), "--variant", variant,
+           "-p", str(placement), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"compile failed: {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+    return out
+
+
+class _FirstAudio:
+    """Conductor listener: when each request's first audio chunk exists (device synchronised)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.at: dict[str, float] = {}
+
+    def on_output(self, request: Any, name: str, value: Any) -> None:
+        if name == "audio" and request.id not in self.at:
+            sync(self.device)  # the chunk must exist, not only be queued
+            self.at[request.id] = time.perf_counter()
+
+    def on_finish(self, request: Any) -> None:
+        pass
+
+
+def prompt_ids(worker: Any, n: int) -> list[torch.Tensor]:
+    """The token ids the M* prompt node builds for request i's (text, voice): HF gets the same."""
+    node = worker.engines["prompt"].node
+    out = node.run("build", [{"text": TEXTS[i % len(TEXTS)], "voice": VOICES[i % len(VOICES)]} for i in range(n)])
+    return [o["tokens"].to("cpu", torch.long) for o in out]
+
+
+# ------------------------------------------------------------------------------ M*
+def run_mstar(plan: Any, worker: Any, device: torch.device, batch: int, tokens: int, seed: int) -> dict[str, Any]:
+    from mstar_runtime.conductor import Conductor
+
+    conductor = Conductor(plan, {0: worker}, max_running=batch)
+    first = _FirstAudio(device)
+    before = worker.stats()["nodes"].get("llm", {}).get("decode", {"steps": 0, "seconds": 0.0})
+    sync(device)
+    t0 = time.perf_counter()
+    reqs = [conductor.submit("tts", {"text": TEXTS[i % len(TEXTS)], "voice": VOICES[i % len(VOICES)],
+                                     "max_tokens": tokens, "seed": seed + i, **SAMPLING}, listener=first)
+            for i in range(batch)]
+    conductor.run_until_idle()
+    sync(device)
+    wall = time.perf_counter() - t0
+    failed = [f"{r.id}: {r.error}" for r in reqs if r.state != "finished"]
+    if failed:
+        raise RuntimeError("M* requests failed: " + "; ".join(failed[:3]))
+    after = worker.stats()["nodes"]["llm"]["decode"]
+    generated = [int(r.outputs["codes"].numel()) for r in reqs]
+    steps = after["steps"] - before["steps"]
+    step_s = (after["seconds"] - before["seconds"]) / max(steps, 1)
+    ttfa = [first.at[r.id] - r.stats.submitted_at for r in reqs if r.id in first.at]
+    rtf = [(r.stats.finished_at - r.stats.submitted_at) / (g / TOKENS_PER_SECOND_OF_AUDIO)
+           for r, g in zip(reqs, generated) if g]
+    return {
+        "batch": batch, "wall_s": wall, "generated_tokens": sum(generated), "min_tokens": min(generated),
+        "tokens_per_s": sum(generated) / wall, "audio_s_per_s": sum(generated) / wall / TOKENS_PER_SECOND_OF_AUDIO,
+        "ttfa_p50_ms": _ms(percentile(ttfa, 50)), "ttfa_p90_ms": _ms(percentile(ttfa, 90)),
+        "rtf_p50": percentile(rtf, 50), "decode_steps": steps, "decode_step_ms": step_s * 1e3,
+        "wall_per_decode_ms": wall / max(tokens - 1, 1) * 1e3,
+        "conductor_steps": int(conductor.stats["steps"]), "wasted_steps": int(conductor.stats["wasted_steps"]),
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def time_snac(worker: Any, device: torch.device, batch: int) -> float:
+    """Seconds of one SNAC decode of `batch` 28-code windows (what HF's first chunk also needs)."""
+    node = worker.engines["snac"].node
+    windows = [{"codes": torch.randint(0, 4096, (FIRST_AUDIO_CODES,), dtype=torch.int32, device=device)}
+               for _ in range(batch)]
+    with torch.inference_mode():
+        node.run("decode", windows)  # warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        node.run("decode", windows)
+        sync(device)
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------ HF
+def build_hf(config: dict[str, Any], state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tied = bool(config.get("tie_embeddings", True))
+    cfg = LlamaConfig(
+        vocab_size=int(config["vocab"]), hidden_size=int(config["hidden"]),
+        num_hidden_layers=int(config["layers"]), num_attention_heads=int(config["heads"]),
+        num_key_value_heads=int(config["kv_heads"]), head_dim=int(config["head_dim"]),
+        intermediate_size=int(config["intermediate"]), rms_norm_eps=float(config.get("rms_eps", 1e-5)),
+        tie_word_embeddings=tied, max_position_embeddings=131072,
+        rope_parameters={**LLAMA3_ROPE, "rope_theta": float(config.get("rope_theta", 500000.0))},
+        bos_token_id=128000, eos_token_id=None, pad_token_id=PAD_ID,
+    )
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"weights do not map onto LlamaForCausalLM: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    if tied:
+        model.tie_weights()
+    return model
+
+
+class _TokenTimes:
+    """A generate() streamer that stamps when each new token arrives (the first put is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def left_padded(prompts: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def run_hf(model: Any, prompts: list[torch.Tensor], device: torch.device, tokens: int, static: bool,
+           compile_static: bool, snac_s: float, seed: int) -> dict[str, Any]:
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamp(_TokenTimes, BaseStreamer):
+        pass
+
+    ids, mask = left_padded(prompts, device)
+    kwargs: dict[str, Any] = dict(attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True,
+                                  top_k=0, pad_token_id=PAD_ID, **SAMPLING)
+    if static:
+        kwargs["cache_implementation"] = "static"
+        if not compile_static:
+            kwargs["disable_compile"] = True
+    stamp = Stamp()
+    torch.manual_seed(seed)
+    reset_peak(device)
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, streamer=stamp, **kwargs)
+    sync(device)
+    wall = time.perf_counter() - t0
+    new = int(out.shape[1] - ids.shape[1])
+    batch = len(prompts)
+    token_times = stamp.times[1:]  # after the prompt
+    first_audio = (token_times[FIRST_AUDIO_CODES - 1] - t0 + snac_s) if len(token_times) >= FIRST_AUDIO_CODES else None
+    decode_s = (token_times[-1] - token_times[0]) / max(len(token_times) - 1, 1) if len(token_times) > 1 else None
+    return {
+        "batch": batch, "wall_s": wall, "generated_tokens": new * batch, "tokens_per_s": new * batch / wall,
+        "audio_s_per_s": new * batch / wall / TOKENS_PER_SECOND_OF_AUDIO,
+        "ttfa_p50_ms": _ms(first_audio), "ttfa_p90_ms": _ms(first_audio),
+        "rtf_p50": wall / (new / TOKENS_PER_SECOND_OF_AUDIO) if new else None,
+        "decode_step_ms": _ms(decode_s), **gpu_memory(device),
+    }
+
+
+# ------------------------------------------------------------------------------ main
+def floor_ms(weight_bytes: int, kv_token_bytes: int, batch: int, context: float, bandwidth: float) -> float:
+    return (weight_bytes + batch * context * kv_token_bytes) / bandwidth * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    ap.add_argument("--variant", default=None, help="walk variant (default: bench on cuda, tiny on cpu)")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--tokens", type=int, default=256, help="tokens generated per request (fixed)")
+    ap.add_argument("--hf-modes", default="dynamic,static", help="comma list of dynamic, static; empty: no HF")
+    ap.add_argument("--budget-s", type=float, default=None, help="skip HF runs that would not fit in this")
+    ap.add_argument("--seed", type=int, default=1000)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "orpheus.json")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    budget = Budget(args.budget_s)
+    device = torch.device(args.device)
+    variant = args.variant or ("bench" if device.type == "cuda" else "tiny")
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    modes = [m for m in args.hf_modes.split(",") if m.strip()]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rec: dict[str, Any] = {
+        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+        "env": environment(device), "variant": variant, "tokens": args.tokens, "batches": batches,
+        "sampling": SAMPLING, "eos": "disabled: end_of_speech set beyond the vocabulary", "mstar": {}, "hf": {},
+        "errors": [],
+    }
+    save = lambda: write_json(args.out, rec)  # noqa: E731 - after every measurement
+
+    rec["read_bandwidth_tb_s"] = bw = measure_read_bandwidth(device) / 1e12
+    save()
+    from mstar_runtime.flashinfer_backend import backend_name
+    from mstar_runtime.plan import load_plan
+    from mstar_runtime.worker import Worker
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench-orpheus-"))
+    plan = load_plan(compile_plan(variant, device.type, workdir), device=device.type,
+                     kv_pages_cap=None if device.type == "cuda" else 4096)
+    t0 = time.perf_counter()
+    worker = Worker(plan, 0, device, "dummy")
+    llm = worker.engines["llm"]
+    rec["mstar_setup_s"] = time.perf_counter() - t0
+    node = llm.node
+    weight_bytes = sum(p.numel() * p.element_size() for p in node.parameters())
+    geo = node.kv_geometry
+    kv_token_bytes = geo.layers * 2 * geo.kv_heads * geo.head_dim * llm.pool.dtype.itemsize
+    prompts = prompt_ids(worker, max(batches))
+    rec.update(weights_gb=weight_bytes / 1e9, kv_bytes_per_token=kv_token_bytes,
+               attention_backend=backend_name(llm.backend), audio_only=bool(getattr(node, "audio_only", False)),
+               graph_buckets={p: r.buckets for p, r in llm.graph_runners.items()},
+               kv_pool_gib=llm.pool.data.numel() * llm.pool.data.element_size() / 2**30,
+               prompt_tokens_mean=sum(len(p) for p in prompts) / len(prompts))
+    if not rec["audio_only"]:
+        rec["errors"].append(f"variant {variant} has audio_only off: random weights may emit few codes")
+    save()
+
+    # ---- M*: a short warm-up per batch size (graph capture, kernel JIT, allocator), then the run
+    for b in batches:
+        try:
+            run_mstar(plan, worker, device, b, min(args.tokens, FIRST_AUDIO_CODES + 8), args.seed + 10_000)
+            reset_peak(device)
+            r = run_mstar(plan, worker, device, b, args.tokens, args.seed)
+            ctx = sum(len(p) for p in prompts[:b]) / b + args.tokens / 2
+            r["floor_ms"] = floor_ms(weight_bytes, kv_token_bytes, b, ctx, bw * 1e12)
+            r["step_over_floor"] = r["decode_step_ms"] / r["floor_ms"]
+            r.update(gpu_memory(device))
+            runner = llm.graph_runners.get("decode")
+            r["graph_replays"] = runner.replays if runner is not None else 0
+            r["graph_failed"] = runner.failed if runner is not None else None
+            rec["mstar"][str(b)] = r
+        except Exception as e:  # noqa: BLE001 - record and go on to the next figure
+            log.exception("M* at batch %d failed", b)
+            rec["errors"].append(f"mstar batch {b}: {type(e).__name__}: {e}")
+        save()
+    snac_s = {b: time_snac(worker, device, b) for b in batches}
+    rec["snac_decode_ms"] = {str(b): s * 1e3 for b, s in snac_s.items()}
+    save()
+
+    # ---- HF on the same weights; M*'s pool and graphs are freed first
+    if modes:
+        try:
+            state = {k: v for k, v in node.state_dict().items()}
+            hf = build_hf(dict(plan.config), state, device, llm.pool.dtype)
+            del state
+        except Exception as e:  # noqa: BLE001
+            log.exception("building the HF model failed")
+            rec["errors"].append(f"hf build: {type(e).__name__}: {e}")
+            modes = []
+    del llm, node, worker
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    # cheapest first; static at B=16 before 1 and 64: it is the comparison the target names
+    order = [("dynamic", b) for b in batches if "dynamic" in modes]
+    order += [("static", b) for b in sorted(batches, key=lambda b: (b != 16, b)) if "static" in modes]
+    for mode, b in order:
+        compile_static = mode == "static" and device.type == "cuda"
+        need = (60.0 if compile_static else 5.0) + args.tokens * (0.01 if compile_static else 0.1)
+        entry = rec["hf"].setdefault(mode, {})
+        if not budget.allows(need):
+            entry[str(b)] = {"skipped": f"budget: {budget.left():.0f} s left, about {need:.0f} s needed"}
+            save()
+            continue
+        try:
+            hf_args = (hf, prompts[:b], device)
+            hf_kw = dict(static=mode == "static", compile_static=compile_static, snac_s=snac_s[b], seed=args.seed)
+            t0 = time.perf_counter()
+            # warm-up (compiles the static graph): the full length there, so the measured run reuses it
+            run_hf(*hf_args, args.tokens if compile_static else min(args.tokens, 8), **hf_kw)
+            first_call = time.perf_counter() - t0
+            r = run_hf(*hf_args, args.tokens, **hf_kw)
+            if compile_static:
+                r["first_call_s"] = first_call
+            ctx = sum(len(p) for p in prompts[:b]) / b + args.tokens / 2
+            if r["decode_step_ms"] is not None:
+                r["floor_ms"] = floor_ms(weight_bytes, kv_token_bytes, b, ctx, bw * 1e12)
+                r["step_over_floor"] = r["decode_step_ms"] / r["floor_ms"]
+            entry[str(b)] = r
+        except Exception as e:  # noqa: BLE001
+            log.exception("HF %s at batch %d failed", mode, b)
+            rec["errors"].append(f"hf {mode} batch {b}: {type(e).__name__}: {e}")
+        save()
+
+    # ---- summary
+    rows = []
+    for b in batches:
+        m = rec["mstar"].get(str(b))
+        if m:
+            rows.append({"system": "M*", **m, "mem": m.get("peak_allocated_gib")})
+        for mode in ("dynamic", "static"):
+            h = rec["hf"].get(mode, {}).get(str(b))
+            if h and "skipped" not in h:
+                rows.append({"system": f"HF {mode}", **h, "mem": h.get("peak_allocated_gib")})
+        best = max((h["tokens_per_s"] for mode in rec["hf"].values() for k, h in mode.items()
+                    if k == str(b) and "tokens_per_s" in h), default=None)
+        if m and best:
+            rec.setdefault("speedup_vs_best_hf", {})[str(b)] = m["tokens_per_s"] / best
+    cols = [("system", "system", 0), ("batch", "B", 0), ("tokens_per_s", "tok/s", 1),
+            ("audio_s_per_s", "audio s/s", 2), ("ttfa_p50_ms", "TTFA p50 ms", 1), ("ttfa_p90_ms", "p90 ms", 1),
+            ("rtf_p50", "RTF p50", 3), ("decode_step_ms", "step ms", 2), ("floor_ms", "floor ms", 2),
+            ("step_over_floor", "x floor", 2), ("mem", "peak GiB", 1)]
+    print(f"\nOrpheus {variant} on {rec['env'].get('gpu', device.type)}: {args.tokens} tokens/request, "
+          f"read bandwidth {bw:.2f} TB/s, attention {rec['attention_backend']}")
+    print(table(rows, cols))
+    for b, s in rec.get("speedup_vs_best_hf", {}).items():
+        print(f"B={b}: M* / best HF tokens/s = {s:.2f}x")
+    for err in rec["errors"]:
+        print("error:", err)
+    save()
+    print(f"wrote {args.out}")
+    return 0 if rec["mstar"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

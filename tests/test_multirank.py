@@ -260,8 +260,10 @@ def test_killing_a_worker_ends_the_run(plans: dict[int, Path]) -> None:
         t0 = time.monotonic()
         handles = _run(conductor, REQUESTS, on_step)
         assert time.monotonic() - t0 < 30
-        assert all(h.state == FAILED for h in handles), [h.state for h in handles]
-        for h in handles:
+        # a request that completed before the kill keeps its result; every other one fails
+        failed = [h for h in handles if h.state != FINISHED]
+        assert failed and all(h.state == FAILED for h in failed), [h.state for h in handles]
+        for h in failed:
             assert "worker rank 2 lost" in h.error and "SIGKILL" in h.error and str(victim) in h.error, (
                 h.error
             )

@@ -16,7 +16,9 @@ the device is cuda and `flashinfer` imports, else the CPU reference
   - otherwise `BatchPrefillWithPagedKVCacheWrapper`, causal when every multi-token entry is
     causal, non-causal when every one is "full" (a single query at the end of its context
     sees the whole context under any mask kind, so decode entries never decide);
-  - a batch with `block_causal` entries, or mixing causal and full ones, plans the same
+  - a block-causal entry whose queries all lie in its last block sees every key: it counts
+    as "full" (a V-JEPA rollout step appends exactly one frame block);
+  - a batch with other `block_causal` entries, or mixing causal and full ones, plans the same
     prefill wrapper with a custom mask (each entry's `attention.attention_mask`, bit-packed
     by FlashInfer): one kernel for the whole mixed batch instead of a split. FlashInfer's
     mask packing reads lengths back from the device, so such steps take a host sync; they
@@ -54,7 +56,13 @@ from typing import Any
 
 import torch
 
-from mstar_runtime.attention import AttentionMetadata, KVPool, attention_mask, paged_attention
+from mstar_runtime.attention import (
+    AttentionMetadata,
+    KVPool,
+    SequenceAttention,
+    attention_mask,
+    paged_attention,
+)
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +200,7 @@ class FlashInferBackend:
         if all(s.q_len == 1 for s in meta.seqs):
             host = torch.tensor(indptr + indices + last, dtype=torch.int32, pin_memory=pin)
             return self._unless_failed(_Step(pool, meta, "decode", host=host, n_indices=len(indices)))
-        kinds = {s.mask for s in meta.seqs if s.q_len > 1}
+        kinds = {_effective_mask(s) for s in meta.seqs if s.q_len > 1}
         causal = kinds == {"causal"}
         custom = not (causal or kinds == {"full"})
         host = torch.tensor(meta.q_indptr() + indptr + indices + last, dtype=torch.int32, pin_memory=pin)
@@ -247,6 +255,15 @@ class FlashInferBackend:
         return lambda bucket, max_indices: FlashInferGraphDecode(self, pool, bucket, max_indices, sm_scale)
 
 
+def _effective_mask(s: SequenceAttention) -> str:
+    """The mask kind an entry needs: a block-causal entry whose queries all sit in its last
+    block sees every key, i.e. it is "full" (a V-JEPA rollout step adds exactly one frame
+    block), and then needs no custom mask."""
+    if s.mask == "block_causal" and s.block_size and (s.kv_len - s.q_len) // s.block_size == (s.kv_len - 1) // s.block_size:
+        return "full"
+    return s.mask
+
+
 def _custom_mask(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
     """Every entry's boolean [q_len, kv_len] mask (True = attend), flattened and concatenated."""
     parts = []
@@ -276,7 +293,11 @@ class FlashInferGraphDecode:
 
     def plan(self, step: Any, q_heads: int) -> None:
         p = self.pool
-        self.wrapper.plan(step.indptr, step.indices, step.last_page_len, q_heads, p.kv_heads, p.head_dim,
+        # indptr and last_page_len stay on the host (plan reads the lengths there); the indices
+        # go up first, non-blocking from pinned memory: a graph wrapper copies host indices into
+        # its fixed buffer with a blocking copy (FlashInfer only trusts device sources there)
+        indices = step.indices.to(p.device, non_blocking=True)
+        self.wrapper.plan(step.indptr, indices, step.last_page_len, q_heads, p.kv_heads, p.head_dim,
                           p.page_size, q_data_type=p.dtype, kv_data_type=p.dtype, sm_scale=self.scale,
                           non_blocking=True)
 

@@ -266,9 +266,12 @@ BATCHES = {
     "causal": [(5, 5, "causal", None), (1, 12, "causal", None), (7, 19, "causal", None)],
     "full": [(4, 10, "full", None), (3, 3, "full", None), (1, 6, "causal", None)],
     "mixed": [(5, 5, "causal", None), (4, 10, "full", None), (6, 14, "block_causal", 4), (1, 3, "causal", None)],
+    # a rollout step: each entry appends exactly its last block, so block-causal is full attention
+    "rollout": [(6, 12, "block_causal", 6), (4, 16, "block_causal", 4), (3, 7, "full", None)],
 }
 EXPECT = {"decode": "plan decode", "causal": "plan prefill causal=True custom=False",
-          "full": "plan prefill causal=False custom=False", "mixed": "plan prefill causal=True custom=True"}
+          "full": "plan prefill causal=False custom=False", "mixed": "plan prefill causal=True custom=True",
+          "rollout": "plan prefill causal=False custom=False"}
 
 
 @pytest.mark.parametrize("kind", list(BATCHES))
@@ -335,3 +338,14 @@ def test_graph_decode_wrapper_over_padded_buckets(fake_flashinfer: types.ModuleT
     torch.testing.assert_close(out, paged_attention(q, ref_pool, 0, meta), atol=1e-5, rtol=1e-5)
     assert out.shape == (4, 4, 8) and runner.replays == 1
     assert math.isclose(make(1, 8).scale, 1 / math.sqrt(8))
+
+
+def test_block_causal_in_its_last_block_is_full_attention() -> None:
+    from mstar_runtime.attention import SequenceAttention
+
+    for q in range(1, 10):
+        for kv in range(q, 25):
+            for block in range(1, 7):
+                s = SequenceAttention(q, kv, tuple(range(7)), "block_causal", block)
+                full = bool(attention_mask(q, kv, "block_causal", block).all())
+                assert (fib._effective_mask(s) == "full") == full, (q, kv, block)

@@ -24,6 +24,7 @@ ROOT=$PWD
 OUT=${OUT:-$ROOT/out/gpu}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+TEE_PID=$!
 export PYTHONUNBUFFERED=1
 START=$(date +%s)
 stage() { echo; echo "==> [$(( $(date +%s) - START )) s] $*"; }
@@ -51,7 +52,12 @@ save_kernels() {
   echo "saved ${#sos[@]} compiled kernel(s) under $OUT/fijit: copy them into .fijit/ for the next run"
   ls -la "$OUT/fijit"
 }
-trap save_kernels EXIT
+finish() {
+  save_kernels
+  exec >&- 2>&-  # let tee see the end of its input, and wait for it: the log must be complete
+  wait "$TEE_PID" 2>/dev/null || true
+}
+trap finish EXIT
 
 # ---------------------------------------------------------------------------- 1. install
 stage "install FlashInfer, lark and the project"

@@ -2,7 +2,7 @@
 
     mstar-run PLAN --walk W [--input k=v ...] [--out DIR] [--weights DIR|dummy] [--device cpu|cuda] [--stream]
     mstar-run PLAN --requests FILE.jsonl --out DIR [--weights ...] [--device ...]
-    mstar-run PLAN --serve [--host 127.0.0.1] [--port 8000]
+    mstar-run PLAN --serve [--host 127.0.0.1] [--port 8000] [--shutdown-timeout 30]
 
 One-shot runs one request and writes its outputs as files (`outputs.write_outputs`: WAV,
 PNG, text, JSON, safetensors, plus `<id>.json`). Batch reads one JSON object per line,
@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--walk", help="run one request of this walk")
     mode.add_argument("--requests", metavar="FILE.jsonl",
                       help='run a batch: one {"id", "walk", "inputs"} JSON object per line')
-    mode.add_argument("--serve", action="store_true", help="serve HTTP (not available yet)")
+    mode.add_argument("--serve", action="store_true",
+                      help="serve the plan over HTTP: OpenAI-compatible and native routes (docs/serving.md)")
     p.add_argument("--input", "-i", action="append", default=[], metavar="K=V",
                    help="an input of the walk; parsed by its declared type (tensors: a JSON list or "
                         "@file.safetensors; images: @file.png|jpg). Repeatable")
@@ -67,8 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action="store_true", help="one-shot: print a line per streamed output chunk")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch CPU threads (default: torch's). Tiny CPU models run fastest with 1")
-    p.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=8000, help=argparse.SUPPRESS)
+    p.add_argument("--host", default="127.0.0.1", help="--serve: the address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="--serve: the port (default 8000)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="--serve: on SIGTERM, seconds in-flight requests get to finish before they are aborted "
+                        "(default 30)")
+    p.add_argument("--request-timeout", type=float, metavar="S",
+                   help="--serve: fail a request that runs longer than this (finish reason 'timeout')")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="--serve: the model id clients name (default: the plan's model name)")
     p.add_argument("--preempt-every", type=int, metavar="N", help=argparse.SUPPRESS)  # debug: force preemptions
     return p
 
@@ -380,6 +388,13 @@ def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.error("--input goes with --walk (a batch file carries its own inputs)")
     if args.stream and not args.walk:
         parser.error("--stream goes with --walk")
+    if not args.serve and (args.shutdown_timeout != 30.0 or args.request_timeout is not None
+                           or args.served_model_name is not None):
+        parser.error("--shutdown-timeout, --request-timeout and --served-model-name go with --serve")
+    if args.serve and not 0 <= args.port < 65536:
+        parser.error("--port must be in 0..65535 (0: any free port)")
+    if args.shutdown_timeout < 0 or (args.request_timeout is not None and args.request_timeout <= 0):
+        parser.error("--shutdown-timeout must be >= 0 and --request-timeout > 0")
     for flag in ("threads", "preempt_every"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -389,11 +404,9 @@ def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.serve:
-        print(f"{PROG}: error: --serve is not available yet (the HTTP server arrives with its own issue); "
-              "use --walk for one request or --requests FILE.jsonl for a batch", file=sys.stderr)
-        return 2
     _check_usage(parser, args)
+    if args.serve:
+        return _serve(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
@@ -414,6 +427,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print(f"{PROG}: interrupted", file=sys.stderr)
             return 130
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """`--serve`: load the plan and serve it until SIGTERM (mstar_runtime.server)."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    from mstar_runtime.server import run_cli
+
+    try:
+        return run_cli(args)
+    except _startup_errors() as e:
+        return _error(e)
+    except KeyboardInterrupt:
+        return 130
 
 
 def _startup_errors() -> tuple[type[BaseException], ...]:

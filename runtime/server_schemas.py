@@ -1,0 +1,141 @@
+"""Request bodies of the OpenAI-compatible routes (pydantic), as `/openapi.json` documents them.
+
+Only what this server does is declared; an OpenAI field it cannot honour is declared with
+the values it accepts (`n: 1`, `response_format: wav | pcm`) so a client asking for more gets
+a 400 naming the field rather than a silently different answer. Bodies allow extra keys:
+a key that is an input of the route's walk is passed to it (the openai client's
+`extra_body`, e.g. `{"seed": 3}`), any other key is a 400 naming it (checked by the route,
+which knows the walk).
+
+Without the `serve` extra (pydantic comes with FastAPI) this module must still import,
+because the layering test imports every runtime module; the classes are then inert.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+try:
+    from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+except ImportError:  # pragma: no cover - the `serve` extra is not installed; serving says what to install
+    BaseModel = object  # type: ignore[assignment,misc]
+
+    def ConfigDict(**kw: Any) -> Any:  # noqa: N802 - mirrors pydantic's name
+        return kw
+
+    def Field(default: Any = None, **kw: Any) -> Any:  # noqa: N802
+        return default
+
+    StrictBool, StrictFloat, StrictInt, StrictStr = bool, float, int, str  # type: ignore[misc]
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_INPUT_CHARS = 4096  # OpenAI's limit for /v1/audio/speech input
+MAX_PROMPT_CHARS = 32000  # OpenAI's limit for image prompts
+SIZE_PATTERN = r"^(auto|[1-9][0-9]{0,4}x[1-9][0-9]{0,4})$"
+
+Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
+Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ----------------------------------------------------------------------------- chat
+class ImageUrl(_Strict):
+    url: StrictStr = Field(description="a data: URL (data:image/png;base64,...); remote URLs are not fetched")
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class ChatMessage(BaseModel):
+    # extra keys of a message (`refusal: null`, `annotations`) are ignored: clients echo
+    # whole assistant messages back as history
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    name: StrictStr | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"] = Field(description="only plain text is served")
+
+
+class ChatCompletionRequest(_Body):
+    model: StrictStr = Field(description="the served model id (GET /v1/models)")
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=INT64_MAX)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT64_MAX)] | None = None
+    n: Literal[1] = Field(1, description="one choice per request")
+    temperature: Annotated[StrictFloat, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    top_p: Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    seed: Int64 | None = None
+    frequency_penalty: Annotated[StrictFloat, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
+    presence_penalty: Annotated[StrictFloat, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
+    stop: None = Field(None, description="stop sequences are not supported")
+    logprobs: Literal[False] | None = Field(None, description="log-probabilities are not served")
+    modalities: list[Literal["text"]] | None = Field(None, description="text output only")
+    response_format: ResponseFormat | None = None
+    user: StrictStr | None = None
+
+
+# ----------------------------------------------------------------------------- speech
+class VoiceRef(_Strict):
+    id: StrictStr
+
+
+class SpeechRequest(_Body):
+    model: StrictStr = Field(description="the served model id (GET /v1/models)")
+    input: StrictStr = Field(min_length=1, max_length=MAX_INPUT_CHARS, description="the text to speak")
+    voice: StrictStr | VoiceRef | None = Field(None, description="passed to the walk's `voice` input, if it has one")
+    instructions: StrictStr | None = Field(None, description="only if the walk has an `instructions` input")
+    response_format: Literal["wav", "pcm"] = Field(
+        "wav", description="wav: 16-bit mono WAV; pcm: raw 16-bit little-endian mono samples")
+    speed: Annotated[StrictFloat, Field(ge=0.25, le=4.0, allow_inf_nan=False)] = Field(
+        1.0, description="only 1.0 unless the walk has a `speed` input")
+    stream: StrictBool = Field(False, description="send audio chunks as they are decoded (chunked transfer)")
+    stream_format: Literal["audio", "sse"] | None = Field(
+        None, description="audio: raw chunks (as stream=true); sse: speech.audio.delta events")
+
+
+# ----------------------------------------------------------------------------- images
+class ImageGenerationRequest(_Body):
+    model: StrictStr = Field(description="the served model id (GET /v1/models)")
+    prompt: StrictStr = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    n: Annotated[StrictInt, Field(ge=1, le=10)] = 1
+    size: Annotated[StrictStr, Field(pattern=SIZE_PATTERN)] | None = Field(
+        None, description="WxH; passed as width/height when the walk takes them, else the walk's own size")
+    response_format: Literal["b64_json"] | None = Field(None, description="images are returned inline only")
+    output_format: Literal["png"] | None = None
+    quality: StrictStr | None = None
+    style: StrictStr | None = None
+    user: StrictStr | None = None
+
+
+# ----------------------------------------------------------------------------- native
+class WalkRequestBase(_Strict):
+    stream: StrictBool = Field(True, description="NDJSON lines as outputs are produced; false: one JSON object")
+    timeout: Annotated[StrictFloat, Field(gt=0, le=86400, allow_inf_nan=False)] | None = Field(
+        None, description="seconds before the request is failed with finish reason 'timeout'")
+
+
+__all__ = ["ChatCompletionRequest", "ChatMessage", "ImageGenerationRequest", "SpeechRequest", "WalkRequestBase"]

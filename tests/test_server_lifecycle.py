@@ -1,0 +1,202 @@
+"""Server lifecycle: client disconnects, SIGTERM drain and abort, a dead worker, a dead engine.
+
+Requests that must outlive a step of the test use the `slow` walk of
+`test_server_support.EXTRA_WALKS` (it holds a KV context and streams one item per ~1 ms
+flow step, for as many steps as asked), so each scenario controls its own timing. Every
+wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the server needs the `serve` extra: pip install 'mstar[serve]'")
+pytest.importorskip("uvicorn", reason="the server needs the `serve` extra: pip install 'mstar[serve]'")
+
+from test_server_support import Server, compile_plan, get, metric, post, serving, wait_for  # noqa: E402
+
+LONG = 1_000_000  # steps of `slow` that no test waits for (~20 min)
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_plan(tmp_path_factory.mktemp("lifecycle"))
+
+
+def open_stream(base: str, path: str, body: dict) -> socket.socket:
+    """Send a request on a raw socket and return it once the response has started."""
+    host, port = base.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=30)
+    data = json.dumps(body).encode()
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    assert s.recv(12).startswith(b"HTTP/1.1 200")
+    return s
+
+
+def read_all(s: socket.socket, timeout: float) -> bytes:
+    s.settimeout(timeout)
+    out = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        chunk = s.recv(1 << 16)
+        if not chunk:
+            break
+        out += chunk
+        if out.endswith(b"0\r\n\r\n"):  # the last chunk of a chunked body
+            break
+    return out
+
+
+def ndjson_lines(raw: bytes) -> list[dict]:
+    """JSON objects of a chunked NDJSON body (the chunk-size lines are not JSON objects)."""
+    out = []
+    for line in raw.decode(errors="replace").splitlines():
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            out.append(json.loads(line))
+    return out
+
+
+@pytest.fixture
+def server(plan: Path) -> Iterator[Server]:
+    with serving(plan) as s:
+        yield s
+
+
+# ----------------------------------------------------------------------------- disconnects
+def test_disconnect_cancels_and_frees_pages(server: Server) -> None:
+    base = server.base
+    assert metric(base, "mstar_kv_pages_in_use") == 0
+    # streamed: hang up after the first lines
+    s = open_stream(base, "/v1/walks/slow", {"inputs": {"steps": LONG}})
+    wait_for(lambda: metric(base, "mstar_kv_pages_in_use") >= 1, 30, "the slow request to hold KV pages")
+    s.close()
+    wait_for(lambda: metric(base, "mstar_kv_pages_in_use") == 0 and metric(base, "mstar_requests_active") == 0,
+             30, "the pages of a disconnected stream to be freed")
+    assert metric(base, "mstar_requests_total", 'walk="slow",outcome="cancelled"') == 1
+    # not streamed: the client gives up while the server waits for the whole result
+    host, port = base.removeprefix("http://").split(":")
+    c = socket.create_connection((host, int(port)), timeout=30)
+    data = json.dumps({"inputs": {"steps": LONG}, "stream": False}).encode()
+    c.sendall(f"POST /v1/walks/slow HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    wait_for(lambda: metric(base, "mstar_kv_pages_in_use") >= 1, 30, "the second slow request to run")
+    c.close()
+    wait_for(lambda: metric(base, "mstar_kv_pages_in_use") == 0 and metric(base, "mstar_requests_active") == 0,
+             30, "the pages of a disconnected non-streamed request to be freed")
+    assert metric(base, "mstar_requests_total", 'walk="slow",outcome="cancelled"') == 2
+    # the engine serves on
+    assert post(base + "/v1/walks/slow", {"inputs": {"steps": 3}, "stream": False})[0] == 200
+
+
+def test_chat_stream_disconnect(server: Server) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0, timeout=30)
+    stream = client.chat.completions.create(model="testfamily", messages=[{"role": "user", "content": "hi"}],
+                                            stream=True)
+    next(iter(stream))
+    stream.close()
+    wait_for(lambda: metric(server.base, "mstar_requests_active") == 0, 30, "the chat request to end")
+    assert metric(server.base, "mstar_kv_pages_in_use") == 0
+
+
+# ----------------------------------------------------------------------------- SIGTERM
+def test_sigterm_drains_then_aborts(plan: Path) -> None:
+    with serving(plan, "--shutdown-timeout", "3") as server:
+        base = server.base
+        short = open_stream(base, "/v1/walks/slow", {"inputs": {"steps": 800}})  # ~1 s: finishes in the drain
+        long = open_stream(base, "/v1/walks/slow", {"inputs": {"steps": LONG}})  # aborted after 3 s
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: get(base + "/health")[0] == 503, 10, "/health to report draining")
+        assert json.loads(get(base + "/health")[1]) == {"status": "draining"}
+        status, raw = post(base + "/v1/walks/chat", {"inputs": {"prompt": "late"}})
+        assert status == 503 and json.loads(raw)["error"]["code"] == "shutting_down"
+        short_lines = ndjson_lines(read_all(short, 30))
+        long_lines = ndjson_lines(read_all(long, 30))
+        assert short_lines[-1]["type"] == "done" and len(short_lines) == 801
+        assert long_lines[-1]["type"] == "error" and long_lines[-1]["finish_reason"] == "shutdown"
+        assert "shut down" in long_lines[-1]["error"]["message"]
+        assert server.proc.wait(30) == 0
+        assert time.monotonic() - t0 >= 2.5  # the long request had its drain window
+        assert "draining 2 request(s)" in server.output() and "aborting 1 request(s)" in server.output()
+
+
+def test_sigterm_when_idle_exits_at_once(plan: Path) -> None:
+    with serving(plan) as server:
+        t0 = time.monotonic()
+        assert server.terminate(30) == 0
+        assert time.monotonic() - t0 < 10
+
+
+# ----------------------------------------------------------------------------- dead worker / engine
+def test_dead_worker_fails_requests_and_health(tmp_path: Path) -> None:
+    """The LM runs in a worker process (rank 1); killing it fails the in-flight request with
+    an error (not a hang), turns /health to 503, refuses new requests, leaves no orphan."""
+    plan2 = compile_plan(tmp_path, placement="tests/placements/cpu2.yaml")
+    with serving(plan2) as server:
+        base = server.base
+        workers = server.children()
+        assert len(workers) == 1, workers
+        s = open_stream(base, "/v1/walks/slow", {"inputs": {"steps": LONG}})
+        wait_for(lambda: metric(base, "mstar_kv_pages_in_use") >= 1, 30, "the slow request to run")
+        os.kill(workers[0], signal.SIGKILL)
+        lines = ndjson_lines(read_all(s, 60))
+        assert lines[-1]["type"] == "error" and lines[-1]["finish_reason"] == "error"
+        assert lines[-1]["error"]["code"] == "engine_unavailable"
+        status, raw = get(base + "/health")
+        assert status == 503 and json.loads(raw)["status"] == "unhealthy"
+        status, raw = post(base + "/v1/walks/chat", {"inputs": {"prompt": "x"}})
+        assert status == 503 and json.loads(raw)["error"]["code"] == "engine_unavailable"
+        assert metric(base, "mstar_engine_healthy") == 0
+        assert server.terminate(30) == 0
+    assert not any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+                   for pid in workers)
+
+
+def test_dead_engine_thread(plan: Path) -> None:
+    """In process: the engine thread dies mid-request; the request fails with 503, /health is 503."""
+    httpx = pytest.importorskip("httpx")
+    from mstar_runtime.api import MStar
+    from mstar_runtime.server import ServeConfig, create_app
+
+    m = MStar.load(plan, weights="init")
+    try:
+        app = create_app(m, ServeConfig(weights="init"))
+
+        async def scenario() -> tuple[int, dict, int]:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as c:
+                pending = asyncio.ensure_future(c.post("/v1/walks/slow", json={"inputs": {"steps": LONG},
+                                                                               "stream": False}))
+                deadline = time.monotonic() + 30
+                while m.stats()["kv_used_pages"] < 1:
+                    assert time.monotonic() < deadline, "the slow request never ran"
+                    await asyncio.sleep(0.02)
+
+                def boom() -> bool:
+                    raise RuntimeError("injected engine fault")
+
+                m.conductor.step = boom  # type: ignore[method-assign]
+                r = await asyncio.wait_for(pending, 30)
+                health = await c.get("/health")
+                return r.status_code, r.json(), health.status_code
+
+        status, body, health = asyncio.run(scenario())
+        assert status == 503 and "injected engine fault" in body["error"]["message"]
+        assert health == 503
+    finally:
+        done = threading.Event()
+        threading.Thread(target=lambda: (m.close(), done.set()), daemon=True).start()
+        assert done.wait(30)

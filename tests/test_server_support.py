@@ -1,0 +1,200 @@
+"""Shared by the server tests (no tests here): plans, a server in a subprocess, bounded waits.
+
+The plan is the test family (tiny) plus four walks this file appends to its model, so every
+route has a walk and lifecycle tests have a request that runs as long as they need:
+`tts` (text -> streamed audio through the sliding-window codec), `t2i` and `edit` (a flow
+latent as an image; `edit` takes an image input), and `slow` (holds a KV context and
+streams one latent per flow step, `steps` steps: about 1 ms each on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# a shared 2-core box: multi-threaded torch is 30-100x slower under load
+ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+START_TIMEOUT_S = 90.0
+MODEL = "testfamily"
+
+EXTRA_WALKS: dict[str, str] = {
+    "tts": """
+  walk tts(text: str, voice: str = "tara", max_new: int = 16) -> (audio: f32[S]) {
+    ids = prompt.encode(text = text)
+    token, code, done, h = lm.prefill(tokens = ids, max_new = max_new) @main
+    dynamic_loop max = max_new_tokens until done carry token, done {
+      token, c, done, hid = lm.decode(token = token) @main
+    }
+    on stream lm.code -> codec.window as w {
+      pcm = codec.decode_window(window = w)
+      emit audio += pcm
+    }
+  }
+""",
+    "t2i": """
+  walk t2i(prompt: str, seed: int = 0, steps: int = 4) -> (image: f32[latent_len, latent_dim]) {
+    ids = prompt.encode(text = prompt)
+    x = flow.init(seed = seed)
+    lm.prefill(tokens = ids, max_new = 1) @main
+    loop n = steps max = max_flow_steps index i carry x {
+      t, dt = flow.time(index = i, steps = steps)
+      v = lm.denoise(x = x, t = t) @main
+      x = flow.step(x = x, v_cond = v, v_uncond = v, dt = dt, scale = 1.0)
+    }
+    emit image = x
+  }
+""",
+    "edit": """
+  walk edit(prompt: str, image: image, seed: int = 0) -> (image: f32[latent_len, latent_dim]) {
+    ids = prompt.encode(text = prompt)
+    x = flow.init(seed = seed)
+    lm.prefill(tokens = ids, max_new = 1) @main
+    emit image = x
+  }
+""",
+    "slow": """
+  walk slow(prompt: str = "x", steps: int = 100, seed: int = 0) -> (xs: f32[N, latent_dim]) {
+    ids = prompt.encode(text = prompt)
+    lm.prefill(tokens = ids, max_new = 1) @main
+    x = flow.init(seed = seed)
+    loop n = steps max = 1000000 index i carry x {
+      t, dt = flow.time(index = i, steps = steps)
+      v = lm.denoise(x = x, t = t) @main
+      x = flow.step(x = x, v_cond = v, v_uncond = v, dt = dt, scale = 1.0)
+      emit xs += x
+    }
+  }
+""",
+}
+
+
+def compile_plan(out_dir: Path, placement: str = "placements/cpu.yaml",
+                 extra: tuple[str, ...] = tuple(EXTRA_WALKS)) -> Path:
+    """The test family (tiny) with the `extra` walks of EXTRA_WALKS appended, compiled for `placement`."""
+    from mstarc.cli import main as mstarc
+
+    src = (ROOT / "models/testfamily/testfamily.walk").read_text(encoding="utf-8").rstrip()
+    assert src.endswith("}")
+    walk = out_dir / f"tfx-{'-'.join(extra) or 'plain'}.walk"
+    walk.write_text(src[:-1] + "".join(EXTRA_WALKS[w] for w in extra) + "}\n", encoding="utf-8")
+    plan = walk.with_name(f"{walk.stem}-{Path(placement).stem}.plan")
+    assert mstarc(["compile", str(walk), "--variant", "tiny", "-p", str(ROOT / placement), "-o", str(plan)]) == 0
+    return plan
+
+
+def get(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback test server
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def post(url: str, body: object, timeout: float = 30.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def metric(base: str, name: str, labels: str = "") -> float:
+    """One sample of /metrics (0 when the series does not exist yet)."""
+    _, text = get(base + "/metrics")
+    key = f"{name}{{{labels}}}" if labels else name
+    for line in text.decode().splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.05) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class Server:
+    """`mstar-run PLAN --serve --port 0` in a subprocess on 127.0.0.1 (it picks a free port and
+    says which on its first line, so two test runs never race for one)."""
+
+    def __init__(self, plan: Path, *args: str):
+        self.log = plan.parent / f"server-{time.monotonic_ns()}.log"
+        self._log = self.log.open("wb")
+        cmd = [sys.executable, "-m", "mstar_runtime.cli", str(plan), "--serve", "--port", "0",
+               "--weights", "init", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
+        self.base = ""
+        try:
+            wait_for(self._up, START_TIMEOUT_S, f"the server to start ({self.log})", every=0.2)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the server exited with {self.proc.returncode}:\n{self.output()}")
+        if not self.base:
+            found = re.search(r" on (http://127\.0\.0\.1:\d+)", self.output())
+            if found is None:
+                return False
+            self.base = found.group(1)
+        try:
+            return get(self.base + "/health", timeout=2)[0] == 200
+        except OSError:
+            return False
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log.read_text(errors="replace")
+
+    def children(self) -> list[int]:
+        """Pids of the server's child processes (worker ranks)."""
+        kids = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    stat = (d / "stat").read_text()
+                    if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid:
+                        kids.append(int(d.name))
+        return kids
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then the exit status (bounded wait)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+@contextlib.contextmanager
+def serving(plan: Path, *args: str) -> Iterator[Server]:
+    server = Server(plan, *args)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -119,10 +119,16 @@ def test_corrupt_plan_is_a_clear_error(plan_path: Path, tmp_path: Path) -> None:
     assert p.stderr.startswith(f"mstar-run: error: {bad}") and len(p.stderr.strip().splitlines()) == 1
 
 
-def test_serve_is_not_there_yet(plan_path: Path) -> None:
-    p = mstar_run(str(plan_path), "--serve", "--port", "8123")
+def test_serve_on_a_busy_port_is_one_clear_error(plan_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:  # the server binds its port before loading the plan
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        p = mstar_run(str(plan_path), "--serve", "--port", str(port))
     no_traceback(p)
-    assert p.returncode == 2 and "--serve is not available yet" in p.stderr
+    assert p.returncode == 1 and "mstar-run: error:" in p.stderr and str(port) in p.stderr
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,8 @@ setup() {
     echo "==> installing torch 2.13.0 (CPU build)"
     "$VENV/bin/pip" install -q torch==2.13.0
   fi
-  echo "==> installing mstar (editable) with its runtime and dev extras"
-  "$VENV/bin/pip" install -q -e ".[runtime,dev]"
+  echo "==> installing mstar (editable) with its runtime, serve and dev extras"
+  "$VENV/bin/pip" install -q -e ".[runtime,serve,dev]"
 }
 
 case "${1:-}" in

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mstar_runtime.node import RequestError
 from mstar_runtime.streams import Chunk, StreamBuffer
 
 if TYPE_CHECKING:
@@ -266,10 +267,11 @@ class Interpreter:
     def _loop(self, op: dict[str, Any], env: Env, frame: Frame) -> Gen:
         count = self._value(op["count"], env)
         count = int(count.item()) if isinstance(count, torch.Tensor) else int(count)
-        if op.get("max") is not None and count > op["max"]:
-            raise WalkError(f"loop {op['id']} count {count} is over its max {op['max']}")
-        if count < 0:
-            raise WalkError(f"loop {op['id']} count {count} is negative")
+        if count < 0 or (op.get("max") is not None and count > op["max"]):
+            # a request input out of range is the request's fault: name the input it came from
+            name = op["count"].get("var")
+            limit = f"0..{op['max']}" if op.get("max") is not None else ">= 0"
+            raise RequestError(f"'{name}' = {count} is outside {limit} (the bound of loop {op['id']})", name)
         accs = {a["name"]: [] for a in op["acc"]}
         loop_frame = Frame(self.request, parent=frame, accs=accs)
         for i in range(count):

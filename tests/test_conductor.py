@@ -170,3 +170,10 @@ def test_finished_and_cancelled_requests_free_their_pages(plan_path: Path) -> No
     assert b.finish_reason == "cancelled"
     conductor.run_until_idle()
     assert a.state == FINISHED and conductor.kv.used_pages() == 0
+
+
+def test_a_loop_count_out_of_range_fails_the_request_naming_its_input(plan_path: Path) -> None:
+    conductor, _ = _engine(plan_path)
+    bad, good = _run(conductor, [("flow", {"prompt": "x", "steps": 10_000}), ("flow", {"prompt": "y", "steps": 2})])
+    assert bad.state == FAILED and bad.error_field == "steps" and "outside 0.." in bad.error
+    assert good.state == FINISHED

@@ -177,7 +177,7 @@ class Conductor:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.pending: list[StepCall] = []
+        self.pending: dict[StepCall, None] = {}  # ready calls in issue order (a dict: O(1) removal)
         self.ready: deque[tuple[WalkTask, Any, BaseException | None]] = deque()
         self._chunk_waiters: dict[int, WalkTask] = {}
         self._chunk_queues: dict[int, deque] = {}
@@ -295,7 +295,7 @@ class Conductor:
         if isinstance(y, StepCall):
             y.seq, y.task = next(self._seq), task
             self._task_calls[task] = y
-            self.pending.append(y)
+            self.pending[y] = None
         elif isinstance(y, WaitChunk):
             self._wait_chunk(task, y.buffer)
         elif isinstance(y, WaitSpace):
@@ -340,8 +340,8 @@ class Conductor:
     def _drop_task(self, task: WalkTask) -> None:
         task.request.tasks.discard(task)
         call = self._task_calls.pop(task, None)
-        if call is not None and call in self.pending:
-            self.pending.remove(call)
+        if call is not None:
+            self.pending.pop(call, None)
         task.gen.close()
 
     # ------------------------------------------------------------------ streams
@@ -462,7 +462,7 @@ class Conductor:
     def _run(self, key: tuple[str, str, tuple[int, ...]], entries: list[tuple[StepCall, StepEntry]]) -> None:
         node, phase, ranks = key
         for call, _ in entries:
-            self.pending.remove(call)
+            self.pending.pop(call, None)
         batch = StepBatch(node, phase, [e for _, e in entries])
         t0 = time.perf_counter()
         try:
@@ -513,7 +513,7 @@ class Conductor:
             self._fail(call.request, str(error), error.field)
             return
         for call, _ in entries:
-            self.pending.append(call)
+            self.pending[call] = None
         for _, entry in entries:
             if entry.kv is not None:  # the reservation is redone on the rerun
                 self._truncate(key[0], (entry.request_id, entry.tag or "main"), entry.kv.start)
@@ -562,7 +562,7 @@ class Conductor:
         for task in list(req.tasks):
             self._drop_task(task)
         req.tasks.clear()
-        self.pending = [c for c in self.pending if c.request is not req]
+        self.pending = {c: None for c in self.pending if c.request is not req}
         for buf in req.buffers.values():
             self._chunk_waiters.pop(id(buf), None)
             self._chunk_queues.pop(id(buf), None)

@@ -105,6 +105,19 @@ import mstar_runtime, mstar_models, mstarc  # noqa: F401
 print(f"torch {torch.__version__}, cuda {torch.version.cuda}, {torch.cuda.get_device_name(0)}; mstar imports")
 EOF
 
+# STAGES picks what runs after the install (default: tests bench); `STAGES=profile` runs only
+# tools/bench/profile_orpheus.py (a host profile and a device timeline of the decode loop).
+STAGES=" ${STAGES:-tests bench} "
+if [[ "$STAGES" == *" profile "* ]]; then
+  stage "tools/bench/profile_orpheus.py"
+  timeout 240 $PY tools/bench/profile_orpheus.py --out "$OUT/profile.txt"
+  rc=$?; echo "profile exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+fi
+if [[ "$STAGES" != *" tests "* ]]; then
+  stage "done (status $STATUS)"
+  exit $STATUS
+fi
+
 # ---------------------------------------------------------------------------- 2. GPU tests
 stage "pytest -m gpu"
 TIMEOUT_FLAG=""

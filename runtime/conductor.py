@@ -48,7 +48,7 @@ from mstar_runtime.node import KVNode, NodeSpec, RequestError
 from mstar_runtime.plan import Plan
 from mstar_runtime.remote import EngineStopped, WorkerLost
 from mstar_runtime.scheduler import KVPages, Scheduler
-from mstar_runtime.streams import StreamBuffer, policy_from_spec
+from mstar_runtime.streams import StreamBuffer, StreamError, policy_from_spec
 from mstar_runtime.validate import TORCH_DTYPES, validate_inputs
 from mstar_runtime.worker import StepBatch, WorkerStepError
 
@@ -289,7 +289,7 @@ class Conductor:
         except RequestError as e:
             self._fail(req, str(e), e.field)
             return
-        except (WalkError, ValueError, TypeError, RuntimeError, KeyError, IndexError) as e:
+        except (WalkError, StreamError, ValueError, TypeError, RuntimeError, KeyError, IndexError) as e:
             self._fail(req, f"walk '{req.current_walk}' failed: {type(e).__name__}: {e}")
             return
         if isinstance(y, StepCall):
@@ -594,6 +594,7 @@ class Conductor:
 
     def _end(self, req: Request, state: str, reason: str) -> None:
         self._release(req)
+        self._readmit_after_finish = False  # pages came back: a preempted request may try again
         if req in self.waiting:
             self.waiting.remove(req)
         req.state, req.finish_reason = state, reason

@@ -9,18 +9,16 @@ size a 65 GB checkpoint in milliseconds. Both layouts are accepted: a single
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-import struct
 from pathlib import Path
 
+from mstar_runtime import safetensors_header
 from mstarc import ir as I
 from mstarc.diagnostics import Diagnostic, Span
 
 _ST_DTYPES = {"BF16": "bf16", "F16": "f16", "F32": "f32", "I32": "i32", "I64": "i64", "U8": "u8", "BOOL": "bool",
               "F64": "f64", "I8": "i8", "I16": "i16", "F8_E4M3": "f8e4m3", "F8_E5M2": "f8e5m2"}
-MAX_HEADER_BYTES = 100 << 20
 
 
 class CheckpointError(Exception):
@@ -30,28 +28,11 @@ class CheckpointError(Exception):
 def read_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], str]:
     """(name -> (dtype, shape), sha256 of the raw header) of one safetensors file."""
     try:
-        with path.open("rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                raise CheckpointError(f"'{path.name}' is too short to be a safetensors file")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES:
-                raise CheckpointError(f"'{path.name}' claims a {n}-byte header; not a safetensors file")
-            raw = f.read(n)
-    except OSError as e:
-        raise CheckpointError(f"cannot read '{path}': {e.strerror or e}") from None
-    try:
-        header = json.loads(raw)
-    except ValueError:
-        raise CheckpointError(f"'{path.name}' has a corrupt safetensors header") from None
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(meta, dict) or "dtype" not in meta or "shape" not in meta:
-            raise CheckpointError(f"'{path.name}': tensor '{name}' has no dtype/shape in the header")
-        out[name] = (_ST_DTYPES.get(meta["dtype"], meta["dtype"].lower()), tuple(int(d) for d in meta["shape"]))
-    return out, hashlib.sha256(raw).hexdigest()
+        tensors, digest = safetensors_header.read_header(path)
+    except safetensors_header.HeaderError as e:
+        raise CheckpointError(str(e)) from None
+    return ({name: (_ST_DTYPES.get(meta["dtype"], str(meta["dtype"]).lower()), tuple(int(d) for d in meta["shape"]))
+             for name, meta in tensors.items()}, digest)
 
 
 def scan(folder: str | Path) -> I.CheckpointIR:

@@ -44,7 +44,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -53,6 +52,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from mstar_runtime import safetensors_header
 from mstar_runtime.node import KVNode, NodeError, StatelessNode
 from mstar_runtime.plan import Plan, PlanError, PlanNode
 
@@ -60,7 +60,6 @@ MODELS_PACKAGE = "mstar_models"
 DUMMY_SOURCES = ("dummy", "random")
 INIT_SOURCE = "init"
 INDEX_FILE = "model.safetensors.index.json"
-_MAX_HEADER_BYTES = 100 << 20
 
 
 class WeightsError(NodeError):
@@ -385,24 +384,6 @@ class Checkpoint:
 def read_header(path: Path) -> tuple[dict[str, Any], str]:
     """(tensor -> {dtype, shape, data_offsets}, sha256 of the raw header) of one safetensors file."""
     try:
-        with path.open("rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                raise WeightsError(f"'{path}' is too short to be a safetensors file")
-            (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER_BYTES:
-                raise WeightsError(f"'{path}' claims a {n}-byte header; not a safetensors file")
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise WeightsError(f"checkpoint file '{path}' does not exist") from None
-    except OSError as e:
-        raise WeightsError(f"cannot read checkpoint file '{path}': {e.strerror or e}") from None
-    try:
-        header = json.loads(raw)
-        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-        for k, v in tensors.items():
-            if not isinstance(v, dict) or not isinstance(v.get("shape"), list):
-                raise ValueError(f"tensor '{k}' has no shape")
-    except (ValueError, AttributeError) as e:
-        raise WeightsError(f"'{path}' has a corrupt safetensors header: {e}") from None
-    return tensors, hashlib.sha256(raw).hexdigest()
+        return safetensors_header.read_header(path)
+    except safetensors_header.HeaderError as e:
+        raise WeightsError(str(e)) from None

@@ -233,10 +233,7 @@ async def _streamed(flight: Flight, reply: Reply, rid: str, model: str, body: Ch
                 first.append(piece)
                 break
     except (RequestFailed, ClientGone) as e:
-        flight.finish()
-        if isinstance(e, ClientGone):
-            return error_response(ApiError(499, "client closed the request", code="cancelled"))
-        return error_response(flight.error_for(e))
+        return error_response(flight.fail_early(e))
     except BaseException:
         flight.finish()
         raise

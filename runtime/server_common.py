@@ -162,6 +162,13 @@ class Flight:
     def error_for(self, e: RequestFailed) -> ApiError:
         return failure_error(e, self.fields, self.primary, self.state.engine_problem(), self.client_timeout)
 
+    def fail_early(self, e: RequestFailed | ClientGone) -> ApiError:
+        """End a request that failed (or whose client left) before its response started: the error to send."""
+        self.finish()
+        if isinstance(e, ClientGone):
+            return ApiError(499, "client closed the request", code="cancelled")
+        return self.error_for(e)
+
     async def events(self) -> AsyncIterator[tuple[str, Any]]:
         """The request's appended outputs as they are produced. Raises `RequestFailed` at the
         end if it failed, `ClientGone` as soon as the client hangs up (and cancels the request)."""

@@ -137,10 +137,7 @@ async def _stream_speech(flight: Flight, role: WalkRole, fmt: str, rate: int, ss
         else:
             ended = True
     except (RequestFailed, ClientGone) as e:
-        flight.finish()
-        if isinstance(e, ClientGone):
-            return error_response(ApiError(499, "client closed the request", code="cancelled"))
-        return error_response(flight.error_for(e))
+        return error_response(flight.fail_early(e))
     except BaseException:
         flight.finish()
         raise

@@ -183,10 +183,7 @@ async def _streamed(flight: Flight, wire: _Wire, streaming: Any) -> Any:
             first.append(item)
             break
     except (RequestFailed, ClientGone) as e:
-        flight.finish()
-        if isinstance(e, ClientGone):
-            return error_response(ApiError(499, "client closed the request", code="cancelled"))
-        return error_response(flight.error_for(e))
+        return error_response(flight.fail_early(e))
     except BaseException:
         flight.finish()
         raise

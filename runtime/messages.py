@@ -150,19 +150,6 @@ class StepResult:
 
 
 @dataclass(frozen=True, slots=True)
-class AllocateKV:
-    """Conductor -> worker: reserve room for ``n_tokens`` more tokens of ``(request_id, tag)``
-    in ``node``'s pool, first forking it from tag ``fork_from`` of the same request if given."""
-
-    type: ClassVar[str] = "allocate_kv"
-    node: str
-    request_id: str
-    tag: str
-    n_tokens: int
-    fork_from: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class FreeRequest:
     """Conductor -> worker: drop every KV context and stream of a finished or cancelled request."""
 
@@ -260,7 +247,6 @@ Message = (
     StepRequest
     | StepResult
     | StepRejected
-    | AllocateKV
     | ForkKV
     | CopySlots
     | DropTag
@@ -278,7 +264,6 @@ MESSAGE_TYPES: dict[str, type] = {
         StepRequest,
         StepResult,
         StepRejected,
-        AllocateKV,
         ForkKV,
         CopySlots,
         DropTag,

@@ -7,6 +7,7 @@ Each check only looks at the fields that have been filled so far.
 
 from __future__ import annotations
 
+from mstar_runtime.planfile import iter_ops
 from mstarc import ir as I
 
 
@@ -53,20 +54,7 @@ def check_ir(model: I.ModelIR) -> list[str]:
     if model.schedule is not None:
         if set(model.schedule) != set(model.walks):
             errs.append("schedule does not cover every walk")
-        scheduled = {op["id"] for prog in model.schedule.values() for op in _ops(prog["program"]) if op["op"] == "call"}
+        scheduled = {op["id"] for prog in model.schedule.values() for op in iter_ops(prog["program"]) if op["op"] == "call"}
         if scheduled != set(call_ids):
             errs.append("schedule steps differ from the walks' calls")
     return errs
-
-
-def _ops(op: dict):
-    yield op
-    for key in ("body",):
-        child = op.get(key)
-        if isinstance(child, list):
-            for c in child:
-                yield from _ops(c)
-        elif isinstance(child, dict):
-            yield from _ops(child)
-    for b in op.get("branches", []):
-        yield from _ops(b["body"])

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mstar_runtime.node import RequestError
+from mstar_runtime.planfile import iter_ops
 from mstar_runtime.streams import Chunk, StreamBuffer
 
 if TYPE_CHECKING:
@@ -195,7 +196,7 @@ class Interpreter:
             # `on stream` blocks start with their walk and run beside it, wherever they are
             # written: a consumer that started only when reached would let its producer fill
             # the buffer and stall (or, after a loop, turn streaming into batch).
-            for op in _stream_blocks(self.program["program"]):
+            for op in (o for o in iter_ops(self.program["program"]) if o["op"] == "on_stream"):
                 buffer = self.buffers[op["stream"]]
                 yield Spawn(WalkTask(self.request, self._stream_block(op, dict(env), buffer), op["id"]))
             yield from self._region(self.program["program"], env, frame)
@@ -330,15 +331,6 @@ class Interpreter:
             inner = dict(env)
             inner[op["as"]] = ChunkValue(chunk)
             yield from self._region(op["body"], inner, Frame(self.request))
-
-
-def _stream_blocks(op: dict[str, Any]):
-    if op["op"] == "on_stream":
-        yield op
-    for child in op.get("body", []) if isinstance(op.get("body"), list) else [op["body"]] if "body" in op else []:
-        yield from _stream_blocks(child)
-    for branch in op.get("branches", []):
-        yield from _stream_blocks(branch["body"])
 
 
 @dataclass(frozen=True)

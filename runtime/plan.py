@@ -33,6 +33,7 @@ import torch
 
 from mstar_runtime import planfile
 from mstar_runtime.node import NodeSpec, RequestError
+from mstar_runtime.planfile import iter_ops  # noqa: F401 - re-exported: the loader's callers use it
 
 NODE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
     {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
@@ -341,20 +342,6 @@ class Plan:
             tp_size=tp_size,
             tp_group=tp_group,
         )
-
-
-def iter_ops(region: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
-    """Every op of a program region tree, pre-order."""
-    yield region
-    op = region.get("op")
-    if op == "seq":
-        for item in region.get("body", ()):
-            yield from iter_ops(item)
-    elif op == "parallel":
-        for branch in region.get("branches", ()):
-            yield from iter_ops(branch["body"])
-    elif op in ("loop", "on_stream"):
-        yield from iter_ops(region["body"])
 
 
 # ------------------------------------------------------------------------------- parsing

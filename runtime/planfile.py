@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,17 @@ def write(path: str | Path, body: dict[str, Any]) -> int:
     data = encode(body)
     Path(path).write_bytes(data)
     return len(data)
+
+
+def iter_ops(region: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """Every op of a walk's step program (docs/plan-format.md), pre-order."""
+    yield region
+    op = region.get("op")
+    if op == "seq":
+        for item in region.get("body", ()):
+            yield from iter_ops(item)
+    elif op == "parallel":
+        for branch in region.get("branches", ()):
+            yield from iter_ops(branch["body"])
+    elif op in ("loop", "on_stream"):
+        yield from iter_ops(region["body"])

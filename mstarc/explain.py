@@ -15,6 +15,8 @@ from typing import Any
 
 import jinja2
 
+from mstarc.lower import POLICY_PARAMS
+
 GIB = 1 << 30
 
 
@@ -119,11 +121,8 @@ def plan_view(plan: dict[str, Any]) -> dict[str, Any]:
             "schema": f"{plan['schema']['major']}.{plan['schema']['minor']}", "compiler": plan.get("compiler", "")}
 
 
-_POLICY_ORDER = {"fixed": ("size",), "sliding": ("window", "stride"), "left_context": ("chunk", "left")}
-
-
 def _policy(p: dict[str, Any]) -> str:
-    order = _POLICY_ORDER.get(p["kind"], tuple(sorted(k for k in p if k != "kind")))
+    order = POLICY_PARAMS.get(p["kind"], tuple(sorted(k for k in p if k != "kind")))
     args = ", ".join(f"{k}={p[k]}" for k in order if k in p)
     return f"{p['kind']}({args})"
 

@@ -14,6 +14,15 @@ It runs until it needs something from the conductor and yields it:
 Side effects on the request (emits, stream pushes, accumulations) go through a `Frame`,
 so that a speculative `dynamic_loop` iteration can hold them back until the previous
 iteration's stop flag has been read (see `_dynamic_loop`).
+
+Lanes: a node may return `readback.Lazy` outputs, values that depend on device results
+(Orpheus' 0-or-1-item `code`, its `done` flag). Resolving one waits for the step that made
+it, so an effect that needs one (a push, an emit, an acc) is queued on the task's lane
+and applied when the task's *next* step call comes back: by then that step has been
+launched, and the wait for the previous one leaves the GPU busy. Once a lane holds an
+effect, later effects of the task queue behind it, so their order never changes. A lane
+is flushed as well before anything that could depend on its effects: a wait for stream
+space, a fork, a join, the end of a loop, of a stream block and of the walk.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import torch
 
 from mstar_runtime.node import RequestError
 from mstar_runtime.planfile import iter_ops
+from mstar_runtime.readback import is_lazy, resolve
 from mstar_runtime.streams import Chunk, StreamBuffer
 
 if TYPE_CHECKING:
@@ -102,6 +112,12 @@ class Frame:
     deferred: list[Callable[[], None]] = field(default_factory=list)
     kv_log: list[tuple[str, tuple[str, str], int]] = field(default_factory=list)  # (node, key, start)
     accs: dict[str, list[Any]] | None = None
+    # the task's lane (see the module docstring): shared with the parent unless given
+    lane: list[tuple[Frame, Callable[[], None]]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.lane is None:
+            self.lane = self.parent.lane if self.parent is not None else []
 
     @property
     def speculative(self) -> bool:
@@ -114,6 +130,22 @@ class Frame:
             self.parent.effect(fn)
         else:
             fn()
+
+    def effect_on_lane(self, fn: Callable[[], None], lazy: bool) -> None:
+        """`effect(fn)`, queued on the lane when `fn` resolves a lazy value or the lane is busy."""
+        assert self.lane is not None
+        if lazy or self.lane:
+            self.lane.append((self, fn))
+        else:
+            self.effect(fn)
+
+    def flush_lane(self) -> None:
+        """Apply the lane's queued effects, in order (each through the frame that queued it)."""
+        assert self.lane is not None
+        queued = list(self.lane)
+        self.lane.clear()
+        for frame, fn in queued:
+            frame.effect(fn)
 
     def after_first_step(self) -> None:
         """Called after every step call: resolves the speculative iterations this call belongs to.
@@ -155,6 +187,7 @@ class Frame:
 
 def read_flag(value: Any) -> bool:
     """A stop flag's truth. A tensor read here is the one host sync of a speculative loop step."""
+    value = resolve(value)
     if isinstance(value, torch.Tensor):
         return bool(value.reshape(-1)[0].item()) if value.numel() else False
     return bool(value)
@@ -164,6 +197,7 @@ def concat(values: list[Any]) -> Any:
     """Accumulated values: tensors concatenated along dim 0 (scalars stacked), strings joined."""
     if not values:
         return torch.zeros(0)
+    values = [resolve(v) for v in values]
     if all(isinstance(v, str) for v in values):
         return "".join(values)
     tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in values]
@@ -200,6 +234,7 @@ class Interpreter:
                 buffer = self.buffers[op["stream"]]
                 yield Spawn(WalkTask(self.request, self._stream_block(op, dict(env), buffer), op["id"]))
             yield from self._region(self.program["program"], env, frame)
+            frame.flush_lane()
             for sid in self.program.get("streams", []):  # every producer is done: flush the streams
                 self.buffers[sid].close()
                 self.request.stream_closed(sid)
@@ -236,12 +271,13 @@ class Interpreter:
         elif kind == "emit":
             value = self._value(op["value"], env)
             name, mode = op["output"], op["mode"]
-            frame.effect(lambda: self.request.emit(name, value, mode))
+            frame.effect_on_lane(lambda: self.request.emit(name, resolve(value), mode), is_lazy(value))
         elif kind == "acc":
             value = self._value(op["value"], env)
             target = frame.acc_target(op["name"])
-            frame.effect(lambda: target.append(value))
+            frame.effect_on_lane(lambda: target.append(value), False)  # `concat` resolves
         elif kind == "fork":
+            frame.flush_lane()
             yield ForkKV(op["node"], op["src"], op["dst"])
         elif kind == "transfer":
             pass  # values live with the conductor between steps; the worker proxy moves them (docs/runtime.md)
@@ -249,13 +285,17 @@ class Interpreter:
             raise WalkError(f"unknown op '{kind}' in the step program")
 
     def _call(self, op: dict[str, Any], env: Env, frame: Frame) -> Gen:
-        inputs = {port: self._value(arg, env) for port, arg in op["args"].items()}
+        inputs = {port: resolve(self._value(arg, env)) for port, arg in op["args"].items()}
         for feed in op.get("feeds", ()):
             # backpressure: do not run a producer whose consumer lags by a full buffer
             buf = self.buffers[feed["stream"]]
+            if not buf.can_push(1):
+                frame.flush_lane()  # the queued pushes may be what the consumer waits for
             while not buf.can_push(1):
                 yield WaitSpace(buf, 1)
         outputs = yield StepCall(op, self.request, op.get("tag"), inputs, frame)
+        # this step has been launched: the previous one's lazy effects can resolve now
+        frame.flush_lane()
         frame.after_first_step()
         for port, name in op["results"]:
             env[name] = outputs[port]
@@ -263,10 +303,12 @@ class Interpreter:
             items = outputs[feed["port"]]
             buf = self.buffers[feed["stream"]]
             sid = feed["stream"]
-            frame.effect(lambda buf=buf, items=items, sid=sid: self.request.push(sid, buf, items))
+            frame.effect_on_lane(
+                lambda buf=buf, items=items, sid=sid: self.request.push(sid, buf, resolve(items)), is_lazy(items)
+            )
 
     def _loop(self, op: dict[str, Any], env: Env, frame: Frame) -> Gen:
-        count = self._value(op["count"], env)
+        count = resolve(self._value(op["count"], env))
         count = int(count.item()) if isinstance(count, torch.Tensor) else int(count)
         if count < 0 or (op.get("max") is not None and count > op["max"]):
             # a request input out of range is the request's fault: name the input it came from
@@ -282,6 +324,7 @@ class Interpreter:
             yield from self._region(op["body"], inner, loop_frame)
             for name in op["carry"]:
                 env[name] = inner[name]
+        loop_frame.flush_lane()
         loop_frame.effect(lambda: env.update({n: concat(v) for n, v in accs.items()}))
 
     def _dynamic_loop(self, op: dict[str, Any], env: Env, frame: Frame) -> Gen:
@@ -313,15 +356,22 @@ class Interpreter:
             for name in op["carry"]:
                 env[name] = inner[name]
             pending = inner[op["until"]]
+        frame.flush_lane()
         frame.effect(lambda: env.update({n: concat(v) for n, v in accs.items()}))
 
     def _parallel(self, op: dict[str, Any], env: Env, frame: Frame) -> Gen:
         envs = [dict(env) for _ in op["branches"]]
-        tasks = [WalkTask(self.request, self._region(b["body"], e, Frame(self.request, parent=frame)), b["name"])
-                 for b, e in zip(op["branches"], envs)]
+        # each branch is its own task, with its own lane
+        tasks = [WalkTask(self.request, self._branch(b["body"], e, Frame(self.request, parent=frame, lane=[])),
+                          b["name"]) for b, e in zip(op["branches"], envs)]
+        frame.flush_lane()
         yield Join(tasks)
         for e in envs:  # fan-in: each branch binds distinct names (checked by the compiler)
             env.update({k: v for k, v in e.items() if k not in env or env[k] is not v})
+
+    def _branch(self, body: dict[str, Any], env: Env, frame: Frame) -> Gen:
+        yield from self._region(body, env, frame)
+        frame.flush_lane()
 
     def _stream_block(self, op: dict[str, Any], env: Env, buffer: StreamBuffer) -> Gen:
         while True:
@@ -330,7 +380,9 @@ class Interpreter:
                 return
             inner = dict(env)
             inner[op["as"]] = ChunkValue(chunk)
-            yield from self._region(op["body"], inner, Frame(self.request))
+            frame = Frame(self.request)
+            yield from self._region(op["body"], inner, frame)
+            frame.flush_lane()
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from mstar_models.testfamily.family import (
 from mstar_runtime.attention import AttentionMetadata, KVPool, paged_attention
 from mstar_runtime.kv_cache import BlockManager, SeqKey
 from mstar_runtime.node import AttentionContext, Batch, NodeError, RequestError, SeqPlan, SeqState
+from mstar_runtime.readback import resolve
 from mstar_runtime.streams import StreamBuffer, policy_from_spec
 
 WALK_FILE = Path(__file__).resolve().parents[1] / "models" / "testfamily" / "testfamily.walk"
@@ -72,7 +73,7 @@ class PagedKV:
                 copy = self.blocks.truncate(key, start)
                 if copy is not None:
                     self.pool.copy_slots(copy.src, copy.dst)
-        return out
+        return [{k: resolve(v) for k, v in o.items()} for o in out]  # `code`/`done` are lazy
 
     def fork(self, src: SeqKey, dst: SeqKey) -> None:
         copy = self.blocks.fork(src, dst)

@@ -32,6 +32,7 @@ from mstar_runtime.node import (
     RequestError,
     SeqPlan,
 )
+from mstar_runtime.readback import Lazy, Readback
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -250,13 +251,21 @@ class TinyLM(KVNode):
         return F.linear(hidden, weight)
 
     def _next_tokens(self, last: torch.Tensor, attn: AttentionContext) -> Batch:
+        """Greedy next tokens. `code` and `done` depend on the token, so they are `Lazy` (as in
+        Orpheus' backbone): the step never waits for the device, and every runtime test with
+        this model goes through the interpreter's lanes (runtime/readback.py)."""
         tokens = self.logits(last).argmax(dim=-1).to(torch.int32)
-        host = tokens.tolist()  # `done` is a host bool by the port type; one sync per step
+        back = Readback(tokens)
         out: Batch = []
-        for i, (tok, seq) in enumerate(zip(host, attn.seqs, strict=True)):
+        for i, seq in enumerate(attn.seqs):
             kv_after = seq.start + seq.q_len
             produced = kv_after - seq.state["gen_base"]
-            done = tok == self.eos or produced >= seq.state["max_new"] or kv_after >= self.max_context
-            code = tokens[i : i + 1] % self.codebook if tok != self.eos else tokens[:0]
-            out.append({"token": tokens[i : i + 1], "code": code, "done": done, "hidden": last[i : i + 1]})
+            limit = produced >= seq.state["max_new"] or kv_after >= self.max_context
+            is_eos = Lazy(lambda i=i: back.values()[i] == self.eos)
+            out.append({
+                "token": tokens[i : i + 1],
+                "code": Lazy(lambda i=i, e=is_eos: tokens[i:i] if e.get() else tokens[i : i + 1] % self.codebook),
+                "done": True if limit else is_eos,
+                "hidden": last[i : i + 1],
+            })
         return out

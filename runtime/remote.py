@@ -12,8 +12,10 @@ stdin and reads its stdout; the worker's fd 1 is pointed at its stderr as soon a
 starts, so nothing a node prints can corrupt a frame.
 
 Tensors: torch.distributed point-to-point (Gloo on CPU, NCCL on GPU) in the default group,
-whose rank 0 is the conductor's process. A step's tensors travel as ONE flat byte buffer
-per direction, in entry order, then each entry's input (or output) order; the message's
+whose rank 0 is the conductor's process (tensor-parallel nodes talk among themselves in
+their own groups, `mstar_runtime.tp`, made by every process right after the default one).
+A step's tensors travel as ONE flat byte buffer per direction, in entry order, then each
+entry's input (or output) order; the message's
 `TensorMeta`s (name, dtype, shape) say how to cut it up. Empty tensors and tensors of at
 most `inline_bytes` ride inside the message, Python scalars too. One step:
 
@@ -67,7 +69,7 @@ from typing import IO, Any, BinaryIO, NoReturn
 import torch
 import torch.distributed as dist
 
-from mstar_runtime import engines
+from mstar_runtime import engines, tp
 from mstar_runtime import messages as m
 from mstar_runtime.kv_cache import SlotCopy
 from mstar_runtime.node import RequestError
@@ -397,7 +399,8 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         plan = load_plan(args.plan, device=args.device, kv_pages_cap=args.kv_pages_cap)
-        worker = Worker(plan, rank, plan.torch_device(rank), args.weights)
+        groups = tp.build_groups(plan, rank)  # collective: as rank 0 does in _join_group
+        worker = Worker(plan, rank, plan.torch_device(rank), args.weights, tp_groups=groups)
         write_frame(out, m.WorkerReady(rank, os.getpid(), list(worker.engines), plan_digest(plan)))
         _Server(worker, rank, out).serve(inp)
     except BrokenPipeError:
@@ -777,7 +780,10 @@ def start_workers(
     """Rank 0 in this process, ranks 1..N-1 as worker processes; returns {rank: worker}.
 
     A one-rank plan starts no process and no process group. Otherwise this process joins a
-    fresh default group as rank 0 (Gloo on CPU, NCCL on GPU) over a free port of 127.0.0.1.
+    fresh default group as rank 0 (Gloo on CPU, NCCL on GPU) over a free port of 127.0.0.1,
+    then every process makes the plan's TP groups (`mstar_runtime.tp`). Rank 0's nodes are
+    built while the worker processes start, unless the plan has a TP node: its nodes then
+    wait for their groups.
     Any failure stops what was started and raises (WorkerLost names the rank)."""
     device = device or plan.device
     if device != plan.device:
@@ -811,11 +817,14 @@ def start_workers(
     remotes = peers.remotes
     workers: dict[int, Any] = {w.rank: w for w in remotes}
     try:
-        # rank 0's nodes are built while the worker processes import torch and build theirs
-        local = LocalWorker(plan, 0, plan.torch_device(0), weights)
-        local.peers = peers
-        workers[0] = local
-        _join_group(remotes, init, plan.num_ranks, device, start_timeout, answer_timeout)
+        if not tp.has_tp(plan):
+            # rank 0's nodes are built while the worker processes import torch and build theirs
+            workers[0] = LocalWorker(plan, 0, plan.torch_device(0), weights)
+        # a TP node needs its group at build time, and the groups need the default group
+        groups = _join_group(remotes, init, plan, device, start_timeout, answer_timeout)
+        if 0 not in workers:
+            workers[0] = LocalWorker(plan, 0, plan.torch_device(0), weights, tp_groups=groups)
+        workers[0].peers = peers
         digest = plan_digest(plan)
         for w in remotes:
             w.wait_ready(start_timeout, digest)
@@ -830,15 +839,18 @@ def start_workers(
 def _join_group(
     remotes: Sequence[RemoteWorker],
     init: str,
-    world: int,
+    plan: Plan,
     device: str,
     start_timeout: float,
     op_timeout: float,
-) -> None:
-    """init_process_group as rank 0, watching the children: one that dies before joining
-    would otherwise leave us waiting for the whole store timeout."""
+) -> dict[str, Any]:
+    """init_process_group as rank 0, then the plan's TP groups (`tp.build_groups`, which the
+    workers make in the same order), watching the children: one that dies before joining
+    would otherwise leave us waiting for the whole store timeout. Returns rank 0's
+    {node: TP group}."""
     global _OWN_GROUP
     failure: list[BaseException] = []
+    groups: dict[str, Any] = {}
 
     def join() -> None:
         try:
@@ -846,9 +858,10 @@ def _join_group(
                 "nccl" if device == "cuda" else "gloo",
                 init_method=init,
                 rank=0,
-                world_size=world,
+                world_size=plan.num_ranks,
                 timeout=timedelta(seconds=max(start_timeout, op_timeout)),
             )
+            groups.update(tp.build_groups(plan, 0))
         except BaseException as e:  # re-raised in the caller's thread
             failure.append(e)
 
@@ -862,9 +875,10 @@ def _join_group(
                 w._lose("exited before joining the process group")
         if time.monotonic() > deadline:
             raise WorkerLost(remotes[0].rank, f"the process group did not form within {start_timeout:.0f} s")
+    _OWN_GROUP = dist.is_initialized()  # also when only the TP groups failed: shutdown ends it
     if failure:
         raise failure[0]
-    _OWN_GROUP = True
+    return groups
 
 
 def shutdown_workers(workers: Mapping[int, Any]) -> None:

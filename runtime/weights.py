@@ -6,8 +6,10 @@ from the `NodeSpec` the plan implies. `load_weights` fills its parameters:
 
 - `"dummy"` (alias `"random"`): deterministic random weights for benchmarks. Each tensor has
   its own generator, seeded from a hash of (node, tensor name), so a value never depends on
-  the other tensors or on the global RNG. The generator lives on the parameter's device, so
-  the values are reproducible per device type (CPU and CUDA give different ones). Rule:
+  the other tensors or on the global RNG; under tensor parallelism each rank draws the full
+  tensor and keeps its slice, so tp N holds the values of tp 1. The generator lives on the
+  parameter's device, so the values are reproducible per device type (CPU and CUDA give
+  different ones). Rule:
   matrices ~ N(0, 0.02); conv kernels (3+ dims) ~ N(0, 1/sqrt(fan_in)); 1-D tensors whose name contains "norm" (and is not
   a bias) = 1 (norm gains); every other 1-D or 0-D tensor = 0 (biases, gates).
 - `"init"`: keep what the constructor made (nodes that seed themselves, e.g. the test family).
@@ -44,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -178,7 +181,7 @@ def load_weights(module: nn.Module, plan: Plan, node: str, source: str | Path) -
     if src == INIT_SOURCE:
         return
     if src in DUMMY_SOURCES:
-        _dummy_init(node, tensors)
+        _dummy_init(plan, node, tensors, tp_rank, tp_size)
         return
     subdir = str(plan.node(node).settings.get("checkpoint_subdir") or getattr(type(module), "checkpoint_subdir", ""))
     folder = Path(src) / subdir if subdir else Path(src)
@@ -272,21 +275,33 @@ def _sample(names: Iterable[str], n: int = 5) -> str:
     return ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "") or "(none)"
 
 
-def _dummy_init(node: str, tensors: Mapping[str, tuple[torch.Tensor, bool]]) -> None:
+def _dummy_init(
+    plan: Plan,
+    node: str,
+    tensors: Mapping[str, tuple[torch.Tensor, bool]],
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> None:
+    info = plan.node(node)
+    arch = {t.name: tuple(t.shape) for t in info.arch.tensors} if info.arch is not None else {}
     with torch.no_grad():
         for name, (t, is_param) in tensors.items():
             if not is_param or not t.is_floating_point():
                 continue  # buffers are computed constants (RoPE tables, ...); keep them
             seed = int.from_bytes(hashlib.sha256(f"{node}/{name}".encode()).digest()[:8], "little") >> 1
             if t.dim() >= 2:
+                # The full tensor's values, then this rank's slice of them: every tp rank cuts
+                # the same tensor, so a sharded node computes what the whole one does.
+                full = arch.get(name, tuple(t.shape))
+                slices = _shard_slices(plan, node, name, full, tp_rank, tp_size)
                 # matrices: N(0, 0.02) as transformers initialise them; conv kernels (3+ dims):
                 # N(0, 1/sqrt(fan_in)), else a deep codec's output decays to silence (1e-9)
-                std = 0.02 if t.dim() == 2 else (t[0].numel()) ** -0.5
+                std = 0.02 if t.dim() == 2 else math.prod(full[1:]) ** -0.5
                 gen = torch.Generator(device=t.device).manual_seed(seed)
-                values = torch.empty(t.shape, dtype=torch.float32, device=t.device).normal_(
+                values = torch.empty(full, dtype=torch.float32, device=t.device).normal_(
                     0.0, std, generator=gen
                 )
-                t.copy_(values)
+                t.copy_(values[slices])
             elif t.dim() == 1 and "norm" in name.lower() and not name.endswith("bias"):
                 t.fill_(1.0)
             else:

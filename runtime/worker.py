@@ -2,7 +2,9 @@
 
 A `Worker` builds every node the plan makes resident on its rank, loads its weights, and
 gives each a `KVCacheEngine` (pages and page size from the plan's memory section) or a
-`StatelessEngine`. The conductor drives it with `run_step(StepBatch)`, plus the KV
+`StatelessEngine`. A node at tp > 1 holds only this rank's shard and gets its TP group
+from `tp_groups` (node -> torch.distributed group, made by `mstar_runtime.tp.build_groups`
+in every process). The conductor drives it with `run_step(StepBatch)`, plus the KV
 bookkeeping its BlockManagers decide (`fork`, `copy_slots`, `free`).
 
 Errors of a step surface in two kinds, so the conductor knows whom to fail:
@@ -21,6 +23,7 @@ the host's (launches, plus any sync the node does): the worker adds no synchroni
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,7 +75,7 @@ class Worker:
         weights: str | Path = "dummy",
         *,
         attention_backend: AttentionBackend | None = None,
-        tp_group: Any = None,
+        tp_groups: Mapping[str, Any] | None = None,
     ):
         self.plan, self.rank, self.device = plan, rank, torch.device(device)
         self.engines: dict[str, KVCacheEngine | StatelessEngine] = {}
@@ -85,7 +88,8 @@ class Worker:
         for name in plan.resident_nodes(rank):
             info = plan.node(name)
             tp_rank, tp_size = info.tp_of(rank)
-            module = build_node(plan, name, rank, self.device, tp_rank, tp_size, tp_group=tp_group)
+            group = tp_groups.get(name) if tp_groups is not None else None
+            module = build_node(plan, name, rank, self.device, tp_rank, tp_size, tp_group=group)
             load_weights(module, plan, name, weights)
             ports = {p.name: p.outputs for p in info.phases.values()}
             if isinstance(module, KVNode):

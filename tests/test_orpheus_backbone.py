@@ -594,10 +594,12 @@ def test_decode_before_prefill_is_a_request_error(plan: Plan) -> None:
     assert err.value.field == "token"
 
 
-def test_the_node_refuses_tensor_parallelism(plan: Plan) -> None:
-    spec = dataclasses.replace(plan.node_spec("llm", device="cpu"), tp_size=2)
-    with pytest.raises(NodeError, match="does not shard"):
-        LlamaBackbone(spec)
+def test_tensor_parallelism_needs_divisible_sizes_and_a_group(plan: Plan) -> None:
+    spec = plan.node_spec("llm", device="cpu")
+    with pytest.raises(NodeError, match=r"tp 3 does not divide heads = 4.*vocab = 156940"):
+        LlamaBackbone(dataclasses.replace(spec, tp_size=3))
+    with pytest.raises(NodeError, match="tp 2 .* needs its TP process group"):
+        LlamaBackbone(dataclasses.replace(spec, tp_size=2, tp_rank=1))
 
 
 # ------------------------------------------------------------------------------ prompts

@@ -7,6 +7,13 @@ the input embedding. Parameter names are the checkpoint's (`model.embed_tokens.w
 `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`; `lm_head.weight`
 only when the head is untied), so `mstar_runtime.weights` loads a HF folder directly.
 
+Tensor parallelism (the plan's `tp` for the node): each rank holds a shard under the same
+names (q/k/v, gate/up by output features; o_proj, down_proj by input features, each
+followed by an all-reduce; the embedding and the head by vocab rows, an all-reduce after
+the lookup and an all-gather of the logits) and runs every step with the other ranks of
+its group (`mstar_runtime.tp`). Every rank ends with the same full logits, so each samples
+the same token; the conductor takes rank 0's outputs. At tp 1 none of it runs.
+
 Phases (models/orpheus/orpheus.walk, node `llm`):
   prefill(prompt, temperature, top_p, repetition_penalty, max_tokens, seed) -> (token, code, done)
   decode(token) -> (token, code, done)
@@ -52,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_runtime import tp
 from mstar_runtime.node import (
     AttentionContext,
     Batch,
@@ -231,10 +239,6 @@ class LlamaBackbone(KVNode):
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
-        if spec.tp_size != 1:
-            raise NodeError(
-                f"node '{spec.name}' (LlamaBackbone) does not shard; place it with tp=1, not {spec.tp_size}"
-            )
         g = lambda name, default=None: _config(spec, name, default)  # noqa: E731 - a local shorthand
         self.vocab, self.hidden, self.layers = int(g("vocab")), int(g("hidden")), int(g("layers"))
         self.heads, self.kv_heads, self.head_dim = int(g("heads")), int(g("kv_heads")), int(g("head_dim"))
@@ -252,23 +256,26 @@ class LlamaBackbone(KVNode):
         self.audio_only = spec.settings.get("audio_only", False) is True
         if self.audio_only and self.audio_offset + self.frame_tokens * self.codebook > self.vocab:
             raise NodeError(f"node '{spec.name}': audio_only needs the audio ids below vocab {self.vocab}")
+        intermediate = int(g("intermediate"))
+        self._init_tp(spec, intermediate)
 
         # Built on the meta device and then given real (uninitialised) storage: a 3B model
         # must not pay for torch's default init only to be overwritten by the loader.
+        # Under tensor parallelism the modules have this rank's sizes (the same names).
         with torch.device("meta"):
             self.model = LlamaModel(
-                self.vocab,
+                self.vocab // self.tp,
                 self.hidden,
                 self.layers,
-                self.heads,
-                self.kv_heads,
+                self.local_heads,
+                self.local_kv_heads,
                 self.head_dim,
-                int(g("intermediate")),
+                intermediate // self.tp,
                 float(g("rms_eps", 1e-5)),
                 dtype=spec.dtype,
             )
             if not self.tied:
-                self.lm_head = nn.Linear(self.hidden, self.vocab, bias=False, dtype=spec.dtype)
+                self.lm_head = nn.Linear(self.hidden, self.vocab // self.tp, bias=False, dtype=spec.dtype)
         self.to_empty(device=spec.device)
         self._init_weights()
         # float32 whatever the weights' dtype, computed on the CPU and then moved, as HF does (a
@@ -276,22 +283,71 @@ class LlamaBackbone(KVNode):
         inv_freq = llama3_inv_freq(self.head_dim, float(g("rope_theta", 500000.0)))
         self.register_buffer("inv_freq", inv_freq.to(spec.device), persistent=False)
 
+    def _init_tp(self, spec: NodeSpec, intermediate: int) -> None:
+        """This rank's share of the node (Megatron's layout, as the compiler's shard-tp pass
+        cuts the checkpoint): q/k/v and gate/up split by output features (heads, intermediate),
+        o_proj and down_proj by input features, then an all-reduce; the embedding (and the
+        head, tied or not) by vocab rows. KV heads split when tp divides them; when tp is a
+        multiple of them each rank keeps the one its query heads read (vLLM's replication)."""
+        self.tp, self.tp_rank = spec.tp_size, spec.tp_rank
+        self.tp_group = spec.tp_group if spec.tp_size > 1 else None  # None: every collective a no-op
+        ways = self.tp
+        sizes = (("heads", self.heads), ("intermediate", intermediate), ("vocab", self.vocab))
+        bad = [f"{what} = {size}" for what, size in sizes if size % ways]
+        if self.kv_heads % ways and ways % self.kv_heads:
+            bad.append(f"kv_heads = {self.kv_heads} (nor is tp a multiple of it)")
+        if bad:
+            raise NodeError(f"node '{spec.name}' (LlamaBackbone): tp {ways} does not divide {', '.join(bad)}")
+        if ways > 1 and spec.tp_group is None:
+            raise NodeError(
+                f"node '{spec.name}' (LlamaBackbone): tp {ways} (rank {spec.tp_rank}) needs its TP "
+                "process group (mstar_runtime.tp.build_groups; remote.start_workers makes them)"
+            )
+        self.local_heads = self.heads // ways
+        self.local_kv_heads = max(1, self.kv_heads // ways)
+        self.vocab_start = self.tp_rank * (self.vocab // ways)  # the first embedding row held here
+
+    def _split_of(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, parts, part): how parameter `name` is cut and which part this rank holds;
+        None when whole. The layout of `_init_tp` (the loader checks it against the plan's)."""
+        if self.tp == 1:
+            return None
+        module = name.rsplit(".", 2)[-2]
+        if module in ("k_proj", "v_proj"):
+            parts = min(self.tp, self.kv_heads)  # kv_heads parts when the heads are replicated
+            return 0, parts, self.tp_rank * parts // self.tp
+        if module in ("q_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head"):
+            return 0, self.tp, self.tp_rank
+        if module in ("o_proj", "down_proj"):
+            return 1, self.tp, self.tp_rank
+        return None
+
     def _init_weights(self) -> None:
         """HF's Llama init (N(0, 0.02) matrices, unit norm gains), seeded by the node name, so the
-        `init` weights source is deterministic; `dummy` and checkpoints overwrite it."""
+        `init` weights source is deterministic; `dummy` and checkpoints overwrite it. A sharded
+        rank draws each full matrix, in the same order, and keeps its slice: tp N holds the
+        values of tp 1."""
         seed = sum(ord(c) * 31**i for i, c in enumerate(self.spec.name)) % (2**31)
         gen = torch.Generator(device=self.spec.device).manual_seed(seed)
         with torch.no_grad():
-            for p in self.parameters():
-                if p.dim() >= 2:
-                    p.normal_(0.0, 0.02, generator=gen)
-                else:  # every 1-D parameter is an RMSNorm gain
+            for name, p in self.named_parameters():
+                split = self._split_of(name)
+                if p.dim() < 2:  # every 1-D parameter is an RMSNorm gain
                     p.fill_(1.0)
+                elif split is None:
+                    p.normal_(0.0, 0.02, generator=gen)
+                else:
+                    dim, parts, part = split
+                    full = list(p.shape)
+                    full[dim] *= parts
+                    values = torch.empty(full, dtype=p.dtype, device=p.device).normal_(0.0, 0.02, generator=gen)
+                    p.copy_(values.narrow(dim, part * p.shape[dim], p.shape[dim]))
 
     # ------------------------------------------------------------------ contract
     @property
     def kv_geometry(self) -> KVGeometry:
-        return KVGeometry(self.layers, self.kv_heads, self.head_dim)
+        """This rank's KV heads (all of them at tp 1): the engine sizes the node's pool with it."""
+        return KVGeometry(self.layers, self.local_kv_heads, self.head_dim)
 
     @classmethod
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
@@ -349,8 +405,10 @@ class LlamaBackbone(KVNode):
     def forward_hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Packed token ids [N] at absolute `positions` [N] -> final-normed hidden states [N, hidden].
 
-        Pure tensor code whose only attention is `attend` (so an engine may capture it in a CUDA graph)."""
-        h = self.model.embed_tokens(ids)
+        Pure tensor code whose only attention is `attend` (so an engine may capture it in a CUDA graph).
+        Under tensor parallelism it also runs the group's all-reduces (a no-op call at tp 1),
+        and every rank of the group ends with the same hidden states."""
+        h = self._embed(ids)
         n = h.shape[0]
         # HF's LlamaRotaryEmbedding: angles in float32, cos/sin cast to the activation dtype
         freqs = positions[:, None].float() * self.inv_freq[None, :]
@@ -359,19 +417,32 @@ class LlamaBackbone(KVNode):
         for i, layer in enumerate(self.model.layers):
             a = layer.self_attn
             x = layer.input_layernorm(h)
-            q = a.q_proj(x).view(n, self.heads, self.head_dim)
-            k = a.k_proj(x).view(n, self.kv_heads, self.head_dim)
-            v = a.v_proj(x).view(n, self.kv_heads, self.head_dim)
+            q = a.q_proj(x).view(n, self.local_heads, self.head_dim)
+            k = a.k_proj(x).view(n, self.local_kv_heads, self.head_dim)
+            v = a.v_proj(x).view(n, self.local_kv_heads, self.head_dim)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            h = h + a.o_proj(attend(i, q, k, v).reshape(n, self.heads * self.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            o = a.o_proj(attend(i, q, k, v).reshape(n, self.local_heads * self.head_dim))
+            h = h + tp.all_reduce(o, self.tp_group)  # row-parallel: partial sums of every rank
+            h = h + tp.all_reduce(layer.mlp(layer.post_attention_layernorm(h)), self.tp_group)
         return self.model.norm(h)
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [N, hidden]; vocab-parallel under TP: each rank looks up the ids in
+        its rows, zeroes the others, and the all-reduce adds one row to zeros (exact)."""
+        if self.tp_group is None:
+            return self.model.embed_tokens(ids)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.model.embed_tokens.num_embeddings)
+        h = self.model.embed_tokens(local.masked_fill(outside, 0))
+        return tp.all_reduce(h.masked_fill(outside[:, None], 0.0), self.tp_group)
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] (computed in the weights' dtype, as HF does, then widened)."""
+        """Float32 logits [N, vocab] (computed in the weights' dtype, as HF does, then widened).
+        Under TP each rank computes its vocab rows' logits and the all-gather gives every rank
+        the same full row, so each can sample the group's token itself."""
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return tp.all_gather_last(F.linear(hidden, weight), self.tp_group, self.tp).float()
 
     # ------------------------------------------------------------------ sampling
     def _check_prefill(

@@ -30,6 +30,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from mstar_runtime.readback import upload
+
 Batch = list[dict[str, Any]]
 
 
@@ -104,8 +106,8 @@ class AttentionContext:
 
     def positions(self) -> torch.Tensor:
         """Default absolute positions of the packed queries: start .. start + q_len - 1 per entry."""
-        parts = [torch.arange(s.start, s.start + s.q_len, device=self.device) for s in self.seqs]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.device)
+        # built on the host and uploaded once: per-entry aranges would be a kernel per entry
+        return upload([p for s in self.seqs for p in range(s.start, s.start + s.q_len)], torch.long, self.device)
 
     def split(self, packed: torch.Tensor) -> list[torch.Tensor]:
         """Packed per-token rows -> one tensor per entry."""
@@ -113,8 +115,11 @@ class AttentionContext:
 
     def last_rows(self, packed: torch.Tensor) -> torch.Tensor:
         """The last row of each entry (e.g. the hidden state that predicts the next token)."""
-        ends = torch.tensor([s.q_len for s in self.seqs], device=packed.device).cumsum(0) - 1
-        return packed.index_select(0, ends)
+        ends, at = [], -1
+        for s in self.seqs:
+            at += s.q_len
+            ends.append(at)
+        return packed.index_select(0, upload(ends, torch.long, packed.device))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k/v of the new tokens (unless not kept) and attend. q: [N, H, D], k/v: [N, Hkv, D]."""

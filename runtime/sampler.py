@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from mstar_runtime.node import RequestError
+from mstar_runtime.readback import upload
 
 _M64 = 0xFFFFFFFFFFFFFFFF
 
@@ -87,15 +88,6 @@ def _signed64(x: int) -> int:
     """The int64 whose two's-complement bits are `x mod 2**64` (how a 64-bit key lives in a tensor)."""
     x &= _M64
     return x - (1 << 64) if x >> 63 else x
-
-
-def _upload(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on `device`. On a GPU through pinned memory with a non-blocking copy, so
-    the host never waits for the device (a pageable copy would synchronise the stream); the
-    caching host allocator keeps the pinned block until the copy has run."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -150,8 +142,8 @@ class SamplingTensors:
         seeds = [_signed64(secrets.randbits(64) if p.seed is None else p.seed) for p in params]
         sampled = [b for b, p in enumerate(params) if not p.greedy]
         top_p_rows = [b for b, p in enumerate(params) if not p.greedy and p.top_p < 1.0]
-        ints = _upload(ks + seeds + [_signed64(s) for s in steps] + sampled + top_p_rows, torch.int64, dev)
-        floats = _upload(temps + ps + pens, torch.float32, dev)
+        ints = upload(ks + seeds + [_signed64(s) for s in steps] + sampled + top_p_rows, torch.int64, dev)
+        floats = upload(temps + ps + pens, torch.float32, dev)
         r, q = len(sampled), len(top_p_rows)
         penalised = [b for b, p in enumerate(params) if p.repetition_penalty != 1.0]
         return cls(
@@ -193,7 +185,7 @@ def _join_histories(hs: dict[int, torch.Tensor], n: int, width: int, device: tor
     for b, h in hs.items():
         starts[b], lens[b] = at, h.numel()
         at += h.numel()
-    meta = _upload(starts + lens, torch.int64, device)
+    meta = upload(starts + lens, torch.int64, device)
     pos = torch.arange(width, device=device)[None, :]
     src = (meta[:n, None] + pos).clamp_(max=flat.numel() - 1)
     return torch.where(pos < meta[n:, None], flat[src], -1)

@@ -67,10 +67,9 @@ class PromptBuilder(StatelessNode):
     def phase_build(self, batch: Batch) -> Batch:
         texts = [_text(entry) for entry in batch]
         voices = [_voice(entry) for entry in batch]
-        return [
-            {"tokens": torch.tensor(ids, dtype=torch.int32, device=self.spec.device)}
-            for ids in self.encode(texts, voices)
-        ]
+        # host tensors: the backbone checks the ids on the host and uploads them without a
+        # stream synchronisation (a pageable copy here would wait for every queued decode step)
+        return [{"tokens": torch.tensor(ids, dtype=torch.int32)} for ids in self.encode(texts, voices)]
 
 
 def _text(entry: dict[str, Any]) -> str:

@@ -29,7 +29,8 @@ last token):
                 None when the penalty is 1 (nothing would read it).
   `step`:       tokens sampled so far = the sampler step of the next draw, so a request's
                 draws depend only on (seed, step), never on its batch or its timing
-  `k`:          audio codes emitted so far (selects the code position k % 7 of the next one)
+  `k`:          audio codes emitted so far (selects the code position k % 7 of the next one),
+                an int64 0-d tensor on the device, so that no step waits to read a token
 
 Token -> code (reference/models.md 3.3): `code = T - 128266 - (k % 7) * 4096`; a token
 gives one code item iff 0 <= code < 4096 (then k += 1), anything else (end_of_speech, a
@@ -41,6 +42,10 @@ the stream; we keep code 0, since it is a valid SNAC code.
 the context reaches the `max_seq_len` setting (the next decode would not fit; vLLM's
 "length" finish). The runtime reads `done` one step late (speculative loop): a decode after
 `done` may still run; it must not fail, and its results are thrown away.
+
+`code` and `done` are `readback.Lazy` values (a `done` that a host limit raises is a plain
+True): the step returns as soon as its kernels are queued, and the runtime resolves them
+when the request's next step has been launched (docs/runtime.md, "No host waits").
 
 Node settings: `max_seq_len` (default 4096, as the compiler's memory pass assumes);
 `audio_only` (default false): mask the logits to the audio ids of the current code position
@@ -70,6 +75,7 @@ from mstar_runtime.node import (
     RequestError,
     SeqPlan,
 )
+from mstar_runtime.readback import Lazy, Readback, upload_tensor
 from mstar_runtime.sampler import SamplingParams, sample
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -376,7 +382,7 @@ class LlamaBackbone(KVNode):
                 sampling=params,
                 max_tokens=max_tokens,
                 step=0,
-                k=0,
+                k=torch.zeros((), dtype=torch.long, device=self.inv_freq.device),
                 history=self._new_history(prompt, seq.start, max_tokens, params),
             )
         ids = torch.cat([prompt for prompt, _, _ in checked]).to(torch.long)
@@ -463,7 +469,8 @@ class LlamaBackbone(KVNode):
                 f"max_seq_len {self.max_seq_len}",
                 "prompt",
             )
-        lo, hi = prompt.aminmax()  # a host read, once per request: prefill is not the hot path
+        # free for the prompt builder's host tensors; a device prompt costs one read per request
+        lo, hi = prompt.aminmax()
         if int(lo) < 0 or int(hi) >= self.vocab:
             raise RequestError(
                 f"prompt token ids must lie in [0, {self.vocab}), got [{int(lo)}, {int(hi)}]", "prompt"
@@ -478,7 +485,7 @@ class LlamaBackbone(KVNode):
             repetition_penalty=_scalar(entry, "repetition_penalty", float),
             seed=None if seed is None else _scalar(entry, "seed", int),
         )
-        return prompt.to(self.inv_freq.device), params, max_tokens
+        return upload_tensor(prompt, self.inv_freq.device), params, max_tokens
 
     def _new_history(
         self, prompt: torch.Tensor, start: int, max_tokens: int, params: SamplingParams
@@ -493,12 +500,17 @@ class LlamaBackbone(KVNode):
         return hist
 
     def _next_tokens(self, logits: torch.Tensor, attn: AttentionContext) -> Batch:
-        """Sample one token per entry (one sampler call for the batch) and map it to its code."""
+        """Sample one token per entry (one sampler call for the batch) and map it to its code.
+
+        Nothing here waits for the device: the code position `k` lives on the device, the
+        sampled tokens and "is a code" bits come back through one `Readback`, and `code` and
+        `done` are `Lazy` outputs resolved from it when the runtime needs them (one step late,
+        see runtime/interpreter.py "lanes")."""
         states = attn.states
         kv_after = [s.start + s.q_len for s in attn.seqs]
+        k = torch.stack([st["k"] for st in states])
         # the first id of the current code position's range, per entry
-        lo_host = [self.audio_offset + (st["k"] % self.frame_tokens) * self.codebook for st in states]
-        lo = torch.tensor(lo_host, dtype=torch.long, device=logits.device)
+        lo = self.audio_offset + (k % self.frame_tokens) * self.codebook
         if self.audio_only:
             ids = torch.arange(logits.shape[1], device=logits.device)[None, :]
             allowed = ((ids >= lo[:, None]) & (ids < lo[:, None] + self.codebook)) | (ids == self.eos)
@@ -508,19 +520,20 @@ class LlamaBackbone(KVNode):
             for st, kv in zip(states, kv_after)
         ]
         tokens = sample(logits, [st["sampling"] for st in states], histories, [st["step"] for st in states])
-        tok32 = tokens.to(torch.int32)
-        codes = (tokens - lo).to(torch.int32)
-        # The step's one device -> host read: `code` carries 0 or 1 items, so its shape depends
-        # on the token; `done` then costs nothing more.
-        host = tokens.tolist()
+        codes = tokens - lo
+        is_code = (codes >= 0) & (codes < self.codebook)
+        for st, k_next in zip(states, (k + is_code).unbind(0)):
+            st["k"] = k_next
+        back = Readback(torch.stack([tokens, is_code.long()]))
+        tok32, codes32 = tokens.to(torch.int32), codes.to(torch.int32)
         out: Batch = []
-        for i, (tok, st, kv) in enumerate(zip(host, states, kv_after)):
-            keep = 0 <= tok - lo_host[i] < self.codebook
-            if keep:
-                st["k"] += 1
+        for i, (st, kv) in enumerate(zip(states, kv_after)):
             st["step"] += 1
-            done = tok == self.eos or st["step"] >= st["max_tokens"] or kv >= self.max_seq_len
-            out.append(
-                {"token": tok32[i : i + 1], "code": codes[i : i + 1] if keep else codes[i:i], "done": done}
-            )
+            # the limits are host facts; only end_of_speech needs the sampled token
+            limit = st["step"] >= st["max_tokens"] or kv >= self.max_seq_len
+            out.append({
+                "token": tok32[i : i + 1],
+                "code": Lazy(lambda i=i: codes32[i : i + 1] if back.values()[1][i] else codes32[i:i]),
+                "done": True if limit else Lazy(lambda i=i: back.values()[0][i] == self.eos),
+            })
         return out

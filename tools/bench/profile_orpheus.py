@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         busy = sum(e.self_device_time_total for e in events) / 1e6
         print(f"\n==== torch.profiler: wall {wall:.3f} s, GPU busy (sum of self device time) {busy:.3f} s "
               f"= {100 * busy / wall:.0f} % of the wall", file=report)
-        print(events.table(sort_by="self_device_time_total", row_limit=25), file=report)
+        print(events.table(sort_by="self_device_time_total", row_limit=40), file=report)
     print(events.table(sort_by="self_cpu_time_total", row_limit=25), file=report)
     text = report.getvalue()
     args.out.write_text(text)

@@ -35,7 +35,13 @@ after the `num_pages` usable ones, for the pad rows. In such a step the backend'
 `prepare` and the eager slot tensor are made only if the node attends outside
 `run_graphed`.
 
-`StatelessEngine` runs a stateless node's batched phase with the same output checks.
+`StatelessEngine` runs a stateless node's batched phase with the same output checks. With
+`graphs` (phase -> batch buckets, from the same `cuda_graphs` entries) it owns one
+`stateless_graphs.StatelessGraphRunner` per such phase that the node offers through
+`graph_phase(phase)`: a batch that fits a bucket then replays a captured graph of the
+phase's tensor part, on the runner's side stream by default on a GPU (the contract, the
+padding and the stream ordering are in runtime/stateless_graphs.py). Phases the node does
+not offer, and batches beyond the largest bucket, run `node.run` / the tensor part eagerly.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from mstar_runtime.attention import AttentionError, AttentionMetadata, KVPool, p
 from mstar_runtime.graphs import GraphRunner, graph_runners
 from mstar_runtime.kv_cache import SlotCopy
 from mstar_runtime.node import AttentionContext, KVNode, NodeError, SeqState, StatelessNode
+from mstar_runtime.stateless_graphs import Capture, StatelessGraphRunner, stateless_graph_runners
 
 DEFAULT_TAG = "main"  # the KV context of an entry whose tag is None (the conductor's convention)
 
@@ -134,8 +141,22 @@ class _Engine:
 class StatelessEngine(_Engine):
     """Batched forward of a stateless node (encoder, codec, VAE, tokenizer)."""
 
-    def __init__(self, node: StatelessNode, output_ports: Mapping[str, Sequence[str]] | None = None):
+    def __init__(
+        self,
+        node: StatelessNode,
+        output_ports: Mapping[str, Sequence[str]] | None = None,
+        *,
+        graphs: Mapping[str, Sequence[int]] | None = None,
+        capture_graphs: bool | Capture | None = None,
+        side_stream: bool | None = None,
+    ):
         super().__init__(node, output_ports)
+        # phase -> runner for the captured phases the node offers; `capture_graphs=False` keeps
+        # the padding but runs eagerly (CPU tests), None: capture on cuda; `side_stream=None`:
+        # replays on the runner's own stream whenever it captures CUDA graphs
+        self.graph_runners: dict[str, StatelessGraphRunner] = stateless_graph_runners(
+            node, graphs or {}, capture=capture_graphs, side_stream=side_stream, name=self.name,
+        )
 
     def run(self, phase: str, entries: list[StepEntry]) -> list[dict[str, Any]]:
         ports = self._ports(phase)
@@ -147,8 +168,10 @@ class StatelessEngine(_Engine):
                     f"node '{self.name}' phase '{phase}': stateless, but request "
                     f"'{e.request_id}' came with KV slots"
                 )
+        batch = [e.inputs for e in entries]
+        runner = self.graph_runners.get(phase)
         with torch.inference_mode():
-            outputs = self.node.run(phase, [e.inputs for e in entries])
+            outputs = runner.run_phase(batch) if runner is not None else self.node.run(phase, batch)
         return check_outputs(self.name, phase, outputs, len(entries), ports)
 
 

@@ -31,9 +31,21 @@ preemption, and on any device (integer hashing, no device RNG):
 `torch.randn` gives SNAC), and `noise=None` skips the NoiseBlocks (the node setting
 `noise: false`, equivalent to SNAC with zeroed NoiseBlock weights).
 
-Graph-friendliness: `forward(windows, keys)` has fixed shapes for a batch size, no host syncs
-and no Python branches on data. `phase_decode` validates first (shape checks on the host, one
-device->host sync for the code range) and then calls it.
+CUDA graphs (runtime/stateless_graphs.py): `graph_phase("decode")` offers the phase for
+capture, split as that contract says, and `phase_decode` runs the same split eagerly, so the
+eager and the graphed path differ only in how the tensor part is called:
+- prepare: shape checks and the noise-key words (seed, chunk index) on the host. Windows
+  whose codes are host tensors are range-checked on the host and stay there (the runner
+  uploads them from pinned memory: no device sync at all). Device-resident codes are
+  checked on the device: a per-window report (bad?, first bad code) is copied back without
+  waiting (`readback.Readback`) and read only after the decode is queued (`Prepared.check`).
+  Either way a code outside [0, codebook_size) fails its request with a RequestError on
+  port `codes`, never an index error.
+- fn: `decode_windows(windows [B, 28], words [B, 3]) -> pcm [B, 2048]`: the noise keys and
+  `forward`, fixed shapes for a batch size, no host syncs, no Python branches on data, rows
+  independent. `split_layers` clamps the codes into the codebook (the identity for valid
+  codes), so a window that its deferred check rejects, or a stale pad row, never gathers
+  out of the codebook inside a graph.
 """
 
 from __future__ import annotations
@@ -47,6 +59,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_runtime.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.readback import Readback
+from mstar_runtime.stateless_graphs import GraphPhase, Prepared, run_phase, to_device
 
 # Orpheus' 7-code frame (models.md 3.3): position in the frame -> SNAC layer.
 FRAME_LAYOUT = (0, 1, 2, 2, 1, 2, 2)
@@ -307,8 +321,11 @@ class SnacDecoder(StatelessNode):
 
     # ---- tensor paths (no host syncs, fixed shapes)
     def split_layers(self, windows: torch.Tensor) -> list[torch.Tensor]:
-        """[B, 28] window codes -> [codes_0 [B, 4], codes_1 [B, 8], codes_2 [B, 16]] (int64)."""
-        w = windows.long()
+        """[B, 28] window codes -> [codes_0 [B, 4], codes_1 [B, 8], codes_2 [B, 16]] (int64).
+
+        Clamped into the codebook: the identity for valid codes; out-of-range ones are
+        rejected by `phase_decode`'s check, which on the GPU may come after the decode ran."""
+        w = windows.long().clamp(0, self.codebook_size - 1)
         return [w.index_select(1, getattr(self, f"_layer{i}")) for i in range(len(ORPHEUS_VQ_STRIDES))]
 
     def noise_for(self, keys: torch.Tensor) -> list[torch.Tensor]:
@@ -329,30 +346,64 @@ class SnacDecoder(StatelessNode):
         lo = EMIT_FRAME * self.frame_samples
         return audio[:, 0, lo : lo + self.frame_samples].float()
 
+    def decode_windows(self, windows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        """The captured part of `decode`: [B, 28] codes, [B, 3] key words (`key_words`) -> [B, 2048] f32."""
+        return self(windows, window_keys(windows, words))
+
     # ---- the phase
+    @property
+    def device(self) -> torch.device:
+        return self.quantizer.quantizers[0].codebook.weight.device
+
+    def graph_phase(self, phase: str) -> GraphPhase | None:
+        """The stateless-graph contract (runtime/stateless_graphs.py) for `decode`."""
+        return self._decode_phase() if phase == "decode" else None
+
     def phase_decode(self, batch: Batch) -> Batch:
-        if not batch:
-            return []
+        return run_phase(self._decode_phase(), batch)  # eagerly: the engine's runner is not here
+
+    def _decode_phase(self) -> GraphPhase:
+        return GraphPhase(self.device, self._prepare_decode, self.decode_windows, _finish_decode)
+
+    def _prepare_decode(self, batch: Batch) -> Prepared:
+        """Validation and inputs of `decode_windows` (module docstring, "CUDA graphs")."""
         for entry in batch:
             c = entry["codes"]
             if not isinstance(c, torch.Tensor) or tuple(c.shape) != (self.window,) or c.is_floating_point():
                 got = tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__
                 raise RequestError(f"codes must be {self.window} integer SNAC codes (4 frames of 7), "
                                    f"got {got}", "codes")
-        device = self.quantizer.quantizers[0].codebook.weight.device
-        windows = torch.stack([entry["codes"] for entry in batch]).to(device)
-        # the one host sync: a bad code must fail its request, not index out of the codebook
-        bad = ((windows < 0) | (windows >= self.codebook_size)).any(dim=1)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            w = windows[i]
-            worst = int(w[(w < 0) | (w >= self.codebook_size)][0])
-            raise RequestError(f"codes must lie in [0, {self.codebook_size}); got {worst}", "codes")
         words = torch.tensor([key_words(int(e.get("seed", 0)), int(e.get("codes:index", 0))) for e in batch],
                              dtype=torch.int64)
-        keys = window_keys(windows, words.to(device))
-        pcm = self(windows, keys)
-        return [{"pcm": p} for p in pcm.unbind(0)]
+        codes = [entry["codes"] for entry in batch]
+        if all(c.device.type == "cpu" for c in codes):
+            windows = torch.stack(codes).long()
+            self._reject_bad_codes(bad_code_report(windows, self.codebook_size).tolist())
+            return Prepared((windows, words))
+        device = self.device
+        windows = torch.stack([to_device(c, device) for c in codes]).long()
+        # no wait here: the report comes back while the decode runs, and is read after it is queued
+        back = Readback(bad_code_report(windows, self.codebook_size))
+        return Prepared((windows, words), check=lambda: self._reject_bad_codes(back.values()))
+
+    def _reject_bad_codes(self, report: list[list[int]]) -> None:
+        for bad, first in report:
+            if bad:
+                raise RequestError(f"codes must lie in [0, {self.codebook_size}); got {first}", "codes")
+
+
+def bad_code_report(windows: torch.Tensor, codebook_size: int) -> torch.Tensor:
+    """Per window [B, N]: (1 if it holds a code outside [0, codebook_size) else 0, its first such
+    code or 0), as int64 [B, 2]; the same few kernels on the host or the device."""
+    w = windows.long()
+    mask = (w < 0) | (w >= codebook_size)
+    first = w.gather(1, mask.long().argmax(dim=1, keepdim=True)).squeeze(1)
+    bad = mask.any(dim=1)
+    return torch.stack([bad.long(), torch.where(bad, first, torch.zeros_like(first))], dim=1)
+
+
+def _finish_decode(batch: Batch, pcm: torch.Tensor) -> Batch:
+    return [{"pcm": p} for p in pcm.unbind(0)]
 
 
 def _config(spec: NodeSpec) -> Mapping[str, Any]:

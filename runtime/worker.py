@@ -105,7 +105,12 @@ class Worker:
                     graphs=graph_buckets(plan.body.get("cuda_graphs", ()), name, rank) if on_gpu else None,
                 )
             else:
-                self.engines[name] = StatelessEngine(module, output_ports=ports)
+                # the same captured phases: a stateless node that offers one (`graph_phase`, e.g.
+                # Orpheus' SNAC window decode) replays it as a CUDA graph on a side stream
+                self.engines[name] = StatelessEngine(
+                    module, output_ports=ports,
+                    graphs=graph_buckets(plan.body.get("cuda_graphs", ()), name, rank) if on_gpu else None,
+                )
 
     # ------------------------------------------------------------------ steps
     def run_step(self, batch: StepBatch) -> list[dict[str, Any]]:

@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_runtime import tp
+from mstar_runtime import fused, tp
 from mstar_runtime.node import (
     AttentionContext,
     Batch,
@@ -125,11 +125,6 @@ def llama3_inv_freq(
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 # --------------------------------------------------------------------------------- modules
 class RMSNorm(nn.Module):
     """HF's LlamaRMSNorm: normalise in float32, cast back, then scale (the order matters in bf16)."""
@@ -140,9 +135,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -268,6 +261,7 @@ class LlamaBackbone(KVNode):
         # Built on the meta device and then given real (uninitialised) storage: a 3B model
         # must not pay for torch's default init only to be overwritten by the loader.
         # Under tensor parallelism the modules have this rank's sizes (the same names).
+        self.eps = float(g("rms_eps", 1e-5))
         with torch.device("meta"):
             self.model = LlamaModel(
                 self.vocab // self.tp,
@@ -277,7 +271,7 @@ class LlamaBackbone(KVNode):
                 self.local_kv_heads,
                 self.head_dim,
                 intermediate // self.tp,
-                float(g("rms_eps", 1e-5)),
+                self.eps,
                 dtype=spec.dtype,
             )
             if not self.tied:
@@ -420,18 +414,24 @@ class LlamaBackbone(KVNode):
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
-        for i, layer in enumerate(self.model.layers):
-            a = layer.self_attn
-            x = layer.input_layernorm(h)
+        layers = self.model.layers
+        # the fused ops (runtime/fused.py) are HF's math: one kernel each on a GPU; a residual add
+        # is fused with the norm that follows it (the last one with the final norm)
+        x = fused.rms_norm(h, layers[0].input_layernorm.weight, self.eps)
+        for i, layer in enumerate(layers):
+            a, mlp = layer.self_attn, layer.mlp
             q = a.q_proj(x).view(n, self.local_heads, self.head_dim)
             k = a.k_proj(x).view(n, self.local_kv_heads, self.head_dim)
             v = a.v_proj(x).view(n, self.local_kv_heads, self.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = fused.rope(q, k, cos, sin)
             o = a.o_proj(attend(i, q, k, v).reshape(n, self.local_heads * self.head_dim))
-            h = h + tp.all_reduce(o, self.tp_group)  # row-parallel: partial sums of every rank
-            h = h + tp.all_reduce(layer.mlp(layer.post_attention_layernorm(h)), self.tp_group)
-        return self.model.norm(h)
+            # row-parallel layers end in partial sums of every rank: all-reduced (a no-op at tp 1)
+            h, x = fused.add_rms_norm(h, tp.all_reduce(o, self.tp_group), layer.post_attention_layernorm.weight,
+                                      self.eps)
+            m = mlp.down_proj(fused.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, x = fused.add_rms_norm(h, tp.all_reduce(m, self.tp_group), norm.weight, self.eps)
+        return x
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [N, hidden]; vocab-parallel under TP: each rank looks up the ids in

@@ -1,5 +1,8 @@
 """CUDA graphs for KV decode steps: pad to a batch bucket, capture once per bucket, replay.
 
+(Stateless steps, such as a codec's fixed-window decode, have their own runner:
+runtime/stateless_graphs.py.)
+
 The `cuda-graphs` pass marks which (node, phase, rank) steps are captured and with which
 batch buckets. For such a phase the `KVCacheEngine` owns one `GraphRunner` and installs it,
 bound to the step, as `attn.graph_runner`; the node's `attn.run_graphed(fn, *tensors)` then

@@ -7,9 +7,19 @@ eagerly, and FlashInfer with CUDA graphs per batch bucket. Decode steps of varyi
 the graphs' static outputs are filled with NaN before every replay, so a replay that did not
 recompute a row is caught. Each model step feeds all three engines the reference's tokens,
 so bf16 rounding cannot make them diverge.
+
+Stateless steps (runtime/stateless_graphs.py), on the real-size SNAC decoder in fp32: graph
+replays at buckets 1, 4 (3 rows, padded) and 16 equal the eager engine on fresh random codes
+each run, static outputs poisoned with NaN before each replay, with the codes on the host or
+on the device and the replay on the side stream or the current one; a step from host codes
+makes no host wait and its side-stream replay runs while earlier work of the current stream
+is still queued; a bad device-resident code fails its request and the GPU keeps working.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -168,3 +178,110 @@ def test_a_replayed_step_equals_the_reference_and_never_syncs(cuda: torch.device
         err = (got.float() - want.float()).norm() / want.float().norm()
         assert err < 2e-2, (lens, float(err))
     assert runner.replays == 4 and runner.failed is None
+
+
+# ------------------------------------------------------------------ stateless: SNAC window decode
+@pytest.fixture(scope="module")
+def snac_gpu() -> Iterator[Any]:
+    """The real-size SNAC decoder (13M parameters, seeded weights) in fp32 on the GPU, TF32 off
+    so that a padded batch and the unpadded one differ only in summation order."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from test_orpheus_snac import REAL, seeded_node
+
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield seeded_node(REAL, seed=31, device="cuda")
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _snac_entries(n: int, g: torch.Generator, where: str, bad_at: int | None = None) -> list[StepEntry]:
+    windows = torch.randint(0, 4096, (n, 28), generator=g, dtype=torch.int32)
+    if bad_at is not None:
+        windows[bad_at, 11] = 9999
+    if where == "device":
+        windows = windows.cuda()
+    seeds = torch.randint(0, 2**62, (n,), generator=g).tolist()
+    return [StepEntry(f"r{i}", None, {"codes": w, "codes:context": 21, "codes:final": False, "seed": s,
+                                      "codes:index": i}) for i, (w, s) in enumerate(zip(windows, seeds))]
+
+
+def _poison(runner: Any) -> None:
+    with torch.inference_mode():  # the captured outputs are inference tensors
+        for out in runner.capture.outputs:
+            for t in out if isinstance(out, tuple) else (out,):
+                t.fill_(float("nan"))
+
+
+@pytest.mark.parametrize("side_stream", [True, False], ids=["side-stream", "current-stream"])
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_snac_window_decode_graph_replay_equals_eager(snac_gpu: Any, where: str, side_stream: bool) -> None:
+    """Buckets 1, 4 (a batch of 3, padded) and 16, fresh random codes each run, static outputs
+    poisoned with NaN before every replay; codes on the host (no device sync) or the device."""
+    from mstar_runtime.engines import StatelessEngine
+
+    ports = {"decode": ("pcm",)}
+    eager = StatelessEngine(snac_gpu, ports)
+    graphed = StatelessEngine(snac_gpu, ports, graphs={"decode": (1, 2, 4, 8, 16)}, side_stream=side_stream)
+    runner = graphed.graph_runners["decode"]
+    assert runner.side_stream == side_stream and runner.capture.__class__.__name__ == "CudaGraphCapture"
+    g = torch.Generator().manual_seed(5)
+    sizes = [1, 3, 16] * 3
+    for step, n in enumerate(sizes):
+        entries = _snac_entries(n, g, where)
+        _poison(runner)
+        got = torch.stack([o["pcm"] for o in graphed.run("decode", entries)])
+        want = torch.stack([o["pcm"] for o in eager.run("decode", entries)])
+        assert got.shape == (n, 2048) and torch.isfinite(got).all(), f"step {step} ({n} rows)"
+        err = float((got - want).norm() / want.norm())
+        assert err < 1e-4, f"step {step} ({n} rows): relative error {err:.2e}"
+    assert runner.failed is None and runner.captures == 3 and runner.replays == len(sizes)
+    assert sorted(runner._state) == [1, 4, 16]
+
+
+def test_snac_replay_from_host_codes_never_syncs_and_overlaps_the_current_stream(snac_gpu: Any) -> None:
+    """Host codes: prepare, uploads, replay and clone-out without a host wait; on the side stream
+    the replay does not wait for work queued earlier on the current stream."""
+    import time
+
+    from mstar_runtime.engines import StatelessEngine
+
+    graphed = StatelessEngine(snac_gpu, {"decode": ("pcm",)}, graphs={"decode": (1, 2, 4)})
+    runner = graphed.graph_runners["decode"]
+    assert runner.side_stream
+    g = torch.Generator().manual_seed(6)
+    first = graphed.run("decode", _snac_entries(2, g, "host"))  # captures bucket 2
+    # once more, so that the caching allocators (pinned host, side stream) hold blocks of these sizes
+    first += graphed.run("decode", _snac_entries(2, g, "host"))
+    torch.cuda.synchronize()
+    entries = _snac_entries(2, g, "host")
+    torch.cuda._sleep(int(1e9))  # ~0.5 s of GPU time queued on the current stream
+    queued = torch.cuda.Event()
+    queued.record()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = graphed.run("decode", entries)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side_done = False
+    while not queued.query():
+        side_done = side_done or runner._side.query()
+        time.sleep(0.001)
+    assert side_done, "the side-stream replay waited for the current stream's earlier work"
+    with torch.inference_mode():
+        assert torch.isfinite(torch.stack([o["pcm"] for o in out + first])).all()
+
+
+def test_snac_bad_device_code_fails_its_request_and_the_gpu_survives(snac_gpu: Any) -> None:
+    from mstar_runtime.engines import StatelessEngine
+    from mstar_runtime.node import RequestError
+
+    graphed = StatelessEngine(snac_gpu, {"decode": ("pcm",)}, graphs={"decode": (1, 2, 4)})
+    g = torch.Generator().manual_seed(7)
+    with pytest.raises(RequestError, match=r"codes must lie in \[0, 4096\); got 9999") as e:
+        graphed.run("decode", _snac_entries(3, g, "device", bad_at=1))  # decoded clamped, then rejected
+    assert e.value.field == "codes"
+    out = graphed.run("decode", _snac_entries(3, g, "device"))
+    torch.cuda.synchronize()  # a device-side index error would surface here
+    with torch.inference_mode():
+        assert torch.isfinite(torch.stack([o["pcm"] for o in out])).all()

@@ -33,6 +33,7 @@ from mstar_runtime.engines import KVCacheEngine, KVSlots, StepEntry
 from mstar_runtime.kv_cache import BlockManager
 from mstar_runtime.node import KVGeometry, NodeError, RequestError, SeqPlan
 from mstar_runtime.plan import Plan, load_plan
+from mstar_runtime.readback import resolve
 from mstar_runtime.sampler import SamplingParams, process_logits, sample
 from mstar_runtime.weights import WeightsError, build_node, load_weights
 
@@ -170,7 +171,8 @@ class Harness:
             slots = self.blocks.append(key, plan.q_len)
             kv = KVSlots(start, plan.q_len, slots, self.blocks.page_table(key), plan.mask)
             batch.append(StepEntry(rid, None, inputs, kv))
-        return self.engine.run(phase, batch)
+        # `code` and `done` are lazy (resolved one step late by the runtime): resolve them here
+        return [{k: resolve(v) for k, v in out.items()} for out in self.engine.run(phase, batch)]
 
     def prefill(self, rid: str, prompt: torch.Tensor, max_tokens: int = 64, **params: Any) -> dict[str, Any]:
         inputs = {**GREEDY, **params, "prompt": prompt, "max_tokens": max_tokens}

@@ -58,8 +58,10 @@ stream M, so the GPU can run them beside work queued on M. The ordering argument
   with `record_stream`: the clones (allocated on S, used on M) and the device inputs
   (allocated on M, read on S), so the caching allocator reuses their blocks only once that
   stream's work on them is done.
-So the overlap is with what is already queued on M when the step starts and that the
-inputs do not depend on; work queued on M after the step waits for the replay.
+So a replay overlaps work queued on M before the step only when its inputs come from the
+host; with device inputs it is ordered after that work, as on M. Work queued on M after
+the step always waits for the replay (the outputs could be deferred further only with a
+hook at their first use, which the engine does not have).
 
 `capture=False` runs the same bucketing, static buffers, padding and slicing with `fn`
 called eagerly on the padded buffers (`eager_capture`), and a test may pass its own

@@ -40,7 +40,11 @@ eager and the graphed path differ only in how the tensor part is called:
   checked on the device: a per-window report (bad?, first bad code) is copied back without
   waiting (`readback.Readback`) and read only after the decode is queued (`Prepared.check`).
   Either way a code outside [0, codebook_size) fails its request with a RequestError on
-  port `codes`, never an index error.
+  port `codes`, never an index error. The backbone's `code` items are device tensors today,
+  so Orpheus takes the device path: the side-stream replay waits for the work queued before
+  it on the current stream (the next LLM decode step), and the host waits for the report.
+  Codes pushed as host tensors (the backbone reads its tokens back anyway) would take the
+  host path: no wait at all, and a replay that overlaps the queued LLM step.
 - fn: `decode_windows(windows [B, 28], words [B, 3]) -> pcm [B, 2048]`: the noise keys and
   `forward`, fixed shapes for a batch size, no host syncs, no Python branches on data, rows
   independent. `split_layers` clamps the codes into the codebook (the identity for valid

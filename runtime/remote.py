@@ -27,6 +27,25 @@ The frame always goes first, so each side posts its receive knowing the size, an
 that fails sends no buffer back. `ForkKV`, `CopySlots`, `DropTag` and `FreeRequest` get no
 answer (the pipe keeps them in order with the steps); `Heartbeat` is echoed.
 
+Asynchronous steps: `submit(batch)` does the conductor's first line and returns a
+`StepHandle`; `handle.ready()` looks at the pipe without waiting and, once the answer frame
+is there, does the last line; `handle.result()` waits for it (`run_step` is
+`submit(batch).result()`). Meanwhile the conductor runs other steps, on rank 0 or on another
+worker. The point-to-point transfers between rank 0 and a worker must happen in the same
+order on both sides, one at a time, and they do:
+- at most one step is in flight per worker: `submit`, `heartbeat` and `close` first finish
+  the step in flight (its handle keeps the answer), so no two steps' transfers interleave;
+- every transfer and every conversation with a worker holds its lock (one thread at a
+  time), always in the default group (TP collectives have groups of their own);
+- a message without an answer posted while a step is in flight (a request freed, a KV
+  context forked or truncated meanwhile) is held here and written right after the step's
+  answer is in. The worker would apply it after the step anyway (the pipe is FIFO), and
+  written at once it could fill the pipe while the worker, blocked sending its outputs,
+  reads nothing.
+On a GPU the worker synchronises its device before it answers, so an answer that has
+arrived means outputs that exist: rank 0's receive, queued on its stream, then holds rank
+0's next kernels for the transfer only, never for the worker's computation.
+
 Failures:
 - a node's `RequestError` -> `StepRejected` -> `RequestError` (with `request_ids`) here: the
   conductor fails that request only;
@@ -34,7 +53,9 @@ Failures:
   here: the batch's requests fail, the worker serves on (as the in-process `Worker` does);
 - a worker that dies, closes its pipe, breaks the protocol or does not answer within
   `answer_timeout` -> `WorkerLost(rank, message)`, naming the exit code or signal and the
-  last lines of its stderr. The conductor then stops: every request fails with it.
+  last lines of its stderr. The conductor then stops: every request fails with it. A step
+  in flight counts against `answer_timeout` from its `submit`, also while the conductor is
+  busy elsewhere (`ready()` checks the deadline).
 
 A worker exits when its stdin reaches EOF (the conductor closed it or died) and, on Linux,
 gets SIGKILL when the thread that started it dies (PR_SET_PDEATHSIG): start workers from a
@@ -133,35 +154,61 @@ class _FrameReader:
 
     def __init__(self, fd: int):
         self.fd, self.buf = fd, bytearray()
+        self.eof = False  # the pipe ended; what is buffered may still hold whole frames
 
     def read(self, timeout: float, alive: Any) -> m.Message | None:
-        """The next message; None at EOF; TimeoutError after `timeout` seconds.
-        `alive()` is polled while waiting, so a dead process that left its pipe open
-        (a grandchild holding it) is still noticed."""
+        """The next message; None at EOF; TimeoutError after `timeout` seconds (the pipe is
+        looked at once even when `timeout` is 0). `alive()` is polled while waiting, so a
+        dead process that left its pipe open (a grandchild holding it) is still noticed."""
         deadline = time.monotonic() + timeout
         while True:
-            if len(self.buf) >= _FRAME.size:
-                (n,) = _FRAME.unpack_from(self.buf)
-                if n > m.MAX_MESSAGE_BYTES:
-                    raise ProtocolError(f"a frame of {n} bytes is over the {m.MAX_MESSAGE_BYTES}-byte limit")
-                if len(self.buf) >= _FRAME.size + n:
-                    data = bytes(self.buf[_FRAME.size : _FRAME.size + n])
-                    del self.buf[: _FRAME.size + n]
-                    return m.decode(data)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            ready, _, _ = select.select([self.fd], [], [], min(left, _POLL_S))
-            if not ready:
-                if not alive():
-                    return None
-                continue
-            chunk = os.read(self.fd, 1 << 20)
-            if not chunk:
+            if self._complete():
+                return self._take()
+            if self.eof:
                 if self.buf:
                     raise ProtocolError(f"the pipe ended inside a frame ({len(self.buf)} bytes)")
                 return None
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.fd], [], [], max(0.0, min(left, _POLL_S)))
+            if not ready:
+                if not alive():
+                    return None
+                if left <= 0:
+                    raise TimeoutError
+                continue
+            self._fill()
+
+    def poll(self) -> bool:
+        """True when `read` would return without waiting: a whole frame is buffered, or the
+        pipe ended. Reads what the pipe holds, never blocks."""
+        while not self._complete() and not self.eof:
+            ready, _, _ = select.select([self.fd], [], [], 0)
+            if not ready:
+                return False
+            self._fill()
+        return True
+
+    def _complete(self) -> bool:
+        """A whole frame is buffered (or a header too long to be one: `_take` says so)."""
+        if len(self.buf) < _FRAME.size:
+            return False
+        (n,) = _FRAME.unpack_from(self.buf)
+        return n > m.MAX_MESSAGE_BYTES or len(self.buf) >= _FRAME.size + n
+
+    def _take(self) -> m.Message:
+        (n,) = _FRAME.unpack_from(self.buf)
+        if n > m.MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"a frame of {n} bytes is over the {m.MAX_MESSAGE_BYTES}-byte limit")
+        data = bytes(self.buf[_FRAME.size : _FRAME.size + n])
+        del self.buf[: _FRAME.size + n]
+        return m.decode(data)
+
+    def _fill(self) -> None:
+        chunk = os.read(self.fd, 1 << 20)
+        if chunk:
             self.buf += chunk
+        else:
+            self.eof = True
 
 
 # ------------------------------------------------------------------------------- values
@@ -333,6 +380,10 @@ class _Server:
         ]
         try:
             outputs = self.worker.run_step(StepBatch(msg.node, msg.phase, entries))
+            if self.device.type == "cuda":
+                # answer once the outputs exist: the conductor, which may take the answer while
+                # it runs rank 0's steps, then waits for the transfer only (module docstring)
+                torch.cuda.synchronize(self.device)
             packed = [pack_values(o, INLINE_BYTES, "output") for o in outputs]
             result = m.StepResult(
                 msg.step_id,
@@ -457,6 +508,8 @@ class RemoteWorker:
         self.nodes: list[str] = []
         self._closed = False
         self._lock = threading.Lock()  # one conversation at a time (a watchdog may heartbeat)
+        self._inflight: StepHandle | None = None  # the step sent and not yet answered (one at most)
+        self._held: list[bytes] = []  # messages posted while a step is in flight, sent after it
         self._step_ids = iter(range(1, 1 << 62))
         self._seq = 0
         cmd = [
@@ -526,10 +579,19 @@ class RemoteWorker:
 
     # ------------------------------------------------------------------ WorkerLike
     def run_step(self, batch: StepBatch) -> list[dict[str, Any]]:
-        with self._lock:
-            return self._run_step(batch)
+        """One step, waiting for its outputs: `submit(batch).result()`."""
+        return self.submit(batch).result()
 
-    def _run_step(self, batch: StepBatch) -> list[dict[str, Any]]:
+    def submit(self, batch: StepBatch) -> StepHandle:
+        """Send one step (its frame, then its input tensors) and return without waiting for
+        the answer. A step still in flight is finished first (its handle keeps the answer).
+        Raises at once what is known before the worker runs anything: `WorkerStepError` for
+        a batch that cannot travel, `WorkerLost`."""
+        with self._lock:
+            self._settle()
+            return self._submit(batch)
+
+    def _submit(self, batch: StepBatch) -> StepHandle:
         if self.lost is not None:
             raise WorkerLost(self.rank, self.lost)
         if self.peers is not None:
@@ -550,8 +612,68 @@ class RemoteWorker:
             send_tensors(tensors, self.rank, self.comm)
         except RuntimeError as e:
             self._lose(f"torch.distributed send failed: {e}")
+        self._inflight = StepHandle(self, batch, step_id, time.monotonic() + self.answer_timeout)
+        return self._inflight
+
+    def _settle(self) -> None:
+        """Finish the step in flight, if any, waiting for its answer. Lock held."""
+        if self._inflight is not None:
+            self._receive(self._inflight)
+
+    def _poll(self, handle: StepHandle) -> None:
+        """Take `handle`'s answer if it has arrived (or its deadline passed, or the process
+        ended); never waits for the worker to compute."""
+        if not self._lock.acquire(blocking=False):
+            return  # another thread talks to the worker; it finishes this step first
+        try:
+            if handle.done or self._inflight is not handle:
+                return
+            if (
+                self.lost is not None
+                or self._out.poll()
+                or time.monotonic() > handle.deadline
+                or self.proc.poll() is not None
+            ):
+                self._receive(handle)
+        finally:
+            self._lock.release()
+
+    def _wait(self, handle: StepHandle) -> None:
+        with self._lock:
+            if not handle.done:
+                self._receive(handle)
+
+    def _receive(self, handle: StepHandle) -> None:
+        """Read the answer of the step in flight and receive its outputs; the handle keeps
+        them, or the error (`RequestError`, `WorkerStepError`, `WorkerLost`). Then send what
+        was held back while the step ran. Lock held."""
+        try:
+            handle._outputs = self._answer(handle)
+        except Exception as e:  # raised by handle.result(), in the caller's context
+            handle._error = e
+        finally:
+            handle._done, self._inflight = True, None
+            if handle._outputs is None and handle._error is None:  # interrupted (KeyboardInterrupt)
+                handle._error = WorkerStepError(handle.batch.node, handle.batch.phase, "the wait was interrupted")
+        held, self._held = self._held, []
+        for data in held:
+            if self.lost is not None:
+                break
+            try:
+                self._send_bytes(data)
+            except WorkerLost:
+                break  # the next step or heartbeat reports it
+
+    def _answer(self, handle: StepHandle) -> list[dict[str, Any]]:
+        if self.lost is not None:
+            raise WorkerLost(self.rank, self.lost)
+        batch, step_id = handle.batch, handle.step_id
         while True:
-            msg = self._read(self.answer_timeout, f"running {batch.node}.{batch.phase}")
+            msg = self._read(
+                max(0.0, handle.deadline - time.monotonic()),
+                f"running {batch.node}.{batch.phase}",
+                within=self.answer_timeout,
+            )
             if isinstance(msg, m.Heartbeat):
                 continue  # a late echo of a heartbeat that timed out
             if isinstance(msg, m.WorkerError) and msg.step_id is None:
@@ -598,8 +720,10 @@ class RemoteWorker:
             self._post(m.FreeRequest(request_id))
 
     def heartbeat(self, timeout: float = 10.0) -> float:
-        """Round-trip seconds of a heartbeat; WorkerLost if there is no answer in time."""
+        """Round-trip seconds of a heartbeat; WorkerLost if there is no answer in time. A
+        step in flight is finished first (its handle keeps the answer)."""
         with self._lock:
+            self._settle()
             return self._heartbeat(timeout)
 
     def _heartbeat(self, timeout: float) -> float:
@@ -627,6 +751,7 @@ class RemoteWorker:
             return
         self._closed = True
         _LIVE.discard(self)
+        self._abandon(timeout)
         if self.proc.poll() is None:
             try:
                 self._in.write(_frame(m.Shutdown("closed by the conductor")))
@@ -647,6 +772,20 @@ class RemoteWorker:
             if f is not None:
                 f.close()
 
+    def _abandon(self, timeout: float) -> None:
+        """Take the answer of a step left in flight (its requests ended meanwhile), so the
+        worker is not left blocked sending outputs nobody receives and can read its Shutdown."""
+        handle = self._inflight
+        if handle is None or self.lost is not None or self.proc.poll() is not None:
+            return
+        if self._lock.acquire(timeout=timeout):
+            try:
+                if self._inflight is handle:
+                    handle.deadline = min(handle.deadline, time.monotonic() + timeout)
+                    self._receive(handle)
+            finally:
+                self._lock.release()
+
     # ------------------------------------------------------------------ plumbing
     def _drain(self, stream: IO[bytes]) -> None:
         for raw in iter(stream.readline, b""):
@@ -661,7 +800,10 @@ class RemoteWorker:
             return
         try:
             with self._lock:
-                self._send_bytes(m.encode(msg))
+                if self._inflight is not None:  # after the step's answer (module docstring)
+                    self._held.append(m.encode(msg))
+                else:
+                    self._send_bytes(m.encode(msg))
         except WorkerLost:
             pass
 
@@ -672,11 +814,13 @@ class RemoteWorker:
         except (BrokenPipeError, ValueError, OSError) as e:  # ValueError: the pipe was closed here
             self._lose(f"stopped reading its control pipe ({type(e).__name__})")
 
-    def _read(self, timeout: float, doing: str) -> m.Message:
+    def _read(self, timeout: float, doing: str, within: float | None = None) -> m.Message:
+        """The next frame; WorkerLost when there is none in time. `within`: the limit to name
+        in that message, when `timeout` is what is left of it."""
         try:
             msg = self._out.read(timeout, lambda: self.proc.poll() is None)
         except TimeoutError:
-            self._lose(f"did not answer within {timeout:.0f} s while {doing}")
+            self._lose(f"did not answer within {within if within is not None else timeout:.0f} s while {doing}")
         except (ProtocolError, m.MessageError) as e:
             self._lose(f"sent a bad frame while {doing}: {e}")
         if msg is None:
@@ -710,6 +854,42 @@ class RemoteWorker:
                     f"; the last lines of its stderr:\n{tail}" if tail else "; it wrote nothing to stderr"
                 )
         raise WorkerLost(self.rank, self.lost)
+
+
+class StepHandle:
+    """A step sent by `RemoteWorker.submit`: its answer, once taken (module docstring)."""
+
+    def __init__(self, worker: RemoteWorker, batch: StepBatch, step_id: int, deadline: float):
+        self.worker, self.batch, self.step_id = worker, batch, step_id
+        self.deadline = deadline  # time.monotonic() by which the answer is due
+        self._done = False
+        self._outputs: list[dict[str, Any]] | None = None
+        self._error: Exception | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.worker.rank
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def ready(self) -> bool:
+        """Whether the answer is in; takes it (receiving the outputs) if it has arrived, never
+        waits for the worker to compute."""
+        if not self._done:
+            self.worker._poll(self)
+        return self._done
+
+    def result(self) -> list[dict[str, Any]]:
+        """The step's outputs, one dict per entry, waiting for them if need be; raises what
+        `run_step` raises (`RequestError`, `WorkerStepError`, `WorkerLost`)."""
+        if not self._done:
+            self.worker._wait(self)
+        if self._error is not None:
+            raise self._error
+        assert self._outputs is not None
+        return self._outputs
 
 
 def _frame(msg: m.Message) -> bytes:

@@ -232,6 +232,11 @@ def _scalar(entry: Mapping[str, Any], port: str, kind: type) -> Any:
     return kind(value)
 
 
+def _code_items(code: int) -> torch.Tensor:
+    """The `code` port's items on the host: [code], or none (-1: the token was not a code)."""
+    return torch.tensor([code] if code >= 0 else [], dtype=torch.int32)
+
+
 # ---------------------------------------------------------------------------------- node
 class LlamaBackbone(KVNode):
     """The Orpheus LLM node; see the module docstring for its phases, state and settings."""
@@ -503,9 +508,9 @@ class LlamaBackbone(KVNode):
         """Sample one token per entry (one sampler call for the batch) and map it to its code.
 
         Nothing here waits for the device: the code position `k` lives on the device, the
-        sampled tokens and "is a code" bits come back through one `Readback`, and `code` and
-        `done` are `Lazy` outputs resolved from it when the runtime needs them (one step late,
-        see runtime/interpreter.py "lanes")."""
+        sampled tokens and codes come back through one `Readback`, and `code` (a host tensor)
+        and `done` are `Lazy` outputs resolved from it when the runtime needs them (one step
+        late, see runtime/interpreter.py "lanes")."""
         states = attn.states
         kv_after = [s.start + s.q_len for s in attn.seqs]
         k = torch.stack([st["k"] for st in states])
@@ -524,8 +529,10 @@ class LlamaBackbone(KVNode):
         is_code = (codes >= 0) & (codes < self.codebook)
         for st, k_next in zip(states, (k + is_code).unbind(0)):
             st["k"] = k_next
-        back = Readback(torch.stack([tokens, is_code.long()]))
-        tok32, codes32 = tokens.to(torch.int32), codes.to(torch.int32)
+        # one background copy: the tokens (for `done`) and the codes (for `code`, as host
+        # tensors: the SNAC consumer then checks and uploads them without a device wait)
+        back = Readback(torch.stack([tokens, torch.where(is_code, codes, -1)]))
+        tok32 = tokens.to(torch.int32)
         out: Batch = []
         for i, (st, kv) in enumerate(zip(states, kv_after)):
             st["step"] += 1
@@ -533,7 +540,7 @@ class LlamaBackbone(KVNode):
             limit = st["step"] >= st["max_tokens"] or kv >= self.max_seq_len
             out.append({
                 "token": tok32[i : i + 1],
-                "code": Lazy(lambda i=i: codes32[i : i + 1] if back.values()[1][i] else codes32[i:i]),
+                "code": Lazy(lambda i=i: _code_items(back.values()[1][i])),
                 "done": True if limit else Lazy(lambda i=i: back.values()[0][i] == self.eos),
             })
         return out

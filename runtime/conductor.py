@@ -5,9 +5,30 @@ inputs and queues it; `step` runs one iteration of the engine loop:
 
 1. admit waiting requests (up to `max_running`), starting each one's main `WalkTask`;
 2. advance every runnable task until it blocks on a step, a chunk, space, or children;
-3. let the `Scheduler` pick the next group of ready steps (same node, phase, ranks);
-4. reserve KV pages for its entries, preempting the newest request when a pool is full;
-5. run the group as one batched step on its worker(s) and resume the tasks with outputs.
+3. take the answers of remote steps that have arrived, resuming their tasks;
+4. let the `Scheduler` pick the next group of ready steps (same node, phase, ranks) among
+   those whose ranks are free;
+5. reserve KV pages for its entries, preempting the newest request when a pool is full;
+6. run the group as one batched step on its worker(s) and resume the tasks with outputs.
+
+Remote steps overlap: a group on one rank > 0 (a worker process, `remote.RemoteWorker`) is
+sent with `submit` and the loop goes on with other ready groups (the backbone's next decode
+on rank 0, say) while it runs; its answer is taken between steps once it is there, or waited
+for when nothing else can run. At most one step is in flight per rank (the scheduler leaves
+out groups on a busy rank). While a request has a step in flight it is never preempted (the
+conductor first takes every answer in flight); if it ends meanwhile (cancelled, timed out,
+failed by another of its steps) its pages are freed at once and the answer is dropped when
+it comes: the worker frees its state after the step, since its pipe is FIFO, and every
+later step that could reuse those pages runs on the same, still busy, rank. Local steps and
+tensor-parallel groups run synchronously. `stats` counts `remote_steps` (sent without
+waiting), `overlapped_steps` (started while a remote step was in flight) and
+`remote_wait_seconds` (blocked on an answer with nothing else to run).
+
+Overlap lets work on other ranks move ahead of a remote step, so who is batched with whom
+can change with timing (tokens stay the same; floats may differ in the last bits, as with
+any change of batch). `overlap=False` keeps the one-rank order of steps, for bit-exact
+comparisons; in lockstep workloads (Orpheus requests decoding together: every window is
+released at the same step for all of them) the batches, and so the outputs, are the same.
 
 Requests join and leave between steps (continuous batching); a finished request frees its
 pages at once. A preempted request restarts from scratch later; whatever it already
@@ -47,7 +68,7 @@ from mstar_runtime.kv_cache import OutOfPages
 from mstar_runtime.node import KVNode, NodeSpec, RequestError
 from mstar_runtime.plan import Plan
 from mstar_runtime.remote import EngineStopped, WorkerLost
-from mstar_runtime.scheduler import KVPages, Scheduler
+from mstar_runtime.scheduler import GroupKey, KVPages, Scheduler
 from mstar_runtime.streams import StreamBuffer, StreamError, policy_from_spec
 from mstar_runtime.validate import TORCH_DTYPES, validate_inputs
 from mstar_runtime.worker import StepBatch, WorkerStepError
@@ -69,6 +90,28 @@ class WorkerLike(Protocol):
     def copy_slots(self, node: str, copy: Any) -> None: ...
     def free(self, request_id: str) -> None: ...
     def drop_tag(self, node: str, request_id: str, tag: str) -> None: ...
+
+
+class StepHandleLike(Protocol):
+    def ready(self) -> bool: ...
+    def result(self) -> list[dict[str, Any]]: ...
+
+
+def _can_submit(worker: WorkerLike) -> bool:
+    """Whether the worker sends steps without waiting (`RemoteWorker.submit`). Looked up on
+    the class, so a proxy that overrides only `run_step` (and forwards the rest) keeps the
+    synchronous path it means to intercept."""
+    return callable(getattr(type(worker), "submit", None))
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A step sent to a worker process whose answer the conductor has not taken yet."""
+
+    key: GroupKey
+    entries: list[tuple[StepCall, StepEntry]]
+    handle: StepHandleLike
+    seconds: float  # host seconds spent sending it
 
 
 class Listener(Protocol):
@@ -161,8 +204,11 @@ class Conductor:
     """Admission, per-request walk interpreters, the scheduler loop, streams, transitions."""
 
     def __init__(self, plan: Plan, workers: Mapping[int, WorkerLike], *, max_running: int | None = None,
-                 preempt_every: int | None = None, request_timeout: float | None = None):
+                 preempt_every: int | None = None, request_timeout: float | None = None, overlap: bool = True):
+        """`overlap=False` waits for every remote step as it is sent: the order of steps, and so
+        who is batched with whom, is then exactly that of one rank (bit-exact comparisons)."""
         self.plan = plan
+        self.overlap = overlap
         self.workers = dict(workers)
         limits = {name: int(n.settings["max_batch"]) for name, n in plan.nodes.items()
                   if isinstance(n.settings.get("max_batch"), int) and not isinstance(n.settings.get("max_batch"), bool)}
@@ -186,9 +232,11 @@ class Conductor:
         self._ids = itertools.count()
         self._seq = itertools.count()
         self._readmit_after_finish = False
+        self._inflight: dict[int, _InFlight] = {}  # rank -> its step sent without waiting, in send order
         self.broken: str | None = None  # set when a worker process was lost: the engine has stopped
         self.stats: dict[str, float] = {"steps": 0, "batched_entries": 0, "wasted_steps": 0, "preemptions": 0,
-                                        "finished": 0, "failed": 0, "cancelled": 0, "step_seconds": 0.0}
+                                        "finished": 0, "failed": 0, "cancelled": 0, "step_seconds": 0.0,
+                                        "remote_steps": 0, "overlapped_steps": 0, "remote_wait_seconds": 0.0}
 
     # ------------------------------------------------------------------ public
     def submit(self, walk: str, inputs: Mapping[str, Any], *, request_id: str | None = None,
@@ -219,7 +267,7 @@ class Conductor:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self._inflight
 
     def run_until_idle(self, on_step: Callable[[], None] | None = None) -> None:
         while self.step():
@@ -230,9 +278,15 @@ class Conductor:
         """One engine-loop iteration. Returns False when there is nothing left to do."""
         self._expire()
         self._admit()
+        self._collect()
         self._drive()
-        picked = self.scheduler.next_group(self.pending)
+        picked = self.scheduler.next_group(self.pending, busy=self._inflight.keys())
         if picked is None:
+            if self._inflight:  # nothing else can run: wait for the oldest remote step
+                t0 = time.perf_counter()
+                self._take(next(iter(self._inflight)))
+                self.stats["remote_wait_seconds"] += time.perf_counter() - t0
+                return True
             stuck = [r for r in self.running if not r.done]
             for r in stuck:  # tasks blocked on nothing that can ever arrive: a walk bug, never a hang
                 self._fail(r, "walk cannot make progress (all of its tasks wait on each other)")
@@ -399,6 +453,11 @@ class Conductor:
                 self._fork(req, f)
                 return True
             except OutOfPages:
+                if self._inflight:  # never preempt a request with a step in flight: take them all first
+                    self._quiesce()
+                    if req.state != RUNNING:  # an answer ended or preempted it
+                        return False
+                    continue
                 victim = self._newest_holding_kv()
                 if victim is None or (victim is req and len(self._kv_holders()) == 1):
                     self._fail(req, f"forking KV context {f.node}@{f.src} needs a page the pool does not have; "
@@ -439,6 +498,11 @@ class Conductor:
             try:
                 kv = self.kv.reserve((node, rank), key, plan)
             except OutOfPages:
+                if self._inflight:  # never preempt a request with a step in flight: take them all first
+                    self._quiesce()
+                    if call.request.state != RUNNING or call not in self.pending:
+                        return None
+                    continue
                 victim = self._newest_holding_kv()
                 if victim is None or victim is call.request and len(self._kv_holders()) == 1:
                     self._fail(call.request, f"request needs more KV pages for node '{node}' than its pool holds "
@@ -459,41 +523,91 @@ class Conductor:
         return max(holders, key=lambda r: r.arrival) if holders else None
 
     # ------------------------------------------------------------------ running a step
-    def _run(self, key: tuple[str, str, tuple[int, ...]], entries: list[tuple[StepCall, StepEntry]]) -> None:
+    def _run(self, key: GroupKey, entries: list[tuple[StepCall, StepEntry]], *, wait: bool = False) -> None:
+        """Run one batched step: sent to a worker process without waiting when it is one rank
+        that can take it (unless `wait`), else here and now."""
         node, phase, ranks = key
         for call, _ in entries:
             self.pending.pop(call, None)
         batch = StepBatch(node, phase, [e for _, e in entries])
+        if self._inflight:
+            self.stats["overlapped_steps"] += 1
+        worker = self.workers[ranks[0]]
         t0 = time.perf_counter()
         try:
+            if len(ranks) == 1 and self.overlap and not wait and _can_submit(worker):
+                handle = worker.submit(batch)  # type: ignore[attr-defined]
+                self._inflight[ranks[0]] = _InFlight(key, entries, handle, time.perf_counter() - t0)
+                self.stats["remote_steps"] += 1
+                return
             outputs = self._dispatch(ranks, batch)
-        except RequestError as e:
-            self._isolate(key, entries, e)
+        except (RequestError, WorkerStepError, WorkerLost) as e:
+            self._step_failed(key, entries, e)
             return
-        except WorkerStepError as e:
-            for call, _ in entries:
-                self._fail(call.request, str(e))
+        self._finish(key, entries, outputs, time.perf_counter() - t0)
+
+    def _collect(self) -> None:
+        """Take the answers of remote steps that have arrived; never waits."""
+        for rank in list(self._inflight):
+            flight = self._inflight.get(rank)
+            if flight is not None and flight.handle.ready():
+                self._take(rank)
+
+    def _quiesce(self) -> None:
+        """Take every answer in flight, waiting for them (oldest first)."""
+        while self._inflight:
+            self._take(next(iter(self._inflight)))
+
+    def _take(self, rank: int) -> None:
+        """Take the answer of `rank`'s step in flight (waiting for it if need be) and apply it
+        to the entries whose tasks still wait for it; the others ended or were dropped
+        meanwhile (their pages were freed or truncated then)."""
+        flight = self._inflight.pop(rank)
+        t0 = time.perf_counter()
+        try:
+            outputs = flight.handle.result()
+        except (RequestError, WorkerStepError, WorkerLost) as e:
+            self._step_failed(flight.key, [(c, e_) for c, e_ in flight.entries if self._waits(c)], e)
             return
-        except WorkerLost as e:  # a worker process died or hung: nothing can run any more
-            self.broken = str(e)
-            for req in list(self.running) + list(self.waiting):
-                self._fail(req, str(e))
-            return
-        self.stats["step_seconds"] += time.perf_counter() - t0
+        self._finish(flight.key, flight.entries, outputs, flight.seconds + time.perf_counter() - t0)
+
+    def _waits(self, call: StepCall) -> bool:
+        """Whether the call's task still waits for its outputs (not ended, dropped or preempted)."""
+        return not call.request.done and call.task is not None and call.task in call.request.tasks
+
+    def _finish(self, key: GroupKey, entries: list[tuple[StepCall, StepEntry]], outputs: list[dict[str, Any]],
+                seconds: float) -> None:
+        """A step's outputs: KV of entries that keep nothing truncated, tasks resumed."""
+        node = key[0]
+        self.stats["step_seconds"] += seconds
         self.stats["steps"] += 1
         self.stats["batched_entries"] += len(entries)
         for (call, entry), out in zip(entries, outputs):
+            if not self._waits(call):
+                continue
             if entry.kv is not None and not entry.kv.keep:
                 self._truncate(node, (entry.request_id, entry.tag or "main"), entry.kv.start)
             call.request.stats.steps += 1
             self._task_calls.pop(call.task, None)
-            if call.task is not None and not call.request.done:
-                self.ready.append((call.task, out, None))
+            self.ready.append((call.task, out, None))
         if self.preempt_every and self.stats["steps"] % self.preempt_every == 0:
+            self._quiesce()  # never preempt a request with a step in flight
             # each request is preempted at most once by the forced mode, so every one finishes
             fresh = [r for r in self.running if r.stats.preemptions == 0]
             if fresh:
                 self._preempt(max(fresh, key=lambda r: r.arrival), forced=True)
+
+    def _step_failed(self, key: GroupKey, entries: list[tuple[StepCall, StepEntry]], error: Exception) -> None:
+        if isinstance(error, RequestError):
+            self._isolate(key, entries, error)
+        elif isinstance(error, WorkerStepError):
+            for call, _ in entries:
+                self._fail(call.request, str(error))
+        else:  # WorkerLost: a worker process died or hung; nothing can run any more
+            self.broken = str(error)
+            self._inflight.clear()  # the workers are shut down with their steps (RemoteWorker.close)
+            for req in list(self.running) + list(self.waiting):
+                self._fail(req, str(error))
 
     def _dispatch(self, ranks: tuple[int, ...], batch: StepBatch) -> list[dict[str, Any]]:
         if len(ranks) == 1:
@@ -507,7 +621,10 @@ class Conductor:
         return results[0]
 
     def _isolate(self, key, entries, error: RequestError) -> None:
-        """A node rejected one entry of a batch: rerun them one by one so only the culprit fails."""
+        """A node rejected one entry of a batch: rerun them one by one (waiting for each) so
+        only the culprit fails."""
+        if not entries:
+            return
         if len(entries) == 1:
             call = entries[0][0]
             self._fail(call.request, str(error), error.field)
@@ -522,7 +639,7 @@ class Conductor:
                 continue
             single = self._reserve(key, [call])
             if single:
-                self._run(key, single)
+                self._run(key, single, wait=True)
 
     # ------------------------------------------------------------------ endings
     def _walk_finished(self, req: Request) -> None:

@@ -5,7 +5,9 @@ run as one batched step (continuous batching: requests join and leave between st
 branches of one request on different KV tags share a group). The largest group runs next
 (a bigger batch costs about the same GPU time as a small one), up to `max_batch` entries in
 issue order; the group of a call that has been passed over `max_wait` times runs first, so
-no request starves.
+no request starves. Groups on a `busy` rank (one that still runs a step the conductor sent
+without waiting for it) are left out until it is free: a call waiting for its rank is not
+passed over by choice, so its count stands still.
 
 `KVPages` holds the `BlockManager` of every KV node and turns an entry's `SeqPlan` into
 the `KVSlots` the worker writes to. It never preempts by itself: when a reservation fails
@@ -14,7 +16,7 @@ it raises `OutOfPages`, and the conductor decides whom to preempt.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from mstar_runtime.engines import KVSlots
@@ -36,12 +38,23 @@ class Scheduler:
     max_wait: int = 8  # times a ready call may be passed over before its group must run
     _passed: dict[int, int] = field(default_factory=dict)  # call seq -> times passed over
 
-    def next_group(self, ready: Iterable[StepCall]) -> tuple[GroupKey, list[StepCall]] | None:
+    def next_group(
+        self, ready: Iterable[StepCall], busy: Collection[int] = ()
+    ) -> tuple[GroupKey, list[StepCall]] | None:
+        """The next group to run and its calls (at most the batch limit), or None. `busy`:
+        ranks that cannot take a step now."""
         groups: dict[GroupKey, list[StepCall]] = {}
+        held: dict[int, int] = {}  # calls waiting for a busy rank keep their pass count
+        blocked = frozenset(busy)
         for call in ready:
-            groups.setdefault(group_key(call), []).append(call)
+            key = group_key(call)
+            if blocked and not blocked.isdisjoint(key[2]):
+                if call.seq in self._passed:
+                    held[call.seq] = self._passed[call.seq]
+                continue
+            groups.setdefault(key, []).append(call)
         if not groups:
-            self._passed.clear()
+            self._passed = held
             return None
         oldest = min((c for calls in groups.values() for c in calls), key=lambda c: c.seq)
         if self._passed.get(oldest.seq, 0) >= self.max_wait:
@@ -53,6 +66,7 @@ class Scheduler:
         chosen = {c.seq for c in calls}
         self._passed = {c.seq: self._passed.get(c.seq, 0) + 1
                         for cs in groups.values() for c in cs if c.seq not in chosen}
+        self._passed.update(held)
         return key, calls
 
 

@@ -165,6 +165,11 @@ _ENGINE: tuple[tuple[str, str, str, str], ...] = (
     ("mstar_preemptions_total", "counter", "Requests preempted to free KV pages (engine total)", "preemptions"),
     ("mstar_wasted_speculative_steps_total", "counter",
      "Speculative dynamic-loop steps discarded (engine total)", "wasted_steps"),
+    ("mstar_engine_remote_steps_total", "counter", "Steps sent to worker processes without waiting", "remote_steps"),
+    ("mstar_engine_overlapped_steps_total", "counter",
+     "Engine steps started while a remote step was in flight", "overlapped_steps"),
+    ("mstar_engine_remote_wait_seconds_total", "counter",
+     "Seconds the engine waited for a remote step with nothing else to run", "remote_wait_seconds"),
 )
 _SERVER: tuple[tuple[str, str, str], ...] = (
     ("mstar_requests_active", "gauge", "Requests submitted to the engine and not yet ended"),

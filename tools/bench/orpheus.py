@@ -181,6 +181,10 @@ def run_mstar(plan: Any, workers: dict[int, Any], device: torch.device, batch: i
         "rtf_p50": percentile(rtf, 50), "decode_steps": steps, "decode_step_ms": step_s * 1e3,
         "wall_per_decode_ms": wall / max(tokens - 1, 1) * 1e3,
         "conductor_steps": int(conductor.stats["steps"]), "wasted_steps": int(conductor.stats["wasted_steps"]),
+        # a split placement: steps sent to worker processes, and how many steps ran while one was in flight
+        "remote_steps": int(conductor.stats["remote_steps"]),
+        "overlapped_steps": int(conductor.stats["overlapped_steps"]),
+        "remote_wait_s": conductor.stats["remote_wait_seconds"],
     }
 
 

@@ -3,8 +3,8 @@
 Rank 0 runs the conductor and an in-process `Worker`; every other rank is a process started
 with `python -m mstar_runtime.remote` (never multiprocessing: nothing is pickled). The
 conductor talks to it through a `RemoteWorker`, which implements the conductor's
-`WorkerLike` (`run_step`, `fork`, `copy_slots`, `drop_tag`, `free`) plus `heartbeat` and
-`close`.
+`WorkerLike` (`run_step`, `fork`, `copy_slots`, `drop_tag`, `free`) plus `submit` (a step
+whose answer is taken later), `heartbeat` and `close`.
 
 Control: typed msgpack messages (`messages.py`, decoded through its allowlist), one per
 frame: a 4-byte big-endian length, then the bytes. The conductor writes to the worker's

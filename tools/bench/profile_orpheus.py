@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from orpheus import compile_plan, run_mstar  # noqa: E402
+from orpheus import ROOT, compile_plan, run_mstar  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,19 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     from mstar_runtime.worker import Worker
 
     variant = "bench" if device.type == "cuda" else "tiny"
-    plan = load_plan(compile_plan(variant, device.type, Path(tempfile.mkdtemp(prefix="prof-orpheus-"))),
+    placement = ROOT / "placements" / ("h200x1.yaml" if device.type == "cuda" else "cpu.yaml")
+    plan = load_plan(compile_plan(variant, placement, Path(tempfile.mkdtemp(prefix="prof-orpheus-"))),
                      device=device.type, kv_pages_cap=None if device.type == "cuda" else 4096)
-    worker = Worker(plan, 0, device, "dummy")
+    workers = {0: Worker(plan, 0, device, "dummy")}
     report = io.StringIO()
-    run_mstar(plan, worker, device, args.batch, args.tokens, 1)  # warm-up: graphs, kernels, allocator
+    run_mstar(plan, workers, device, args.batch, args.tokens, 1)  # warm-up: graphs, kernels, allocator
     t0 = time.perf_counter()
-    plain = run_mstar(plan, worker, device, args.batch, args.tokens, 2)
+    plain = run_mstar(plan, workers, device, args.batch, args.tokens, 2)
     print(f"plain run: {time.perf_counter() - t0:.3f} s, decode step {plain['decode_step_ms']:.2f} ms, "
           f"{plain['tokens_per_s']:.0f} tokens/s", file=report)
 
     prof = cProfile.Profile()
     prof.enable()
-    run_mstar(plan, worker, device, args.batch, args.tokens, 3)
+    run_mstar(plan, workers, device, args.batch, args.tokens, 3)
     prof.disable()
     for key in ("tottime", "cumulative"):
         print(f"\n==== cProfile, B={args.batch}, {args.tokens} tokens, by {key}", file=report)
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as tp:
         t0 = time.perf_counter()
-        run_mstar(plan, worker, device, args.batch, args.tokens, 4)
+        run_mstar(plan, workers, device, args.batch, args.tokens, 4)
         wall = time.perf_counter() - t0
     events = tp.key_averages()
     if device.type == "cuda":

@@ -96,6 +96,7 @@ from mstar_runtime.kv_cache import SlotCopy
 from mstar_runtime.node import RequestError
 from mstar_runtime.plan import Plan, load_plan
 from mstar_runtime.planfile import dump_body
+from mstar_runtime.readback import resolve
 from mstar_runtime.worker import StepBatch, Worker, WorkerStepError
 
 log = logging.getLogger(__name__)
@@ -223,6 +224,7 @@ def pack_values(values: Mapping[str, Any], inline_bytes: int, what: str) -> Pack
     inline: dict[str, torch.Tensor] = {}
     scalars: dict[str, m.Scalar] = {}
     for name, value in values.items():
+        value = resolve(value)  # a node's lazy output (readback.Lazy) crosses as its value
         if isinstance(value, torch.Tensor):
             dtype = m.dtype_name(value.dtype)  # an unsupported dtype is a MessageError (a ValueError)
             if value.numel() == 0 or value.numel() * value.element_size() <= inline_bytes:

@@ -27,12 +27,14 @@ and the graphed path share everything but the call of `fn`.
 What a runner does per step (`StatelessGraphRunner.run`):
 1. picks the smallest bucket B >= n entries (more entries than the largest bucket, or a
    runner whose capture failed, run `fn` eagerly);
-2. copies the n real rows into the bucket's static input buffers (non-blocking) and zeroes
+2. on the runner's first step, captures `fn` for every bucket, largest first, on static
+   input buffers holding zeros: two warm-up runs on a side stream (lazy inits such as
+   cuDNN's algorithm choice must not happen in the capture), then `torch.cuda.graph` into a
+   memory pool shared by all the runner's buckets (a capture synchronises the device: done
+   once up front, it never stalls a pipeline that is already running);
+3. copies the n real rows into the bucket's static input buffers (non-blocking) and zeroes
    rows n..B-1 (pad rows: zeros are a valid input for the contract above, and stale rows
    of an earlier, larger step would be too, but zeros keep every replay reproducible);
-3. on the first use of the bucket, captures `fn` on the static buffers: two warm-up runs on
-   a side stream (lazy inits such as cuDNN's algorithm choice must not happen in the
-   capture), then `torch.cuda.graph` into a memory pool shared by all the runner's buckets;
 4. replays, and returns the outputs' first n rows *cloned*: the graph's outputs are static
    tensors that the next replay of the bucket overwrites, and the clones are what the
    caller may keep (the KV runner's `_slice` does the same).
@@ -263,16 +265,31 @@ class StatelessGraphRunner:
         return out
 
     def _step(self, fn: Callable[..., Outputs], inputs: Sequence[torch.Tensor], n: int, bucket: int) -> Outputs:
-        b = self._state.get(bucket)
-        if b is None:
-            b = self._state[bucket] = _Bucket(bucket, [
-                torch.zeros((bucket, *r.shape), dtype=r.dtype, device=self.phase.device) for r in self._rows or ()
-            ])
+        if not self._state:
+            # the first step captures every bucket, largest first (as the KV runner does): a
+            # capture synchronises the device, and a later one would stall a running pipeline
+            for size in reversed(self.buckets):
+                if self._bucket(size, fn) is None:
+                    break
+        b = self._bucket(bucket, fn) if self.failed is None else None
+        if b is None:  # a capture failed: this step answers eagerly, the runner declines the next
+            return fn(*(to_device(t, self.phase.device) for t in inputs))
         for buf, t in zip(b.inputs, inputs, strict=True):
             src = _pinned(t) if t.device.type == "cpu" and buf.device.type == "cuda" else t
             buf[:n].copy_(src, non_blocking=True)
             if n < bucket:
                 buf[n:].zero_()
+        self.replays += 1
+        return self._slice(b.replay(), bucket, n)
+
+    def _bucket(self, size: int, fn: Callable[..., Outputs]) -> _Bucket | None:
+        """The bucket's static buffers (zeros: a valid input) and graph, captured if new; None
+        when the capture fails (then `failed` says why and no bucket is kept)."""
+        b = self._state.get(size)
+        if b is None:
+            b = self._state[size] = _Bucket(size, [
+                torch.zeros((size, *r.shape), dtype=r.dtype, device=self.phase.device) for r in self._rows or ()
+            ])
         if b.replay is None:
             try:
                 b.replay = self.capture(fn, b.inputs)
@@ -281,10 +298,9 @@ class StatelessGraphRunner:
                 self._state.clear()
                 log.warning("node '%s': CUDA-graph capture failed (%s); its steps run eagerly",
                             self.name, self.failed)
-                return fn(*(to_device(t, self.phase.device) for t in inputs))
+                return None
             self.captures += 1
-        self.replays += 1
-        return self._slice(b.replay(), bucket, n)
+        return b
 
     def _check_inputs(self, inputs: Sequence[torch.Tensor]) -> int:
         """Rows of the step; every input has one row per entry and the row shape of the first step."""

@@ -134,7 +134,7 @@ def test_padded_replays_equal_the_plain_phase() -> None:
         assert len(got) == n
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g["y"], w["y"]) and torch.equal(g["s"], w["s"])
-    assert fake.captured == [4, 1, 2, 8]  # once per bucket, on its first use
+    assert fake.captured == [8, 4, 2, 1]  # every bucket once, largest first, on the first step
     assert runner.replays == 7 and runner.captures == 4  # 9 entries ran eagerly
 
 
@@ -234,7 +234,7 @@ def test_snac_graphed_engine_equals_the_eager_engine(snac: SnacDecoder) -> None:
         want = torch.stack([o["pcm"] for o in plain.run("decode", entries)])
         assert got.shape == (n, 2048) and torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
-    assert fake.captured == [1, 4, 2, 8] and runner.replays == len(sizes) - 1
+    assert fake.captured == [8, 4, 2, 1] and runner.replays == len(sizes) - 1
     windows, words = fake.inputs[4]
     assert windows.dtype == words.dtype == torch.int64 and windows.shape == (4, 28) and words.shape == (4, 3)
     assert not windows[3].any() and not words[3].any()  # the last step's pad row: code 0, key words 0

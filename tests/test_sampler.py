@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mstar_runtime import sampler
 from mstar_runtime.node import RequestError
 from mstar_runtime.sampler import SamplingParams, SamplingTensors, process_logits, sample, uniform, uniforms
 
@@ -225,3 +226,15 @@ def test_penalty_ignores_padding_and_out_of_vocab_ids_in_a_batch() -> None:
     params = [SamplingParams(repetition_penalty=2.0), SamplingParams(repetition_penalty=1.0)]
     out = process_logits(x, params, [torch.tensor([0, 1, 1, 7, -3]), torch.tensor([0, 1, 2])])
     assert torch.equal(out, torch.tensor([[1.0, -4.0, 1.0, -1.0, 0.5], [1.0, 1.0, 1.0, 1.0, 1.0]]))
+
+
+@pytest.mark.parametrize("v", [4096, 156940])
+def test_the_blocked_scan_equals_the_plain_cumsum(v: int) -> None:
+    """The GPU's blocked scan (sampler._cumsum) is the cumsum up to rounding, on ragged last blocks too."""
+    g = torch.Generator().manual_seed(v)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        p = torch.softmax(torch.randn(3, v, generator=g, dtype=torch.float64) * 3, dim=-1).to(dtype)
+        got = sampler._cumsum(p, blocked=True)
+        assert got.shape == p.shape and got.dtype == dtype
+        torch.testing.assert_close(got, p.cumsum(-1), rtol=0, atol=tol)
+    assert torch.equal(sampler._cumsum(p[:, :100], blocked=True), p[:, :100].cumsum(-1))  # short rows: plain

@@ -6,8 +6,9 @@ on the rest of the batch, so a request gives the same tokens alone or batched, a
 when it is recomputed after preemption.
 
 How: inverse-CDF sampling with one uniform number per row. The number is a counter-based
-hash (splitmix64) of (seed, step) computed with int64 tensor ops on the logits' device, the
-same bits as the host function `uniform`; the token is the first whose cumulative
+hash (splitmix64) of (seed, step), computed on the host by `uniform` when the step's
+tensors are built and uploaded with them (`uniforms` computes the same bits with int64
+tensor ops on any device, for checks); the token is the first whose cumulative
 probability (float64, over `softmax(processed_logits)`) exceeds it. So a row's choice is
 exact, costs one softmax, cumsum and search over the vocabulary, and the same (seed, step)
 gives the same draw on any device. (Gumbel-max with a hash per vocabulary entry gives the
@@ -107,6 +108,7 @@ class SamplingTensors:
     sampled_rows: torch.Tensor  # i64 [R]: the non-greedy rows
     top_p_rows: torch.Tensor  # i64 [P]: the rows that use top-p
     history: torch.Tensor | None  # i64 [B, L], -1 = no token; None when no row has a penalty
+    u: torch.Tensor  # f64 [R]: the sampled rows' uniform draws, `uniform(seed, step)` of each
     vocab: int
     any_temperature: bool
     max_top_k: int
@@ -140,8 +142,11 @@ class SamplingTensors:
             ks.append(k)
             ps.append(1.0 if greedy else p.top_p)
             pens.append(p.repetition_penalty)
-        seeds = [_signed64(secrets.randbits(64) if p.seed is None else p.seed) for p in params]
+        raw_seeds = [secrets.randbits(64) if p.seed is None else p.seed for p in params]
+        seeds = [_signed64(x) for x in raw_seeds]
         sampled = [b for b, p in enumerate(params) if not p.greedy]
+        # the draws on the host: a few microseconds of Python against ~30 tiny kernels of `uniforms`
+        u = upload([uniform(raw_seeds[b], steps[b]) for b in sampled], torch.float64, dev)
         top_p_rows = [b for b, p in enumerate(params) if not p.greedy and p.top_p < 1.0]
         ints = upload(ks + seeds + [_signed64(s) for s in steps] + sampled + top_p_rows, torch.int64, dev)
         floats = upload(temps + ps + pens, torch.float32, dev)
@@ -151,7 +156,7 @@ class SamplingTensors:
             temperature=floats[:n], top_p=floats[n : 2 * n], penalty=floats[2 * n :],
             top_k=ints[:n], seed=ints[n : 2 * n], step=ints[2 * n : 3 * n],
             sampled_rows=ints[3 * n : 3 * n + r], top_p_rows=ints[3 * n + r : 3 * n + r + q],
-            history=_pad_histories(histories, penalised, n, dev),
+            history=_pad_histories(histories, penalised, n, dev), u=u,
             vocab=vocab, any_temperature=any(t != 1.0 for t in temps), max_top_k=max(ks, default=0),
             num_sampled=r, num_top_p=q,
         )
@@ -316,9 +321,7 @@ def sample_tensors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         return out
     every = st.num_sampled == st.batch
     sub = scores if every else scores.index_select(0, st.sampled_rows)
-    seed = st.seed if every else st.seed.index_select(0, st.sampled_rows)
-    step = st.step if every else st.step.index_select(0, st.sampled_rows)
-    picked = pick_from_cdf(sub, uniforms(seed, step))
+    picked = pick_from_cdf(sub, st.u)
     return picked if every else out.index_copy(0, st.sampled_rows, picked)
 
 

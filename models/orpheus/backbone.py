@@ -416,10 +416,14 @@ class LlamaBackbone(KVNode):
             if "sampling" not in seq.state:
                 raise RequestError("decode on a KV context that was never prefilled", "token")
         ids = torch.cat([entry["token"] for entry in batch]).to(torch.long)
+        dst, src = [], []
         for i, seq in enumerate(attn.seqs):
             hist = seq.state["history"]
             if hist is not None and seq.start < hist.numel():  # beyond: a decode after `done`
-                hist[seq.start : seq.start + 1].copy_(ids[i : i + 1])
+                dst.append(hist[seq.start : seq.start + 1])
+                src.append(ids[i : i + 1])
+        if dst:
+            torch._foreach_copy_(dst, src)  # one launch for the batch, not one per entry
         logits = attn.run_graphed(
             lambda i, p: self.head(self.forward_hidden(i, p, attn.attend)), ids, attn.positions()
         )

@@ -31,7 +31,7 @@ stage() { echo; echo "==> [$(( $(date +%s) - START )) s] $*"; }
 PY=python3
 STATUS=0
 # benchmark arguments (overridable, e.g. for a dry run of this script on a CPU)
-ORPHEUS_ARGS=${ORPHEUS_ARGS:---tokens 128 --batches 1,16,64 --budget-s 200}
+ORPHEUS_ARGS=${ORPHEUS_ARGS:---tokens 128 --batches 1,16,64 --budget-s 260}
 VJEPA2_ARGS=${VJEPA2_ARGS:---repeats 3}
 
 save_kernels() {
@@ -136,7 +136,7 @@ if [[ "$STAGES" == *" bench "* || "$STAGES" == *" orpheus "* ]]; then
   stage "tools/bench/orpheus.py"
   left=$(( 540 - ($(date +%s) - START) ))
   # shellcheck disable=SC2086  # word splitting of the argument lists is intended
-  timeout $(( left < 235 ? left : 235 )) $PY tools/bench/orpheus.py $ORPHEUS_ARGS --out "$OUT/orpheus.json"
+  timeout $(( left < 300 ? left : 300 )) $PY tools/bench/orpheus.py $ORPHEUS_ARGS --out "$OUT/orpheus.json"
   rc=$?; echo "orpheus bench exit code $rc"; [ $rc -eq 0 ] || STATUS=1
 fi
 

@@ -712,6 +712,9 @@ def dtype_parity(plan: Plan, device: torch.device, prompt_len: int, steps: int) 
         "err_hf": _rel(hf16_on16, ref32_on16),
         "ours_vs_hf16": _rel(ours16, hf16_on16),
         "agree": int((ours16.argmax(-1) == hf16_on16.argmax(-1)).sum()),
+        # greedy agreement with the float32 model, of ours and of HF's bf16
+        "agree32_ours": int((ours16.argmax(-1) == ref32_on16.argmax(-1)).sum()),
+        "agree32_hf": int((hf16_on16.argmax(-1) == ref32_on16.argmax(-1)).sum()),
         "steps": steps + 1,
     }
 
@@ -736,10 +739,12 @@ def test_real_size_parity_on_gpu(tmp_path: Path) -> None:
       SDPA pick different kernels and split-K orders for different shapes (TF32 stays off,
       torch's default), so errors grow with depth and width, but stay ~1e-4.
     - bf16: ours at most 1.25x (+ 2e-3) as far from the float32 logits as HF's bf16 (relative
-      L2; measured on an H200: ours 0.045, HF 0.081 -- the paged attention computes in float32),
-      and the same greedy token at >= 7 of 9 steps (bf16 rounding can flip near-ties; both are
-      equally valid bf16 answers). Ours vs HF bf16 directly is bounded by the sum of the two
-      errors (0.082 measured), so it gets only a sanity bound: 0.15 (unrelated weights: ~1.4).
+      L2; measured on an H200: ours 0.044, HF 0.081 -- the paged attention computes in float32),
+      and the float32 model's greedy token at least as often as HF's bf16 gets it, less one
+      (bf16 rounding flips near-ties). Ours vs HF bf16 directly is bounded by the sum of the two
+      errors (0.082 measured), so it gets only sanity bounds: 0.15 relative L2 (unrelated
+      weights: ~1.4) and the same greedy token at >= 5 of 9 steps (7 before the fused q/k/v and
+      gate/up GEMMs and fused norms changed the bf16 rounding order; 6 measured after).
     """
     assert torch.cuda.is_available()
     plan = load_plan(
@@ -764,4 +769,5 @@ def test_real_size_parity_on_gpu(tmp_path: Path) -> None:
     torch.testing.assert_close(m["ours32"], m["ref32"], rtol=1e-3, atol=1e-3)
     assert m["err_ours"] <= 1.25 * m["err_hf"] + 2e-3, m
     assert m["ours_vs_hf16"] < 0.15, m
-    assert m["agree"] >= 7, m
+    assert m["agree32_ours"] >= m["agree32_hf"] - 1, m
+    assert m["agree"] >= 5, m

@@ -232,9 +232,10 @@ def _scalar(entry: Mapping[str, Any], port: str, kind: type) -> Any:
     return kind(value)
 
 
-def _code_items(code: int) -> torch.Tensor:
-    """The `code` port's items on the host: [code], or none (-1: the token was not a code)."""
-    return torch.tensor([code] if code >= 0 else [], dtype=torch.int32)
+def _code_items(codes: torch.Tensor, code: int, i: int) -> torch.Tensor:
+    """Entry i's `code` items on the host, a view of the step's codes: [code], or none when
+    `code` is -1 (the token was not a code)."""
+    return codes[i : i + 1] if code >= 0 else codes[i:i]
 
 
 def _one_storage(*linears: nn.Linear) -> torch.Tensor:
@@ -558,6 +559,8 @@ class LlamaBackbone(KVNode):
         # tensors: the SNAC consumer then checks and uploads them without a device wait)
         back = Readback(torch.stack([tokens, torch.where(is_code, codes, -1)]))
         tok32 = tokens.to(torch.int32)
+        # the step's codes as one host int32 tensor, made on first use; each entry's items are a view
+        codes_host = Lazy(lambda: torch.tensor(back.values()[1], dtype=torch.int32))
         out: Batch = []
         for i, (st, kv) in enumerate(zip(states, kv_after)):
             st["step"] += 1
@@ -565,7 +568,7 @@ class LlamaBackbone(KVNode):
             limit = st["step"] >= st["max_tokens"] or kv >= self.max_seq_len
             out.append({
                 "token": tok32[i : i + 1],
-                "code": Lazy(lambda i=i: _code_items(back.values()[1][i])),
+                "code": Lazy(lambda i=i: _code_items(codes_host.get(), back.values()[1][i], i)),
                 "done": True if limit else Lazy(lambda i=i: back.values()[0][i] == self.eos),
             })
         return out

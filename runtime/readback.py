@@ -96,6 +96,10 @@ class Lazy:
     def __repr__(self) -> str:
         return f"Lazy({self._value!r})" if self._done else "Lazy(<pending>)"
 
+    def __bool__(self) -> bool:
+        # an object is truthy, so `if flag:` on an unresolved flag would silently say yes
+        raise TypeError("the truth of a Lazy value: resolve() it first (interpreter.read_flag does)")
+
 
 def resolve(value: Any) -> Any:
     """`value`, or its computed value if it is `Lazy`."""

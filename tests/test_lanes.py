@@ -133,6 +133,8 @@ def test_lazy_values_resolve_once_and_everywhere() -> None:
     assert torch.equal(resolve(value), torch.tensor([3, 4])) and torch.equal(value.get(), torch.tensor([3, 4]))
     assert calls == [1]
     assert read_flag(Lazy(lambda: True)) is True and read_flag(Lazy(lambda: torch.tensor([False]))) is False
+    with pytest.raises(TypeError, match="resolve"):
+        bool(Lazy(lambda: False))  # never silently truthy
     assert torch.equal(concat([Lazy(lambda: torch.tensor([1])), torch.tensor([2]), Lazy(lambda: torch.tensor([], dtype=torch.long))]),
                        torch.tensor([1, 2]))
 

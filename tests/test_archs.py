@@ -52,7 +52,7 @@ _CODE2WAV = dict(layers=8, hidden=1024, heads=16, kv_heads=16, head_dim=64, inte
 CORPUS: dict[str, dict[str, tuple[str, dict, dict]]] = {
     "orpheus": {
         "llm": ("llama", _ORPHEUS_LLM, dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128)),
-        "snac": ("snac_decoder", _SNAC_24K, dict(encoder_dim=4, decoder_dim=64)),
+        "snac": ("snac_decoder", {**_SNAC_24K, "window": 28}, dict(encoder_dim=4, decoder_dim=64)),
     },
     "vjepa2": {
         "encoder": ("vjepa2_vit", _VITG, dict(dim=64, depth=2, heads=2, mlp=256)),
@@ -243,7 +243,7 @@ def test_specs_are_well_formed(variant):
             assert spec.bytes() == 4 * spec.param_count()
             assert spec.param_count() == sum(math.prod(t.shape) for t in spec.tensors)
             assert set(spec.dims) <= {"heads", "kv_heads", "head_dim", "hidden", "intermediate", "vocab", "layers",
-                                      "experts", "moe_intermediate"}
+                                      "experts", "moe_intermediate", "activation_elements"}
 
 
 def test_tiny_variants_are_tiny():
@@ -361,3 +361,15 @@ def test_corpus_compiles_with_the_front_end():
             for node in CORPUS[model]:
                 assert ir.nodes[node].arch.param_count() == build(model, node, variant).param_count(), \
                     (model, variant, node)
+
+
+def test_snac_decoder_states_its_peak_activation_per_window():
+    """With `window`, the arch states the peak activation elements of decoding one window, which
+    the memory pass budgets per batch row: by hand for Orpheus' 28-code window (4 frames of 7
+    codes = 16 latent steps; blocks 1024->512 x8, 512->256 x8, 256->128 x4, 128->64 x2)."""
+    assert "activation_elements" not in get_arch("snac_decoder")(_SNAC_24K, "bf16").dims
+    dims = get_arch("snac_decoder")({**_SNAC_24K, "window": 28}, "bf16").dims
+    per_block = [1024 * 16 + 3 * 512 * 128, 512 * 128 + 3 * 256 * 1024, 256 * 1024 + 3 * 128 * 4096,
+                 128 * 4096 + 3 * 64 * 8192]
+    assert dims["activation_elements"] == max(per_block) == 2_097_152
+    assert _error("snac_decoder", {**_SNAC_24K, "window": 30}).arg == "window"  # not whole frames of 7

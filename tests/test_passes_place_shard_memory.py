@@ -690,3 +690,20 @@ def test_qwen3_omni_thinker_at_tp2() -> None:
     assert m.placement.resident[1] == ("code2wav", "code_predictor", "talker", "thinker")
     pools = {r.rank: {k.node: k.pages for k in r.kv} for r in m.memory.ranks}
     assert pools[0]["thinker"] == pools[1]["thinker"]  # one TP group: page ids agree
+
+
+@needs_archs
+def test_a_codec_graph_pool_is_budgeted_per_window() -> None:
+    """Orpheus' SNAC node states its peak activation per 28-code window (arch `window = 28`):
+    the graph pool on its rank is max_batch windows of it, not a transformer's per-token guess."""
+    from mstarc.archs.snac import decode_peak_elements
+
+    walk = (ROOT / "models/orpheus/orpheus.walk").read_text()
+    yaml_text = ("devices: {count: 2, type: cuda, name: H200, memory_gib: 139.8}\nmax_batch: 64\n"
+                 "models:\n  orpheus:\n    nodes:\n      llm: 0\n      prompt: 0\n      snac: 1\n")
+    m = compile_to(walk, yaml_text)
+    snac_rank = m.memory.ranks[1]
+    per_window = 2 * decode_peak_elements({"vq_strides": [4, 2, 1], "decoder_dim": 1024,
+                                           "decoder_rates": [8, 8, 4, 2]}, 28)  # bf16
+    assert snac_rank.graph_pool_bytes == 64 * per_window + 9 * 4 * MIB
+    assert snac_rank.workspace_bytes == 64 * per_window + 256 * MIB  # a batch of windows, not 8192 "tokens"

@@ -31,6 +31,10 @@ SNAC_ARGS = {
     # SNAC's attn_window_size; 0 stands for config.json's null (no LocalMHA), which the
     # .walk language cannot write
     "attn_window": INT(0, minimum=0),
+    # codes per decode call (a node's window, e.g. 28 = 4 frames of 7); 0 = not known. When
+    # given, the arch states the activation a decode of one window holds at its peak
+    # (`activation_elements`), which the compiler's memory pass budgets per batch row.
+    "window": INT(0, minimum=0),
 }
 
 _ATTN_HEAD_DIM = 64  # LocalMHA's dim_head
@@ -131,12 +135,34 @@ def _parse(name: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
     return a, latent
 
 
+def decode_peak_elements(a: Mapping[str, Any], window: int) -> int:
+    """Activation elements a decode of `window` codes holds at its peak: the largest, over the
+    decoder blocks, of the block's input plus three tensors of its upsampled output (the
+    transposed conv's output, a residual unit's inner tensor, their sum).
+
+    A frame holds one code per quantizer time step: sum(max_stride / s) codes (7 for strides
+    [4, 2, 1]) over max_stride latent steps; each decoder rate multiplies the length."""
+    strides = a["vq_strides"]
+    per_frame = sum(max(strides) // s for s in strides)
+    require(window % per_frame == 0, f"window ({window}) must be whole frames of {per_frame} codes", "window")
+    length = window // per_frame * max(strides)
+    ch, peak = a["decoder_dim"], 0
+    for i, rate in enumerate(a["decoder_rates"]):
+        in_dim, out_dim = ch // 2**i, ch // 2 ** (i + 1)
+        peak = max(peak, in_dim * length + 3 * out_dim * length * rate)
+        length *= rate
+    return peak
+
+
 def snac_decoder(args: Mapping[str, Any], dtype: str) -> ArchSpec:
     a, latent = _parse("snac_decoder", args)
     t = Tensors(dtype)
     _quantizer(t, latent, a)
     _decoder(t, latent, a)
-    return t.spec({"hidden": a["decoder_dim"]}, None)
+    dims = {"hidden": a["decoder_dim"]}
+    if a["window"]:
+        dims["activation_elements"] = decode_peak_elements(a, a["window"])
+    return t.spec(dims, None)
 
 
 def snac(args: Mapping[str, Any], dtype: str) -> ArchSpec:

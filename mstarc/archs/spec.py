@@ -66,7 +66,9 @@ class KVGeometry:
 class ArchSpec:
     tensors: tuple[TensorSpec, ...]
     # What tensor parallelism must divide: those present of heads, kv_heads, head_dim,
-    # hidden, intermediate, vocab, layers, experts, moe_intermediate.
+    # hidden, intermediate, vocab, layers, experts, moe_intermediate. Optionally
+    # `activation_elements`: the peak activation elements of one batch row (an arch that is
+    # not a token-wise transformer, e.g. a codec decoding a window), for the memory pass.
     dims: Mapping[str, int] = field(hash=False)
     kv: KVGeometry | None  # None for stateless archs
 

@@ -12,11 +12,13 @@ Ensures:  `model.memory` is a `MemoryIR` with, per rank:
              activations are what the pool holds; 4 MiB per bucket covers each graph's
              executable and private allocations.
   workspace  the largest over the rank's arch nodes (a worker runs one step at a time) of
-             prefill_tokens * act + max_batch * logits, plus 256 MiB on a cuda rank with an
+             rows * act + max_batch * logits, plus 256 MiB on a cuda rank with an
              arch node (FlashInfer's 128 MiB float workspace and cuBLAS workspaces).
-             prefill_tokens is the node's `max_prefill_tokens` setting (default 8192, the
-             chunked-prefill budget).
-  where, per token, with per-rank sizes after sharding and d the node dtype's bytes:
+             rows is the node's `max_prefill_tokens` setting (default 8192, the
+             chunked-prefill budget), or max_batch when act is per item (below).
+  where, per token (per item of a stateless node), with per-rank sizes after sharding and d
+  the node dtype's bytes; an arch whose dims state `activation_elements` (its peak per row,
+  e.g. SNAC's decoder for one window of codes) gets act = d * activation_elements instead:
              act    = d * (4 * hidden + heads_r * head_dim + 2 * kv_heads_r * head_dim
                            + 2 * inter_r)        (residual, norm, attention and MLP outputs;
                                                   q, k, v; gate and up)
@@ -183,7 +185,11 @@ def _graph_pool_and_workspace(cuda: bool, resident: list[I.NodeIR], sharding: di
         act, logits = _act_bytes(n, sharding[n.name])
         if cuda and _graphed(n):
             graph += max_batch * (act + logits) + len(batch_buckets(max_batch)) * GRAPH_BYTES_PER_BUCKET
-        ws = max(ws, _setting(n, "max_prefill_tokens", DEFAULT_PREFILL_TOKENS) * act + max_batch * logits)
+        # act is per token (an eager step holds up to max_prefill_tokens of them), or per item
+        # when the arch states its peak per row (a batch holds max_batch items)
+        per_item = bool(_dims(n).get("activation_elements"))
+        rows = max_batch if per_item else _setting(n, "max_prefill_tokens", DEFAULT_PREFILL_TOKENS)
+        ws = max(ws, rows * act + max_batch * logits)
     if cuda and any(n.arch is not None for n in resident):
         ws += CUDA_WORKSPACE_FIXED
     return graph, ws
@@ -228,6 +234,8 @@ def _act_bytes(node: I.NodeIR, spec: ShardSpec) -> tuple[int, int]:
     dims = _dims(node)
     tp = spec.tp
     d = I.DTYPE_BYTES.get(node.dtype, 2)
+    if dims.get("activation_elements"):  # the arch states its peak per row (e.g. a codec's window)
+        return d * dims["activation_elements"] // tp, 4 * (dims.get("vocab", 0) // tp)
     kv = node.arch.kv if node.arch is not None else None
     head_dim = kv.head_dim if kv is not None else dims.get("head_dim", 0)
     if dims.get("intermediate"):

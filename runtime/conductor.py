@@ -612,13 +612,21 @@ class Conductor:
     def _dispatch(self, ranks: tuple[int, ...], batch: StepBatch) -> list[dict[str, Any]]:
         if len(ranks) == 1:
             return self.workers[ranks[0]].run_step(batch)
-        # a tensor-parallel group: every rank runs its shard; collectives join them
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(len(ranks)) as pool:
-            futures = [pool.submit(self.workers[r].run_step, batch) for r in ranks]
-            results = [f.result() for f in futures]
-        return results[0]
+        # A tensor-parallel group: every rank runs its shard; collectives join them. The worker
+        # processes get their step (and its input tensors) first, so that their input
+        # transfers never wait behind a collective rank 0 has already entered; then this
+        # process runs its own shard; then the answers are taken, also when ours failed (the
+        # transfers of every worker stay in order). No thread per step.
+        handles = {r: self.workers[r].submit(batch) for r in ranks if hasattr(self.workers[r], "submit")}
+        results: dict[int, list[dict[str, Any]]] = {}
+        try:
+            for r in ranks:
+                if r not in handles:
+                    results[r] = self.workers[r].run_step(batch)
+        finally:
+            for r, h in handles.items():
+                results[r] = h.result()
+        return results[ranks[0]]
 
     def _isolate(self, key, entries, error: RequestError) -> None:
         """A node rejected one entry of a batch: rerun them one by one (waiting for each) so

@@ -302,7 +302,11 @@ class StreamBuffer:
                 f"stream items are {tuple(ring.shape[1:])} {ring.dtype} on {ring.device}; "
                 f"got {tuple(items.shape[1:])} {items.dtype} on {items.device}"
             )
-        ring.index_copy_(0, self._positions(self._pushed, self._pushed + n), items)
+        at = self._pushed % ring.shape[0]
+        if at + n <= ring.shape[0]:  # the common case, one slice copy (no index tensor to build)
+            ring[at : at + n].copy_(items)
+        else:
+            ring.index_copy_(0, self._positions(self._pushed, self._pushed + n), items)
         self._pushed += n
 
     def close(self) -> None:
@@ -323,7 +327,7 @@ class StreamBuffer:
         for i, span in enumerate(spans):
             final = self._closed and i == len(spans) - 1
             assert self._ring is not None  # a span exists only after a push
-            items = self._ring.index_select(0, self._positions(span.start, span.end))
+            items = self._read(span.start, span.end)
             chunks.append(Chunk(self._next_index, items, span.context, final, span.start))
             self._next_index += 1
         if self._closed:
@@ -335,6 +339,14 @@ class StreamBuffer:
             self.policy.next_span(self._consumed, self._pushed) is None
             and self.policy.final_span(self._consumed, self._pushed) is None
         )
+
+    def _read(self, start: int, end: int) -> torch.Tensor:
+        """A copy of the items at absolute indices start..end-1 (the ring will be overwritten)."""
+        assert self._ring is not None
+        at = start % self._ring.shape[0]
+        if at + (end - start) <= self._ring.shape[0]:
+            return self._ring[at : at + end - start].clone()
+        return self._ring.index_select(0, self._positions(start, end))
 
     def _positions(self, start: int, end: int) -> torch.Tensor:
         assert self._ring is not None

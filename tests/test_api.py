@@ -18,50 +18,22 @@ import torch
 from mstar_runtime.api import EngineClosed, MStar, RequestFailed, RequestHandle
 from mstar_runtime.node import RequestError
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def compiled_testfamily(factory: pytest.TempPathFactory) -> Path:
-    """The tiny test-family plan, compiled once per session (shared with test_cli_run.py
-    through the session's base temp folder)."""
-    from mstarc.cli import main as mstarc
-
-    out = factory.getbasetemp() / "testfamily-tiny.plan"
-    if not out.exists():
-        args = ["compile", str(ROOT / "models/testfamily/testfamily.walk"), "--variant", "tiny",
-                "-p", str(ROOT / "placements/cpu.yaml"), "-o", str(out)]
-        assert mstarc(args) == 0
-    return out
-
-
-@pytest.fixture(scope="session")
-def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return compiled_testfamily(tmp_path_factory)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # tiny models: intra-op threads only add synchronisation, and on a loaded 2-core box
-    # they made steps 10-100x slower
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def m(plan_path: Path) -> Iterator[MStar]:
-    with MStar.load(plan_path) as engine:
+def m(testfamily_plan: Path) -> Iterator[MStar]:
+    with MStar.load(testfamily_plan) as engine:
         yield engine
 
 
 @pytest.fixture
-def fresh(plan_path: Path) -> Iterator[Callable[..., MStar]]:
+def fresh(testfamily_plan: Path) -> Iterator[Callable[..., MStar]]:
     """An MStar of a test's own (for tests that break, gate or close it)."""
     made: list[MStar] = []
 
     def make(**kwargs: Any) -> MStar:
-        made.append(MStar.load(plan_path, **kwargs))
+        made.append(MStar.load(testfamily_plan, **kwargs))
         return made[-1]
 
     yield make
@@ -120,12 +92,12 @@ def test_submit_result(m: MStar) -> None:
     assert same(m.generate("generate", prompt="hello", max_new=6), out)
 
 
-def test_outputs_match_a_direct_conductor_run(m: MStar, plan_path: Path) -> None:
+def test_outputs_match_a_direct_conductor_run(m: MStar, testfamily_plan: Path) -> None:
     from mstar_runtime.conductor import Conductor
     from mstar_runtime.plan import load_plan
     from mstar_runtime.worker import Worker
 
-    plan = load_plan(plan_path, device="cpu")
+    plan = load_plan(testfamily_plan, device="cpu")
     c = Conductor(plan, {0: Worker(plan, 0, "cpu", "dummy")})
     for walk, inputs in [("generate_left", {"prompt": "abc", "max_new": 9}), ("flow", {"prompt": "cat"})]:
         r = c.submit(walk, inputs)

@@ -26,24 +26,10 @@ from mstar_runtime.outputs import safe_name, write_outputs
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="session")
-def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny test-family plan, compiled once per session: test_api.py's fixture compiles
-    to the same file in the session's base temp folder, and whichever runs first does it."""
-    from mstarc.cli import main as mstarc
-
-    out = tmp_path_factory.getbasetemp() / "testfamily-tiny.plan"
-    if not out.exists():
-        args = ["compile", str(ROOT / "models/testfamily/testfamily.walk"), "--variant", "tiny",
-                "-p", str(ROOT / "placements/cpu.yaml"), "-o", str(out)]
-        assert mstarc(args) == 0
-    return out
-
-
 @pytest.fixture(scope="module")
-def m(plan_path: Path) -> Iterator[MStar]:
+def m(testfamily_plan: Path) -> Iterator[MStar]:
     """The same plan in-process: dummy weights are seeded by name, so its outputs are the CLI's."""
-    with MStar.load(plan_path) as engine:
+    with MStar.load(testfamily_plan) as engine:
         yield engine
 
 
@@ -67,9 +53,9 @@ def read_wav(path: Path) -> tuple[wave._wave_params, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- one-shot
-def test_one_shot_writes_the_expected_files(plan_path: Path, m: MStar, tmp_path: Path) -> None:
+def test_one_shot_writes_the_expected_files(testfamily_plan: Path, m: MStar, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    p = mstar_run(str(plan_path), "--walk", "generate", "--input", "prompt=hello there", "--input", "max_new=14",
+    p = mstar_run(str(testfamily_plan), "--walk", "generate", "--input", "prompt=hello there", "--input", "max_new=14",
                   "--out", str(out), "--stream")
     no_traceback(p)
     assert p.returncode == 0, p.stderr
@@ -99,8 +85,8 @@ def test_one_shot_writes_the_expected_files(plan_path: Path, m: MStar, tmp_path:
     assert record["files"] == ["generate.tokens.json", "generate.hidden.safetensors", "generate.audio.wav"]  # declared order
 
 
-def test_bad_input_names_the_field_and_exits_1(plan_path: Path, tmp_path: Path) -> None:
-    p = mstar_run(str(plan_path), "--walk", "generate", "--input", "prompt=x", "--input", "max_new=lots",
+def test_bad_input_names_the_field_and_exits_1(testfamily_plan: Path, tmp_path: Path) -> None:
+    p = mstar_run(str(testfamily_plan), "--walk", "generate", "--input", "prompt=x", "--input", "max_new=lots",
                   "--out", str(tmp_path))
     no_traceback(p)
     assert p.returncode == 1
@@ -108,9 +94,9 @@ def test_bad_input_names_the_field_and_exits_1(plan_path: Path, tmp_path: Path) 
     assert not list(tmp_path.iterdir())  # refused before anything ran
 
 
-def test_corrupt_plan_is_a_clear_error(plan_path: Path, tmp_path: Path) -> None:
+def test_corrupt_plan_is_a_clear_error(testfamily_plan: Path, tmp_path: Path) -> None:
     bad = tmp_path / "corrupt.plan"
-    data = bytearray(plan_path.read_bytes())
+    data = bytearray(testfamily_plan.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte: the checksum catches it
     bad.write_bytes(bytes(data))
     p = mstar_run(str(bad), "--walk", "generate", "--input", "prompt=x")
@@ -119,14 +105,14 @@ def test_corrupt_plan_is_a_clear_error(plan_path: Path, tmp_path: Path) -> None:
     assert p.stderr.startswith(f"mstar-run: error: {bad}") and len(p.stderr.strip().splitlines()) == 1
 
 
-def test_serve_on_a_busy_port_is_one_clear_error(plan_path: Path) -> None:
+def test_serve_on_a_busy_port_is_one_clear_error(testfamily_plan: Path) -> None:
     import socket
 
     with socket.socket() as busy:  # the server binds its port before loading the plan
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        p = mstar_run(str(plan_path), "--serve", "--port", str(port))
+        p = mstar_run(str(testfamily_plan), "--serve", "--port", str(port))
     no_traceback(p)
     assert p.returncode == 1 and "mstar-run: error:" in p.stderr and str(port) in p.stderr
 
@@ -141,9 +127,9 @@ def test_serve_on_a_busy_port_is_one_clear_error(plan_path: Path) -> None:
         ["--requests", "x.jsonl", "--out", "d", "--input", "a=1"],
     ],
 )
-def test_bad_usage_exits_2(plan_path: Path, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_usage_exits_2(testfamily_plan: Path, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
-        main([str(plan_path), *argv])
+        main([str(testfamily_plan), *argv])
     assert e.value.code == 2
     assert "mstar-run: error:" in capsys.readouterr().err
 
@@ -162,7 +148,7 @@ def random_request(rng: random.Random, i: int) -> dict[str, Any]:
     return {"id": f"r{i:03d}", "walk": walk, "inputs": inputs}
 
 
-def test_batch_of_200_loses_none_and_bad_lines_fail_alone(plan_path: Path, m: MStar, tmp_path: Path) -> None:
+def test_batch_of_200_loses_none_and_bad_lines_fail_alone(testfamily_plan: Path, m: MStar, tmp_path: Path) -> None:
     rng = random.Random(7)
     good = [random_request(rng, i) for i in range(200)]
     lines = [json.dumps(r) for r in good]
@@ -177,7 +163,7 @@ def test_batch_of_200_loses_none_and_bad_lines_fail_alone(plan_path: Path, m: MS
     requests.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
 
-    p = mstar_run(str(plan_path), "--requests", str(requests), "--out", str(out))
+    p = mstar_run(str(testfamily_plan), "--requests", str(requests), "--out", str(out))
     no_traceback(p)
     assert p.returncode == 1  # three requests failed
     summary = json.loads((out / "summary.json").read_text())
@@ -212,11 +198,11 @@ def test_batch_of_200_loses_none_and_bad_lines_fail_alone(plan_path: Path, m: MS
     assert tokens == m.submit("generate_left", gen["inputs"]).result(timeout=30)["tokens"].tolist()
 
 
-def test_all_good_batch_exits_0(plan_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_all_good_batch_exits_0(testfamily_plan: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     requests = tmp_path / "ok.jsonl"
     requests.write_text("\n".join(json.dumps({"walk": "chat", "inputs": {"prompt": f"hi {i}", "max_new": 2}})
                                   for i in range(5)) + "\n\n")
-    argv = [str(plan_path), "--requests", str(requests), "--out", str(tmp_path / "o"), "--preempt-every", "4"]
+    argv = [str(testfamily_plan), "--requests", str(requests), "--out", str(tmp_path / "o"), "--preempt-every", "4"]
     assert main(argv) == 0
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert (summary["requests"], summary["finished"], summary["failed"]) == (5, 5, 0)
@@ -224,8 +210,8 @@ def test_all_good_batch_exits_0(plan_path: Path, tmp_path: Path, capsys: pytest.
     assert "finished: 5" in capsys.readouterr().out
 
 
-def test_missing_requests_file_exits_1(plan_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([str(plan_path), "--requests", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]) == 1
+def test_missing_requests_file_exits_1(testfamily_plan: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(testfamily_plan), "--requests", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]) == 1
     assert "does not exist" in capsys.readouterr().err
 
 

@@ -14,9 +14,6 @@ from mstar_models.testfamily.family import Family
 from mstar_runtime.conductor import FAILED, FINISHED, Conductor
 from mstar_runtime.plan import load_plan
 from mstar_runtime.worker import Worker
-from mstarc.cli import main as mstarc
-
-ROOT = Path(__file__).resolve().parent.parent
 
 REQUESTS: list[tuple[str, dict[str, Any]]] = [
     ("generate", {"prompt": "hello world", "max_new": 12}),
@@ -32,17 +29,9 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("plan") / "tf.plan"
-    assert mstarc(["compile", str(ROOT / "models/testfamily/testfamily.walk"), "--variant", "tiny",
-                   "-p", str(ROOT / "placements/cpu.yaml"), "-o", str(out)]) == 0
-    return out
-
-
-def _engine(plan_path: Path, **kw: Any) -> tuple[Conductor, Worker]:
+def _engine(testfamily_plan: Path, **kw: Any) -> tuple[Conductor, Worker]:
     cap = kw.pop("kv_pages_cap", None)
-    plan = load_plan(plan_path, device="cpu", kv_pages_cap=cap)
+    plan = load_plan(testfamily_plan, device="cpu", kv_pages_cap=cap)
     worker = Worker(plan, 0, "cpu", "dummy")
     return Conductor(plan, {0: worker}, **kw), worker
 
@@ -72,8 +61,8 @@ def _same(a: dict[str, Any], b: dict[str, Any], exact: bool = True) -> None:
             assert x == y, (k, x, y)
 
 
-def test_every_walk_equals_the_dense_reference(plan_path: Path) -> None:
-    conductor, worker = _engine(plan_path)
+def test_every_walk_equals_the_dense_reference(testfamily_plan: Path) -> None:
+    conductor, worker = _engine(testfamily_plan)
     family = _family(worker)
     for walk, inputs in REQUESTS:
         (h,) = _run(conductor, [(walk, inputs)])
@@ -86,8 +75,8 @@ def test_every_walk_equals_the_dense_reference(plan_path: Path) -> None:
         _same(h.outputs, final, exact=False)
 
 
-def test_continuous_batching_equals_each_request_alone(plan_path: Path) -> None:
-    conductor, _ = _engine(plan_path)
+def test_continuous_batching_equals_each_request_alone(testfamily_plan: Path) -> None:
+    conductor, _ = _engine(testfamily_plan)
     alone = [_run(conductor, [r])[0].outputs for r in REQUESTS]
     batched = _run(conductor, REQUESTS)
     assert conductor.stats["batched_entries"] > conductor.stats["steps"]  # steps really were shared
@@ -97,10 +86,10 @@ def test_continuous_batching_equals_each_request_alone(plan_path: Path) -> None:
 
 
 @pytest.mark.parametrize("every", [1, 3, 7])
-def test_forced_preemption_gives_identical_outputs(plan_path: Path, every: int) -> None:
-    conductor, _ = _engine(plan_path)
+def test_forced_preemption_gives_identical_outputs(testfamily_plan: Path, every: int) -> None:
+    conductor, _ = _engine(testfamily_plan)
     alone = [_run(conductor, [r])[0].outputs for r in REQUESTS]
-    forced, _ = _engine(plan_path, preempt_every=every)
+    forced, _ = _engine(testfamily_plan, preempt_every=every)
     handles = _run(forced, REQUESTS)
     assert forced.stats["preemptions"] > 0
     for h, want in zip(handles, alone):
@@ -108,10 +97,10 @@ def test_forced_preemption_gives_identical_outputs(plan_path: Path, every: int) 
         _same(h.outputs, want, exact=False)  # tokens exact; floats to rounding (batching reorders sums)
 
 
-def test_a_small_pool_preempts_the_newest_and_loses_nothing(plan_path: Path) -> None:
-    conductor, _ = _engine(plan_path)
+def test_a_small_pool_preempts_the_newest_and_loses_nothing(testfamily_plan: Path) -> None:
+    conductor, _ = _engine(testfamily_plan)
     alone = [_run(conductor, [r])[0].outputs for r in REQUESTS]
-    small, _ = _engine(plan_path, kv_pages_cap=10)
+    small, _ = _engine(testfamily_plan, kv_pages_cap=10)
     handles = _run(small, REQUESTS)
     assert small.stats["preemptions"] > 0
     for h, want in zip(handles, alone):
@@ -120,16 +109,16 @@ def test_a_small_pool_preempts_the_newest_and_loses_nothing(plan_path: Path) -> 
     assert small.kv.used_pages() == 0  # every page came back
 
 
-def test_a_request_that_can_never_fit_is_refused_alone(plan_path: Path) -> None:
-    conductor, _ = _engine(plan_path, kv_pages_cap=2)
+def test_a_request_that_can_never_fit_is_refused_alone(testfamily_plan: Path) -> None:
+    conductor, _ = _engine(testfamily_plan, kv_pages_cap=2)
     big, small = _run(conductor, [("generate", {"prompt": "x" * 200, "max_new": 4}),
                                   ("generate", {"prompt": "ok", "max_new": 4})])
     assert big.state == FAILED and "can never fit" in big.error
     assert small.state == FINISHED
 
 
-def test_dynamic_loops_stop_each_request_at_its_own_step(plan_path: Path) -> None:
-    conductor, _ = _engine(plan_path)
+def test_dynamic_loops_stop_each_request_at_its_own_step(testfamily_plan: Path) -> None:
+    conductor, _ = _engine(testfamily_plan)
     lengths = [1, 2, 5, 9, 13]
     handles = _run(conductor, [("generate", {"prompt": "same", "max_new": n}) for n in lengths])
     for h, n in zip(handles, lengths):
@@ -139,8 +128,8 @@ def test_dynamic_loops_stop_each_request_at_its_own_step(plan_path: Path) -> Non
     assert conductor.stats["wasted_steps"] >= 1
 
 
-def test_streamed_chunks_arrive_while_decoding_in_policy_order(plan_path: Path) -> None:
-    conductor, worker = _engine(plan_path)
+def test_streamed_chunks_arrive_while_decoding_in_policy_order(testfamily_plan: Path) -> None:
+    conductor, worker = _engine(testfamily_plan)
     seen: list[tuple[int, str, int]] = []
 
     class Listener:
@@ -159,8 +148,8 @@ def test_streamed_chunks_arrive_while_decoding_in_policy_order(plan_path: Path) 
     assert h.outputs["audio"].shape == codes[0][1]["audio"].shape
 
 
-def test_finished_and_cancelled_requests_free_their_pages(plan_path: Path) -> None:
-    conductor, _ = _engine(plan_path)
+def test_finished_and_cancelled_requests_free_their_pages(testfamily_plan: Path) -> None:
+    conductor, _ = _engine(testfamily_plan)
     a = conductor.submit("generate", {"prompt": "one", "max_new": 40})
     b = conductor.submit("generate", {"prompt": "two", "max_new": 40})
     for _ in range(6):
@@ -172,8 +161,8 @@ def test_finished_and_cancelled_requests_free_their_pages(plan_path: Path) -> No
     assert a.state == FINISHED and conductor.kv.used_pages() == 0
 
 
-def test_a_loop_count_out_of_range_fails_the_request_naming_its_input(plan_path: Path) -> None:
-    conductor, _ = _engine(plan_path)
+def test_a_loop_count_out_of_range_fails_the_request_naming_its_input(testfamily_plan: Path) -> None:
+    conductor, _ = _engine(testfamily_plan)
     bad, good = _run(conductor, [("flow", {"prompt": "x", "steps": 10_000}), ("flow", {"prompt": "y", "steps": 2})])
     assert bad.state == FAILED and bad.error_field == "steps" and "outside 0.." in bad.error
     assert good.state == FINISHED

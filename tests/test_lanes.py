@@ -21,9 +21,7 @@ from mstar_runtime.interpreter import Frame, concat, read_flag
 from mstar_runtime.plan import load_plan
 from mstar_runtime.readback import Lazy, Readback, resolve, upload
 from mstar_runtime.worker import Worker
-from mstarc.cli import main as mstarc
 
-ROOT = Path(__file__).resolve().parent.parent
 REQUESTS: list[tuple[str, dict[str, Any]]] = [
     ("generate", {"prompt": "hello world", "max_new": 12}),
     ("generate_fixed", {"prompt": "fixed chunks", "max_new": 11}),
@@ -33,16 +31,8 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("plan") / "tf.plan"
-    assert mstarc(["compile", str(ROOT / "models/testfamily/testfamily.walk"), "--variant", "tiny",
-                   "-p", str(ROOT / "placements/cpu.yaml"), "-o", str(out)]) == 0
-    return out
-
-
-def _run(plan_path: Path, requests: list[tuple[str, dict[str, Any]]]) -> list[Any]:
-    plan = load_plan(plan_path, device="cpu")
+def _run(testfamily_plan: Path, requests: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+    plan = load_plan(testfamily_plan, device="cpu")
     conductor = Conductor(plan, {0: Worker(plan, 0, "cpu", "dummy")})
     handles = [conductor.submit(w, dict(i)) for w, i in requests]
     conductor.run_until_idle()
@@ -51,7 +41,7 @@ def _run(plan_path: Path, requests: list[tuple[str, dict[str, Any]]]) -> list[An
 
 
 def test_lazy_outputs_resolve_only_after_the_next_step_was_issued(
-    plan_path: Path, monkeypatch: pytest.MonkeyPatch
+    testfamily_plan: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every lazy value made by LM step n of a request is resolved after that request's step n+1
     was issued, except the last one of each loop (flushed when the loop ends)."""
@@ -79,7 +69,7 @@ def test_lazy_outputs_resolve_only_after_the_next_step_was_issued(
 
     monkeypatch.setattr(Worker, "run_step", run_step)
     monkeypatch.setattr(Lazy, "get", get)
-    handles = _run(plan_path, REQUESTS)
+    handles = _run(testfamily_plan, REQUESTS)
     assert births and len(resolved_at) > len(births) // 2
     early = [(rid, n) for rid, n, v in births if resolved_at.get(id(v), n + 1) <= n]
     # one loop per walk here (chat hands off to `continue`: two walks), so at most two early ones each
@@ -88,8 +78,8 @@ def test_lazy_outputs_resolve_only_after_the_next_step_was_issued(
     assert len(early) < len(births) // 4
 
 
-def test_lazy_and_plain_outputs_give_the_same_results(plan_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    lazy = _run(plan_path, REQUESTS)
+def test_lazy_and_plain_outputs_give_the_same_results(testfamily_plan: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lazy = _run(testfamily_plan, REQUESTS)
     # the same LM, resolving its outputs at once: the interpreter's plain path
     real = tinylm.TinyLM._next_tokens
 
@@ -97,7 +87,7 @@ def test_lazy_and_plain_outputs_give_the_same_results(plan_path: Path, monkeypat
         return [{k: resolve(v) for k, v in o.items()} for o in real(self, last, attn)]
 
     monkeypatch.setattr(tinylm.TinyLM, "_next_tokens", eager)
-    plain = _run(plan_path, REQUESTS)
+    plain = _run(testfamily_plan, REQUESTS)
     for a, b in zip(lazy, plain):
         assert a.outputs.keys() == b.outputs.keys()
         for k in a.outputs:

@@ -60,13 +60,7 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """The ranks share two cores; torch's spinning intra-op threads would slow steps 100x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +43,7 @@ REQUESTS: list[dict[str, Any]] = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """The ranks share two cores; torch's spinning intra-op threads would slow steps 100x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _compile(out: Path, placement: str, variant: str = "tiny") -> Path:

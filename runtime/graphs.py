@@ -59,6 +59,12 @@ log = logging.getLogger(__name__)
 WARMUP_RUNS = 2  # before each capture: lazy inits (cuBLAS handles, FlashInfer JIT) must not happen in it
 
 
+def smallest_bucket(buckets: Sequence[int], n: int) -> int | None:
+    """The smallest of the sorted `buckets` that holds n entries, or None when n is beyond the largest."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if n >= 1 and i < len(buckets) else None
+
+
 @dataclass(frozen=True)
 class PaddedDecode:
     """One decode step padded to a bucket: host arrays (pinned on a GPU), built once per step."""
@@ -178,9 +184,7 @@ class GraphRunner:
         return self.buckets[-1]
 
     def bucket_for(self, n: int) -> int | None:
-        """The smallest bucket that holds n entries, or None when n is beyond the largest."""
-        i = bisect.bisect_left(self.buckets, n)
-        return self.buckets[i] if n >= 1 and i < len(self.buckets) else None
+        return smallest_bucket(self.buckets, n)
 
     def accepts(self, meta: AttentionMetadata, n_entries: int) -> bool:
         """A decode batch that fits a bucket: every entry attends with exactly one new token.

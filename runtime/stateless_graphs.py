@@ -73,7 +73,6 @@ called eagerly on the padded buffers (`eager_capture`), and a test may pass its 
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +80,7 @@ from typing import Any, Protocol
 
 import torch
 
+from mstar_runtime.graphs import smallest_bucket
 from mstar_runtime.node import Batch, NodeError
 
 log = logging.getLogger(__name__)
@@ -227,9 +227,7 @@ class StatelessGraphRunner:
         return self.buckets[-1]
 
     def bucket_for(self, n: int) -> int | None:
-        """The smallest bucket that holds n entries, or None when n is beyond the largest."""
-        i = bisect.bisect_left(self.buckets, n)
-        return self.buckets[i] if n >= 1 and i < len(self.buckets) else None
+        return smallest_bucket(self.buckets, n)
 
     def accepts(self, n: int) -> bool:
         return self.failed is None and self.bucket_for(n) is not None

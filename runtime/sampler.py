@@ -271,13 +271,15 @@ def _top_p(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 _SCAN_BLOCK = 1024
 
 
-def _cumsum(x: torch.Tensor, blocked: bool | None = None) -> torch.Tensor:
+def _cumsum(x: torch.Tensor, blocked: bool | None = None, padded: bool = False) -> torch.Tensor:
     """`x.cumsum(-1)` of a [R, V] tensor. On a GPU a long row is scanned in blocks: a scan inside
     each block of 1,024, then a scan of the block totals added back. torch's scan of a few very
     long rows keeps most of the GPU idle (200-265 us for [16, 156940] on an H200, twice per
     sampled step). The sums are rounded in a different order than a sequential scan, as in any
     parallel scan, so a draw that lands within rounding distance of a token boundary may pick
-    its neighbour (the GPU-vs-CPU sampler test allows for that); on the CPU the plain scan runs."""
+    its neighbour (the GPU-vs-CPU sampler test allows for that); on the CPU the plain scan runs.
+    `padded`: a blocked result may keep its zero-padded tail (each padded column repeats the
+    row's total), contiguous, for a caller that searches it."""
     rows, v = x.shape
     if blocked is None:
         blocked = x.device.type == "cuda"
@@ -287,7 +289,8 @@ def _cumsum(x: torch.Tensor, blocked: bool | None = None) -> torch.Tensor:
     blocks = F.pad(x, (0, nb * _SCAN_BLOCK - v)).view(rows, nb, _SCAN_BLOCK).cumsum(dim=-1)
     totals = blocks[:, :, -1]
     before = totals.cumsum(dim=-1) - totals  # exclusive: what the blocks before each one hold
-    return (blocks + before[:, :, None]).view(rows, nb * _SCAN_BLOCK)[:, :v]
+    out = (blocks + before[:, :, None]).view(rows, nb * _SCAN_BLOCK)
+    return out if padded else out[:, :v]
 
 
 # -------------------------------------------------------------------------------- sampling
@@ -330,7 +333,9 @@ def pick_from_cdf(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
     scores [R, V] (removed = -inf), u float64 [R] in [0, 1)."""
     # float64 CDF: exact enough that a 150k-token vocabulary loses no probability mass.
-    cdf = _cumsum(torch.softmax(scores, dim=-1).to(torch.float64))
+    # padded (on a GPU): the tail repeats the total, which changes neither the search nor `last`,
+    # and a contiguous CDF spares searchsorted a copy of it
+    cdf = _cumsum(torch.softmax(scores, dim=-1).to(torch.float64), padded=True)
     total = cdf[:, -1:]
     picked = torch.searchsorted(cdf, u[:, None] * total, right=True)
     # u * total may round up to total: then take the last token with probability > 0.

@@ -238,3 +238,21 @@ def test_the_blocked_scan_equals_the_plain_cumsum(v: int) -> None:
         assert got.shape == p.shape and got.dtype == dtype
         torch.testing.assert_close(got, p.cumsum(-1), rtol=0, atol=tol)
     assert torch.equal(sampler._cumsum(p[:, :100], blocked=True), p[:, :100].cumsum(-1))  # short rows: plain
+    full = sampler._cumsum(p, blocked=True, padded=True)
+    assert full.is_contiguous() and full.shape[1] % 1024 == 0 and full.shape[1] >= v
+    assert torch.equal(full[:, :v], sampler._cumsum(p, blocked=True))
+    assert bool((full[:, v:] == full[:, v - 1 : v]).all())  # the tail repeats the total
+
+
+def test_a_draw_from_a_padded_cdf_is_the_same_draw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pick_from_cdf over the GPU's padded blocked CDF picks what it picks over the plain one,
+    at the edges too (u = 0, u just below 1 where u * total may round up to the total)."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(4, 5000, generator=g) * 2
+    scores[:, 4000:] = float("-inf")  # zero-probability tail, as top-p leaves
+    u = torch.tensor([0.0, 0.3, 0.999999, 1.0 - 2.0**-53], dtype=torch.float64)
+    plain = sampler.pick_from_cdf(scores, u)
+    real_cumsum = sampler._cumsum
+    monkeypatch.setattr(sampler, "_cumsum", lambda x, blocked=None, padded=False: real_cumsum(x, True, padded))
+    assert torch.equal(sampler.pick_from_cdf(scores, u), plain)
+    assert bool((plain < 4000).all())

@@ -290,7 +290,9 @@ class GraphRunner:
                     self._call(attn, b, fn)
             torch.cuda.current_stream(self.pool.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool):
+            # thread_local: a server thread reading earlier outputs (.cpu()) meanwhile must not
+            # fail this capture (the stateless runner captures the same way)
+            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
                 b.outputs = self._call(attn, b, fn)
             b.graph = graph
 

@@ -163,6 +163,12 @@ class StatelessNode(nn.Module):
             raise NodeError(f"node '{self.spec.name}' ({type(self).__name__}) has no phase '{phase}'")
         return method(batch)
 
+    def graph_phase(self, phase: str) -> Any:
+        """The phase split for CUDA-graph capture (a `stateless_graphs.GraphPhase`: host-side
+        prepare, pure tensor fn, finish), or None: the phase runs eagerly. Override to offer a
+        fixed-shape phase (Orpheus' SNAC window decode does); runtime/stateless_graphs.py."""
+        return None
+
 
 class KVNode(nn.Module):
     """Base of stateful nodes that own paged KV contexts (LLM backbones, AC predictors)."""

@@ -111,6 +111,8 @@ EOF
 #   tests    pytest -m gpu
 #   bench    tools/bench/orpheus.py, then tools/bench/vjepa2.py if time is left
 #   orpheus  tools/bench/orpheus.py only
+#   multigpu on a machine with 2+ GPUs: pytest -m multigpu, then Orpheus for tp 1, tp 2 and
+#            the split placement (orpheus-<placement>.json each)
 # e.g. `STAGES="profile orpheus" bash tools/gpu_check.sh`.
 STAGES=" ${STAGES:-tests bench} "
 if [[ "$STAGES" == *" profile "* ]]; then
@@ -150,6 +152,23 @@ if [[ "$STAGES" == *" bench "* ]] && [ -f tools/bench/vjepa2.py ]; then
   else
     echo "skipped: only $left s left of the 9-minute budget"
   fi
+fi
+
+# ---------------------------------------------------------------------------- 4. several GPUs
+# Issue "multi-GPU runs": the 2-GPU tests, then Orpheus at batch 16 and 64 for tp 1 (one GPU),
+# tp 2 and the split placement (backbone on GPU 0, SNAC on GPU 1), one JSON each.
+if [[ "$STAGES" == *" multigpu "* ]]; then
+  stage "pytest -m multigpu"
+  timeout 150 $PY -m pytest -m multigpu -q -rfEs tests/
+  rc=$?; echo "pytest exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+  for pl in h200x1 h200x2_tp2 h200x2_split; do
+    stage "tools/bench/orpheus.py --placement placements/$pl.yaml"
+    left=$(( 570 - ($(date +%s) - START) ))
+    [ $left -gt 30 ] || { echo "skipped: only $left s left"; continue; }
+    timeout $(( left < 150 ? left : 150 )) $PY tools/bench/orpheus.py --tokens 128 --batches 16,64 --skip-hf \
+      --placement "placements/$pl.yaml" --out "$OUT/orpheus-$pl.json"
+    rc=$?; echo "orpheus bench ($pl) exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+  done
 fi
 
 stage "done (status $STATUS)"

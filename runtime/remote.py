@@ -674,7 +674,7 @@ class RemoteWorker:
             msg = self._read(
                 max(0.0, handle.deadline - time.monotonic()),
                 f"running {batch.node}.{batch.phase}",
-                within=self.answer_timeout,
+                within=handle.within,
             )
             if isinstance(msg, m.Heartbeat):
                 continue  # a late echo of a heartbeat that timed out
@@ -723,8 +723,14 @@ class RemoteWorker:
 
     def heartbeat(self, timeout: float = 10.0) -> float:
         """Round-trip seconds of a heartbeat; WorkerLost if there is no answer in time. A
-        step in flight is finished first (its handle keeps the answer)."""
+        step in flight is finished first (its handle keeps the answer), within the same
+        `timeout`: a hung worker is found in the heartbeat's time, not the step's, and a step
+        that is still computing after `timeout` counts as no answer (a worker answers
+        heartbeats only between steps)."""
         with self._lock:
+            h = self._inflight
+            if h is not None and h.deadline > time.monotonic() + timeout:
+                h.deadline, h.within = time.monotonic() + timeout, timeout
             self._settle()
             return self._heartbeat(timeout)
 
@@ -864,6 +870,7 @@ class StepHandle:
     def __init__(self, worker: RemoteWorker, batch: StepBatch, step_id: int, deadline: float):
         self.worker, self.batch, self.step_id = worker, batch, step_id
         self.deadline = deadline  # time.monotonic() by which the answer is due
+        self.within = worker.answer_timeout  # the limit the deadline stands for, for the message
         self._done = False
         self._outputs: list[dict[str, Any]] | None = None
         self._error: Exception | None = None

@@ -39,7 +39,14 @@ from mstar_runtime.conductor import CANCELLED, FAILED, FINISHED, Conductor
 from mstar_runtime.engines import StepEntry
 from mstar_runtime.interpreter import StepCall
 from mstar_runtime.plan import load_plan
-from mstar_runtime.remote import EngineStopped, RemoteWorker, StepHandle, shutdown_workers, start_workers
+from mstar_runtime.remote import (
+    EngineStopped,
+    RemoteWorker,
+    StepHandle,
+    WorkerLost,
+    shutdown_workers,
+    start_workers,
+)
 from mstar_runtime.scheduler import Scheduler
 from mstar_runtime.worker import StepBatch, Worker
 from mstarc.cli import main as mstarc
@@ -377,6 +384,17 @@ def test_submit_poll_heartbeat_and_held_messages(plans: dict[str, Path]) -> None
         assert first.done
         same(first.result())
         same(second.result())
+        # a worker hung with a step in flight is found in the heartbeat's time, not the step's
+        # (300 s): the case a full CI run once hit, when a SIGSTOP caught a step in flight
+        h = w.submit(batch)
+        os.kill(w.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerLost, match=r"worker rank 1 lost: .*did not answer within 1 s while running "
+                                             r"snac\.decode.*killed here"):
+            w.heartbeat(timeout=1.0)
+        assert time.monotonic() - t0 < 10 and h.done
+        with pytest.raises(WorkerLost):
+            h.result()
 
 
 def test_the_scheduler_leaves_out_busy_ranks_and_keeps_their_pass_counts() -> None:

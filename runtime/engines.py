@@ -57,6 +57,7 @@ from mstar_runtime.attention import AttentionError, AttentionMetadata, KVPool, p
 from mstar_runtime.graphs import GraphRunner, graph_runners
 from mstar_runtime.kv_cache import SlotCopy
 from mstar_runtime.node import AttentionContext, KVNode, NodeError, SeqState, StatelessNode
+from mstar_runtime.readback import upload
 from mstar_runtime.stateless_graphs import Capture, StatelessGraphRunner, stateless_graph_runners
 
 DEFAULT_TAG = "main"  # the KV context of an entry whose tag is None (the conductor's convention)
@@ -110,14 +111,6 @@ def check_outputs(
                 f"(it has: {', '.join(map(str, out)) or 'nothing'})"
             )
     return outputs
-
-
-def _upload_slots(flat: list[int], device: torch.device) -> torch.Tensor:
-    """The step's slot indices on the device. On a GPU through pinned memory and a non-blocking
-    copy: `torch.tensor(..., device=cuda)` would synchronise the stream on every step."""
-    if device.type != "cuda":
-        return torch.tensor(flat, dtype=torch.long, device=device)
-    return torch.tensor(flat, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
 
 
 class _Engine:
@@ -283,7 +276,7 @@ class KVCacheEngine(_Engine):
             # Built once per step, and in a graphed step only if the node attends outside
             # run_graphed; then the backend's per-step plan is made here too, before first use.
             if "slots" not in eager:
-                eager["slots"] = _upload_slots(flat, self.device)
+                eager["slots"] = upload(flat, torch.long, self.device)  # no stream sync on a GPU
                 if graphed and prepare is not None:
                     prepare(pool, meta)
             return eager["slots"]

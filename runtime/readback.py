@@ -41,7 +41,12 @@ def upload_tensor(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return pinned(t).to(device, non_blocking=True)
+
+
+def pinned(t: torch.Tensor) -> torch.Tensor:
+    """`t` in pinned host memory (itself if it is already): the source of a non-blocking upload."""
+    return t if t.is_pinned() else t.pin_memory()
 
 
 class Readback:

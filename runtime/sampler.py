@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar_runtime.node import RequestError
-from mstar_runtime.readback import upload
+from mstar_runtime.readback import upload, upload_tensor
 
 _M64 = 0xFFFFFFFFFFFFFFFF
 
@@ -178,9 +178,7 @@ def _pad_histories(
         padded = torch.full((n, width), -1, dtype=torch.int64)
         for b, h in hs.items():
             padded[b, : h.numel()] = h
-        if device.type == "cuda":
-            return padded.pin_memory().to(device, non_blocking=True)
-        return padded.to(device)
+        return upload_tensor(padded, device)
     return _join_histories(hs, n, width, device)
 
 

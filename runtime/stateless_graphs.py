@@ -82,6 +82,7 @@ import torch
 
 from mstar_runtime.graphs import smallest_bucket
 from mstar_runtime.node import Batch, NodeError
+from mstar_runtime.readback import pinned, upload_tensor
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +117,6 @@ class GraphPhase:
     finish: Callable[[Batch, Outputs], Batch]
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` on `device`; from the host to a GPU through pinned memory, without a stream sync."""
-    if t.device == device or device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return _pinned(t).to(device, non_blocking=True)
-
-
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    # a pageable host -> device copy synchronises its stream; the caching host allocator keeps
-    # a pinned block alive until the non-blocking copies that read it have run
-    return t if t.is_pinned() else t.pin_memory()
-
-
 def run_phase(gp: GraphPhase, batch: Batch, runner: StatelessGraphRunner | None = None) -> Batch:
     """The phase: prepare, `fn` (through `runner` when it takes the batch), check, finish."""
     if not batch:
@@ -137,7 +125,7 @@ def run_phase(gp: GraphPhase, batch: Batch, runner: StatelessGraphRunner | None 
     if runner is not None and runner.accepts(len(batch)):
         outputs = runner.run(gp.fn, prepared.inputs)
     else:
-        outputs = gp.fn(*(to_device(t, gp.device) for t in prepared.inputs))
+        outputs = gp.fn(*(upload_tensor(t, gp.device) for t in prepared.inputs))
     if prepared.check is not None:
         prepared.check()
     return gp.finish(batch, outputs)
@@ -271,9 +259,9 @@ class StatelessGraphRunner:
                     break
         b = self._bucket(bucket, fn) if self.failed is None else None
         if b is None:  # a capture failed: this step answers eagerly, the runner declines the next
-            return fn(*(to_device(t, self.phase.device) for t in inputs))
+            return fn(*(upload_tensor(t, self.phase.device) for t in inputs))
         for buf, t in zip(b.inputs, inputs, strict=True):
-            src = _pinned(t) if t.device.type == "cpu" and buf.device.type == "cuda" else t
+            src = pinned(t) if t.device.type == "cpu" and buf.device.type == "cuda" else t
             buf[:n].copy_(src, non_blocking=True)
             if n < bucket:
                 buf[n:].zero_()

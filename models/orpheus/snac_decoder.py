@@ -63,8 +63,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_runtime.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
-from mstar_runtime.readback import Readback
-from mstar_runtime.stateless_graphs import GraphPhase, Prepared, run_phase, to_device
+from mstar_runtime.readback import Readback, upload_tensor
+from mstar_runtime.stateless_graphs import GraphPhase, Prepared, run_phase
 
 # Orpheus' 7-code frame (models.md 3.3): position in the frame -> SNAC layer.
 FRAME_LAYOUT = (0, 1, 2, 2, 1, 2, 2)
@@ -385,7 +385,7 @@ class SnacDecoder(StatelessNode):
             self._reject_bad_codes(bad_code_report(windows, self.codebook_size).tolist())
             return Prepared((windows, words))
         device = self.device
-        windows = torch.stack([to_device(c, device) for c in codes]).long()
+        windows = torch.stack([upload_tensor(c, device) for c in codes]).long()
         # no wait here: the report comes back while the decode runs, and is read after it is queued
         back = Readback(bad_code_report(windows, self.codebook_size))
         return Prepared((windows, words), check=lambda: self._reject_bad_codes(back.values()))

@@ -126,16 +126,15 @@ def llama3_inv_freq(
 
 
 # --------------------------------------------------------------------------------- modules
+# The modules hold the parameters under the checkpoint's names; the math is `forward_hidden`'s
+# (fused ops, one GEMM for q/k/v and one for gate/up), so they have no forward of their own.
 class RMSNorm(nn.Module):
-    """HF's LlamaRMSNorm: normalise in float32, cast back, then scale (the order matters in bf16)."""
+    """HF's LlamaRMSNorm's gain (`fused.rms_norm` applies it: float32 normalise, cast back, scale)."""
 
     def __init__(self, dim: int, eps: float, **factory: Any):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, **factory))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -153,9 +152,6 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False, **factory)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False, **factory)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False, **factory)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

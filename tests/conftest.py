@@ -41,3 +41,12 @@ def testfamily_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
         assert mstarc(["compile", str(root / "models/testfamily/testfamily.walk"), "--variant", "tiny",
                        "-p", str(root / "placements/cpu.yaml"), "-o", str(out)]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def cuda() -> torch.device:
+    """The GPU with FlashInfer, for `gpu` tests; skips where either is missing."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("flashinfer", reason="flashinfer is not installed (tools/gpu_check.sh installs it)")
+    return torch.device("cuda")

@@ -28,14 +28,6 @@ PAGE, DIM, DT = 16, 128, torch.bfloat16
 HEADS = [(24, 8), (32, 8)]
 
 
-@pytest.fixture(scope="module")
-def cuda() -> torch.device:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("flashinfer", reason="flashinfer is not installed (tools/gpu_check.sh installs it)")
-    return torch.device("cuda")
-
-
 @pytest.fixture
 def rng() -> random.Random:
     seed = int(os.environ.get("MSTAR_TEST_SEED", "0")) or random.SystemRandom().randrange(1, 2**31)

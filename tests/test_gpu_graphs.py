@@ -48,14 +48,6 @@ class GraphedTinyLM(TinyLM):
         return self._next_tokens(hidden, attn)
 
 
-@pytest.fixture(scope="module")
-def cuda() -> torch.device:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("flashinfer", reason="flashinfer is not installed (tools/gpu_check.sh installs it)")
-    return torch.device("cuda")
-
-
 class Driver:
     def __init__(self, engine: KVCacheEngine):
         self.engine, self.blocks = engine, BlockManager(PAGES, PAGE)

@@ -617,7 +617,7 @@ class Conductor:
         # transfers never wait behind a collective rank 0 has already entered; then this
         # process runs its own shard; then the answers are taken, also when ours failed (the
         # transfers of every worker stay in order). No thread per step.
-        handles = {r: self.workers[r].submit(batch) for r in ranks if hasattr(self.workers[r], "submit")}
+        handles = {r: self.workers[r].submit(batch) for r in ranks if _can_submit(self.workers[r])}  # type: ignore[attr-defined]
         results: dict[int, list[dict[str, Any]]] = {}
         try:
             for r in ranks:

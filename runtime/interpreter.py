@@ -142,6 +142,8 @@ class Frame:
     def flush_lane(self) -> None:
         """Apply the lane's queued effects, in order (each through the frame that queued it)."""
         assert self.lane is not None
+        if not self.lane:  # the common case: called at every step call's return
+            return
         queued = list(self.lane)
         self.lane.clear()
         for frame, fn in queued:

@@ -668,8 +668,9 @@ class Conductor:
     def _transition(self, req: Request, t: dict[str, Any]) -> None:
         keep = {(k["node"], k["tag"]): k["as"] for k in t["keep"]}
         for (node, tag), as_tag in keep.items():
-            if tag != as_tag:
-                self._fork(req, ForkKV(node, tag, as_tag))
+            # a full pool preempts (or, if it can never fit, fails) as a walk's own fork does
+            if tag != as_tag and not self._fork_or_preempt(req, ForkKV(node, tag, as_tag)):
+                return
         kept = {(node, as_tag) for (node, _), as_tag in keep.items()}
         for (node, rank), bm in self.kv.managers.items():
             for tag in bm.tags(req.id):

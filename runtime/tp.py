@@ -21,7 +21,6 @@ copies), which is what lets every rank of a group sample the same token from its
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -62,10 +61,6 @@ def build_groups(plan: Plan, rank: int) -> dict[str, Any]:
         i = tuple(shard.ranks).index(rank) // shard.tp * shard.tp
         out[name] = groups[tuple(shard.ranks[i : i + shard.tp])]
     return out
-
-
-def group_of(groups: Mapping[str, Any] | None, node: str) -> Any:
-    return None if groups is None else groups.get(node)
 
 
 def all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:

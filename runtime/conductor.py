@@ -19,10 +19,11 @@ out groups on a busy rank). While a request has a step in flight it is never pre
 conductor first takes every answer in flight); if it ends meanwhile (cancelled, timed out,
 failed by another of its steps) its pages are freed at once and the answer is dropped when
 it comes: the worker frees its state after the step, since its pipe is FIFO, and every
-later step that could reuse those pages runs on the same, still busy, rank. Local steps and
-tensor-parallel groups run synchronously. `stats` counts `remote_steps` (sent without
-waiting), `overlapped_steps` (started while a remote step was in flight) and
-`remote_wait_seconds` (blocked on an answer with nothing else to run).
+later step that could reuse those pages runs on the same, still busy, rank. Local steps run
+synchronously; a tensor-parallel group waits for its leader only (`tp_dispatch.TPDispatch`).
+`stats` counts `remote_steps` (sent without waiting), `overlapped_steps` (started while a
+remote step was in flight) and `remote_wait_seconds` (blocked on an answer with nothing
+else to run).
 
 Overlap lets work on other ranks move ahead of a remote step, so who is batched with whom
 can change with timing (tokens stay the same; floats may differ in the last bits, as with
@@ -67,9 +68,10 @@ from mstar_runtime.interpreter import (
 from mstar_runtime.kv_cache import OutOfPages
 from mstar_runtime.node import KVNode, NodeSpec, RequestError
 from mstar_runtime.plan import Plan
-from mstar_runtime.remote import EngineStopped, WorkerLost
+from mstar_runtime.remote import EngineStopped, WorkerLost, can_submit
 from mstar_runtime.scheduler import GroupKey, KVPages, Scheduler
 from mstar_runtime.streams import StreamBuffer, StreamError, policy_from_spec
+from mstar_runtime.tp_dispatch import TPDispatch
 from mstar_runtime.validate import TORCH_DTYPES, validate_inputs
 from mstar_runtime.worker import StepBatch, WorkerStepError
 
@@ -95,13 +97,6 @@ class WorkerLike(Protocol):
 class StepHandleLike(Protocol):
     def ready(self) -> bool: ...
     def result(self) -> list[dict[str, Any]]: ...
-
-
-def _can_submit(worker: WorkerLike) -> bool:
-    """Whether the worker sends steps without waiting (`RemoteWorker.submit`). Looked up on
-    the class, so a proxy that overrides only `run_step` (and forwards the rest) keeps the
-    synchronous path it means to intercept."""
-    return callable(getattr(type(worker), "submit", None))
 
 
 @dataclass(eq=False)
@@ -233,6 +228,7 @@ class Conductor:
         self._seq = itertools.count()
         self._readmit_after_finish = False
         self._inflight: dict[int, _InFlight] = {}  # rank -> its step sent without waiting, in send order
+        self.tp = TPDispatch(self.workers)
         self.broken: str | None = None  # set when a worker process was lost: the engine has stopped
         self.stats: dict[str, float] = {"steps": 0, "batched_entries": 0, "wasted_steps": 0, "preemptions": 0,
                                         "finished": 0, "failed": 0, "cancelled": 0, "step_seconds": 0.0,
@@ -535,7 +531,7 @@ class Conductor:
         worker = self.workers[ranks[0]]
         t0 = time.perf_counter()
         try:
-            if len(ranks) == 1 and self.overlap and not wait and _can_submit(worker):
+            if len(ranks) == 1 and self.overlap and not wait and can_submit(worker):
                 handle = worker.submit(batch)  # type: ignore[attr-defined]
                 self._inflight[ranks[0]] = _InFlight(key, entries, handle, time.perf_counter() - t0)
                 self.stats["remote_steps"] += 1
@@ -548,6 +544,7 @@ class Conductor:
 
     def _collect(self) -> None:
         """Take the answers of remote steps that have arrived; never waits."""
+        self.tp.poll()
         for rank in list(self._inflight):
             flight = self._inflight.get(rank)
             if flight is not None and flight.handle.ready():
@@ -612,21 +609,7 @@ class Conductor:
     def _dispatch(self, ranks: tuple[int, ...], batch: StepBatch) -> list[dict[str, Any]]:
         if len(ranks) == 1:
             return self.workers[ranks[0]].run_step(batch)
-        # A tensor-parallel group: every rank runs its shard; collectives join them. The worker
-        # processes get their step (and its input tensors) first, so that their input
-        # transfers never wait behind a collective rank 0 has already entered; then this
-        # process runs its own shard; then the answers are taken, also when ours failed (the
-        # transfers of every worker stay in order). No thread per step.
-        handles = {r: self.workers[r].submit(batch) for r in ranks if _can_submit(self.workers[r])}  # type: ignore[attr-defined]
-        results: dict[int, list[dict[str, Any]]] = {}
-        try:
-            for r in ranks:
-                if r not in handles:
-                    results[r] = self.workers[r].run_step(batch)
-        finally:
-            for r, h in handles.items():
-                results[r] = h.result()
-        return results[ranks[0]]
+        return self.tp.run(ranks, batch)  # a tensor-parallel group (runtime/tp_dispatch.py)
 
     def _isolate(self, key, entries, error: RequestError) -> None:
         """A node rejected one entry of a batch: rerun them one by one (waiting for each) so
@@ -677,6 +660,7 @@ class Conductor:
                 if (node, tag) not in kept:
                     bm.free((req.id, tag))
                     self.workers[rank].drop_tag(node, req.id, tag)
+                    self.tp.forget(req.id, node, tag)
         program = self.plan.walk(t["dst"])
         carried = {**req.current_inputs, **{k: v for k, v in req.outputs.items() if not isinstance(v, list)}}
         inputs = validate_inputs(t["dst"], program, {p["name"]: carried[p["name"]] for p in program["inputs"]
@@ -696,6 +680,7 @@ class Conductor:
         self.kv.free_request(req.id)
         for w in self.workers.values():
             w.free(req.id)
+        self.tp.forget(req.id)
         if req in self.running:
             self.running.remove(req)
 

@@ -186,6 +186,14 @@ class GraphRunner:
     def bucket_for(self, n: int) -> int | None:
         return smallest_bucket(self.buckets, n)
 
+    def release(self) -> None:
+        """Drop every captured graph and the graph pool; later steps run eagerly. Called
+        before a process's torch.distributed groups end: a group's teardown can wait forever
+        for NCCL work recorded in a graph that is still alive (runtime/remote.py end_group)."""
+        self._state.clear()
+        self._mempool = None
+        self.failed = "released"
+
     def accepts(self, meta: AttentionMetadata, n_entries: int) -> bool:
         """A decode batch that fits a bucket: every entry attends with exactly one new token.
 

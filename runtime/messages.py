@@ -22,6 +22,7 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, get_args, get_origin
 
@@ -112,6 +113,9 @@ class StepEntry:
     inline: dict[str, torch.Tensor] = field(default_factory=dict)
     scalars: dict[str, Scalar] = field(default_factory=dict)
     kv: KVSlots | None = None
+    # input name -> the name of an output this worker kept from the last replicated step of
+    # the same (node, request_id, tag): the worker's own copy stands in for the value
+    refs: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -136,6 +140,12 @@ class StepRequest:
     node: str
     phase: str
     entries: list[StepEntry]
+    # a step every rank of a tensor-parallel group runs, with the same outputs on each: the
+    # worker keeps its tensor outputs per (node, request_id, tag) for later `refs`
+    replicated: bool = False
+    # False: answer with a `StepResult` without entries, as soon as the step is launched
+    # (the conductor takes the group leader's outputs; nothing waits for this rank's device)
+    send_outputs: bool = True
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -146,7 +156,8 @@ class StepResult:
     step_id: int
     rank: int
     entries: list[ResultEntry]
-    elapsed_s: float = 0.0
+    elapsed_s: float = 0.0  # the worker's time from the step's frame to this answer
+    waited_s: float = 0.0  # its time reading messages since its previous answer (idle + decoding)
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,13 +349,34 @@ def _union_args(tp: Any) -> tuple[Any, ...] | None:
     return None
 
 
+# annotation -> (its union, if it is one: (options but None, None allowed, all primitives);
+# generic origin; generic args), worked out once per annotation, not once per value (a
+# step's message holds thousands of values)
+_Union = tuple[tuple[Any, ...], bool, bool]
+_ANNOTATIONS: dict[Any, tuple[_Union | None, Any, tuple[Any, ...]]] = {}
+# list items whose values are checked by exact type in one pass (int excludes bool, as _is_int)
+_EXACT_ITEMS = frozenset({int, float, str, bytes, bool})
+
+
+def _annotation(tp: Any) -> tuple[_Union | None, Any, tuple[Any, ...]]:
+    info = _ANNOTATIONS.get(tp)
+    if info is None:
+        union = None
+        if (options := _union_args(tp)) is not None:
+            inner = tuple(o for o in options if o is not type(None))
+            union = (inner, type(None) in options, len(inner) > 1 and all(o in _PRIMITIVES for o in inner))
+        info = _ANNOTATIONS[tp] = (union, get_origin(tp), get_args(tp))
+    return info
+
+
 def _convert(value: Any, tp: Any, path: str, to_wire: bool) -> Any:
     """Check ``value`` against annotation ``tp`` and convert it to (or from) its wire form."""
-    if (options := _union_args(tp)) is not None:
-        if value is None and type(None) in options:
+    union, origin, args = _annotation(tp)
+    if union is not None:
+        inner, nullable, primitives = union
+        if value is None and nullable:
             return None
-        inner = [o for o in options if o is not type(None)]
-        if len(inner) > 1 and all(o in _PRIMITIVES for o in inner):
+        if primitives:
             return _convert_primitive_union(value, inner, path)
         if len(inner) != 1:  # else only ``X | None``: keep decoding unambiguous
             raise MessageError(f"{path}: unsupported union annotation {tp}")
@@ -366,13 +398,15 @@ def _convert(value: Any, tp: Any, path: str, to_wire: bool) -> Any:
             return _tensor_to_wire(value, path)
         if not to_wire:
             return _tensor_from_wire(value, path)
-    elif get_origin(tp) is list:
+    elif origin is list:
         if isinstance(value, list):
-            (item,) = get_args(tp)
+            (item,) = args
+            if item in _EXACT_ITEMS and all(type(v) is item for v in value):
+                return list(value)  # page tables, slot lists: no per-item walk (or path string)
             return [_convert(v, item, f"{path}[{i}]", to_wire) for i, v in enumerate(value)]
-    elif get_origin(tp) is dict:
+    elif origin is dict:
         if isinstance(value, dict):
-            key_tp, val_tp = get_args(tp)
+            key_tp, val_tp = args
             if key_tp is not str:
                 raise MessageError(f"{path}: only str-keyed maps are supported")
             if not all(isinstance(k, str) for k in value):
@@ -388,7 +422,7 @@ def _convert(value: Any, tp: Any, path: str, to_wire: bool) -> Any:
     raise MessageError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__}")
 
 
-def _convert_primitive_union(value: Any, options: list[Any], path: str) -> Any:
+def _convert_primitive_union(value: Any, options: Sequence[Any], path: str) -> Any:
     """A value of a union of msgpack primitives (``Scalar``): its own type must be one of the
     options, exactly (no int -> float widening, no bool as int), so encode and decode agree."""
     for tp in options:

@@ -344,10 +344,15 @@ class _Server:
         self.worker, self.rank, self.out = worker, rank, out
         self.device = worker.device
         self.comm = _comm_device(worker.device)
+        self.waited = 0.0  # reading messages since the last answer (StepResult.waited_s)
+        # (node, request_id, tag) -> tensor outputs of its last replicated (TP) step
+        self.kept: dict[tuple[str, str, str | None], dict[str, torch.Tensor]] = {}
 
     def serve(self, inp: BinaryIO) -> int:
         while True:
+            t0 = time.perf_counter()
             msg = read_frame(inp)
+            self.waited += time.perf_counter() - t0
             if msg is None or isinstance(msg, m.Shutdown):
                 return 0
             if isinstance(msg, m.StepRequest):
@@ -359,8 +364,11 @@ class _Server:
                 self.worker.copy_slots(msg.node, _copy_from_wire(msg.copy))
             elif isinstance(msg, m.DropTag):
                 self.worker.drop_tag(msg.node, msg.request_id, msg.tag)
+                self.kept.pop((msg.node, msg.request_id, msg.tag), None)
             elif isinstance(msg, m.FreeRequest):
                 self.worker.free(msg.request_id)
+                for key in [k for k in self.kept if k[1] == msg.request_id]:
+                    del self.kept[key]
             elif isinstance(msg, m.Heartbeat):
                 write_frame(self.out, m.Heartbeat(self.rank, msg.seq))
             else:
@@ -381,7 +389,20 @@ class _Server:
             for e in msg.entries
         ]
         try:
+            for wire, entry in zip(msg.entries, entries):
+                if wire.refs:
+                    entry.inputs.update(self._kept_inputs(msg.node, wire, entry.inputs))
             outputs = self.worker.run_step(StepBatch(msg.node, msg.phase, entries))
+            if msg.replicated:
+                for e, o in zip(msg.entries, outputs):
+                    self.kept[(msg.node, e.request_id, e.tag)] = {
+                        k: v for k, v in o.items() if isinstance(v, torch.Tensor)
+                    }
+            if not msg.send_outputs:
+                # a TP member: the leader answers for the group; nothing here waits for the device
+                write_frame(self.out, m.StepResult(msg.step_id, self.rank, [], time.perf_counter() - t0, self.waited))
+                self.waited = 0.0
+                return
             if self.device.type == "cuda":
                 # answer once the outputs exist: the conductor, which may take the answer while
                 # it runs rank 0's steps, then waits for the transfer only (module docstring)
@@ -395,7 +416,9 @@ class _Server:
                     for e, (metas, inline, scalars, _) in zip(msg.entries, packed)
                 ],
                 time.perf_counter() - t0,
+                self.waited,
             )
+            self.waited = 0.0
             data = m.encode(result)  # encode here, so a value that cannot travel is this step's error
         except RequestError as e:
             ids = getattr(e, "request_ids", None) or [x.request_id for x in entries]
@@ -407,6 +430,27 @@ class _Server:
         self.out.write(_FRAME.pack(len(data)) + data)
         self.out.flush()
         send_tensors([t for p in packed for t in p[3]], 0, self.comm)
+
+    def _kept_inputs(self, node: str, wire: m.StepEntry, sent: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The inputs `wire.refs` names, from this rank's own outputs of the request's last
+        replicated step. A value sent as well (the conductor's `check_refs`) must be equal."""
+        kept = self.kept.get((node, wire.request_id, wire.tag), {})
+        out: dict[str, torch.Tensor] = {}
+        for name, source in wire.refs.items():
+            if source not in kept:
+                raise ProtocolError(
+                    f"input '{name}' of request {wire.request_id} refers to output '{source}' of its "
+                    f"last replicated '{node}' step, which rank {self.rank} does not hold"
+                )
+            value = kept[source]
+            if name in sent and not torch.equal(sent[name].to(value.device), value):
+                raise RuntimeError(
+                    f"rank {self.rank}'s own '{source}' of request {wire.request_id} differs from the "
+                    f"group leader's ({value.tolist()} here, {sent[name].tolist()} there): the ranks of a "
+                    "tensor-parallel group must compute the same outputs"
+                )
+            out[name] = value
+        return out
 
 
 def _error_text(e: BaseException) -> str:
@@ -456,6 +500,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         worker = Worker(plan, rank, plan.torch_device(rank), args.weights, tp_groups=groups)
         write_frame(out, m.WorkerReady(rank, os.getpid(), list(worker.engines), plan_digest(plan)))
         _Server(worker, rank, out).serve(inp)
+        worker.release_graphs()  # before the groups end (end_group)
     except BrokenPipeError:
         os._exit(1)  # the conductor is gone: nobody to tell, nothing to tear down politely
     except Exception as e:
@@ -467,8 +512,42 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
             pass
         # Skip the group's teardown: a peer may be gone, and the conductor kills what is left.
         os._exit(1)
-    dist.destroy_process_group()
+    end_group()
+    if args.device == "cuda":
+        # nothing is left to tear down politely, and NCCL's destructors at interpreter exit
+        # may wait as destroy_process_group does (end_group)
+        sys.stderr.flush()
+        os._exit(0)
     return 0
+
+
+END_GROUP_TIMEOUT_S = 10.0
+
+
+def end_group(timeout: float = END_GROUP_TIMEOUT_S) -> None:
+    """End this process's torch.distributed groups; never raises, never waits longer than
+    `timeout` (then logs and leaves them). NCCL groups are aborted, not destroyed:
+    `destroy_process_group` waits for work recorded in captured CUDA graphs that never
+    completes (pytorch/pytorch#115388), which hung a tensor-parallel run's exit on two H200s;
+    an abort is local. Gloo groups are destroyed."""
+
+    def end() -> None:
+        try:
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if dist.get_backend() == "nccl" and abort is not None:
+                abort()
+            else:
+                dist.destroy_process_group()
+        except Exception as e:  # a group with a dead peer may complain; it is gone either way
+            log.debug("ending the process group: %s", e)
+
+    if not dist.is_initialized():
+        return
+    t = threading.Thread(target=end, name="mstar-end-group", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        log.warning("the torch.distributed group did not end within %.0f s; left as it is", timeout)
 
 
 # ========================================================================= conductor side
@@ -514,6 +593,9 @@ class RemoteWorker:
         self._held: list[bytes] = []  # messages posted while a step is in flight, sent after it
         self._step_ids = iter(range(1, 1 << 62))
         self._seq = 0
+        self._kept_any = False  # a replicated step ran: the worker keeps per-request outputs
+        # send the values of `refs` inputs too, for the worker to compare with its own (tests)
+        self.check_refs = False
         cmd = [
             sys.executable,
             "-m",
@@ -584,16 +666,36 @@ class RemoteWorker:
         """One step, waiting for its outputs: `submit(batch).result()`."""
         return self.submit(batch).result()
 
-    def submit(self, batch: StepBatch) -> StepHandle:
+    def submit(
+        self,
+        batch: StepBatch,
+        *,
+        refs: Sequence[Mapping[str, str]] | None = None,
+        replicated: bool = False,
+        send_outputs: bool = True,
+    ) -> StepHandle:
         """Send one step (its frame, then its input tensors) and return without waiting for
         the answer. A step still in flight is finished first (its handle keeps the answer).
         Raises at once what is known before the worker runs anything: `WorkerStepError` for
-        a batch that cannot travel, `WorkerLost`."""
+        a batch that cannot travel, `WorkerLost`.
+
+        For a tensor-parallel step (`runtime/tp_dispatch.py`): `refs[i]` maps inputs of entry
+        i to outputs the worker kept from that request's last `replicated` step (those values
+        do not travel, unless `check_refs` is set: then the worker compares them);
+        `send_outputs=False` makes the answer an acknowledgement without outputs, sent
+        without waiting for the worker's device (the handle's result is one empty dict per
+        entry)."""
         with self._lock:
             self._settle()
-            return self._submit(batch)
+            return self._submit(batch, refs, replicated, send_outputs)
 
-    def _submit(self, batch: StepBatch) -> StepHandle:
+    def _submit(
+        self,
+        batch: StepBatch,
+        refs: Sequence[Mapping[str, str]] | None = None,
+        replicated: bool = False,
+        send_outputs: bool = True,
+    ) -> StepHandle:
         if self.lost is not None:
             raise WorkerLost(self.rank, self.lost)
         if self.peers is not None:
@@ -601,20 +703,24 @@ class RemoteWorker:
         step_id = next(self._step_ids)
         try:
             wire, tensors = [], []
-            for e in batch.entries:
-                metas, inline, scalars, ts = pack_values(e.inputs, self.inline_bytes, "input")
-                wire.append(m.StepEntry(e.request_id, e.tag, metas, inline, scalars, _kv_to_wire(e.kv)))
+            for i, e in enumerate(batch.entries):
+                entry_refs = dict(refs[i]) if refs is not None else {}
+                values = e.inputs if self.check_refs else {k: v for k, v in e.inputs.items() if k not in entry_refs}
+                metas, inline, scalars, ts = pack_values(values, self.inline_bytes, "input")
+                wire.append(m.StepEntry(e.request_id, e.tag, metas, inline, scalars, _kv_to_wire(e.kv), entry_refs))
                 tensors += ts
-            data = m.encode(m.StepRequest(step_id, batch.node, batch.phase, wire))
+            request = m.StepRequest(step_id, batch.node, batch.phase, wire, replicated, send_outputs)
+            data = m.encode(request)
         except (TypeError, ValueError) as e:  # MessageError is a ValueError
             # Nothing was sent: the worker is fine, this batch cannot travel.
             raise WorkerStepError(batch.node, batch.phase, f"cannot send to rank {self.rank}: {e}") from e
+        self._kept_any = self._kept_any or replicated
         self._send_bytes(data)
         try:
             send_tensors(tensors, self.rank, self.comm)
         except RuntimeError as e:
             self._lose(f"torch.distributed send failed: {e}")
-        self._inflight = StepHandle(self, batch, step_id, time.monotonic() + self.answer_timeout)
+        self._inflight = StepHandle(self, batch, step_id, time.monotonic() + self.answer_timeout, send_outputs)
         return self._inflight
 
     def _settle(self) -> None:
@@ -695,6 +801,11 @@ class RemoteWorker:
                 batch.node, batch.phase, f"on rank {self.rank}: {_strip_head(msg.message, batch)}"
             )
         assert isinstance(msg, m.StepResult)
+        handle.elapsed_s, handle.waited_s = msg.elapsed_s, msg.waited_s
+        if not handle.send_outputs:
+            if msg.entries:
+                self._lose(f"returned outputs for step {step_id}, which asked for none")
+            return [{} for _ in batch.entries]
         if len(msg.entries) != len(batch.entries):
             self._lose(f"returned {len(msg.entries)} results for {len(batch.entries)} entries")
         metas = [meta for e in msg.entries for meta in e.outputs]
@@ -718,7 +829,7 @@ class RemoteWorker:
         self._post(m.DropTag(node, request_id, tag))
 
     def free(self, request_id: str) -> None:
-        if self.has_kv:  # only KV engines keep per-request state
+        if self.has_kv or self._kept_any:  # KV engines and replicated steps keep per-request state
             self._post(m.FreeRequest(request_id))
 
     def heartbeat(self, timeout: float = 10.0) -> float:
@@ -864,11 +975,21 @@ class RemoteWorker:
         raise WorkerLost(self.rank, self.lost)
 
 
+def can_submit(worker: Any) -> bool:
+    """Whether the worker sends steps without waiting (`RemoteWorker.submit`). Looked up on
+    the class, so a proxy that overrides only `run_step` (and forwards the rest) keeps the
+    synchronous path it means to intercept."""
+    return callable(getattr(type(worker), "submit", None))
+
+
 class StepHandle:
     """A step sent by `RemoteWorker.submit`: its answer, once taken (module docstring)."""
 
-    def __init__(self, worker: RemoteWorker, batch: StepBatch, step_id: int, deadline: float):
+    def __init__(self, worker: RemoteWorker, batch: StepBatch, step_id: int, deadline: float, send_outputs: bool = True):
         self.worker, self.batch, self.step_id = worker, batch, step_id
+        self.send_outputs = send_outputs
+        self.elapsed_s = 0.0  # the worker's own time for the step, from its answer
+        self.waited_s = 0.0  # and its time reading messages before it (StepResult.waited_s)
         self.deadline = deadline  # time.monotonic() by which the answer is due
         self.within = worker.answer_timeout  # the limit the deadline stands for, for the message
         self._done = False
@@ -1076,11 +1197,13 @@ def shutdown_workers(workers: Mapping[int, Any]) -> None:
     for w in workers.values():
         if isinstance(w, RemoteWorker):
             w.close()
-    if _OWN_GROUP and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as e:  # a group with a dead peer may complain; it is gone either way
-            log.debug("destroy_process_group: %s", e)
+        elif isinstance(w, Worker) and _OWN_GROUP:
+            try:
+                w.release_graphs()  # before the groups end (end_group)
+            except Exception as e:  # a device in a bad state: the teardown goes on
+                log.warning("rank %d: releasing its CUDA graphs failed: %s", w.rank, e)
+    if _OWN_GROUP:
+        end_group()
     _OWN_GROUP = False
 
 

@@ -153,6 +153,18 @@ class Worker:
         st.entries += len(batch.entries)
         return out
 
+    def release_graphs(self) -> None:
+        """Drop the KV nodes' captured decode graphs (the ones that can hold TP collectives),
+        once their work is done; see `GraphRunner.release`."""
+        runners = [r for e in self.engines.values() if isinstance(e, KVCacheEngine) for r in e.graph_runners.values()]
+        if not runners:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for r in runners:
+            r.release()
+        gc.collect()  # the graphs' last references may sit in frozen or cyclic garbage
+
     # ------------------------------------------------------------------ KV bookkeeping
     def _kv(self, node: str, what: str) -> KVCacheEngine:
         engine = self.engines.get(node)

@@ -170,20 +170,24 @@ def test_backbone_logits_at_tp2_equal_tp1(layer_results: list[dict[str, Any]], s
 
 
 # --------------------------------------------------------------------------- end to end
-def _tts(plan_path: Path, device: str, cap: int | None = None) -> list[dict[str, Any]]:
+def _tts(
+    plan_path: Path, device: str, cap: int | None = None, requests: list[dict[str, Any]] = REQUESTS
+) -> tuple[list[dict[str, Any]], Conductor]:
     plan = load_plan(plan_path, device=device, kv_pages_cap=cap)
     if plan.num_ranks == 1:
         workers: dict[int, Any] = {0: Worker(plan, 0, plan.torch_device(0), "dummy")}
     else:
         workers = start_workers(plan, "dummy", device)
+        for w in workers.values():
+            w.check_refs = True  # a member compares its own fed-back token with the leader's
     try:
         conductor = Conductor(plan, workers)
-        handles = [conductor.submit("tts", dict(r)) for r in REQUESTS]
+        handles = [conductor.submit("tts", dict(r)) for r in requests]
         conductor.run_until_idle()
     finally:
         shutdown_workers(workers)
     assert all(h.state == FINISHED for h in handles), [h.error for h in handles]
-    return [h.outputs for h in handles]
+    return [h.outputs for h in handles], conductor
 
 
 def _assert_same(tp1: list[dict[str, Any]], tp2: list[dict[str, Any]]) -> None:
@@ -194,7 +198,22 @@ def _assert_same(tp1: list[dict[str, Any]], tp2: list[dict[str, Any]]) -> None:
 
 
 def test_greedy_tts_at_tp2_equals_tp1(plans: dict[int, Path]) -> None:
-    _assert_same(_tts(plans[1], "cpu"), _tts(plans[2], "cpu"))
+    (tp1, _), (tp2, conductor) = _tts(plans[1], "cpu"), _tts(plans[2], "cpu")
+    _assert_same(tp1, tp2)
+    # every decode's fed-back token stayed on rank 1: each code but a request's first (from
+    # its prefill) came from a decode, whose `token` input was a reference
+    decodes = sum(int(o["codes"].numel()) - 1 for o in tp2)
+    assert conductor.tp.refs_sent >= decodes
+
+
+def test_sampled_tts_at_tp2_keeps_the_ranks_in_step(plans: dict[int, Path]) -> None:
+    """Sampling (temperature, top-p, repetition penalty): rank 1 draws with the same seeds from
+    the same gathered logits, so its own token, which it feeds back instead of receiving
+    rank 0's, is rank 0's token (check_refs makes rank 1 compare them at every step)."""
+    sampled = [dict(r, temperature=0.8, top_p=0.9, repetition_penalty=1.2) for r in REQUESTS]
+    outputs, conductor = _tts(plans[2], "cpu", requests=sampled)
+    assert all(o["codes"].numel() >= 28 for o in outputs)
+    assert conductor.tp.refs_sent > 0
 
 
 @pytest.mark.gpu
@@ -204,4 +223,4 @@ def test_greedy_tts_at_tp2_equals_tp1_on_gpus(tmp_path: Path) -> None:
     """NCCL for both the step transfers and the TP group; CUDA graphs as the plan says."""
     tp1 = _compile(tmp_path / "tp1.plan", "placements/h200x1.yaml")
     tp2 = _compile(tmp_path / "tp2.plan", "placements/h200x2_tp2.yaml")
-    _assert_same(_tts(tp1, "cuda", cap=256), _tts(tp2, "cuda", cap=256))
+    _assert_same(_tts(tp1, "cuda", cap=256)[0], _tts(tp2, "cuda", cap=256)[0])

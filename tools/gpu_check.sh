@@ -111,8 +111,11 @@ EOF
 #   tests    pytest -m gpu
 #   bench    tools/bench/orpheus.py, then tools/bench/vjepa2.py if time is left
 #   orpheus  tools/bench/orpheus.py only
-#   multigpu on a machine with 2+ GPUs: pytest -m multigpu, then Orpheus for tp 1, tp 2 and
-#            the split placement (orpheus-<placement>.json each)
+#   multigpu on a machine with 2+ GPUs: pytest -m multigpu (unless MULTIGPU_TESTS=0), then Orpheus
+#            for each placement of MULTIGPU_PLACEMENTS (default: tp 1, tp 2 and the split;
+#            orpheus-<placement>.json each)
+#   probe    on 2+ GPUs: tools/probes/nccl_teardown.py, each way of ending a NCCL group whose
+#            all-reduce a CUDA graph captured
 # e.g. `STAGES="profile orpheus" bash tools/gpu_check.sh`.
 STAGES=" ${STAGES:-tests bench} "
 if [[ "$STAGES" == *" profile "* ]]; then
@@ -155,13 +158,24 @@ if [[ "$STAGES" == *" bench "* ]] && [ -f tools/bench/vjepa2.py ]; then
 fi
 
 # ---------------------------------------------------------------------------- 4. several GPUs
+if [[ "$STAGES" == *" probe "* ]]; then
+  for mode in destroy release-destroy abort release-abort; do
+    stage "tools/probes/nccl_teardown.py --mode $mode"
+    timeout 45 $PY -m torch.distributed.run --nproc-per-node 2 tools/probes/nccl_teardown.py --mode "$mode" 2>&1 \
+      | grep -v "^W\|OMP_NUM_THREADS\|\*\*\*\*"
+    echo "probe ($mode) exit code ${PIPESTATUS[0]}"
+  done
+fi
+
 # Issue "multi-GPU runs": the 2-GPU tests, then Orpheus at batch 16 and 64 for tp 1 (one GPU),
 # tp 2 and the split placement (backbone on GPU 0, SNAC on GPU 1), one JSON each.
 if [[ "$STAGES" == *" multigpu "* ]]; then
-  stage "pytest -m multigpu"
-  timeout 150 $PY -m pytest -m multigpu -q -rfEs tests/
-  rc=$?; echo "pytest exit code $rc"; [ $rc -eq 0 ] || STATUS=1
-  for pl in h200x1 h200x2_tp2 h200x2_split; do
+  if [ "${MULTIGPU_TESTS:-1}" = 1 ]; then
+    stage "pytest -m multigpu"
+    timeout 150 $PY -m pytest -m multigpu -q -rfEs tests/
+    rc=$?; echo "pytest exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+  fi
+  for pl in ${MULTIGPU_PLACEMENTS:-h200x1 h200x2_tp2 h200x2_split}; do
     stage "tools/bench/orpheus.py --placement placements/$pl.yaml"
     left=$(( 570 - ($(date +%s) - START) ))
     [ $left -gt 30 ] || { echo "skipped: only $left s left"; continue; }

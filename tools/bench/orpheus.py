@@ -245,6 +245,13 @@ def run_mstar(plan: Any, workers: dict[int, Any], device: torch.device, batch: i
         "remote_steps": int(conductor.stats["remote_steps"]),
         "overlapped_steps": int(conductor.stats["overlapped_steps"]),
         "remote_wait_s": conductor.stats["remote_wait_seconds"],
+        # a TP placement: inputs the TP members took from their own outputs instead of the wire
+        "tp_refs": conductor.tp.refs_sent,
+        # per decode step: rank 0's time on the TP members (their answers, sending the step)
+        # and a member's own time in its steps (summed over the batch's steps / decode steps)
+        "tp_member_wait_ms": conductor.tp.member_wait_s / max(steps, 1) * 1e3,
+        "tp_member_step_ms": conductor.tp.member_step_s / max(steps, 1) * 1e3,
+        "tp_member_read_ms": conductor.tp.member_read_s / max(steps, 1) * 1e3,
     }
 
 
@@ -407,7 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         rec["mstar_setup_s"] = time.perf_counter() - t0
         measured = bench_mstar(args, rec, save, plan, workers, device, batches, bw, variant)
     finally:
+        t0 = time.perf_counter()
         shutdown_workers(workers)  # the other ranks' memory is free before HF runs
+        if plan.num_ranks > 1:
+            print(f"worker processes shut down in {time.perf_counter() - t0:.1f} s", flush=True)
     if modes:
         bench_hf(args, rec, save, plan, workers, device, batches, bw, modes, budget, measured)
     summary(args, rec, save, batches, bw, variant, device)

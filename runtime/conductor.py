@@ -544,7 +544,11 @@ class Conductor:
 
     def _collect(self) -> None:
         """Take the answers of remote steps that have arrived; never waits."""
-        self.tp.poll()
+        try:
+            self.tp.poll()
+        except WorkerLost as e:  # a TP member failed a step its leader ran
+            self._stop(e)
+            return
         for rank in list(self._inflight):
             flight = self._inflight.get(rank)
             if flight is not None and flight.handle.ready():
@@ -601,10 +605,13 @@ class Conductor:
             for call, _ in entries:
                 self._fail(call.request, str(error))
         else:  # WorkerLost: a worker process died or hung; nothing can run any more
-            self.broken = str(error)
-            self._inflight.clear()  # the workers are shut down with their steps (RemoteWorker.close)
-            for req in list(self.running) + list(self.waiting):
-                self._fail(req, str(error))
+            self._stop(error)
+
+    def _stop(self, error: Exception) -> None:
+        self.broken = str(error)
+        self._inflight.clear()  # the workers are shut down with their steps (RemoteWorker.close)
+        for req in list(self.running) + list(self.waiting):
+            self._fail(req, str(error))
 
     def _dispatch(self, ranks: tuple[int, ...], batch: StepBatch) -> list[dict[str, Any]]:
         if len(ranks) == 1:

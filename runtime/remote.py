@@ -34,12 +34,16 @@ is there, does the last line; `handle.result()` waits for it (`run_step` is
 worker. The point-to-point transfers between rank 0 and a worker must happen in the same
 order on both sides, one at a time, and they do:
 - at most one step is in flight per worker: `submit`, `heartbeat` and `close` first finish
-  the step in flight (its handle keeps the answer), so no two steps' transfers interleave;
+  the step in flight (its handle keeps the answer), so no two steps' transfers interleave.
+  Acknowledgement-only steps (a TP member's, `send_outputs=False`: no outputs travel back,
+  runtime/tp_dispatch.py) are the exception: several may be in flight, answered in order;
+  a full step, a heartbeat or `close` first reads their answers;
 - every transfer and every conversation with a worker holds its lock (one thread at a
   time), always in the default group (TP collectives have groups of their own);
-- a message without an answer posted while a step is in flight (a request freed, a KV
+- a message without an answer posted while a full step is in flight (a request freed, a KV
   context forked or truncated meanwhile) is held here and written right after the step's
-  answer is in. The worker would apply it after the step anyway (the pipe is FIFO), and
+  answer is in (with only acknowledgement-only steps in flight it is written at once: the
+  worker never blocks sending their outputs). The worker would apply it after the step anyway (the pipe is FIFO), and
   written at once it could fill the pipe while the worker, blocked sending its outputs,
   reads nothing.
 On a GPU the worker synchronises its device before it answers, so an answer that has
@@ -446,11 +450,17 @@ class _Server:
             if name in sent and not torch.equal(sent[name].to(value.device), value):
                 raise RuntimeError(
                     f"rank {self.rank}'s own '{source}' of request {wire.request_id} differs from the "
-                    f"group leader's ({value.tolist()} here, {sent[name].tolist()} there): the ranks of a "
+                    f"group leader's ({_brief(value)} here, {_brief(sent[name])} there): the ranks of a "
                     "tensor-parallel group must compute the same outputs"
                 )
             out[name] = value
         return out
+
+
+def _brief(t: torch.Tensor, n: int = 4) -> str:
+    """A tensor for a message: its shape and first values."""
+    head = t.reshape(-1)[:n].tolist()
+    return f"{list(t.shape)} {head}{' ...' if t.numel() > n else ''}"
 
 
 def _error_text(e: BaseException) -> str:
@@ -590,6 +600,9 @@ class RemoteWorker:
         self._closed = False
         self._lock = threading.Lock()  # one conversation at a time (a watchdog may heartbeat)
         self._inflight: StepHandle | None = None  # the step sent and not yet answered (one at most)
+        # acknowledgement-only steps (TP members) sent and not yet answered, oldest first; never
+        # together with `_inflight` (a full step first takes them, an ack-only step settles it)
+        self._acks: collections.deque[StepHandle] = collections.deque()
         self._held: list[bytes] = []  # messages posted while a step is in flight, sent after it
         self._step_ids = iter(range(1, 1 << 62))
         self._seq = 0
@@ -687,6 +700,8 @@ class RemoteWorker:
         entry)."""
         with self._lock:
             self._settle()
+            if send_outputs:
+                self._take_acks()
             return self._submit(batch, refs, replicated, send_outputs)
 
     def _submit(
@@ -720,49 +735,74 @@ class RemoteWorker:
             send_tensors(tensors, self.rank, self.comm)
         except RuntimeError as e:
             self._lose(f"torch.distributed send failed: {e}")
-        self._inflight = StepHandle(self, batch, step_id, time.monotonic() + self.answer_timeout, send_outputs)
-        return self._inflight
+        handle = StepHandle(self, batch, step_id, time.monotonic() + self.answer_timeout, send_outputs)
+        if send_outputs:
+            self._inflight = handle
+        else:
+            self._acks.append(handle)
+        return handle
 
     def _settle(self) -> None:
         """Finish the step in flight, if any, waiting for its answer. Lock held."""
         if self._inflight is not None:
             self._receive(self._inflight)
 
+    def _take_acks(self, until: StepHandle | None = None) -> None:
+        """Read the acknowledgements in flight, oldest first, waiting for them: all of them, or
+        up to `until`'s. Lock held."""
+        while self._acks and (until is None or not until.done):
+            self._receive(self._acks[0])
+
+    def _arrived(self, handle: StepHandle) -> bool:
+        """Whether reading `handle`'s answer would not wait for the worker to compute."""
+        return (
+            self.lost is not None
+            or self._out.poll()
+            or time.monotonic() > handle.deadline
+            or self.proc.poll() is not None
+        )
+
     def _poll(self, handle: StepHandle) -> None:
         """Take `handle`'s answer if it has arrived (or its deadline passed, or the process
-        ended); never waits for the worker to compute."""
+        ended); never waits for the worker to compute. An acknowledgement comes after those of
+        the steps sent before it: those that have arrived are taken on the way."""
         if not self._lock.acquire(blocking=False):
             return  # another thread talks to the worker; it finishes this step first
         try:
-            if handle.done or self._inflight is not handle:
+            if handle is self._inflight:
+                if self._arrived(handle):
+                    self._receive(handle)
                 return
-            if (
-                self.lost is not None
-                or self._out.poll()
-                or time.monotonic() > handle.deadline
-                or self.proc.poll() is not None
-            ):
-                self._receive(handle)
+            while not handle.done and self._acks and self._arrived(self._acks[0]):
+                self._receive(self._acks[0])
         finally:
             self._lock.release()
 
     def _wait(self, handle: StepHandle) -> None:
         with self._lock:
-            if not handle.done:
+            if handle is self._inflight:
                 self._receive(handle)
+            else:
+                self._take_acks(until=handle)
 
     def _receive(self, handle: StepHandle) -> None:
-        """Read the answer of the step in flight and receive its outputs; the handle keeps
-        them, or the error (`RequestError`, `WorkerStepError`, `WorkerLost`). Then send what
-        was held back while the step ran. Lock held."""
+        """Read the answer of the oldest step in flight (`handle`) and receive its outputs; the
+        handle keeps them, or the error (`RequestError`, `WorkerStepError`, `WorkerLost`).
+        Then send what was held back while a full step ran. Lock held."""
         try:
             handle._outputs = self._answer(handle)
         except Exception as e:  # raised by handle.result(), in the caller's context
             handle._error = e
         finally:
-            handle._done, self._inflight = True, None
+            handle._done = True
+            if handle is self._inflight:
+                self._inflight = None
+            elif self._acks and self._acks[0] is handle:
+                self._acks.popleft()
             if handle._outputs is None and handle._error is None:  # interrupted (KeyboardInterrupt)
                 handle._error = WorkerStepError(handle.batch.node, handle.batch.phase, "the wait was interrupted")
+        if self._inflight is not None:
+            return
         held, self._held = self._held, []
         for data in held:
             if self.lost is not None:
@@ -839,10 +879,11 @@ class RemoteWorker:
         that is still computing after `timeout` counts as no answer (a worker answers
         heartbeats only between steps)."""
         with self._lock:
-            h = self._inflight
-            if h is not None and h.deadline > time.monotonic() + timeout:
-                h.deadline, h.within = time.monotonic() + timeout, timeout
+            for h in (self._inflight, *self._acks):
+                if h is not None and h.deadline > time.monotonic() + timeout:
+                    h.deadline, h.within = time.monotonic() + timeout, timeout
             self._settle()
+            self._take_acks()
             return self._heartbeat(timeout)
 
     def _heartbeat(self, timeout: float) -> float:
@@ -892,16 +933,17 @@ class RemoteWorker:
                 f.close()
 
     def _abandon(self, timeout: float) -> None:
-        """Take the answer of a step left in flight (its requests ended meanwhile), so the
+        """Take the answers of steps left in flight (their requests ended meanwhile), so the
         worker is not left blocked sending outputs nobody receives and can read its Shutdown."""
-        handle = self._inflight
-        if handle is None or self.lost is not None or self.proc.poll() is not None:
+        if (self._inflight is None and not self._acks) or self.lost is not None or self.proc.poll() is not None:
             return
         if self._lock.acquire(timeout=timeout):
             try:
-                if self._inflight is handle:
-                    handle.deadline = min(handle.deadline, time.monotonic() + timeout)
-                    self._receive(handle)
+                for h in (self._inflight, *self._acks):
+                    if h is not None:
+                        h.deadline = min(h.deadline, time.monotonic() + timeout)
+                self._settle()
+                self._take_acks()
             finally:
                 self._lock.release()
 

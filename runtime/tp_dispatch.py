@@ -11,10 +11,12 @@ told only what to run:
   answer with an acknowledgement as soon as the step is launched (`send_outputs=False`):
   nobody waits for a member's device, and no outputs travel back;
 - the leader runs it (on rank 0 in this process, or a worker process answering in full);
-- the members' acknowledgements are taken at the group's next step (or by `poll`, or by
-  the worker's next conversation of any kind). A member that failed a step its leader ran
-  has diverged from it (its KV context, its sampler state): that is a `WorkerLost`, which
-  stops the run;
+- the members' acknowledgements are taken when they have arrived (`poll`, every engine
+  loop) and waited for only when a member is `AHEAD` steps behind: its host may lag its
+  leader's by a step (a member's step can wait for its device, whose collectives wait for
+  the leader's device), and the leader's host must not wait for that. A member that failed
+  a step its leader ran has diverged from it (its KV context, its sampler state): that is a
+  `WorkerLost`, which stops the run;
 - an input that is an output of the request's previous step on the same node (a decode's
   `token`, fed back by the walk) does not travel: each member kept its own copy, equal to
   the leader's, and the step names it (`refs`). Sending it would mean reading it back to the
@@ -28,6 +30,7 @@ same step) before the error goes on to the conductor.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +42,7 @@ from mstar_runtime.remote import WorkerLost, can_submit
 from mstar_runtime.worker import StepBatch, WorkerStepError
 
 Key = tuple[str, str, str | None]  # (node, request_id, tag)
+AHEAD = 2  # a new step waits for a member's acknowledgements until fewer than this are out
 
 
 class TPDispatch:
@@ -46,7 +50,7 @@ class TPDispatch:
 
     def __init__(self, workers: Mapping[int, Any]):
         self.workers = workers
-        self._acks: dict[int, Any] = {}  # rank -> StepHandle of its last member step, not yet checked
+        self._acks: dict[int, deque[Any]] = {}  # rank -> StepHandles of its member steps not yet checked
         self._latest: dict[Key, dict[str, torch.Tensor]] = {}  # the leader's tensor outputs, per context
         self.refs_sent = 0  # inputs that stayed on the members' devices (stats)
         # seconds this process spent on the members (taking their last answers and sending the
@@ -81,7 +85,8 @@ class TPDispatch:
                 except Exception:  # noqa: S110 - the leader's error is the one to report
                     pass
             raise
-        self._acks.update(handles)
+        for r, h in handles.items():
+            self._acks.setdefault(r, deque()).append(h)
         for e, out in zip(batch.entries, outputs):
             self._latest[(batch.node, e.request_id, e.tag)] = {
                 k: v for k, v in out.items() if isinstance(v, torch.Tensor)
@@ -89,9 +94,11 @@ class TPDispatch:
         return outputs
 
     def poll(self) -> None:
-        """Take the members' acknowledgements that have arrived; never waits."""
-        for h in list(self._acks.values()):
-            h.ready()
+        """Take the members' acknowledgements that have arrived; never waits. Raises
+        `WorkerLost` for a member that failed a step."""
+        for r, q in self._acks.items():
+            while q and q[0].ready():
+                self._take(r, q.popleft())
 
     def forget(self, request_id: str, node: str | None = None, tag: str | None = None) -> None:
         """A request ended (every context) or one context was dropped: its kept outputs go
@@ -106,17 +113,21 @@ class TPDispatch:
         return {name: out for name, value in entry.inputs.items() for out, v in latest.items() if v is value}
 
     def _check(self, ranks: tuple[int, ...]) -> None:
+        """Take the acknowledgements that have arrived, and wait for the oldest ones while a
+        member is `AHEAD` steps behind."""
         for r in ranks:
-            h = self._acks.pop(r, None)
-            if h is None:
-                continue
-            try:
-                h.result()
-                self.member_step_s += h.elapsed_s
-                self.member_read_s += h.waited_s
-            except (RequestError, WorkerStepError) as e:
-                raise WorkerLost(
-                    r,
-                    f"failed a step of {h.batch.node}.{h.batch.phase} that the leader of its "
-                    f"tensor-parallel group ran, so their states differ; the run stops: {e}",
-                ) from e
+            q = self._acks.get(r)
+            while q and (len(q) >= AHEAD or q[0].ready()):
+                self._take(r, q.popleft())
+
+    def _take(self, rank: int, h: Any) -> None:
+        try:
+            h.result()
+        except (RequestError, WorkerStepError) as e:
+            raise WorkerLost(
+                rank,
+                f"failed a step of {h.batch.node}.{h.batch.phase} that the leader of its "
+                f"tensor-parallel group ran, so their states differ; the run stops: {e}",
+            ) from e
+        self.member_step_s += h.elapsed_s
+        self.member_read_s += h.waited_s

@@ -48,7 +48,7 @@ from mstar_runtime.remote import (
     start_workers,
 )
 from mstar_runtime.scheduler import Scheduler
-from mstar_runtime.worker import StepBatch, Worker
+from mstar_runtime.worker import StepBatch, Worker, WorkerStepError
 from mstarc.cli import main as mstarc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -395,6 +395,38 @@ def test_submit_poll_heartbeat_and_held_messages(plans: dict[str, Path]) -> None
         assert time.monotonic() - t0 < 10 and h.done
         with pytest.raises(WorkerLost):
             h.result()
+
+
+def test_acknowledged_steps_pipeline_keep_outputs_and_answer_in_order(plans: dict[str, Path]) -> None:
+    """A TP member's steps (`send_outputs=False`): several in flight at once, answered in
+    order without outputs; with `replicated`, the worker keeps its outputs and a later step
+    takes an input from them (`refs`); a full step, a post or a heartbeat keep the order."""
+    codes = [torch.randint(0, 4096, (28,), dtype=torch.int32, generator=torch.Generator().manual_seed(s))
+             for s in (1, 2)]
+    batch = StepBatch("snac", "decode", [StepEntry(f"r{i}", "t", {"codes": c}) for i, c in enumerate(codes)])
+    with _workers(plans["split"]) as workers:
+        w = workers[1]
+        want = w.run_step(batch)
+        acks = [w.submit(batch, replicated=True, send_outputs=False) for _ in range(3)]
+        assert len(w._acks) == 3 and w._inflight is None  # none waited for the one before
+        w._post(m.FreeRequest("nobody"))  # no full step in flight: written at once, after the steps
+        assert not w._held
+        assert acks[2].result() == [{}, {}]  # the older answers are read on the way
+        assert all(a.done for a in acks) and not w._acks
+        # the worker kept each entry's pcm: a step whose `codes` input names it gets that tensor,
+        # and with check_refs the value sent as well must equal it (it does not: rejected)
+        w.check_refs = True
+        ref = w.submit(batch, refs=[{"codes": "pcm"}] * 2, send_outputs=False)
+        with pytest.raises(WorkerStepError, match=r"rank 1's own 'pcm' of request r0 differs from the group "
+                                                  r"leader's \(\[2048\] \[.*\.\.\. here, \[28\] \[.*\.\.\. there\)"):
+            ref.result()
+        w.check_refs = False
+        h = w.submit(batch, replicated=True, send_outputs=False)
+        full = w.submit(batch)  # a full step first takes the acknowledgements in flight
+        assert h.done and not w._acks
+        assert all(torch.equal(a["pcm"], b["pcm"]) for a, b in zip(want, full.result()))
+        w.submit(batch, send_outputs=False)
+        assert w.heartbeat() < 5.0 and not w._acks
 
 
 def test_the_scheduler_leaves_out_busy_ranks_and_keeps_their_pass_counts() -> None:

@@ -100,9 +100,9 @@ def test_poll_takes_answers_and_forget_drops_references() -> None:
     member = Member()
     tp = TPDispatch({0: Leader(), 1: member})
     out = tp.run((0, 1), _batch({"a": torch.tensor([1])}))
-    handle = tp._acks[1]
+    (handle,) = tp._acks[1]
     tp.poll()
-    assert handle.taken
+    assert handle.taken and not tp._acks[1]
     tp.forget("a")
     tp.run((0, 1), _batch({"a": out[0]["token"]}))
     assert member.calls[-1]["refs"] == [{}]  # the member dropped its copy with the request

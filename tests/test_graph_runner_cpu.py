@@ -96,6 +96,8 @@ def test_buckets_and_acceptance() -> None:
     assert not runner.accepts(decode, 4)  # an entry with q_len 0 is in the batch but not attending
     assert not runner.accepts(AttentionMetadata.build([2, 1], [3, 9], [[0], [1, 2, 3]]), 2)  # prefill
     assert not runner.accepts(AttentionMetadata.build([1] * 9, [1] * 9, [[0]] * 9), 9)  # beyond 8
+    runner.release()  # before a NCCL group ends: the graphs go, later steps run eagerly
+    assert not runner.accepts(decode, 3) and runner.failed == "released"
     with pytest.raises(ValueError, match="cuda pool"):
         GraphRunner(pool, [1], lambda b, m: ReferenceBucketDecode(pool, None), scratch_page=4, capture=True)
 

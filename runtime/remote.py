@@ -702,15 +702,12 @@ class RemoteWorker:
             self._settle()
             if send_outputs:
                 self._take_acks()
-            return self._submit(batch, refs, replicated, send_outputs)
+            return self._send_step(batch, refs, replicated, send_outputs)
 
-    def _submit(
-        self,
-        batch: StepBatch,
-        refs: Sequence[Mapping[str, str]] | None = None,
-        replicated: bool = False,
-        send_outputs: bool = True,
+    def _send_step(
+        self, batch: StepBatch, refs: Sequence[Mapping[str, str]] | None, replicated: bool, send_outputs: bool
     ) -> StepHandle:
+        """`submit`'s work once the worker is ready for it. Lock held."""
         if self.lost is not None:
             raise WorkerLost(self.rank, self.lost)
         if self.peers is not None:

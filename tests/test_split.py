@@ -354,6 +354,30 @@ def test_a_worker_killed_while_its_step_is_in_flight_ends_the_run(plans: dict[st
     assert _gone(victim)
 
 
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_split_on_two_gpus_gives_the_codes_and_audio_of_one(tmp_path: Path) -> None:
+    """placements/h200x2_split.yaml: the windows cross to GPU 1 over NCCL and the PCM comes
+    back while the backbone decodes on GPU 0; the codes are those of one GPU, the audio too
+    (to rounding: SNAC's kernels on another device)."""
+    orpheus = "models/orpheus/orpheus.walk"
+    outputs = []
+    for name, placement in (("one", "placements/h200x1.yaml"), ("split", "placements/h200x2_split.yaml")):
+        plan = load_plan(_compile(tmp_path / f"{name}.plan", orpheus, placement), device="cuda", kv_pages_cap=256)
+        workers = start_workers(plan, "dummy", "cuda")
+        try:
+            conductor = Conductor(plan, workers)
+            outputs.append(_run(conductor, REQUESTS))
+        finally:
+            shutdown_workers(workers)
+        assert all(h.state == FINISHED for h in outputs[-1]), [h.error for h in outputs[-1]]
+    assert conductor.stats["remote_steps"] > 0
+    for a, b in zip(*outputs, strict=True):
+        assert a.outputs["codes"].numel() >= 28
+        _close({k: v.cpu() for k, v in a.outputs.items()}, {k: v.cpu() for k, v in b.outputs.items()})
+
+
 # ------------------------------------------------------------------------- the protocol
 def test_submit_poll_heartbeat_and_held_messages(plans: dict[str, Path]) -> None:
     codes = [torch.randint(0, 4096, (28,), dtype=torch.int32, generator=torch.Generator().manual_seed(s))

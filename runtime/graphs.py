@@ -189,7 +189,7 @@ class GraphRunner:
     def release(self) -> None:
         """Drop every captured graph and the graph pool; later steps run eagerly. Called
         before a process's torch.distributed groups end: a group's teardown can wait forever
-        for NCCL work recorded in a graph that is still alive (runtime/remote.py end_group)."""
+        for NCCL work recorded in a graph that is still alive (runtime/worker_process.py end_group)."""
         self._state.clear()
         self._mempool = None
         self.failed = "released"

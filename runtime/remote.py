@@ -6,6 +6,11 @@ conductor talks to it through a `RemoteWorker`, which implements the conductor's
 `WorkerLike` (`run_step`, `fork`, `copy_slots`, `drop_tag`, `free`) plus `submit` (a step
 whose answer is taken later), `heartbeat` and `close`.
 
+Three modules: this one is the conductor's side (`RemoteWorker`, `StepHandle`,
+`start_workers`, `shutdown_workers`); `wire.py` holds what both sides share (frames, values,
+tensor transfers); `worker_process.py` is the worker's loop (`worker_main`, run by this
+module's `__main__`).
+
 Control: typed msgpack messages (`messages.py`, decoded through its allowlist), one per
 frame: a 4-byte big-endian length, then the bytes. The conductor writes to the worker's
 stdin and reads its stdout; the worker's fd 1 is pointed at its stderr as soon as it
@@ -69,50 +74,53 @@ an atexit hook, so no worker outlives a conductor that exits normally.
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import collections
-import ctypes
-import hashlib
 import logging
 import os
-import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any, BinaryIO, NoReturn
+from typing import IO, Any, NoReturn
 
-import torch
 import torch.distributed as dist
 
-from mstar_runtime import engines, tp
 from mstar_runtime import messages as m
+from mstar_runtime import tp
 from mstar_runtime.kv_cache import SlotCopy
 from mstar_runtime.node import RequestError
-from mstar_runtime.plan import Plan, load_plan
-from mstar_runtime.planfile import dump_body
-from mstar_runtime.readback import resolve
+from mstar_runtime.plan import Plan
+from mstar_runtime.wire import (  # noqa: F401 - the wire's names, also as remote's (tests, tools)
+    FRAME,
+    INLINE_BYTES,
+    FrameReader,
+    ProtocolError,
+    comm_device,
+    copy_to_wire,
+    kv_to_wire,
+    pack_values,
+    plan_digest,
+    read_frame,
+    recv_tensors,
+    send_tensors,
+    unpack_values,
+    write_frame,
+)
 from mstar_runtime.worker import StepBatch, Worker, WorkerStepError
+from mstar_runtime.worker_process import ANSWER_TIMEOUT_S, end_group, worker_main
 
 log = logging.getLogger(__name__)
 
-INLINE_BYTES = 64  # token ids and flags ride in the message; activations over torch.distributed
-ANSWER_TIMEOUT_S = 300.0  # a step that takes longer than this means a hung worker
 START_TIMEOUT_S = 120.0  # joining the group and building the nodes
 CLOSE_TIMEOUT_S = 5.0
 STDERR_LINES = 20  # kept per worker for the message of a WorkerLost
-
-_FRAME = struct.Struct(">I")
-_POLL_S = 0.25  # how often a wait for an answer also checks that the process is alive
 
 
 class WorkerLost(RuntimeError):
@@ -127,440 +135,6 @@ class EngineStopped(RequestError):
     """Raised by `Conductor.submit` once a worker was lost: no request can run any more."""
 
 
-class ProtocolError(Exception):
-    """A frame that is too long, cut short, or not the message expected at this point."""
-
-
-# ------------------------------------------------------------------------------- frames
-def write_frame(out: IO[bytes], msg: m.Message) -> None:
-    data = m.encode(msg)
-    out.write(_FRAME.pack(len(data)) + data)
-    out.flush()
-
-
-def read_frame(inp: BinaryIO) -> m.Message | None:
-    """The next message from a blocking stream; None at a clean EOF (between frames)."""
-    head = inp.read(_FRAME.size)
-    if not head:
-        return None
-    if len(head) < _FRAME.size:
-        raise ProtocolError("the stream ended inside a frame header")
-    (n,) = _FRAME.unpack(head)
-    if n > m.MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"a frame of {n} bytes is over the {m.MAX_MESSAGE_BYTES}-byte limit")
-    data = inp.read(n)
-    if len(data) < n:
-        raise ProtocolError(f"the stream ended inside a frame ({len(data)} of {n} bytes)")
-    return m.decode(data)
-
-
-class _FrameReader:
-    """Frames from a pipe's fd, with a deadline (select + os.read), for the conductor side."""
-
-    def __init__(self, fd: int):
-        self.fd, self.buf = fd, bytearray()
-        self.eof = False  # the pipe ended; what is buffered may still hold whole frames
-
-    def read(self, timeout: float, alive: Any) -> m.Message | None:
-        """The next message; None at EOF; TimeoutError after `timeout` seconds (the pipe is
-        looked at once even when `timeout` is 0). `alive()` is polled while waiting, so a
-        dead process that left its pipe open (a grandchild holding it) is still noticed."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._complete():
-                return self._take()
-            if self.eof:
-                if self.buf:
-                    raise ProtocolError(f"the pipe ended inside a frame ({len(self.buf)} bytes)")
-                return None
-            left = deadline - time.monotonic()
-            ready, _, _ = select.select([self.fd], [], [], max(0.0, min(left, _POLL_S)))
-            if not ready:
-                if not alive():
-                    return None
-                if left <= 0:
-                    raise TimeoutError
-                continue
-            self._fill()
-
-    def poll(self) -> bool:
-        """True when `read` would return without waiting: a whole frame is buffered, or the
-        pipe ended. Reads what the pipe holds, never blocks."""
-        while not self._complete() and not self.eof:
-            ready, _, _ = select.select([self.fd], [], [], 0)
-            if not ready:
-                return False
-            self._fill()
-        return True
-
-    def _complete(self) -> bool:
-        """A whole frame is buffered (or a header too long to be one: `_take` says so)."""
-        if len(self.buf) < _FRAME.size:
-            return False
-        (n,) = _FRAME.unpack_from(self.buf)
-        return n > m.MAX_MESSAGE_BYTES or len(self.buf) >= _FRAME.size + n
-
-    def _take(self) -> m.Message:
-        (n,) = _FRAME.unpack_from(self.buf)
-        if n > m.MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"a frame of {n} bytes is over the {m.MAX_MESSAGE_BYTES}-byte limit")
-        data = bytes(self.buf[_FRAME.size : _FRAME.size + n])
-        del self.buf[: _FRAME.size + n]
-        return m.decode(data)
-
-    def _fill(self) -> None:
-        chunk = os.read(self.fd, 1 << 20)
-        if chunk:
-            self.buf += chunk
-        else:
-            self.eof = True
-
-
-# ------------------------------------------------------------------------------- values
-Packed = tuple[list[m.TensorMeta], dict[str, torch.Tensor], dict[str, m.Scalar], list[torch.Tensor]]
-
-
-def pack_values(values: Mapping[str, Any], inline_bytes: int, what: str) -> Packed:
-    """Split one entry's values for the wire: (metas and tensors for torch.distributed, inline
-    tensors, scalars). Anything else cannot cross ranks: a TypeError naming the value."""
-    metas: list[m.TensorMeta] = []
-    tensors: list[torch.Tensor] = []
-    inline: dict[str, torch.Tensor] = {}
-    scalars: dict[str, m.Scalar] = {}
-    for name, value in values.items():
-        value = resolve(value)  # a node's lazy output (readback.Lazy) crosses as its value
-        if isinstance(value, torch.Tensor):
-            dtype = m.dtype_name(value.dtype)  # an unsupported dtype is a MessageError (a ValueError)
-            if value.numel() == 0 or value.numel() * value.element_size() <= inline_bytes:
-                inline[name] = value  # empty tensors always: a zero-byte transfer buys nothing
-            else:
-                metas.append(m.TensorMeta(name, dtype, list(value.shape)))
-                tensors.append(value)
-        elif value is None or isinstance(value, bool | int | float | str):
-            scalars[name] = value
-        else:
-            raise TypeError(
-                f"{what} '{name}' is a {type(value).__name__}, which cannot cross ranks "
-                "(tensors, bool, int, float, str and None can)"
-            )
-    return metas, inline, scalars, tensors
-
-
-def unpack_values(
-    metas: Sequence[m.TensorMeta],
-    tensors: Sequence[torch.Tensor],
-    inline: Mapping[str, torch.Tensor],
-    scalars: Mapping[str, m.Scalar],
-    device: torch.device,
-) -> dict[str, Any]:
-    out: dict[str, Any] = dict(scalars)
-    out.update({k: v.to(device) for k, v in inline.items()})
-    out.update({meta.name: t for meta, t in zip(metas, tensors, strict=True)})
-    return out
-
-
-def _nbytes(meta: m.TensorMeta) -> int:
-    n = m.TENSOR_DTYPES[meta.dtype].itemsize
-    for d in meta.shape:
-        n *= d
-    return n
-
-
-def send_tensors(tensors: Sequence[torch.Tensor], dst: int, comm_device: torch.device) -> None:
-    """All of a step's tensors as one flat byte buffer: one transfer, whatever their dtypes
-    (bytes also sidestep Gloo's gaps, bool and bfloat16)."""
-    if not tensors:
-        return
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8).to(comm_device) for t in tensors]
-    dist.send(torch.cat(parts), dst=dst)
-
-
-def recv_tensors(
-    metas: Sequence[m.TensorMeta], src: int, comm_device: torch.device, device: torch.device
-) -> list[torch.Tensor]:
-    sizes = [_nbytes(meta) for meta in metas]
-    if not sizes:
-        return []
-    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=comm_device)
-    dist.recv(buf, src=src)
-    out, off = [], 0
-    for meta, n in zip(metas, sizes):
-        # clone: each value owns aligned storage (a dtype view needs it) and no value aliases another
-        t = buf[off : off + n].clone().view(m.TENSOR_DTYPES[meta.dtype]).reshape(meta.shape)
-        out.append(t.to(device))
-        off += n
-    return out
-
-
-def _kv_to_wire(kv: engines.KVSlots | None) -> m.KVSlots | None:
-    if kv is None:
-        return None
-    return m.KVSlots(kv.start, kv.q_len, list(kv.slots), list(kv.page_table), kv.mask, kv.block_size, kv.keep)
-
-
-def _kv_from_wire(kv: m.KVSlots | None) -> engines.KVSlots | None:
-    if kv is None:
-        return None
-    return engines.KVSlots(kv.start, kv.q_len, kv.slots, kv.page_table, kv.mask, kv.block_size, kv.keep)
-
-
-def _copy_to_wire(copy: SlotCopy) -> m.SlotCopy:
-    src, dst = copy.src, copy.dst
-    if len(src) != len(dst) or (len(src) and (src.step != 1 or dst.step != 1)):
-        raise ValueError(f"a slot copy must map one contiguous range onto another, got {copy}")
-    return m.SlotCopy(src.start, dst.start, len(src))
-
-
-def _copy_from_wire(copy: m.SlotCopy) -> SlotCopy:
-    return SlotCopy(
-        range(copy.src_start, copy.src_start + copy.count), range(copy.dst_start, copy.dst_start + copy.count)
-    )
-
-
-def plan_digest(plan: Plan) -> str:
-    """The hash of the plan's canonical body: both sides must have loaded the same plan."""
-    return hashlib.sha256(dump_body(dict(plan.body))).hexdigest()
-
-
-def _comm_device(device: torch.device) -> torch.device:
-    """Where torch.distributed buffers live: the host for Gloo, this rank's GPU for NCCL."""
-    return device if device.type == "cuda" else torch.device("cpu")
-
-
-# =========================================================================== worker side
-def _die_with_parent(parent_pid: int | None) -> None:
-    """SIGKILL this process when its parent dies, even if the control pipe lingers (Linux)."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            pr_set_pdeathsig = 1
-            libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass  # the stdin EOF still ends the worker
-    if parent_pid is not None and os.getppid() != parent_pid:
-        os._exit(1)  # the parent died before prctl took effect: nobody is left to serve
-
-
-class _Server:
-    """The worker process's loop: frames from stdin, answers on the saved stdout."""
-
-    def __init__(self, worker: Worker, rank: int, out: IO[bytes]):
-        self.worker, self.rank, self.out = worker, rank, out
-        self.device = worker.device
-        self.comm = _comm_device(worker.device)
-        self.waited = 0.0  # reading messages since the last answer (StepResult.waited_s)
-        # (node, request_id, tag) -> tensor outputs of its last replicated (TP) step
-        self.kept: dict[tuple[str, str, str | None], dict[str, torch.Tensor]] = {}
-
-    def serve(self, inp: BinaryIO) -> int:
-        while True:
-            t0 = time.perf_counter()
-            msg = read_frame(inp)
-            self.waited += time.perf_counter() - t0
-            if msg is None or isinstance(msg, m.Shutdown):
-                return 0
-            if isinstance(msg, m.StepRequest):
-                self._step(msg)
-            elif isinstance(msg, m.ForkKV):
-                copy = _copy_from_wire(msg.copy) if msg.copy is not None else None
-                self.worker.fork(msg.node, msg.request_id, msg.src_tag, msg.dst_tag, copy)
-            elif isinstance(msg, m.CopySlots):
-                self.worker.copy_slots(msg.node, _copy_from_wire(msg.copy))
-            elif isinstance(msg, m.DropTag):
-                self.worker.drop_tag(msg.node, msg.request_id, msg.tag)
-                self.kept.pop((msg.node, msg.request_id, msg.tag), None)
-            elif isinstance(msg, m.FreeRequest):
-                self.worker.free(msg.request_id)
-                for key in [k for k in self.kept if k[1] == msg.request_id]:
-                    del self.kept[key]
-            elif isinstance(msg, m.Heartbeat):
-                write_frame(self.out, m.Heartbeat(self.rank, msg.seq))
-            else:
-                raise ProtocolError(f"a worker does not take '{msg.type}' messages")
-
-    def _step(self, msg: m.StepRequest) -> None:
-        t0 = time.perf_counter()
-        # Receive first, whatever happens next: the conductor has already sent the buffer.
-        metas = [meta for e in msg.entries for meta in e.inputs]
-        received = iter(recv_tensors(metas, 0, self.comm, self.device))
-        entries = [
-            engines.StepEntry(
-                e.request_id,
-                e.tag,
-                unpack_values(e.inputs, [next(received) for _ in e.inputs], e.inline, e.scalars, self.device),
-                _kv_from_wire(e.kv),
-            )
-            for e in msg.entries
-        ]
-        try:
-            for wire, entry in zip(msg.entries, entries):
-                if wire.refs:
-                    entry.inputs.update(self._kept_inputs(msg.node, wire, entry.inputs))
-            outputs = self.worker.run_step(StepBatch(msg.node, msg.phase, entries))
-            if msg.replicated:
-                for e, o in zip(msg.entries, outputs):
-                    self.kept[(msg.node, e.request_id, e.tag)] = {
-                        k: v for k, v in o.items() if isinstance(v, torch.Tensor)
-                    }
-            if not msg.send_outputs:
-                # a TP member: the leader answers for the group; nothing here waits for the device
-                write_frame(self.out, m.StepResult(msg.step_id, self.rank, [], time.perf_counter() - t0, self.waited))
-                self.waited = 0.0
-                return
-            if self.device.type == "cuda":
-                # answer once the outputs exist: the conductor, which may take the answer while
-                # it runs rank 0's steps, then waits for the transfer only (module docstring)
-                torch.cuda.synchronize(self.device)
-            packed = [pack_values(o, INLINE_BYTES, "output") for o in outputs]
-            result = m.StepResult(
-                msg.step_id,
-                self.rank,
-                [
-                    m.ResultEntry(e.request_id, e.tag, metas, inline, scalars)
-                    for e, (metas, inline, scalars, _) in zip(msg.entries, packed)
-                ],
-                time.perf_counter() - t0,
-                self.waited,
-            )
-            self.waited = 0.0
-            data = m.encode(result)  # encode here, so a value that cannot travel is this step's error
-        except RequestError as e:
-            ids = getattr(e, "request_ids", None) or [x.request_id for x in entries]
-            write_frame(self.out, m.StepRejected(msg.step_id, self.rank, str(e), e.field, list(ids)))
-            return
-        except Exception as e:
-            write_frame(self.out, m.WorkerError(self.rank, _error_text(e), msg.step_id))
-            return
-        self.out.write(_FRAME.pack(len(data)) + data)
-        self.out.flush()
-        send_tensors([t for p in packed for t in p[3]], 0, self.comm)
-
-    def _kept_inputs(self, node: str, wire: m.StepEntry, sent: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """The inputs `wire.refs` names, from this rank's own outputs of the request's last
-        replicated step. A value sent as well (the conductor's `check_refs`) must be equal."""
-        kept = self.kept.get((node, wire.request_id, wire.tag), {})
-        out: dict[str, torch.Tensor] = {}
-        for name, source in wire.refs.items():
-            if source not in kept:
-                raise ProtocolError(
-                    f"input '{name}' of request {wire.request_id} refers to output '{source}' of its "
-                    f"last replicated '{node}' step, which rank {self.rank} does not hold"
-                )
-            value = kept[source]
-            if name in sent and not torch.equal(sent[name].to(value.device), value):
-                raise RuntimeError(
-                    f"rank {self.rank}'s own '{source}' of request {wire.request_id} differs from the "
-                    f"group leader's ({_brief(value)} here, {_brief(sent[name])} there): the ranks of a "
-                    "tensor-parallel group must compute the same outputs"
-                )
-            out[name] = value
-        return out
-
-
-def _brief(t: torch.Tensor, n: int = 4) -> str:
-    """A tensor for a message: its shape and first values."""
-    head = t.reshape(-1)[:n].tolist()
-    return f"{list(t.shape)} {head}{' ...' if t.numel() > n else ''}"
-
-
-def _error_text(e: BaseException) -> str:
-    """The error, then the traceback: the first line is what a client sees first."""
-    cause = e.__cause__ if isinstance(e, WorkerStepError) and e.__cause__ is not None else e
-    tb = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)).rstrip()
-    head = str(e) if isinstance(e, WorkerStepError) else f"{type(e).__name__}: {e}"
-    return f"{head}\nworker traceback:\n{tb}"
-
-
-def worker_main(argv: Sequence[str] | None = None) -> int:
-    """`python -m mstar_runtime.remote --plan P --rank R --world N --init-method tcp://H:P ...`"""
-    ap = argparse.ArgumentParser(prog="python -m mstar_runtime.remote", description=__doc__.split("\n")[0])
-    ap.add_argument("--plan", required=True)
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--init-method", required=True)
-    ap.add_argument("--weights", default="dummy")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--kv-pages-cap", type=int, default=None)
-    ap.add_argument("--parent-pid", type=int, default=None)
-    ap.add_argument("--timeout", type=float, default=ANSWER_TIMEOUT_S)
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    args = ap.parse_args(argv)
-    _die_with_parent(args.parent_pid)
-    # The control channel is the original stdout; fd 1 becomes stderr for everything else
-    # (prints, C libraries), so only frames ever reach the conductor's pipe.
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    inp = sys.stdin.buffer
-    rank = args.rank
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl" if args.device == "cuda" else "gloo",
-        init_method=args.init_method,
-        rank=rank,
-        world_size=args.world,
-        timeout=timedelta(seconds=args.timeout),
-    )
-    try:
-        plan = load_plan(args.plan, device=args.device, kv_pages_cap=args.kv_pages_cap)
-        groups = tp.build_groups(plan, rank)  # collective: as rank 0 does in _join_group
-        worker = Worker(plan, rank, plan.torch_device(rank), args.weights, tp_groups=groups)
-        write_frame(out, m.WorkerReady(rank, os.getpid(), list(worker.engines), plan_digest(plan)))
-        _Server(worker, rank, out).serve(inp)
-        worker.release_graphs()  # before the groups end (end_group)
-    except BrokenPipeError:
-        os._exit(1)  # the conductor is gone: nobody to tell, nothing to tear down politely
-    except Exception as e:
-        text = _error_text(e)
-        print(text, file=sys.stderr, flush=True)
-        try:
-            write_frame(out, m.WorkerError(rank, text, None))
-        except OSError:
-            pass
-        # Skip the group's teardown: a peer may be gone, and the conductor kills what is left.
-        os._exit(1)
-    end_group()
-    if args.device == "cuda":
-        # nothing is left to tear down politely, and NCCL's destructors at interpreter exit
-        # may wait as destroy_process_group does (end_group)
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
-
-
-END_GROUP_TIMEOUT_S = 10.0
-
-
-def end_group(timeout: float = END_GROUP_TIMEOUT_S) -> None:
-    """End this process's torch.distributed groups; never raises, never waits longer than
-    `timeout` (then logs and leaves them). NCCL groups are aborted, not destroyed:
-    `destroy_process_group` waits for work recorded in captured CUDA graphs that never
-    completes (pytorch/pytorch#115388), which hung a tensor-parallel run's exit on two H200s;
-    an abort is local. Gloo groups are destroyed."""
-
-    def end() -> None:
-        try:
-            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-            if dist.get_backend() == "nccl" and abort is not None:
-                abort()
-            else:
-                dist.destroy_process_group()
-        except Exception as e:  # a group with a dead peer may complain; it is gone either way
-            log.debug("ending the process group: %s", e)
-
-    if not dist.is_initialized():
-        return
-    t = threading.Thread(target=end, name="mstar-end-group", daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        log.warning("the torch.distributed group did not end within %.0f s; left as it is", timeout)
-
-
-# ========================================================================= conductor side
 def _how_it_ended(proc: subprocess.Popen[bytes]) -> str:
     code = proc.poll()
     if code is None:
@@ -593,7 +167,7 @@ class RemoteWorker:
         self.plan, self.rank = plan, rank
         self.peers = peers
         self.answer_timeout, self.inline_bytes = answer_timeout, inline_bytes
-        self.comm = _comm_device(plan.torch_device(0))
+        self.comm = comm_device(plan.torch_device(0))
         self.has_kv = any(plan.node(n)["engine"] == "kv" for n in plan.resident_nodes(rank))
         self.lost: str | None = None
         self.nodes: list[str] = []
@@ -650,7 +224,7 @@ class RemoteWorker:
         assert self.proc.stdin is not None and self.proc.stdout is not None and self.proc.stderr is not None
         self.pid = self.proc.pid
         self._in = self.proc.stdin
-        self._out = _FrameReader(self.proc.stdout.fileno())
+        self._out = FrameReader(self.proc.stdout.fileno())
         # Drain stderr all the time (a full pipe would block the worker); keep its tail for errors.
         self._stderr: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
         self._stderr_thread = threading.Thread(
@@ -719,7 +293,7 @@ class RemoteWorker:
                 entry_refs = dict(refs[i]) if refs is not None else {}
                 values = e.inputs if self.check_refs else {k: v for k, v in e.inputs.items() if k not in entry_refs}
                 metas, inline, scalars, ts = pack_values(values, self.inline_bytes, "input")
-                wire.append(m.StepEntry(e.request_id, e.tag, metas, inline, scalars, _kv_to_wire(e.kv), entry_refs))
+                wire.append(m.StepEntry(e.request_id, e.tag, metas, inline, scalars, kv_to_wire(e.kv), entry_refs))
                 tensors += ts
             request = m.StepRequest(step_id, batch.node, batch.phase, wire, replicated, send_outputs)
             data = m.encode(request)
@@ -856,11 +430,11 @@ class RemoteWorker:
         ]
 
     def fork(self, node: str, request_id: str, src_tag: str, dst_tag: str, copy: SlotCopy | None) -> None:
-        wire = _copy_to_wire(copy) if copy is not None else None
+        wire = copy_to_wire(copy) if copy is not None else None
         self._post(m.ForkKV(node, request_id, src_tag, dst_tag, wire))
 
     def copy_slots(self, node: str, copy: SlotCopy) -> None:
-        self._post(m.CopySlots(node, _copy_to_wire(copy)))
+        self._post(m.CopySlots(node, copy_to_wire(copy)))
 
     def drop_tag(self, node: str, request_id: str, tag: str) -> None:
         self._post(m.DropTag(node, request_id, tag))
@@ -967,7 +541,7 @@ class RemoteWorker:
 
     def _send_bytes(self, data: bytes) -> None:
         try:
-            self._in.write(_FRAME.pack(len(data)) + data)
+            self._in.write(FRAME.pack(len(data)) + data)
             self._in.flush()
         except (BrokenPipeError, ValueError, OSError) as e:  # ValueError: the pipe was closed here
             self._lose(f"stopped reading its control pipe ({type(e).__name__})")
@@ -1063,7 +637,7 @@ class StepHandle:
 
 def _frame(msg: m.Message) -> bytes:
     data = m.encode(msg)
-    return _FRAME.pack(len(data)) + data
+    return FRAME.pack(len(data)) + data
 
 
 def _strip_head(message: str, batch: StepBatch) -> str:

@@ -97,7 +97,7 @@ from mstar_runtime import tp
 from mstar_runtime.kv_cache import SlotCopy
 from mstar_runtime.node import RequestError
 from mstar_runtime.plan import Plan
-from mstar_runtime.wire import (  # noqa: F401 - the wire's names, also as remote's (tests, tools)
+from mstar_runtime.wire import (
     FRAME,
     INLINE_BYTES,
     FrameReader,
@@ -107,11 +107,9 @@ from mstar_runtime.wire import (  # noqa: F401 - the wire's names, also as remot
     kv_to_wire,
     pack_values,
     plan_digest,
-    read_frame,
     recv_tensors,
     send_tensors,
     unpack_values,
-    write_frame,
 )
 from mstar_runtime.worker import StepBatch, Worker, WorkerStepError
 from mstar_runtime.worker_process import ANSWER_TIMEOUT_S, end_group, worker_main

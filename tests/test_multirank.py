@@ -32,13 +32,10 @@ from mstar_runtime.remote import (
     EngineStopped,
     RemoteWorker,
     WorkerLost,
-    pack_values,
-    read_frame,
     shutdown_workers,
     start_workers,
-    unpack_values,
-    write_frame,
 )
+from mstar_runtime.wire import pack_values, read_frame, unpack_values, write_frame
 from mstar_runtime.worker import StepBatch, Worker
 from mstarc.cli import main as mstarc
 

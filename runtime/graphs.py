@@ -59,6 +59,20 @@ log = logging.getLogger(__name__)
 WARMUP_RUNS = 2  # before each capture: lazy inits (cuBLAS handles, FlashInfer JIT) must not happen in it
 
 
+def first_rows(outputs: Any, bucket: int, n: int, what: str) -> Any:
+    """The first `n` rows of a replay's static outputs (a tensor or a tuple of them), cloned:
+    the next replay overwrites them. `what` names the output in the error for one that is
+    not a tensor with a row per bucket entry."""
+
+    def cut(t: Any) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != bucket:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise NodeError(f"{what} must be a tensor with one row per entry, got {got} for a bucket of {bucket}")
+        return t[:n].clone()
+
+    return tuple(cut(t) for t in outputs) if isinstance(outputs, tuple) else cut(outputs)
+
+
 def smallest_bucket(buckets: Sequence[int], n: int) -> int | None:
     """The smallest of the sorted `buckets` that holds n entries, or None when n is beyond the largest."""
     i = bisect.bisect_left(buckets, n)
@@ -253,17 +267,7 @@ class GraphRunner:
             outputs = b.outputs
         else:
             outputs = self._call(attn, b, fn)
-        return self._slice(outputs, step.bucket, n)
-
-    def _slice(self, outputs: Any, bucket: int, n: int) -> Any:
-        def cut(t: Any) -> torch.Tensor:
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != bucket:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise NodeError(f"node '{self.name}': a run_graphed output must be a tensor with one row per "
-                                f"entry, got {got} for a bucket of {bucket}")
-            return t[:n].clone()
-
-        return tuple(cut(t) for t in outputs) if isinstance(outputs, tuple) else cut(outputs)
+        return first_rows(outputs, step.bucket, n, f"node '{self.name}': a run_graphed output")
 
     # ------------------------------------------------------------------ capture
     def _new_bucket(self, size: int, like: Sequence[torch.Tensor]) -> _Bucket:

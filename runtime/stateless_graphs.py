@@ -37,7 +37,7 @@ What a runner does per step (`StatelessGraphRunner.run`):
    of an earlier, larger step would be too, but zeros keep every replay reproducible);
 4. replays, and returns the outputs' first n rows *cloned*: the graph's outputs are static
    tensors that the next replay of the bucket overwrites, and the clones are what the
-   caller may keep (the KV runner's `_slice` does the same).
+   caller may keep (`graphs.first_rows`, which the KV runner uses too).
 All buckets share one graph pool. That is safe in any capture and replay order because the
 runner keeps every graph's static outputs alive (no later capture is handed their memory),
 replays run one at a time on one stream, and each replay's outputs are cloned before the
@@ -80,7 +80,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mstar_runtime.graphs import smallest_bucket
+from mstar_runtime.graphs import first_rows, smallest_bucket
 from mstar_runtime.node import Batch, NodeError
 from mstar_runtime.readback import pinned, upload_tensor
 
@@ -266,7 +266,7 @@ class StatelessGraphRunner:
             if n < bucket:
                 buf[n:].zero_()
         self.replays += 1
-        return self._slice(b.replay(), bucket, n)
+        return first_rows(b.replay(), bucket, n, f"node '{self.name}': a graphed output")
 
     def _bucket(self, size: int, fn: Callable[..., Outputs]) -> _Bucket | None:
         """The bucket's static buffers (zeros: a valid input) and graph, captured if new; None
@@ -304,16 +304,6 @@ class StatelessGraphRunner:
             raise NodeError(f"node '{self.name}': graphed inputs changed shape or dtype since the first step "
                             f"({self._rows} -> {rows})")
         return n
-
-    def _slice(self, outputs: Outputs, bucket: int, n: int) -> Outputs:
-        def cut(t: Any) -> torch.Tensor:
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != bucket:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise NodeError(f"node '{self.name}': a graphed output must be a tensor with one row per "
-                                f"entry, got {got} for a bucket of {bucket}")
-            return t[:n].clone()  # the next replay overwrites the static outputs
-
-        return tuple(cut(t) for t in outputs) if isinstance(outputs, tuple) else cut(outputs)
 
 
 def _tensors(outputs: Outputs) -> list[torch.Tensor]:

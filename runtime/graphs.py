@@ -59,15 +59,15 @@ log = logging.getLogger(__name__)
 WARMUP_RUNS = 2  # before each capture: lazy inits (cuBLAS handles, FlashInfer JIT) must not happen in it
 
 
-def first_rows(outputs: Any, bucket: int, n: int, what: str) -> Any:
+def first_rows(outputs: Any, bucket: int, n: int, node: str, what: str) -> Any:
     """The first `n` rows of a replay's static outputs (a tensor or a tuple of them), cloned:
-    the next replay overwrites them. `what` names the output in the error for one that is
-    not a tensor with a row per bucket entry."""
+    the next replay overwrites them. `node` and `what` name the output in the error for one
+    that is not a tensor with a row per bucket entry (formatted only then: this runs every step)."""
 
     def cut(t: Any) -> torch.Tensor:
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != bucket:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise NodeError(f"{what} must be a tensor with one row per entry, got {got} for a bucket of {bucket}")
+            raise NodeError(f"node '{node}': {what} must be a tensor with one row per entry, got {got} for a bucket of {bucket}")
         return t[:n].clone()
 
     return tuple(cut(t) for t in outputs) if isinstance(outputs, tuple) else cut(outputs)
@@ -267,7 +267,7 @@ class GraphRunner:
             outputs = b.outputs
         else:
             outputs = self._call(attn, b, fn)
-        return first_rows(outputs, step.bucket, n, f"node '{self.name}': a run_graphed output")
+        return first_rows(outputs, step.bucket, n, self.name, "a run_graphed output")
 
     # ------------------------------------------------------------------ capture
     def _new_bucket(self, size: int, like: Sequence[torch.Tensor]) -> _Bucket:

@@ -266,7 +266,7 @@ class StatelessGraphRunner:
             if n < bucket:
                 buf[n:].zero_()
         self.replays += 1
-        return first_rows(b.replay(), bucket, n, f"node '{self.name}': a graphed output")
+        return first_rows(b.replay(), bucket, n, self.name, "a graphed output")
 
     def _bucket(self, size: int, fn: Callable[..., Outputs]) -> _Bucket | None:
         """The bucket's static buffers (zeros: a valid input) and graph, captured if new; None

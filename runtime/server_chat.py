@@ -224,19 +224,15 @@ async def _streamed(flight: Flight, reply: Reply, rid: str, model: str, body: Ch
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     created = int(time.time())
     events = flight.events()
-    flight.begin()
-    first: list[str] = []
+
+    def text(name: str, value: Any) -> str | None:
+        piece = reply.take(name, value)
+        return piece if piece or reply.finish is not None else None
+
     try:  # wait for the first piece of text (or the end) before committing to a 200
-        async for name, value in events:
-            piece = reply.take(name, value)
-            if piece or reply.finish is not None:
-                first.append(piece)
-                break
-    except (RequestFailed, ClientGone) as e:
-        return error_response(flight.fail_early(e))
-    except BaseException:
-        flight.finish()
-        raise
+        first = await flight.head(events, text)
+    except ApiError as e:
+        return error_response(e)
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
         obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,

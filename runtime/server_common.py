@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 INVALID = "invalid_request_error"
 SERVER = "server_error"
 NOT_FOUND = "not_found_error"
+T = TypeVar("T")
 
 Receive = Callable[[], Awaitable[Mapping[str, Any]]]
 
@@ -168,6 +169,24 @@ class Flight:
         if isinstance(e, ClientGone):
             return ApiError(499, "client closed the request", code="cancelled")
         return self.error_for(e)
+
+    async def head(self, events: AsyncIterator[tuple[str, Any]], keep: Callable[[str, Any], T | None]) -> list[T]:
+        """Begin the flight and read `events` up to the first item `keep` turns into a value
+        (or to the end): what a streaming route holds before it commits to a 200. A request
+        that fails, or a client that leaves, before then raises the `ApiError` to answer
+        instead (the flight has ended); anything else ends the flight and propagates."""
+        self.begin()
+        try:
+            async for name, value in events:
+                kept = keep(name, value)
+                if kept is not None:
+                    return [kept]
+        except (RequestFailed, ClientGone) as e:
+            raise self.fail_early(e) from None
+        except BaseException:
+            self.finish()
+            raise
+        return []
 
     async def events(self) -> AsyncIterator[tuple[str, Any]]:
         """The request's appended outputs as they are produced. Raises `RequestFailed` at the

@@ -176,17 +176,10 @@ async def _whole(flight: Flight, wire: _Wire) -> Any:
 
 async def _streamed(flight: Flight, wire: _Wire, streaming: Any) -> Any:
     events = flight.events()
-    flight.begin()
-    first: list[tuple[str, Any]] = []
     try:  # the first output (or the end) before the 200
-        async for item in events:
-            first.append(item)
-            break
-    except (RequestFailed, ClientGone) as e:
-        return error_response(flight.fail_early(e))
-    except BaseException:
-        flight.finish()
-        raise
+        first = await flight.head(events, lambda name, value: (name, value))
+    except ApiError as e:
+        return error_response(e)
 
     async def lines() -> AsyncIterator[str]:
         index: dict[str, int] = {}

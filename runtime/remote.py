@@ -289,7 +289,9 @@ class RemoteWorker:
             wire, tensors = [], []
             for i, e in enumerate(batch.entries):
                 entry_refs = dict(refs[i]) if refs is not None else {}
-                values = e.inputs if self.check_refs else {k: v for k, v in e.inputs.items() if k not in entry_refs}
+                values = e.inputs
+                if entry_refs and not self.check_refs:  # a referenced input stays on the worker
+                    values = {k: v for k, v in values.items() if k not in entry_refs}
                 metas, inline, scalars, ts = pack_values(values, self.inline_bytes, "input")
                 wire.append(m.StepEntry(e.request_id, e.tag, metas, inline, scalars, kv_to_wire(e.kv), entry_refs))
                 tensors += ts

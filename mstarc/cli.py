@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from mstar_runtime import planfile
+from mstar_runtime.plan import planfile
 from mstarc import ir as I
 from mstarc.diagnostics import CompileError, Diagnostic, InternalError, SourceCache, Span, render, render_all
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from mstar_runtime import planfile
+from mstar_runtime.plan import planfile
 from mstarc import __version__
 from mstarc import ir as I
 

@@ -7,7 +7,7 @@ Each check only looks at the fields that have been filled so far.
 
 from __future__ import annotations
 
-from mstar_runtime.planfile import iter_ops
+from mstar_runtime.plan.planfile import iter_ops
 from mstarc import ir as I
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mstar_runtime.api import EngineClosed, MStar, RequestFailed, RequestHandle
-from mstar_runtime.node import RequestError
+from mstar_runtime.ops.node import RequestError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -93,9 +93,9 @@ def test_submit_result(m: MStar) -> None:
 
 
 def test_outputs_match_a_direct_conductor_run(m: MStar, testfamily_plan: Path) -> None:
-    from mstar_runtime.conductor import Conductor
-    from mstar_runtime.plan import load_plan
-    from mstar_runtime.worker import Worker
+    from mstar_runtime.control.conductor import Conductor
+    from mstar_runtime.plan.loader import load_plan
+    from mstar_runtime.worker.worker import Worker
 
     plan = load_plan(testfamily_plan, device="cpu")
     c = Conductor(plan, {0: Worker(plan, 0, "cpu", "dummy")})
@@ -162,7 +162,7 @@ def test_async_failure_raises_request_failed(fresh: Callable[..., MStar]) -> Non
 
 
 def test_a_bad_plan_raises_plan_error_unchanged(tmp_path: Path) -> None:
-    from mstar_runtime.plan import PlanError
+    from mstar_runtime.plan.loader import PlanError
 
     bad = tmp_path / "bad.plan"
     bad.write_bytes(b"not a plan at all")

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from mstar_runtime.attention import (
+from mstar_runtime.kv.attention import (
     AttentionError,
     AttentionMetadata,
     KVPool,
@@ -14,7 +14,7 @@ from mstar_runtime.attention import (
     dense_attention,
     paged_attention,
 )
-from mstar_runtime.kv_cache import BlockManager
+from mstar_runtime.kv.block_manager import BlockManager
 
 PAGE = 16
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from mstar_runtime.api import MStar
 from mstar_runtime.cli import main, parse_text
-from mstar_runtime.node import RequestError
+from mstar_runtime.ops.node import RequestError
 from mstar_runtime.outputs import safe_name, write_outputs
 
 ROOT = Path(__file__).resolve().parents[1]

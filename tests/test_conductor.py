@@ -11,9 +11,9 @@ import torch
 
 from mstar_models.testfamily import reference as ref
 from mstar_models.testfamily.family import Family
-from mstar_runtime.conductor import FAILED, FINISHED, Conductor
-from mstar_runtime.plan import load_plan
-from mstar_runtime.worker import Worker
+from mstar_runtime.control.conductor import FAILED, FINISHED, Conductor
+from mstar_runtime.plan.loader import load_plan
+from mstar_runtime.worker.worker import Worker
 
 REQUESTS: list[tuple[str, dict[str, Any]]] = [
     ("generate", {"prompt": "hello world", "max_new": 12}),

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from mstar_runtime.attention import dense_attention
-from mstar_runtime.engines import KVCacheEngine, KVSlots, StatelessEngine, StepEntry
-from mstar_runtime.kv_cache import BlockManager
-from mstar_runtime.node import (
+from mstar_runtime.engine.engines import KVCacheEngine, KVSlots, StatelessEngine, StepEntry
+from mstar_runtime.kv.attention import dense_attention
+from mstar_runtime.kv.block_manager import BlockManager
+from mstar_runtime.ops.node import (
     AttentionContext,
     Batch,
     KVGeometry,
@@ -25,8 +25,8 @@ from mstar_runtime.node import (
     SeqPlan,
     StatelessNode,
 )
-from mstar_runtime.plan import load_plan
-from mstar_runtime.worker import StepBatch, Worker, WorkerStepError
+from mstar_runtime.plan.loader import load_plan
+from mstar_runtime.worker.worker import StepBatch, Worker, WorkerStepError
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = 4
@@ -293,7 +293,7 @@ def test_pluggable_attention_backend(lm: GQALM) -> None:
         def __call__(
             self, q: torch.Tensor, pool: Any, layer: int, meta: Any, scale: float | None
         ) -> torch.Tensor:
-            from mstar_runtime.attention import paged_attention
+            from mstar_runtime.kv.attention import paged_attention
 
             calls.append(f"layer {layer}")
             return paged_attention(q, pool, layer, meta, scale)

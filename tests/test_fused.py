@@ -1,4 +1,4 @@
-"""runtime/fused.py: the fused ops are Hugging Face's Llama math (checked against transformers'
+"""runtime/mstar_runtime/ops/fused.py: the fused ops are Hugging Face's Llama math (checked against transformers'
 own modules), eager on the CPU, compiled on a GPU with the same results (GPU tier)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.models.llama import modeling_llama as hf
 
-from mstar_runtime import fused
+from mstar_runtime.ops import fused
 
 
 def _rand(*shape: int, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> torch.Tensor:

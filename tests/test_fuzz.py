@@ -12,7 +12,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mstar_runtime import planfile
+from mstar_runtime.plan import planfile
 from mstarc import ast
 from mstarc.diagnostics import CompileError
 from mstarc.parser import parse

@@ -18,9 +18,9 @@ import random
 import pytest
 import torch
 
-from mstar_runtime.attention import AttentionMetadata, KVPool, paged_attention
-from mstar_runtime.kv_cache import BlockManager
-from mstar_runtime.sampler import SamplingParams, SamplingTensors, sample, sample_tensors, uniforms
+from mstar_runtime.kv.attention import AttentionMetadata, KVPool, paged_attention
+from mstar_runtime.kv.block_manager import BlockManager
+from mstar_runtime.ops.sampler import SamplingParams, SamplingTensors, sample, sample_tensors, uniforms
 
 pytestmark = pytest.mark.gpu
 
@@ -82,7 +82,7 @@ def check(backend, pool: KVPool, meta: AttentionMetadata, heads: int, scale: flo
 
 @pytest.mark.parametrize("heads,kv_heads", HEADS)
 def test_decode_equals_reference(cuda: torch.device, rng: random.Random, heads: int, kv_heads: int) -> None:
-    from mstar_runtime.flashinfer_backend import FlashInferBackend
+    from mstar_runtime.kv.flashinfer_backend import FlashInferBackend
 
     lens = [1, 15, 16, 17, 500, 2048, 3001] + [rng.randrange(1, 4096) for _ in range(9)]
     rng.shuffle(lens)
@@ -94,7 +94,7 @@ def test_decode_equals_reference(cuda: torch.device, rng: random.Random, heads: 
 
 @pytest.mark.parametrize("heads,kv_heads", HEADS)
 def test_causal_prefill_equals_reference(cuda: torch.device, rng: random.Random, heads: int, kv_heads: int) -> None:
-    from mstar_runtime.flashinfer_backend import FlashInferBackend
+    from mstar_runtime.kv.flashinfer_backend import FlashInferBackend
 
     pairs = [(1, 1), (17, 40), (128, 128), (300, 1000), (513, 2100), (1, 77)]
     pairs.append((q := rng.randrange(2, 400), q + rng.randrange(0, 900)))
@@ -103,7 +103,7 @@ def test_causal_prefill_equals_reference(cuda: torch.device, rng: random.Random,
 
 
 def test_full_and_mixed_masks_equal_reference(cuda: torch.device, rng: random.Random) -> None:
-    from mstar_runtime.flashinfer_backend import FlashInferBackend
+    from mstar_runtime.kv.flashinfer_backend import FlashInferBackend
 
     backend = FlashInferBackend(cuda)
     full = [(64, 64, "full", None), (30, 200, "full", None), (1, 9, "causal", None)]
@@ -115,7 +115,7 @@ def test_full_and_mixed_masks_equal_reference(cuda: torch.device, rng: random.Ra
 
 
 def test_reference_for_pools_flashinfer_does_not_serve(cuda: torch.device) -> None:
-    from mstar_runtime.flashinfer_backend import FlashInferBackend, unsupported
+    from mstar_runtime.kv.flashinfer_backend import FlashInferBackend, unsupported
 
     pool = KVPool(1, 4, PAGE, 2, 16, torch.float32, cuda)  # fp32, head_dim 16: the reference serves it
     assert unsupported(pool) is not None
@@ -129,7 +129,7 @@ def test_reference_for_pools_flashinfer_does_not_serve(cuda: torch.device) -> No
 def test_decode_step_has_no_host_sync(cuda: torch.device) -> None:
     """prepare() + every layer of a decode step, after the first step taught the backend its head
     count: no torch-level device synchronisation (pinned, non-blocking uploads only)."""
-    from mstar_runtime.flashinfer_backend import FlashInferBackend
+    from mstar_runtime.kv.flashinfer_backend import FlashInferBackend
 
     pool, meta = make_batch([(1, n, "causal", None) for n in (5, 100, 1000)], 8, cuda)
     backend = FlashInferBackend(cuda)

@@ -8,7 +8,7 @@ the graphs' static outputs are filled with NaN before every replay, so a replay 
 recompute a row is caught. Each model step feeds all three engines the reference's tokens,
 so bf16 rounding cannot make them diverge.
 
-Stateless steps (runtime/stateless_graphs.py), on the real-size SNAC decoder in fp32: graph
+Stateless steps (runtime/mstar_runtime/engine/stateless_graphs.py), on the real-size SNAC decoder in fp32: graph
 replays at buckets 1, 4 (3 rows, padded) and 16 equal the eager engine on fresh random codes
 each run, static outputs poisoned with NaN before each replay, with the codes on the host or
 on the device and the replay on the side stream or the current one; a step from host codes
@@ -26,10 +26,10 @@ import torch
 
 from mstar_models.testfamily import TinyLM
 from mstar_models.testfamily.family import CONFIGS, node_spec
-from mstar_runtime.attention import paged_attention
-from mstar_runtime.engines import KVCacheEngine, KVSlots, StepEntry
-from mstar_runtime.kv_cache import BlockManager
-from mstar_runtime.node import AttentionContext, Batch
+from mstar_runtime.engine.engines import KVCacheEngine, KVSlots, StepEntry
+from mstar_runtime.kv.attention import paged_attention
+from mstar_runtime.kv.block_manager import BlockManager
+from mstar_runtime.ops.node import AttentionContext, Batch
 
 pytestmark = pytest.mark.gpu
 
@@ -64,7 +64,7 @@ class Driver:
 
 @pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-core-decode", "cuda-core-decode"])
 def test_graph_replays_equal_eager_and_reference(cuda: torch.device, tensor_cores: bool) -> None:
-    from mstar_runtime.flashinfer_backend import FlashInferBackend
+    from mstar_runtime.kv.flashinfer_backend import FlashInferBackend
 
     spec = node_spec("lm", CONFIG, cuda, torch.bfloat16)
     ref_lm = GraphedTinyLM(spec).eval()
@@ -118,9 +118,9 @@ def test_graph_replays_equal_eager_and_reference(cuda: torch.device, tensor_core
 def test_a_replayed_step_equals_the_reference_and_never_syncs(cuda: torch.device) -> None:
     """The runner alone (no node): capture on the first call, then a step with other lengths and
     another bucket, replayed under torch's sync debug mode -- copies, plan() and replay only."""
-    from mstar_runtime.attention import AttentionMetadata, KVPool
-    from mstar_runtime.flashinfer_backend import FlashInferBackend
-    from mstar_runtime.graphs import GraphRunner
+    from mstar_runtime.engine.graphs import GraphRunner
+    from mstar_runtime.kv.attention import AttentionMetadata, KVPool
+    from mstar_runtime.kv.flashinfer_backend import FlashInferBackend
 
     pages, scratch = 128, 127
     pool = KVPool(2, pages, PAGE, 8, 128, torch.bfloat16, cuda)
@@ -210,7 +210,7 @@ def _poison(runner: Any) -> None:
 def test_snac_window_decode_graph_replay_equals_eager(snac_gpu: Any, where: str, side_stream: bool) -> None:
     """Buckets 1, 4 (a batch of 3, padded) and 16, fresh random codes each run, static outputs
     poisoned with NaN before every replay; codes on the host (no device sync) or the device."""
-    from mstar_runtime.engines import StatelessEngine
+    from mstar_runtime.engine.engines import StatelessEngine
 
     ports = {"decode": ("pcm",)}
     eager = StatelessEngine(snac_gpu, ports)
@@ -236,7 +236,7 @@ def test_snac_replay_from_host_codes_never_syncs_and_overlaps_the_current_stream
     the replay does not wait for work queued earlier on the current stream."""
     import time
 
-    from mstar_runtime.engines import StatelessEngine
+    from mstar_runtime.engine.engines import StatelessEngine
 
     graphed = StatelessEngine(snac_gpu, {"decode": ("pcm",)}, graphs={"decode": (1, 2, 4)})
     runner = graphed.graph_runners["decode"]
@@ -265,8 +265,8 @@ def test_snac_replay_from_host_codes_never_syncs_and_overlaps_the_current_stream
 
 
 def test_snac_bad_device_code_fails_its_request_and_the_gpu_survives(snac_gpu: Any) -> None:
-    from mstar_runtime.engines import StatelessEngine
-    from mstar_runtime.node import RequestError
+    from mstar_runtime.engine.engines import StatelessEngine
+    from mstar_runtime.ops.node import RequestError
 
     graphed = StatelessEngine(snac_gpu, {"decode": ("pcm",)}, graphs={"decode": (1, 2, 4)})
     g = torch.Generator().manual_seed(7)

@@ -23,18 +23,18 @@ import torch
 
 from mstar_models.testfamily import TinyLM
 from mstar_models.testfamily.family import CONFIGS, node_spec
-from mstar_runtime import flashinfer_backend as fib
-from mstar_runtime.attention import (
+from mstar_runtime.engine.engines import KVCacheEngine, KVSlots, StepEntry
+from mstar_runtime.engine.graphs import GraphRunner, ReferenceBucketDecode, graph_buckets, pad_decode
+from mstar_runtime.kv import flashinfer_backend as fib
+from mstar_runtime.kv.attention import (
     AttentionMetadata,
     KVPool,
     attention_mask,
     paged_attention,
 )
-from mstar_runtime.engines import KVCacheEngine, KVSlots, StepEntry
-from mstar_runtime.graphs import GraphRunner, ReferenceBucketDecode, graph_buckets, pad_decode
-from mstar_runtime.kv_cache import BlockManager
-from mstar_runtime.node import AttentionContext, Batch, NodeError
-from mstar_runtime.readback import resolve
+from mstar_runtime.kv.block_manager import BlockManager
+from mstar_runtime.ops.node import AttentionContext, Batch, NodeError
+from mstar_runtime.ops.readback import resolve
 
 PAGE, PAGES, BUCKETS = 4, 64, (1, 2, 4, 8)
 PORTS = {"prefill": ("token", "code", "done"), "decode": ("token", "code", "done"), "denoise": ("v",)}
@@ -344,7 +344,7 @@ def test_graph_decode_wrapper_over_padded_buckets(fake_flashinfer: types.ModuleT
 
 
 def test_block_causal_in_its_last_block_is_full_attention() -> None:
-    from mstar_runtime.attention import SequenceAttention
+    from mstar_runtime.kv.attention import SequenceAttention
 
     for q in range(1, 10):
         for kv in range(q, 25):

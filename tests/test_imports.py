@@ -24,7 +24,9 @@ def test_runtime_does_not_import_the_compiler() -> None:
 
     import mstar_runtime
     runtime_dir = pathlib.Path(mstar_runtime.__file__).parent
-    names = sorted(p.stem for p in runtime_dir.glob("*.py") if p.stem != "__init__")
+    names = sorted(".".join(p.relative_to(runtime_dir).with_suffix("").parts)
+                   for p in runtime_dir.rglob("*.py") if p.stem != "__init__")
+    assert "control.conductor" in names  # the sub-packages were really walked
     code = "\n".join(f"import mstar_runtime.{n}" for n in names)
     mods = _modules_after(code)
     for forbidden in ("mstarc", "lark", "networkx", "jinja2"):

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mstar_runtime.kv_cache import (
+from mstar_runtime.kv.block_manager import (
     BlockManager,
     KVCacheError,
     OutOfPages,

@@ -1,4 +1,4 @@
-"""Lazy node outputs and the interpreter's lanes (runtime/readback.py, runtime/interpreter.py).
+"""Lazy node outputs and the interpreter's lanes (runtime/mstar_runtime/ops/readback.py, runtime/mstar_runtime/control/interpreter.py).
 
 The test family's LM returns `code` and `done` as `readback.Lazy` values, as Orpheus' backbone
 does on the GPU. These tests pin what the lanes promise: a lazy output is resolved only once
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from mstar_models.testfamily import lm as tinylm
-from mstar_runtime import readback
-from mstar_runtime.conductor import FINISHED, Conductor
-from mstar_runtime.interpreter import Frame, concat, read_flag
-from mstar_runtime.plan import load_plan
-from mstar_runtime.readback import Lazy, Readback, resolve, upload
-from mstar_runtime.worker import Worker
+from mstar_runtime.control.conductor import FINISHED, Conductor
+from mstar_runtime.control.interpreter import Frame, concat, read_flag
+from mstar_runtime.ops import readback
+from mstar_runtime.ops.readback import Lazy, Readback, resolve, upload
+from mstar_runtime.plan.loader import load_plan
+from mstar_runtime.worker.worker import Worker
 
 REQUESTS: list[tuple[str, dict[str, Any]]] = [
     ("generate", {"prompt": "hello world", "max_new": 12}),

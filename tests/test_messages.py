@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mstar_runtime import messages as codec
-from mstar_runtime.messages import (
+from mstar_runtime.worker import messages as codec
+from mstar_runtime.worker.messages import (
     MAX_INLINE_TENSOR_BYTES,
     MESSAGE_TYPES,
     CopySlots,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mstar_runtime import planfile
+from mstar_runtime.plan import planfile
 from mstarc import pipeline
 from mstarc.cli import main
 

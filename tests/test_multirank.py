@@ -24,19 +24,19 @@ from typing import Any
 import pytest
 import torch
 
-from mstar_runtime import messages as m
-from mstar_runtime.conductor import FAILED, FINISHED, Conductor
-from mstar_runtime.engines import StepEntry
-from mstar_runtime.plan import load_plan
-from mstar_runtime.remote import (
+from mstar_runtime.control.conductor import FAILED, FINISHED, Conductor
+from mstar_runtime.engine.engines import StepEntry
+from mstar_runtime.plan.loader import load_plan
+from mstar_runtime.worker import messages as m
+from mstar_runtime.worker.remote import (
     EngineStopped,
     RemoteWorker,
     WorkerLost,
     shutdown_workers,
     start_workers,
 )
-from mstar_runtime.wire import pack_values, read_frame, unpack_values, write_frame
-from mstar_runtime.worker import StepBatch, Worker
+from mstar_runtime.worker.wire import pack_values, read_frame, unpack_values, write_frame
+from mstar_runtime.worker.worker import StepBatch, Worker
 from mstarc.cli import main as mstarc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -274,8 +274,8 @@ def test_killing_a_worker_ends_the_run(plans: dict[int, Path]) -> None:
 
 _CONDUCTOR = textwrap.dedent("""
     import json, sys, time
-    from mstar_runtime.plan import load_plan
-    from mstar_runtime.remote import start_workers
+    from mstar_runtime.plan.loader import load_plan
+    from mstar_runtime.worker.remote import start_workers
     workers = start_workers(load_plan(sys.argv[1], device="cpu"), "dummy", "cpu")
     print(json.dumps([w.pid for r, w in workers.items() if r > 0]), flush=True)
     time.sleep(120)

@@ -29,12 +29,12 @@ from safetensors.torch import load_file, save_file
 from mstar_models.orpheus import LlamaBackbone, PromptBuilder
 from mstar_models.orpheus.backbone import llama3_inv_freq
 from mstar_models.orpheus.prompt import BUNDLED_TOKENIZER, VOICES
-from mstar_runtime.engines import KVCacheEngine, KVSlots, StepEntry
-from mstar_runtime.kv_cache import BlockManager
-from mstar_runtime.node import KVGeometry, NodeError, RequestError, SeqPlan
-from mstar_runtime.plan import Plan, load_plan
-from mstar_runtime.readback import resolve
-from mstar_runtime.sampler import SamplingParams, process_logits, sample
+from mstar_runtime.engine.engines import KVCacheEngine, KVSlots, StepEntry
+from mstar_runtime.kv.block_manager import BlockManager
+from mstar_runtime.ops.node import KVGeometry, NodeError, RequestError, SeqPlan
+from mstar_runtime.ops.readback import resolve
+from mstar_runtime.ops.sampler import SamplingParams, process_logits, sample
+from mstar_runtime.plan.loader import Plan, load_plan
 from mstar_runtime.weights import WeightsError, build_node, load_weights
 
 transformers = pytest.importorskip("transformers")

@@ -1,5 +1,5 @@
-"""Orpheus' SNAC node (models/orpheus/snac_decoder.py), its converter (tools/convert_snac.py)
-and its weights' sub-folder (runtime/weights.py `checkpoint_subdir`).
+"""Orpheus' SNAC node (models/mstar_models/orpheus/snac_decoder.py), its converter (tools/convert_snac.py)
+and its weights' sub-folder (runtime/mstar_runtime/weights.py `checkpoint_subdir`).
 
 Parity is against the `snac` package (1.2.1, the `dev` extra) with random weights; no
 checkpoint is downloaded. Tolerance: 1e-5 absolute on tanh-bounded fp32 audio in [-1, 1].
@@ -30,8 +30,8 @@ from mstar_models.orpheus.snac_decoder import (
     key_words,
     window_keys,
 )
-from mstar_runtime.node import NodeSpec, RequestError
-from mstar_runtime.plan import Plan, load_plan
+from mstar_runtime.ops.node import NodeSpec, RequestError
+from mstar_runtime.plan.loader import Plan, load_plan
 from mstar_runtime.weights import WeightsError, load_weights
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,10 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from mstar_runtime import plan as plan_module
-from mstar_runtime import planfile
-from mstar_runtime.node import RequestError
-from mstar_runtime.plan import Plan, PlanError, UnknownWalk, iter_ops, load_plan
+from mstar_runtime.ops.node import RequestError
+from mstar_runtime.plan import loader as plan_module
+from mstar_runtime.plan.loader import Plan, PlanError, UnknownWalk, iter_ops, load_plan, planfile
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("orpheus", "bagel", "vjepa2", "qwen3_omni", "testfamily")

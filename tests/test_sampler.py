@@ -5,9 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar_runtime import sampler
-from mstar_runtime.node import RequestError
-from mstar_runtime.sampler import SamplingParams, SamplingTensors, process_logits, sample, uniform, uniforms
+from mstar_runtime.ops import sampler
+from mstar_runtime.ops.node import RequestError
+from mstar_runtime.ops.sampler import (
+    SamplingParams,
+    SamplingTensors,
+    process_logits,
+    sample,
+    uniform,
+    uniforms,
+)
 
 V = 97
 
@@ -133,7 +140,7 @@ def test_uniform_draws_are_a_pure_function_of_seed_and_step() -> None:
 
 
 def test_zero_probability_tokens_are_never_drawn_even_at_the_edge(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mstar_runtime import sampler
+    from mstar_runtime.ops import sampler
 
     x = torch.full((1, V), float("-inf"))
     x[0, 10], x[0, 20] = 0.0, 0.0
@@ -213,7 +220,7 @@ def test_repeated_calls_give_identical_tokens() -> None:
 
 def test_device_joined_histories_equal_host_padded() -> None:
     """The path for histories that live on the device (one cat + one gather) pads exactly as the host path."""
-    from mstar_runtime.sampler import _join_histories, _pad_histories
+    from mstar_runtime.ops.sampler import _join_histories, _pad_histories
 
     hs = [history(b, n=3 + 4 * b) for b in range(5)]
     host = _pad_histories(hs, [0, 2, 3, 4], 5, torch.device("cpu"))

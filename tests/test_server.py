@@ -272,9 +272,9 @@ def test_routes_follow_the_plan(tmp_path: Path) -> None:
 def test_prompt_rendering_system_and_image_inputs() -> None:
     from PIL import Image
 
-    from mstar_runtime.server import WalkRole
-    from mstar_runtime.server_chat import render_prompt
-    from mstar_runtime.server_schemas import ChatCompletionRequest
+    from mstar_runtime.serve.chat import render_prompt
+    from mstar_runtime.serve.schemas import ChatCompletionRequest
+    from mstar_runtime.serve.server import WalkRole
 
     buf = io.BytesIO()
     Image.new("RGB", (3, 2), (1, 2, 3)).save(buf, format="PNG")
@@ -297,8 +297,8 @@ def test_prompt_rendering_system_and_image_inputs() -> None:
 
 
 def test_served_walks_and_loop_limits(tmp_path: Path) -> None:
-    from mstar_runtime.plan import load_plan
-    from mstar_runtime.server import loop_limits, served_walks
+    from mstar_runtime.plan.loader import load_plan
+    from mstar_runtime.serve.server import loop_limits, served_walks
 
     plan = load_plan(compile_plan(tmp_path))
     walks = served_walks(plan)

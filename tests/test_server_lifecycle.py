@@ -169,7 +169,7 @@ def test_dead_engine_thread(plan: Path) -> None:
     """In process: the engine thread dies mid-request; the request fails with 503, /health is 503."""
     httpx = pytest.importorskip("httpx")
     from mstar_runtime.api import MStar
-    from mstar_runtime.server import ServeConfig, create_app
+    from mstar_runtime.serve.server import ServeConfig, create_app
 
     m = MStar.load(plan, weights="init")
     try:

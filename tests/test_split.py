@@ -33,13 +33,14 @@ import torch
 from test_multirank import REQUESTS as TF_REQUESTS
 from test_multirank import _children, _gone, _run
 
-from mstar_runtime import messages as m
 from mstar_runtime.api import MStar
-from mstar_runtime.conductor import CANCELLED, FAILED, FINISHED, Conductor
-from mstar_runtime.engines import StepEntry
-from mstar_runtime.interpreter import StepCall
-from mstar_runtime.plan import load_plan
-from mstar_runtime.remote import (
+from mstar_runtime.control.conductor import CANCELLED, FAILED, FINISHED, Conductor
+from mstar_runtime.control.interpreter import StepCall
+from mstar_runtime.control.scheduler import Scheduler
+from mstar_runtime.engine.engines import StepEntry
+from mstar_runtime.plan.loader import load_plan
+from mstar_runtime.worker import messages as m
+from mstar_runtime.worker.remote import (
     EngineStopped,
     RemoteWorker,
     StepHandle,
@@ -47,8 +48,7 @@ from mstar_runtime.remote import (
     shutdown_workers,
     start_workers,
 )
-from mstar_runtime.scheduler import Scheduler
-from mstar_runtime.worker import StepBatch, Worker, WorkerStepError
+from mstar_runtime.worker.worker import StepBatch, Worker, WorkerStepError
 from mstarc.cli import main as mstarc
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Stateless-step graphs on the CPU (runtime/stateless_graphs.py): bucketing, padding, static
+"""Stateless-step graphs on the CPU (runtime/mstar_runtime/engine/stateless_graphs.py): bucketing, padding, static
 buffers, slicing and the capture-once-per-bucket bookkeeping, with a fake graph that behaves
 like a CUDA graph (static outputs, overwritten by every replay); and Orpheus' SNAC decode
 through it, which must equal the plain eager engine. The real capture, the side stream and
@@ -17,9 +17,8 @@ import torch
 from test_orpheus_snac import TINY, random_windows, seeded_node
 
 from mstar_models.orpheus.snac_decoder import SnacDecoder, bad_code_report
-from mstar_runtime.engines import StatelessEngine, StepEntry
-from mstar_runtime.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
-from mstar_runtime.stateless_graphs import (
+from mstar_runtime.engine.engines import StatelessEngine, StepEntry
+from mstar_runtime.engine.stateless_graphs import (
     GraphPhase,
     Prepared,
     StatelessGraphRunner,
@@ -27,6 +26,7 @@ from mstar_runtime.stateless_graphs import (
     run_phase,
     stateless_graph_runners,
 )
+from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
 
 ROOT = Path(__file__).resolve().parent.parent
 BUCKETS = (1, 2, 4, 8)
@@ -179,7 +179,7 @@ def test_a_failed_capture_answers_eagerly_and_turns_the_runner_off(caplog: pytes
 
     node, runner, _ = toy_runner(capture=broken)
     batch = toy_batch(3, seed=6)
-    with caplog.at_level(logging.WARNING, logger="mstar_runtime.stateless_graphs"):
+    with caplog.at_level(logging.WARNING, logger="mstar_runtime.engine.stateless_graphs"):
         got = runner.run_phase(batch)
     assert "capture failed" in caplog.text and runner.failed is not None
     for g, w in zip(got, node.phase_embed(batch), strict=True):
@@ -199,7 +199,7 @@ def test_engine_wiring(caplog: pytest.LogCaptureFixture) -> None:
         def phase_embed(self, batch: Batch) -> Batch:
             return [{"y": e["x"]} for e in batch]
 
-    with caplog.at_level(logging.INFO, logger="mstar_runtime.stateless_graphs"):
+    with caplog.at_level(logging.INFO, logger="mstar_runtime.engine.stateless_graphs"):
         plain = StatelessEngine(Opaque(Toy().spec), {"embed": ("y",)}, graphs={"embed": BUCKETS})
     assert plain.graph_runners == {} and "no graph_phase" in caplog.text
     assert plain.run("embed", [StepEntry("r", None, {"x": torch.ones(2)})])[0]["y"].tolist() == [1, 1]
@@ -280,8 +280,8 @@ def test_orpheus_tts_through_padded_snac_graphs_equals_the_plain_run(
 ) -> None:
     """End to end (tiny Orpheus, CPU): concurrent requests whose SNAC windows go through a
     fake-graph runner (batches of 1..4, padded) give the audio of the plain engine."""
-    from mstar_runtime import worker as worker_mod
     from mstar_runtime.api import MStar
+    from mstar_runtime.worker import worker as worker_mod
     from mstarc.cli import main as mstarc
 
     plan = tmp_path / "orpheus.plan"

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mstar_runtime.streams import (
+from mstar_runtime.control.streams import (
     Chunk,
     ChunkPolicy,
     ChunkPolicyError,

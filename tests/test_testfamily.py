@@ -20,11 +20,11 @@ from mstar_models.testfamily.family import (
     node_spec,
     stream_policy,
 )
-from mstar_runtime.attention import AttentionMetadata, KVPool, paged_attention
-from mstar_runtime.kv_cache import BlockManager, SeqKey
-from mstar_runtime.node import AttentionContext, Batch, NodeError, RequestError, SeqPlan, SeqState
-from mstar_runtime.readback import resolve
-from mstar_runtime.streams import StreamBuffer, policy_from_spec
+from mstar_runtime.control.streams import StreamBuffer, policy_from_spec
+from mstar_runtime.kv.attention import AttentionMetadata, KVPool, paged_attention
+from mstar_runtime.kv.block_manager import BlockManager, SeqKey
+from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, RequestError, SeqPlan, SeqState
+from mstar_runtime.ops.readback import resolve
 
 WALK_FILE = Path(__file__).resolve().parents[1] / "models" / "testfamily" / "testfamily.walk"
 TOL = {"atol": 1e-5, "rtol": 1e-5}

@@ -1,6 +1,6 @@
 """Tensor parallelism: Orpheus' Llama backbone at tp 2 over two Gloo ranks equals tp 1.
 
-- the sharded layer math (runtime/tp.py collectives, LlamaBackbone's column / row /
+- the sharded layer math (runtime/mstar_runtime/ops/tp.py collectives, LlamaBackbone's column / row /
   vocab-parallel layers) over 2 processes: a column+row-parallel MLP equals the dense one,
   the gathered logits are in vocab order, and the backbone's tp 2 logits (dummy weights and
   its own `init` weights) are bit-identical on both ranks and equal tp 1's within float32
@@ -24,10 +24,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mstar_runtime.conductor import FINISHED, Conductor
-from mstar_runtime.plan import load_plan
-from mstar_runtime.remote import shutdown_workers, start_workers
-from mstar_runtime.worker import Worker
+from mstar_runtime.control.conductor import FINISHED, Conductor
+from mstar_runtime.plan.loader import load_plan
+from mstar_runtime.worker.remote import shutdown_workers, start_workers
+from mstar_runtime.worker.worker import Worker
 from mstarc.cli import main as mstarc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,8 +78,8 @@ _RANK_SCRIPT = textwrap.dedent(
     import torch.distributed as dist
     import torch.nn.functional as F
     from safetensors.torch import save_file
-    from mstar_runtime import tp
-    from mstar_runtime.plan import load_plan
+    from mstar_runtime.ops import tp
+    from mstar_runtime.plan.loader import load_plan
     from mstar_runtime.weights import build_node, load_weights
 
     rank, port, plan1, plan2, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]

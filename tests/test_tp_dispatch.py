@@ -1,4 +1,4 @@
-"""TPDispatch (runtime/tp_dispatch.py) with stand-in workers: who answers, what travels as a
+"""TPDispatch (runtime/mstar_runtime/worker/tp_dispatch.py) with stand-in workers: who answers, what travels as a
 reference, when a member's failure is found, and what is forgotten. The real thing over two
 Gloo processes is tests/test_tp.py."""
 
@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from mstar_runtime.engines import StepEntry
-from mstar_runtime.node import RequestError
-from mstar_runtime.remote import WorkerLost
-from mstar_runtime.tp_dispatch import TPDispatch
-from mstar_runtime.worker import StepBatch, WorkerStepError
+from mstar_runtime.engine.engines import StepEntry
+from mstar_runtime.ops.node import RequestError
+from mstar_runtime.worker.remote import WorkerLost
+from mstar_runtime.worker.tp_dispatch import TPDispatch
+from mstar_runtime.worker.worker import StepBatch, WorkerStepError
 
 
 class Leader:

@@ -27,9 +27,9 @@ from mstar_models.vjepa2.encoder import IMAGENET_MEAN, IMAGENET_STD
 from mstar_models.vjepa2.layers import apply_rope, rope_part_dim, rope_tables
 from mstar_models.vjepa2.pose import compute_new_pose
 from mstar_models.vjepa2.weights import hf_encoder_state_dict
-from mstar_runtime.conductor import FAILED, FINISHED, Conductor
-from mstar_runtime.plan import load_plan
-from mstar_runtime.worker import Worker
+from mstar_runtime.control.conductor import FAILED, FINISHED, Conductor
+from mstar_runtime.plan.loader import load_plan
+from mstar_runtime.worker.worker import Worker
 from mstarc.cli import main as mstarc
 
 ROOT = Path(__file__).resolve().parent.parent

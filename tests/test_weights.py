@@ -9,9 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mstar_runtime import planfile
-from mstar_runtime.node import KVNode, NodeError
-from mstar_runtime.plan import Plan, PlanError, load_plan
+from mstar_runtime.ops.node import KVNode, NodeError
+from mstar_runtime.plan.loader import Plan, PlanError, load_plan, planfile
 from mstar_runtime.weights import WeightsError, _shard_slices, build_node, load_weights
 
 ROOT = Path(__file__).resolve().parent.parent

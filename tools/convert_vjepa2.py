@@ -4,7 +4,7 @@
     mstarc compile models/vjepa2/vjepa2.walk -p placements/h200x1.yaml --weights weights/vjepa2-ac -o v.plan
 
 The `.pt` is read with `torch.load(weights_only=True)`: a plain dict of tensors, no code runs.
-Names: models/vjepa2/weights.py (wrappers stripped, stale `pos_embed` dropped).
+Names: models/mstar_models/vjepa2/weights.py (wrappers stripped, stale `pos_embed` dropped).
 """
 
 from __future__ import annotations

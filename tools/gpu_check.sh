@@ -10,7 +10,7 @@
 #   1. FlashInfer 0.7.4 + apache-tvm-ffi into /tmp/site (device.md 2b), previously compiled
 #      kernels from .fijit/*.so.xz as AOT modules, lark for the compiler if the image lacks it
 #      (from any .whl/**/lark-*.whl), and the project on PYTHONPATH through a link folder
-#      (mstar_runtime -> runtime/, ...: no pip build, which would want the network);
+#      (the source roots runtime/ and models/: no pip build, which would want the network);
 #   2. pytest -m gpu (FlashInfer vs the reference, graph replay vs eager, the models' real-size
 #      parity tests), with a per-test timeout;
 #   3. tools/bench/orpheus.py (M* vs transformers, B = 1, 16, 64), then tools/bench/vjepa2.py;
@@ -86,12 +86,8 @@ if ! $PY -c "import lark" 2>/dev/null; then
     echo "lark is missing and no .whl/**/lark-*.whl was carried: the compiler (mstarc) cannot run"; STATUS=1
   fi
 fi
-# the package names pyproject maps to folders, as links: mstar_runtime -> runtime/, mstar_models -> models/
-mkdir -p /tmp/mstar_src
-ln -sfn "$ROOT/runtime" /tmp/mstar_src/mstar_runtime
-ln -sfn "$ROOT/models" /tmp/mstar_src/mstar_models
-ln -sfn "$ROOT/mstarc" /tmp/mstar_src/mstarc
-export PYTHONPATH=/tmp/site:/tmp/mstar_src${PYTHONPATH:+:$PYTHONPATH}
+# the source roots pyproject names: the repository (mstarc), runtime/ (mstar_runtime), models/ (mstar_models)
+export PYTHONPATH=/tmp/site:$ROOT:$ROOT/runtime:$ROOT/models${PYTHONPATH:+:$PYTHONPATH}
 export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 $PY - <<'EOF' || STATUS=1
 import time, torch

@@ -1,4 +1,4 @@
-"""Build models/orpheus/tokenizer_tiny.json: the small tokenizer Orpheus' PromptBuilder falls back to.
+"""Build models/mstar_models/orpheus/tokenizer_tiny.json: the small tokenizer Orpheus' PromptBuilder falls back to.
 
 Why: the real Llama-3 tokenizer comes with the checkpoint, which tests and benchmarks with
 random weights do not have (and nothing may be downloaded). This one has the same

@@ -321,7 +321,7 @@ class _WalkChecker:
     def on_stream(self, block: I.OnStream, env: dict[str, ValueInfo], depth: int) -> None:
         self.stream_blocks.append(block)
         edge = self.m.edge(block.stream)
-        # the block starts with the walk (runtime/interpreter.py): it sees the walk's inputs only
+        # the block starts with the walk (runtime/mstar_runtime/control/interpreter.py): it sees the walk's inputs only
         inner = {p.name: ValueInfo(p.type, None) for p in self.w.inputs}
         if edge is None or not edge.streaming:
             known = [e.id for e in self.m.edges if e.streaming]

@@ -199,7 +199,7 @@ def prompt_ids(node: Any, n: int) -> list[torch.Tensor]:
 def run_mstar(plan: Any, workers: dict[int, Any], device: torch.device, batch: int, tokens: int,
               seed: int) -> dict[str, Any]:
     """One batch through the conductor; step times from rank 0's worker (the llm's, or one rank of its TP group)."""
-    from mstar_runtime.conductor import Conductor
+    from mstar_runtime.control.conductor import Conductor
 
     worker = workers[0]
     conductor = Conductor(plan, workers, max_running=batch)
@@ -397,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rec["read_bandwidth_tb_s"] = bw = measure_read_bandwidth(device) / 1e12
     save()
-    from mstar_runtime.plan import load_plan
-    from mstar_runtime.remote import shutdown_workers, start_workers
+    from mstar_runtime.plan.loader import load_plan
+    from mstar_runtime.worker.remote import shutdown_workers, start_workers
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-orpheus-"))
     plan = load_plan(compile_plan(variant, placement, workdir), device=device.type,
@@ -435,7 +435,7 @@ class _Measured:
 def bench_mstar(args: argparse.Namespace, rec: dict[str, Any], save: Any, plan: Any, workers: dict[int, Any],
                 device: torch.device, batches: list[int], bw: float, variant: str) -> _Measured:
     """M* at every batch size, then the SNAC timing that HF's first-audio figure needs."""
-    from mstar_runtime.flashinfer_backend import backend_name
+    from mstar_runtime.kv.flashinfer_backend import backend_name
 
     worker = workers[0]
     llm = worker.engines["llm"]

@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "profile.txt")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    from mstar_runtime.plan import load_plan
-    from mstar_runtime.worker import Worker
+    from mstar_runtime.plan.loader import load_plan
+    from mstar_runtime.worker.worker import Worker
 
     variant = "bench" if device.type == "cuda" else "tiny"
     placement = ROOT / "placements" / ("h200x1.yaml" if device.type == "cuda" else "cpu.yaml")

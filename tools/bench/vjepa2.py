@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from mstar_models.vjepa2 import reference as ref
-    from mstar_runtime.conductor import FINISHED, Conductor
-    from mstar_runtime.plan import load_plan
-    from mstar_runtime.worker import Worker
+    from mstar_runtime.control.conductor import FINISHED, Conductor
+    from mstar_runtime.plan.loader import load_plan
+    from mstar_runtime.worker.worker import Worker
 
     dev = args.device
     torch.manual_seed(0)

@@ -35,7 +35,7 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
-    group = dist.new_group([0, 1])  # as runtime/tp.py: the TP collectives have a group of their own
+    group = dist.new_group([0, 1])  # as runtime/mstar_runtime/ops/tp.py: the TP collectives have a group of their own
     x = torch.full((64, 3072), float(rank + 1), device="cuda")
     for _ in range(3):  # warm-up outside the capture, as the graph runner does
         dist.all_reduce(x, group=group)

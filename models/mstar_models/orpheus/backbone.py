@@ -1,0 +1,570 @@
+"""Orpheus' Llama-3.2 backbone as a KV node: prefill/decode, seeded sampling, token -> SNAC code.
+
+The math is Hugging Face's `LlamaForCausalLM` (transformers 5.x) step for step: RMSNorm in
+float32 then cast back, llama3-scaled RoPE applied in the activation dtype (as HF does),
+grouped-query attention through the runtime's paged context, SwiGLU, and a head tied to
+the input embedding. Parameter names are the checkpoint's (`model.embed_tokens.weight`,
+`model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`; `lm_head.weight`
+only when the head is untied), so `mstar_runtime.weights` loads a HF folder directly.
+
+Tensor parallelism (the plan's `tp` for the node): each rank holds a shard under the same
+names (q/k/v, gate/up by output features; o_proj, down_proj by input features, each
+followed by an all-reduce; the embedding and the head by vocab rows, an all-reduce after
+the lookup and an all-gather of the logits) and runs every step with the other ranks of
+its group (`mstar_runtime.ops.tp`). Every rank ends with the same full logits, so each samples
+the same token; the conductor takes rank 0's outputs. At tp 1 none of it runs.
+
+Phases (models/orpheus/orpheus.walk, node `llm`):
+  prefill(prompt, temperature, top_p, repetition_penalty, max_tokens, seed) -> (token, code, done)
+  decode(token) -> (token, code, done)
+
+Per-(request, tag) state in `attn.states[i]`, written by prefill (the sampling settings
+are given once, as vLLM keeps SamplingParams with a sequence, so decode needs only the
+last token):
+  `sampling`:   the request's `SamplingParams` (temperature, top_p, repetition_penalty, seed)
+  `max_tokens`: tokens the request may generate in all (prefill's token counts as the first)
+  `history`:    int64 [cap] on the device, the token id at each KV position (prompt, then
+                every token fed back), -1 where unknown; the repetition penalty reads the
+                prefix that is in the context, i.e. prompt + generated, as HF and vLLM do.
+                None when the penalty is 1 (nothing would read it).
+  `step`:       tokens sampled so far = the sampler step of the next draw, so a request's
+                draws depend only on (seed, step), never on its batch or its timing
+  `k`:          audio codes emitted so far (selects the code position k % 7 of the next one),
+                an int64 0-d tensor on the device, so that no step waits to read a token
+
+Token -> code (reference/models.md 3.3): `code = T - 128266 - (k % 7) * 4096`; a token
+gives one code item iff 0 <= code < 4096 (then k += 1), anything else (end_of_speech, a
+text id, an audio id of the wrong position) gives zero items. The reference decoder also
+drops code 0 (its check is `> 0`), which shifts its 7-position alignment for the rest of
+the stream; we keep code 0, since it is a valid SNAC code.
+
+`done` is raised on end_of_speech, when `max_tokens` tokens have been generated, or when
+the context reaches the `max_seq_len` setting (the next decode would not fit; vLLM's
+"length" finish). The runtime reads `done` one step late (speculative loop): a decode after
+`done` may still run; it must not fail, and its results are thrown away.
+
+`code` and `done` are `readback.Lazy` values (a `done` that a host limit raises is a plain
+True): the step returns as soon as its kernels are queued, and the runtime resolves them
+when the request's next step has been launched (docs/runtime.md, "No host waits").
+
+Node settings: `max_seq_len` (default 4096, as the compiler's memory pass assumes);
+`audio_only` (default false): mask the logits to the audio ids of the current code position
+plus end_of_speech before sampling. For benchmarks with random (dummy) weights, which would
+otherwise sample text ids that carry no code and starve the SNAC stream; with it every
+generated token but end_of_speech is a valid code. Never set it for real checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar_runtime.ops import fused, tp
+from mstar_runtime.ops.node import (
+    AttentionContext,
+    Batch,
+    KVGeometry,
+    KVNode,
+    NodeError,
+    NodeSpec,
+    RequestError,
+    SeqPlan,
+)
+from mstar_runtime.ops.readback import Lazy, Readback, upload_tensor
+from mstar_runtime.ops.sampler import SamplingParams, sample
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Llama 3.x RoPE scaling (HF `rope_type: llama3`); the walk does not carry these because every
+# Llama-3.2 checkpoint (Orpheus' included) uses exactly them.
+LLAMA3_ROPE = {
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+DEFAULT_MAX_SEQ_LEN = 4096  # the compiler's memory-pass default for `max_seq_len`
+# reference/models.md 3.3; the walk's config normally supplies these.
+TOKEN_DEFAULTS = {
+    "audio_token_offset": 128266,
+    "codebook_size": 4096,
+    "end_of_speech": 128258,
+    "frame_tokens": 7,
+}
+
+
+def llama3_inv_freq(
+    head_dim: int,
+    theta: float,
+    factor: float = LLAMA3_ROPE["factor"],
+    low_freq_factor: float = LLAMA3_ROPE["low_freq_factor"],
+    high_freq_factor: float = LLAMA3_ROPE["high_freq_factor"],
+    original_max_position_embeddings: int = int(LLAMA3_ROPE["original_max_position_embeddings"]),
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim / 2], float32: HF's `_compute_llama3_parameters`, op for op
+    (long wavelengths divided by `factor`, short ones kept, a smooth blend in between)."""
+    inv_freq = 1.0 / (
+        theta
+        ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / head_dim)
+    )
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+# --------------------------------------------------------------------------------- modules
+# The modules hold the parameters under the checkpoint's names; the math is `forward_hidden`'s
+# (fused ops, one GEMM for q/k/v and one for gate/up), so they have no forward of their own.
+class RMSNorm(nn.Module):
+    """HF's LlamaRMSNorm's gain (`fused.rms_norm` applies it: float32 normalise, cast back, scale)."""
+
+    def __init__(self, dim: int, eps: float, **factory: Any):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, **factory))
+        self.eps = eps
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, **factory: Any):
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False, **factory)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False, **factory)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False, **factory)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False, **factory)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, **factory: Any):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, **factory)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False, **factory)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False, **factory)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        eps: float,
+        **factory: Any,
+    ):
+        super().__init__()
+        self.self_attn = Attention(hidden, heads, kv_heads, head_dim, **factory)
+        self.mlp = MLP(hidden, intermediate, **factory)
+        self.input_layernorm = RMSNorm(hidden, eps, **factory)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, **factory)
+
+
+class LlamaModel(nn.Module):
+    """`model.*` of the checkpoint."""
+
+    def __init__(
+        self,
+        vocab: int,
+        hidden: int,
+        layers: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        eps: float,
+        **factory: Any,
+    ):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden, **factory)
+        self.layers = nn.ModuleList(
+            DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, **factory)
+            for _ in range(layers)
+        )
+        self.norm = RMSNorm(hidden, eps, **factory)
+
+
+# ------------------------------------------------------------------------------- helpers
+def _config(spec: NodeSpec, name: str, default: Any = None) -> Any:
+    """A size or constant: the node's `arch` argument, else the model config, else `default`."""
+    if name in spec.arch_args:
+        return spec.arch_args[name]
+    if name in spec.config:
+        return spec.config[name]
+    if default is None:
+        raise NodeError(f"node '{spec.name}' (LlamaBackbone): config value '{name}' is missing")
+    return default
+
+
+def max_seq_len(spec: NodeSpec) -> int:
+    """The `max_seq_len` setting, read as the compiler reads it (a positive int, else the default)."""
+    value = spec.settings.get("max_seq_len", DEFAULT_MAX_SEQ_LEN)
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if ok else DEFAULT_MAX_SEQ_LEN
+
+
+def _scalar(entry: Mapping[str, Any], port: str, kind: type) -> Any:
+    """A scalar port's value (a Python number, or a one-element tensor), checked; bools are refused."""
+    value = entry.get(port)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    ok = isinstance(value, int) if kind is int else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok:
+        raise RequestError(
+            f"input '{port}' must be {'an integer' if kind is int else 'a number'}, got {value!r}", port
+        )
+    return kind(value)
+
+
+def _code_items(codes: torch.Tensor, code: int, i: int) -> torch.Tensor:
+    """Entry i's `code` items on the host, a view of the step's codes: [code], or none when
+    `code` is -1 (the token was not a code)."""
+    return codes[i : i + 1] if code >= 0 else codes[i:i]
+
+
+def _one_storage(*linears: nn.Linear) -> torch.Tensor:
+    """One [sum of out, in] weight whose row blocks become the linears' weights (views: names,
+    loading and sharding unchanged), so one GEMM computes all their outputs. At decode batch
+    sizes a GEMM is a weight read plus a fixed cost, and on an H200 the q/k/v and gate/up
+    GEMMs of a 3B Llama ran as separate split-K kernels well above the read floor."""
+    first = linears[0].weight
+    fused = torch.empty(sum(lin.weight.shape[0] for lin in linears), first.shape[1], dtype=first.dtype,
+                        device=first.device)
+    at = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[at : at + rows])
+        at += rows
+    return fused
+
+
+# ---------------------------------------------------------------------------------- node
+class LlamaBackbone(KVNode):
+    """The Orpheus LLM node; see the module docstring for its phases, state and settings."""
+
+    def __init__(self, spec: NodeSpec):
+        super().__init__(spec)
+        g = lambda name, default=None: _config(spec, name, default)  # noqa: E731 - a local shorthand
+        self.vocab, self.hidden, self.layers = int(g("vocab")), int(g("hidden")), int(g("layers"))
+        self.heads, self.kv_heads, self.head_dim = int(g("heads")), int(g("kv_heads")), int(g("head_dim"))
+        self.tied = bool(g("tie_embeddings", False))
+        if self.heads % self.kv_heads or self.head_dim % 2:
+            raise NodeError(
+                f"node '{spec.name}': heads ({self.heads}) must be a multiple of kv_heads "
+                f"({self.kv_heads}) and head_dim ({self.head_dim}) even"
+            )
+        self.audio_offset = int(g("audio_token_offset", TOKEN_DEFAULTS["audio_token_offset"]))
+        self.codebook = int(g("codebook_size", TOKEN_DEFAULTS["codebook_size"]))
+        self.eos = int(g("end_of_speech", TOKEN_DEFAULTS["end_of_speech"]))
+        self.frame_tokens = int(g("frame_tokens", TOKEN_DEFAULTS["frame_tokens"]))
+        self.max_seq_len = max_seq_len(spec)
+        self.audio_only = spec.settings.get("audio_only", False) is True
+        if self.audio_only and self.audio_offset + self.frame_tokens * self.codebook > self.vocab:
+            raise NodeError(f"node '{spec.name}': audio_only needs the audio ids below vocab {self.vocab}")
+        intermediate = int(g("intermediate"))
+        self._init_tp(spec, intermediate)
+
+        # Built on the meta device and then given real (uninitialised) storage: a 3B model
+        # must not pay for torch's default init only to be overwritten by the loader.
+        # Under tensor parallelism the modules have this rank's sizes (the same names).
+        self.eps = float(g("rms_eps", 1e-5))
+        with torch.device("meta"):
+            self.model = LlamaModel(
+                self.vocab // self.tp,
+                self.hidden,
+                self.layers,
+                self.local_heads,
+                self.local_kv_heads,
+                self.head_dim,
+                intermediate // self.tp,
+                self.eps,
+                dtype=spec.dtype,
+            )
+            if not self.tied:
+                self.lm_head = nn.Linear(self.hidden, self.vocab // self.tp, bias=False, dtype=spec.dtype)
+        self.to_empty(device=spec.device)
+        self._qkv = [_one_storage(x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj) for x in self.model.layers]
+        self._gate_up = [_one_storage(x.mlp.gate_proj, x.mlp.up_proj) for x in self.model.layers]
+        self._qkv_split = [self.local_heads * self.head_dim] + [self.local_kv_heads * self.head_dim] * 2
+        self._init_weights()
+        # float32 whatever the weights' dtype, computed on the CPU and then moved, as HF does (a
+        # GPU pow can differ in the last bit); not persistent: the loader never looks for it
+        inv_freq = llama3_inv_freq(self.head_dim, float(g("rope_theta", 500000.0)))
+        self.register_buffer("inv_freq", inv_freq.to(spec.device), persistent=False)
+
+    def _init_tp(self, spec: NodeSpec, intermediate: int) -> None:
+        """This rank's share of the node (Megatron's layout, as the compiler's shard-tp pass
+        cuts the checkpoint): q/k/v and gate/up split by output features (heads, intermediate),
+        o_proj and down_proj by input features, then an all-reduce; the embedding (and the
+        head, tied or not) by vocab rows. KV heads split when tp divides them; when tp is a
+        multiple of them each rank keeps the one its query heads read (vLLM's replication)."""
+        self.tp, self.tp_rank = spec.tp_size, spec.tp_rank
+        self.tp_group = spec.tp_group if spec.tp_size > 1 else None  # None: every collective a no-op
+        ways = self.tp
+        sizes = (("heads", self.heads), ("intermediate", intermediate), ("vocab", self.vocab))
+        bad = [f"{what} = {size}" for what, size in sizes if size % ways]
+        if self.kv_heads % ways and ways % self.kv_heads:
+            bad.append(f"kv_heads = {self.kv_heads} (nor is tp a multiple of it)")
+        if bad:
+            raise NodeError(f"node '{spec.name}' (LlamaBackbone): tp {ways} does not divide {', '.join(bad)}")
+        if ways > 1 and spec.tp_group is None:
+            raise NodeError(
+                f"node '{spec.name}' (LlamaBackbone): tp {ways} (rank {spec.tp_rank}) needs its TP "
+                "process group (mstar_runtime.ops.tp.build_groups; remote.start_workers makes them)"
+            )
+        self.local_heads = self.heads // ways
+        self.local_kv_heads = max(1, self.kv_heads // ways)
+        self.vocab_start = self.tp_rank * (self.vocab // ways)  # the first embedding row held here
+
+    def _split_of(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, parts, part): how parameter `name` is cut and which part this rank holds;
+        None when whole. The layout of `_init_tp` (the loader checks it against the plan's)."""
+        if self.tp == 1:
+            return None
+        module = name.rsplit(".", 2)[-2]
+        if module in ("k_proj", "v_proj"):
+            parts = min(self.tp, self.kv_heads)  # kv_heads parts when the heads are replicated
+            return 0, parts, self.tp_rank * parts // self.tp
+        if module in ("q_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head"):
+            return 0, self.tp, self.tp_rank
+        if module in ("o_proj", "down_proj"):
+            return 1, self.tp, self.tp_rank
+        return None
+
+    def _init_weights(self) -> None:
+        """HF's Llama init (N(0, 0.02) matrices, unit norm gains), seeded by the node name, so the
+        `init` weights source is deterministic; `dummy` and checkpoints overwrite it. A sharded
+        rank draws each full matrix, in the same order, and keeps its slice: tp N holds the
+        values of tp 1."""
+        seed = sum(ord(c) * 31**i for i, c in enumerate(self.spec.name)) % (2**31)
+        gen = torch.Generator(device=self.spec.device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                split = self._split_of(name)
+                if p.dim() < 2:  # every 1-D parameter is an RMSNorm gain
+                    p.fill_(1.0)
+                elif split is None:
+                    p.normal_(0.0, 0.02, generator=gen)
+                else:
+                    dim, parts, part = split
+                    full = list(p.shape)
+                    full[dim] *= parts
+                    values = torch.empty(full, dtype=p.dtype, device=p.device).normal_(0.0, 0.02, generator=gen)
+                    p.copy_(values.narrow(dim, part * p.shape[dim], p.shape[dim]))
+
+    # ------------------------------------------------------------------ contract
+    @property
+    def kv_geometry(self) -> KVGeometry:
+        """This rank's KV heads (all of them at tp 1): the engine sizes the node's pool with it."""
+        return KVGeometry(self.layers, self.local_kv_heads, self.head_dim)
+
+    @classmethod
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+        if phase == "prefill":
+            shape = tuple(shapes["prompt"])
+            if len(shape) != 1 or shape[0] < 1:
+                raise RequestError(f"prompt must be a 1-D, non-empty token list, got shape {shape}", "prompt")
+            limit = max_seq_len(spec)
+            if shape[0] > limit:
+                raise RequestError(
+                    f"prompt of {shape[0]} tokens is longer than max_seq_len {limit}", "prompt"
+                )
+            return SeqPlan(q_len=shape[0])
+        if phase == "decode":
+            return SeqPlan(q_len=1)
+        raise NodeError(f"node '{spec.name}' (LlamaBackbone) has no phase '{phase}'")
+
+    # ------------------------------------------------------------------ phases
+    def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
+        # Validate every entry before touching any state: a RequestError makes the conductor
+        # rerun the entries one by one, which must find them as they were.
+        checked = [self._check_prefill(entry, seq.start, seq.q_len) for entry, seq in zip(batch, attn.seqs)]
+        for (prompt, params, max_tokens), seq in zip(checked, attn.seqs, strict=True):
+            seq.state.clear()
+            seq.state.update(
+                sampling=params,
+                max_tokens=max_tokens,
+                step=0,
+                k=torch.zeros((), dtype=torch.long, device=self.inv_freq.device),
+                history=self._new_history(prompt, seq.start, max_tokens, params),
+            )
+        ids = torch.cat([prompt for prompt, _, _ in checked]).to(torch.long)
+        hidden = attn.run_graphed(lambda i, p: self.forward_hidden(i, p, attn.attend), ids, attn.positions())
+        return self._next_tokens(self.head(attn.last_rows(hidden)), attn)
+
+    def phase_decode(self, batch: Batch, attn: AttentionContext) -> Batch:
+        for entry, seq in zip(batch, attn.seqs, strict=True):
+            token = entry.get("token")
+            if not isinstance(token, torch.Tensor) or tuple(token.shape) != (1,):
+                shape = tuple(token.shape) if isinstance(token, torch.Tensor) else type(token).__name__
+                raise RequestError(f"token must be a tensor of shape [1], got {shape}", "token")
+            if "sampling" not in seq.state:
+                raise RequestError("decode on a KV context that was never prefilled", "token")
+        ids = torch.cat([entry["token"] for entry in batch]).to(torch.long)
+        dst, src = [], []
+        for i, seq in enumerate(attn.seqs):
+            hist = seq.state["history"]
+            if hist is not None and seq.start < hist.numel():  # beyond: a decode after `done`
+                dst.append(hist[seq.start : seq.start + 1])
+                src.append(ids[i : i + 1])
+        if dst:
+            torch._foreach_copy_(dst, src)  # one launch for the batch, not one per entry
+        logits = attn.run_graphed(
+            lambda i, p: self.head(self.forward_hidden(i, p, attn.attend)), ids, attn.positions()
+        )
+        return self._next_tokens(logits, attn)
+
+    # ------------------------------------------------------------------ math
+    def forward_hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Packed token ids [N] at absolute `positions` [N] -> final-normed hidden states [N, hidden].
+
+        Pure tensor code whose only attention is `attend` (so an engine may capture it in a CUDA graph).
+        Under tensor parallelism it also runs the group's all-reduces (a no-op call at tp 1),
+        and every rank of the group ends with the same hidden states."""
+        h = self._embed(ids)
+        n = h.shape[0]
+        # HF's LlamaRotaryEmbedding: angles in float32, cos/sin cast to the activation dtype
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        layers = self.model.layers
+        # the fused ops (runtime/mstar_runtime/ops/fused.py) are HF's math: one kernel each on a GPU; a residual add
+        # is fused with the norm that follows it (the last one with the final norm)
+        x = fused.rms_norm(h, layers[0].input_layernorm.weight, self.eps)
+        for i, layer in enumerate(layers):
+            a, mlp = layer.self_attn, layer.mlp
+            # q, k and v (gate and up below) in one GEMM over their shared storage (`_one_storage`)
+            q, k, v = F.linear(x, self._qkv[i]).split(self._qkv_split, dim=-1)
+            q, k = fused.rope(q.view(n, self.local_heads, self.head_dim), k.view(n, self.local_kv_heads, self.head_dim),
+                              cos, sin)
+            v = v.reshape(n, self.local_kv_heads, self.head_dim)
+            o = a.o_proj(attend(i, q, k, v).reshape(n, self.local_heads * self.head_dim))
+            # row-parallel layers end in partial sums of every rank: all-reduced (a no-op at tp 1)
+            h, x = fused.add_rms_norm(h, tp.all_reduce(o, self.tp_group), layer.post_attention_layernorm.weight,
+                                      self.eps)
+            gate, up = F.linear(x, self._gate_up[i]).chunk(2, dim=-1)
+            m = mlp.down_proj(fused.silu_mul(gate, up))
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, x = fused.add_rms_norm(h, tp.all_reduce(m, self.tp_group), norm.weight, self.eps)
+        return x
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [N, hidden]; vocab-parallel under TP: each rank looks up the ids in
+        its rows, zeroes the others, and the all-reduce adds one row to zeros (exact)."""
+        if self.tp_group is None:
+            return self.model.embed_tokens(ids)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.model.embed_tokens.num_embeddings)
+        h = self.model.embed_tokens(local.masked_fill(outside, 0))
+        return tp.all_reduce(h.masked_fill(outside[:, None], 0.0), self.tp_group)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] (computed in the weights' dtype, as HF does, then widened).
+        Under TP each rank computes its vocab rows' logits and the all-gather gives every rank
+        the same full row, so each can sample the group's token itself."""
+        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        return tp.all_gather_last(F.linear(hidden, weight), self.tp_group, self.tp).float()
+
+    # ------------------------------------------------------------------ sampling
+    def _check_prefill(
+        self, entry: Mapping[str, Any], start: int, q_len: int
+    ) -> tuple[torch.Tensor, SamplingParams, int]:
+        prompt = entry.get("prompt")
+        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0:
+            raise RequestError("prompt must be a 1-D, non-empty tensor of token ids", "prompt")
+        if prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
+            raise RequestError(f"prompt must hold integer token ids, got {prompt.dtype}", "prompt")
+        if prompt.numel() != q_len:
+            raise NodeError(
+                f"node '{self.spec.name}': prefill of {prompt.numel()} tokens got {q_len} KV slots"
+            )
+        if start + q_len > self.max_seq_len:
+            raise RequestError(
+                f"prompt of {q_len} tokens (context {start + q_len}) is longer than "
+                f"max_seq_len {self.max_seq_len}",
+                "prompt",
+            )
+        # free for the prompt builder's host tensors; a device prompt costs one read per request
+        lo, hi = prompt.aminmax()
+        if int(lo) < 0 or int(hi) >= self.vocab:
+            raise RequestError(
+                f"prompt token ids must lie in [0, {self.vocab}), got [{int(lo)}, {int(hi)}]", "prompt"
+            )
+        max_tokens = _scalar(entry, "max_tokens", int)
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+        seed = entry.get("seed")
+        params = SamplingParams(
+            temperature=_scalar(entry, "temperature", float),
+            top_p=_scalar(entry, "top_p", float),
+            repetition_penalty=_scalar(entry, "repetition_penalty", float),
+            seed=None if seed is None else _scalar(entry, "seed", int),
+        )
+        return upload_tensor(prompt, self.inv_freq.device), params, max_tokens
+
+    def _new_history(
+        self, prompt: torch.Tensor, start: int, max_tokens: int, params: SamplingParams
+    ) -> torch.Tensor | None:
+        if params.repetition_penalty == 1.0:
+            return None
+        # Room for every position a sampled token can see: the last one is drawn with a
+        # context of start + len(prompt) + max_tokens - 1 tokens, never more than max_seq_len.
+        cap = min(start + prompt.numel() + max_tokens - 1, self.max_seq_len)
+        hist = torch.full((cap,), -1, dtype=torch.long, device=prompt.device)
+        hist[start : start + prompt.numel()] = prompt
+        return hist
+
+    def _next_tokens(self, logits: torch.Tensor, attn: AttentionContext) -> Batch:
+        """Sample one token per entry (one sampler call for the batch) and map it to its code.
+
+        Nothing here waits for the device: the code position `k` lives on the device, the
+        sampled tokens and codes come back through one `Readback`, and `code` (a host tensor)
+        and `done` are `Lazy` outputs resolved from it when the runtime needs them (one step
+        late, see runtime/mstar_runtime/control/interpreter.py "lanes")."""
+        states = attn.states
+        kv_after = [s.start + s.q_len for s in attn.seqs]
+        k = torch.stack([st["k"] for st in states])
+        # the first id of the current code position's range, per entry
+        lo = self.audio_offset + (k % self.frame_tokens) * self.codebook
+        if self.audio_only:
+            ids = torch.arange(logits.shape[1], device=logits.device)[None, :]
+            allowed = ((ids >= lo[:, None]) & (ids < lo[:, None] + self.codebook)) | (ids == self.eos)
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        histories = [
+            None if st["history"] is None else st["history"][: min(kv, st["history"].numel())]
+            for st, kv in zip(states, kv_after)
+        ]
+        tokens = sample(logits, [st["sampling"] for st in states], histories, [st["step"] for st in states])
+        codes = tokens - lo
+        is_code = (codes >= 0) & (codes < self.codebook)
+        for st, k_next in zip(states, (k + is_code).unbind(0)):
+            st["k"] = k_next
+        # one background copy: the tokens (for `done`) and the codes (for `code`, as host
+        # tensors: the SNAC consumer then checks and uploads them without a device wait)
+        back = Readback(torch.stack([tokens, torch.where(is_code, codes, -1)]))
+        tok32 = tokens.to(torch.int32)
+        # the step's codes as one host int32 tensor, made on first use; each entry's items are a view
+        codes_host = Lazy(lambda: torch.tensor(back.values()[1], dtype=torch.int32))
+        out: Batch = []
+        for i, (st, kv) in enumerate(zip(states, kv_after)):
+            st["step"] += 1
+            # the limits are host facts; only end_of_speech needs the sampled token
+            limit = st["step"] >= st["max_tokens"] or kv >= self.max_seq_len
+            out.append({
+                "token": tok32[i : i + 1],
+                "code": Lazy(lambda i=i: _code_items(codes_host.get(), back.values()[1][i], i)),
+                "done": True if limit else Lazy(lambda i=i: back.values()[0][i] == self.eos),
+            })
+        return out

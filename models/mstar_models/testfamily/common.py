@@ -1,0 +1,88 @@
+"""Shared helpers of the test family's nodes: config look-up, seeded weights, the chunk context key."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from mstar_runtime.ops.node import NodeError, NodeSpec, RequestError
+
+# The runtime passes a stream chunk to its consumer port P as the items tensor `entry[P]` and
+# the number of its leading context items (already seen in an earlier chunk) as
+# `entry[P + CONTEXT_SUFFIX]`, an int (mstar_runtime.control.interpreter.chunk_inputs). A port name is
+# an identifier, so the colon keeps the key from ever clashing with a port, and a walk needs
+# no extra syntax to pass it.
+CONTEXT_SUFFIX = ":context"
+
+
+def setting(spec: NodeSpec, name: str) -> Any:
+    """A size or constant of the node: its `arch` argument if it has one, else the model config."""
+    if name in spec.arch_args:
+        return spec.arch_args[name]
+    if name in spec.config:
+        return spec.config[name]
+    raise NodeError(
+        f"node '{spec.name}': config value '{name}' is missing (neither an arch argument nor config)"
+    )
+
+
+def seeded_init_(module: nn.Module, spec: NodeSpec) -> None:
+    """Fill every parameter from a generator seeded by the class name and the node's `seed`
+    setting, so that two builds from one NodeSpec have identical weights whatever the global
+    RNG state (a recomputed request, a reference and a worker process all agree).
+
+    Linear/conv weights ~ N(0, 1/fan_in), embeddings ~ N(0, 0.1^2), norm weights 1 + N(0, 0.1^2),
+    biases ~ N(0, 0.1^2): random enough that every weight matters for the outputs."""
+    seed = zlib.crc32(type(module).__name__.encode()) + int(spec.settings.get("seed", 0))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):  # RMSNorm gains, incl. *_layernorm
+                values = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+            elif name.endswith(".bias"):
+                values = 0.1 * torch.randn(p.shape, generator=gen)
+            elif "embed" in name:
+                # small, so that a tied head does not just repeat the input token: the
+                # residual stream is then dominated by what attention and the MLP add
+                values = 0.1 * torch.randn(p.shape, generator=gen)
+            else:
+                fan_in = p[0].numel() if p.dim() > 1 else p.numel()
+                values = torch.randn(p.shape, generator=gen) / fan_in**0.5
+            p.copy_(values.to(p.dtype))
+
+
+def chunk_context(entry: dict[str, Any], port: str, items: int) -> int:
+    """The context count the runtime gives with a stream chunk (see CONTEXT_SUFFIX)."""
+    key = port + CONTEXT_SUFFIX
+    if key not in entry:
+        raise NodeError(
+            f"stream chunk for port '{port}' arrived without '{key}': the runtime must pass the chunk's "
+            "number of context items next to its tensor"
+        )
+    context = entry[key]
+    if isinstance(context, torch.Tensor):
+        context = int(context.item())
+    if isinstance(context, bool) or not isinstance(context, int) or not 0 <= context <= items:
+        raise NodeError(f"'{key}' must be an int in [0, {items}], got {context!r}")
+    return context
+
+
+def as_int(entry: dict[str, Any], port: str) -> int:
+    value = entry[port]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"input '{port}' must be an integer, got {value!r}", port)
+    return value
+
+
+def as_float(entry: dict[str, Any], port: str) -> float:
+    value = entry[port]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RequestError(f"input '{port}' must be a number, got {value!r}", port)
+    return float(value)

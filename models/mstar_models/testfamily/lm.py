@@ -1,0 +1,271 @@
+"""TinyLM: a tiny Llama-style LM (kv node) with a flow-matching `denoise` phase.
+
+Parameter names follow the Hugging Face Llama layout that `mstarc.archs.llama` lists
+(`model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`, ..., `lm_head` when untied), so
+the runtime's loader can check them against the plan. The denoise glue (`flow_in`,
+`flow_time`, `flow_out`) is not in the llama arch: the catalogue has no arch for it.
+
+Per-(request, tag) state in `attn.states[i]`, set by `prefill` and only read afterwards, so
+a discarded speculative decode or a fork cannot corrupt it:
+  `gen_base`: KV length at which the tag had produced 0 tokens (start + T - 1 of the last
+              prefill; the token count after a step is `kv_len_after - gen_base`),
+  `max_new`:  the request's token budget since that prefill.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar_models.testfamily.common import as_int, seeded_init_, setting
+from mstar_runtime.ops.node import (
+    AttentionContext,
+    Batch,
+    KVGeometry,
+    KVNode,
+    NodeError,
+    NodeSpec,
+    RequestError,
+    SeqPlan,
+)
+from mstar_runtime.ops.readback import Lazy, Readback
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float):
+        super().__init__()
+        self.self_attn = SelfAttention(hidden, heads, kv_heads, head_dim)
+        self.mlp = SwiGLU(hidden, intermediate)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        vocab: int,
+        hidden: int,
+        layers: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        eps: float,
+    ):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(
+            DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps) for _ in range(layers)
+        )
+        self.norm = RMSNorm(hidden, eps)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [N, 1, head_dim] of absolute positions (HF's rotate-half pairing: i with i + D/2)."""
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+    )
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def time_features(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal features [B, dim] of flow times t [B] in [0, 1] (scaled by 1000 as in DiT)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t.to(torch.float32)[:, None] * 1000.0 * freqs[None, :]
+    return torch.cat([args.cos(), args.sin()], dim=-1)
+
+
+class TinyLM(KVNode):
+    """prefill(tokens: i32[T], max_new: int) / decode(token: i32[1]) -> (token: i32[1],
+    code: i32[0 or 1], done: bool, hidden: f32[1, hidden]); denoise(x: f32[L, C], t: f32[1]) -> (v: f32[L, C])."""
+
+    def __init__(self, spec: NodeSpec):
+        super().__init__(spec)
+        if spec.tp_size != 1:
+            raise NodeError(
+                f"node '{spec.name}' (TinyLM) does not shard; place it with tp=1, not {spec.tp_size}"
+            )
+        g = lambda name: setting(spec, name)  # noqa: E731 - a local shorthand
+        self.vocab, self.hidden, self.layers = int(g("vocab")), int(g("hidden")), int(g("layers"))
+        self.heads, self.kv_heads, self.head_dim = int(g("heads")), int(g("kv_heads")), int(g("head_dim"))
+        self.rope_theta, self.eps = float(g("rope_theta")), float(g("rms_eps"))
+        self.eos, self.codebook, self.max_context = int(g("eos")), int(g("codebook")), int(g("max_context"))
+        self.latent_dim = int(g("latent_dim"))
+        if self.heads % self.kv_heads or self.hidden % 2 or self.head_dim % 2:
+            raise NodeError(
+                f"node '{spec.name}': heads must be a multiple of kv_heads; hidden and head_dim even"
+            )
+        self.model = LlamaModel(
+            self.vocab,
+            self.hidden,
+            self.layers,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            int(g("intermediate")),
+            self.eps,
+        )
+        self.tied = bool(g("tie_embeddings"))
+        if not self.tied:
+            self.lm_head = nn.Linear(self.hidden, self.vocab, bias=False)
+        self.flow_in = nn.Linear(self.latent_dim, self.hidden)
+        self.flow_time = nn.Linear(self.hidden, self.hidden)
+        self.flow_out = nn.Linear(self.hidden, self.latent_dim)
+        seeded_init_(self, spec)
+        self.to(device=spec.device, dtype=spec.dtype)
+
+    # ------------------------------------------------------------------ contract
+    @property
+    def kv_geometry(self) -> KVGeometry:
+        return KVGeometry(self.layers, self.kv_heads, self.head_dim)
+
+    @classmethod
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+        if phase == "prefill":
+            n = int(shapes["tokens"][0]) if len(shapes["tokens"]) == 1 else 0
+            if n < 1:
+                raise RequestError(
+                    f"prefill needs a 1-D, non-empty token list, got shape {tuple(shapes['tokens'])}",
+                    "tokens",
+                )
+            return SeqPlan(q_len=n)
+        if phase == "decode":
+            return SeqPlan(q_len=1)
+        if phase == "denoise":
+            # The latent block attends to the context and to itself, and leaves no KV behind:
+            # every Euler step and every CFG branch queries the same context.
+            return SeqPlan(q_len=int(shapes["x"][0]), mask="full", keep=False)
+        raise NodeError(f"node '{spec.name}' (TinyLM) has no phase '{phase}'")
+
+    # ------------------------------------------------------------------ phases
+    def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
+        ids = []
+        for entry, seq in zip(batch, attn.seqs, strict=True):
+            tokens = entry["tokens"]
+            if tokens.dim() != 1 or tokens.numel() == 0:
+                raise RequestError(
+                    f"tokens must be 1-D and non-empty, got shape {tuple(tokens.shape)}", "tokens"
+                )
+            if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab:
+                raise RequestError(f"token ids must lie in [0, {self.vocab})", "tokens")
+            if seq.start + seq.q_len > self.max_context:
+                raise RequestError(
+                    f"context of {seq.start + seq.q_len} tokens exceeds max_context {self.max_context}",
+                    "tokens",
+                )
+            max_new = as_int(entry, "max_new")
+            if max_new < 1:
+                raise RequestError(f"max_new must be >= 1, got {max_new}", "max_new")
+            seq.state["gen_base"] = seq.start + seq.q_len - 1
+            seq.state["max_new"] = max_new
+            ids.append(tokens)
+        hidden = self.forward_hidden(
+            self.model.embed_tokens(torch.cat(ids).long()), attn.positions(), attn.attend
+        )
+        return self._next_tokens(attn.last_rows(hidden), attn)
+
+    def phase_decode(self, batch: Batch, attn: AttentionContext) -> Batch:
+        for entry, seq in zip(batch, attn.seqs, strict=True):
+            if entry["token"].shape != (1,):
+                raise RequestError(f"token must have shape [1], got {tuple(entry['token'].shape)}", "token")
+            if "gen_base" not in seq.state:
+                raise RequestError("decode on a KV context that was never prefilled", "token")
+        ids = torch.cat([entry["token"] for entry in batch]).long()
+        hidden = self.forward_hidden(self.model.embed_tokens(ids), attn.positions(), attn.attend)
+        return self._next_tokens(hidden, attn)
+
+    def phase_denoise(self, batch: Batch, attn: AttentionContext) -> Batch:
+        xs = [entry["x"] for entry in batch]
+        for x in xs:
+            if x.dim() != 2 or x.shape[1] != self.latent_dim:
+                raise RequestError(f"x must be [L, {self.latent_dim}], got {tuple(x.shape)}", "x")
+        t = torch.cat([entry["t"].reshape(1) for entry in batch]).to(self.flow_time.weight.dtype)
+        temb = self.flow_time(time_features(t, self.hidden).to(t.dtype))  # [B, hidden]
+        lens = torch.tensor([x.shape[0] for x in xs], device=temb.device)
+        h = self.flow_in(torch.cat(xs).to(temb.dtype)) + temb.repeat_interleave(lens, dim=0)
+        v = self.flow_out(self.forward_hidden(h, attn.positions(), attn.attend))
+        return [{"v": part} for part in attn.split(v)]
+
+    # ------------------------------------------------------------------ math
+    def forward_hidden(self, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Packed rows h [N, hidden] at absolute `positions` [N] -> final-normed hidden [N, hidden]."""
+        n = h.shape[0]
+        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
+        for i, layer in enumerate(self.model.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = apply_rope(a.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
+            k = apply_rope(a.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
+            v = a.v_proj(x).view(n, self.kv_heads, self.head_dim)
+            h = h + a.o_proj(attend(i, q, k, v).reshape(n, self.heads * self.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def _next_tokens(self, last: torch.Tensor, attn: AttentionContext) -> Batch:
+        """Greedy next tokens. `code` and `done` depend on the token, so they are `Lazy` (as in
+        Orpheus' backbone): the step never waits for the device, and every runtime test with
+        this model goes through the interpreter's lanes (runtime/mstar_runtime/ops/readback.py)."""
+        tokens = self.logits(last).argmax(dim=-1).to(torch.int32)
+        back = Readback(tokens)
+        out: Batch = []
+        for i, seq in enumerate(attn.seqs):
+            kv_after = seq.start + seq.q_len
+            produced = kv_after - seq.state["gen_base"]
+            limit = produced >= seq.state["max_new"] or kv_after >= self.max_context
+            is_eos = Lazy(lambda i=i: back.values()[i] == self.eos)
+            out.append({
+                "token": tokens[i : i + 1],
+                "code": Lazy(lambda i=i, e=is_eos: tokens[i:i] if e.get() else tokens[i : i + 1] % self.codebook),
+                "done": True if limit else is_eos,
+                "hidden": last[i : i + 1],
+            })
+        return out

@@ -1,0 +1,1 @@
+"""The control plane: conductor, per-request interpreter, scheduler, streams, input checks."""

@@ -1,0 +1,738 @@
+"""The conductor: requests, their walk tasks and stream buffers, and the engine loop.
+
+One `Conductor` serves one plan. `submit` validates a request against its walk's typed
+inputs and queues it; `step` runs one iteration of the engine loop:
+
+1. admit waiting requests (up to `max_running`), starting each one's main `WalkTask`;
+2. advance every runnable task until it blocks on a step, a chunk, space, or children;
+3. take the answers of remote steps that have arrived, resuming their tasks;
+4. let the `Scheduler` pick the next group of ready steps (same node, phase, ranks) among
+   those whose ranks are free;
+5. reserve KV pages for its entries, preempting the newest request when a pool is full;
+6. run the group as one batched step on its worker(s) and resume the tasks with outputs.
+
+Remote steps overlap: a group on one rank > 0 (a worker process, `remote.RemoteWorker`) is
+sent with `submit` and the loop goes on with other ready groups (the backbone's next decode
+on rank 0, say) while it runs; its answer is taken between steps once it is there, or waited
+for when nothing else can run. At most one step is in flight per rank (the scheduler leaves
+out groups on a busy rank). While a request has a step in flight it is never preempted (the
+conductor first takes every answer in flight); if it ends meanwhile (cancelled, timed out,
+failed by another of its steps) its pages are freed at once and the answer is dropped when
+it comes: the worker frees its state after the step, since its pipe is FIFO, and every
+later step that could reuse those pages runs on the same, still busy, rank. Local steps run
+synchronously; a tensor-parallel group waits for its leader only (`tp_dispatch.TPDispatch`).
+`stats` counts `remote_steps` (sent without waiting), `overlapped_steps` (started while a
+remote step was in flight) and `remote_wait_seconds` (blocked on an answer with nothing
+else to run).
+
+Overlap lets work on other ranks move ahead of a remote step, so who is batched with whom
+can change with timing (tokens stay the same; floats may differ in the last bits, as with
+any change of batch). `overlap=False` keeps the one-rank order of steps, for bit-exact
+comparisons; in lockstep workloads (Orpheus requests decoding together: every window is
+released at the same step for all of them) the batches, and so the outputs, are the same.
+
+Requests join and leave between steps (continuous batching); a finished request frees its
+pages at once. A preempted request restarts from scratch later; whatever it already
+streamed is not streamed again (replay is deterministic). `preempt_every=N` forces a
+preemption every N steps, for tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from mstar_runtime.control.interpreter import (
+    ForkKV,
+    Interpreter,
+    Join,
+    Spawn,
+    StepCall,
+    WaitChunk,
+    WaitSpace,
+    WalkError,
+    WalkTask,
+    _Wasted,
+    chunk_inputs,
+    concat,
+    read_flag,
+)
+from mstar_runtime.control.scheduler import GroupKey, KVPages, Scheduler
+from mstar_runtime.control.streams import StreamBuffer, StreamError, policy_from_spec
+from mstar_runtime.control.validate import TORCH_DTYPES, validate_inputs
+from mstar_runtime.engine.engines import KVSlots, StepEntry
+from mstar_runtime.kv.block_manager import OutOfPages
+from mstar_runtime.ops.node import KVNode, NodeSpec, RequestError
+from mstar_runtime.plan.loader import Plan
+from mstar_runtime.worker.remote import EngineStopped, WorkerLost, can_submit
+from mstar_runtime.worker.tp_dispatch import TPDispatch
+from mstar_runtime.worker.worker import StepBatch, WorkerStepError
+
+WAITING, RUNNING, FINISHED, FAILED, CANCELLED = "waiting", "running", "finished", "failed", "cancelled"
+
+
+def _empty(t: Mapping[str, Any]) -> Any:
+    if t["kind"] == "str":
+        return ""
+    dtype = TORCH_DTYPES.get(t.get("dtype") or "f32", torch.float32)
+    dims = [0] + [d if isinstance(d, int) else 0 for d in t.get("dims", [])[1:]]
+    return torch.zeros(dims, dtype=dtype)
+
+
+class WorkerLike(Protocol):
+    def run_step(self, batch: StepBatch) -> list[dict[str, Any]]: ...
+    def fork(self, node: str, request_id: str, src_tag: str, dst_tag: str, copy: Any) -> None: ...
+    def copy_slots(self, node: str, copy: Any) -> None: ...
+    def free(self, request_id: str) -> None: ...
+    def drop_tag(self, node: str, request_id: str, tag: str) -> None: ...
+
+
+class StepHandleLike(Protocol):
+    def ready(self) -> bool: ...
+    def result(self) -> list[dict[str, Any]]: ...
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A step sent to a worker process whose answer the conductor has not taken yet."""
+
+    key: GroupKey
+    entries: list[tuple[StepCall, StepEntry]]
+    handle: StepHandleLike
+    seconds: float  # host seconds spent sending it
+
+
+class Listener(Protocol):
+    def on_output(self, request: Request, name: str, value: Any) -> None: ...
+    def on_finish(self, request: Request) -> None: ...
+
+
+@dataclass
+class RequestStats:
+    steps: int = 0
+    wasted_steps: int = 0
+    preemptions: int = 0
+    submitted_at: float = 0.0
+    first_output_at: float | None = None
+    finished_at: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """One client request: a walk (and the walks its transitions lead to) over typed inputs."""
+
+    id: str
+    walk: str
+    inputs: dict[str, Any]
+    arrival: int
+    conductor: Conductor
+    listener: Listener | None = None
+    deadline: float | None = None
+    state: str = WAITING
+    error: str | None = None
+    error_field: str | None = None
+    finish_reason: str | None = None
+    outputs: dict[str, Any] = field(default_factory=dict)
+    walks_done: list[str] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    # ---- per attempt (reset on preemption)
+    tasks: set[WalkTask] = field(default_factory=set)
+    buffers: dict[str, StreamBuffer] = field(default_factory=dict)
+    appended: dict[str, int] = field(default_factory=dict)
+    # ---- across attempts
+    delivered: dict[str, int] = field(default_factory=dict)
+    current_walk: str = ""
+    current_inputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.state in (FINISHED, FAILED, CANCELLED)
+
+    # ---- effects called by the interpreter
+    def emit(self, name: str, value: Any, mode: str) -> None:
+        if mode == "set":
+            self.outputs[name] = value
+            if self.stats.first_output_at is None:
+                self.stats.first_output_at = time.perf_counter()
+            return
+        self.outputs.setdefault(name, []).append(value)
+        # counted per walk of the request (a transition starts a new count), so a replay after
+        # preemption, which restarts from the first walk, lines up with what was delivered
+        key = f"{len(self.walks_done)}:{name}"
+        n = self.appended.get(key, 0) + 1
+        self.appended[key] = n
+        if n <= self.delivered.get(key, 0):
+            return  # a replay after preemption: the client already has this item
+        self.delivered[key] = n
+        if self.stats.first_output_at is None:
+            self.stats.first_output_at = time.perf_counter()
+        if self.listener is not None:
+            self.listener.on_output(self, name, value)
+
+    def push(self, stream_id: str, buffer: StreamBuffer, items: Any) -> None:
+        if isinstance(items, torch.Tensor) and items.dim() >= 1 and items.shape[0] == 0:
+            return
+        buffer.push(items)
+        self.conductor._stream_changed(buffer)
+
+    def stream_closed(self, stream_id: str) -> None:
+        self.conductor._stream_changed(self.buffers[stream_id])
+
+    def wasted_iteration(self, kv_log: list[tuple[str, tuple[str, str], int]]) -> None:
+        self.stats.wasted_steps += 1
+        self.conductor.stats["wasted_steps"] += 1
+        first: dict[tuple[str, tuple[str, str]], int] = {}
+        for node, key, start in kv_log:
+            first[(node, key)] = min(start, first.get((node, key), start))
+        for (node, key), start in first.items():
+            self.conductor._truncate(node, key, start)
+
+
+class Conductor:
+    """Admission, per-request walk interpreters, the scheduler loop, streams, transitions."""
+
+    def __init__(self, plan: Plan, workers: Mapping[int, WorkerLike], *, max_running: int | None = None,
+                 preempt_every: int | None = None, request_timeout: float | None = None, overlap: bool = True):
+        """`overlap=False` waits for every remote step as it is sent: the order of steps, and so
+        who is batched with whom, is then exactly that of one rank (bit-exact comparisons)."""
+        self.plan = plan
+        self.overlap = overlap
+        self.workers = dict(workers)
+        limits = {name: int(n.settings["max_batch"]) for name, n in plan.nodes.items()
+                  if isinstance(n.settings.get("max_batch"), int) and not isinstance(n.settings.get("max_batch"), bool)}
+        self.scheduler = Scheduler(max_batch=plan.max_batch, node_limits=limits)
+        self.max_running = max_running or plan.max_batch
+        self.preempt_every = preempt_every
+        self.request_timeout = request_timeout
+        self.kv = KVPages({(name, rank): (plan.kv_pages(name, rank), plan.page_size)
+                           for name, rank in plan.kv_pools()})
+        self._kv_classes: dict[str, type[KVNode]] = {}
+        self._kv_specs: dict[str, NodeSpec] = {}
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.pending: dict[StepCall, None] = {}  # ready calls in issue order (a dict: O(1) removal)
+        self.ready: deque[tuple[WalkTask, Any, BaseException | None]] = deque()
+        self._chunk_waiters: dict[int, WalkTask] = {}
+        self._chunk_queues: dict[int, deque] = {}
+        self._space_waiters: dict[int, list[WalkTask]] = {}
+        self._task_calls: dict[WalkTask, StepCall] = {}
+        self._ids = itertools.count()
+        self._seq = itertools.count()
+        self._readmit_after_finish = False
+        self._inflight: dict[int, _InFlight] = {}  # rank -> its step sent without waiting, in send order
+        self.tp = TPDispatch(self.workers)
+        self.broken: str | None = None  # set when a worker process was lost: the engine has stopped
+        self.stats: dict[str, float] = {"steps": 0, "batched_entries": 0, "wasted_steps": 0, "preemptions": 0,
+                                        "finished": 0, "failed": 0, "cancelled": 0, "step_seconds": 0.0,
+                                        "remote_steps": 0, "overlapped_steps": 0, "remote_wait_seconds": 0.0}
+
+    # ------------------------------------------------------------------ public
+    def submit(self, walk: str, inputs: Mapping[str, Any], *, request_id: str | None = None,
+               listener: Listener | None = None, timeout: float | None = None) -> Request:
+        """Queue a request; raises RequestError (naming the field) for bad input."""
+        if self.broken is not None:
+            raise EngineStopped(f"the engine stopped: {self.broken}")
+        program = self.plan.walk(walk)  # raises RequestError for an unknown walk
+        values = validate_inputs(walk, program, inputs)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests and not self.requests[rid].done:
+            raise RequestError(f"request id '{rid}' is already in use", "request_id")
+        req = Request(rid, walk, values, next(self._seq), self, listener)
+        req.stats.submitted_at = time.perf_counter()
+        limit = timeout if timeout is not None else self.request_timeout
+        req.deadline = req.stats.submitted_at + limit if limit else None
+        req.current_walk, req.current_inputs = walk, values
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.done:
+            return False
+        self._end(req, CANCELLED, reason=reason)
+        return True
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running and not self._inflight
+
+    def run_until_idle(self, on_step: Callable[[], None] | None = None) -> None:
+        while self.step():
+            if on_step is not None:
+                on_step()
+
+    def step(self) -> bool:
+        """One engine-loop iteration. Returns False when there is nothing left to do."""
+        self._expire()
+        self._admit()
+        self._collect()
+        self._drive()
+        picked = self.scheduler.next_group(self.pending, busy=self._inflight.keys())
+        if picked is None:
+            if self._inflight:  # nothing else can run: wait for the oldest remote step
+                t0 = time.perf_counter()
+                self._take(next(iter(self._inflight)))
+                self.stats["remote_wait_seconds"] += time.perf_counter() - t0
+                return True
+            stuck = [r for r in self.running if not r.done]
+            for r in stuck:  # tasks blocked on nothing that can ever arrive: a walk bug, never a hang
+                self._fail(r, "walk cannot make progress (all of its tasks wait on each other)")
+            return bool(self.waiting or self.running)
+        key, calls = picked
+        entries = self._reserve(key, calls)
+        if entries:
+            self._run(key, entries)
+        return True
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self) -> None:
+        if self._readmit_after_finish and self.running:
+            return
+        self._readmit_after_finish = False
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting.popleft()
+            if req.done:
+                continue
+            req.state = RUNNING
+            self.running.append(req)
+            self._start_walk(req, req.current_walk, req.current_inputs)
+
+    def _start_walk(self, req: Request, walk: str, inputs: dict[str, Any]) -> None:
+        program = self.plan.walk(walk)
+        req.buffers = {}
+        for sid in program.get("streams", []):
+            spec = self.plan.stream(sid)
+            req.buffers[sid] = StreamBuffer(policy_from_spec(spec["policy"]), spec["capacity"])
+        req.appended = {}
+        req.outputs = {k: v for k, v in req.outputs.items() if k not in {o["name"] for o in program["outputs"]}}
+        task = Interpreter(req, program, req.buffers).main_task(dict(inputs))
+        req.tasks = {task}
+        self.ready.append((task, None, None))
+
+    # ------------------------------------------------------------------ tasks
+    def _drive(self) -> None:
+        while self.ready:
+            task, value, exc = self.ready.popleft()
+            if task.request.done or task not in task.request.tasks:
+                continue
+            self._advance(task, value, exc)
+
+    def _advance(self, task: WalkTask, value: Any, exc: BaseException | None) -> None:
+        req = task.request
+        try:
+            y = task.gen.throw(exc) if exc is not None else task.gen.send(value)
+        except StopIteration:
+            self._task_finished(task, None)
+            return
+        except _Wasted as e:  # raised in a branch of a speculative iteration: belongs to the parent
+            self._task_finished(task, e)
+            return
+        except RequestError as e:
+            self._fail(req, str(e), e.field)
+            return
+        except (WalkError, StreamError, ValueError, TypeError, RuntimeError, KeyError, IndexError) as e:
+            self._fail(req, f"walk '{req.current_walk}' failed: {type(e).__name__}: {e}")
+            return
+        if isinstance(y, StepCall):
+            y.seq, y.task = next(self._seq), task
+            self._task_calls[task] = y
+            self.pending[y] = None
+        elif isinstance(y, WaitChunk):
+            self._wait_chunk(task, y.buffer)
+        elif isinstance(y, WaitSpace):
+            if y.buffer.can_push(y.items):
+                self.ready.append((task, None, None))
+            else:
+                self._space_waiters.setdefault(id(y.buffer), []).append(task)
+        elif isinstance(y, Join):
+            task.waiting_children = len(y.tasks)
+            for child in y.tasks:
+                child.parent = task
+                req.tasks.add(child)
+                self.ready.append((child, None, None))
+            if not y.tasks:
+                self.ready.append((task, None, None))
+        elif isinstance(y, Spawn):
+            req.tasks.add(y.task)
+            self.ready.append((y.task, None, None))
+            self.ready.append((task, None, None))
+        elif isinstance(y, ForkKV):
+            if self._fork_or_preempt(req, y):
+                self.ready.append((task, None, None))
+        else:  # pragma: no cover - the interpreter yields nothing else
+            self._fail(req, f"internal error: unknown yield {type(y).__name__}")
+
+    def _task_finished(self, task: WalkTask, exc: BaseException | None) -> None:
+        req = task.request
+        req.tasks.discard(task)
+        parent = task.parent
+        if parent is not None and parent in req.tasks:
+            if exc is not None:
+                for sibling in [t for t in req.tasks if t.parent is parent]:
+                    self._drop_task(sibling)
+                self.ready.append((parent, None, exc))
+            else:
+                parent.waiting_children -= 1
+                if parent.waiting_children == 0:
+                    self.ready.append((parent, None, None))
+        if not req.tasks and not req.done:
+            self._walk_finished(req)
+
+    def _drop_task(self, task: WalkTask) -> None:
+        task.request.tasks.discard(task)
+        call = self._task_calls.pop(task, None)
+        if call is not None:
+            self.pending.pop(call, None)
+        task.gen.close()
+
+    # ------------------------------------------------------------------ streams
+    def _wait_chunk(self, task: WalkTask, buffer: StreamBuffer) -> None:
+        queue = self._chunk_queues.setdefault(id(buffer), deque())
+        if not queue:
+            queue.extend(buffer.pop_ready())
+        if queue:
+            self.ready.append((task, queue.popleft(), None))
+            self._wake_space(buffer)
+        elif buffer.closed:
+            self._chunk_queues.pop(id(buffer), None)
+            self.ready.append((task, None, None))
+        else:
+            self._chunk_waiters[id(buffer)] = task
+
+    def _stream_changed(self, buffer: StreamBuffer) -> None:
+        task = self._chunk_waiters.pop(id(buffer), None)
+        if task is not None:
+            self._wait_chunk(task, buffer)
+
+    def _wake_space(self, buffer: StreamBuffer) -> None:
+        for task in self._space_waiters.pop(id(buffer), []):
+            self.ready.append((task, None, None))
+
+    # ------------------------------------------------------------------ KV
+    def _kv_class(self, node: str) -> tuple[type[KVNode], NodeSpec]:
+        if node not in self._kv_classes:
+            info = self.plan.node(node)
+            module, _, cls = info["impl"].rpartition(".")
+            self._kv_classes[node] = getattr(importlib.import_module(module), cls)
+            self._kv_specs[node] = self.plan.node_spec(node)
+        return self._kv_classes[node], self._kv_specs[node]
+
+    def _truncate(self, node: str, key: tuple[str, str], length: int) -> None:
+        for (n, rank), _ in list(self.kv.managers.items()):
+            if n == node:
+                copy = self.kv.truncate((n, rank), key, length)
+                if copy is not None:
+                    self.workers[rank].copy_slots(node, copy)
+
+    def _fork(self, req: Request, f: ForkKV) -> None:
+        for (n, rank), _ in list(self.kv.managers.items()):
+            if n != f.node:
+                continue
+            copy = self.kv.fork((n, rank), (req.id, f.src), (req.id, f.dst))
+            self.workers[rank].fork(f.node, req.id, f.src, f.dst, copy)
+
+    def _fork_or_preempt(self, req: Request, f: ForkKV) -> bool:
+        """Fork a KV context; when the pool is full, preempt the newest request and retry.
+
+        Returns False when `req` itself was preempted or failed (its task is gone)."""
+        while True:
+            try:
+                self._fork(req, f)
+                return True
+            except OutOfPages:
+                if self._inflight:  # never preempt a request with a step in flight: take them all first
+                    self._quiesce()
+                    if req.state != RUNNING:  # an answer ended or preempted it
+                        return False
+                    continue
+                victim = self._newest_holding_kv()
+                if victim is None or (victim is req and len(self._kv_holders()) == 1):
+                    self._fail(req, f"forking KV context {f.node}@{f.src} needs a page the pool does not have; "
+                               "the request can never fit")
+                    return False
+                self._preempt(victim)
+                if victim is req:
+                    return False
+
+    def _reserve(self, key: tuple[str, str, tuple[int, ...]], calls: list[StepCall]) -> list[tuple[StepCall, StepEntry]]:
+        node, phase, ranks = key
+        is_kv = self.plan.node(node)["engine"] == "kv"
+        entries: list[tuple[StepCall, StepEntry]] = []
+        for call in calls:
+            req = call.request
+            if req.done or call not in self.pending:
+                continue
+            inputs = chunk_inputs(call.inputs)
+            kv: KVSlots | None = None
+            if is_kv:
+                kv = self._reserve_one(node, phase, ranks[0], call, inputs)
+                if kv is None:
+                    continue
+            entries.append((call, StepEntry(req.id, call.tag, inputs, kv)))
+        # a later entry's reservation may have preempted an earlier entry's request
+        return [(c, e) for c, e in entries if c in self.pending and not c.request.done]
+
+    def _reserve_one(self, node: str, phase: str, rank: int, call: StepCall, inputs: dict[str, Any]) -> KVSlots | None:
+        cls, spec = self._kv_class(node)
+        shapes = {p: tuple(v.shape) for p, v in inputs.items() if isinstance(v, torch.Tensor)}
+        try:
+            plan = cls.kv_plan(phase, shapes, spec)
+        except RequestError as e:
+            self._fail(call.request, str(e), e.field)
+            return None
+        key = (call.request.id, call.tag or "main")
+        while True:
+            try:
+                kv = self.kv.reserve((node, rank), key, plan)
+            except OutOfPages:
+                if self._inflight:  # never preempt a request with a step in flight: take them all first
+                    self._quiesce()
+                    if call.request.state != RUNNING or call not in self.pending:
+                        return None
+                    continue
+                victim = self._newest_holding_kv()
+                if victim is None or victim is call.request and len(self._kv_holders()) == 1:
+                    self._fail(call.request, f"request needs more KV pages for node '{node}' than its pool holds "
+                               f"({self.kv.capacity_tokens((node, rank))} tokens); it can never fit")
+                    return None
+                self._preempt(victim)
+                if victim is call.request:
+                    return None
+                continue
+            call.frame.log_kv(node, key, kv.start)
+            return kv
+
+    def _kv_holders(self) -> list[Request]:
+        return [r for r in self.running if self.kv.holds(r.id)]
+
+    def _newest_holding_kv(self) -> Request | None:
+        holders = self._kv_holders()
+        return max(holders, key=lambda r: r.arrival) if holders else None
+
+    # ------------------------------------------------------------------ running a step
+    def _run(self, key: GroupKey, entries: list[tuple[StepCall, StepEntry]], *, wait: bool = False) -> None:
+        """Run one batched step: sent to a worker process without waiting when it is one rank
+        that can take it (unless `wait`), else here and now."""
+        node, phase, ranks = key
+        for call, _ in entries:
+            self.pending.pop(call, None)
+        batch = StepBatch(node, phase, [e for _, e in entries])
+        if self._inflight:
+            self.stats["overlapped_steps"] += 1
+        worker = self.workers[ranks[0]]
+        t0 = time.perf_counter()
+        try:
+            if len(ranks) == 1 and self.overlap and not wait and can_submit(worker):
+                handle = worker.submit(batch)  # type: ignore[attr-defined]
+                self._inflight[ranks[0]] = _InFlight(key, entries, handle, time.perf_counter() - t0)
+                self.stats["remote_steps"] += 1
+                return
+            outputs = self._dispatch(ranks, batch)
+        except (RequestError, WorkerStepError, WorkerLost) as e:
+            self._step_failed(key, entries, e)
+            return
+        self._finish(key, entries, outputs, time.perf_counter() - t0)
+
+    def _collect(self) -> None:
+        """Take the answers of remote steps that have arrived; never waits."""
+        try:
+            self.tp.poll()
+        except WorkerLost as e:  # a TP member failed a step its leader ran
+            self._stop(e)
+            return
+        for rank in list(self._inflight):
+            flight = self._inflight.get(rank)
+            if flight is not None and flight.handle.ready():
+                self._take(rank)
+
+    def _quiesce(self) -> None:
+        """Take every answer in flight, waiting for them (oldest first)."""
+        while self._inflight:
+            self._take(next(iter(self._inflight)))
+
+    def _take(self, rank: int) -> None:
+        """Take the answer of `rank`'s step in flight (waiting for it if need be) and apply it
+        to the entries whose tasks still wait for it; the others ended or were dropped
+        meanwhile (their pages were freed or truncated then)."""
+        flight = self._inflight.pop(rank)
+        t0 = time.perf_counter()
+        try:
+            outputs = flight.handle.result()
+        except (RequestError, WorkerStepError, WorkerLost) as e:
+            self._step_failed(flight.key, [(c, e_) for c, e_ in flight.entries if self._waits(c)], e)
+            return
+        self._finish(flight.key, flight.entries, outputs, flight.seconds + time.perf_counter() - t0)
+
+    def _waits(self, call: StepCall) -> bool:
+        """Whether the call's task still waits for its outputs (not ended, dropped or preempted)."""
+        return not call.request.done and call.task is not None and call.task in call.request.tasks
+
+    def _finish(self, key: GroupKey, entries: list[tuple[StepCall, StepEntry]], outputs: list[dict[str, Any]],
+                seconds: float) -> None:
+        """A step's outputs: KV of entries that keep nothing truncated, tasks resumed."""
+        node = key[0]
+        self.stats["step_seconds"] += seconds
+        self.stats["steps"] += 1
+        self.stats["batched_entries"] += len(entries)
+        for (call, entry), out in zip(entries, outputs):
+            if not self._waits(call):
+                continue
+            if entry.kv is not None and not entry.kv.keep:
+                self._truncate(node, (entry.request_id, entry.tag or "main"), entry.kv.start)
+            call.request.stats.steps += 1
+            self._task_calls.pop(call.task, None)
+            self.ready.append((call.task, out, None))
+        if self.preempt_every and self.stats["steps"] % self.preempt_every == 0:
+            self._quiesce()  # never preempt a request with a step in flight
+            # each request is preempted at most once by the forced mode, so every one finishes
+            fresh = [r for r in self.running if r.stats.preemptions == 0]
+            if fresh:
+                self._preempt(max(fresh, key=lambda r: r.arrival), forced=True)
+
+    def _step_failed(self, key: GroupKey, entries: list[tuple[StepCall, StepEntry]], error: Exception) -> None:
+        if isinstance(error, RequestError):
+            self._isolate(key, entries, error)
+        elif isinstance(error, WorkerStepError):
+            for call, _ in entries:
+                self._fail(call.request, str(error))
+        else:  # WorkerLost: a worker process died or hung; nothing can run any more
+            self._stop(error)
+
+    def _stop(self, error: Exception) -> None:
+        self.broken = str(error)
+        self._inflight.clear()  # the workers are shut down with their steps (RemoteWorker.close)
+        for req in list(self.running) + list(self.waiting):
+            self._fail(req, str(error))
+
+    def _dispatch(self, ranks: tuple[int, ...], batch: StepBatch) -> list[dict[str, Any]]:
+        if len(ranks) == 1:
+            return self.workers[ranks[0]].run_step(batch)
+        return self.tp.run(ranks, batch)  # a tensor-parallel group (runtime/mstar_runtime/worker/tp_dispatch.py)
+
+    def _isolate(self, key, entries, error: RequestError) -> None:
+        """A node rejected one entry of a batch: rerun them one by one (waiting for each) so
+        only the culprit fails."""
+        if not entries:
+            return
+        if len(entries) == 1:
+            call = entries[0][0]
+            self._fail(call.request, str(error), error.field)
+            return
+        for call, _ in entries:
+            self.pending[call] = None
+        for _, entry in entries:
+            if entry.kv is not None:  # the reservation is redone on the rerun
+                self._truncate(key[0], (entry.request_id, entry.tag or "main"), entry.kv.start)
+        for call, _ in entries:
+            if call.request.done:
+                continue
+            single = self._reserve(key, [call])
+            if single:
+                self._run(key, single, wait=True)
+
+    # ------------------------------------------------------------------ endings
+    def _walk_finished(self, req: Request) -> None:
+        walk = req.current_walk
+        req.walks_done.append(walk)
+        for t in self.plan.transitions():
+            if t["src"] != walk:
+                continue
+            flag = req.outputs.get(t["when"])
+            if flag is not None and read_flag(flag):
+                try:
+                    self._transition(req, t)
+                except RequestError as e:
+                    self._fail(req, f"transition {walk} -> {t['dst']}: {e}", e.field)
+                return
+        self._end(req, FINISHED, reason="stop")
+
+    def _transition(self, req: Request, t: dict[str, Any]) -> None:
+        keep = {(k["node"], k["tag"]): k["as"] for k in t["keep"]}
+        for (node, tag), as_tag in keep.items():
+            # a full pool preempts (or, if it can never fit, fails) as a walk's own fork does
+            if tag != as_tag and not self._fork_or_preempt(req, ForkKV(node, tag, as_tag)):
+                return
+        kept = {(node, as_tag) for (node, _), as_tag in keep.items()}
+        for (node, rank), bm in self.kv.managers.items():
+            for tag in bm.tags(req.id):
+                if (node, tag) not in kept:
+                    bm.free((req.id, tag))
+                    self.workers[rank].drop_tag(node, req.id, tag)
+                    self.tp.forget(req.id, node, tag)
+        program = self.plan.walk(t["dst"])
+        carried = {**req.current_inputs, **{k: v for k, v in req.outputs.items() if not isinstance(v, list)}}
+        inputs = validate_inputs(t["dst"], program, {p["name"]: carried[p["name"]] for p in program["inputs"]
+                                                     if p["name"] in carried})
+        req.current_walk, req.current_inputs = t["dst"], inputs
+        self._start_walk(req, t["dst"], inputs)
+
+    def _release(self, req: Request) -> None:
+        for task in list(req.tasks):
+            self._drop_task(task)
+        req.tasks.clear()
+        self.pending = {c: None for c in self.pending if c.request is not req}
+        for buf in req.buffers.values():
+            self._chunk_waiters.pop(id(buf), None)
+            self._chunk_queues.pop(id(buf), None)
+            self._space_waiters.pop(id(buf), None)
+        self.kv.free_request(req.id)
+        for w in self.workers.values():
+            w.free(req.id)
+        self.tp.forget(req.id)
+        if req in self.running:
+            self.running.remove(req)
+
+    def _preempt(self, req: Request, forced: bool = False) -> None:
+        self._release(req)
+        req.state = WAITING
+        req.stats.preemptions += 1
+        self.stats["preemptions"] += 1
+        req.current_walk, req.current_inputs = req.walk, req.inputs  # recompute from the start
+        req.outputs = {}
+        req.walks_done = []
+        # back to the head of the queue, in arrival order
+        self.waiting.appendleft(req)
+        self.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival))
+        self._readmit_after_finish = not forced
+
+    def _fail(self, req: Request, message: str, field_name: str | None = None) -> None:
+        if req.done:
+            return
+        req.error, req.error_field = message, field_name
+        self._end(req, FAILED, reason="error")
+
+    def _end(self, req: Request, state: str, reason: str) -> None:
+        self._release(req)
+        self._readmit_after_finish = False  # pages came back: a preempted request may try again
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.state, req.finish_reason = state, reason
+        req.stats.finished_at = time.perf_counter()
+        for name, value in list(req.outputs.items()):
+            if isinstance(value, list):
+                req.outputs[name] = concat(value)
+        if state == FINISHED:  # an appended output that never got an item is empty, not missing
+            for out in self.plan.walk(req.current_walk)["outputs"]:
+                if out["mode"] == "append" and out["name"] not in req.outputs:
+                    req.outputs[out["name"]] = _empty(out["type"])
+        self.stats[{FINISHED: "finished", FAILED: "failed", CANCELLED: "cancelled"}[state]] += 1
+        if self.requests.get(req.id) is req:  # ended requests are the caller's to keep, not ours
+            del self.requests[req.id]
+        if req.listener is not None:
+            req.listener.on_finish(req)
+
+    def _expire(self) -> None:
+        now = time.perf_counter()
+        for req in list(self.running) + list(self.waiting):
+            if req.deadline is not None and now > req.deadline and not req.done:
+                req.error = f"request timed out after {req.deadline - req.stats.submitted_at:.1f} s"
+                self._end(req, FAILED, reason="timeout")

@@ -1,0 +1,411 @@
+"""The per-request interpreter of a walk's step program.
+
+A `WalkTask` is a generator over the program tree (see docs/plan-format.md for the ops).
+It runs until it needs something from the conductor and yields it:
+
+- `StepCall`: one node phase for this request; resumed with the call's outputs.
+- `WaitChunk`: the next chunk of a stream buffer (an `on stream` block); resumed with the
+  `Chunk`, or `None` when the stream is done.
+- `WaitSpace`: room in a bounded stream buffer before a producer step (backpressure).
+- `Join`: child tasks (the branches of a `parallel`); resumed when all have finished.
+- `Spawn`: a detached child task (an `on stream` block runs beside the main body).
+- `ForkKV`: copy a KV context of this request to another tag (shared pages).
+
+Side effects on the request (emits, stream pushes, accumulations) go through a `Frame`,
+so that a speculative `dynamic_loop` iteration can hold them back until the previous
+iteration's stop flag has been read (see `_dynamic_loop`).
+
+Lanes: a node may return `readback.Lazy` outputs, values that depend on device results
+(Orpheus' 0-or-1-item `code`, its `done` flag). Resolving one waits for the step that made
+it, so an effect that needs one (a push, an emit, an acc) is queued on the task's lane
+and applied when the task's *next* step call comes back: by then that step has been
+launched, and the wait for the previous one leaves the GPU busy. Once a lane holds an
+effect, later effects of the task queue behind it, so their order never changes. A lane
+is flushed as well before anything that could depend on its effects: a wait for stream
+space, a fork, a join, the end of a loop, of a stream block and of the walk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mstar_runtime.control.streams import Chunk, StreamBuffer
+from mstar_runtime.ops.node import RequestError
+from mstar_runtime.ops.readback import is_lazy, resolve
+from mstar_runtime.plan.planfile import iter_ops
+
+if TYPE_CHECKING:
+    from mstar_runtime.control.conductor import Request
+
+Env = dict[str, Any]
+Gen = Generator[Any, Any, None]
+
+
+class WalkError(Exception):
+    """A request's walk cannot continue (a bad value at run time); fails that request only."""
+
+
+@dataclass(eq=False)
+class StepCall:
+    op: dict[str, Any]
+    request: Request
+    tag: str | None
+    inputs: dict[str, Any]
+    frame: Frame
+    seq: int = 0  # set by the conductor: global issue order, for fair scheduling
+    task: WalkTask | None = None  # set by the conductor: the task to resume with the outputs
+
+
+@dataclass(eq=False)
+class WaitChunk:
+    buffer: StreamBuffer
+
+
+@dataclass(eq=False)
+class WaitSpace:
+    buffer: StreamBuffer
+    items: int
+
+
+@dataclass(eq=False)
+class Join:
+    tasks: list[WalkTask]
+
+
+@dataclass(eq=False)
+class Spawn:
+    task: WalkTask
+
+
+@dataclass(eq=False)
+class ForkKV:
+    node: str
+    src: str
+    dst: str
+
+
+class _Wasted(Exception):
+    """Raised inside a speculative iteration when the previous iteration's flag said stop."""
+
+    def __init__(self, frame: Frame):
+        super().__init__("wasted speculative iteration")
+        self.frame = frame
+
+
+@dataclass(eq=False)
+class Frame:
+    """Where a region's side effects go.
+
+    In a speculative iteration (`pending_flag` set), effects are buffered until the first
+    step call of the iteration has been issued; then the previous iteration's flag is read:
+    if it says stop, the iteration is abandoned (`_Wasted`), else the buffered effects are
+    applied and the iteration continues normally.
+    """
+
+    request: Request
+    parent: Frame | None = None
+    pending_flag: Any = None
+    deferred: list[Callable[[], None]] = field(default_factory=list)
+    kv_log: list[tuple[str, tuple[str, str], int]] = field(default_factory=list)  # (node, key, start)
+    accs: dict[str, list[Any]] | None = None
+    # the task's lane (see the module docstring): shared with the parent unless given
+    lane: list[tuple[Frame, Callable[[], None]]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.lane is None:
+            self.lane = self.parent.lane if self.parent is not None else []
+
+    @property
+    def speculative(self) -> bool:
+        return self.pending_flag is not None
+
+    def effect(self, fn: Callable[[], None]) -> None:
+        if self.speculative:
+            self.deferred.append(fn)
+        elif self.parent is not None:
+            self.parent.effect(fn)
+        else:
+            fn()
+
+    def effect_on_lane(self, fn: Callable[[], None], lazy: bool) -> None:
+        """`effect(fn)`, queued on the lane when `fn` resolves a lazy value or the lane is busy."""
+        assert self.lane is not None
+        if lazy or self.lane:
+            self.lane.append((self, fn))
+        else:
+            self.effect(fn)
+
+    def flush_lane(self) -> None:
+        """Apply the lane's queued effects, in order (each through the frame that queued it)."""
+        assert self.lane is not None
+        if not self.lane:  # the common case: called at every step call's return
+            return
+        queued = list(self.lane)
+        self.lane.clear()
+        for frame, fn in queued:
+            frame.effect(fn)
+
+    def after_first_step(self) -> None:
+        """Called after every step call: resolves the speculative iterations this call belongs to.
+
+        Outer iterations first: if an outer loop's previous flag said stop, the inner ones
+        do not matter.
+        """
+        chain: list[Frame] = []
+        f: Frame | None = self
+        while f is not None:
+            if f.speculative:
+                chain.append(f)
+            f = f.parent
+        for f in reversed(chain):
+            f._resolve()
+
+    def _resolve(self) -> None:
+        flag, self.pending_flag = self.pending_flag, None
+        if read_flag(flag):
+            raise _Wasted(self)
+        effects, self.deferred = self.deferred, []
+        for fn in effects:
+            self.effect(fn)
+
+    def log_kv(self, node: str, key: tuple[str, str], start: int) -> None:
+        f: Frame | None = self
+        while f is not None:
+            f.kv_log.append((node, key, start))
+            f = f.parent
+
+    def acc_target(self, name: str) -> list[Any]:
+        f: Frame | None = self
+        while f is not None:
+            if f.accs is not None and name in f.accs:
+                return f.accs[name]
+            f = f.parent
+        raise WalkError(f"acc {name} outside of a loop")  # the compiler rejects this; defensive
+
+
+def read_flag(value: Any) -> bool:
+    """A stop flag's truth. A tensor read here is the one host sync of a speculative loop step."""
+    value = resolve(value)
+    if isinstance(value, torch.Tensor):
+        return bool(value.reshape(-1)[0].item()) if value.numel() else False
+    return bool(value)
+
+
+def concat(values: list[Any]) -> Any:
+    """Accumulated values: tensors concatenated along dim 0 (scalars stacked), strings joined."""
+    if not values:
+        return torch.zeros(0)
+    values = [resolve(v) for v in values]
+    if all(isinstance(v, str) for v in values):
+        return "".join(values)
+    tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in values]
+    if any(t.dim() == 0 for t in tensors):
+        return torch.stack([t.reshape(()) for t in tensors])
+    return torch.cat(tensors, dim=0)
+
+
+class WalkTask:
+    """One concurrently running part of a request's walk: the main body, a branch, a stream block."""
+
+    def __init__(self, request: Request, gen: Gen, name: str, parent: WalkTask | None = None):
+        self.request, self.gen, self.name, self.parent = request, gen, name, parent
+        self.done = False
+        self.waiting_children = 0
+
+
+class Interpreter:
+    """Builds the generators of one request's walk. The conductor drives them."""
+
+    def __init__(self, request: Request, program: dict[str, Any], buffers: dict[str, StreamBuffer]):
+        self.request = request
+        self.program = program
+        self.buffers = buffers  # stream id -> this request's buffer
+
+    def main_task(self, env: Env) -> WalkTask:
+        frame = Frame(self.request)
+
+        def body() -> Gen:
+            # `on stream` blocks start with their walk and run beside it, wherever they are
+            # written: a consumer that started only when reached would let its producer fill
+            # the buffer and stall (or, after a loop, turn streaming into batch).
+            for op in (o for o in iter_ops(self.program["program"]) if o["op"] == "on_stream"):
+                buffer = self.buffers[op["stream"]]
+                yield Spawn(WalkTask(self.request, self._stream_block(op, dict(env), buffer), op["id"]))
+            yield from self._region(self.program["program"], env, frame)
+            frame.flush_lane()
+            for sid in self.program.get("streams", []):  # every producer is done: flush the streams
+                self.buffers[sid].close()
+                self.request.stream_closed(sid)
+
+        return WalkTask(self.request, body(), "main")
+
+    # ---- operands
+    def _value(self, operand: dict[str, Any], env: Env) -> Any:
+        if "var" in operand:
+            name = operand["var"]
+            if name not in env:
+                raise WalkError(f"value '{name}' is not bound")
+            return env[name]
+        value = operand["const"]
+        return torch.tensor(value) if isinstance(value, list) else value
+
+    # ---- regions
+    def _region(self, op: dict[str, Any], env: Env, frame: Frame) -> Gen:
+        kind = op["op"]
+        if kind == "seq":
+            for child in op["body"]:
+                yield from self._region(child, env, frame)
+        elif kind == "call":
+            yield from self._call(op, env, frame)
+        elif kind == "loop":
+            if op["dynamic"]:
+                yield from self._dynamic_loop(op, env, frame)
+            else:
+                yield from self._loop(op, env, frame)
+        elif kind == "parallel":
+            yield from self._parallel(op, env, frame)
+        elif kind == "on_stream":
+            pass  # started with the walk (main_task)
+        elif kind == "emit":
+            value = self._value(op["value"], env)
+            name, mode = op["output"], op["mode"]
+            frame.effect_on_lane(lambda: self.request.emit(name, resolve(value), mode), is_lazy(value))
+        elif kind == "acc":
+            value = self._value(op["value"], env)
+            target = frame.acc_target(op["name"])
+            frame.effect_on_lane(lambda: target.append(value), False)  # `concat` resolves
+        elif kind == "fork":
+            frame.flush_lane()
+            yield ForkKV(op["node"], op["src"], op["dst"])
+        elif kind == "transfer":
+            pass  # values live with the conductor between steps; the worker proxy moves them (docs/runtime.md)
+        else:
+            raise WalkError(f"unknown op '{kind}' in the step program")
+
+    def _call(self, op: dict[str, Any], env: Env, frame: Frame) -> Gen:
+        inputs = {port: resolve(self._value(arg, env)) for port, arg in op["args"].items()}
+        for feed in op.get("feeds", ()):
+            # backpressure: do not run a producer whose consumer lags by a full buffer
+            buf = self.buffers[feed["stream"]]
+            if not buf.can_push(1):
+                frame.flush_lane()  # the queued pushes may be what the consumer waits for
+            while not buf.can_push(1):
+                yield WaitSpace(buf, 1)
+        outputs = yield StepCall(op, self.request, op.get("tag"), inputs, frame)
+        # this step has been launched: the previous one's lazy effects can resolve now
+        frame.flush_lane()
+        frame.after_first_step()
+        for port, name in op["results"]:
+            env[name] = outputs[port]
+        for feed in op.get("feeds", ()):
+            items = outputs[feed["port"]]
+            buf = self.buffers[feed["stream"]]
+            sid = feed["stream"]
+            frame.effect_on_lane(
+                lambda buf=buf, items=items, sid=sid: self.request.push(sid, buf, resolve(items)), is_lazy(items)
+            )
+
+    def _loop(self, op: dict[str, Any], env: Env, frame: Frame) -> Gen:
+        count = resolve(self._value(op["count"], env))
+        count = int(count.item()) if isinstance(count, torch.Tensor) else int(count)
+        if count < 0 or (op.get("max") is not None and count > op["max"]):
+            # a request input out of range is the request's fault: name the input it came from
+            name = op["count"].get("var")
+            limit = f"0..{op['max']}" if op.get("max") is not None else ">= 0"
+            raise RequestError(f"'{name}' = {count} is outside {limit} (the bound of loop {op['id']})", name)
+        accs = {a["name"]: [] for a in op["acc"]}
+        loop_frame = Frame(self.request, parent=frame, accs=accs)
+        for i in range(count):
+            inner = dict(env)
+            if op.get("index"):
+                inner[op["index"]] = i
+            yield from self._region(op["body"], inner, loop_frame)
+            for name in op["carry"]:
+                env[name] = inner[name]
+        loop_frame.flush_lane()
+        loop_frame.effect(lambda: env.update({n: concat(v) for n, v in accs.items()}))
+
+    def _dynamic_loop(self, op: dict[str, Any], env: Env, frame: Frame) -> Gen:
+        """DynamicLoop, speculatively: iteration i+1 is issued before iteration i's flag is read.
+
+        The flag of iteration i is read right after iteration i+1's first step call comes back
+        (on the GPU: after it was launched, so the read never stalls the device). If it says
+        stop, iteration i+1 is thrown away: its KV appends are truncated, its effects dropped,
+        and one wasted step is counted.
+        """
+        accs = {a["name"]: [] for a in op["acc"]}
+        # A flag already bound before the loop (e.g. by a prefill) is checked before the first
+        # iteration -- speculatively too: iteration 0 is issued before that flag is read.
+        pending = env.get(op["until"])
+        for i in range(op["max"]):
+            inner = dict(env)
+            if op.get("index"):
+                inner[op["index"]] = i
+            it_frame = Frame(self.request, parent=frame, pending_flag=pending, accs=accs)
+            try:
+                yield from self._region(op["body"], inner, it_frame)
+                if it_frame.speculative:  # a body without step calls: resolve the flag now
+                    it_frame._resolve()
+            except _Wasted as e:
+                if e.frame is not it_frame:
+                    raise  # an outer loop's iteration is being abandoned
+                self.request.wasted_iteration(it_frame.kv_log)
+                break
+            for name in op["carry"]:
+                env[name] = inner[name]
+            pending = inner[op["until"]]
+        frame.flush_lane()
+        frame.effect(lambda: env.update({n: concat(v) for n, v in accs.items()}))
+
+    def _parallel(self, op: dict[str, Any], env: Env, frame: Frame) -> Gen:
+        envs = [dict(env) for _ in op["branches"]]
+        # each branch is its own task, with its own lane
+        tasks = [WalkTask(self.request, self._branch(b["body"], e, Frame(self.request, parent=frame, lane=[])),
+                          b["name"]) for b, e in zip(op["branches"], envs)]
+        frame.flush_lane()
+        yield Join(tasks)
+        for e in envs:  # fan-in: each branch binds distinct names (checked by the compiler)
+            env.update({k: v for k, v in e.items() if k not in env or env[k] is not v})
+
+    def _branch(self, body: dict[str, Any], env: Env, frame: Frame) -> Gen:
+        yield from self._region(body, env, frame)
+        frame.flush_lane()
+
+    def _stream_block(self, op: dict[str, Any], env: Env, buffer: StreamBuffer) -> Gen:
+        while True:
+            chunk: Chunk | None = yield WaitChunk(buffer)
+            if chunk is None:
+                return
+            inner = dict(env)
+            inner[op["as"]] = ChunkValue(chunk)
+            frame = Frame(self.request)
+            yield from self._region(op["body"], inner, frame)
+            frame.flush_lane()
+
+
+@dataclass(frozen=True)
+class ChunkValue:
+    """A stream chunk bound to a name: its items, and how many leading items are left context.
+
+    Passed to a node input port as the items tensor, with the context count under the input
+    key `"<port>:context"` (see `chunk_inputs`).
+    """
+
+    chunk: Chunk
+
+
+def chunk_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """Unwrap chunk values for a node: `port` -> items tensor, `port:context` -> int, `port:final` -> bool."""
+    out: dict[str, Any] = {}
+    for port, value in inputs.items():
+        if isinstance(value, ChunkValue):
+            out[port] = value.chunk.items
+            out[f"{port}:context"] = value.chunk.context
+            out[f"{port}:final"] = value.chunk.final
+        else:
+            out[port] = value
+    return out

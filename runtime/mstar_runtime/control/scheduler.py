@@ -1,0 +1,116 @@
+"""The scheduler: which ready steps run together next, and KV pages for them.
+
+Ready `StepCall`s of all requests are grouped by (node, phase, ranks): calls in one group
+run as one batched step (continuous batching: requests join and leave between steps; CFG
+branches of one request on different KV tags share a group). The largest group runs next
+(a bigger batch costs about the same GPU time as a small one), up to `max_batch` entries in
+issue order; the group of a call that has been passed over `max_wait` times runs first, so
+no request starves. Groups on a `busy` rank (one that still runs a step the conductor sent
+without waiting for it) are left out until it is free: a call waiting for its rank is not
+passed over by choice, so its count stands still.
+
+`KVPages` holds the `BlockManager` of every KV node and turns an entry's `SeqPlan` into
+the `KVSlots` the worker writes to. It never preempts by itself: when a reservation fails
+it raises `OutOfPages`, and the conductor decides whom to preempt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+
+from mstar_runtime.control.interpreter import StepCall
+from mstar_runtime.engine.engines import KVSlots
+from mstar_runtime.kv.block_manager import BlockManager, OutOfPages, SlotCopy
+from mstar_runtime.ops.node import SeqPlan
+
+GroupKey = tuple[str, str, tuple[int, ...]]
+
+
+def group_key(call: StepCall) -> GroupKey:
+    return call.op["node"], call.op["phase"], tuple(call.op["ranks"])
+
+
+@dataclass
+class Scheduler:
+    max_batch: int
+    node_limits: dict[str, int] = field(default_factory=dict)  # a node's own `max_batch` setting
+    max_wait: int = 8  # times a ready call may be passed over before its group must run
+    _passed: dict[int, int] = field(default_factory=dict)  # call seq -> times passed over
+
+    def next_group(
+        self, ready: Iterable[StepCall], busy: Collection[int] = ()
+    ) -> tuple[GroupKey, list[StepCall]] | None:
+        """The next group to run and its calls (at most the batch limit), or None. `busy`:
+        ranks that cannot take a step now."""
+        groups: dict[GroupKey, list[StepCall]] = {}
+        held: dict[int, int] = {}  # calls waiting for a busy rank keep their pass count
+        blocked = frozenset(busy)
+        for call in ready:
+            key = group_key(call)
+            if blocked and not blocked.isdisjoint(key[2]):
+                if call.seq in self._passed:
+                    held[call.seq] = self._passed[call.seq]
+                continue
+            groups.setdefault(key, []).append(call)
+        if not groups:
+            self._passed = held
+            return None
+        oldest = min((c for calls in groups.values() for c in calls), key=lambda c: c.seq)
+        if self._passed.get(oldest.seq, 0) >= self.max_wait:
+            key = group_key(oldest)
+        else:  # the biggest batch; among equals, the one with the oldest call
+            key = max(groups, key=lambda k: (len(groups[k]), -min(c.seq for c in groups[k])))
+        limit = min(self.max_batch, self.node_limits.get(key[0], self.max_batch))
+        calls = sorted(groups[key], key=lambda c: c.seq)[:limit]
+        chosen = {c.seq for c in calls}
+        self._passed = {c.seq: self._passed.get(c.seq, 0) + 1
+                        for cs in groups.values() for c in cs if c.seq not in chosen}
+        self._passed.update(held)
+        return key, calls
+
+
+class KVPages:
+    """The conductor's view of every KV pool: page tables per (request, tag) for each KV node."""
+
+    def __init__(self, pools: dict[str, tuple[int, int]]):
+        """pools: node -> (num_pages, page_size)."""
+        self.managers = {node: BlockManager(pages, size) for node, (pages, size) in pools.items()}
+
+    def reserve(self, node: str, key: tuple[str, str], plan: SeqPlan) -> KVSlots:
+        bm = self.managers[node]
+        start = bm.seq_len(key) if key in bm else 0
+        slots = bm.append(key, plan.q_len)  # raises OutOfPages, changing nothing
+        return KVSlots(start=start, q_len=plan.q_len, slots=slots, page_table=bm.page_table(key),
+                       mask=plan.mask, block_size=plan.block_size, keep=plan.keep)
+
+    def truncate(self, node: str, key: tuple[str, str], length: int) -> SlotCopy | None:
+        bm = self.managers[node]
+        return bm.truncate(key, length) if key in bm else None
+
+    def fork(self, node: str, src: tuple[str, str], dst: tuple[str, str]) -> SlotCopy | None:
+        bm = self.managers[node]
+        if dst in bm:  # the destination is replaced, also by an empty source
+            bm.free(dst)
+        if src not in bm:  # forking an empty context gives an empty context
+            return None
+        return bm.fork(src, dst)
+
+    def free_request(self, request_id: str) -> int:
+        return sum(bm.free_request(request_id) for bm in self.managers.values())
+
+    def holds(self, request_id: str) -> bool:
+        return any(bm.tags(request_id) for bm in self.managers.values())
+
+    def capacity_tokens(self, node: str) -> int:
+        bm = self.managers[node]
+        return bm.num_pages * bm.page_size
+
+    def used_pages(self) -> int:
+        return sum(bm.used_pages for bm in self.managers.values())
+
+    def total_pages(self) -> int:
+        return sum(bm.num_pages for bm in self.managers.values())
+
+
+__all__ = ["KVPages", "OutOfPages", "Scheduler", "group_key"]

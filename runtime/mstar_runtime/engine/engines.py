@@ -1,0 +1,321 @@
+"""Running one batched step of one node: KV slots in, attention context built, node called, outputs out.
+
+`KVCacheEngine` owns a KV node's paged pool (`attention.KVPool`, geometry from
+`node.kv_geometry`) and the per-(request, tag) node states (`attn.states[i]`). It never
+allocates pages: the conductor's `BlockManager` does, and every entry arrives with its
+`KVSlots` (where its new tokens go and its whole page table). For one step the engine:
+
+1. checks each entry's slots against its page table (a mismatch would silently attend to
+   the wrong tokens, so it is an error naming the request);
+2. builds one `AttentionContext` over the mixed batch; its `attend(layer, q, k, v)` writes
+   the new K/V of every entry at its slots (`keep=False` entries too: the conductor
+   reserved their slots and truncates them after the step) and then runs the attention
+   backend over all entries at once, with kv_len = start + q_len and each entry's mask;
+3. calls `node.run(phase, inputs, attn)` under `torch.inference_mode()`;
+4. checks the outputs: one mapping per entry, each holding every output port of the phase
+   (extra keys are allowed and passed through). Anything else is a `NodeError` naming the
+   node and the phase.
+
+Entries with `q_len == 0` (a phase that adds no KV) are part of the batch but not of the
+attention metadata; they must not call `attend`. `attn.extra` holds the step's
+`AttentionMetadata` ("metadata") and the `KVPool` ("pool") for nodes that need more than
+`attend` (e.g. reading cached K/V directly).
+
+The attention backend is pluggable: any callable with `paged_attention`'s signature
+`(q, pool, layer, meta, scale) -> out`. If it also has `prepare(pool, meta)`, that is called
+once per step before the node runs (a FlashInfer backend plans its kernels there, once per
+step rather than once per layer). A node class may set `attention_scale` (default
+1/sqrt(head_dim)). On a GPU the worker passes `flashinfer_backend.select_backend(device)`.
+
+CUDA graphs (`graphs`: phase -> batch buckets, from the plan's `cuda_graphs` entries for
+this node and rank): the engine owns one `graphs.GraphRunner` per such phase and, for a
+decode batch that fits a bucket, binds it to the step as `attn.graph_runner`, so the node's
+`attn.run_graphed(fn, ...)` replays a captured graph. The pool then has one scratch page
+after the `num_pages` usable ones, for the pad rows. In such a step the backend's
+`prepare` and the eager slot tensor are made only if the node attends outside
+`run_graphed`.
+
+`StatelessEngine` runs a stateless node's batched phase with the same output checks. With
+`graphs` (phase -> batch buckets, from the same `cuda_graphs` entries) it owns one
+`stateless_graphs.StatelessGraphRunner` per such phase that the node offers through
+`graph_phase(phase)`: a batch that fits a bucket then replays a captured graph of the
+phase's tensor part, on the runner's side stream by default on a GPU (the contract, the
+padding and the stream ordering are in runtime/mstar_runtime/engine/stateless_graphs.py). Phases the node does
+not offer, and batches beyond the largest bucket, run `node.run` / the tensor part eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from copy import deepcopy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mstar_runtime.engine.graphs import GraphRunner, graph_runners
+from mstar_runtime.engine.stateless_graphs import Capture, StatelessGraphRunner, stateless_graph_runners
+from mstar_runtime.kv.attention import AttentionError, AttentionMetadata, KVPool, paged_attention
+from mstar_runtime.kv.block_manager import SlotCopy
+from mstar_runtime.ops.node import AttentionContext, KVNode, NodeError, SeqState, StatelessNode
+from mstar_runtime.ops.readback import upload
+
+DEFAULT_TAG = "main"  # the KV context of an entry whose tag is None (the conductor's convention)
+
+AttentionBackend = Callable[..., torch.Tensor]
+"""`(q [N, H, D], pool, layer, meta, scale) -> [N, H, D]`, like `attention.paged_attention`."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVSlots:
+    """Where one entry's new tokens go in the pool, as the conductor's BlockManager reserved them."""
+
+    start: int  # tokens in the context before this step
+    q_len: int  # new tokens of this step
+    slots: list[int]  # pool slot of each new token (page * page_size + offset)
+    page_table: list[int]  # the context's pages, covering start + q_len tokens
+    mask: str = "causal"
+    block_size: int | None = None
+    keep: bool = True  # False: the conductor truncates these tokens after the step
+
+
+@dataclass(slots=True)
+class StepEntry:
+    """One request's (or one KV tag's) part of a batched step."""
+
+    request_id: str
+    tag: str | None
+    inputs: dict[str, Any]
+    kv: KVSlots | None = None
+
+
+def check_outputs(
+    name: str, phase: str, outputs: Any, n_entries: int, ports: Sequence[str] | None
+) -> list[dict]:
+    """A node's outputs, checked: a list of one mapping per entry with every port of the phase."""
+    if not isinstance(outputs, list) or len(outputs) != n_entries:
+        got = f"{len(outputs)} outputs" if isinstance(outputs, list) else f"a {type(outputs).__name__}"
+        raise NodeError(
+            f"node '{name}' phase '{phase}' returned {got} for a batch of {n_entries} entries; "
+            "it must return a list with one dict per entry"
+        )
+    for i, out in enumerate(outputs):
+        if not isinstance(out, Mapping):
+            raise NodeError(
+                f"node '{name}' phase '{phase}': output {i} is a {type(out).__name__}, not a dict"
+            )
+        missing = [p for p in ports or () if p not in out]
+        if missing:
+            raise NodeError(
+                f"node '{name}' phase '{phase}': output {i} lacks port(s) {', '.join(missing)} "
+                f"(it has: {', '.join(map(str, out)) or 'nothing'})"
+            )
+    return outputs
+
+
+class _Engine:
+    """What both engines share: the node, its name, and the output ports of each phase."""
+
+    def __init__(self, node: StatelessNode | KVNode, output_ports: Mapping[str, Sequence[str]] | None):
+        self.node = node
+        self.name = node.spec.name
+        self.output_ports = output_ports
+
+    def _ports(self, phase: str) -> Sequence[str] | None:
+        if self.output_ports is None:
+            return None
+        if phase not in self.output_ports:
+            raise NodeError(
+                f"node '{self.name}' has no phase '{phase}'; phases: {', '.join(self.output_ports)}"
+            )
+        return self.output_ports[phase]
+
+
+class StatelessEngine(_Engine):
+    """Batched forward of a stateless node (encoder, codec, VAE, tokenizer)."""
+
+    def __init__(
+        self,
+        node: StatelessNode,
+        output_ports: Mapping[str, Sequence[str]] | None = None,
+        *,
+        graphs: Mapping[str, Sequence[int]] | None = None,
+        capture_graphs: bool | Capture | None = None,
+        side_stream: bool | None = None,
+    ):
+        super().__init__(node, output_ports)
+        # phase -> runner for the captured phases the node offers; `capture_graphs=False` keeps
+        # the padding but runs eagerly (CPU tests), None: capture on cuda; `side_stream=None`:
+        # replays on the runner's own stream whenever it captures CUDA graphs
+        self.graph_runners: dict[str, StatelessGraphRunner] = stateless_graph_runners(
+            node, graphs or {}, capture=capture_graphs, side_stream=side_stream, name=self.name,
+        )
+
+    def run(self, phase: str, entries: list[StepEntry]) -> list[dict[str, Any]]:
+        ports = self._ports(phase)
+        if not entries:
+            return []
+        for e in entries:
+            if e.kv is not None:
+                raise NodeError(
+                    f"node '{self.name}' phase '{phase}': stateless, but request "
+                    f"'{e.request_id}' came with KV slots"
+                )
+        batch = [e.inputs for e in entries]
+        runner = self.graph_runners.get(phase)
+        with torch.inference_mode():
+            outputs = runner.run_phase(batch) if runner is not None else self.node.run(phase, batch)
+        return check_outputs(self.name, phase, outputs, len(entries), ports)
+
+
+class KVCacheEngine(_Engine):
+    """A KV node with its paged pool and per-(request, tag) states."""
+
+    def __init__(
+        self,
+        node: KVNode,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        *,
+        attention_backend: AttentionBackend | None = None,
+        output_ports: Mapping[str, Sequence[str]] | None = None,
+        graphs: Mapping[str, Sequence[int]] | None = None,
+        capture_graphs: bool | None = None,
+    ):
+        super().__init__(node, output_ports)
+        geo = node.kv_geometry
+        # Graphed phases pad their batches with rows that write and read one scratch page: the
+        # pool gets it after the `num_pages` usable ones, which the BlockManager never hands out.
+        scratch = 1 if graphs else 0
+        self.num_pages = num_pages
+        self.pool = KVPool(geo.layers, num_pages + scratch, page_size, geo.kv_heads, geo.head_dim, dtype, device)
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.backend: AttentionBackend = attention_backend or paged_attention
+        self.scale: float | None = getattr(node, "attention_scale", None)
+        # phase -> GraphRunner for the phases the plan captures (`graphs`: phase -> batch buckets);
+        # `capture_graphs=False` keeps the padding but runs eagerly (CPU tests), None: capture on cuda
+        self.graph_runners: dict[str, GraphRunner] = graph_runners(
+            self.pool, graphs or {}, self.backend, self.scale, scratch_page=num_pages,
+            capture=capture_graphs, name=self.name,
+        )
+        self._states: dict[tuple[str, str], dict[str, Any]] = {}
+        self._tags: dict[str, dict[str, None]] = {}  # request -> its tags holding a state, in order
+
+    # ------------------------------------------------------------------ states
+    def state(self, request_id: str, tag: str | None) -> dict[str, Any]:
+        """The node state of one KV context, created empty on first use."""
+        key = (request_id, tag or DEFAULT_TAG)
+        st = self._states.get(key)
+        if st is None:
+            st = self._states[key] = {}
+            self._tags.setdefault(request_id, {})[key[1]] = None
+        return st
+
+    def has_state(self, request_id: str, tag: str | None) -> bool:
+        return (request_id, tag or DEFAULT_TAG) in self._states
+
+    def fork_state(self, request_id: str, src_tag: str, dst_tag: str) -> None:
+        """`dst_tag` starts as a deep copy of `src_tag`'s state (replacing any it had).
+
+        A source without state gives the destination none, as forking an empty context
+        gives an empty context."""
+        src = self._states.get((request_id, src_tag))
+        self.drop_tag(request_id, dst_tag)
+        if src is not None:
+            self.state(request_id, dst_tag).update(deepcopy(src))
+
+    def drop_tag(self, request_id: str, tag: str) -> None:
+        """Forget one KV context's state (a transition that does not keep the tag)."""
+        if self._states.pop((request_id, tag), None) is not None:
+            tags = self._tags[request_id]
+            del tags[tag]
+            if not tags:
+                del self._tags[request_id]
+
+    def free(self, request_id: str) -> None:
+        """Drop every state of a finished, failed or preempted request (unknown ids are a no-op)."""
+        for tag in self._tags.pop(request_id, {}):
+            del self._states[(request_id, tag)]
+
+    @property
+    def num_states(self) -> int:
+        return len(self._states)
+
+    def copy_slots(self, copy: SlotCopy) -> None:
+        """Apply a BlockManager fork/truncate copy-on-write: slots src[i] -> dst[i], all layers."""
+        self.pool.copy_slots(list(copy.src), list(copy.dst))
+
+    # ------------------------------------------------------------------ running
+    def run(self, phase: str, entries: list[StepEntry]) -> list[dict[str, Any]]:
+        ports = self._ports(phase)
+        if not entries:
+            return []
+        kvs = [self._check_slots(phase, e) for e in entries]
+        attending = [kv for kv in kvs if kv.q_len > 0]
+        try:
+            meta = AttentionMetadata.build(
+                [kv.q_len for kv in attending],
+                [kv.start + kv.q_len for kv in attending],
+                [kv.page_table for kv in attending],
+                [kv.mask for kv in attending],
+                [kv.block_size for kv in attending],
+            )
+        except AttentionError as err:
+            raise NodeError(f"node '{self.name}' phase '{phase}': {err}") from None
+        flat = [s for kv in attending for s in kv.slots]
+        runner = self.graph_runners.get(phase)
+        graphed = runner is not None and runner.accepts(meta, len(entries))
+        pool, backend, scale = self.pool, self.backend, self.scale
+        prepare = getattr(backend, "prepare", None)
+        eager: dict[str, torch.Tensor] = {}
+
+        def eager_slots() -> torch.Tensor:
+            # Built once per step, and in a graphed step only if the node attends outside
+            # run_graphed; then the backend's per-step plan is made here too, before first use.
+            if "slots" not in eager:
+                eager["slots"] = upload(flat, torch.long, self.device)  # no stream sync on a GPU
+                if graphed and prepare is not None:
+                    prepare(pool, meta)
+            return eager["slots"]
+
+        if not graphed:
+            eager_slots()
+            if prepare is not None:
+                prepare(pool, meta)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            pool.write(layer, k, v, eager_slots())
+            return backend(q, pool, layer, meta, scale)
+
+        seqs = [SeqState(kv.start, kv.q_len, self.state(e.request_id, e.tag)) for e, kv in zip(entries, kvs)]
+        attn = AttentionContext(seqs, attend, self.device, extra={"metadata": meta, "pool": pool})
+        if graphed:
+            assert runner is not None
+            attn.graph_runner = runner.bind(attn, meta, flat)
+        with torch.inference_mode():
+            outputs = self.node.run(phase, [e.inputs for e in entries], attn)
+        return check_outputs(self.name, phase, outputs, len(entries), ports)
+
+    def _check_slots(self, phase: str, e: StepEntry) -> KVSlots:
+        where = f"node '{self.name}' phase '{phase}', request '{e.request_id}' tag '{e.tag or DEFAULT_TAG}'"
+        kv = e.kv
+        if kv is None:
+            raise NodeError(f"{where}: a KV node's entry needs KV slots")
+        if kv.start < 0 or kv.q_len < 0 or len(kv.slots) != kv.q_len:
+            raise NodeError(f"{where}: {len(kv.slots)} slot(s) for q_len {kv.q_len} at start {kv.start}")
+        ps, n_pages = self.page_size, self.num_pages
+        need = -(-(kv.start + kv.q_len) // ps)
+        if len(kv.page_table) < need or any(not 0 <= p < n_pages for p in kv.page_table[:need]):
+            raise NodeError(
+                f"{where}: page table {kv.page_table[:need]} does not hold {kv.start + kv.q_len} "
+                f"tokens in a pool of {n_pages} pages"
+            )
+        table = kv.page_table
+        for i, slot in enumerate(kv.slots):
+            pos = kv.start + i
+            if slot != table[pos // ps] * ps + pos % ps:
+                raise NodeError(f"{where}: slot {slot} of token {pos} is not where its page table puts it")
+        return kv

@@ -1,0 +1,306 @@
+"""FlashInfer paged attention for the KVCacheEngine on a GPU, and the choice of backend.
+
+`select_backend(device)` gives a worker its attention backend: a `FlashInferBackend` when
+the device is cuda and `flashinfer` imports, else the CPU reference
+`attention.paged_attention` (which also runs on a GPU, slowly). The choice is logged once.
+`MSTAR_ATTENTION=reference` forces the reference (A/B runs, debugging).
+
+`FlashInferBackend` implements the engine's backend protocol (see `engines.py`):
+- `prepare(pool, meta)`, once per step before the node runs: builds the step's host arrays
+  once (kv indptr / indices / last_page_len, plus qo_indptr for prefill) into ONE pinned
+  int32 tensor -- FlashInfer's `plan()` then copies them to the device with non_blocking
+  copies and reads the lengths on the host, so planning never waits for the GPU -- and
+  plans one wrapper for every layer of the step:
+  - every entry a 1-token step: `BatchDecodeWithPagedKVCacheWrapper` with
+    `use_tensor_cores=True` (1.5x faster for GQA at batch 64 on the H200, device.md 3);
+  - otherwise `BatchPrefillWithPagedKVCacheWrapper`, causal when every multi-token entry is
+    causal, non-causal when every one is "full" (a single query at the end of its context
+    sees the whole context under any mask kind, so decode entries never decide);
+  - a block-causal entry whose queries all lie in its last block sees every key: it counts
+    as "full" (a V-JEPA rollout step appends exactly one frame block);
+  - a batch with other `block_causal` entries, or mixing causal and full ones, plans the same
+    prefill wrapper with a custom mask (each entry's `attention.attention_mask`, bit-packed
+    by FlashInfer): one kernel for the whole mixed batch instead of a split. FlashInfer's
+    mask packing reads lengths back from the device, so such steps take a host sync; they
+    are prefill-like steps (V-JEPA frames, BAGEL image blocks), never the decode loop.
+  If planning fails (an unsupported shape, a kernel that will not build), the step falls
+  back to the reference and the reason is logged once.
+- `__call__(q, pool, layer, meta, scale)`: runs the planned wrapper on `pool.data[layer]`,
+  which is already FlashInfer's NHD paged layout ([pages, 2, page_size, kv_heads, dim]).
+  The query head count and the softmax scale are only known here, so the first step of a
+  pool plans at its first layer; later steps plan in `prepare` with what was learnt.
+
+Pools FlashInfer cannot serve (float32, a head_dim outside 64/128/256) use the reference.
+
+The prefill wrapper runs FlashInfer's FA2 backend by default: it is the same compiled module
+as tensor-core decode and as custom-mask prefill, so a fresh machine compiles one module
+(28 s) instead of two (FA3 prefill alone takes 84 s, device.md 2c); prompts of a TTS model
+are short enough that FA3's prefill speed does not show. Pass `prefill_backend="auto"` for FA3.
+
+`graph_decoder(pool, scale)` gives the GraphRunner its per-bucket attention:
+`FlashInferGraphDecode`, a decode wrapper made with `use_cuda_graph=True` and fixed
+indptr / indices / last_page_len buffers, planned before every replay and run inside it.
+
+Nothing here imports flashinfer at module import: only constructing a `FlashInferBackend`
+does, so the CPU runtime never needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mstar_runtime.kv.attention import (
+    AttentionMetadata,
+    KVPool,
+    SequenceAttention,
+    attention_mask,
+    paged_attention,
+)
+
+log = logging.getLogger(__name__)
+
+WORKSPACE_BYTES = 256 << 20  # the float workspace device.md ran with; shared by every wrapper
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+ENV_VAR = "MSTAR_ATTENTION"  # "reference" forces the reference; "flashinfer" makes a failed import an error
+
+_logged: set[str] = set()
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.log(level, message)
+
+
+def backend_name(backend: Any) -> str:
+    """"flashinfer" or "reference" (for logs and benchmark records)."""
+    return "flashinfer" if isinstance(backend, FlashInferBackend) else "reference"
+
+
+def select_backend(device: torch.device | str) -> Callable[..., torch.Tensor]:
+    """The attention backend for a worker on `device` (see the module docstring)."""
+    dev = torch.device(device)
+    choice = os.environ.get(ENV_VAR, "").strip().lower()
+    if dev.type == "cuda" and choice != "reference":
+        try:
+            backend = FlashInferBackend(dev)
+        except ImportError as e:
+            if choice == "flashinfer":
+                raise
+            _log_once(logging.WARNING, f"attention backend: reference paged attention on {dev} "
+                      f"(flashinfer does not import: {e})")
+            return paged_attention
+        _log_once(logging.INFO, f"attention backend: flashinfer {backend.version} on {dev}")
+        return backend
+    why = f"{ENV_VAR}=reference" if choice == "reference" else f"device {dev.type}"
+    _log_once(logging.INFO, f"attention backend: reference paged attention ({why})")
+    return paged_attention
+
+
+def unsupported(pool: KVPool) -> str | None:
+    """Why FlashInfer cannot serve this pool, or None when it can."""
+    if pool.device.type != "cuda":
+        return f"the pool is on {pool.device.type}"
+    if pool.dtype not in SUPPORTED_DTYPES:
+        return f"KV dtype {pool.dtype} (FlashInfer runs fp16/bf16)"
+    if pool.head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {pool.head_dim} (compiled for {SUPPORTED_HEAD_DIMS})"
+    return None
+
+
+@dataclass
+class _Step:
+    """What `prepare` decided for the current step."""
+
+    pool: KVPool
+    meta: AttentionMetadata
+    mode: str  # "decode" | "prefill" | "reference" | "empty"
+    causal: bool = True
+    custom: bool = False
+    host: torch.Tensor | None = None  # int32: [qo_indptr |] kv_indptr | indices | last_page_len
+    n_indices: int = 0
+    planned_for: tuple[int, float] | None = None  # (q heads, scale) the wrapper was planned with
+
+
+class FlashInferBackend:
+    """FlashInfer batch decode/prefill over a KVPool (see the module docstring)."""
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        *,
+        workspace_bytes: int = WORKSPACE_BYTES,
+        prefill_backend: str = "fa2",
+        graph_tensor_cores: bool | None = None,
+    ):
+        import flashinfer  # lazy: the CPU runtime never needs it
+
+        self.fi = flashinfer
+        self.version = str(getattr(flashinfer, "__version__", "?"))
+        self.device = torch.device(device)
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        # Tensor-core decode under CUDA graphs was not measured on the device (device.md 5):
+        # MSTAR_GRAPH_TENSOR_CORES=0 switches the graphs to the CUDA-core decode kernel.
+        if graph_tensor_cores is None:
+            graph_tensor_cores = os.environ.get("MSTAR_GRAPH_TENSOR_CORES", "1").strip() != "0"
+        self.graph_tensor_cores = graph_tensor_cores
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=prefill_backend)
+        self._step: _Step | None = None
+        # per pool: (q heads, scale) seen at its last call, so the next steps plan in prepare()
+        self._learnt: dict[int, tuple[int, float]] = {}
+        self._failed: set[tuple[str, bool]] = set()  # (mode, custom mask) whose plan failed once
+        self.plans = 0  # wrapper plans made (for tests and stats)
+
+    # ------------------------------------------------------------------ protocol
+    def prepare(self, pool: KVPool, meta: AttentionMetadata) -> None:
+        self._step = step = self._decide(pool, meta)
+        learnt = self._learnt.get(id(pool))
+        if learnt is not None and step.mode in ("decode", "prefill"):
+            self._plan(step, *learnt)
+
+    def __call__(
+        self, q: torch.Tensor, pool: KVPool, layer: int, meta: AttentionMetadata, scale: float | None
+    ) -> torch.Tensor:
+        step = self._step
+        if step is None or step.pool is not pool or step.meta is not meta:
+            self.prepare(pool, meta)  # a caller that skipped prepare(): plan now, once
+            step = self._step
+            assert step is not None
+        if step.mode not in ("decode", "prefill"):
+            return paged_attention(q, pool, layer, meta, scale)
+        want = (q.shape[1], scale if scale is not None else 1.0 / math.sqrt(q.shape[2]))
+        if step.planned_for != want:  # the pool's first step, or a node with another scale
+            self._learnt[id(pool)] = want
+            self._plan(step, *want)
+            if step.mode == "reference":
+                return paged_attention(q, pool, layer, meta, scale)
+        wrapper = self._decode if step.mode == "decode" else self._prefill
+        out = wrapper.run(q if q.dtype == pool.dtype else q.to(pool.dtype), pool.data[layer])
+        return out if out.dtype == q.dtype else out.to(q.dtype)
+
+    # ------------------------------------------------------------------ planning
+    def _decide(self, pool: KVPool, meta: AttentionMetadata) -> _Step:
+        reason = unsupported(pool)
+        if reason is not None:
+            _log_once(logging.INFO, f"flashinfer: reference attention for a pool with {reason}")
+            return _Step(pool, meta, "reference")
+        if not meta.seqs:
+            return _Step(pool, meta, "empty")
+        indptr, indices, last = meta.paged_kv_arrays(pool.page_size)
+        pin = pool.device.type == "cuda"
+        if all(s.q_len == 1 for s in meta.seqs):
+            host = torch.tensor(indptr + indices + last, dtype=torch.int32, pin_memory=pin)
+            return self._unless_failed(_Step(pool, meta, "decode", host=host, n_indices=len(indices)))
+        kinds = {_effective_mask(s) for s in meta.seqs if s.q_len > 1}
+        causal = kinds == {"causal"}
+        custom = not (causal or kinds == {"full"})
+        host = torch.tensor(meta.q_indptr() + indptr + indices + last, dtype=torch.int32, pin_memory=pin)
+        step = _Step(pool, meta, "prefill", causal=causal, custom=custom, host=host, n_indices=len(indices))
+        return self._unless_failed(step)
+
+    def _unless_failed(self, step: _Step) -> _Step:
+        """A step of a kind whose plan failed before goes straight to the reference."""
+        if (step.mode, step.custom) in self._failed:
+            step.mode = "reference"
+        return step
+
+    def _plan(self, step: _Step, q_heads: int, scale: float) -> None:
+        pool, n, m = step.pool, len(step.meta.seqs), step.n_indices
+        host = step.host
+        assert host is not None
+        common = dict(q_data_type=pool.dtype, kv_data_type=pool.dtype, sm_scale=scale, non_blocking=True)
+        try:
+            if step.mode == "decode":
+                indptr, indices, last = host[: n + 1], host[n + 1 : n + 1 + m], host[n + 1 + m :]
+                self._decode.plan(indptr, indices, last, q_heads, pool.kv_heads, pool.head_dim,
+                                  pool.page_size, **common)
+            else:
+                qo, kv = host[: n + 1], host[n + 1 : 2 * n + 2]
+                indices, last = host[2 * n + 2 : 2 * n + 2 + m], host[2 * n + 2 + m :]
+                mask = None
+                if step.custom:
+                    # FlashInfer packs the mask on the device and needs the indptrs there too.
+                    dev = pool.device
+                    qo, kv, indices, last = (t.to(dev) for t in (qo, kv, indices, last))
+                    mask = _custom_mask(step.meta, dev)
+                self._prefill.plan(qo, kv, indices, last, q_heads, pool.kv_heads, pool.head_dim,
+                                   pool.page_size, causal=step.causal, custom_mask=mask, **common)
+        except Exception as e:  # noqa: BLE001 - any planning failure: the reference computes the same
+            _log_once(logging.WARNING, f"flashinfer: {step.mode} plan failed ({type(e).__name__}: {e}); "
+                      "this step kind uses the reference attention")
+            self._failed.add((step.mode, step.custom))
+            step.mode = "reference"
+            return
+        step.planned_for = (q_heads, scale)
+        self.plans += 1
+
+    # ------------------------------------------------------------------ graphs
+    def graph_decoder(self, pool: KVPool, scale: float | None) -> Callable[[int, int], Any] | None:
+        """A factory of per-bucket graph attention for the GraphRunner, or None when FlashInfer
+        cannot serve this pool (the runner then stays eager)."""
+        reason = unsupported(pool)
+        if reason is not None:
+            _log_once(logging.INFO, f"flashinfer: no CUDA-graph attention for a pool with {reason}")
+            return None
+        sm_scale = scale if scale is not None else 1.0 / math.sqrt(pool.head_dim)
+        return lambda bucket, max_indices: FlashInferGraphDecode(self, pool, bucket, max_indices, sm_scale)
+
+
+def _effective_mask(s: SequenceAttention) -> str:
+    """The mask kind an entry needs: a block-causal entry whose queries all sit in its last
+    block sees every key, i.e. it is "full" (a V-JEPA rollout step adds exactly one frame
+    block), and then needs no custom mask."""
+    if s.mask == "block_causal" and s.block_size and (s.kv_len - s.q_len) // s.block_size == (s.kv_len - 1) // s.block_size:
+        return "full"
+    return s.mask
+
+
+def _custom_mask(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
+    """Every entry's boolean [q_len, kv_len] mask (True = attend), flattened and concatenated."""
+    parts = []
+    for s in meta.seqs:
+        m = attention_mask(s.q_len, s.kv_len, s.mask, s.block_size, device=device)
+        parts.append(torch.ones(s.q_len * s.kv_len, dtype=torch.bool, device=device) if m is None else m.reshape(-1))
+    return torch.cat(parts)
+
+
+class FlashInferGraphDecode:
+    """One bucket's decode attention for CUDA graphs: a `use_cuda_graph=True` wrapper with fixed
+    indptr / indices / last_page_len buffers (device.md 2d), planned outside the graph before
+    every replay; the captured `run` reads those buffers."""
+
+    def __init__(self, backend: FlashInferBackend, pool: KVPool, bucket: int, max_indices: int, scale: float):
+        dev = pool.device
+        self.pool, self.scale = pool, scale
+        self.wrapper = backend.fi.BatchDecodeWithPagedKVCacheWrapper(
+            backend.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=backend.graph_tensor_cores,
+            paged_kv_indptr_buffer=torch.empty(bucket + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buffer=torch.empty(max_indices, dtype=torch.int32, device=dev),
+            paged_kv_last_page_len_buffer=torch.empty(bucket, dtype=torch.int32, device=dev),
+        )
+
+    def plan(self, step: Any, q_heads: int) -> None:
+        p = self.pool
+        # indptr and last_page_len stay on the host (plan reads the lengths there); the indices
+        # go up first, non-blocking from pinned memory: a graph wrapper copies host indices into
+        # its fixed buffer with a blocking copy (FlashInfer only trusts device sources there)
+        indices = step.indices.to(p.device, non_blocking=True)
+        self.wrapper.plan(step.indptr, indices, step.last_page_len, q_heads, p.kv_heads, p.head_dim,
+                          p.page_size, q_data_type=p.dtype, kv_data_type=p.dtype, sm_scale=self.scale,
+                          non_blocking=True)
+
+    def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        out = self.wrapper.run(q if q.dtype == self.pool.dtype else q.to(self.pool.dtype), self.pool.data[layer])
+        return out if out.dtype == q.dtype else out.to(q.dtype)

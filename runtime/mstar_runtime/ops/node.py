@@ -1,0 +1,204 @@
+"""The contract between the runtime and a model's node implementations (`mstar_models.*`).
+
+A plan names each node's implementation class (`impl`, e.g.
+`mstar_models.orpheus.LlamaBackbone`). The worker builds it with a `NodeSpec` and calls it
+with a *batch* of entries, one per request (or per KV tag of a request), for one phase:
+
+- `StatelessNode.run(phase, batch) -> outputs`: `batch[i]` maps the phase's input ports to
+  values (tensors on the node's device, or Python scalars for `str`/`int`/`float`/`bool`
+  ports); `outputs[i]` maps its output ports to values. Implementations should batch the
+  work themselves (stack equal shapes, one forward): the engine never loops per request.
+- `KVNode.kv_plan(phase, shapes) -> SeqPlan` (a classmethod: the conductor calls it before
+  the step, without the weights, to reserve KV pages) says how many KV tokens the step adds
+  for one entry and which mask its queries use; then `KVNode.run(phase, batch, attn)` runs
+  the step, calling `attn.attend(layer, q, k, v)` in every attention layer. The context
+  writes the new K/V into the paged pool (unless the plan says `keep=False`) and attends
+  over the entry's whole KV context, for the whole mixed batch (prefill chunks and
+  single-token decodes together) in one call.
+
+Per-(request, tag) state that is not KV (a RoPE offset, sampling history, an RNG) lives in
+`attn.states[i]`: a dict the engine keeps with the KV context, copies on `fork` and drops
+when the request ends or is preempted (so a recomputed request starts from the same state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from mstar_runtime.ops.readback import upload
+
+Batch = list[dict[str, Any]]
+
+
+class NodeError(Exception):
+    """A node cannot build, load or run; the message names the node and the cause."""
+
+
+class RequestError(Exception):
+    """A request's input is unacceptable to a node (e.g. a prompt longer than the model allows).
+
+    Fails that request only, with this message; never the batch or the worker.
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """Everything a node implementation is built from (all of it comes from the plan)."""
+
+    name: str
+    engine: str  # "kv" | "stateless"
+    config: Mapping[str, Any]  # the model's config (the compiled variant's values)
+    arch_args: Mapping[str, Any]  # the node's `arch` line arguments
+    settings: Mapping[str, Any]  # the node's own settings
+    dtype: torch.dtype
+    device: torch.device
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: Any = None  # a torch.distributed process group when tp_size > 1
+
+
+@dataclass(frozen=True)
+class SeqPlan:
+    """How one entry of a KV step uses its context."""
+
+    q_len: int  # new tokens (queries) of this step
+    mask: str = "causal"  # "causal" | "full" | "block_causal"
+    block_size: int | None = None  # for block_causal
+    keep: bool = True  # False: the queries attend to the cache and to each other, but are not kept
+
+
+@dataclass
+class SeqState:
+    """One entry of a KV step as its node sees it."""
+
+    start: int  # KV tokens of this context before the step (absolute position of the first query)
+    q_len: int
+    state: dict[str, Any]  # persistent per-(request, tag) state, owned by the engine
+
+
+@dataclass
+class AttentionContext:
+    """The attention of one KV step over a mixed batch; built by the KVCacheEngine."""
+
+    seqs: list[SeqState]
+    attend_fn: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    device: torch.device
+    extra: dict[str, Any] = field(default_factory=dict)
+    # Set by an engine that replays CUDA graphs; None runs `fn` eagerly (CPU, prefill, big batches).
+    graph_runner: Callable[..., Any] | None = None
+
+    @property
+    def states(self) -> list[dict[str, Any]]:
+        return [s.state for s in self.seqs]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.q_len for s in self.seqs)
+
+    def positions(self) -> torch.Tensor:
+        """Default absolute positions of the packed queries: start .. start + q_len - 1 per entry."""
+        # built on the host and uploaded once: per-entry aranges would be a kernel per entry
+        return upload([p for s in self.seqs for p in range(s.start, s.start + s.q_len)], torch.long, self.device)
+
+    def split(self, packed: torch.Tensor) -> list[torch.Tensor]:
+        """Packed per-token rows -> one tensor per entry."""
+        return list(torch.split(packed, [s.q_len for s in self.seqs]))
+
+    def last_rows(self, packed: torch.Tensor) -> torch.Tensor:
+        """The last row of each entry (e.g. the hidden state that predicts the next token)."""
+        ends, at = [], -1
+        for s in self.seqs:
+            at += s.q_len
+            ends.append(at)
+        return packed.index_select(0, upload(ends, torch.long, packed.device))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k/v of the new tokens (unless not kept) and attend. q: [N, H, D], k/v: [N, Hkv, D]."""
+        return self.attend_fn(layer, q, k, v)
+
+    def run_graphed(self, fn: Callable[..., Any], *tensors: torch.Tensor) -> Any:
+        """Run the tensor function `fn(*tensors)` -- a node's forward without its host logic.
+
+        `fn` must be pure tensor code whose only attention is `self.attend`, whose inputs
+        are the packed per-token tensors given here (first dim = tokens of the batch) and
+        whose outputs are tensors (or a tuple of them) with the same first dim. An engine
+        that captures CUDA graphs (the plan's `cuda-graphs` pass says which steps) pads the
+        inputs into static buffers of the batch bucket, captures `fn` once per bucket and
+        replays it; everywhere else `fn` simply runs. Sampling and other host logic stay
+        outside `fn`, in `run`.
+        """
+        if self.graph_runner is None:
+            return fn(*tensors)
+        return self.graph_runner(fn, *tensors)
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    layers: int
+    kv_heads: int  # per rank
+    head_dim: int
+
+
+class StatelessNode(nn.Module):
+    """Base of stateless nodes (encoders, codecs, VAEs, samplers): batched forward per phase."""
+
+    engine: ClassVar[str] = "stateless"
+
+    def __init__(self, spec: NodeSpec):
+        super().__init__()
+        self.spec = spec
+
+    def run(self, phase: str, batch: Batch) -> Batch:
+        method = getattr(self, f"phase_{phase}", None)
+        if method is None:
+            raise NodeError(f"node '{self.spec.name}' ({type(self).__name__}) has no phase '{phase}'")
+        return method(batch)
+
+    def graph_phase(self, phase: str) -> Any:
+        """The phase split for CUDA-graph capture (a `stateless_graphs.GraphPhase`: host-side
+        prepare, pure tensor fn, finish), or None: the phase runs eagerly. Override to offer a
+        fixed-shape phase (Orpheus' SNAC window decode does); runtime/mstar_runtime/engine/stateless_graphs.py."""
+        return None
+
+
+class KVNode(nn.Module):
+    """Base of stateful nodes that own paged KV contexts (LLM backbones, AC predictors)."""
+
+    engine: ClassVar[str] = "kv"
+
+    def __init__(self, spec: NodeSpec):
+        super().__init__()
+        self.spec = spec
+
+    @property
+    def kv_geometry(self) -> KVGeometry:
+        raise NotImplementedError
+
+    @classmethod
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+        """KV tokens one entry adds in `phase`, from its inputs' shapes (no weights needed)."""
+        raise NotImplementedError
+
+    def run(self, phase: str, batch: Batch, attn: AttentionContext) -> Batch:
+        method = getattr(self, f"phase_{phase}", None)
+        if method is None:
+            raise NodeError(f"node '{self.spec.name}' ({type(self).__name__}) has no phase '{phase}'")
+        return method(batch, attn)
+
+
+def stack_inputs(batch: Batch, port: str) -> torch.Tensor:
+    """Stack one port of every entry along a new batch dim (entries must have equal shapes)."""
+    return torch.stack([entry[port] for entry in batch])
+
+
+def unstack(port: str, tensor: torch.Tensor) -> Batch:
+    return [{port: t} for t in tensor.unbind(0)]

@@ -1,0 +1,253 @@
+"""The server's frame: error handlers, the body-size and response-count middleware, `/health`,
+`/v1/models`, `/metrics`, the OpenAPI touches, and `start_flight`, which every generation
+route uses to admit and submit a request.
+
+Every error leaves as the OpenAI body (`server_common.ApiError`): FastAPI's validation
+errors become 400 naming the field (`messages[0].content`), unknown routes 404, wrong
+methods 405, uncaught exceptions 500 with the exception's type only (details go to the log).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from mstar_runtime.api import RequestHandle
+from mstar_runtime.serve.common import (
+    INVALID,
+    NOT_FOUND,
+    SERVER,
+    ApiError,
+    Flight,
+    bad_request,
+    submit_error,
+)
+
+try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
+    from fastapi import Request, UploadFile
+except ImportError:  # pragma: no cover - without the `serve` extra the module only has to import
+    Request = UploadFile = object  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from mstar_runtime.serve.server import ServerState
+
+log = logging.getLogger("mstar_runtime.serve.server")
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"description": desc, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+    for code, desc in ((400, "invalid input; `error.param` names the field"),
+                       (404, "unknown model or walk"),
+                       (408, "the request ran past its own `timeout`"),
+                       (413, "the request can never fit (the message gives the limit)"),
+                       (500, "the engine failed the request"),
+                       (503, "draining, overloaded, or the engine is dead"))
+}
+
+_ERROR_SCHEMA = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+
+
+def error_response(e: ApiError) -> Any:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
+
+
+def param_of(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    """A pydantic error location as a request field: ("body", "messages", 0, "content") -> messages[0].content."""
+    parts = list(loc)
+    if parts and parts[0] in ("body", "query", "path", "header", "form"):
+        parts = parts[1:]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif str(p).startswith(("function-", "tagged-union", "literal[", "list[", "str", "int", "float", "bool")):
+            continue  # pydantic's union-member tags, not fields
+        else:
+            out += f".{p}" if out else str(p)
+    return out or None
+
+
+def validation_error(errors: list[Mapping[str, Any]]) -> ApiError:
+    first = errors[0] if errors else {"msg": "invalid request", "loc": (), "type": "invalid"}
+    kind = str(first.get("type", "invalid"))
+    if kind == "json_invalid":
+        return bad_request(f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
+                           None, "invalid_json")
+    param = param_of(first.get("loc", ()))
+    if kind == "extra_forbidden":
+        return bad_request(f"unknown field '{param}'", param, "unknown_field")
+    if kind == "missing":
+        return bad_request(f"'{param}' is required" if param else "a request body is required", param, "missing")
+    message = str(first.get("msg", "invalid value"))
+    return bad_request(f"{param}: {message}" if param else message, param)
+
+
+def install(app: FastAPI, state: ServerState) -> None:
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> Any:
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> Any:
+        return error_response(validation_error(list(e.errors())))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException) -> Any:
+        kind = NOT_FOUND if e.status_code == 404 else INVALID if e.status_code < 500 else SERVER
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return error_response(ApiError(e.status_code, message, type=kind, code=None,
+                                       headers=dict(e.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception) -> Any:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error_response(ApiError(500, f"internal server error ({type(e).__name__})", type=SERVER,
+                                       code="internal_error"))
+
+    app.add_middleware(_Frame, state=state)
+
+    @app.get("/health", tags=["server"], summary="200 while serving; 503 while draining or when the engine is dead",
+             responses={503: {"description": "draining or unhealthy"}})
+    async def health() -> Any:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        problem = state.engine_problem()
+        if problem is not None:
+            return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models", tags=["openai"], summary="The served model (one), with the plan's walks")
+    async def models() -> Any:
+        return {"object": "list", "data": [{
+            "id": state.model_id, "object": "model", "created": state.created, "owned_by": "mstar",
+            "walks": list(state.walks.all),
+            "variant": state.plan.variant,
+        }]}
+
+    @app.get("/v1/models/{model}", tags=["openai"], summary="One served model", responses=ERROR_RESPONSES)
+    async def model(model: str) -> Any:
+        check_model(state, model)
+        return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mstar"}
+
+    @app.get("/metrics", tags=["server"], summary="Prometheus text format (docs/serving.md lists the series)",
+             response_class=PlainTextResponse)
+    async def metrics() -> Any:
+        stats = state.m.stats()
+        text = state.metrics.render(stats, state.server_gauges(stats))
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+class _Frame:
+    """Pure ASGI middleware: refuses oversized bodies (413) before they are read, and counts
+    responses by route template and status for `/metrics`."""
+
+    def __init__(self, app: Any, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Mapping[str, Any], receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        limit = self.state.config.max_body_bytes
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            from fastapi.responses import JSONResponse
+
+            err = ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+            await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+            self.state.metrics.response("other", 413)
+            return
+        status = [0]
+
+        async def counting_send(message: Mapping[str, Any]) -> None:
+            if message.get("type") == "http.response.start":
+                status[0] = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "other"
+            self.state.metrics.response(path, status[0] or 500)
+
+
+def check_model(state: ServerState, model: str) -> None:
+    if model != state.model_id:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{state.model_id}'",
+                       type=NOT_FOUND, param="model", code="model_not_found")
+
+
+def walk_extras(state: ServerState, walk: str, extra: Mapping[str, Any] | None, taken: set[str]) -> dict[str, Any]:
+    """A body's extra keys as walk inputs (the openai client's `extra_body`); others are a 400."""
+    declared = {p["name"] for p in state.plan.walk(walk)["inputs"]}
+    out: dict[str, Any] = {}
+    for key, value in (extra or {}).items():
+        if key not in declared or key in taken:
+            usable = sorted(declared - taken)
+            raise bad_request(f"unknown field '{key}' (extra fields must be inputs of walk '{walk}': "
+                              f"{', '.join(usable) or 'none'})", key, "unknown_field")
+        out[key] = value
+    return out
+
+
+async def start_flight(state: ServerState, request: Request, route: str, walk: str, inputs: Mapping[str, Any],
+                       fields: Mapping[str, str], primary: str | None, timeout: float | None = None) -> Flight:
+    """Admit and submit one request; the `Flight` to run it under (`async with`)."""
+    for name, most in state.loop_limits.get(walk, {}).items():
+        value = inputs.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= most:
+            state.metrics.rejected(walk)
+            param = fields.get(name, name)
+            raise bad_request(f"{param} must be between 0 and {most} (the bound of walk '{walk}'s loop), "
+                              f"got {value}", param, "out_of_range")
+    state.admit(walk)
+    t0 = time.perf_counter()
+    try:
+        handle: RequestHandle = state.m.submit(walk, inputs, timeout=timeout)
+    except Exception as e:
+        state.metrics.rejected(walk)
+        raise submit_error(e, fields) from None
+    flight = Flight(state, handle, route, request.receive, fields, primary, t0)
+    flight.client_timeout = timeout is not None
+    return flight
+
+
+def finish_openapi(app: FastAPI, state: ServerState) -> None:
+    """Add the error body schema, and pin every `model` field to the served id, so the schema
+    says exactly what this server accepts (and Schemathesis explores past the model check)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        comps["ErrorBody"] = _ERROR_SCHEMA
+        for comp in comps.values():
+            model = comp.get("properties", {}).get("model")
+            if isinstance(model, dict) and model.get("type") == "string":
+                model["enum"] = [state.model_id]
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+__all__ = ["ERROR_RESPONSES", "check_model", "error_response", "install", "param_of", "start_flight",
+           "validation_error", "walk_extras"]

@@ -1,0 +1,285 @@
+"""`POST /v1/chat/completions`, served by the plan's `chat` walk.
+
+The messages become the walk's text input: a lone message is its text as is; several are
+`role: text` lines ending with `assistant:` (the plan has no chat template of its own);
+system and developer messages go to the walk's `system` input instead, when it has one.
+Image parts go to the walk's image input when it has one (an `image`, or a uint8 [H, W, 3]
+tensor; one image, as a data: URL); otherwise they are a 400 naming the part. `max_tokens`
+(or `max_completion_tokens`) goes to the walk's `max_tokens` / `max_new_tokens` / `max_new`
+/ `max_length` input and is also enforced here:
+a walk whose transitions decode on (the test family's chat -> continue) is cut at that
+many tokens, with finish reason "length". Sampling fields (`temperature`, `top_p`, `seed`,
+penalties) go to walk inputs of the same name; a walk without them samples its own way.
+Token ids become text through `server_text` (see there for the rendering rule).
+
+Streaming follows OpenAI's chunk format: the first chunk's delta carries the role, then one
+chunk per text piece, then one chunk with the finish reason, then (with
+`stream_options.include_usage`) a usage chunk with no choices, then `data: [DONE]`. The
+response starts only once the first token exists, so a request that fails before that
+still gets its 4xx; a failure later ends the stream with a chunk whose finish reason is the
+engine's (`error`, `timeout`, `shutdown`) and an `error` event.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mstar_runtime.api import RequestFailed
+from mstar_runtime.serve.app import ERROR_RESPONSES, check_model, error_response, start_flight, walk_extras
+from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
+from mstar_runtime.serve.io import decode_image_text
+from mstar_runtime.serve.schemas import ChatCompletionRequest
+from mstar_runtime.serve.text import TextStream
+
+try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
+    from fastapi import Request, UploadFile
+except ImportError:  # pragma: no cover - without the `serve` extra the module only has to import
+    Request = UploadFile = object  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from mstar_runtime.serve.server import ServerState, WalkRole
+
+MAX_TOKEN_INPUTS = ("max_tokens", "max_completion_tokens", "max_new_tokens", "max_new", "max_length")
+SAMPLING_FIELDS = ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty")
+
+
+def image_input(role: WalkRole) -> str | None:
+    """The walk input an image part goes to: an `image`, or a uint8 [H, W, 3] tensor (Qwen3-Omni)."""
+    for name, p in role.inputs.items():
+        t = p["type"]
+        if t["kind"] == "image" or (t["kind"] == "tensor" and t.get("dtype") == "u8" and len(t.get("dims", [])) == 3
+                                    and t["dims"][2] == 3):
+            return name
+    return None
+
+
+def render_prompt(body: ChatCompletionRequest, role: WalkRole) -> tuple[str, str | None, torch.Tensor | None]:
+    """The walk's text input, its `system` input (when it has one) and image, from the messages."""
+    target = image_input(role)
+    has_system = "system" in role.inputs and role.inputs["system"]["type"]["kind"] == "str"
+    image: torch.Tensor | None = None
+    texts: list[tuple[str, str]] = []
+    system: list[str] = []
+    for i, msg in enumerate(body.messages):
+        parts = msg.content if isinstance(msg.content, list) else [msg.content or ""]
+        pieces: list[str] = []
+        for j, part in enumerate(parts):
+            if isinstance(part, str):
+                pieces.append(part)
+            elif part.type == "text":
+                pieces.append(part.text)
+            else:
+                param = f"messages[{i}].content[{j}]"
+                if target is None:
+                    raise bad_request(f"walk '{role.walk}' takes no image input; send text only", param,
+                                      "unsupported_modality")
+                if image is not None:
+                    raise bad_request("one image per request", param, "too_many_images")
+                try:
+                    image = decode_image_text(part.image_url.url)
+                except ValueError as e:
+                    raise bad_request(f"image_url: {e}", f"{param}.image_url.url") from None
+        if has_system and msg.role in ("system", "developer"):
+            system.append("".join(pieces))  # the walk has its own slot for instructions
+        else:
+            texts.append((msg.role, "".join(pieces)))
+    sys_text = "\n".join(system) if system else None
+    if len(texts) == 1:
+        return texts[0][1], sys_text, image
+    return "\n".join(f"{r}: {t}" for r, t in texts) + "\nassistant:", sys_text, image
+
+
+def _limit(state: ServerState, body: ChatCompletionRequest) -> int | None:
+    want = body.max_completion_tokens or body.max_tokens
+    bound = state.plan.config.get("max_new_tokens")
+    if want is not None and isinstance(bound, int) and want > bound + 1:
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        raise bad_request(f"{param} is {want}, but this plan decodes at most {bound + 1} tokens per walk "
+                          f"(its max_new_tokens {bound}, plus the prefill's token)", param, "max_tokens_too_large")
+    return want
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        return [int(x) for x in value.reshape(-1).tolist()]
+    return [int(value)] if isinstance(value, int) else []
+
+
+class Reply:
+    """One chat reply being produced: token ids in, text pieces and the finish reason out."""
+
+    def __init__(self, state: ServerState, flight: Flight, role: WalkRole, limit: int | None):
+        self.flight, self.role, self.limit = flight, role, limit
+        self.text = TextStream(state.text) if state.text is not None else None
+        self.finish: str | None = None
+        self.parts: list[str] = []
+
+    def take(self, name: str, value: Any) -> str:
+        """The text of one streamed item ("" for other outputs, or after the limit)."""
+        if name != self.role.output or self.finish is not None:
+            return ""
+        if isinstance(value, str):
+            self.flight.tokens += 1
+            piece = value
+        else:
+            ids = _ids(value)
+            if self.limit is not None:
+                ids = ids[: max(0, self.limit - self.flight.tokens)]
+            self.flight.tokens += len(ids)
+            piece = self.text.push(ids) if self.text is not None else " ".join(map(str, ids))
+        if self.limit is not None and self.flight.tokens >= self.limit:
+            self.finish = "length"
+            piece += self.text.flush() if self.text is not None else ""
+        self.parts.append(piece)
+        return piece
+
+    def end(self) -> str:
+        """Text held back until the end; sets the natural finish reason."""
+        tail = self.text.flush() if self.text is not None and self.finish is None else ""
+        self.finish = self.finish or "stop"
+        self.parts.append(tail)
+        return tail
+
+    def usage(self) -> dict[str, int]:
+        p, c = self.flight.prompt_tokens, self.flight.tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def install(app: FastAPI, state: ServerState) -> None:
+    from fastapi.responses import StreamingResponse
+
+    role = state.walks.chat
+    assert role is not None
+
+    @app.post("/v1/chat/completions", tags=["openai"], responses=ERROR_RESPONSES,
+              summary=f"Chat completions (walk '{role.walk}'), optionally streamed as SSE")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        check_model(state, body.model)
+        if body.stream_options is not None and not body.stream:
+            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        prompt, system, image = render_prompt(body, role)
+        inputs: dict[str, Any] = {role.text_input: prompt}
+        fields = {role.text_input: "messages"}
+        if system is not None:
+            inputs["system"], fields["system"] = system, "messages"
+        if image is not None:
+            name = image_input(role)
+            assert name is not None
+            inputs[name], fields[name] = image, "messages"
+        limit = _limit(state, body)
+        target = next((n for n in MAX_TOKEN_INPUTS if n in role.inputs), None)
+        if limit is not None and target is not None:
+            inputs[target], fields[target] = limit, "max_tokens"
+        for f in SAMPLING_FIELDS:
+            value = getattr(body, f)
+            if value is not None and f in role.inputs:
+                inputs[f], fields[f] = value, f
+        inputs.update(walk_extras(state, role.walk, body.model_extra, set(inputs)))
+        flight = await start_flight(state, request, "chat", role.walk, inputs, fields, "messages")
+        flight.prompt_tokens = state.text.count(inputs) if state.text is not None else 0
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        reply = Reply(state, flight, role, limit)
+        if not body.stream:
+            async with flight:
+                return await _whole(flight, reply, rid, state.model_id)
+        return await _streamed(flight, reply, rid, state.model_id, body, StreamingResponse)
+
+
+async def _whole(flight: Flight, reply: Reply, rid: str, model: str) -> Any:
+    try:
+        async with aclosing(flight.events()) as events:
+            async for name, value in events:
+                reply.take(name, value)
+                if reply.finish is not None:
+                    break  # the limit: Flight's exit cancels the rest
+    except RequestFailed as e:
+        return error_response(flight.error_for(e))
+    except ClientGone:
+        return error_response(ApiError(499, "client closed the request", code="cancelled"))
+    reply.end()
+    flight.outcome = "finished"
+    return {
+        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(reply.parts), "refusal": None},
+                     "logprobs": None, "finish_reason": reply.finish}],
+        "usage": reply.usage(),
+    }
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _streamed(flight: Flight, reply: Reply, rid: str, model: str, body: ChatCompletionRequest,
+                    streaming: Any) -> Any:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    created = int(time.time())
+    events = flight.events()
+
+    def text(name: str, value: Any) -> str | None:
+        piece = reply.take(name, value)
+        return piece if piece or reply.finish is not None else None
+
+    try:  # wait for the first piece of text (or the end) before committing to a 200
+        first = await flight.head(events, text)
+    except ApiError as e:
+        return error_response(e)
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if include_usage:
+            obj["usage"] = None
+        return _sse(obj)
+
+    async def body_stream() -> AsyncIterator[str]:
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            for piece in first:
+                if piece:
+                    yield chunk({"content": piece})
+            failed: RequestFailed | None = None
+            if reply.finish is None:
+                try:
+                    async for name, value in events:
+                        piece = reply.take(name, value)
+                        if piece:
+                            yield chunk({"content": piece})
+                        if reply.finish is not None:
+                            break
+                except RequestFailed as e:
+                    failed = e
+            if failed is None:
+                tail = reply.end()
+                if tail:
+                    yield chunk({"content": tail})
+                flight.outcome = "finished"
+                yield chunk({}, reply.finish)
+            else:
+                yield chunk({}, failed.finish_reason)
+            if include_usage:
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": [], "usage": reply.usage()})
+            if failed is not None:
+                yield _sse(flight.error_for(failed).body())
+            yield "data: [DONE]\n\n"
+        except ClientGone:  # the client left mid-stream: nobody to tell; the flight cancels the request
+            return
+        finally:
+            await events.aclose()  # never suspends: the generator is finished or at a yield
+            flight.finish()
+
+    return streaming(body_stream(), media_type="text/event-stream",
+                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+__all__ = ["image_input", "install", "render_prompt"]

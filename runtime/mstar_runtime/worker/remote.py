@@ -1,0 +1,824 @@
+"""Worker processes: one per rank > 0 of a plan, driven by the conductor's process (rank 0).
+
+Rank 0 runs the conductor and an in-process `Worker`; every other rank is a process started
+with `python -m mstar_runtime.worker.remote` (never multiprocessing: nothing is pickled). The
+conductor talks to it through a `RemoteWorker`, which implements the conductor's
+`WorkerLike` (`run_step`, `fork`, `copy_slots`, `drop_tag`, `free`) plus `submit` (a step
+whose answer is taken later), `heartbeat` and `close`.
+
+Three modules: this one is the conductor's side (`RemoteWorker`, `StepHandle`,
+`start_workers`, `shutdown_workers`); `wire.py` holds what both sides share (frames, values,
+tensor transfers); `worker_process.py` is the worker's loop (`worker_main`, run by this
+module's `__main__`).
+
+Control: typed msgpack messages (`messages.py`, decoded through its allowlist), one per
+frame: a 4-byte big-endian length, then the bytes. The conductor writes to the worker's
+stdin and reads its stdout; the worker's fd 1 is pointed at its stderr as soon as it
+starts, so nothing a node prints can corrupt a frame.
+
+Tensors: torch.distributed point-to-point (Gloo on CPU, NCCL on GPU) in the default group,
+whose rank 0 is the conductor's process (tensor-parallel nodes talk among themselves in
+their own groups, `mstar_runtime.ops.tp`, made by every process right after the default one).
+A step's tensors travel as ONE flat byte buffer per direction, in entry order, then each
+entry's input (or output) order; the message's
+`TensorMeta`s (name, dtype, shape) say how to cut it up. Empty tensors and tensors of at
+most `inline_bytes` ride inside the message, Python scalars too. One step:
+
+    conductor: StepRequest frame -> dist.send(inputs buffer)    (if it has bytes)
+    worker:    read frame -> dist.recv(inputs) -> run -> StepResult frame -> dist.send(outputs)
+    conductor: read frame -> dist.recv(outputs buffer)           (if it has bytes)
+
+The frame always goes first, so each side posts its receive knowing the size, and a step
+that fails sends no buffer back. `ForkKV`, `CopySlots`, `DropTag` and `FreeRequest` get no
+answer (the pipe keeps them in order with the steps); `Heartbeat` is echoed.
+
+Asynchronous steps: `submit(batch)` does the conductor's first line and returns a
+`StepHandle`; `handle.ready()` looks at the pipe without waiting and, once the answer frame
+is there, does the last line; `handle.result()` waits for it (`run_step` is
+`submit(batch).result()`). Meanwhile the conductor runs other steps, on rank 0 or on another
+worker. The point-to-point transfers between rank 0 and a worker must happen in the same
+order on both sides, one at a time, and they do:
+- at most one step is in flight per worker: `submit`, `heartbeat` and `close` first finish
+  the step in flight (its handle keeps the answer), so no two steps' transfers interleave.
+  Acknowledgement-only steps (a TP member's, `send_outputs=False`: no outputs travel back,
+  runtime/mstar_runtime/worker/tp_dispatch.py) are the exception: several may be in flight, answered in order;
+  a full step, a heartbeat or `close` first reads their answers;
+- every transfer and every conversation with a worker holds its lock (one thread at a
+  time), always in the default group (TP collectives have groups of their own);
+- a message without an answer posted while a full step is in flight (a request freed, a KV
+  context forked or truncated meanwhile) is held here and written right after the step's
+  answer is in (with only acknowledgement-only steps in flight it is written at once: the
+  worker never blocks sending their outputs). The worker would apply it after the step anyway (the pipe is FIFO), and
+  written at once it could fill the pipe while the worker, blocked sending its outputs,
+  reads nothing.
+On a GPU the worker synchronises its device before it answers, so an answer that has
+arrived means outputs that exist: rank 0's receive, queued on its stream, then holds rank
+0's next kernels for the transfer only, never for the worker's computation.
+
+Failures:
+- a node's `RequestError` -> `StepRejected` -> `RequestError` (with `request_ids`) here: the
+  conductor fails that request only;
+- any other exception in a step -> `WorkerError` with the traceback -> `WorkerStepError`
+  here: the batch's requests fail, the worker serves on (as the in-process `Worker` does);
+- a worker that dies, closes its pipe, breaks the protocol or does not answer within
+  `answer_timeout` -> `WorkerLost(rank, message)`, naming the exit code or signal and the
+  last lines of its stderr. The conductor then stops: every request fails with it. A step
+  in flight counts against `answer_timeout` from its `submit`, also while the conductor is
+  busy elsewhere (`ready()` checks the deadline).
+
+A worker exits when its stdin reaches EOF (the conductor closed it or died) and, on Linux,
+gets SIGKILL when the thread that started it dies (PR_SET_PDEATHSIG): start workers from a
+thread that lives as long as they should (the main thread). `start_workers` also registers
+an atexit hook, so no worker outlives a conductor that exits normally.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import IO, Any, NoReturn
+
+import torch.distributed as dist
+
+from mstar_runtime.kv.block_manager import SlotCopy
+from mstar_runtime.ops import tp
+from mstar_runtime.ops.node import RequestError
+from mstar_runtime.plan.loader import Plan
+from mstar_runtime.worker import messages as m
+from mstar_runtime.worker.process import ANSWER_TIMEOUT_S, end_group, worker_main
+from mstar_runtime.worker.wire import (
+    FRAME,
+    INLINE_BYTES,
+    FrameReader,
+    ProtocolError,
+    comm_device,
+    copy_to_wire,
+    kv_to_wire,
+    pack_values,
+    plan_digest,
+    recv_tensors,
+    send_tensors,
+    unpack_values,
+)
+from mstar_runtime.worker.worker import StepBatch, Worker, WorkerStepError
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 120.0  # joining the group and building the nodes
+CLOSE_TIMEOUT_S = 5.0
+STDERR_LINES = 20  # kept per worker for the message of a WorkerLost
+
+
+class WorkerLost(RuntimeError):
+    """A worker process died, hung or broke the protocol: the run cannot go on."""
+
+    def __init__(self, rank: int, message: str):
+        self.rank, self.message = rank, message
+        super().__init__(f"worker rank {rank} lost: {message}")
+
+
+class EngineStopped(RequestError):
+    """Raised by `Conductor.submit` once a worker was lost: no request can run any more."""
+
+
+def _how_it_ended(proc: subprocess.Popen[bytes]) -> str:
+    code = proc.poll()
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class RemoteWorker:
+    """The conductor's proxy of one worker process (see the module docstring)."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        rank: int,
+        init_method: str,
+        *,
+        weights: str | Path = "dummy",
+        device: str = "cpu",
+        answer_timeout: float = ANSWER_TIMEOUT_S,
+        inline_bytes: int = INLINE_BYTES,
+        threads: int | None = None,
+        env: Mapping[str, str] | None = None,
+        peers: _Peers | None = None,
+    ):
+        self.plan, self.rank = plan, rank
+        self.peers = peers
+        self.answer_timeout, self.inline_bytes = answer_timeout, inline_bytes
+        self.comm = comm_device(plan.torch_device(0))
+        self.has_kv = any(plan.node(n)["engine"] == "kv" for n in plan.resident_nodes(rank))
+        self.lost: str | None = None
+        self.nodes: list[str] = []
+        self._closed = False
+        self._lock = threading.Lock()  # one conversation at a time (a watchdog may heartbeat)
+        self._inflight: StepHandle | None = None  # the step sent and not yet answered (one at most)
+        # acknowledgement-only steps (TP members) sent and not yet answered, oldest first; never
+        # together with `_inflight` (a full step first takes them, an ack-only step settles it)
+        self._acks: collections.deque[StepHandle] = collections.deque()
+        self._held: list[bytes] = []  # messages posted while a step is in flight, sent after it
+        self._step_ids = iter(range(1, 1 << 62))
+        self._seq = 0
+        self._kept_any = False  # a replicated step ran: the worker keeps per-request outputs
+        # send the values of `refs` inputs too, for the worker to compare with its own (tests)
+        self.check_refs = False
+        cmd = [
+            sys.executable,
+            "-m",
+            "mstar_runtime.worker.remote",
+            "--plan",
+            os.path.abspath(plan.path),
+            "--rank",
+            str(rank),
+            "--world",
+            str(plan.num_ranks),
+            "--init-method",
+            init_method,
+            "--weights",
+            os.fspath(weights),
+            "--device",
+            device,
+            "--parent-pid",
+            str(os.getpid()),
+            "--timeout",
+            str(answer_timeout),
+        ]
+        if plan.kv_pages_cap is not None:
+            cmd += ["--kv-pages-cap", str(plan.kv_pages_cap)]
+        environ = os.environ if env is None else env
+        if threads is None and device == "cpu" and "OMP_NUM_THREADS" not in environ:
+            # The ranks of a CPU plan share this host's cores: a process each with all of them
+            # oversubscribes, and OpenMP's spinning threads then slow every step by 10-100x.
+            threads = max(1, (os.cpu_count() or 1) // plan.num_ranks)
+        if threads:
+            cmd += ["--threads", str(threads)]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=dict(env) if env is not None else None,
+            close_fds=True,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None and self.proc.stderr is not None
+        self.pid = self.proc.pid
+        self._in = self.proc.stdin
+        self._out = FrameReader(self.proc.stdout.fileno())
+        # Drain stderr all the time (a full pipe would block the worker); keep its tail for errors.
+        self._stderr: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
+        self._stderr_thread = threading.Thread(
+            target=self._drain, args=(self.proc.stderr,), name=f"mstar-worker-{rank}-stderr", daemon=True
+        )
+        self._stderr_thread.start()
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------ start-up
+    def wait_ready(self, timeout: float = START_TIMEOUT_S, digest: str | None = None) -> None:
+        """Wait for the worker's `WorkerReady` (after the group is up); WorkerLost if it fails."""
+        msg = self._read(timeout, "starting")
+        if isinstance(msg, m.WorkerError):
+            self._lose("failed to start", msg.message)
+        if not isinstance(msg, m.WorkerReady) or msg.rank != self.rank:
+            self._lose(f"sent {getattr(msg, 'type', msg)!r} instead of worker_ready")
+        if digest is not None and msg.plan_digest != digest:
+            self._lose(
+                f"loaded a different plan from {self.plan.path} (the file changed since this process "
+                "loaded it)"
+            )
+        self.nodes = list(msg.nodes)
+
+    # ------------------------------------------------------------------ WorkerLike
+    def run_step(self, batch: StepBatch) -> list[dict[str, Any]]:
+        """One step, waiting for its outputs: `submit(batch).result()`."""
+        return self.submit(batch).result()
+
+    def submit(
+        self,
+        batch: StepBatch,
+        *,
+        refs: Sequence[Mapping[str, str]] | None = None,
+        replicated: bool = False,
+        send_outputs: bool = True,
+    ) -> StepHandle:
+        """Send one step (its frame, then its input tensors) and return without waiting for
+        the answer. A step still in flight is finished first (its handle keeps the answer).
+        Raises at once what is known before the worker runs anything: `WorkerStepError` for
+        a batch that cannot travel, `WorkerLost`.
+
+        For a tensor-parallel step (`runtime/mstar_runtime/worker/tp_dispatch.py`): `refs[i]` maps inputs of entry
+        i to outputs the worker kept from that request's last `replicated` step (those values
+        do not travel, unless `check_refs` is set: then the worker compares them);
+        `send_outputs=False` makes the answer an acknowledgement without outputs, sent
+        without waiting for the worker's device (the handle's result is one empty dict per
+        entry)."""
+        with self._lock:
+            self._settle()
+            if send_outputs:
+                self._take_acks()
+            return self._send_step(batch, refs, replicated, send_outputs)
+
+    def _send_step(
+        self, batch: StepBatch, refs: Sequence[Mapping[str, str]] | None, replicated: bool, send_outputs: bool
+    ) -> StepHandle:
+        """`submit`'s work once the worker is ready for it. Lock held."""
+        if self.lost is not None:
+            raise WorkerLost(self.rank, self.lost)
+        if self.peers is not None:
+            self.peers.check()
+        step_id = next(self._step_ids)
+        try:
+            wire, tensors = [], []
+            for i, e in enumerate(batch.entries):
+                entry_refs = dict(refs[i]) if refs is not None else {}
+                values = e.inputs
+                if entry_refs and not self.check_refs:  # a referenced input stays on the worker
+                    values = {k: v for k, v in values.items() if k not in entry_refs}
+                metas, inline, scalars, ts = pack_values(values, self.inline_bytes, "input")
+                wire.append(m.StepEntry(e.request_id, e.tag, metas, inline, scalars, kv_to_wire(e.kv), entry_refs))
+                tensors += ts
+            request = m.StepRequest(step_id, batch.node, batch.phase, wire, replicated, send_outputs)
+            data = m.encode(request)
+        except (TypeError, ValueError) as e:  # MessageError is a ValueError
+            # Nothing was sent: the worker is fine, this batch cannot travel.
+            raise WorkerStepError(batch.node, batch.phase, f"cannot send to rank {self.rank}: {e}") from e
+        self._kept_any = self._kept_any or replicated
+        self._send_bytes(data)
+        try:
+            send_tensors(tensors, self.rank, self.comm)
+        except RuntimeError as e:
+            self._lose(f"torch.distributed send failed: {e}")
+        handle = StepHandle(self, batch, step_id, time.monotonic() + self.answer_timeout, send_outputs)
+        if send_outputs:
+            self._inflight = handle
+        else:
+            self._acks.append(handle)
+        return handle
+
+    def _settle(self) -> None:
+        """Finish the step in flight, if any, waiting for its answer. Lock held."""
+        if self._inflight is not None:
+            self._receive(self._inflight)
+
+    def _take_acks(self, until: StepHandle | None = None) -> None:
+        """Read the acknowledgements in flight, oldest first, waiting for them: all of them, or
+        up to `until`'s. Lock held."""
+        while self._acks and (until is None or not until.done):
+            self._receive(self._acks[0])
+
+    def _arrived(self, handle: StepHandle) -> bool:
+        """Whether reading `handle`'s answer would not wait for the worker to compute."""
+        return (
+            self.lost is not None
+            or self._out.poll()
+            or time.monotonic() > handle.deadline
+            or self.proc.poll() is not None
+        )
+
+    def _poll(self, handle: StepHandle) -> None:
+        """Take `handle`'s answer if it has arrived (or its deadline passed, or the process
+        ended); never waits for the worker to compute. An acknowledgement comes after those of
+        the steps sent before it: those that have arrived are taken on the way."""
+        if not self._lock.acquire(blocking=False):
+            return  # another thread talks to the worker; it finishes this step first
+        try:
+            if handle is self._inflight:
+                if self._arrived(handle):
+                    self._receive(handle)
+                return
+            while not handle.done and self._acks and self._arrived(self._acks[0]):
+                self._receive(self._acks[0])
+        finally:
+            self._lock.release()
+
+    def _wait(self, handle: StepHandle) -> None:
+        with self._lock:
+            if handle is self._inflight:
+                self._receive(handle)
+            else:
+                self._take_acks(until=handle)
+
+    def _receive(self, handle: StepHandle) -> None:
+        """Read the answer of the oldest step in flight (`handle`) and receive its outputs; the
+        handle keeps them, or the error (`RequestError`, `WorkerStepError`, `WorkerLost`).
+        Then send what was held back while a full step ran. Lock held."""
+        try:
+            handle._outputs = self._answer(handle)
+        except Exception as e:  # raised by handle.result(), in the caller's context
+            handle._error = e
+        finally:
+            handle._done = True
+            if handle is self._inflight:
+                self._inflight = None
+            elif self._acks and self._acks[0] is handle:
+                self._acks.popleft()
+            if handle._outputs is None and handle._error is None:  # interrupted (KeyboardInterrupt)
+                handle._error = WorkerStepError(handle.batch.node, handle.batch.phase, "the wait was interrupted")
+        if self._inflight is not None:
+            return
+        held, self._held = self._held, []
+        for data in held:
+            if self.lost is not None:
+                break
+            try:
+                self._send_bytes(data)
+            except WorkerLost:
+                break  # the next step or heartbeat reports it
+
+    def _answer(self, handle: StepHandle) -> list[dict[str, Any]]:
+        if self.lost is not None:
+            raise WorkerLost(self.rank, self.lost)
+        batch, step_id = handle.batch, handle.step_id
+        while True:
+            msg = self._read(
+                max(0.0, handle.deadline - time.monotonic()),
+                f"running {batch.node}.{batch.phase}",
+                within=handle.within,
+            )
+            if isinstance(msg, m.Heartbeat):
+                continue  # a late echo of a heartbeat that timed out
+            if isinstance(msg, m.WorkerError) and msg.step_id is None:
+                self._lose("failed", msg.message)
+            if getattr(msg, "step_id", None) != step_id:
+                self._lose(
+                    f"answered step {getattr(msg, 'step_id', None)} with '{msg.type}' while step "
+                    f"{step_id} was running"
+                )
+            break
+        if isinstance(msg, m.StepRejected):
+            err = RequestError(msg.message, msg.field)
+            err.request_ids = list(msg.request_ids)  # type: ignore[attr-defined]
+            raise err
+        if isinstance(msg, m.WorkerError):
+            raise WorkerStepError(
+                batch.node, batch.phase, f"on rank {self.rank}: {_strip_head(msg.message, batch)}"
+            )
+        assert isinstance(msg, m.StepResult)
+        handle.elapsed_s, handle.waited_s = msg.elapsed_s, msg.waited_s
+        if not handle.send_outputs:
+            if msg.entries:
+                self._lose(f"returned outputs for step {step_id}, which asked for none")
+            return [{} for _ in batch.entries]
+        if len(msg.entries) != len(batch.entries):
+            self._lose(f"returned {len(msg.entries)} results for {len(batch.entries)} entries")
+        metas = [meta for e in msg.entries for meta in e.outputs]
+        try:
+            received = iter(recv_tensors(metas, self.rank, self.comm, self.comm))
+        except RuntimeError as e:
+            self._lose(f"torch.distributed receive failed: {e}")
+        return [
+            unpack_values(e.outputs, [next(received) for _ in e.outputs], e.inline, e.scalars, self.comm)
+            for e in msg.entries
+        ]
+
+    def fork(self, node: str, request_id: str, src_tag: str, dst_tag: str, copy: SlotCopy | None) -> None:
+        wire = copy_to_wire(copy) if copy is not None else None
+        self._post(m.ForkKV(node, request_id, src_tag, dst_tag, wire))
+
+    def copy_slots(self, node: str, copy: SlotCopy) -> None:
+        self._post(m.CopySlots(node, copy_to_wire(copy)))
+
+    def drop_tag(self, node: str, request_id: str, tag: str) -> None:
+        self._post(m.DropTag(node, request_id, tag))
+
+    def free(self, request_id: str) -> None:
+        if self.has_kv or self._kept_any:  # KV engines and replicated steps keep per-request state
+            self._post(m.FreeRequest(request_id))
+
+    def heartbeat(self, timeout: float = 10.0) -> float:
+        """Round-trip seconds of a heartbeat; WorkerLost if there is no answer in time. A
+        step in flight is finished first (its handle keeps the answer), within the same
+        `timeout`: a hung worker is found in the heartbeat's time, not the step's, and a step
+        that is still computing after `timeout` counts as no answer (a worker answers
+        heartbeats only between steps)."""
+        with self._lock:
+            for h in (self._inflight, *self._acks):
+                if h is not None and h.deadline > time.monotonic() + timeout:
+                    h.deadline, h.within = time.monotonic() + timeout, timeout
+            self._settle()
+            self._take_acks()
+            return self._heartbeat(timeout)
+
+    def _heartbeat(self, timeout: float) -> float:
+        if self.lost is not None:
+            raise WorkerLost(self.rank, self.lost)
+        self._seq += 1
+        t0 = time.perf_counter()
+        self._send_bytes(m.encode(m.Heartbeat(0, self._seq)))
+        while True:
+            msg = self._read(timeout, "answering a heartbeat")
+            if isinstance(msg, m.Heartbeat) and msg.seq == self._seq:
+                return time.perf_counter() - t0
+            if isinstance(msg, m.WorkerError):
+                self._lose("failed", msg.message)
+            if not isinstance(msg, m.Heartbeat):
+                self._lose(f"sent '{msg.type}' when only a heartbeat was due")
+
+    @property
+    def alive(self) -> bool:
+        return self.lost is None and self.proc.poll() is None
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Ask the worker to exit, wait a little, then kill it. Idempotent; never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.discard(self)
+        self._abandon(timeout)
+        if self.proc.poll() is None:
+            try:
+                self._in.write(_frame(m.Shutdown("closed by the conductor")))
+                self._in.flush()
+            except OSError:
+                pass
+        try:
+            self._in.close()  # EOF: the worker exits even if it never read the Shutdown
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._stderr_thread.join(1.0)
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                f.close()
+
+    def _abandon(self, timeout: float) -> None:
+        """Take the answers of steps left in flight (their requests ended meanwhile), so the
+        worker is not left blocked sending outputs nobody receives and can read its Shutdown."""
+        if (self._inflight is None and not self._acks) or self.lost is not None or self.proc.poll() is not None:
+            return
+        if self._lock.acquire(timeout=timeout):
+            try:
+                for h in (self._inflight, *self._acks):
+                    if h is not None:
+                        h.deadline = min(h.deadline, time.monotonic() + timeout)
+                self._settle()
+                self._take_acks()
+            finally:
+                self._lock.release()
+
+    # ------------------------------------------------------------------ plumbing
+    def _drain(self, stream: IO[bytes]) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip()
+            self._stderr.append(line)
+            log.debug("[rank %d] %s", self.rank, line)
+
+    def _post(self, msg: m.Message) -> None:
+        """A message without an answer. On a lost worker it does nothing: fork and free are
+        called while the conductor fails requests, and the next step reports the loss."""
+        if self.lost is not None:
+            return
+        try:
+            with self._lock:
+                if self._inflight is not None:  # after the step's answer (module docstring)
+                    self._held.append(m.encode(msg))
+                else:
+                    self._send_bytes(m.encode(msg))
+        except WorkerLost:
+            pass
+
+    def _send_bytes(self, data: bytes) -> None:
+        try:
+            self._in.write(FRAME.pack(len(data)) + data)
+            self._in.flush()
+        except (BrokenPipeError, ValueError, OSError) as e:  # ValueError: the pipe was closed here
+            self._lose(f"stopped reading its control pipe ({type(e).__name__})")
+
+    def _read(self, timeout: float, doing: str, within: float | None = None) -> m.Message:
+        """The next frame; WorkerLost when there is none in time. `within`: the limit to name
+        in that message, when `timeout` is what is left of it."""
+        try:
+            msg = self._out.read(timeout, lambda: self.proc.poll() is None)
+        except TimeoutError:
+            self._lose(f"did not answer within {within if within is not None else timeout:.0f} s while {doing}")
+        except (ProtocolError, m.MessageError) as e:
+            self._lose(f"sent a bad frame while {doing}: {e}")
+        if msg is None:
+            self._lose(f"closed its control pipe while {doing}")
+        return msg
+
+    def _lose(self, why: str, reported: str | None = None) -> NoReturn:
+        """Record the loss (killing the process if it still runs) and raise WorkerLost.
+
+        `reported`: the text of the worker's own fatal WorkerError (error, then traceback),
+        which then stands in for its stderr (that holds the same traceback)."""
+        if self.lost is None:
+            killed_here = False
+            if self.proc.poll() is None:
+                try:  # a crashing process may be exiting right now: let it say how
+                    self.proc.wait(0.5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+                    killed_here = True
+            self._stderr_thread.join(1.0)
+            how = "was killed here, as it still ran" if killed_here else _how_it_ended(self.proc)
+            if reported is not None:
+                head, _, detail = reported.partition("\n")
+                self.lost = f"its process (pid {self.pid}) {why}: {head}; it {how}" + (
+                    f"\n{detail}" if detail else ""
+                )
+            else:
+                tail = "\n".join(f"  | {line}" for line in self._stderr)
+                self.lost = f"its process (pid {self.pid}) {why}; it {how}" + (
+                    f"; the last lines of its stderr:\n{tail}" if tail else "; it wrote nothing to stderr"
+                )
+        raise WorkerLost(self.rank, self.lost)
+
+
+def can_submit(worker: Any) -> bool:
+    """Whether the worker sends steps without waiting (`RemoteWorker.submit`). Looked up on
+    the class, so a proxy that overrides only `run_step` (and forwards the rest) keeps the
+    synchronous path it means to intercept."""
+    return callable(getattr(type(worker), "submit", None))
+
+
+class StepHandle:
+    """A step sent by `RemoteWorker.submit`: its answer, once taken (module docstring)."""
+
+    def __init__(self, worker: RemoteWorker, batch: StepBatch, step_id: int, deadline: float, send_outputs: bool = True):
+        self.worker, self.batch, self.step_id = worker, batch, step_id
+        self.send_outputs = send_outputs
+        self.elapsed_s = 0.0  # the worker's own time for the step, from its answer
+        self.waited_s = 0.0  # and its time reading messages before it (StepResult.waited_s)
+        self.deadline = deadline  # time.monotonic() by which the answer is due
+        self.within = worker.answer_timeout  # the limit the deadline stands for, for the message
+        self._done = False
+        self._outputs: list[dict[str, Any]] | None = None
+        self._error: Exception | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.worker.rank
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def ready(self) -> bool:
+        """Whether the answer is in; takes it (receiving the outputs) if it has arrived, never
+        waits for the worker to compute."""
+        if not self._done:
+            self.worker._poll(self)
+        return self._done
+
+    def result(self) -> list[dict[str, Any]]:
+        """The step's outputs, one dict per entry, waiting for them if need be; raises what
+        `run_step` raises (`RequestError`, `WorkerStepError`, `WorkerLost`)."""
+        if not self._done:
+            self.worker._wait(self)
+        if self._error is not None:
+            raise self._error
+        assert self._outputs is not None
+        return self._outputs
+
+
+def _frame(msg: m.Message) -> bytes:
+    data = m.encode(msg)
+    return FRAME.pack(len(data)) + data
+
+
+def _strip_head(message: str, batch: StepBatch) -> str:
+    """A WorkerStepError's text already says node and phase; do not say it twice."""
+    return message.removeprefix(f"node '{batch.node}' phase '{batch.phase}': ")
+
+
+# ------------------------------------------------------------------------ the whole set
+class _Peers:
+    """The worker processes of one plan: any step, on any rank, first checks that all of them
+    still run, so a worker that dies ends the run at the next step, not at its own next one."""
+
+    def __init__(self) -> None:
+        self.remotes: list[RemoteWorker] = []
+
+    def check(self) -> None:
+        for w in self.remotes:
+            if w.lost is not None:
+                raise WorkerLost(w.rank, w.lost)
+            if not w._closed and w.proc.poll() is not None:
+                w._lose("died")
+
+
+class LocalWorker(Worker):
+    """Rank 0's in-process worker, checking its peer processes before each step."""
+
+    peers: _Peers | None = None
+
+    def run_step(self, batch: StepBatch) -> list[dict[str, Any]]:
+        if self.peers is not None:
+            self.peers.check()
+        return super().run_step(batch)
+
+
+_LIVE: weakref.WeakSet[RemoteWorker] = weakref.WeakSet()
+_OWN_GROUP = False  # True while this module owns the default process group
+
+
+@atexit.register
+def _close_all() -> None:
+    """No worker outlives a conductor that exits normally (a killed one: pipe EOF, pdeathsig)."""
+    for w in list(_LIVE):
+        w.close(timeout=1.0)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_workers(
+    plan: Plan,
+    weights: str | Path = "dummy",
+    device: str | None = None,
+    *,
+    answer_timeout: float = ANSWER_TIMEOUT_S,
+    start_timeout: float = START_TIMEOUT_S,
+    inline_bytes: int = INLINE_BYTES,
+    threads: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[int, Any]:
+    """Rank 0 in this process, ranks 1..N-1 as worker processes; returns {rank: worker}.
+
+    A one-rank plan starts no process and no process group. Otherwise this process joins a
+    fresh default group as rank 0 (Gloo on CPU, NCCL on GPU) over a free port of 127.0.0.1,
+    then every process makes the plan's TP groups (`mstar_runtime.ops.tp`). Rank 0's nodes are
+    built while the worker processes start, unless the plan has a TP node: its nodes then
+    wait for their groups.
+    Any failure stops what was started and raises (WorkerLost names the rank)."""
+    device = device or plan.device
+    if device != plan.device:
+        raise ValueError(
+            f"the plan was loaded for '{plan.device}', not '{device}': load_plan(..., device=...)"
+        )
+    if plan.num_ranks == 1:
+        return {0: Worker(plan, 0, plan.torch_device(0), weights)}
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a torch.distributed process group already exists in this process; "
+            "call shutdown_workers() on the workers that made it first"
+        )
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    peers = _Peers()
+    peers.remotes = [
+        RemoteWorker(
+            plan,
+            r,
+            init,
+            weights=weights,
+            device=device,
+            answer_timeout=answer_timeout,
+            inline_bytes=inline_bytes,
+            threads=threads,
+            env=env,
+            peers=peers,
+        )
+        for r in range(1, plan.num_ranks)
+    ]
+    remotes = peers.remotes
+    workers: dict[int, Any] = {w.rank: w for w in remotes}
+    try:
+        if not tp.has_tp(plan):
+            # rank 0's nodes are built while the worker processes import torch and build theirs
+            workers[0] = LocalWorker(plan, 0, plan.torch_device(0), weights)
+        # a TP node needs its group at build time, and the groups need the default group
+        groups = _join_group(remotes, init, plan, device, start_timeout, answer_timeout)
+        if 0 not in workers:
+            workers[0] = LocalWorker(plan, 0, plan.torch_device(0), weights, tp_groups=groups)
+        workers[0].peers = peers
+        digest = plan_digest(plan)
+        for w in remotes:
+            w.wait_ready(start_timeout, digest)
+    except BaseException:
+        for w in remotes:
+            w.close(timeout=1.0)  # a start that failed: no point in waiting long for the others
+        shutdown_workers(workers)
+        raise
+    return workers
+
+
+def _join_group(
+    remotes: Sequence[RemoteWorker],
+    init: str,
+    plan: Plan,
+    device: str,
+    start_timeout: float,
+    op_timeout: float,
+) -> dict[str, Any]:
+    """init_process_group as rank 0, then the plan's TP groups (`tp.build_groups`, which the
+    workers make in the same order), watching the children: one that dies before joining
+    would otherwise leave us waiting for the whole store timeout. Returns rank 0's
+    {node: TP group}."""
+    global _OWN_GROUP
+    failure: list[BaseException] = []
+    groups: dict[str, Any] = {}
+
+    def join() -> None:
+        try:
+            dist.init_process_group(
+                "nccl" if device == "cuda" else "gloo",
+                init_method=init,
+                rank=0,
+                world_size=plan.num_ranks,
+                timeout=timedelta(seconds=max(start_timeout, op_timeout)),
+            )
+            groups.update(tp.build_groups(plan, 0))
+        except BaseException as e:  # re-raised in the caller's thread
+            failure.append(e)
+
+    t = threading.Thread(target=join, name="mstar-init-group", daemon=True)
+    t.start()
+    deadline = time.monotonic() + start_timeout
+    while t.is_alive():
+        t.join(0.1)
+        for w in remotes:
+            if w.proc.poll() is not None:
+                w._lose("exited before joining the process group")
+        if time.monotonic() > deadline:
+            raise WorkerLost(remotes[0].rank, f"the process group did not form within {start_timeout:.0f} s")
+    _OWN_GROUP = dist.is_initialized()  # also when only the TP groups failed: shutdown ends it
+    if failure:
+        raise failure[0]
+    return groups
+
+
+def shutdown_workers(workers: Mapping[int, Any]) -> None:
+    """Close every worker process, then this process's group. Never raises."""
+    global _OWN_GROUP
+    for w in workers.values():
+        if isinstance(w, RemoteWorker):
+            w.close()
+        elif isinstance(w, Worker) and _OWN_GROUP:
+            try:
+                w.release_graphs()  # before the groups end (end_group)
+            except Exception as e:  # a device in a bad state: the teardown goes on
+                log.warning("rank %d: releasing its CUDA graphs failed: %s", w.rank, e)
+    if _OWN_GROUP:
+        end_group()
+    _OWN_GROUP = False
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

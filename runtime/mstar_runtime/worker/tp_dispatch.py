@@ -1,0 +1,133 @@
+"""One step of a tensor-parallel node, run on every rank of its group, from the conductor.
+
+Every rank of a TP group runs the same step over its shard; the collectives inside the
+node (`runtime/mstar_runtime/ops/tp.py`) join them, and every rank ends with the same outputs (the logits are
+gathered, each rank samples the same token with the same seeds). So the conductor needs the
+outputs of one rank only, the group's *leader* (its first rank), and the others need to be
+told only what to run:
+
+- the members (worker processes, `RemoteWorker.submit`) get the step first, so that their
+  input transfers never wait behind a collective the leader has already entered; they
+  answer with an acknowledgement as soon as the step is launched (`send_outputs=False`):
+  nobody waits for a member's device, and no outputs travel back;
+- the leader runs it (on rank 0 in this process, or a worker process answering in full);
+- the members' acknowledgements are taken when they have arrived (`poll`, every engine
+  loop) and waited for only when a member is `AHEAD` steps behind: its host may lag its
+  leader's by a step (a member's step can wait for its device, whose collectives wait for
+  the leader's device), and the leader's host must not wait for that. A member that failed
+  a step its leader ran has diverged from it (its KV context, its sampler state): that is a
+  `WorkerLost`, which stops the run;
+- an input that is an output of the request's previous step on the same node (a decode's
+  `token`, fed back by the walk) does not travel: each member kept its own copy, equal to
+  the leader's, and the step names it (`refs`). Sending it would mean reading it back to the
+  host first, a device wait in every decode step. `RemoteWorker.check_refs` sends the value
+  as well, and the member compares the two (tests).
+
+If the leader fails the step, the members' answers are waited for (they ran or refused the
+same step) before the error goes on to the conductor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mstar_runtime.engine.engines import StepEntry
+from mstar_runtime.ops.node import RequestError
+from mstar_runtime.worker.remote import WorkerLost, can_submit
+from mstar_runtime.worker.worker import StepBatch, WorkerStepError
+
+Key = tuple[str, str, str | None]  # (node, request_id, tag)
+AHEAD = 2  # a new step waits for a member's acknowledgements until fewer than this are out
+
+
+class TPDispatch:
+    """The conductor's side of tensor-parallel steps: who answers, what a member kept."""
+
+    def __init__(self, workers: Mapping[int, Any]):
+        self.workers = workers
+        self._acks: dict[int, deque[Any]] = {}  # rank -> StepHandles of its member steps not yet checked
+        self._latest: dict[Key, dict[str, torch.Tensor]] = {}  # the leader's tensor outputs, per context
+        self.refs_sent = 0  # inputs that stayed on the members' devices (stats)
+        # seconds this process spent on the members (taking their last answers and sending the
+        # step: what a slow member costs the leader), and the members' own time in their steps
+        self.member_wait_s = 0.0
+        self.member_step_s = 0.0
+        self.member_read_s = 0.0  # the members' time reading messages (idle, or decoding a step)
+
+    def run(self, ranks: tuple[int, ...], batch: StepBatch) -> list[dict[str, Any]]:
+        """Run `batch` on every rank of the group `ranks`; the leader's outputs, one dict per
+        entry. Raises what the leader's `run_step` raises, and `WorkerLost` for a member that
+        failed an earlier step."""
+        t0 = time.perf_counter()
+        self._check(ranks)
+        leader = ranks[0]
+        refs = [self._refs(batch.node, e) for e in batch.entries]
+        handles = {}
+        for r in ranks:
+            if can_submit(self.workers[r]):
+                handles[r] = self.workers[r].submit(batch, refs=refs, replicated=True, send_outputs=r == leader)
+        self.refs_sent += sum(len(r) for r in refs) * len(handles)
+        self.member_wait_s += time.perf_counter() - t0
+        try:
+            if leader in handles:
+                outputs = handles.pop(leader).result()
+            else:
+                outputs = self.workers[leader].run_step(batch)
+        except BaseException:
+            for h in handles.values():
+                try:
+                    h.result()
+                except Exception:  # noqa: S110 - the leader's error is the one to report
+                    pass
+            raise
+        for r, h in handles.items():
+            self._acks.setdefault(r, deque()).append(h)
+        for e, out in zip(batch.entries, outputs):
+            self._latest[(batch.node, e.request_id, e.tag)] = {
+                k: v for k, v in out.items() if isinstance(v, torch.Tensor)
+            }
+        return outputs
+
+    def poll(self) -> None:
+        """Take the members' acknowledgements that have arrived; never waits. Raises
+        `WorkerLost` for a member that failed a step."""
+        for r, q in self._acks.items():
+            while q and q[0].ready():
+                self._take(r, q.popleft())
+
+    def forget(self, request_id: str, node: str | None = None, tag: str | None = None) -> None:
+        """A request ended (every context) or one context was dropped: its kept outputs go
+        (the workers drop theirs on the FreeRequest / DropTag message)."""
+        for key in [k for k in self._latest if k[1] == request_id and (node is None or k[0] == node and k[2] == tag)]:
+            del self._latest[key]
+
+    def _refs(self, node: str, entry: StepEntry) -> dict[str, str]:
+        latest = self._latest.get((node, entry.request_id, entry.tag))
+        if not latest:
+            return {}
+        return {name: out for name, value in entry.inputs.items() for out, v in latest.items() if v is value}
+
+    def _check(self, ranks: tuple[int, ...]) -> None:
+        """Take the acknowledgements that have arrived, and wait for the oldest ones while a
+        member is `AHEAD` steps behind."""
+        for r in ranks:
+            q = self._acks.get(r)
+            while q and (len(q) >= AHEAD or q[0].ready()):
+                self._take(r, q.popleft())
+
+    def _take(self, rank: int, h: Any) -> None:
+        try:
+            h.result()
+        except (RequestError, WorkerStepError) as e:
+            raise WorkerLost(
+                rank,
+                f"failed a step of {h.batch.node}.{h.batch.phase} that the leader of its "
+                f"tensor-parallel group ran, so their states differ; the run stops: {e}",
+            ) from e
+        self.member_step_s += h.elapsed_s
+        self.member_read_s += h.waited_s

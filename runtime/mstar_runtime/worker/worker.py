@@ -1,0 +1,220 @@
+"""One rank: its node instances, their engines (KV pools, per-(request, tag) states), and step running.
+
+A `Worker` builds every node the plan makes resident on its rank, loads its weights, and
+gives each a `KVCacheEngine` (pages and page size from the plan's memory section) or a
+`StatelessEngine`. A node at tp > 1 holds only this rank's shard and gets its TP group
+from `tp_groups` (node -> torch.distributed group, made by `mstar_runtime.ops.tp.build_groups`
+in every process). The conductor drives it with `run_step(StepBatch)`, plus the KV
+bookkeeping its BlockManagers decide (`fork`, `copy_slots`, `free`).
+
+Errors of a step surface in two kinds, so the conductor knows whom to fail:
+- `RequestError` (a node rejected an input) propagates unchanged, with `request_ids` (the
+  batch's requests, in entry order) attached when the node did not set it. A node cannot
+  say which entry of a batch was at fault, so with several entries the conductor reruns
+  them one at a time; that is safe because K/V writes to the same slots are idempotent and
+  nodes validate before they change their states.
+- anything else (a bug, a shape error, out of memory, bad outputs) is a `WorkerStepError`
+  naming the node and phase: every request of the batch fails with its message.
+
+`stats()` counts steps, entries and host seconds per (node, phase). On a GPU the time is
+the host's (launches, plus any sync the node does): the worker adds no synchronisation.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar_runtime.engine.engines import AttentionBackend, KVCacheEngine, StatelessEngine, StepEntry
+from mstar_runtime.engine.graphs import graph_buckets
+from mstar_runtime.kv.block_manager import SlotCopy
+from mstar_runtime.kv.flashinfer_backend import select_backend
+from mstar_runtime.ops.node import KVNode, RequestError
+from mstar_runtime.plan.loader import Plan
+from mstar_runtime.weights import build_node, load_weights
+
+
+class WorkerStepError(Exception):
+    """A step failed for a reason that is not one request's input; fails the whole batch."""
+
+    def __init__(self, node: str, phase: str, message: str):
+        self.node, self.phase, self.message = node, phase, message
+        super().__init__(f"node '{node}' phase '{phase}': {message}")
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One batched step: `node.phase` over entries from one or more requests."""
+
+    node: str
+    phase: str
+    entries: list[StepEntry]
+
+
+@dataclass(slots=True)
+class _PhaseStats:
+    steps: int = 0
+    entries: int = 0
+    seconds: float = 0.0
+    failures: int = 0
+
+
+def freeze_heap() -> None:
+    """Collect, then move every object alive now out of the cyclic GC's reach (`gc.freeze`).
+
+    A loaded worker holds hundreds of thousands of long-lived objects (modules, parameters,
+    plan views); without this every full collection walks them all, a pause of tens of ms in
+    the middle of a decode loop whose host time per step is a few ms. The objects are still
+    freed by reference counting; only cycles among them would wait (as vLLM does too)."""
+    gc.collect()
+    gc.freeze()
+
+
+class Worker:
+    """The node instances of one rank and their engines."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        rank: int,
+        device: torch.device | str,
+        weights: str | Path = "dummy",
+        *,
+        attention_backend: AttentionBackend | None = None,
+        tp_groups: Mapping[str, Any] | None = None,
+    ):
+        self.plan, self.rank, self.device = plan, rank, torch.device(device)
+        self.engines: dict[str, KVCacheEngine | StatelessEngine] = {}
+        self._stats: dict[tuple[str, str], _PhaseStats] = {}
+        on_gpu = self.device.type == "cuda"
+        if attention_backend is None and on_gpu:
+            # FlashInfer when it imports, else the reference (logged once which): one backend,
+            # and so one FlashInfer workspace, for every KV node of the rank
+            attention_backend = select_backend(self.device)
+        for name in plan.resident_nodes(rank):
+            info = plan.node(name)
+            tp_rank, tp_size = info.tp_of(rank)
+            group = tp_groups.get(name) if tp_groups is not None else None
+            module = build_node(plan, name, rank, self.device, tp_rank, tp_size, tp_group=group)
+            load_weights(module, plan, name, weights)
+            ports = {p.name: p.outputs for p in info.phases.values()}
+            if isinstance(module, KVNode):
+                self.engines[name] = KVCacheEngine(
+                    module,
+                    plan.kv_pages(name, rank),
+                    plan.page_size,
+                    info.torch_dtype,
+                    self.device,
+                    attention_backend=attention_backend,
+                    output_ports=ports,
+                    # the plan's captured phases of this node on this rank; graphs only on a GPU
+                    graphs=graph_buckets(plan.body.get("cuda_graphs", ()), name, rank) if on_gpu else None,
+                )
+            else:
+                # the same captured phases: a stateless node that offers one (`graph_phase`, e.g.
+                # Orpheus' SNAC window decode) replays it as a CUDA graph on a side stream
+                self.engines[name] = StatelessEngine(
+                    module, output_ports=ports,
+                    graphs=graph_buckets(plan.body.get("cuda_graphs", ()), name, rank) if on_gpu else None,
+                )
+        freeze_heap()
+
+    # ------------------------------------------------------------------ steps
+    def run_step(self, batch: StepBatch) -> list[dict[str, Any]]:
+        """Run one batched step; one output dict per entry, in entry order (see the module docstring)."""
+        engine = self.engines.get(batch.node)
+        if engine is None:
+            raise WorkerStepError(
+                batch.node,
+                batch.phase,
+                f"not resident on rank {self.rank} (resident: {', '.join(self.engines) or 'none'})",
+            )
+        st = self._stats.setdefault((batch.node, batch.phase), _PhaseStats())
+        t0 = time.perf_counter()
+        try:
+            out = engine.run(batch.phase, batch.entries)
+        except RequestError as e:
+            st.failures += 1
+            if getattr(e, "request_ids", None) is None:
+                e.request_ids = [x.request_id for x in batch.entries]  # type: ignore[attr-defined]
+            raise
+        except Exception as e:
+            st.failures += 1
+            raise WorkerStepError(batch.node, batch.phase, f"{type(e).__name__}: {e}") from e
+        finally:
+            st.seconds += time.perf_counter() - t0
+        st.steps += 1
+        st.entries += len(batch.entries)
+        return out
+
+    def release_graphs(self) -> None:
+        """Drop the KV nodes' captured decode graphs (the ones that can hold TP collectives),
+        once their work is done; see `GraphRunner.release`."""
+        runners = [r for e in self.engines.values() if isinstance(e, KVCacheEngine) for r in e.graph_runners.values()]
+        if not runners:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for r in runners:
+            r.release()
+        gc.collect()  # the graphs' last references may sit in frozen or cyclic garbage
+
+    # ------------------------------------------------------------------ KV bookkeeping
+    def _kv(self, node: str, what: str) -> KVCacheEngine:
+        engine = self.engines.get(node)
+        if not isinstance(engine, KVCacheEngine):
+            why = "is not resident here" if engine is None else "is not a kv node"
+            raise WorkerStepError(node, what, f"node {why} (rank {self.rank})")
+        return engine
+
+    def fork(self, node: str, request_id: str, src_tag: str, dst_tag: str, copy: SlotCopy | None) -> None:
+        """Start KV context `dst_tag` as `src_tag`: copy its partial last page (if the
+        BlockManager's fork returned a copy) and deep-copy its node state."""
+        engine = self._kv(node, "fork")
+        if copy is not None:
+            engine.copy_slots(copy)
+        engine.fork_state(request_id, src_tag, dst_tag)
+
+    def copy_slots(self, node: str, copy: SlotCopy) -> None:
+        """Apply a BlockManager copy-on-write (from `fork` or `truncate`) in the node's pool."""
+        self._kv(node, "copy_slots").copy_slots(copy)
+
+    def drop_tag(self, node: str, request_id: str, tag: str) -> None:
+        """Forget one KV context's node state (a transition that does not keep the tag)."""
+        self._kv(node, "drop_tag").drop_tag(request_id, tag)
+
+    def free(self, request_id: str) -> None:
+        """Drop the request's node states in every engine (its pages are the conductor's to free)."""
+        for engine in self.engines.values():
+            if isinstance(engine, KVCacheEngine):
+                engine.free(request_id)
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict[str, Any]:
+        """Steps, entries, failures and host seconds per node and phase; KV pool sizes and live states."""
+        nodes: dict[str, dict[str, dict[str, float]]] = {}
+        for (node, phase), st in sorted(self._stats.items()):
+            nodes.setdefault(node, {})[phase] = {
+                "steps": st.steps,
+                "entries": st.entries,
+                "failures": st.failures,
+                "seconds": st.seconds,
+            }
+        kv = {
+            name: {"pages": e.num_pages, "page_size": e.page_size, "states": e.num_states}
+            for name, e in self.engines.items()
+            if isinstance(e, KVCacheEngine)
+        }
+        return {
+            "rank": self.rank,
+            "steps": sum(s.steps for s in self._stats.values()),
+            "seconds": sum(s.seconds for s in self._stats.values()),
+            "nodes": nodes,
+            "kv": kv,
+        }

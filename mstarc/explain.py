@@ -4,7 +4,7 @@ The view is built in Python (`plan_view`) and rendered by jinja2 templates in
 `mstarc/templates/`; the templates only lay out what the view holds, so every format shows
 the same facts: per rank its device, nodes, weights and KV bytes, TP degree, captured CUDA
 graphs with their batch buckets, and stream buffers with their policies; then each walk's
-step program as an indented tree.
+step program as an indented tree (a loop marked as a cohort says so, with its fed-back ports).
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ def program_lines(op: dict[str, Any], depth: int = 0) -> list[tuple[int, str]]:
             head = f"loop n={_operand(op['count']) if op['count'] else '?'}" + (f" max={op['max']}" if op["max"] else "")
         head += f" index {op['index']}" if op.get("index") else ""
         head += f" carry {', '.join(op['carry'])}" if op.get("carry") else ""
-        head += f"   [captured whole: {op['graph']}]" if op.get("graph") else ""
+        notes = [f"captured whole: {op['graph']}"] if op.get("graph") else []
+        notes += [_cohort(op["cohort"])] if op.get("cohort") else []
+        head += f"   [{'; '.join(notes)}]" if notes else ""
         return [(depth, head)] + program_lines(op["body"], depth + 1)
     if kind == "parallel":
         lines = [(depth, "parallel")]
@@ -73,6 +75,13 @@ def program_lines(op: dict[str, Any], depth: int = 0) -> list[tuple[int, str]]:
     if kind == "transfer":
         return [(depth, f"transfer {op['value']}: rank {op['src']} -> rank {op['dst']}")]
     return [(depth, f"<{kind}>")]
+
+
+def _cohort(mark: dict[str, Any]) -> str:
+    """A loop's cohort mark in one phrase: `cohort: fed token<-token, invariant actions`."""
+    fed = ", ".join(f"{dst}<-{src}" for dst, src in mark["fed"]) or "none"
+    invariant = f", invariant {', '.join(mark['invariant'])}" if mark["invariant"] else ""
+    return f"cohort: fed {fed}{invariant}"
 
 
 def plan_view(plan: dict[str, Any]) -> dict[str, Any]:

@@ -57,4 +57,13 @@ def check_ir(model: I.ModelIR) -> list[str]:
         scheduled = {op["id"] for prog in model.schedule.values() for op in iter_ops(prog["program"]) if op["op"] == "call"}
         if scheduled != set(call_ids):
             errs.append("schedule steps differ from the walks' calls")
+        for prog in model.schedule.values():
+            for op in iter_ops(prog["program"]):
+                if op["op"] != "loop":
+                    continue
+                if "cohort" not in op:
+                    errs.append(f"loop {op['id']} has no cohort mark")
+                elif op["cohort"] is not None and op["cohort"]["call"] not in {
+                        c.get("id") for c in op["body"]["body"] if c["op"] == "call"}:
+                    errs.append(f"loop {op['id']} is marked a cohort of {op['cohort']['call']}, not one of its calls")
     return errs

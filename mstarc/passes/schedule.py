@@ -8,6 +8,22 @@ Ensures:  `model.schedule[walk]` is a JSON-ready dict: the walk's typed inputs (
           (count or max/until, index, carry, accumulated values, whole-loop graph),
           `on_stream` (the buffer it drains), `emit`, `acc`, `fork`, and `transfer`
           (a value copied between ranks, placed right before the step that needs it).
+          Every `loop` has a `cohort` mark (computed by `mstarc.cohorts.cohort_mark` on the
+          emitted op): null, or `{call, fed, invariant, emits}` when the loop is a
+          steady-state cohort. The rule, all of which must hold:
+            - its `acc` is empty and its `index` is null;
+            - its body is a `seq` whose first op is one `call`, and every other op is an
+              `emit` of mode `append` whose value is a var bound by that call (no
+              transfer, loop, parallel, fork, acc or second call);
+            - the call runs on one rank;
+            - every argument of the call is a const, or a result of that call named in
+              the loop's `carry` (fed back), or a var bound nowhere in the body (invariant);
+            - a dynamic loop's `until` is a result of that call;
+            - every `feeds` entry of the call names one of its result ports.
+          Then `call` is the call's id, `fed` the `[input port, output port]` pairs of the
+          fed-back arguments, `invariant` the input ports of consts and invariant vars
+          (both sorted by input port), `emits` the `[walk output, output port]` pairs of
+          the emits in body order. Fixed and dynamic loops both qualify.
           The program is a pure function of the IR: the same model gives the same bytes.
 Fails when: never (everything it needs was checked by earlier passes).
 """
@@ -18,6 +34,7 @@ import dataclasses
 from typing import Any
 
 from mstarc import ir as I
+from mstarc.cohorts import cohort_mark
 
 
 def schedule(model: I.ModelIR) -> I.ModelIR:
@@ -73,11 +90,14 @@ class _Scheduler:
             return {"op": "parallel", "id": r.id, "branches": [
                 {"name": b.name, "rank": self._branch_rank(b), "body": self.region(b.body)} for b in r.branches]}
         if isinstance(r, I.Loop):
-            return {"op": "loop", "id": r.id, "dynamic": r.dynamic,
-                    "count": operand_json(r.count) if r.count is not None else None,
-                    "max": r.max, "until": r.until, "index": r.index, "carry": list(r.carry),
-                    "acc": [{"name": a.name, "value": operand_json(a.value)} for a in I.loop_accs(r.body)],
-                    "graph": self.graph_of_loop.get(r.id), "body": self.region(r.body)}
+            loop: dict[str, Any] = {
+                "op": "loop", "id": r.id, "dynamic": r.dynamic,
+                "count": operand_json(r.count) if r.count is not None else None,
+                "max": r.max, "until": r.until, "index": r.index, "carry": list(r.carry),
+                "acc": [{"name": a.name, "value": operand_json(a.value)} for a in I.loop_accs(r.body)],
+                "graph": self.graph_of_loop.get(r.id), "body": self.region(r.body)}
+            loop["cohort"] = cohort_mark(loop)
+            return loop
         if isinstance(r, I.OnStream):
             return {"op": "on_stream", "id": r.id, "stream": self.buffers[r.stream].id, "as": r.name,
                     "body": self.region(r.body)}

@@ -9,11 +9,15 @@
 3. invariants across sections: every `call` of every walk program names an existing node
    and phase, a KV tag of that node, ranks in range on which the node is resident; every
    `on_stream` names a stream of the plan; every kv node has KV geometry and pages on each
-   of its ranks; transitions name walks. All violations are reported together, each
-   naming the walk and step;
+   of its ranks; transitions name walks; a loop's `cohort` mark, when not null, names a
+   call of the loop's own body and ports of that call's phase. All violations are
+   reported together, each naming the walk and step (or loop);
 4. hardware fit: the device ("cpu" or "cuda") the plan runs on exists, with enough GPUs
    of enough memory for the plan's ranks. A CUDA plan runs on the CPU only when
    `device="cpu"` is asked for explicitly.
+
+A plan of an older minor schema (before 1.1) has no `cohort` on its loops: loading gives
+every such loop `"cohort": None`, so readers of a loaded plan may use `op["cohort"]`.
 
 Typed parts (ranks, nodes, KV pools, streams, transitions) are frozen dataclasses; each
 also answers `view["field"]` with the body's own JSON field, for code that follows the
@@ -721,6 +725,8 @@ class _Invariants:
                     f"walk '{walk}' transfers {op.get('value')!r} between ranks "
                     f"{op.get('src')!r} -> {op.get('dst')!r}, out of range 0..{self.n_ranks - 1}"
                 )
+        elif kind == "loop":
+            self.cohort(walk, program, op)
         elif kind == "parallel":
             for b in _opt(op, "branches", list) or []:
                 rank = b.get("rank") if isinstance(b, dict) else None
@@ -774,6 +780,56 @@ class _Invariants:
             ):
                 self.add(f"{step} binds {res!r}, not [output port of {node.name}.{phase.name}, name]")
 
+    def cohort(self, walk: str, program: Mapping[str, Any], op: Mapping[str, Any]) -> None:
+        """A non-null cohort mark names a call of the loop's own body and ports of its phase."""
+        mark = op.get("cohort")
+        if mark is None:
+            return  # not a cohort, or a plan from before schema 1.1
+        where = f"walk '{walk}' loop '{_opt(op, 'id', str) or '?'}'"
+        if not isinstance(mark, dict):
+            self.add(f"{where} has a cohort mark that is neither an object nor null")
+            return
+        body = op.get("body")
+        items = (_opt(body, "body", list) if isinstance(body, dict) else None) or []
+        call_id = mark.get("call")
+        call = next(
+            (c for c in items if isinstance(c, dict) and c.get("op") == "call" and c.get("id") == call_id), None
+        )
+        if call is None:
+            self.add(f"{where}: its cohort names call {str(call_id)[:40]!r}, which is not a call of the loop's body")
+            return
+        node = self.nodes.get(_opt(call, "node", str) or "")
+        phase = node.phases.get(_opt(call, "phase", str) or "") if node is not None else None
+        if node is None or phase is None:
+            return  # the call's own check reports it
+        fn = f"{node.name}.{phase.name}"
+        fed = mark.get("fed")
+        if not isinstance(fed, list) or not all(_str_pair(x) for x in fed):
+            self.add(f"{where}: cohort.fed should be a list of [input port, output port] pairs")
+        else:
+            for dst, src in fed:
+                if dst not in phase.inputs:
+                    self.add(f"{where}: its cohort feeds input '{dst}', which {fn} does not take")
+                if src not in phase.outputs:
+                    self.add(f"{where}: its cohort feeds back output '{src}', which {fn} does not produce")
+        invariant = mark.get("invariant")
+        if not isinstance(invariant, list) or not all(isinstance(x, str) for x in invariant):
+            self.add(f"{where}: cohort.invariant should be a list of input ports")
+        else:
+            for port in invariant:
+                if port not in phase.inputs:
+                    self.add(f"{where}: its cohort holds input '{port}' invariant, which {fn} does not take")
+        emits = mark.get("emits")
+        if not isinstance(emits, list) or not all(_str_pair(x) for x in emits):
+            self.add(f"{where}: cohort.emits should be a list of [walk output, output port] pairs")
+        else:
+            outputs = [o.get("name") for o in program["outputs"]]
+            for out, port in emits:
+                if out not in outputs:
+                    self.add(f"{where}: its cohort emits '{out}', which is not an output of the walk")
+                if port not in phase.outputs:
+                    self.add(f"{where}: its cohort emits output '{port}', which {fn} does not produce")
+
     def transition(self, t: TransitionSpec) -> None:
         for w in (t.src, t.dst):
             if w not in self.p["walks"]:
@@ -787,6 +843,18 @@ class _Invariants:
                     f"transition {t.src} -> {t.dst} keeps {k.node}@{k.tag} as @{k.as_tag}; "
                     f"tags: {', '.join(node.tags)}"
                 )
+
+
+def _str_pair(x: Any) -> bool:
+    return isinstance(x, list) and len(x) == 2 and all(isinstance(v, str) for v in x)
+
+
+def _null_cohorts(walks: Mapping[str, Any]) -> None:
+    """Every loop without a `cohort` key (a plan from before schema 1.1) gets `None`."""
+    for walk in walks.values():
+        for op in iter_ops(walk["program"]):
+            if op.get("op") == "loop" and "cohort" not in op:
+                op["cohort"] = None  # type: ignore[index]  # the body's own dicts, not yet handed out
 
 
 # ------------------------------------------------------------------------------- loading
@@ -814,6 +882,7 @@ def load_plan(
             shown[0] if len(problems) == 1 else f"{len(problems)} problems:\n  " + "\n  ".join(shown) + more
         )
         raise PlanError(where, f"invalid plan: {head}", tuple(problems))
+    _null_cohorts(parts["walks"])
     resolved = _hardware_fit(where, parts, device, kv_pages_cap)
     return Plan(path=where, device=resolved, kv_pages_cap=kv_pages_cap, body=body, **parts)
 

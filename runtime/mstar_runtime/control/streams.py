@@ -74,6 +74,10 @@ class ChunkPolicy:
         """The partial chunk released on close, if any."""
         raise NotImplementedError
 
+    def end_of_next(self, consumed: int) -> int:
+        """The item count at which ``next_span(consumed, ...)`` becomes a chunk (and its new ``consumed``)."""
+        raise NotImplementedError
+
     def history_from(self, consumed: int) -> int:
         """Lowest absolute item index any future chunk can read; older items may be dropped."""
         raise NotImplementedError
@@ -103,6 +107,9 @@ class FixedChunkPolicy(ChunkPolicy):
     def next_span(self, consumed: int, available: int) -> Span | None:
         end = consumed + self.size
         return Span(consumed, end, 0) if available >= end else None
+
+    def end_of_next(self, consumed: int) -> int:
+        return consumed + self.size
 
     def final_span(self, consumed: int, available: int) -> Span | None:
         return Span(consumed, available, 0) if available > consumed else None
@@ -139,10 +146,13 @@ class SlidingWindowChunkPolicy(ChunkPolicy):
 
     def next_span(self, consumed: int, available: int) -> Span | None:
         first = consumed == 0
-        end = self.window if first else consumed + self.stride
+        end = self.end_of_next(consumed)
         if available < end:
             return None
         return Span(end - self.window, end, 0 if first else self.window - self.stride)
+
+    def end_of_next(self, consumed: int) -> int:
+        return self.window if consumed == 0 else consumed + self.stride
 
     def final_span(self, consumed: int, available: int) -> Span | None:
         return None  # a partial window would decode without its context; see module docstring
@@ -179,6 +189,9 @@ class LeftContextChunkPolicy(ChunkPolicy):
     def next_span(self, consumed: int, available: int) -> Span | None:
         end = consumed + self.chunk
         return self._span(consumed, end) if available >= end else None
+
+    def end_of_next(self, consumed: int) -> int:
+        return consumed + self.chunk
 
     def final_span(self, consumed: int, available: int) -> Span | None:
         return self._span(consumed, available) if available > consumed else None
@@ -308,6 +321,13 @@ class StreamBuffer:
         else:
             ring.index_copy_(0, self._positions(self._pushed, self._pushed + n), items)
         self._pushed += n
+
+    def next_ready_at(self, pushed: int) -> int:
+        """The item count (> ``pushed``) at which the first chunk not yet within ``pushed`` items is ready."""
+        at = self.policy.end_of_next(self._consumed)
+        while at <= pushed:
+            at = self.policy.end_of_next(at)
+        return at
 
     def close(self) -> None:
         """No more items will come. Idempotent."""

@@ -123,6 +123,26 @@ class BlockManager:
         ps = self.page_size
         return [table[pos // ps] * ps + pos % ps for pos in range(start, start + n_tokens)]
 
+    def add_page(self, key: SeqKey) -> int:
+        """One more page at the end of an existing sequence's table, its length unchanged (a
+        cohort row about to write the page's first token); returns the page. Raises
+        ``OutOfPages`` (changing nothing) when none is free. ``set_length`` then records the
+        tokens the row wrote."""
+        table = self._tables[self._known(key)]
+        if not self._free:
+            raise OutOfPages(f"sequence {key} needs 1 more page; 0 of {self.num_pages} free")
+        (page,) = self._take(1)
+        table.append(page)
+        return page
+
+    def set_length(self, key: SeqKey, n_tokens: int) -> None:
+        """Record that the sequence holds ``n_tokens`` tokens (written by a cohort through pages
+        ``add_page`` gave it): at most what its pages hold, and never less than its shared pages."""
+        table = self._tables[self._known(key)]
+        if not 0 <= n_tokens <= len(table) * self.page_size:
+            raise KVCacheError(f"{key} cannot hold {n_tokens} tokens in {len(table)} page(s)")
+        self._lens[key] = n_tokens
+
     def fork(self, src_key: SeqKey, dst_key: SeqKey) -> SlotCopy | None:
         """Start ``dst_key`` as a copy of ``src_key`` sharing its full pages.
 

@@ -54,6 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from mstar_runtime.kv.attention import (
@@ -299,6 +300,29 @@ class FlashInferGraphDecode:
         indices = step.indices.to(p.device, non_blocking=True)
         self.wrapper.plan(step.indptr, indices, step.last_page_len, q_heads, p.kv_heads, p.head_dim,
                           p.page_size, q_data_type=p.dtype, kv_data_type=p.dtype, sm_scale=self.scale,
+                          non_blocking=True)
+
+    def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        out = self.wrapper.run(q if q.dtype == self.pool.dtype else q.to(self.pool.dtype), self.pool.data[layer])
+        return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+class FlashInferCohortDecode:
+    """Decode attention of a cohort's rows (engine/cohort_engine.py): its own paged-decode
+    wrapper on the backend's workspace, planned every step from the block table's host
+    arrays (no per-entry metadata), then run per layer."""
+
+    def __init__(self, backend: FlashInferBackend, pool: KVPool, scale: float | None, q_heads: int):
+        self.pool, self.q_heads = pool, q_heads
+        self.scale = scale if scale is not None else 1.0 / math.sqrt(pool.head_dim)
+        self.wrapper = backend.fi.BatchDecodeWithPagedKVCacheWrapper(backend.workspace, "NHD", use_tensor_cores=True)
+
+    def plan(self, indptr: Any, indices: Any, last: Any) -> None:
+        p = self.pool
+        host = torch.from_numpy(np.concatenate([indptr, indices, last]).astype(np.int32)).pin_memory()
+        n, m = indptr.shape[0] - 1, indices.shape[0]
+        self.wrapper.plan(host[: n + 1], host[n + 1 : n + 1 + m], host[n + 1 + m :], self.q_heads, p.kv_heads,
+                          p.head_dim, p.page_size, q_data_type=p.dtype, kv_data_type=p.dtype, sm_scale=self.scale,
                           non_blocking=True)
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:

@@ -194,6 +194,12 @@ class KVNode(nn.Module):
             raise NodeError(f"node '{self.spec.name}' ({type(self).__name__}) has no phase '{phase}'")
         return method(batch, attn)
 
+    def cohort_phase(self, phase: str) -> Any:
+        """The phase as a column step for decode cohorts (an `ops.cohort.CohortPhase`), or None:
+        the phase runs through `run` only. Override to offer a single-token phase (a decode)
+        whose step is pure tensor code over all rows (runtime/mstar_runtime/ops/cohort.py)."""
+        return None
+
 
 def stack_inputs(batch: Batch, port: str) -> torch.Tensor:
     """Stack one port of every entry along a new batch dim (entries must have equal shapes)."""

@@ -326,6 +326,49 @@ def sample_tensors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return picked if every else out.index_copy(0, st.sampled_rows, picked)
 
 
+@dataclass(frozen=True)
+class SamplingColumns:
+    """The per-row settings of a decode cohort's rows as device columns (made at join, kept
+    across steps; ops/cohort.py): what `SamplingTensors` is for one generic step, without the
+    host fields, so every stage runs for every row and a step is fixed tensor code."""
+
+    temperature: torch.Tensor  # f32 [n]; 1 where greedy
+    top_p: torch.Tensor  # f32 [n]; 1 where greedy
+    penalty: torch.Tensor  # f32 [n]
+    greedy: torch.Tensor  # bool [n]
+    seed: torch.Tensor  # i64 [n], the seed's bits
+    step: torch.Tensor  # i64 [n]
+    history: torch.Tensor  # i64 [n, L], -1 = no token
+
+
+def sampling_row(params: SamplingParams, step: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """One request's `SamplingColumns` row (top-k is not a column: a row with it cannot join)."""
+    if params.top_k:
+        raise RequestError("top_k is not supported on the cohort path", "top_k")
+    seed = secrets.randbits(64) if params.seed is None else params.seed
+    f = lambda v: torch.tensor(v, dtype=torch.float32, device=device)  # noqa: E731
+    i = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    return {"temperature": f(1.0 if params.greedy else params.temperature), "top_p": f(1.0 if params.greedy else params.top_p),
+            "penalty": f(params.repetition_penalty), "greedy": torch.tensor(params.greedy, device=device),
+            "seed": i(_signed64(seed)), "step": i(_signed64(step))}
+
+
+def sample_columns(logits: torch.Tensor, cols: SamplingColumns) -> torch.Tensor:
+    """`sample` for every row of a cohort: the same tokens as the generic path gives each row
+    (the same processing per row, and `uniforms(seed, step)` is `uniform`'s draw on the
+    device), as fixed whole-batch kernels with no host value (capturable)."""
+    n, vocab = logits.shape
+    rows = torch.arange(n, device=logits.device)
+    st = SamplingTensors(
+        temperature=cols.temperature, top_k=torch.zeros(n, dtype=torch.int64, device=logits.device),
+        top_p=cols.top_p, penalty=cols.penalty, seed=cols.seed, step=cols.step, sampled_rows=rows, top_p_rows=rows,
+        history=cols.history, u=uniforms(cols.seed, cols.step), vocab=vocab, any_temperature=True, max_top_k=0,
+        num_sampled=n, num_top_p=n,
+    )
+    scores = process_tensors(logits, st)
+    return torch.where(cols.greedy, scores.argmax(dim=-1), pick_from_cdf(scores, st.u))
+
+
 def pick_from_cdf(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw per row: the first token whose cumulative probability exceeds u * total.
 

@@ -5,7 +5,11 @@ gives each a `KVCacheEngine` (pages and page size from the plan's memory section
 `StatelessEngine`. A node at tp > 1 holds only this rank's shard and gets its TP group
 from `tp_groups` (node -> torch.distributed group, made by `mstar_runtime.ops.tp.build_groups`
 in every process). The conductor drives it with `run_step(StepBatch)`, plus the KV
-bookkeeping its BlockManagers decide (`fork`, `copy_slots`, `free`).
+bookkeeping its BlockManagers decide (`fork`, `copy_slots`, `free`), and, for decode
+cohorts, the `cohort_*` calls: open (the device columns of a marked loop, if its node offers
+a column step), join / leave / move a row, add pages, and step all rows at once
+(engine/cohort_engine.py). Cohorts run on in-process workers only (a worker process has
+no cohort messages yet: a loop on a rank > 0 stays on the generic path).
 
 Errors of a step surface in two kinds, so the conductor knows whom to fail:
 - `RequestError` (a node rejected an input) propagates unchanged, with `request_ids` (the
@@ -31,10 +35,16 @@ from typing import Any
 
 import torch
 
+from mstar_runtime.engine.cohort_engine import CohortColumns, CohortResult, CohortShape
 from mstar_runtime.engine.engines import AttentionBackend, KVCacheEngine, StatelessEngine, StepEntry
 from mstar_runtime.engine.graphs import graph_buckets
 from mstar_runtime.kv.block_manager import SlotCopy
-from mstar_runtime.kv.flashinfer_backend import select_backend
+from mstar_runtime.kv.flashinfer_backend import (
+    FlashInferBackend,
+    FlashInferCohortDecode,
+    select_backend,
+    unsupported,
+)
 from mstar_runtime.ops.node import KVNode, RequestError
 from mstar_runtime.plan.loader import Plan
 from mstar_runtime.weights import build_node, load_weights
@@ -92,6 +102,8 @@ class Worker:
         self.plan, self.rank, self.device = plan, rank, torch.device(device)
         self.engines: dict[str, KVCacheEngine | StatelessEngine] = {}
         self._stats: dict[tuple[str, str], _PhaseStats] = {}
+        self._cohorts: dict[Any, CohortColumns] = {}
+        self._cohort_engine: dict[Any, KVCacheEngine] = {}
         on_gpu = self.device.type == "cuda"
         if attention_backend is None and on_gpu:
             # FlashInfer when it imports, else the reference (logged once which): one backend,
@@ -151,6 +163,59 @@ class Worker:
             st.seconds += time.perf_counter() - t0
         st.steps += 1
         st.entries += len(batch.entries)
+        return out
+
+    # ------------------------------------------------------------------ cohorts
+    def cohort_open(self, key: Any, node: str, shape: CohortShape, rows: int, max_pages: int) -> bool:
+        """Make the device columns of a cohort of `node`'s phase, if the node offers a column
+        step for it (`KVNode.cohort_phase`); False when it does not (the loop stays generic)."""
+        if key in self._cohorts:
+            return True
+        engine = self.engines.get(node)
+        if not isinstance(engine, KVCacheEngine):
+            return False
+        cphase = engine.node.cohort_phase(shape.phase)
+        if cphase is None:
+            return False
+        fi = None
+        if isinstance(engine.backend, FlashInferBackend) and unsupported(engine.pool) is None:
+            heads = int(engine.node.spec.arch_args.get("heads", 0)) // max(engine.node.spec.tp_size, 1)
+            fi = FlashInferCohortDecode(engine.backend, engine.pool, engine.scale, heads)
+        self._cohorts[key] = CohortColumns(engine.pool, cphase, shape, rows, max_pages, self.device,
+                                           scale=engine.scale, flashinfer=fi, node=node)
+        self._cohort_engine[key] = engine
+        return True
+
+    def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: Mapping[str, Any],
+                    invariant: Mapping[str, Any], pages: list[int], length: int) -> None:
+        state = self._cohort_engine[key].state(request_id, tag)
+        self._cohorts[key].join(row, state, fed, invariant, pages, length)
+
+    def cohort_leave(self, key: Any, row: int, request_id: str, tag: str, steps: int) -> None:
+        self._cohorts[key].leave(row, self._cohort_engine[key].state(request_id, tag), steps)
+
+    def cohort_move(self, key: Any, src: int, dst: int) -> None:
+        self._cohorts[key].move(src, dst)
+
+    def cohort_shrink(self, key: Any, n: int) -> None:
+        self._cohorts[key].n = n
+
+    def cohort_add_pages(self, key: Any, rows: Any, cols: Any, pages: Any) -> None:
+        self._cohorts[key].add_pages(rows, cols, pages)
+
+    def cohort_step(self, key: Any, n: int) -> CohortResult:
+        cohort = self._cohorts[key]
+        st = self._stats.setdefault((cohort.node, cohort.shape.phase + ":cohort"), _PhaseStats())
+        t0 = time.perf_counter()
+        try:
+            out = cohort.step(n)
+        except Exception as e:
+            st.failures += 1
+            raise WorkerStepError(cohort.node, cohort.shape.phase, f"{type(e).__name__}: {e}") from e
+        finally:
+            st.seconds += time.perf_counter() - t0
+        st.steps += 1
+        st.entries += n
         return out
 
     def release_graphs(self) -> None:

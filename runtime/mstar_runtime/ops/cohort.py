@@ -1,0 +1,71 @@
+"""The column-oriented node call of the cohort path: a KV phase offered as one step over all rows.
+
+A steady-state loop that the compiler marks (`cohort` on a `loop` op: one KV call with
+fed-back ports, stream pushes and emits; docs/plan-format.md) runs as a *cohort*: the
+requests in the loop are rows of device-resident columns, and one step is one call of the
+node's `CohortPhase.step` over every row at once (runtime/mstar_runtime/control/cohort.py
+drives it; runtime/mstar_runtime/engine/cohort_engine.py owns the columns). A node offers a
+phase this way through `KVNode.cohort_phase(phase)`; one that does not keeps the generic,
+list-of-dicts call (`KVNode.run`), which stays for everything else.
+
+The contract, for a phase whose every entry adds one KV token (a decode):
+
+- `join(state, inputs) -> columns`: called once when a request enters the loop, with the
+  request's per-(request, tag) node state (`attn.states[i]` of the generic path, written by
+  its prefill) and its loop-invariant inputs. Returns the row's columns: name -> tensor (the
+  row's own shape, no batch dim) on the node's device. Host work per request lives here.
+- `step(batch: CohortStep) -> outputs`: pure tensor code over `batch.n` rows: no host reads,
+  no Python per row (so the engine can capture it in a CUDA graph). It reads the fed inputs
+  (`batch.inputs[port]`, `[n, ...]`), may update its columns in place (`batch.cols[name]`,
+  `[n, ...]` views), attends through `batch.attend(layer, q, k, v)` (one query per row at
+  `batch.positions`), and returns every output port of the phase as a `[n, ...]` tensor. An
+  output whose type has a symbolic first dim (an item list such as Orpheus' 0-or-1-item
+  `code`) is returned as `port` `[n, K]` (K = `max_items`) and `port:count` `[n]` (int: how
+  many of the K are items). A bool port is `[n]`.
+- `leave(state, columns, steps)`: called when the request leaves the loop, with its row's
+  columns and the number of steps it ran (speculative ones included, as the generic path
+  runs them too), to write them back into the node state (so a later generic call continues
+  where the cohort stopped) without reading the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Columns = dict[str, torch.Tensor]
+
+
+@dataclass
+class CohortStep:
+    """One cohort step as the node sees it (rows 0..n-1; every tensor's first dim is n)."""
+
+    n: int
+    inputs: Mapping[str, torch.Tensor]  # fed-back and loop-invariant input ports
+    cols: Mapping[str, torch.Tensor]  # the node's own columns (views: update in place)
+    positions: torch.Tensor  # int64 [n]: the absolute position of each row's new token
+    attend: Attend  # writes the rows' new K/V and attends over each row's context
+    device: torch.device
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CohortPhase:
+    """A KV phase offered as a column step (see the module docstring)."""
+
+    join: Callable[[dict[str, Any], Mapping[str, Any]], Columns]
+    step: Callable[[CohortStep], dict[str, torch.Tensor]]
+    leave: Callable[[dict[str, Any], Columns, int], None]
+    max_items: Mapping[str, int] = field(default_factory=dict)  # item-list output port -> K
+
+
+def count_key(port: str) -> str:
+    """The key of an item-list port's per-row item count in a step's outputs."""
+    return f"{port}:count"
+
+
+__all__ = ["Attend", "CohortPhase", "CohortStep", "Columns", "count_key"]

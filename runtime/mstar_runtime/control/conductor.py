@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -49,7 +50,10 @@ from typing import Any, Protocol
 
 import torch
 
+from mstar_runtime.control.cohort import Cohort, CohortKey, port_specs
 from mstar_runtime.control.interpreter import (
+    CohortExit,
+    EnterCohort,
     ForkKV,
     Interpreter,
     Join,
@@ -64,9 +68,10 @@ from mstar_runtime.control.interpreter import (
     concat,
     read_flag,
 )
-from mstar_runtime.control.scheduler import GroupKey, KVPages, Scheduler
+from mstar_runtime.control.scheduler import GroupKey, KVPages, Scheduler, Standing
 from mstar_runtime.control.streams import StreamBuffer, StreamError, policy_from_spec
 from mstar_runtime.control.validate import TORCH_DTYPES, validate_inputs
+from mstar_runtime.engine.cohort_engine import CohortShape
 from mstar_runtime.engine.engines import KVSlots, StepEntry
 from mstar_runtime.kv.block_manager import OutOfPages
 from mstar_runtime.ops.node import KVNode, NodeSpec, RequestError
@@ -76,6 +81,16 @@ from mstar_runtime.worker.tp_dispatch import TPDispatch
 from mstar_runtime.worker.worker import StepBatch, WorkerStepError
 
 WAITING, RUNNING, FINISHED, FAILED, CANCELLED = "waiting", "running", "finished", "failed", "cancelled"
+STEP_PATHS = ("cohort", "generic")
+STEP_PATH_ENV = "MSTAR_STEP_PATH"  # "generic" forces every loop onto the generic path
+
+
+def step_path(choice: str | None = None) -> str:
+    """The step path to use: `choice`, else $MSTAR_STEP_PATH, else "cohort"."""
+    value = (choice or os.environ.get(STEP_PATH_ENV) or "cohort").strip().lower()
+    if value not in STEP_PATHS:
+        raise ValueError(f"step path must be one of {', '.join(STEP_PATHS)}, got {value!r}")
+    return value
 
 
 def _empty(t: Mapping[str, Any]) -> Any:
@@ -199,10 +214,17 @@ class Conductor:
     """Admission, per-request walk interpreters, the scheduler loop, streams, transitions."""
 
     def __init__(self, plan: Plan, workers: Mapping[int, WorkerLike], *, max_running: int | None = None,
-                 preempt_every: int | None = None, request_timeout: float | None = None, overlap: bool = True):
+                 preempt_every: int | None = None, request_timeout: float | None = None, overlap: bool = True,
+                 path: str | None = None):
         """`overlap=False` waits for every remote step as it is sent: the order of steps, and so
-        who is batched with whom, is then exactly that of one rank (bit-exact comparisons)."""
+        who is batched with whom, is then exactly that of one rank (bit-exact comparisons).
+        `path`: "cohort" (default; $MSTAR_STEP_PATH) runs marked loops as decode cohorts where
+        their node offers a column step; "generic" runs every loop iteration by iteration."""
         self.plan = plan
+        self.path = step_path(path)
+        self.cohorts: dict[CohortKey, Cohort] = {}
+        self._no_cohort: set[CohortKey] = set()
+        self._cohort_seq: dict[CohortKey, int] = {}
         self.overlap = overlap
         self.workers = dict(workers)
         limits = {name: int(n.settings["max_batch"]) for name, n in plan.nodes.items()
@@ -232,7 +254,8 @@ class Conductor:
         self.broken: str | None = None  # set when a worker process was lost: the engine has stopped
         self.stats: dict[str, float] = {"steps": 0, "batched_entries": 0, "wasted_steps": 0, "preemptions": 0,
                                         "finished": 0, "failed": 0, "cancelled": 0, "step_seconds": 0.0,
-                                        "remote_steps": 0, "overlapped_steps": 0, "remote_wait_seconds": 0.0}
+                                        "remote_steps": 0, "overlapped_steps": 0, "remote_wait_seconds": 0.0,
+                                        "cohort_steps": 0}
 
     # ------------------------------------------------------------------ public
     def submit(self, walk: str, inputs: Mapping[str, Any], *, request_id: str | None = None,
@@ -276,7 +299,11 @@ class Conductor:
         self._admit()
         self._collect()
         self._drive()
-        picked = self.scheduler.next_group(self.pending, busy=self._inflight.keys())
+        standing = {k: Standing(k, c.n, self._cohort_seq[k]) for k, c in self.cohorts.items() if c.n}
+        picked = self.scheduler.next_group(self.pending, busy=self._inflight.keys(), standing=standing)
+        if picked is not None and picked[0] in self.cohorts:
+            self._run_cohort(picked[0])
+            return True
         if picked is None:
             if self._inflight:  # nothing else can run: wait for the oldest remote step
                 t0 = time.perf_counter()
@@ -368,6 +395,8 @@ class Conductor:
         elif isinstance(y, ForkKV):
             if self._fork_or_preempt(req, y):
                 self.ready.append((task, None, None))
+        elif isinstance(y, EnterCohort):
+            self._enter_cohort(task, y)
         else:  # pragma: no cover - the interpreter yields nothing else
             self._fail(req, f"internal error: unknown yield {type(y).__name__}")
 
@@ -393,6 +422,99 @@ class Conductor:
         if call is not None:
             self.pending.pop(call, None)
         task.gen.close()
+
+    # ------------------------------------------------------------------ cohorts
+    def _cohort_for(self, op: dict[str, Any]) -> Cohort | None:
+        """The cohort of a marked loop, made on first use; None where the loop stays generic
+        (generic path forced, several ranks, a worker process, a node without a column step)."""
+        call = op["body"]["body"][0]
+        node, phase, ranks = call["node"], call["phase"], tuple(call["ranks"])
+        key: CohortKey = (node, phase, ranks, op["id"])
+        cohort = self.cohorts.get(key)
+        if cohort is not None or key in self._no_cohort:
+            return cohort
+        worker = self.workers.get(ranks[0])
+        info = self.plan.node(node)
+        if self.path != "cohort" or len(ranks) != 1 or info.engine != "kv" or not hasattr(worker, "cohort_open"):
+            self._no_cohort.add(key)
+            return None
+        bm = self.kv.managers[(node, ranks[0])]
+        max_len = self.plan.kv_pool(node, ranks[0]).max_seq_len
+        rows = min(self.plan.max_batch, self.scheduler.node_limits.get(node, self.plan.max_batch), self.max_running)
+        ports = port_specs(info.raw["outputs"], info.phases[phase].outputs)
+        mark = op["cohort"]
+        shape = CohortShape(phase, tuple(tuple(f) for f in mark["fed"]), tuple(mark["invariant"]), tuple(ports))
+        if not worker.cohort_open(key, node, shape, rows, -(-max_len // bm.page_size) + 1):
+            self._no_cohort.add(key)
+            return None
+        cohort = self.cohorts[key] = Cohort(key, op, ports, worker, bm, rows, max_len, preempt=self._cohort_preempt)
+        self._cohort_seq[key] = next(self._seq)
+        return cohort
+
+    def _enter_cohort(self, task: WalkTask, y: EnterCohort) -> None:
+        """Make the task a row of its loop's cohort, or resume it at once with None (generic)."""
+        cohort = self._cohort_for(y.op)
+        req = task.request
+        tag = y.op["body"]["body"][0].get("tag") or "main"
+        key = (req.id, tag)
+        if cohort is None or not cohort.has_room() or key not in cohort.bm or cohort.bm.seq_len(key) < 1:
+            self.ready.append((task, None, None))
+            return
+        if cohort.n == 0:  # an idle cohort's next step is as old as this request's arrival there
+            self._cohort_seq[cohort.key] = next(self._seq)
+        try:
+            cohort.join(req, task, y, tag)
+        except RequestError as e:
+            self._fail(req, str(e), e.field)
+
+    def _cohort_resume(self, task: WalkTask, done: CohortExit) -> None:
+        """A row left its loop (called by `Cohort`): its task goes on after the loop."""
+        req = task.request
+        req.stats.wasted_steps += done.wasted
+        self.stats["wasted_steps"] += done.wasted
+        self.ready.append((task, done, None))
+
+    def _cohort_preempt(self, bm: Any) -> bool:
+        """A cohort needs a page and the pool is full: preempt (or fail) as a generic step would.
+        False when nothing can be freed."""
+        if self._inflight:  # never preempt a request with a step in flight: take them all first
+            self._quiesce()
+            return True
+        victim = self._newest_holding_kv()
+        if victim is None:
+            return False
+        if len(self._kv_holders()) == 1:
+            self._fail(victim, "request needs more KV pages than its pool holds; it can never fit")
+            return True
+        self._preempt(victim)
+        return True
+
+    def _run_cohort(self, key: CohortKey) -> None:
+        cohort = self.cohorts[key]
+        n = cohort.n
+        if self._inflight:
+            self.stats["overlapped_steps"] += 1
+        t0 = time.perf_counter()
+        try:
+            cohort.step()
+        except WorkerStepError as e:
+            for m in list(cohort.members):
+                self._fail(m.request, str(e))
+            return
+        self._cohort_seq[key] = next(self._seq)
+        self.stats["step_seconds"] += time.perf_counter() - t0
+        self.stats["steps"] += 1
+        self.stats["cohort_steps"] += 1
+        self.stats["batched_entries"] += n
+        self._forced_preemption()
+
+    def _forced_preemption(self) -> None:
+        if self.preempt_every and self.stats["steps"] % self.preempt_every == 0:
+            self._quiesce()  # never preempt a request with a step in flight
+            # each request is preempted at most once by the forced mode, so every one finishes
+            fresh = [r for r in self.running if r.stats.preemptions == 0]
+            if fresh:
+                self._preempt(max(fresh, key=lambda r: r.arrival), forced=True)
 
     # ------------------------------------------------------------------ streams
     def _wait_chunk(self, task: WalkTask, buffer: StreamBuffer) -> None:
@@ -591,12 +713,7 @@ class Conductor:
             call.request.stats.steps += 1
             self._task_calls.pop(call.task, None)
             self.ready.append((call.task, out, None))
-        if self.preempt_every and self.stats["steps"] % self.preempt_every == 0:
-            self._quiesce()  # never preempt a request with a step in flight
-            # each request is preempted at most once by the forced mode, so every one finishes
-            fresh = [r for r in self.running if r.stats.preemptions == 0]
-            if fresh:
-                self._preempt(max(fresh, key=lambda r: r.arrival), forced=True)
+        self._forced_preemption()
 
     def _step_failed(self, key: GroupKey, entries: list[tuple[StepCall, StepEntry]], error: Exception) -> None:
         if isinstance(error, RequestError):
@@ -684,6 +801,8 @@ class Conductor:
             self._chunk_waiters.pop(id(buf), None)
             self._chunk_queues.pop(id(buf), None)
             self._space_waiters.pop(id(buf), None)
+        for cohort in self.cohorts.values():
+            cohort.remove(req)
         self.kv.free_request(req.id)
         for w in self.workers.values():
             w.free(req.id)

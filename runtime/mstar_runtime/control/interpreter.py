@@ -10,6 +10,11 @@ It runs until it needs something from the conductor and yields it:
 - `Join`: child tasks (the branches of a `parallel`); resumed when all have finished.
 - `Spawn`: a detached child task (an `on stream` block runs beside the main body).
 - `ForkKV`: copy a KV context of this request to another tag (shared pages).
+- `EnterCohort`: a dynamic loop the compiler marked as a cohort (`op["cohort"]`) asks to run
+  as a row of the conductor's decode cohort (runtime/mstar_runtime/control/cohort.py);
+  resumed with a `CohortExit` when the row leaves the loop, or with `None` when the
+  conductor declines (generic path forced, the node offers no column step, the cohort is
+  full): the interpreter then runs the loop itself, iteration by iteration.
 
 Side effects on the request (emits, stream pushes, accumulations) go through a `Frame`,
 so that a speculative `dynamic_loop` iteration can hold them back until the previous
@@ -86,6 +91,25 @@ class ForkKV:
     node: str
     src: str
     dst: str
+
+
+@dataclass(eq=False)
+class EnterCohort:
+    op: dict[str, Any]  # the marked loop
+    env: Env  # the loop's environment (its `until` flag as bound before the loop, if any)
+    frame: Frame  # where the loop's effects go
+    inputs: dict[str, Any]  # the call's resolved inputs for the first iteration
+
+
+@dataclass(eq=False)
+class CohortExit:
+    """A cohort row's loop is over: the carried values of its last valid iteration (none if it
+    ran none), the stream items it produced that did not fit into their buffers yet, and the
+    speculative steps that were thrown away."""
+
+    carry: dict[str, Any]
+    pushes: list[tuple[str, torch.Tensor]]
+    wasted: int = 0
 
 
 class _Wasted(Exception):
@@ -337,6 +361,15 @@ class Interpreter:
         stop, iteration i+1 is thrown away: its KV appends are truncated, its effects dropped,
         and one wasted step is counted.
         """
+        if op.get("cohort") is not None:
+            call = op["body"]["body"][0]
+            inputs = {port: resolve(self._value(arg, env)) for port, arg in call["args"].items()}
+            done: CohortExit | None = yield EnterCohort(op, env, frame, inputs)
+            if done is not None:  # it ran as a cohort row
+                env.update(done.carry)
+                yield from self._push_held(done.pushes, frame)
+                frame.flush_lane()
+                return
         accs = {a["name"]: [] for a in op["acc"]}
         # A flag already bound before the loop (e.g. by a prefill) is checked before the first
         # iteration -- speculatively too: iteration 0 is issued before that flag is read.
@@ -360,6 +393,21 @@ class Interpreter:
             pending = inner[op["until"]]
         frame.flush_lane()
         frame.effect(lambda: env.update({n: concat(v) for n, v in accs.items()}))
+
+    def _push_held(self, pushes: list[tuple[str, torch.Tensor]], frame: Frame) -> Gen:
+        """Push what a cohort row could not push while it ran, with backpressure."""
+        if pushes:
+            frame.flush_lane()  # the row's flushed effects first, in order
+        for sid, items in pushes:
+            buf = self.buffers[sid]
+            while items.shape[0]:
+                room = buf.capacity - buf.pending if not buf.closed else items.shape[0]
+                if room <= 0:
+                    frame.flush_lane()
+                    yield WaitSpace(buf, 1)
+                    continue
+                part, items = items[:room], items[room:]
+                frame.effect_on_lane(lambda buf=buf, part=part, sid=sid: self.request.push(sid, buf, part), False)
 
     def _parallel(self, op: dict[str, Any], env: Env, frame: Frame) -> Gen:
         envs = [dict(env) for _ in op["branches"]]

@@ -7,7 +7,10 @@ branches of one request on different KV tags share a group). The largest group r
 issue order; the group of a call that has been passed over `max_wait` times runs first, so
 no request starves. Groups on a `busy` rank (one that still runs a step the conductor sent
 without waiting for it) are left out until it is free: a call waiting for its rank is not
-passed over by choice, so its count stands still.
+passed over by choice, so its count stands still. A decode cohort with rows
+(control/cohort.py) is a candidate too (`standing`), as big as its rows and as old as its
+next step, under the same rules: a large cohort runs step after step, and a prefill waiting
+beside it runs at the latest after `max_wait` cohort steps.
 
 `KVPages` holds the `BlockManager` of every KV node and turns an entry's `SeqPlan` into
 the `KVSlots` the worker writes to. It never preempts by itself: when a reservation fails
@@ -16,8 +19,9 @@ it raises `OutOfPages`, and the conductor decides whom to preempt.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from mstar_runtime.control.interpreter import StepCall
 from mstar_runtime.engine.engines import KVSlots
@@ -25,6 +29,16 @@ from mstar_runtime.kv.block_manager import BlockManager, OutOfPages, SlotCopy
 from mstar_runtime.ops.node import SeqPlan
 
 GroupKey = tuple[str, str, tuple[int, ...]]
+
+
+@dataclass
+class Standing:
+    """A decode cohort as a scheduling candidate: its rows, and `seq`, the issue order of its
+    next step (set when its last step ran), which ages like a ready call's."""
+
+    key: Any
+    rows: int
+    seq: int
 
 
 def group_key(call: StepCall) -> GroupKey:
@@ -39,11 +53,12 @@ class Scheduler:
     _passed: dict[int, int] = field(default_factory=dict)  # call seq -> times passed over
 
     def next_group(
-        self, ready: Iterable[StepCall], busy: Collection[int] = ()
-    ) -> tuple[GroupKey, list[StepCall]] | None:
+        self, ready: Iterable[StepCall], busy: Collection[int] = (), standing: Mapping[Any, Standing] | None = None,
+    ) -> tuple[Any, list[StepCall]] | None:
         """The next group to run and its calls (at most the batch limit), or None. `busy`:
-        ranks that cannot take a step now."""
-        groups: dict[GroupKey, list[StepCall]] = {}
+        ranks that cannot take a step now. `standing`: decode cohorts with rows (key ->
+        `Standing`), candidates like a group of their size; one picked comes back with no calls."""
+        groups: dict[Any, list[Any]] = {}
         held: dict[int, int] = {}  # calls waiting for a busy rank keep their pass count
         blocked = frozenset(busy)
         for call in ready:
@@ -53,21 +68,28 @@ class Scheduler:
                     held[call.seq] = self._passed[call.seq]
                 continue
             groups.setdefault(key, []).append(call)
+        sizes = {k: len(v) for k, v in groups.items()}
+        for key, st in (standing or {}).items():
+            if blocked and not blocked.isdisjoint(key[2]):
+                if st.seq in self._passed:
+                    held[st.seq] = self._passed[st.seq]
+                continue
+            groups[key], sizes[key] = [st], st.rows
         if not groups:
             self._passed = held
             return None
         oldest = min((c for calls in groups.values() for c in calls), key=lambda c: c.seq)
         if self._passed.get(oldest.seq, 0) >= self.max_wait:
-            key = group_key(oldest)
+            key = oldest.key if isinstance(oldest, Standing) else group_key(oldest)
         else:  # the biggest batch; among equals, the one with the oldest call
-            key = max(groups, key=lambda k: (len(groups[k]), -min(c.seq for c in groups[k])))
+            key = max(groups, key=lambda k: (sizes[k], -min(c.seq for c in groups[k])))
         limit = min(self.max_batch, self.node_limits.get(key[0], self.max_batch))
         calls = sorted(groups[key], key=lambda c: c.seq)[:limit]
         chosen = {c.seq for c in calls}
         self._passed = {c.seq: self._passed.get(c.seq, 0) + 1
                         for cs in groups.values() for c in cs if c.seq not in chosen}
         self._passed.update(held)
-        return key, calls
+        return key, [c for c in calls if not isinstance(c, Standing)]
 
 
 class KVPages:
@@ -113,4 +135,4 @@ class KVPages:
         return sum(bm.num_pages for bm in self.managers.values())
 
 
-__all__ = ["KVPages", "OutOfPages", "Scheduler", "group_key"]
+__all__ = ["KVPages", "OutOfPages", "Scheduler", "Standing", "group_key"]

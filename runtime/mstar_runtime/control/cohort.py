@@ -1,0 +1,389 @@
+"""Decode cohorts, the conductor's half: which requests are rows of a marked loop, and its events.
+
+A loop the compiler marks (`cohort` on a `loop` op, docs/plan-format.md) whose node offers a
+column step (`ops.cohort.CohortPhase`) runs here instead of in the interpreter: the
+request's walk task stops at the loop (`interpreter.EnterCohort`) and becomes a row of the
+`Cohort` of that loop; its generator resumes only when it leaves. One cohort step is one
+call of the worker (`CohortColumns.step`, runtime/mstar_runtime/engine/cohort_engine.py) for
+every row. The host does, per step, a fixed number of numpy operations plus Python for the
+rows that have an event -- never Python per row:
+
+1. pages: rows whose next token starts a page get one from the `BlockManager` (the device
+   table is written for those rows only), preempting the newest request on a full pool;
+2. launch the step; every row's iteration count goes up;
+3. take the previous step's outputs (one step late, so the host never waits for the step
+   it just launched): items of item ports are appended to host arrays, the last values of
+   every port kept for the loop's exit, and events found with vectorised compares:
+   - a row whose `until` flag was raised, or that ran `max` iterations, leaves: its last
+     (wasted, speculative) step is truncated from its KV, its node columns are written
+     back, and its task resumes after the loop with the carried values of its last valid
+     step (as the interpreter's speculative loop gives them);
+   - a row whose first step ran on an unread flag (its prefill's `done`) checks it: if it
+     said stop, the row leaves with nothing of the loop applied;
+   - a row whose stream has a chunk due, or that has not flushed for `flush_every` steps,
+     flushes: its new items are pushed to the stream buffer (as much as it has room for;
+     the rest waits) and emitted as one appended value per emit;
+4. rows that left are filled by the last row (rows stay dense: a step is rows 0..n-1).
+
+Stream items pushed in groups and emits appended as one value per flush give the same
+buffers and outputs as the item-by-item generic path (`concat` of appended values). What a
+row could not push when it leaves is handed to its task, which pushes it with backpressure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from mstar_runtime.control.interpreter import CohortExit, EnterCohort, read_flag
+from mstar_runtime.control.streams import StreamBuffer
+from mstar_runtime.control.validate import TORCH_DTYPES
+from mstar_runtime.engine.cohort_engine import CohortResult, CohortShape
+from mstar_runtime.kv.block_manager import BlockManager, OutOfPages
+from mstar_runtime.ops.cohort import count_key
+
+if TYPE_CHECKING:
+    from mstar_runtime.control.conductor import Request
+    from mstar_runtime.control.interpreter import WalkTask
+
+CohortKey = tuple[str, str, tuple[int, ...], str]  # (node, phase, ranks, loop id)
+FLUSH_EVERY = 8  # steps between flushes of a row's emits when no stream chunk is due
+
+
+@dataclass(frozen=True)
+class PortSpec:
+    """How one output port of the loop's call comes back: items per step, their dtype, a row's shape."""
+
+    name: str
+    items: bool  # an item list (symbolic first dim): `count_key(name)` says how many per step
+    kind: str  # "tensor" | "bool" | "int" | "float"
+    dtype: torch.dtype | None
+    row_shape: tuple[int, ...]  # of one step's value (items: of one item)
+
+
+@dataclass(eq=False)
+class Member:
+    request: Request
+    task: WalkTask
+    enter: EnterCohort
+    key: tuple[str, str]  # (request id, tag): its KV context
+    row: int
+    join_len: int  # KV tokens when it joined
+    first_step: int  # the cohort step index of its first step
+    pending_flag: Any  # the loop's `until` flag bound before the loop (checked at the first step), or None
+    alive: bool = True
+    hist: dict[str, list[np.ndarray]] = field(default_factory=dict)  # per item port: flushed item blocks
+
+
+class Cohort:
+    """The rows of one marked loop on one rank (see the module docstring)."""
+
+    def __init__(self, key: CohortKey, op: dict[str, Any], ports: dict[str, PortSpec], worker: Any,
+                 bm: BlockManager, rows: int, max_len: int, *,
+                 preempt: Callable[[BlockManager], bool], flush_every: int = FLUSH_EVERY):
+        self.key, self.op, self.ports, self.worker, self.bm = key, op, ports, worker, bm
+        self.rows, self.max_len, self.flush_every = rows, max_len, flush_every
+        self.preempt = preempt  # frees pages (preempting the newest request); False if it cannot
+        mark = op["cohort"]
+        call = op["body"]["body"][0]
+        self.call = call
+        self.port_of = {name: port for port, name in call["results"]}  # result var -> port
+        self.shape = CohortShape(call["phase"], tuple(tuple(f) for f in mark["fed"]), tuple(mark["invariant"]),
+                                 tuple(ports))
+        self.emits: list[tuple[str, str]] = [tuple(e) for e in mark["emits"]]  # (output, port)
+        self.feeds: list[tuple[str, str]] = [(f["stream"], f["port"]) for f in call.get("feeds", ())]
+        self.until_port = self.port_of.get(op["until"]) if op.get("dynamic") else None
+        self.max_iters = int(op["max"]) if op.get("max") is not None else None
+        self.members: list[Member] = []  # row order
+        self.step_index = 0
+        # host mirrors, per row
+        self.lens = np.zeros(rows, dtype=np.int64)  # KV tokens before the row's next step
+        self.iters = np.zeros(rows, dtype=np.int64)  # steps launched
+        self.valid = np.zeros(rows, dtype=np.int64)  # steps whose outputs were applied
+        self.since = np.zeros(rows, dtype=np.int64)  # valid steps since the last flush
+        self.due = np.full(rows, np.iinfo(np.int64).max, dtype=np.int64)  # stream items at which to flush
+        item_ports = sorted({p for _, p in self.emits} | {p for _, p in self.feeds})
+        self.item_ports = item_ports
+        self.nitems = {p: np.zeros(rows, dtype=np.int64) for p in item_ports}
+        self.flushed = {p: np.zeros(rows, dtype=np.int64) for p in item_ports}
+        self.pushed = {p: np.zeros(rows, dtype=np.int64) for p in item_ports}
+        self.last: dict[str, np.ndarray] = {}
+        self.items: dict[str, np.ndarray] = {}  # port -> [rows, cap, width] host items
+        self._outstanding: tuple[CohortResult, np.ndarray, list[Member]] | None = None
+        self.stats = {"steps": 0, "row_steps": 0, "joins": 0, "leaves": 0, "flushes": 0, "wasted_steps": 0}
+
+    # ------------------------------------------------------------------ membership
+    @property
+    def n(self) -> int:
+        return len(self.members)
+
+    def has_room(self) -> bool:
+        return self.n < self.rows
+
+    def join(self, request: Request, task: WalkTask, enter: EnterCohort, state_tag: str) -> None:
+        """Add a request as the last row (its KV context must hold at least one token)."""
+        key = (request.id, state_tag)
+        row = self.n
+        length = self.bm.seq_len(key)
+        pending = enter.env.get(self.op["until"]) if self.until_port is not None else None
+        m = Member(request, task, enter, key, row, length, self.step_index, pending)
+        fed = {in_port: enter.inputs[in_port] for in_port, _ in self.shape.fed}
+        inv = {port: enter.inputs[port] for port in self.shape.invariant}
+        self.worker.cohort_join(self.key, row, request.id, state_tag, fed, inv, self.bm.page_table(key), length)
+        self.members.append(m)
+        self.lens[row], self.iters[row], self.valid[row], self.since[row] = length, 0, 0, 0
+        for p in self.item_ports:
+            self.nitems[p][row] = self.flushed[p][row] = self.pushed[p][row] = 0
+        self.due[row] = self._next_due(m, 0)
+        self.stats["joins"] += 1
+
+    def remove(self, request: Request) -> bool:
+        """Drop a request's row without resuming it (preempted, cancelled, failed). True if it was here."""
+        for m in self.members:
+            if m.request is request:
+                self._drop_row(m)
+                return True
+        return False
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> None:
+        """Pages, launch, then the previous step's events (see the module docstring)."""
+        if not self.members:
+            self.drain()
+            return
+        if not self._reserve_pages():
+            return
+        n = self.n
+        result = self.worker.cohort_step(self.key, n)
+        self.lens[:n] += 1
+        self.iters[:n] += 1
+        self.stats["steps"] += 1
+        self.stats["row_steps"] += n
+        prev, self._outstanding = self._outstanding, (result, np.arange(n), list(self.members))
+        self.step_index += 1
+        # the members' lanes (their prefill's lazy effects) resolve once a step of theirs is launched
+        for m in self.members:
+            if m.first_step == self.step_index - 1:
+                m.enter.frame.flush_lane()
+        if prev is not None:
+            self._take(*prev, launched=True)
+
+    def drain(self) -> None:
+        """Take the outstanding step's outputs without launching another (nothing left to run)."""
+        if self._outstanding is not None:
+            prev, self._outstanding = self._outstanding, None
+            self._take(*prev, launched=False)
+
+    def _reserve_pages(self) -> bool:
+        ps = self.bm.page_size
+        while self.members:
+            n = self.n
+            need = np.nonzero(self.lens[:n] % ps == 0)[0]
+            cols, pages, rows = [], [], []
+            try:
+                for r in need.tolist():
+                    m = self.members[r]
+                    if self.lens[r] >= self.max_len:
+                        continue  # the node raises its own limit; the scratch of its table absorbs it
+                    pages.append(self.bm.add_page(m.key))
+                    cols.append(int(self.lens[r]) // ps)
+                    rows.append(r)
+            except OutOfPages:
+                self.worker.cohort_add_pages(self.key, np.array(rows), np.array(cols), np.array(pages))
+                self._sync_lengths()
+                if not self.preempt(self.bm):
+                    return False
+                continue
+            self.worker.cohort_add_pages(self.key, np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64),
+                                         np.array(pages, dtype=np.int64))
+            return bool(self.members)
+        return False
+
+    def _sync_lengths(self) -> None:
+        """Tell the BlockManager every row's length (a preemption may look at them)."""
+        for m in self.members:
+            self.bm.set_length(m.key, int(self.lens[m.row]))
+
+    # ------------------------------------------------------------------ outputs and events
+    def _take(self, result: CohortResult, rows_at_launch: np.ndarray, snapshot: list[Member], *, launched: bool) -> None:
+        arrays = result.arrays()
+        alive = np.fromiter((m.alive for m in snapshot), dtype=bool, count=len(snapshot))
+        # rows' flags bound before the loop: checked at their first step
+        leaving: list[tuple[Member, bool]] = []  # (member, whether its outputs of this step count)
+        for i, m in enumerate(snapshot):
+            if alive[i] and m.pending_flag is not None:
+                flag, m.pending_flag = m.pending_flag, None
+                if read_flag(flag):
+                    alive[i] = False
+                    leaving.append((m, False))
+        idx = np.nonzero(alive)[0]
+        cur = np.fromiter((snapshot[i].row for i in idx), dtype=np.int64, count=idx.size)
+        if idx.size:
+            self._record(arrays, idx, cur)
+            stop = np.zeros(idx.size, dtype=bool)
+            if self.until_port is not None:
+                stop |= arrays[self.until_port][idx, 0] != 0
+            if self.max_iters is not None:
+                stop |= self.valid[cur] >= self.max_iters
+            flush = (self.since[cur] >= self.flush_every) | stop
+            for p in self.item_ports:
+                flush |= self.nitems[p][cur] >= self.due[cur]
+            for j in np.nonzero(flush)[0].tolist():
+                self._flush(snapshot[idx[j]])
+            leaving.extend((snapshot[idx[j]], True) for j in np.nonzero(stop)[0].tolist())
+        for m, _ in leaving:
+            self._leave(m, launched)
+
+    def _record(self, arrays: dict[str, np.ndarray], idx: np.ndarray, cur: np.ndarray) -> None:
+        for name, a in arrays.items():
+            if name not in self.last:
+                self.last[name] = np.zeros((self.rows, a.shape[1]), dtype=a.dtype)
+            self.last[name][cur] = a[idx]
+        for p in self.item_ports:
+            vals = arrays[p][idx]
+            spec = self.ports[p]
+            counts = arrays[count_key(p)][idx, 0] if spec.items else np.ones(idx.size, dtype=np.int64)
+            width = max(1, int(np.prod(spec.row_shape))) if spec.row_shape else 1
+            k_max = vals.shape[1] // width
+            store = self._items(p, width, vals.dtype, k_max)
+            base = self.nitems[p][cur]
+            v3 = vals.reshape(idx.size, k_max, width)
+            for k in range(k_max):
+                sel = counts > k
+                store[cur[sel], base[sel] + k] = v3[sel, k]
+            self.nitems[p][cur] = base + counts
+        self.valid[cur] += 1
+        self.since[cur] += 1
+
+    def _items(self, port: str, width: int, dtype: np.dtype, k_max: int) -> np.ndarray:
+        cap = (self.max_iters or 4096) * max(1, k_max) + 1
+        store = self.items.get(port)
+        if store is None:
+            store = self.items[port] = np.zeros((self.rows, cap, width), dtype=dtype)
+        return store
+
+    def _tensor(self, port: str, block: np.ndarray) -> torch.Tensor:
+        spec = self.ports[port]
+        shape = (block.shape[0], *spec.row_shape) if spec.items else (block.shape[0] * (spec.row_shape or (1,))[0],
+                                                                      *spec.row_shape[1:])
+        return torch.from_numpy(np.ascontiguousarray(block)).reshape(shape).to(spec.dtype or torch.float32)
+
+    def _flush(self, m: Member) -> None:
+        r = m.row
+        req, frame = m.request, m.enter.frame
+        for output, port in self.emits:
+            lo, hi = int(self.flushed[port][r]), int(self.nitems[port][r])
+            if hi > lo:
+                value = self._tensor(port, self.items[port][r, lo:hi])
+                frame.effect_on_lane(lambda output=output, value=value: req.emit(output, value, "append"), False)
+        for port in self.item_ports:
+            self.flushed[port][r] = self.nitems[port][r]
+        for sid, port in self.feeds:
+            buf: StreamBuffer = req.buffers[sid]
+            lo, hi = int(self.pushed[port][r]), int(self.nitems[port][r])
+            room = buf.capacity - buf.pending
+            take = min(hi - lo, max(room, 0))
+            if take > 0:
+                items = self._tensor(port, self.items[port][r, lo : lo + take])
+                frame.effect_on_lane(lambda sid=sid, buf=buf, items=items: req.push(sid, buf, items), False)
+                self.pushed[port][r] = lo + take
+        self.since[r] = 0
+        self.due[r] = self._next_due(m, r)
+        self.stats["flushes"] += 1
+
+    def _next_due(self, m: Member, r: int) -> int:
+        """The item count of the row's first stream port at which its next chunk is ready."""
+        best = np.iinfo(np.int64).max
+        for sid, port in self.feeds:
+            buf: StreamBuffer = m.request.buffers[sid]
+            pushed = int(self.pushed[port][r]) if self.n > r else 0
+            if pushed < int(self.nitems[port][r]):
+                return int(self.nitems[port][r])  # items still wait for room: try at the next step
+            best = min(best, buf.next_ready_at(pushed))
+        return best
+
+    def _leave(self, m: Member, launched: bool) -> None:
+        """The row's loop is over: KV truncated to its valid steps, columns written back, task resumed."""
+        if not m.alive:
+            return
+        r = m.row
+        valid = int(self.valid[r])
+        if launched or int(self.iters[r]) > valid:
+            self.stats["wasted_steps"] += int(self.iters[r]) - valid
+        self.bm.set_length(m.key, int(self.lens[r]))
+        self.bm.truncate(m.key, m.join_len + valid)  # the speculative steps after the last valid one
+        self.worker.cohort_leave(self.key, r, m.key[0], m.key[1], int(self.iters[r]))
+        carry = {}
+        if valid:
+            for name in self.op["carry"]:
+                port = self.port_of.get(name)
+                if port is not None:
+                    carry[name] = self._last_value(port, r)
+        pushes = []
+        for sid, port in self.feeds:
+            lo, hi = int(self.pushed[port][r]), int(self.nitems[port][r])
+            if hi > lo:
+                pushes.append((sid, self._tensor(port, self.items[port][r, lo:hi])))
+        for output, port in self.emits:
+            lo, hi = int(self.flushed[port][r]), int(self.nitems[port][r])
+            if hi > lo:
+                value = self._tensor(port, self.items[port][r, lo:hi])
+                m.enter.frame.effect_on_lane(
+                    lambda req=m.request, output=output, value=value: req.emit(output, value, "append"), False)
+        self.stats["leaves"] += 1
+        self._drop_row(m)
+        m.request.conductor._cohort_resume(m.task, CohortExit(carry, pushes, wasted=int(self.iters[r]) - valid))
+
+    def _last_value(self, port: str, r: int) -> Any:
+        spec = self.ports[port]
+        a = self.last[port][r]
+        if spec.items:
+            k = int(self.last[count_key(port)][r, 0])
+            width = max(1, int(np.prod(spec.row_shape))) if spec.row_shape else 1
+            return self._tensor(port, a.reshape(-1, width)[:k])
+        if spec.kind == "bool":
+            return bool(a[0])
+        if spec.kind in ("int", "float"):
+            return a[0].item()
+        return torch.from_numpy(np.array(a)).reshape(spec.row_shape).to(spec.dtype or torch.float32)
+
+    def _drop_row(self, m: Member) -> None:
+        """Remove `m`'s row; the last row moves into its place (host arrays and device columns)."""
+        m.alive = False
+        r, last = m.row, self.n - 1
+        if r != last:
+            mover = self.members[last]
+            self.worker.cohort_move(self.key, last, r)
+            for a in (self.lens, self.iters, self.valid, self.since, self.due):
+                a[r] = a[last]
+            for group in (self.nitems, self.flushed, self.pushed):
+                for a in group.values():
+                    a[r] = a[last]
+            for a in (*self.last.values(), *self.items.values()):
+                a[r] = a[last]
+            mover.row = r
+            self.members[r] = mover
+        self.members.pop()
+        self.worker.cohort_shrink(self.key, self.n)
+
+
+def port_specs(node_outputs: dict[str, Any], phase_outputs: tuple[str, ...]) -> dict[str, PortSpec]:
+    """The PortSpecs of a phase's outputs from the plan's port types."""
+    specs = {}
+    for name in phase_outputs:
+        t = node_outputs[name]
+        kind = t["kind"]
+        dims = list(t.get("dims", []))
+        items = bool(dims) and not isinstance(dims[0], int)
+        row = dims[1:] if items else dims
+        shape = tuple(int(d) if isinstance(d, int) else 1 for d in row)
+        dtype = TORCH_DTYPES.get(t.get("dtype") or "f32") if kind == "tensor" else None
+        specs[name] = PortSpec(name, items, kind, dtype, shape)
+    return specs
+
+
+__all__ = ["Cohort", "CohortKey", "PortSpec", "port_specs"]

@@ -386,6 +386,14 @@ class LlamaBackbone(KVNode):
             return SeqPlan(q_len=1)
         raise NodeError(f"node '{spec.name}' (LlamaBackbone) has no phase '{phase}'")
 
+    def cohort_phase(self, phase: str) -> Any:
+        """`decode` as a column step for decode cohorts (models/mstar_models/orpheus/cohort.py), at tp 1."""
+        if phase != "decode" or self.tp_group is not None:
+            return None
+        from mstar_models.orpheus.cohort import decode_phase
+
+        return decode_phase(self)
+
     # ------------------------------------------------------------------ phases
     def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
         # Validate every entry before touching any state: a RequestError makes the conductor

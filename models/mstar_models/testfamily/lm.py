@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_models.testfamily.common import as_int, seeded_init_, setting
+from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import (
     AttentionContext,
     Batch,
@@ -181,6 +182,30 @@ class TinyLM(KVNode):
             # every Euler step and every CFG branch queries the same context.
             return SeqPlan(q_len=int(shapes["x"][0]), mask="full", keep=False)
         raise NodeError(f"node '{spec.name}' (TinyLM) has no phase '{phase}'")
+
+    def cohort_phase(self, phase: str) -> CohortPhase | None:
+        """`decode` as a column step (ops/cohort.py): the same math as `phase_decode` over all rows."""
+        if phase != "decode":
+            return None
+        return CohortPhase(join=self._cohort_join, step=self._cohort_step, leave=lambda state, cols, steps: None,
+                           max_items={"code": 1})
+
+    def _cohort_join(self, state: dict, inputs: Mapping) -> Columns:
+        if "gen_base" not in state:
+            raise RequestError("decode on a KV context that was never prefilled", "token")
+        dev = self.model.embed_tokens.weight.device
+        return {"gen_base": torch.tensor(state["gen_base"], device=dev),
+                "max_new": torch.tensor(state["max_new"], device=dev)}
+
+    def _cohort_step(self, b: CohortStep) -> dict[str, torch.Tensor]:
+        ids = b.inputs["token"].reshape(-1).long()
+        hidden = self.forward_hidden(self.model.embed_tokens(ids), b.positions, b.attend)
+        tokens = self.logits(hidden).argmax(dim=-1).to(torch.int32)
+        kv_after = b.positions + 1
+        limit = (kv_after - b.cols["gen_base"] >= b.cols["max_new"]) | (kv_after >= self.max_context)
+        eos = tokens == self.eos
+        return {"token": tokens[:, None], "code": (tokens % self.codebook)[:, None], "code:count": (~eos).long(),
+                "done": limit | eos, "hidden": hidden[:, None, :]}
 
     # ------------------------------------------------------------------ phases
     def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:

@@ -1,0 +1,75 @@
+"""Orpheus' `decode` as a column step for decode cohorts (runtime/mstar_runtime/ops/cohort.py).
+
+The same step as `LlamaBackbone.phase_decode` + `_next_tokens`, for every row at once and
+with no host value: the per-request state the generic path keeps in `attn.states[i]` (its
+`SamplingParams`, `step`, `k`, `max_tokens`, `history`) becomes device columns at join and
+goes back into the state at leave:
+
+  sampling columns  temperature, top_p, penalty, greedy, seed, step (`ops.sampler.SamplingColumns`)
+  k                 audio codes emitted so far (the code position of the next one is k % 7)
+  max_tokens        tokens the request may generate in all
+  history           int64 [max_seq_len + 1]: the token at each KV position, -1 where unknown
+                    (all -1 for a request without repetition penalty: nothing reads it then)
+
+Outputs per row: `token` [1], `code` [1] with `code:count` 0 or 1, `done`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
+from mstar_runtime.ops.node import RequestError
+from mstar_runtime.ops.sampler import SamplingColumns, sample_columns, sampling_row
+
+if TYPE_CHECKING:
+    from mstar_models.orpheus.backbone import LlamaBackbone
+
+
+def decode_phase(node: LlamaBackbone) -> CohortPhase:
+    width = node.max_seq_len + 1
+    device = node.inv_freq.device
+
+    def join(state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
+        if "sampling" not in state:
+            raise RequestError("decode on a KV context that was never prefilled", "token")
+        cols = sampling_row(state["sampling"], state["step"], device)
+        hist = torch.full((width,), -1, dtype=torch.long, device=device)
+        if state["history"] is not None:
+            hist[: state["history"].numel()] = state["history"]
+        cols.update(k=state["k"].reshape(()), max_tokens=torch.tensor(state["max_tokens"], device=device), history=hist)
+        return cols
+
+    def leave(state: dict[str, Any], cols: Columns, steps: int) -> None:
+        state["step"] += steps
+        state["k"] = cols["k"]
+        if state["history"] is not None:
+            state["history"].copy_(cols["history"][: state["history"].numel()])
+
+    def step(b: CohortStep) -> dict[str, torch.Tensor]:
+        c = b.cols
+        ids = b.inputs["token"].reshape(-1).to(torch.long)
+        # the fed token at its KV position (a wasted decode after `done` may write past a row's
+        # own history: its leave copies back only the part the request owns)
+        c["history"].scatter_(1, b.positions.clamp(max=width - 1)[:, None], ids[:, None])
+        logits = node.head(node.forward_hidden(ids, b.positions, b.attend))
+        lo = node.audio_offset + (c["k"] % node.frame_tokens) * node.codebook
+        if node.audio_only:
+            vocab = torch.arange(logits.shape[1], device=logits.device)[None, :]
+            allowed = ((vocab >= lo[:, None]) & (vocab < lo[:, None] + node.codebook)) | (vocab == node.eos)
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        sc = SamplingColumns(c["temperature"], c["top_p"], c["penalty"], c["greedy"], c["seed"], c["step"], c["history"])
+        tokens = sample_columns(logits, sc)
+        codes = tokens - lo
+        is_code = (codes >= 0) & (codes < node.codebook)
+        c["k"].add_(is_code.long())
+        c["step"].add_(1)
+        kv_after = b.positions + 1
+        done = (c["step"] >= c["max_tokens"]) | (kv_after >= node.max_seq_len) | (tokens == node.eos)
+        return {"token": tokens.to(torch.int32)[:, None], "code": codes.to(torch.int32)[:, None],
+                "code:count": is_code.long(), "done": done}
+
+    return CohortPhase(join=join, step=step, leave=leave, max_items={"code": 1})

@@ -440,7 +440,7 @@ class Conductor:
             return None
         bm = self.kv.managers[(node, ranks[0])]
         max_len = self.plan.kv_pool(node, ranks[0]).max_seq_len
-        rows = min(self.plan.max_batch, self.scheduler.node_limits.get(node, self.plan.max_batch), self.max_running)
+        rows = min(self.plan.max_batch, self.scheduler.node_limits.get(node, self.plan.max_batch))
         ports = port_specs(info.raw["outputs"], info.phases[phase].outputs)
         mark = op["cohort"]
         shape = CohortShape(phase, tuple(tuple(f) for f in mark["fed"]), tuple(mark["invariant"]), tuple(ports))

@@ -6,22 +6,26 @@ to `rows` requests of one marked loop:
 
 - the rows' block tables (`kv.block_table.BlockTable`) and context lengths, on the device
   with a host mirror (numpy); a table is written when a row joins, moves or gains a page;
-- the fed-back inputs, double-buffered: step i reads buffer i % 2 and writes the outputs
-  that feed the next iteration into the other buffer, so a step never overwrites what it
-  reads and the host may move rows between steps in stream order;
+- the fed-back inputs: a step reads them first and overwrites them with the outputs that
+  feed the next iteration at its end (the host moves rows between steps, in stream order);
 - the loop-invariant inputs and the node's own columns (`CohortPhase.join`).
 
 A step (`step(n)`) runs the node's `CohortPhase.step` over rows 0..n-1 (the conductor keeps
 rows dense): positions are the lengths, each row's new K/V goes to the slot its table
-gives, attention is one call for all rows (FlashInfer's paged decode on a GPU, planned from
-the host mirror; `decode_attention` elsewhere). Every output port comes back in one packed
-`Readback` per dtype class (integers, floats), read by the conductor one step late.
+gives, attention is one call for all rows. On a GPU with FlashInfer and a scratch page
+(`CohortGraphs`), the whole step -- forward, sampling, stop flags, the fed-back copy, the
+K/V append, the length update -- is one CUDA graph per batch bucket, padded with rows that
+touch only the scratch page; elsewhere it runs eagerly over exactly n rows with
+`decode_attention`. Every output port comes back in one packed `Readback` per dtype class
+(integers, floats), read by the conductor one step late.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -66,34 +70,36 @@ class CohortResult:
         return out
 
 
-def _pack(outputs: Mapping[str, torch.Tensor], keys: Sequence[str], n: int) -> tuple[list, Readback | None, Readback | None]:
+def _pack(outputs: Mapping[str, torch.Tensor], keys: Sequence[str], n: int) -> tuple[list, Any, Any]:
+    """The outputs as one int64 and one float32 tensor `[n, width]` (None when there is none), and their layout."""
     ints, floats, layout = [], [], []
     for key in keys:
         t = outputs[key].reshape(n, -1)
         is_float = t.dtype.is_floating_point
         (floats if is_float else ints).append(t.float() if is_float else t.long())
         layout.append((key, is_float, t.shape[1]))
-    rb_i = Readback(torch.cat(ints, dim=1)) if ints else None
-    rb_f = Readback(torch.cat(floats, dim=1)) if floats else None
-    return layout, rb_i, rb_f
+    return layout, torch.cat(ints, dim=1) if ints else None, torch.cat(floats, dim=1) if floats else None
 
 
 class CohortColumns:
     """The device columns of one cohort on one KV engine (see the module docstring)."""
 
     def __init__(self, pool: KVPool, phase: CohortPhase, shape: CohortShape, rows: int, max_pages: int,
-                 device: torch.device, *, scale: float | None, flashinfer: Any = None, node: str = "?"):
+                 device: torch.device, *, scale: float | None, node: str = "?", q_heads: int = 0,
+                 graphs: CohortGraphs | None = None, eager_attention: Any = None):
         self.pool, self.cphase, self.shape, self.rows = pool, phase, shape, rows
-        self.device, self.scale, self.node = device, scale, node
-        self.table = BlockTable(rows, max_pages, device)
+        self.device, self.scale, self.node, self.q_heads = device, scale, node, q_heads
+        self.graphs = graphs  # capture and replay per batch bucket (a GPU with FlashInfer), or None: eager
+        self.eager_attention = eager_attention  # a FlashInferCohortDecode for eager GPU steps, or None
+        fill = graphs.scratch_page if graphs is not None else 0
+        self.table = BlockTable(rows, max_pages, device, fill_page=fill)
         self.host_lens = np.zeros(rows, dtype=np.int64)
         self.lens = torch.zeros(rows, dtype=torch.long, device=device)
-        self.fed: list[dict[str, torch.Tensor]] = [{}, {}]
+        self.fed: dict[str, torch.Tensor] = {}  # read at a step's start, overwritten at its end
         self.inv: dict[str, torch.Tensor] = {}
         self.cols: dict[str, torch.Tensor] = {}
-        self.parity = 0
         self.n = 0
-        self.flashinfer = flashinfer  # a FlashInferCohortDecode on a GPU, or None
+        self.n_dev = torch.zeros((), dtype=torch.long, device=device)  # active rows, for padded (graphed) steps
         self._keys: list[str] | None = None
         self._arange = torch.arange(rows, device=device)
 
@@ -115,22 +121,21 @@ class CohortColumns:
         self.host_lens[row] = length
         self.lens[row] = length
         for port, value in fed.items():
-            for buf in self.fed:
-                self._put(buf, port, row, value, self.rows, self.device)
+            self._put(self.fed, port, row, value, self.rows, self.device)
         for port, value in invariant.items():
             self._put(self.inv, port, row, value, self.rows, self.device)
         with torch.inference_mode():
             joined = self.cphase.join(state, invariant)
         for name, value in joined.items():
             self._put(self.cols, name, row, value, self.rows, self.device)
-        self.n = max(self.n, row + 1)
+        self.n = row + 1  # rows join at the end (the conductor keeps them dense)
 
     def move(self, src: int, dst: int) -> None:
         """Row `src`'s whole state to row `dst` (the conductor keeps rows dense)."""
         self.table.move_row(src, dst)
         self.host_lens[dst] = self.host_lens[src]
         self.lens[dst] = self.lens[src]
-        for store in (self.fed[self.parity], self.inv, self.cols):
+        for store in (self.fed, self.inv, self.cols):
             for col in store.values():
                 col[dst].copy_(col[src])
 
@@ -147,41 +152,62 @@ class CohortColumns:
         """One step of rows 0..n-1; returns its outputs as readbacks (not waited for)."""
         if n < 1 or n > self.rows:
             raise NodeError(f"node '{self.node}': a cohort step of {n} rows (capacity {self.rows})")
+        graphs = self.graphs
+        bucket = graphs.bucket(n) if graphs is not None else None
+        if bucket is None:
+            fi = self.eager_attention
+            if fi is not None:
+                fi.plan(*self.table.flashinfer_arrays(self.host_lens[:n] + 1, self.pool.page_size))
+            packed = self._body(n, n, eager=True, attention=fi)
+        else:
+            assert graphs is not None
+            self.n_dev.fill_(n)
+            packed = graphs.replay(self, bucket, n)
+        self.host_lens[:n] += 1
+        keys = self._keys
+        assert keys is not None
+        layout, ints, floats = packed
+        return CohortResult(n, layout, Readback(ints[:n]) if ints is not None else None,
+                            Readback(floats[:n]) if floats is not None else None)
+
+    def _body(self, rows: int, n: int, *, eager: bool, attention: Any = None) -> tuple[list, Any, Any]:
+        """The step over `rows` rows (n of them real; the rest are pad rows that write and read
+        only the scratch page): pure tensor code when not `eager`, so that it can be captured."""
         pool, ps = self.pool, self.pool.page_size
-        positions = self.lens[:n]
-        rows = self._arange[:n]
-        pages = self.table.device[rows, positions // ps].long()
-        slots = pages * ps + positions % ps
-        kv_lens = positions + 1
-        host_lens = self.host_lens[:n] + 1
-        fi = self.flashinfer
-        if fi is not None:
-            fi.plan(*self.table.flashinfer_arrays(host_lens, ps))
-        max_len = int(host_lens.max())
+        positions = self.lens[:rows]
+        ar = self._arange[:rows]
+        page = self.table.device[ar, (positions // ps).clamp(max=self.table.max_pages - 1)].long()
+        slots = page * ps + positions % ps
+        if not eager:
+            active = ar < self.n_dev
+            assert self.graphs is not None
+            slots = torch.where(active, slots, self.graphs.scratch_page * ps)
         table, scale = self.table.device, self.scale
+        if eager:
+            kv_lens = positions + 1
+            max_len = int(self.host_lens[:n].max()) + 1
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pool.write(layer, k, v, slots)
-            if fi is not None:
-                return fi.run(q, layer)
+            if attention is not None:
+                return attention.run(q, layer)
             return decode_attention(q, pool, layer, table, kv_lens, max_len, scale)
 
-        src = self.fed[self.parity]
-        inputs = {port: buf[:n] for port, buf in src.items()}
-        inputs.update({port: col[:n] for port, col in self.inv.items()})
-        cols = {name: col[:n] for name, col in self.cols.items()}
+        inputs = {port: buf[:rows] for port, buf in self.fed.items()}
+        inputs.update({port: col[:rows] for port, col in self.inv.items()})
+        cols = {name: col[:rows] for name, col in self.cols.items()}
         with torch.inference_mode():
-            out = self.cphase.step(CohortStep(n, inputs, cols, positions, attend, self.device))
-        keys = self._keys or self._check(out)
-        self._keys = keys
-        dst = self.fed[self.parity ^ 1]
-        for in_port, out_port in self.shape.fed:
-            dst[in_port][:n].copy_(out[out_port].reshape(dst[in_port][:n].shape))
-        self.lens[:n] += 1
-        self.host_lens[:n] += 1
-        self.parity ^= 1
-        layout, ints, floats = _pack(out, keys, n)
-        return CohortResult(n, layout, ints, floats)
+            out = self.cphase.step(CohortStep(rows, inputs, cols, positions, attend, self.device))
+            keys = self._keys or self._check(out)
+            self._keys = keys
+            for in_port, out_port in self.shape.fed:
+                dst = self.fed[in_port][:rows]
+                dst.copy_(out[out_port].reshape(dst.shape))
+            if eager:
+                self.lens[:rows] += 1
+            else:
+                self.lens[:rows] += active.long()
+            return _pack(out, keys, rows)
 
     def _check(self, out: Mapping[str, torch.Tensor]) -> list[str]:
         keys = []
@@ -195,4 +221,69 @@ class CohortColumns:
         return keys
 
 
-__all__ = ["CohortColumns", "CohortResult", "CohortShape"]
+class CohortGraphs:
+    """A cohort step captured as one CUDA graph per batch bucket (sampling, stop flags, the
+    fed-back copy and the K/V append inside it), replayed with FlashInfer's graph decode
+    planned from the block table's host mirror before each replay.
+
+    Captured on the first step, every bucket largest first in one memory pool, with no row
+    active (`n_dev` = 0: every row is a pad row writing the scratch page) and the columns
+    saved and restored around the captures, so the warm-up runs change nothing real."""
+
+    def __init__(self, buckets: list[int], scratch_page: int, make_attention: Any):
+        self.buckets = sorted(buckets)
+        self.scratch_page = scratch_page
+        self.make_attention = make_attention  # bucket, max_indices -> FlashInferGraphDecode
+        self._graphs: dict[int, tuple[Any, tuple[list, Any, Any], Any]] = {}
+        self.replays = 0
+
+    def bucket(self, n: int) -> int | None:
+        i = bisect.bisect_left(self.buckets, n)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def _plan(self, cols: CohortColumns, attention: Any, bucket: int, n: int) -> None:
+        ps = cols.pool.page_size
+        indptr, indices, last = cols.table.flashinfer_arrays(cols.host_lens[:n] + 1, ps)
+        pad = bucket - n
+        indptr = np.concatenate([indptr, indptr[-1] + np.arange(1, pad + 1, dtype=np.int32)])
+        indices = np.concatenate([indices, np.full(pad, self.scratch_page, dtype=np.int32)])
+        last = np.concatenate([last, np.ones(pad, dtype=np.int32)])
+        host = torch.from_numpy(np.concatenate([indptr, indices, last]).astype(np.int32)).pin_memory()
+        m = indices.shape[0]
+        step = SimpleNamespace(indptr=host[: bucket + 1], indices=host[bucket + 1 : bucket + 1 + m],
+                               last_page_len=host[bucket + 1 + m :])
+        attention.plan(step, cols.q_heads)
+
+    def _capture(self, cols: CohortColumns) -> None:
+        saved = [(t, t.clone()) for store in (cols.fed, cols.inv, cols.cols) for t in store.values()]
+        saved.append((cols.lens, cols.lens.clone()))
+        cols.n_dev.fill_(0)
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        for b in sorted(self.buckets, reverse=True):
+            attention = self.make_attention(b, b * cols.table.max_pages)
+            self._plan(cols, attention, b, 0)
+            with torch.cuda.stream(side):
+                for _ in range(2):  # lazy inits (cuBLAS, FlashInfer JIT) must not happen inside the capture
+                    cols._body(b, 0, eager=False, attention=attention)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outs = cols._body(b, 0, eager=False, attention=attention)
+            self._graphs[b] = (graph, outs, attention)
+        for t, copy in saved:
+            t.copy_(copy)
+
+    def replay(self, cols: CohortColumns, bucket: int, n: int) -> tuple[list, Any, Any]:
+        if not self._graphs:
+            self._capture(cols)
+            cols.n_dev.fill_(n)
+        graph, outs, attention = self._graphs[bucket]
+        self._plan(cols, attention, bucket, n)
+        graph.replay()
+        self.replays += 1
+        return outs
+
+
+__all__ = ["CohortColumns", "CohortGraphs", "CohortResult", "CohortShape"]

@@ -27,6 +27,7 @@ the host's (launches, plus any sync the node does): the worker adds no synchroni
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from mstar_runtime.engine.cohort_engine import CohortColumns, CohortResult, CohortShape
+from mstar_runtime.engine.cohort_engine import CohortColumns, CohortGraphs, CohortResult, CohortShape
 from mstar_runtime.engine.engines import AttentionBackend, KVCacheEngine, StatelessEngine, StepEntry
 from mstar_runtime.engine.graphs import graph_buckets
 from mstar_runtime.kv.block_manager import SlotCopy
@@ -48,6 +49,8 @@ from mstar_runtime.kv.flashinfer_backend import (
 from mstar_runtime.ops.node import KVNode, RequestError
 from mstar_runtime.plan.loader import Plan
 from mstar_runtime.weights import build_node, load_weights
+
+COHORT_GRAPHS_ENV = "MSTAR_COHORT_GRAPHS"  # "0": cohort steps run eagerly on a GPU too
 
 
 class WorkerStepError(Exception):
@@ -169,20 +172,30 @@ class Worker:
     def cohort_open(self, key: Any, node: str, shape: CohortShape, rows: int, max_pages: int) -> bool:
         """Make the device columns of a cohort of `node`'s phase, if the node offers a column
         step for it (`KVNode.cohort_phase`); False when it does not (the loop stays generic)."""
-        if key in self._cohorts:
-            return True
+        have = self._cohorts.get(key)
+        if have is not None and have.rows == rows and have.shape == shape:
+            return True  # a later conductor of the same plan: the columns (and graphs) are reused
         engine = self.engines.get(node)
         if not isinstance(engine, KVCacheEngine):
             return False
         cphase = engine.node.cohort_phase(shape.phase)
         if cphase is None:
             return False
-        fi = None
+        heads = int(engine.node.spec.arch_args.get("heads", 0)) // max(engine.node.spec.tp_size, 1)
+        graphs = None
+        runner = engine.graph_runners.get(shape.phase)
+        has_scratch = engine.pool.num_pages > engine.num_pages
+        if (runner is not None and has_scratch and isinstance(engine.backend, FlashInferBackend)
+                and unsupported(engine.pool) is None and os.environ.get(COHORT_GRAPHS_ENV, "1") != "0"):
+            decoder = engine.backend.graph_decoder(engine.pool, engine.scale)
+            if decoder is not None:
+                graphs = CohortGraphs([b for b in runner.buckets if b <= rows] or [rows], engine.num_pages, decoder)
+        eager = None
         if isinstance(engine.backend, FlashInferBackend) and unsupported(engine.pool) is None:
-            heads = int(engine.node.spec.arch_args.get("heads", 0)) // max(engine.node.spec.tp_size, 1)
-            fi = FlashInferCohortDecode(engine.backend, engine.pool, engine.scale, heads)
+            eager = FlashInferCohortDecode(engine.backend, engine.pool, engine.scale, heads)
         self._cohorts[key] = CohortColumns(engine.pool, cphase, shape, rows, max_pages, self.device,
-                                           scale=engine.scale, flashinfer=fi, node=node)
+                                           scale=engine.scale, node=node, q_heads=heads, graphs=graphs,
+                                           eager_attention=eager)
         self._cohort_engine[key] = engine
         return True
 

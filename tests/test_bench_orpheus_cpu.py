@@ -2,8 +2,8 @@
 
 The figures mean nothing on a CPU; what is checked is that the one command the GPU machine
 runs works: the walk compiles with the end check disabled, M* and both HF modes run on the
-same weights at every batch size, every request generates exactly --tokens tokens, and the
-JSON has every figure the table prints.
+same weights at every batch size, on both step paths (cohort and generic), every request
+generates exactly --tokens tokens, and the JSON has every figure the table prints.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def test_orpheus_bench_smoke_on_cpu(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "orpheus.json"
     cmd = [sys.executable, str(ROOT / "tools/bench/orpheus.py"), "--device", "cpu", "--variant", "tiny",
-           "--batches", "1,2", "--tokens", "16", "--out", str(out)]
+           "--batches", "1,2", "--hf-batches", "1,2", "--tokens", "16", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -34,6 +34,10 @@ def test_orpheus_bench_smoke_on_cpu(tmp_path: Path) -> None:
         m = rec["mstar"][b]
         assert m["generated_tokens"] == 16 * int(b) and m["min_tokens"] == 16  # the end check never fired
         assert m["decode_step_ms"] > 0 and m["floor_ms"] > 0 and m["rtf_p50"] > 0
+        # both step paths ran: the cohort path (the default, first) as cohort steps, the generic one without
+        g = rec["mstar"][f"{b}:generic"]
+        assert m["path"] == "cohort" and m["cohort_steps"] > 0 and g["path"] == "generic" and g["cohort_steps"] == 0
+        assert g["generated_tokens"] == m["generated_tokens"]
         for mode in ("dynamic", "static"):
             h = rec["hf"][mode][b]
             assert h["generated_tokens"] == 16 * int(b) and h["tokens_per_s"] > 0

@@ -1,6 +1,6 @@
 """Orpheus-3B TTS: M* against Hugging Face `transformers` on the same dummy weights, one process.
 
-    python tools/bench/orpheus.py                                   # H200: real size, B = 1, 16, 64
+    python tools/bench/orpheus.py                                   # H200: real size, B = 1, 16, 64, 128, 256
     python tools/bench/orpheus.py --device cpu --variant tiny --batches 1,2 --tokens 16   # smoke
     python tools/bench/orpheus.py --placement placements/h200x2_tp2.yaml --skip-hf        # 2 GPUs, tp 2
 
@@ -11,7 +11,9 @@ What runs:
   run through a Conductor with rank 0's Worker in this process and, for a multi-rank
   placement, `remote.start_workers`' worker processes for the other ranks (a TP group or
   a split by stage alike; the llm must have rank 0 among its ranks, whose engine gives the
-  step times): B `tts` requests submitted at once, each generating exactly `--tokens` tokens. The
+  step times): B `tts` requests submitted at once, each generating exactly `--tokens` tokens,
+  on each step path of `--paths` (`cohort`: the decode loop as a decode cohort, one graphed
+  step for all rows; `generic`: a step call per request per step; docs/runtime.md). The
   fixed length comes from `max_tokens` plus an end check that never fires: the walk copy
   compiled here sets `end_of_speech` beyond the vocabulary, so no token can end a request.
 - HF (unless `--skip-hf`): `LlamaForCausalLM` built from the same config with the M* node's
@@ -152,21 +154,27 @@ class _FirstAudio:
 
 
 class _DecodeLaunches:
-    """Host times at which rank 0 launched the llm's decode steps. In steady state the host is
-    held back by the device (each step's readback is waited for one step later), so the mean
-    interval between launches is the decode step period the run achieved, SNAC included;
-    the time a step spends inside `run_step` is only its host (launch) time."""
+    """Host times at which rank 0 launched the llm's decode steps (generic steps or cohort
+    steps). In steady state the host is held back by the device (each step's readback is
+    waited for one step later), so the mean interval between launches is the decode step
+    period the run achieved, SNAC included; the time a step spends inside `run_step` (or
+    `cohort_step`) is only its host (launch) time."""
 
     def __init__(self, worker: Any):
         self.worker, self.at = worker, []
-        self._run = worker.run_step
+        self._run, self._cohort = worker.run_step, worker.cohort_step
 
         def run_step(batch: Any) -> Any:
             if batch.node == "llm" and batch.phase == "decode":
                 self.at.append(time.perf_counter())
             return self._run(batch)
 
-        worker.run_step = run_step
+        def cohort_step(key: Any, n: int) -> Any:
+            if key[0] == "llm":
+                self.at.append(time.perf_counter())
+            return self._cohort(key, n)
+
+        worker.run_step, worker.cohort_step = run_step, cohort_step
 
     def period(self, skip: int = 4) -> float | None:
         """Mean seconds between launches, after `skip` warm-up launches."""
@@ -174,7 +182,7 @@ class _DecodeLaunches:
         return (at[-1] - at[0]) / (len(at) - 1) if len(at) > 1 else None
 
     def close(self) -> None:
-        del self.worker.run_step  # back to the class's method
+        del self.worker.run_step, self.worker.cohort_step  # back to the class's methods
 
 
 def local_node(plan: Any, worker: Any, name: str, device: torch.device) -> Any:
@@ -196,15 +204,22 @@ def prompt_ids(node: Any, n: int) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------ M*
+def _decode_stats(worker: Any) -> dict[str, float]:
+    """The llm's decode steps and host seconds so far, generic and cohort steps together."""
+    nodes = worker.stats()["nodes"].get("llm", {})
+    parts = [nodes.get(p, {"steps": 0, "seconds": 0.0}) for p in ("decode", "decode:cohort")]
+    return {"steps": sum(x["steps"] for x in parts), "seconds": sum(x["seconds"] for x in parts)}
+
+
 def run_mstar(plan: Any, workers: dict[int, Any], device: torch.device, batch: int, tokens: int,
-              seed: int) -> dict[str, Any]:
+              seed: int, path: str = "cohort") -> dict[str, Any]:
     """One batch through the conductor; step times from rank 0's worker (the llm's, or one rank of its TP group)."""
     from mstar_runtime.control.conductor import Conductor
 
     worker = workers[0]
-    conductor = Conductor(plan, workers, max_running=batch)
+    conductor = Conductor(plan, workers, max_running=batch, path=path)
     first = _FirstAudio(device)
-    before = worker.stats()["nodes"].get("llm", {}).get("decode", {"steps": 0, "seconds": 0.0})
+    before = _decode_stats(worker)
     sync(device)
     launches = _DecodeLaunches(worker)
     t0 = time.perf_counter()
@@ -224,7 +239,7 @@ def run_mstar(plan: Any, workers: dict[int, Any], device: torch.device, batch: i
     failed = [f"{r.id}: {r.error}" for r in reqs if r.state != "finished"]
     if failed:
         raise RuntimeError("M* requests failed: " + "; ".join(failed[:3]))
-    after = worker.stats()["nodes"]["llm"]["decode"]
+    after = _decode_stats(worker)
     generated = [int(r.outputs["codes"].numel()) for r in reqs]
     steps = after["steps"] - before["steps"]
     step_s = (after["seconds"] - before["seconds"]) / max(steps, 1)
@@ -233,7 +248,7 @@ def run_mstar(plan: Any, workers: dict[int, Any], device: torch.device, batch: i
     rtf = [(r.stats.finished_at - r.stats.submitted_at) / (g / TOKENS_PER_SECOND_OF_AUDIO)
            for r, g in zip(reqs, generated) if g]
     return {
-        "batch": batch, "wall_s": wall, "generated_tokens": sum(generated), "min_tokens": min(generated),
+        "batch": batch, "path": path, "cohort_steps": int(conductor.stats["cohort_steps"]), "wall_s": wall, "generated_tokens": sum(generated), "min_tokens": min(generated),
         "tokens_per_s": sum(generated) / wall, "audio_s_per_s": sum(generated) / wall / TOKENS_PER_SECOND_OF_AUDIO,
         "ttfa_p50_ms": _ms(percentile(ttfa, 50)), "ttfa_p90_ms": _ms(percentile(ttfa, 90)),
         "rtf_p50": percentile(rtf, 50), "decode_steps": steps,
@@ -367,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--variant", default=None, help="walk variant (default: bench on cuda, tiny on cpu)")
-    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--batches", default="1,16,64,128,256")
+    ap.add_argument("--paths", default="cohort,generic", help="step paths to run M* on, comma list")
+    ap.add_argument("--hf-batches", default="1,16,64", help="batch sizes of the HF baseline (a subset of --batches)")
     ap.add_argument("--tokens", type=int, default=256, help="tokens generated per request (fixed)")
     ap.add_argument("--placement", type=Path, default=None,
                     help="placement file (default: placements/h200x1.yaml on cuda, placements/cpu.yaml on cpu); "
@@ -419,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         if plan.num_ranks > 1:
             print(f"worker processes shut down in {time.perf_counter() - t0:.1f} s", flush=True)
     if modes:
-        bench_hf(args, rec, save, plan, workers, device, batches, bw, modes, budget, measured)
+        hf_batches = [b for b in (int(x) for x in args.hf_batches.split(",") if x.strip()) if b in batches]
+        bench_hf(args, rec, save, plan, workers, device, hf_batches, bw, modes, budget, measured)
     summary(args, rec, save, batches, bw, variant, device)
     return 0 if rec["mstar"] else 1
 
@@ -454,11 +472,12 @@ def bench_mstar(args: argparse.Namespace, rec: dict[str, Any], save: Any, plan: 
     save()
 
     # ---- M*: a short warm-up per batch size (graph capture, kernel JIT, allocator), then the run
-    for b in batches:
+    paths = [p for p in args.paths.split(",") if p.strip()]
+    for b, path in ((b, path) for b in batches for path in paths):
         try:
-            run_mstar(plan, workers, device, b, min(args.tokens, FIRST_AUDIO_CODES + 8), args.seed + 10_000)
+            run_mstar(plan, workers, device, b, min(args.tokens, FIRST_AUDIO_CODES + 8), args.seed + 10_000, path)
             reset_peak(device)
-            r = run_mstar(plan, workers, device, b, args.tokens, args.seed)
+            r = run_mstar(plan, workers, device, b, args.tokens, args.seed, path)
             ctx = sum(len(p) for p in prompts[:b]) / b + args.tokens / 2
             r["floor_ms"] = floor_ms(weight_bytes, kv_token_bytes, b, ctx, bw * 1e12)
             r["step_over_floor"] = r["decode_step_ms"] / r["floor_ms"]
@@ -466,10 +485,11 @@ def bench_mstar(args: argparse.Namespace, rec: dict[str, Any], save: Any, plan: 
             runner = llm.graph_runners.get("decode")
             r["graph_replays"] = runner.replays if runner is not None else 0
             r["graph_failed"] = runner.failed if runner is not None else None
-            rec["mstar"][str(b)] = r
+            r["cohort_graph_replays"] = sum(c.graphs.replays for c in worker._cohorts.values() if c.graphs)
+            rec["mstar"][str(b) if path == paths[0] else f"{b}:{path}"] = r
         except Exception as e:  # noqa: BLE001 - record and go on to the next figure
-            log.exception("M* at batch %d failed", b)
-            rec["errors"].append(f"mstar batch {b}: {type(e).__name__}: {e}")
+            log.exception("M* at batch %d (%s path) failed", b, path)
+            rec["errors"].append(f"mstar batch {b} ({path}): {type(e).__name__}: {e}")
         save()
     snac = local_node(plan, worker, "snac", device)
     snac_s = {b: time_snac(snac, device, b) for b in batches}
@@ -552,8 +572,9 @@ def summary(args: argparse.Namespace, rec: dict[str, Any], save: Any, batches: l
     rows = []
     for b in batches:
         m = rec["mstar"].get(str(b))
-        if m:
-            rows.append({"system": "M*", **m, "mem": m.get("peak_allocated_gib")})
+        for key, r in rec["mstar"].items():
+            if key == str(b) or key.startswith(f"{b}:"):
+                rows.append({"system": f"M* {r.get('path', '')}", **r, "mem": r.get("peak_allocated_gib")})
         for mode in ("dynamic", "static"):
             h = rec["hf"].get(mode, {}).get(str(b))
             if h and "skipped" not in h:

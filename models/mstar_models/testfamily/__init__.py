@@ -13,8 +13,9 @@ Stream chunks reach TinyCodec as `entry[port]` (the items) plus `entry[port + ":
 
 from mstar_models.testfamily.codec import TinyCodec
 from mstar_models.testfamily.common import CONTEXT_SUFFIX
+from mstar_models.testfamily.echo import EchoLM
 from mstar_models.testfamily.flow import TinyFlow
 from mstar_models.testfamily.lm import TinyLM
 from mstar_models.testfamily.prompt import TinyPrompt
 
-__all__ = ["CONTEXT_SUFFIX", "TinyCodec", "TinyFlow", "TinyLM", "TinyPrompt"]
+__all__ = ["CONTEXT_SUFFIX", "EchoLM", "TinyCodec", "TinyFlow", "TinyLM", "TinyPrompt"]

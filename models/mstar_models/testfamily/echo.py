@@ -1,0 +1,148 @@
+"""EchoLM: a KV node whose forward is negligible, for measuring the runtime's host time per step.
+
+prefill(tokens: i32[T], max_new: int) / decode(token: i32[1]) -> (token: i32[1], done: bool).
+The next token is (token + 1) % vocab, where the 1 is the output of one real attention call:
+queries and keys are the token's embedding (a [vocab, head_dim] table, one layer, one KV head),
+every value is the constant vector (1, 0, ...), so attention over any context returns (1, 0,
+...) up to rounding and `round(out[0])` is exactly 1. So the KV path is exercised (every token's
+K/V is written to the paged pool and attended over) while the token sequence is
+deterministic, independent of the weights and the same on the generic and the cohort path.
+
+The module holds the `llama` arch's tensors (`mstarc.archs.llama`, which gives the node its KV
+geometry and so its KV pool; the catalogue has no smaller decoder) at the tiniest sizes
+(hidden = head_dim, e.g. 2; one layer); only `model.embed_tokens` is used.
+
+Per-(request, tag) state in `attn.states[i]`, set by `prefill` (as in `TinyLM`):
+  `gen_base`: KV length at which the tag had produced 0 tokens (start + T - 1 of the prefill),
+  `max_new`:  the request's token budget since that prefill.
+`done` is raised once the tag produced `max_new` tokens (its prefill's one included) or its
+context holds `max_seq_len` tokens: known on the host on the generic path, a column compare
+on the cohort path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from mstar_models.testfamily.common import as_int, seeded_init_, setting
+from mstar_models.testfamily.lm import LlamaModel
+from mstar_runtime.ops.cohort import Attend, CohortPhase, CohortStep, Columns
+from mstar_runtime.ops.node import (
+    AttentionContext,
+    Batch,
+    KVGeometry,
+    KVNode,
+    NodeError,
+    NodeSpec,
+    RequestError,
+    SeqPlan,
+)
+
+DEFAULT_MAX_SEQ_LEN = 4096  # the compiler's default of the `max_seq_len` node setting
+
+
+class EchoLM(KVNode):
+    """prefill(tokens: i32[T], max_new: int) / decode(token: i32[1]) -> (token: i32[1], done: bool)."""
+
+    def __init__(self, spec: NodeSpec):
+        super().__init__(spec)
+        if spec.tp_size != 1:
+            raise NodeError(f"node '{spec.name}' (EchoLM) does not shard; place it with tp=1, not {spec.tp_size}")
+        g = lambda name: setting(spec, name)  # noqa: E731 - a local shorthand
+        self.vocab, self.hidden, self.layers = int(g("vocab")), int(g("hidden")), int(g("layers"))
+        self.heads, self.kv_heads, self.head_dim = int(g("heads")), int(g("kv_heads")), int(g("head_dim"))
+        if self.heads != 1 or self.kv_heads != 1 or self.hidden != self.head_dim:
+            raise NodeError(f"node '{spec.name}' (EchoLM): needs heads = kv_heads = 1 and hidden = head_dim")
+        self.max_seq_len = int(spec.settings.get("max_seq_len", DEFAULT_MAX_SEQ_LEN))
+        self.model = LlamaModel(self.vocab, self.hidden, self.layers, 1, 1, self.head_dim,
+                                int(g("intermediate")), 1e-6)
+        seeded_init_(self, spec)
+        self.to(device=spec.device, dtype=spec.dtype)
+
+    # ------------------------------------------------------------------ contract
+    @property
+    def kv_geometry(self) -> KVGeometry:
+        return KVGeometry(self.layers, self.kv_heads, self.head_dim)
+
+    @classmethod
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+        if phase == "prefill":
+            n = int(shapes["tokens"][0]) if len(shapes["tokens"]) == 1 else 0
+            if n < 1:
+                raise RequestError(f"prefill needs a 1-D, non-empty token list, got shape {tuple(shapes['tokens'])}",
+                                   "tokens")
+            return SeqPlan(q_len=n)
+        if phase == "decode":
+            return SeqPlan(q_len=1)
+        raise NodeError(f"node '{spec.name}' (EchoLM) has no phase '{phase}'")
+
+    def cohort_phase(self, phase: str) -> CohortPhase | None:
+        """`decode` as a column step (ops/cohort.py): the same math as `phase_decode` over all rows."""
+        if phase != "decode":
+            return None
+        return CohortPhase(join=self._cohort_join, step=self._cohort_step, leave=lambda state, cols, steps: None)
+
+    def _cohort_join(self, state: dict, inputs: Mapping) -> Columns:
+        if "gen_base" not in state:
+            raise RequestError("decode on a KV context that was never prefilled", "token")
+        dev = self.model.embed_tokens.weight.device
+        return {"gen_base": torch.tensor(state["gen_base"], device=dev),
+                "max_new": torch.tensor(state["max_new"], device=dev)}
+
+    def _cohort_step(self, b: CohortStep) -> dict[str, torch.Tensor]:
+        ids = b.inputs["token"].reshape(-1).long()
+        tokens = self.next_tokens(ids, b.attend)
+        kv_after = b.positions + 1
+        done = (kv_after - b.cols["gen_base"] >= b.cols["max_new"]) | (kv_after >= self.max_seq_len)
+        return {"token": tokens[:, None], "done": done}
+
+    # ------------------------------------------------------------------ phases
+    def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
+        ids = []
+        for entry, seq in zip(batch, attn.seqs, strict=True):
+            tokens = entry["tokens"]
+            if tokens.dim() != 1 or tokens.numel() == 0:
+                raise RequestError(f"tokens must be 1-D and non-empty, got shape {tuple(tokens.shape)}", "tokens")
+            if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab:
+                raise RequestError(f"token ids must lie in [0, {self.vocab})", "tokens")
+            if seq.start + seq.q_len > self.max_seq_len:
+                raise RequestError(f"context of {seq.start + seq.q_len} tokens exceeds max_seq_len {self.max_seq_len}",
+                                   "tokens")
+            max_new = as_int(entry, "max_new")
+            if max_new < 1:
+                raise RequestError(f"max_new must be >= 1, got {max_new}", "max_new")
+            seq.state["gen_base"] = seq.start + seq.q_len - 1
+            seq.state["max_new"] = max_new
+            ids.append(tokens)
+        tokens = self.next_tokens(torch.cat(ids).long(), attn.attend)
+        return self._outputs(attn.last_rows(tokens), attn)
+
+    def phase_decode(self, batch: Batch, attn: AttentionContext) -> Batch:
+        for entry, seq in zip(batch, attn.seqs, strict=True):
+            if entry["token"].shape != (1,):
+                raise RequestError(f"token must have shape [1], got {tuple(entry['token'].shape)}", "token")
+            if "gen_base" not in seq.state:
+                raise RequestError("decode on a KV context that was never prefilled", "token")
+        ids = torch.cat([entry["token"] for entry in batch]).long()
+        return self._outputs(self.next_tokens(ids, attn.attend), attn)
+
+    # ------------------------------------------------------------------ math
+    def next_tokens(self, ids: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Packed token ids [N] (int64) -> the next token of each, int32 [N] (no position encoding)."""
+        n = ids.shape[0]
+        e = self.model.embed_tokens(ids).view(n, 1, self.head_dim)
+        v = torch.zeros_like(e)
+        v[..., 0] = 1.0
+        out = attend(0, e, e, v)  # [N, 1, head_dim]: (1, 0, ...) whatever the context
+        step = out[:, 0, 0].round().long()
+        return ((ids + step) % self.vocab).to(torch.int32)
+
+    def _outputs(self, tokens: torch.Tensor, attn: AttentionContext) -> Batch:
+        out: Batch = []
+        for i, seq in enumerate(attn.seqs):
+            kv_after = seq.start + seq.q_len
+            done = kv_after - seq.state["gen_base"] >= seq.state["max_new"] or kv_after >= self.max_seq_len
+            out.append({"token": tokens[i : i + 1], "done": done})
+        return out

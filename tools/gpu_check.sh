@@ -103,7 +103,8 @@ EOF
 
 # STAGES picks what runs after the install, in this order (default: "tests bench"):
 #   profile  tools/bench/profile_orpheus.py (a host profile and a device timeline of the decode loop)
-#            at each batch size of PROFILE_BATCHES (default 16), into $OUT/profile-b<B>.txt
+#            at each batch size of PROFILE_BATCHES (default 16; B or B:path, path cohort or generic),
+#            into $OUT/profile-b<B>-<path>.txt
 #   tests    pytest -m gpu
 #   bench    tools/bench/orpheus.py, then tools/bench/vjepa2.py if time is left
 #   orpheus  tools/bench/orpheus.py only
@@ -115,11 +116,12 @@ EOF
 # e.g. `STAGES="profile orpheus" bash tools/gpu_check.sh`.
 STAGES=" ${STAGES:-tests bench} "
 if [[ "$STAGES" == *" profile "* ]]; then
-  for b in ${PROFILE_BATCHES:-16}; do
-    stage "tools/bench/profile_orpheus.py --batch $b"
-    timeout 200 $PY tools/bench/profile_orpheus.py --batch "$b" --out "$OUT/profile-b$b.txt" > /dev/null
+  for pb in ${PROFILE_BATCHES:-16}; do
+    b=${pb%%:*}; path=${pb#*:}; [ "$path" = "$pb" ] && path=cohort  # B or B:path (cohort | generic)
+    stage "tools/bench/profile_orpheus.py --batch $b --path $path"
+    timeout 200 $PY tools/bench/profile_orpheus.py --batch "$b" --path "$path" --out "$OUT/profile-b$b-$path.txt" > /dev/null
     rc=$?; echo "profile exit code $rc"; [ $rc -eq 0 ] || STATUS=1
-    head -3 "$OUT/profile-b$b.txt" 2>/dev/null
+    head -4 "$OUT/profile-b$b-$path.txt" 2>/dev/null
   done
 fi
 

@@ -514,7 +514,19 @@ def bench_hf(args: argparse.Namespace, rec: dict[str, Any], save: Any, plan: Any
              device: torch.device, batches: list[int], bw: float, modes: list[str], budget: Any,
              measured: _Measured) -> None:
     """HF on the same weights; M*'s pool and graphs are freed first (`workers` is emptied)."""
-    llm = workers[0].engines["llm"]
+    worker = workers[0]
+    llm = worker.engines["llm"]
+    # the KV pools (sized for 256 requests), cohort columns and captured graphs go before HF's
+    # copy of the weights is made; the node (and its weights) stays until the copy exists
+    worker.release_graphs()
+    worker._cohorts.clear()
+    for engine in worker.engines.values():
+        if hasattr(engine, "pool"):
+            engine.pool.data = torch.empty(0, dtype=engine.pool.data.dtype, device=engine.pool.data.device)
+    del worker
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     try:
         state = llm_state(plan, llm.node, device)
         hf = build_hf(dict(plan.config), state, device, llm.pool.dtype)

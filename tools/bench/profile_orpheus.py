@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--path", default="cohort", choices=["cohort", "generic"], help="the step path (docs/runtime.md)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "profile.txt")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -45,15 +46,16 @@ def main(argv: list[str] | None = None) -> int:
                      device=device.type, kv_pages_cap=None if device.type == "cuda" else 4096)
     workers = {0: Worker(plan, 0, device, "dummy")}
     report = io.StringIO()
-    run_mstar(plan, workers, device, args.batch, args.tokens, 1)  # warm-up: graphs, kernels, allocator
+    run_mstar(plan, workers, device, args.batch, args.tokens, 1, args.path)  # warm-up: graphs, kernels, allocator
     t0 = time.perf_counter()
-    plain = run_mstar(plan, workers, device, args.batch, args.tokens, 2)
+    plain = run_mstar(plan, workers, device, args.batch, args.tokens, 2, args.path)
+    print(f"{args.path} path, B={args.batch}", file=report)
     print(f"plain run: {time.perf_counter() - t0:.3f} s, decode step {plain['decode_step_ms']:.2f} ms, "
           f"{plain['tokens_per_s']:.0f} tokens/s", file=report)
 
     prof = cProfile.Profile()
     prof.enable()
-    run_mstar(plan, workers, device, args.batch, args.tokens, 3)
+    run_mstar(plan, workers, device, args.batch, args.tokens, 3, args.path)
     prof.disable()
     for key in ("tottime", "cumulative"):
         print(f"\n==== cProfile, B={args.batch}, {args.tokens} tokens, by {key}", file=report)
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as tp:
         t0 = time.perf_counter()
-        run_mstar(plan, workers, device, args.batch, args.tokens, 4)
+        run_mstar(plan, workers, device, args.batch, args.tokens, 4, args.path)
         wall = time.perf_counter() - t0
     events = tp.key_averages()
     if device.type == "cuda":

@@ -113,7 +113,11 @@ class Cohort:
         self.pushed = {p: np.zeros(rows, dtype=np.int64) for p in item_ports}
         self.last: dict[str, np.ndarray] = {}
         self.items: dict[str, np.ndarray] = {}  # port -> [rows, cap, width] host items
+        # the last launched step: its outputs, the current row of each of its rows (-1: gone; kept
+        # up to date by _drop_row, so no Python runs per row to map them), and its members
         self._outstanding: tuple[CohortResult, np.ndarray, list[Member]] | None = None
+        self._joined: list[Member] = []  # joined since the last launch (their lanes flush after it)
+        self._flags: list[Member] = []  # rows whose first step ran on an unread `until` flag
         self.stats = {"steps": 0, "row_steps": 0, "joins": 0, "leaves": 0, "flushes": 0, "wasted_steps": 0}
 
     # ------------------------------------------------------------------ membership
@@ -135,6 +139,9 @@ class Cohort:
         inv = {port: enter.inputs[port] for port in self.shape.invariant}
         self.worker.cohort_join(self.key, row, request.id, state_tag, fed, inv, self.bm.page_table(key), length)
         self.members.append(m)
+        self._joined.append(m)
+        if pending is not None:
+            self._flags.append(m)
         self.lens[row], self.iters[row], self.valid[row], self.since[row] = length, 0, 0, 0
         for p in self.item_ports:
             self.nitems[p][row] = self.flushed[p][row] = self.pushed[p][row] = 0
@@ -159,15 +166,17 @@ class Cohort:
             return
         n = self.n
         result = self.worker.cohort_step(self.key, n)
+        result.index = self.step_index
         self.lens[:n] += 1
         self.iters[:n] += 1
         self.stats["steps"] += 1
         self.stats["row_steps"] += n
         prev, self._outstanding = self._outstanding, (result, np.arange(n), list(self.members))
         self.step_index += 1
-        # the members' lanes (their prefill's lazy effects) resolve once a step of theirs is launched
-        for m in self.members:
-            if m.first_step == self.step_index - 1:
+        # the new rows' lanes (their prefill's lazy effects) resolve once a step of theirs is launched
+        joined, self._joined = self._joined, []
+        for m in joined:
+            if m.alive:  # a row preempted before its first launch has no lane to resolve any more
                 m.enter.frame.flush_lane()
         if prev is not None:
             self._take(*prev, launched=True)
@@ -211,17 +220,19 @@ class Cohort:
     # ------------------------------------------------------------------ outputs and events
     def _take(self, result: CohortResult, rows_at_launch: np.ndarray, snapshot: list[Member], *, launched: bool) -> None:
         arrays = result.arrays()
-        alive = np.fromiter((m.alive for m in snapshot), dtype=bool, count=len(snapshot))
-        # rows' flags bound before the loop: checked at their first step
         leaving: list[tuple[Member, bool]] = []  # (member, whether its outputs of this step count)
-        for i, m in enumerate(snapshot):
-            if alive[i] and m.pending_flag is not None:
+        # rows' flags bound before the loop, checked at their first step (these rows only)
+        if self._flags:
+            checked = [m for m in self._flags if m.alive and m.first_step == result.index]
+            self._flags = [m for m in self._flags if m.alive and m.first_step > result.index]
+            for m in checked:
                 flag, m.pending_flag = m.pending_flag, None
                 if read_flag(flag):
-                    alive[i] = False
+                    rows_at_launch[rows_at_launch == m.row] = -1
                     leaving.append((m, False))
+        alive = rows_at_launch >= 0
         idx = np.nonzero(alive)[0]
-        cur = np.fromiter((snapshot[i].row for i in idx), dtype=np.int64, count=idx.size)
+        cur = rows_at_launch[idx]
         if idx.size:
             self._record(arrays, idx, cur)
             stop = np.zeros(idx.size, dtype=bool)
@@ -312,8 +323,8 @@ class Cohort:
             return
         r = m.row
         valid = int(self.valid[r])
-        if launched or int(self.iters[r]) > valid:
-            self.stats["wasted_steps"] += int(self.iters[r]) - valid
+        wasted = int(self.iters[r]) - valid  # read before _drop_row moves the last row here
+        self.stats["wasted_steps"] += wasted
         self.bm.set_length(m.key, int(self.lens[r]))
         self.bm.truncate(m.key, m.join_len + valid)  # the speculative steps after the last valid one
         self.worker.cohort_leave(self.key, r, m.key[0], m.key[1], int(self.iters[r]))
@@ -336,7 +347,7 @@ class Cohort:
                     lambda req=m.request, output=output, value=value: req.emit(output, value, "append"), False)
         self.stats["leaves"] += 1
         self._drop_row(m)
-        m.request.conductor._cohort_resume(m.task, CohortExit(carry, pushes, wasted=int(self.iters[r]) - valid))
+        m.request.conductor._cohort_resume(m.task, CohortExit(carry, pushes, wasted=wasted))
 
     def _last_value(self, port: str, r: int) -> Any:
         spec = self.ports[port]
@@ -355,6 +366,10 @@ class Cohort:
         """Remove `m`'s row; the last row moves into its place (host arrays and device columns)."""
         m.alive = False
         r, last = m.row, self.n - 1
+        if self._outstanding is not None:  # keep the launched step's row map current
+            rows = self._outstanding[1]
+            rows[rows == r] = -1
+            rows[rows == last] = r
         if r != last:
             mover = self.members[last]
             self.worker.cohort_move(self.key, last, r)

@@ -56,12 +56,13 @@ class CohortResult:
     layout: list[tuple[str, bool, int]]  # (key, is float, width), in packing order
     ints: Readback | None
     floats: Readback | None
+    index: int = 0  # the cohort's step index (set by the conductor's Cohort)
 
     def arrays(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         packed = {False: self.ints, True: self.floats}
         at = {False: 0, True: 0}
-        host = {k: (np.asarray(rb.values()).reshape(self.n, -1) if rb is not None else None) for k, rb in packed.items()}
+        host = {k: (rb.array().reshape(self.n, -1) if rb is not None else None) for k, rb in packed.items()}
         for key, is_float, width in self.layout:
             block = host[is_float]
             assert block is not None

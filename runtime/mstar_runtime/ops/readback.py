@@ -71,6 +71,12 @@ class Readback:
         """Whether `values()` would return without waiting."""
         return self._values is not None or self._event is None or self._event.query()
 
+    def array(self) -> Any:
+        """The tensor as a numpy array over the host copy (no Python per element), waiting for its copy if needed."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.numpy()
+
     def values(self) -> list[Any]:
         """The tensor as nested Python lists (`tolist`), waiting for its copy if needed."""
         if self._values is None:

@@ -36,11 +36,11 @@ def decode_phase(node: LlamaBackbone) -> CohortPhase:
     def join(state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
         if "sampling" not in state:
             raise RequestError("decode on a KV context that was never prefilled", "token")
-        cols = sampling_row(state["sampling"], state["step"], device)
+        cols = sampling_row(state["sampling"], state["step"])  # host values: uploaded without a wait
         hist = torch.full((width,), -1, dtype=torch.long, device=device)
         if state["history"] is not None:
             hist[: state["history"].numel()] = state["history"]
-        cols.update(k=state["k"].reshape(()), max_tokens=torch.tensor(state["max_tokens"], device=device), history=hist)
+        cols.update(k=state["k"].reshape(()), max_tokens=torch.tensor(state["max_tokens"]), history=hist)
         return cols
 
     def leave(state: dict[str, Any], cols: Columns, steps: int) -> None:

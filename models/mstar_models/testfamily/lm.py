@@ -193,9 +193,7 @@ class TinyLM(KVNode):
     def _cohort_join(self, state: dict, inputs: Mapping) -> Columns:
         if "gen_base" not in state:
             raise RequestError("decode on a KV context that was never prefilled", "token")
-        dev = self.model.embed_tokens.weight.device
-        return {"gen_base": torch.tensor(state["gen_base"], device=dev),
-                "max_new": torch.tensor(state["max_new"], device=dev)}
+        return {"gen_base": torch.tensor(state["gen_base"]), "max_new": torch.tensor(state["max_new"])}
 
     def _cohort_step(self, b: CohortStep) -> dict[str, torch.Tensor]:
         ids = b.inputs["token"].reshape(-1).long()

@@ -113,14 +113,17 @@ class CohortColumns:
         col = store[name]
         if tuple(col.shape[1:]) != tuple(t.shape):
             raise NodeError(f"cohort column '{name}': a row of shape {tuple(t.shape)}, the column holds {tuple(col.shape[1:])}")
-        col[row].copy_(t.to(device=device, dtype=col.dtype))
+        t = t.to(dtype=col.dtype)
+        if t.device.type == "cpu" and device.type == "cuda":
+            t = t.pin_memory()  # a non-blocking upload: a join never waits for the steps in flight
+        col[row].copy_(t, non_blocking=True)
 
     def join(self, row: int, state: dict[str, Any], fed: Mapping[str, Any], invariant: Mapping[str, Any],
              pages: list[int], length: int) -> None:
         """Write a joining request's table, length, fed and invariant inputs and node columns at `row`."""
         self.table.set_row(row, pages)
         self.host_lens[row] = length
-        self.lens[row] = length
+        self.lens[row].fill_(length)
         for port, value in fed.items():
             self._put(self.fed, port, row, value, self.rows, self.device)
         for port, value in invariant.items():

@@ -39,19 +39,20 @@ class BlockTable:
             raise AttentionError(f"a row holds at most {self.max_pages} pages, got {len(pages)}")
         self.host[row] = self.fill_page
         self.host[row, : len(pages)] = pages
-        self.device[row].copy_(torch.from_numpy(self.host[row]), non_blocking=False)
+        self.device[row].copy_(_pinned(self.host[row]), non_blocking=True)
 
     def add_pages(self, rows: np.ndarray, cols: np.ndarray, pages: np.ndarray) -> None:
-        """`table[rows[i], cols[i]] = pages[i]` for a few rows at once (one device write)."""
+        """`table[rows[i], cols[i]] = pages[i]` for a few rows at once: one upload from pinned
+        memory that does not wait for the device, and one scatter (this runs between steps)."""
         if rows.size == 0:
             return
         if int(cols.max()) >= self.max_pages:
             raise AttentionError(f"a row holds at most {self.max_pages} pages")
         self.host[rows, cols] = pages
-        dev = self.device.device
-        r = torch.from_numpy(rows.astype(np.int64)).to(dev)
-        c = torch.from_numpy(cols.astype(np.int64)).to(dev)
-        self.device[r, c] = torch.from_numpy(pages.astype(np.int32)).to(dev)
+        flat = rows.astype(np.int64) * self.max_pages + cols.astype(np.int64)
+        up = _pinned(np.concatenate([flat, pages.astype(np.int64)])).to(self.device.device, non_blocking=True)
+        k = rows.size
+        self.device.view(-1).index_copy_(0, up[:k], up[k:].to(torch.int32))
 
     def move_row(self, src: int, dst: int) -> None:
         self.host[dst] = self.host[src]
@@ -67,6 +68,12 @@ class BlockTable:
         indices = self.host[:n][mask]
         last = (kv_lens - (pages - 1) * page_size).astype(np.int32)
         return indptr, indices, last
+
+
+def _pinned(a: np.ndarray) -> torch.Tensor:
+    """A host array in pinned memory (where CUDA is), so that its upload need not wait for the device."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.pin_memory() if torch.cuda.is_available() else t
 
 
 def decode_attention(

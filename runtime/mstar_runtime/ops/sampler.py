@@ -341,8 +341,9 @@ class SamplingColumns:
     history: torch.Tensor  # i64 [n, L], -1 = no token
 
 
-def sampling_row(params: SamplingParams, step: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """One request's `SamplingColumns` row (top-k is not a column: a row with it cannot join)."""
+def sampling_row(params: SamplingParams, step: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """One request's `SamplingColumns` row (top-k is not a column: a row with it cannot join),
+    as host tensors by default: the cohort uploads a joining row without waiting for the device."""
     if params.top_k:
         raise RequestError("top_k is not supported on the cohort path", "top_k")
     seed = secrets.randbits(64) if params.seed is None else params.seed

@@ -40,6 +40,7 @@ def _run(testfamily_plan: Path, requests: list[tuple[str, dict[str, Any]]]) -> l
     return handles
 
 
+@pytest.mark.both_paths
 def test_lazy_outputs_resolve_only_after_the_next_step_was_issued(
     testfamily_plan: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -78,6 +79,7 @@ def test_lazy_outputs_resolve_only_after_the_next_step_was_issued(
     assert len(early) < len(births) // 4
 
 
+@pytest.mark.both_paths
 def test_lazy_and_plain_outputs_give_the_same_results(testfamily_plan: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lazy = _run(testfamily_plan, REQUESTS)
     # the same LM, resolving its outputs at once: the interpreter's plain path

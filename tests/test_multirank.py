@@ -203,6 +203,7 @@ class _Corrupt:
         return getattr(self.inner, name)
 
 
+@pytest.mark.both_paths
 def test_remote_errors_fail_only_their_requests(plans: dict[int, Path]) -> None:
     with _engine(plans[2]) as (conductor, workers):
         plan = conductor.plan
@@ -239,6 +240,7 @@ def test_remote_errors_fail_only_their_requests(plans: dict[int, Path]) -> None:
 
 
 # ------------------------------------------------------------------------- dying workers
+@pytest.mark.both_paths
 def test_killing_a_worker_ends_the_run(plans: dict[int, Path]) -> None:
     with _engine(plans[3]) as (conductor, workers):
         victim = workers[2].pid

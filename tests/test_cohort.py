@@ -15,7 +15,7 @@ mistake could change them.
 Marked loops (the compiler's `cohort` mark, docs/plan-format.md "Cohort loops"): the test
 family's chat, continue, generate_fixed and generate_left, and Orpheus' tts; not generate
 (its loop has an `acc`) nor flow. Everything is counted in engine steps, never in seconds.
-Strict xfails pin bugs found on the cohort path; each reason says what goes wrong.
+Five of these first pinned bugs of the cohort path as strict xfails; they pass since the fixes.
 """
 
 from __future__ import annotations
@@ -408,12 +408,6 @@ def test_test_family_stream_chunks_arrive_once_after_preemption(testfamily_plan:
         torch.testing.assert_close(streamed(heard, c, "audio"), c.outputs["audio"], **TOL)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cohort path: after a preemption a listener is sent duplicated or missing `tokens` of walks with a "
-    "stream (generate_fixed/left). Request.emit drops a replay's first N appended values, N counted in "
-    "values; a cohort row appends one value per flush, and its flushes follow stream chunks and buffer "
-    "room, so the replay groups the tokens differently ([1, 5, 3, 5, 1] vs another split) and the count "
-    "no longer lines up with the items delivered"))
 def test_streamed_tokens_reach_a_listener_once_after_preemption(testfamily_plan: Path) -> None:
     requests = [(w, {"prompt": f"p{i}" + "y" * (2 * i), "max_new": 12 + 3 * i})
                 for i, w in enumerate(["generate_fixed", "generate_left"] * 3)]
@@ -497,12 +491,6 @@ def test_chat_hands_the_same_kv_context_to_continue_on_both_paths(testfamily_pla
         torch.testing.assert_close(kv_c[rid], kv_g[rid], **TOL)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cohort path: when a cohort step runs out of pages while several rows start a page, "
-    "Cohort._reserve_pages preempts and starts over, and rows that already got a page in that "
-    "round get another one (their length still starts a page): the BlockManager's table of such a "
-    "row gains pages ([0, 3, 2, 1]) that the device table ([0, 1]) does not have, so the context it "
-    "leaves behind (read through the BlockManager by continue's prefill) holds the wrong K/V"))
 def test_a_cohort_step_short_of_pages_leaves_the_kv_context_the_generic_path_leaves(testfamily_plan: Path) -> None:
     # three rows of the same length start their second page at the same step; the pool has one spare page
     requests = [("chat", {"prompt": p, "max_new": 20}) for p in ("abc", "def", "ghi")]
@@ -538,20 +526,11 @@ def test_a_loop_whose_prefill_already_said_stop_applies_nothing(testfamily_plan:
         assert h.outputs["tokens"].shape == (1,) and h.outputs["audio"].shape == (hop,)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cohort path: a row that joins with its prefill's `done` already true runs two wasted steps, not "
-    "one (docs/runtime.md and docs/walk-language.md: at most one step per request is wasted): the "
-    "flag is read when the row's first step is taken, one step late, i.e. after its second step was "
-    "launched; the generic path reads it after the first"))
 def test_a_loop_whose_prefill_already_said_stop_wastes_one_step(testfamily_plan: Path) -> None:
     (h,) = run(engine(testfamily_plan, "cohort"), [("generate_fixed", {"prompt": "xyz", "max_new": 1})])
     assert h.state == FINISHED and h.stats.wasted_steps <= 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cohort path: RequestStats.steps (the API's stats['steps'], /metrics' mstar_request_steps_total) "
-    "does not count a request's cohort steps: a 9-token generate_fixed reports 4 steps, 13 on the "
-    "generic path (prompt, prefill, 8 decodes, 1 wasted, 2 codec blocks)"))
 def test_request_stats_count_the_cohort_steps(testfamily_plan: Path) -> None:
     request = ("generate_fixed", {"prompt": "count me", "max_new": 9})
     (c,) = run(engine(testfamily_plan, "cohort"), [request])
@@ -560,12 +539,6 @@ def test_request_stats_count_the_cohort_steps(testfamily_plan: Path) -> None:
     assert c.stats.steps == g.stats.steps
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cohort path: a row whose node raises `done` when its context reaches the pool's max_seq_len (as "
-    "Orpheus' backbone does) crashes the engine: Cohort._reserve_pages gives the speculative step past "
-    "max_seq_len no page (its K/V is written to the table's fill page 0, another request's page), and "
-    "Cohort._leave's BlockManager.set_length raises KVCacheError ('cannot hold 49 tokens in 3 page(s)') "
-    "out of Conductor.step; the generic path finishes"))
 def test_a_row_that_reaches_max_seq_len_leaves_like_a_generic_one(tmp_path: Path) -> None:
     # the test family with max_context = max_seq_len = 48: TinyLM raises `done` at the pool's limit
     text = (ROOT / "models/testfamily/testfamily.walk").read_text()

@@ -43,7 +43,7 @@ from mstar_runtime.control.interpreter import CohortExit, EnterCohort, read_flag
 from mstar_runtime.control.streams import StreamBuffer
 from mstar_runtime.control.validate import TORCH_DTYPES
 from mstar_runtime.engine.cohort_engine import CohortResult, CohortShape
-from mstar_runtime.kv.block_manager import BlockManager, OutOfPages
+from mstar_runtime.kv.block_manager import BlockManager
 from mstar_runtime.ops.cohort import count_key
 
 if TYPE_CHECKING:
@@ -83,11 +83,13 @@ class Cohort:
     """The rows of one marked loop on one rank (see the module docstring)."""
 
     def __init__(self, key: CohortKey, op: dict[str, Any], ports: dict[str, PortSpec], worker: Any,
-                 bm: BlockManager, rows: int, max_len: int, *,
-                 preempt: Callable[[BlockManager], bool], flush_every: int = FLUSH_EVERY):
+                 bm: BlockManager, rows: int, max_len: int, max_pages: int, *,
+                 preempt: Callable[[Cohort], bool], fail: Callable[[Request, str], None],
+                 flush_every: int = FLUSH_EVERY):
         self.key, self.op, self.ports, self.worker, self.bm = key, op, ports, worker, bm
-        self.rows, self.max_len, self.flush_every = rows, max_len, flush_every
+        self.rows, self.max_len, self.max_pages, self.flush_every = rows, max_len, max_pages, flush_every
         self.preempt = preempt  # frees pages (preempting the newest request); False if it cannot
+        self.fail = fail  # fails one request (its row goes with it)
         mark = op["cohort"]
         call = op["body"]["body"][0]
         self.call = call
@@ -102,6 +104,7 @@ class Cohort:
         self.step_index = 0
         # host mirrors, per row
         self.lens = np.zeros(rows, dtype=np.int64)  # KV tokens before the row's next step
+        self.pages = np.zeros(rows, dtype=np.int64)  # pages its table holds
         self.iters = np.zeros(rows, dtype=np.int64)  # steps launched
         self.valid = np.zeros(rows, dtype=np.int64)  # steps whose outputs were applied
         self.since = np.zeros(rows, dtype=np.int64)  # valid steps since the last flush
@@ -143,6 +146,7 @@ class Cohort:
         if pending is not None:
             self._flags.append(m)
         self.lens[row], self.iters[row], self.valid[row], self.since[row] = length, 0, 0, 0
+        self.pages[row] = len(self.bm.page_table(key))
         for p in self.item_ports:
             self.nitems[p][row] = self.flushed[p][row] = self.pushed[p][row] = 0
         self.due[row] = self._next_due(m, 0)
@@ -179,37 +183,50 @@ class Cohort:
             if m.alive:  # a row preempted before its first launch has no lane to resolve any more
                 m.enter.frame.flush_lane()
         if prev is not None:
-            self._take(*prev, launched=True)
+            self._take(*prev)
+        # a flag bound before the loop (its prefill's `done`) is read once the row's first step
+        # is launched, as the interpreter's speculative loop reads it: if it said stop, that one
+        # step is wasted and the row leaves with nothing of the loop applied
+        if self._flags:
+            flags, self._flags = self._flags, []
+            for m in flags:
+                if m.alive and read_flag(m.pending_flag):
+                    self._leave(m)
 
     def drain(self) -> None:
         """Take the outstanding step's outputs without launching another (nothing left to run)."""
         if self._outstanding is not None:
             prev, self._outstanding = self._outstanding, None
-            self._take(*prev, launched=False)
+            self._take(*prev)
 
     def _reserve_pages(self) -> bool:
+        """A page for every row whose next token starts one; False when no row is left to step."""
         ps = self.bm.page_size
         while self.members:
             n = self.n
-            need = np.nonzero(self.lens[:n] % ps == 0)[0]
-            cols, pages, rows = [], [], []
-            try:
-                for r in need.tolist():
-                    m = self.members[r]
-                    if self.lens[r] >= self.max_len:
-                        continue  # the node raises its own limit; the scratch of its table absorbs it
-                    pages.append(self.bm.add_page(m.key))
-                    cols.append(int(self.lens[r]) // ps)
-                    rows.append(r)
-            except OutOfPages:
-                self.worker.cohort_add_pages(self.key, np.array(rows), np.array(cols), np.array(pages))
-                self._sync_lengths()
-                if not self.preempt(self.bm):
-                    return False
-                continue
+            need = np.nonzero(self.lens[:n] >= self.pages[:n] * ps)[0].tolist()
+            rows, cols, pages = [], [], []
+            blocked: Member | None = None  # the first row that could not get its page
+            for r in need:
+                m = self.members[r]
+                if self.pages[r] >= self.max_pages or self.bm.free_pages == 0:
+                    blocked = m
+                    break
+                pages.append(self.bm.add_page(m.key))
+                cols.append(int(self.pages[r]))
+                rows.append(r)
+                self.pages[r] += 1
             self.worker.cohort_add_pages(self.key, np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64),
                                          np.array(pages, dtype=np.int64))
-            return bool(self.members)
+            if blocked is None:
+                return True
+            if self.pages[blocked.row] >= self.max_pages:  # the node let its context outgrow the plan's bound
+                self.fail(blocked.request, f"the KV context of node '{self.key[0]}' grew past its max_seq_len "
+                          f"({self.max_len} tokens)")
+                continue
+            self._sync_lengths()
+            if not self.preempt(self):
+                return False
         return False
 
     def _sync_lengths(self) -> None:
@@ -218,18 +235,9 @@ class Cohort:
             self.bm.set_length(m.key, int(self.lens[m.row]))
 
     # ------------------------------------------------------------------ outputs and events
-    def _take(self, result: CohortResult, rows_at_launch: np.ndarray, snapshot: list[Member], *, launched: bool) -> None:
+    def _take(self, result: CohortResult, rows_at_launch: np.ndarray, snapshot: list[Member]) -> None:
         arrays = result.arrays()
-        leaving: list[tuple[Member, bool]] = []  # (member, whether its outputs of this step count)
-        # rows' flags bound before the loop, checked at their first step (these rows only)
-        if self._flags:
-            checked = [m for m in self._flags if m.alive and m.first_step == result.index]
-            self._flags = [m for m in self._flags if m.alive and m.first_step > result.index]
-            for m in checked:
-                flag, m.pending_flag = m.pending_flag, None
-                if read_flag(flag):
-                    rows_at_launch[rows_at_launch == m.row] = -1
-                    leaving.append((m, False))
+        leaving: list[Member] = []
         alive = rows_at_launch >= 0
         idx = np.nonzero(alive)[0]
         cur = rows_at_launch[idx]
@@ -245,9 +253,9 @@ class Cohort:
                 flush |= self.nitems[p][cur] >= self.due[cur]
             for j in np.nonzero(flush)[0].tolist():
                 self._flush(snapshot[idx[j]])
-            leaving.extend((snapshot[idx[j]], True) for j in np.nonzero(stop)[0].tolist())
-        for m, _ in leaving:
-            self._leave(m, launched)
+            leaving = [snapshot[idx[j]] for j in np.nonzero(stop)[0].tolist()]
+        for m in leaving:
+            self._leave(m)
 
     def _record(self, arrays: dict[str, np.ndarray], idx: np.ndarray, cur: np.ndarray) -> None:
         for name, a in arrays.items():
@@ -317,7 +325,7 @@ class Cohort:
             best = min(best, buf.next_ready_at(pushed))
         return best
 
-    def _leave(self, m: Member, launched: bool) -> None:
+    def _leave(self, m: Member) -> None:
         """The row's loop is over: KV truncated to its valid steps, columns written back, task resumed."""
         if not m.alive:
             return
@@ -325,6 +333,7 @@ class Cohort:
         valid = int(self.valid[r])
         wasted = int(self.iters[r]) - valid  # read before _drop_row moves the last row here
         self.stats["wasted_steps"] += wasted
+        m.request.stats.steps += int(self.iters[r])
         self.bm.set_length(m.key, int(self.lens[r]))
         self.bm.truncate(m.key, m.join_len + valid)  # the speculative steps after the last valid one
         self.worker.cohort_leave(self.key, r, m.key[0], m.key[1], int(self.iters[r]))
@@ -373,7 +382,7 @@ class Cohort:
         if r != last:
             mover = self.members[last]
             self.worker.cohort_move(self.key, last, r)
-            for a in (self.lens, self.iters, self.valid, self.since, self.due):
+            for a in (self.lens, self.pages, self.iters, self.valid, self.since, self.due):
                 a[r] = a[last]
             for group in (self.nitems, self.flushed, self.pushed):
                 for a in group.values():

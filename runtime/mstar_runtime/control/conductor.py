@@ -101,6 +101,15 @@ def _empty(t: Mapping[str, Any]) -> Any:
     return torch.zeros(dims, dtype=dtype)
 
 
+def _items(value: Any) -> int:
+    """How many items an appended value holds (a tensor: its rows, or 1 for a scalar; a string: its characters)."""
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[0]) if value.dim() else 1
+    if isinstance(value, str):
+        return len(value)
+    return 1
+
+
 class WorkerLike(Protocol):
     def run_step(self, batch: StepBatch) -> list[dict[str, Any]]: ...
     def fork(self, node: str, request_id: str, src_tag: str, dst_tag: str, copy: Any) -> None: ...
@@ -178,14 +187,20 @@ class Request:
                 self.stats.first_output_at = time.perf_counter()
             return
         self.outputs.setdefault(name, []).append(value)
-        # counted per walk of the request (a transition starts a new count), so a replay after
-        # preemption, which restarts from the first walk, lines up with what was delivered
+        # Counted in items (a tensor's rows, a string's characters) per walk of the request (a
+        # transition starts a new count), so a replay after preemption, which restarts from the
+        # first walk, lines up with what was delivered even when it appends the same items in
+        # other groups (a decode cohort appends what a row made since its last flush).
         key = f"{len(self.walks_done)}:{name}"
-        n = self.appended.get(key, 0) + 1
-        self.appended[key] = n
-        if n <= self.delivered.get(key, 0):
-            return  # a replay after preemption: the client already has this item
-        self.delivered[key] = n
+        start = self.appended.get(key, 0)
+        end = start + _items(value)
+        self.appended[key] = end
+        done = self.delivered.get(key, 0)
+        if start < done:  # a replay after preemption: the client already has these items
+            if end <= done:
+                return
+            value = value[done - start :]
+        self.delivered[key] = end
         if self.stats.first_output_at is None:
             self.stats.first_output_at = time.perf_counter()
         if self.listener is not None:
@@ -224,7 +239,8 @@ class Conductor:
         self.path = step_path(path)
         self.cohorts: dict[CohortKey, Cohort] = {}
         self._no_cohort: set[CohortKey] = set()
-        self._cohort_seq: dict[CohortKey, int] = {}
+        self._cohort_seq: dict[CohortKey, int] = {}  # the issue order of each cohort's next step
+        self._cohort_fresh: set[CohortKey] = set()  # cohorts that just stepped: their next step's order is set after _drive
         self.overlap = overlap
         self.workers = dict(workers)
         limits = {name: int(n.settings["max_batch"]) for name, n in plan.nodes.items()
@@ -299,6 +315,9 @@ class Conductor:
         self._admit()
         self._collect()
         self._drive()
+        for key in self._cohort_fresh:  # newer than the calls its own last step released (a SNAC window, say)
+            self._cohort_seq[key] = next(self._seq)
+        self._cohort_fresh.clear()
         standing = {k: Standing(k, c.n, self._cohort_seq[k]) for k, c in self.cohorts.items() if c.n}
         picked = self.scheduler.next_group(self.pending, busy=self._inflight.keys(), standing=standing)
         if picked is not None and picked[0] in self.cohorts:
@@ -444,10 +463,12 @@ class Conductor:
         ports = port_specs(info.raw["outputs"], info.phases[phase].outputs)
         mark = op["cohort"]
         shape = CohortShape(phase, tuple(tuple(f) for f in mark["fed"]), tuple(mark["invariant"]), tuple(ports))
-        if not worker.cohort_open(key, node, shape, rows, -(-max_len // bm.page_size) + 1):
+        max_pages = -(-max_len // bm.page_size) + 1  # one more: a speculative step after the node's own limit
+        if not worker.cohort_open(key, node, shape, rows, max_pages):
             self._no_cohort.add(key)
             return None
-        cohort = self.cohorts[key] = Cohort(key, op, ports, worker, bm, rows, max_len, preempt=self._cohort_preempt)
+        cohort = self.cohorts[key] = Cohort(key, op, ports, worker, bm, rows, max_len, max_pages,
+                                            preempt=self._cohort_preempt, fail=self._fail)
         self._cohort_seq[key] = next(self._seq)
         return cohort
 
@@ -474,7 +495,7 @@ class Conductor:
         self.stats["wasted_steps"] += done.wasted
         self.ready.append((task, done, None))
 
-    def _cohort_preempt(self, bm: Any) -> bool:
+    def _cohort_preempt(self, cohort: Cohort) -> bool:
         """A cohort needs a page and the pool is full: preempt (or fail) as a generic step would.
         False when nothing can be freed."""
         if self._inflight:  # never preempt a request with a step in flight: take them all first
@@ -484,7 +505,9 @@ class Conductor:
         if victim is None:
             return False
         if len(self._kv_holders()) == 1:
-            self._fail(victim, "request needs more KV pages than its pool holds; it can never fit")
+            node, _, ranks, _ = cohort.key
+            self._fail(victim, f"request needs more KV pages for node '{node}' than its pool holds "
+                       f"({self.kv.capacity_tokens((node, ranks[0]))} tokens); it can never fit")
             return True
         self._preempt(victim)
         return True
@@ -501,7 +524,7 @@ class Conductor:
             for m in list(cohort.members):
                 self._fail(m.request, str(e))
             return
-        self._cohort_seq[key] = next(self._seq)
+        self._cohort_fresh.add(key)
         self.stats["step_seconds"] += time.perf_counter() - t0
         self.stats["steps"] += 1
         self.stats["cohort_steps"] += 1

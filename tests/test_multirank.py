@@ -85,16 +85,20 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 
 
 @pytest.fixture(scope="module")
-def reference(plans: dict[int, Path]) -> dict[int | None, list[dict[str, Any]]]:
-    """One rank's outputs of REQUESTS, as they run (None) and with a preemption every 7 steps
-    (preemption changes who is batched with whom, so the float bits are compared like for like)."""
+def reference(plans: dict[int, Path]) -> dict[tuple[str, int | None], list[dict[str, Any]]]:
+    """One rank's outputs of REQUESTS on each step path, as they run (None) and with a
+    preemption every 7 steps (preemption changes who is batched with whom, so the float bits
+    are compared like for like). A marked loop of a node in a worker process runs on the
+    generic path (cohorts run in-process), so a plan whose LM is on rank 1 compares with the
+    generic reference and one whose LM is on rank 0 with the cohort one."""
     plan = load_plan(plans[1], device="cpu")
     worker = Worker(plan, 0, "cpu", "dummy")
-    out: dict[int | None, list[dict[str, Any]]] = {}
-    for every in (None, 7):
-        handles = _run(Conductor(plan, {0: worker}, preempt_every=every), REQUESTS)
-        assert all(h.state == FINISHED for h in handles), [h.error for h in handles]
-        out[every] = [h.outputs for h in handles]
+    out: dict[tuple[str, int | None], list[dict[str, Any]]] = {}
+    for path in ("cohort", "generic"):
+        for every in (None, 7):
+            handles = _run(Conductor(plan, {0: worker}, preempt_every=every, path=path), REQUESTS)
+            assert all(h.state == FINISHED for h in handles), [h.error for h in handles]
+            out[(path, every)] = [h.outputs for h in handles]
     return out
 
 
@@ -162,21 +166,23 @@ def _engine(path: Path, **kw: Any) -> Iterator[tuple[Conductor, dict[int, Any]]]
 # ------------------------------------------------------------------------ equal outputs
 @pytest.mark.parametrize("world,inline_bytes", [(2, 0), (3, 64)], ids=["2ranks-all-over-gloo", "3ranks"])
 def test_outputs_equal_one_rank(
-    plans: dict[int, Path], reference: dict[int | None, list[dict[str, Any]]], world: int, inline_bytes: int
+    plans: dict[int, Path], reference: dict[tuple[str, int | None], list[dict[str, Any]]], world: int,
+    inline_bytes: int,
 ) -> None:
     with _engine(plans[world], inline_bytes=inline_bytes) as (conductor, workers):
         assert sorted(workers) == list(range(world))
+        path = "cohort" if conductor.plan.node("lm").ranks[0] == 0 else "generic"
         assert all(isinstance(workers[r], RemoteWorker) for r in range(1, world))
         # overlap=False: the steps of one rank in its order, so the same batches and float bits
         # (with overlap, work on rank 0 moves ahead of remote steps; tests/test_split.py)
         handles = _run(Conductor(conductor.plan, workers, overlap=False), REQUESTS)
-        for h, ref in zip(handles, reference[None]):
+        for h, ref in zip(handles, reference[(path, None)]):
             assert h.state == FINISHED, h.error
             _same(ref, h.outputs)
         assert handles[4].walks_done == ["chat", "continue"]
         # Preempted and recomputed requests (their remote KV states freed) still agree.
         again = _run(Conductor(conductor.plan, workers, preempt_every=7, overlap=False), REQUESTS)
-        for h, ref in zip(again, reference[7]):
+        for h, ref in zip(again, reference[(path, 7)]):
             assert h.state == FINISHED, h.error
             _same(ref, h.outputs)
         assert sum(h.stats.preemptions for h in again) > 0

@@ -313,9 +313,11 @@ class Interpreter:
     def _call(self, op: dict[str, Any], env: Env, frame: Frame) -> Gen:
         inputs = {port: resolve(self._value(arg, env)) for port, arg in op["args"].items()}
         for feed in op.get("feeds", ()):
-            # backpressure: do not run a producer whose consumer lags by a full buffer
+            # backpressure: do not run a producer whose consumer lags by a full buffer, counting
+            # the pushes still queued on the lane (lazy items, one each)
             buf = self.buffers[feed["stream"]]
-            if not buf.can_push(1):
+            queued = sum(1 for _, fn in frame.lane if getattr(fn, "stream_buffer", None) is buf) if frame.lane else 0
+            if not buf.can_push(1 + queued):
                 frame.flush_lane()  # the queued pushes may be what the consumer waits for
             while not buf.can_push(1):
                 yield WaitSpace(buf, 1)
@@ -329,9 +331,11 @@ class Interpreter:
             items = outputs[feed["port"]]
             buf = self.buffers[feed["stream"]]
             sid = feed["stream"]
-            frame.effect_on_lane(
-                lambda buf=buf, items=items, sid=sid: self.request.push(sid, buf, resolve(items)), is_lazy(items)
-            )
+            def push(buf: StreamBuffer = buf, items: Any = items, sid: str = sid) -> None:
+                self.request.push(sid, buf, resolve(items))
+
+            push.stream_buffer = buf  # type: ignore[attr-defined]  # counted by the backpressure check above
+            frame.effect_on_lane(push, is_lazy(items))
 
     def _loop(self, op: dict[str, Any], env: Env, frame: Frame) -> Gen:
         count = resolve(self._value(op["count"], env))

@@ -78,8 +78,12 @@ class Scheduler:
         if not groups:
             self._passed = held
             return None
-        oldest = min((c for calls in groups.values() for c in calls), key=lambda c: c.seq)
-        if self._passed.get(oldest.seq, 0) >= self.max_wait:
+        # the oldest call that has been passed over max_wait times forces its group (not only the
+        # oldest call of all: one waiting for a busy rank keeps its count and may be older)
+        passed = self._passed
+        starving = [c for calls in groups.values() for c in calls if passed.get(c.seq, 0) >= self.max_wait]
+        if starving:
+            oldest = min(starving, key=lambda c: c.seq)
             key = oldest.key if isinstance(oldest, Standing) else group_key(oldest)
         else:  # the biggest batch; among equals, the one with the oldest call
             key = max(groups, key=lambda k: (sizes[k], -min(c.seq for c in groups[k])))

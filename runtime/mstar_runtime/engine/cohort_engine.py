@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mstar_runtime.kv.attention import KVPool
-from mstar_runtime.kv.block_table import BlockTable, decode_attention
+from mstar_runtime.kv.attention import AttentionMetadata, KVPool, paged_attention
+from mstar_runtime.kv.block_table import BlockTable, decode_attention, pinned
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, count_key
 from mstar_runtime.ops.node import NodeError
 from mstar_runtime.ops.readback import Readback
@@ -225,6 +225,26 @@ class CohortColumns:
         return keys
 
 
+class ReferenceCohortDecode:
+    """A bucket's attention from the same planned host arrays as FlashInfer's graph decode,
+    computed by `paged_attention` (the CPU tests of the padded step; never captured)."""
+
+    def __init__(self, pool: KVPool, scale: float | None):
+        self.pool, self.scale = pool, scale
+        self.meta: AttentionMetadata | None = None
+
+    def plan(self, step: Any, q_heads: int) -> None:
+        indptr, indices, last = step.indptr.tolist(), step.indices.tolist(), step.last_page_len.tolist()
+        ps = self.pool.page_size
+        tables = [indices[a:b] for a, b in zip(indptr, indptr[1:])]
+        self.meta = AttentionMetadata.build([1] * len(tables), [(len(t) - 1) * ps + x for t, x in zip(tables, last)],
+                                            tables)
+
+    def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        assert self.meta is not None, "plan() before run()"
+        return paged_attention(q, self.pool, layer, self.meta, self.scale)
+
+
 class CohortGraphs:
     """A cohort step captured as one CUDA graph per batch bucket (sampling, stop flags, the
     fed-back copy and the K/V append inside it), replayed with FlashInfer's graph decode
@@ -234,11 +254,15 @@ class CohortGraphs:
     active (`n_dev` = 0: every row is a pad row writing the scratch page) and the columns
     saved and restored around the captures, so the warm-up runs change nothing real."""
 
-    def __init__(self, buckets: list[int], scratch_page: int, make_attention: Any):
+    def __init__(self, buckets: list[int], scratch_page: int, make_attention: Any, *, capture: bool = True):
         self.buckets = sorted(buckets)
         self.scratch_page = scratch_page
-        self.make_attention = make_attention  # bucket, max_indices -> FlashInferGraphDecode
+        # bucket, max_indices -> the bucket's attention: FlashInferGraphDecode, or ReferenceCohortDecode
+        self.make_attention = make_attention
+        # False: the same padded step, planned the same way, run eagerly (CPU tests check the bookkeeping)
+        self.capture = capture
         self._graphs: dict[int, tuple[Any, tuple[list, Any, Any], Any]] = {}
+        self._eager: dict[int, Any] = {}
         self.replays = 0
 
     def bucket(self, n: int) -> int | None:
@@ -252,7 +276,7 @@ class CohortGraphs:
         indptr = np.concatenate([indptr, indptr[-1] + np.arange(1, pad + 1, dtype=np.int32)])
         indices = np.concatenate([indices, np.full(pad, self.scratch_page, dtype=np.int32)])
         last = np.concatenate([last, np.ones(pad, dtype=np.int32)])
-        host = torch.from_numpy(np.concatenate([indptr, indices, last]).astype(np.int32)).pin_memory()
+        host = pinned(np.concatenate([indptr, indices, last]).astype(np.int32))
         m = indices.shape[0]
         step = SimpleNamespace(indptr=host[: bucket + 1], indices=host[bucket + 1 : bucket + 1 + m],
                                last_page_len=host[bucket + 1 + m :])
@@ -280,6 +304,13 @@ class CohortGraphs:
             t.copy_(copy)
 
     def replay(self, cols: CohortColumns, bucket: int, n: int) -> tuple[list, Any, Any]:
+        if not self.capture:
+            attention = self._eager.get(bucket)
+            if attention is None:
+                attention = self._eager[bucket] = self.make_attention(bucket, bucket * cols.table.max_pages)
+            self._plan(cols, attention, bucket, n)
+            self.replays += 1
+            return cols._body(bucket, n, eager=False, attention=attention)
         if not self._graphs:
             self._capture(cols)
             cols.n_dev.fill_(n)
@@ -290,4 +321,4 @@ class CohortGraphs:
         return outs
 
 
-__all__ = ["CohortColumns", "CohortGraphs", "CohortResult", "CohortShape"]
+__all__ = ["CohortColumns", "CohortGraphs", "CohortResult", "CohortShape", "ReferenceCohortDecode"]

@@ -39,7 +39,7 @@ class BlockTable:
             raise AttentionError(f"a row holds at most {self.max_pages} pages, got {len(pages)}")
         self.host[row] = self.fill_page
         self.host[row, : len(pages)] = pages
-        self.device[row].copy_(_pinned(self.host[row]), non_blocking=True)
+        self.device[row].copy_(pinned(self.host[row]), non_blocking=True)
 
     def add_pages(self, rows: np.ndarray, cols: np.ndarray, pages: np.ndarray) -> None:
         """`table[rows[i], cols[i]] = pages[i]` for a few rows at once: one upload from pinned
@@ -50,7 +50,7 @@ class BlockTable:
             raise AttentionError(f"a row holds at most {self.max_pages} pages")
         self.host[rows, cols] = pages
         flat = rows.astype(np.int64) * self.max_pages + cols.astype(np.int64)
-        up = _pinned(np.concatenate([flat, pages.astype(np.int64)])).to(self.device.device, non_blocking=True)
+        up = pinned(np.concatenate([flat, pages.astype(np.int64)])).to(self.device.device, non_blocking=True)
         k = rows.size
         self.device.view(-1).index_copy_(0, up[:k], up[k:].to(torch.int32))
 
@@ -70,7 +70,7 @@ class BlockTable:
         return indptr, indices, last
 
 
-def _pinned(a: np.ndarray) -> torch.Tensor:
+def pinned(a: np.ndarray) -> torch.Tensor:
     """A host array in pinned memory (where CUDA is), so that its upload need not wait for the device."""
     t = torch.from_numpy(np.ascontiguousarray(a))
     return t.pin_memory() if torch.cuda.is_available() else t
@@ -106,4 +106,4 @@ def decode_attention(
     return out.reshape(n, heads, dim).to(q.dtype)
 
 
-__all__ = ["BlockTable", "decode_attention"]
+__all__ = ["BlockTable", "decode_attention", "pinned"]

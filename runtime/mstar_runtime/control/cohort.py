@@ -33,7 +33,7 @@ row could not push when it leaves is handed to its task, which pushes it with ba
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -73,10 +73,8 @@ class Member:
     key: tuple[str, str]  # (request id, tag): its KV context
     row: int
     join_len: int  # KV tokens when it joined
-    first_step: int  # the cohort step index of its first step
-    pending_flag: Any  # the loop's `until` flag bound before the loop (checked at the first step), or None
+    pending_flag: Any  # the loop's `until` flag bound before the loop (read after its first launch), or None
     alive: bool = True
-    hist: dict[str, list[np.ndarray]] = field(default_factory=dict)  # per item port: flushed item blocks
 
 
 class Cohort:
@@ -92,7 +90,6 @@ class Cohort:
         self.fail = fail  # fails one request (its row goes with it)
         mark = op["cohort"]
         call = op["body"]["body"][0]
-        self.call = call
         self.port_of = {name: port for port, name in call["results"]}  # result var -> port
         self.shape = CohortShape(call["phase"], tuple(tuple(f) for f in mark["fed"]), tuple(mark["invariant"]),
                                  tuple(ports))
@@ -137,7 +134,7 @@ class Cohort:
         row = self.n
         length = self.bm.seq_len(key)
         pending = enter.env.get(self.op["until"]) if self.until_port is not None else None
-        m = Member(request, task, enter, key, row, length, self.step_index, pending)
+        m = Member(request, task, enter, key, row, length, pending)
         fed = {in_port: enter.inputs[in_port] for in_port, _ in self.shape.fed}
         inv = {port: enter.inputs[port] for port in self.shape.invariant}
         self.worker.cohort_join(self.key, row, request.id, state_tag, fed, inv, self.bm.page_table(key), length)
@@ -319,7 +316,7 @@ class Cohort:
         best = np.iinfo(np.int64).max
         for sid, port in self.feeds:
             buf: StreamBuffer = m.request.buffers[sid]
-            pushed = int(self.pushed[port][r]) if self.n > r else 0
+            pushed = int(self.pushed[port][r])
             if pushed < int(self.nitems[port][r]):
                 return int(self.nitems[port][r])  # items still wait for room: try at the next step
             best = min(best, buf.next_ready_at(pushed))

@@ -91,8 +91,7 @@ class Cohort:
         mark = op["cohort"]
         call = op["body"]["body"][0]
         self.port_of = {name: port for port, name in call["results"]}  # result var -> port
-        self.shape = CohortShape(call["phase"], tuple(tuple(f) for f in mark["fed"]), tuple(mark["invariant"]),
-                                 tuple(ports))
+        self.shape = cohort_shape(op, ports)
         self.emits: list[tuple[str, str]] = [tuple(e) for e in mark["emits"]]  # (output, port)
         self.feeds: list[tuple[str, str]] = [(f["stream"], f["port"]) for f in call.get("feeds", ())]
         self.until_port = self.port_of.get(op["until"]) if op.get("dynamic") else None
@@ -392,6 +391,12 @@ class Cohort:
         self.worker.cohort_shrink(self.key, self.n)
 
 
+def cohort_shape(op: dict[str, Any], ports: dict[str, PortSpec]) -> CohortShape:
+    """What the worker's columns need to know of a marked loop's call (from its `cohort` mark)."""
+    mark, call = op["cohort"], op["body"]["body"][0]
+    return CohortShape(call["phase"], tuple(tuple(f) for f in mark["fed"]), tuple(mark["invariant"]), tuple(ports))
+
+
 def port_specs(node_outputs: dict[str, Any], phase_outputs: tuple[str, ...]) -> dict[str, PortSpec]:
     """The PortSpecs of a phase's outputs from the plan's port types."""
     specs = {}
@@ -407,4 +412,4 @@ def port_specs(node_outputs: dict[str, Any], phase_outputs: tuple[str, ...]) -> 
     return specs
 
 
-__all__ = ["Cohort", "CohortKey", "PortSpec", "port_specs"]
+__all__ = ["Cohort", "CohortKey", "PortSpec", "cohort_shape", "port_specs"]

@@ -50,7 +50,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mstar_runtime.control.cohort import Cohort, CohortKey, port_specs
+from mstar_runtime.control.cohort import Cohort, CohortKey, cohort_shape, port_specs
 from mstar_runtime.control.interpreter import (
     CohortExit,
     EnterCohort,
@@ -71,7 +71,6 @@ from mstar_runtime.control.interpreter import (
 from mstar_runtime.control.scheduler import GroupKey, KVPages, Scheduler, Standing
 from mstar_runtime.control.streams import StreamBuffer, StreamError, policy_from_spec
 from mstar_runtime.control.validate import TORCH_DTYPES, validate_inputs
-from mstar_runtime.engine.cohort_engine import CohortShape
 from mstar_runtime.engine.engines import KVSlots, StepEntry
 from mstar_runtime.kv.block_manager import OutOfPages
 from mstar_runtime.ops.node import KVNode, NodeSpec, RequestError
@@ -461,8 +460,7 @@ class Conductor:
         max_len = self.plan.kv_pool(node, ranks[0]).max_seq_len
         rows = min(self.plan.max_batch, self.scheduler.node_limits.get(node, self.plan.max_batch))
         ports = port_specs(info.raw["outputs"], info.phases[phase].outputs)
-        mark = op["cohort"]
-        shape = CohortShape(phase, tuple(tuple(f) for f in mark["fed"]), tuple(mark["invariant"]), tuple(ports))
+        shape = cohort_shape(op, ports)
         max_pages = -(-max_len // bm.page_size) + 1  # one more: a speculative step after the node's own limit
         if not worker.cohort_open(key, node, shape, rows, max_pages):
             self._no_cohort.add(key)

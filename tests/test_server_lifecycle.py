@@ -23,7 +23,23 @@ import pytest
 pytest.importorskip("fastapi", reason="the server needs the `serve` extra: pip install 'mstar[serve]'")
 pytest.importorskip("uvicorn", reason="the server needs the `serve` extra: pip install 'mstar[serve]'")
 
-from test_server_support import Server, compile_plan, get, metric, post, serving, wait_for  # noqa: E402
+from test_server_support import (  # noqa: E402
+    ROOT,
+    Reader,
+    Server,
+    compile_plan,
+    get,
+    metric,
+    ndjson_lines,
+    open_stream,
+    post,
+    read_all,
+    send_request,
+    serving,
+    wait_for,
+)
+
+from mstar_runtime.plan.loader import load_plan  # noqa: E402
 
 LONG = 1_000_000  # steps of `slow` that no test waits for (~20 min)
 
@@ -31,41 +47,6 @@ LONG = 1_000_000  # steps of `slow` that no test waits for (~20 min)
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return compile_plan(tmp_path_factory.mktemp("lifecycle"))
-
-
-def open_stream(base: str, path: str, body: dict) -> socket.socket:
-    """Send a request on a raw socket and return it once the response has started."""
-    host, port = base.removeprefix("http://").split(":")
-    s = socket.create_connection((host, int(port)), timeout=30)
-    data = json.dumps(body).encode()
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-    assert s.recv(12).startswith(b"HTTP/1.1 200")
-    return s
-
-
-def read_all(s: socket.socket, timeout: float) -> bytes:
-    s.settimeout(timeout)
-    out = b""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        chunk = s.recv(1 << 16)
-        if not chunk:
-            break
-        out += chunk
-        if out.endswith(b"0\r\n\r\n"):  # the last chunk of a chunked body
-            break
-    return out
-
-
-def ndjson_lines(raw: bytes) -> list[dict]:
-    """JSON objects of a chunked NDJSON body (the chunk-size lines are not JSON objects)."""
-    out = []
-    for line in raw.decode(errors="replace").splitlines():
-        line = line.strip()
-        if line.startswith("{") and line.endswith("}"):
-            out.append(json.loads(line))
-    return out
 
 
 @pytest.fixture
@@ -112,25 +93,49 @@ def test_chat_stream_disconnect(server: Server) -> None:
 
 
 # ----------------------------------------------------------------------------- SIGTERM
-def test_sigterm_drains_then_aborts(plan: Path) -> None:
-    with serving(plan, "--shutdown-timeout", "3") as server:
+def test_sigterm_drains_then_aborts(tmp_path: Path) -> None:
+    """SIGTERM stops admission; requests in flight run on through the drain window; those
+    still running when it ends are aborted with finish reason "shutdown".
+
+    Nothing here depends on how many steps the machine runs per second. The plan admits
+    two requests at a time (max_batch 2), and both slots hold `slow` requests of LONG steps,
+    which provably cannot finish within the window. The short request therefore waits in the
+    queue when SIGTERM arrives: it cannot start, let alone end, before the signal. The test
+    then hangs up one long request (the client leaves: cancelled), which frees a slot; the
+    short request runs its three steps inside the window and ends with "done" while the
+    other long request is still running; that one is aborted when the window closes."""
+    placement = tmp_path / "cpu_b2.yaml"
+    placement.write_text((ROOT / "placements/cpu.yaml").read_text().replace("max_batch: 8", "max_batch: 2"))
+    plan2 = compile_plan(tmp_path, placement=str(placement), extra=("slow",))
+    assert load_plan(plan2).max_batch == 2
+    drain, short_steps = 5, 3
+    with serving(plan2, "--shutdown-timeout", str(drain)) as server:
         base = server.base
-        short = open_stream(base, "/v1/walks/slow", {"inputs": {"steps": 800}})  # ~1 s: finishes in the drain
-        long = open_stream(base, "/v1/walks/slow", {"inputs": {"steps": LONG}})  # aborted after 3 s
+        leaving = Reader(open_stream(base, "/v1/walks/slow", {"inputs": {"steps": LONG}}))
+        staying = Reader(open_stream(base, "/v1/walks/slow", {"inputs": {"steps": LONG}}))
+        short = Reader(send_request(base, "/v1/walks/slow", {"inputs": {"steps": short_steps}}))
+        wait_for(lambda: metric(base, "mstar_requests_running") == 2 and metric(base, "mstar_queue_depth") == 1,
+                 30, "two long requests running and the short one queued")
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: get(base + "/health")[0] == 503, 10, "/health to report draining")
         assert json.loads(get(base + "/health")[1]) == {"status": "draining"}
         status, raw = post(base + "/v1/walks/chat", {"inputs": {"prompt": "late"}})
         assert status == 503 and json.loads(raw)["error"]["code"] == "shutting_down"
-        short_lines = ndjson_lines(read_all(short, 30))
-        long_lines = ndjson_lines(read_all(long, 30))
-        assert short_lines[-1]["type"] == "done" and len(short_lines) == 801
+        assert metric(base, "mstar_queue_depth") == 1 and not short.ended.is_set()  # still waiting for a slot
+        leaving.hang_up()  # frees a slot: the short request starts inside the drain window
+        short_raw = short.result(60)
+        assert short_raw.startswith(b"HTTP/1.1 200"), short_raw[:200]
+        short_lines = ndjson_lines(short_raw)
+        assert short_lines[-1]["type"] == "done" and len(short_lines) == short_steps + 1, short_lines[-1]
+        assert not staying.ended.is_set()  # the short one finished inside the window, before the abort
+        long_lines = ndjson_lines(staying.result(60))
         assert long_lines[-1]["type"] == "error" and long_lines[-1]["finish_reason"] == "shutdown"
         assert "shut down" in long_lines[-1]["error"]["message"]
         assert server.proc.wait(30) == 0
-        assert time.monotonic() - t0 >= 2.5  # the long request had its drain window
-        assert "draining 2 request(s)" in server.output() and "aborting 1 request(s)" in server.output()
+        assert time.monotonic() - t0 >= drain - 0.5  # the long request had its whole drain window
+        out = server.output()
+        assert "draining 3 request(s)" in out and "aborting 1 request(s)" in out, out
 
 
 def test_sigterm_when_idle_exits_at_once(plan: Path) -> None:

@@ -4,7 +4,9 @@ The plan is the test family (tiny) plus four walks this file appends to its mode
 route has a walk and lifecycle tests have a request that runs as long as they need:
 `tts` (text -> streamed audio through the sliding-window codec), `t2i` and `edit` (a flow
 latent as an image; `edit` takes an image input), and `slow` (holds a KV context and
-streams one latent per flow step, `steps` steps: about 1 ms each on CPU).
+streams one latent per flow step, `steps` steps: about 1 ms each on CPU). `tts_long` is a
+second `tts` walk (so it replaces `tts`, never beside it) that streams one 32-sample audio
+chunk per flow step for `steps` steps: a speech stream that runs as long as a test needs.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -76,11 +80,25 @@ EXTRA_WALKS: dict[str, str] = {
     }
   }
 """,
+    "tts_long": """
+  walk tts(text: str, steps: int = 100) -> (audio: f32[N, latent_dim]) {
+    ids = prompt.encode(text = text)
+    lm.prefill(tokens = ids, max_new = 1) @main
+    x = flow.init(seed = 0)
+    loop n = steps max = 1000000 index i carry x {
+      t, dt = flow.time(index = i, steps = steps)
+      v = lm.denoise(x = x, t = t) @main
+      x = flow.step(x = x, v_cond = v, v_uncond = v, dt = dt, scale = 1.0)
+      emit audio += x
+    }
+  }
+""",
 }
+DEFAULT_EXTRA = ("tts", "t2i", "edit", "slow")
 
 
 def compile_plan(out_dir: Path, placement: str = "placements/cpu.yaml",
-                 extra: tuple[str, ...] = tuple(EXTRA_WALKS)) -> Path:
+                 extra: tuple[str, ...] = DEFAULT_EXTRA) -> Path:
     """The test family (tiny) with the `extra` walks of EXTRA_WALKS appended, compiled for `placement`."""
     from mstarc.cli import main as mstarc
 
@@ -118,6 +136,84 @@ def metric(base: str, name: str, labels: str = "") -> float:
         if line.startswith(key + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def send_request(base: str, path: str, body: object) -> socket.socket:
+    """Send a POST on a raw socket; the socket, before any of the response has arrived."""
+    host, port = base.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=30)
+    data = json.dumps(body).encode()
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def open_stream(base: str, path: str, body: object) -> socket.socket:
+    """Send a request on a raw socket and return it once the response has started (a 200)."""
+    s = send_request(base, path, body)
+    assert s.recv(12).startswith(b"HTTP/1.1 200")
+    return s
+
+
+def read_all(s: socket.socket, timeout: float) -> bytes:
+    s.settimeout(timeout)
+    out = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        chunk = s.recv(1 << 16)
+        if not chunk:
+            break
+        out += chunk
+        if out.endswith(b"0\r\n\r\n"):  # the last chunk of a chunked body
+            break
+    return out
+
+
+def ndjson_lines(raw: bytes) -> list[dict]:
+    """JSON objects of a chunked NDJSON body (the chunk-size lines are not JSON objects)."""
+    out = []
+    for line in raw.decode(errors="replace").splitlines():
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            out.append(json.loads(line))
+    return out
+
+
+class Reader:
+    """Reads a response on a raw socket to its end on a thread, so that a test can hold
+    several streams open without any of them stalling the server on a full socket."""
+
+    def __init__(self, s: socket.socket, timeout: float = 120.0):
+        self.sock = s
+        self.data = b""
+        self.ended = threading.Event()
+        s.settimeout(timeout)
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                chunk = self.sock.recv(1 << 16)
+                if not chunk:
+                    break
+                self.data += chunk
+                if self.data.endswith(b"0\r\n\r\n"):  # the last chunk of a chunked NDJSON body
+                    break
+        except OSError:
+            pass
+        finally:
+            self.ended.set()
+
+    def result(self, timeout: float) -> bytes:
+        assert self.ended.wait(timeout), f"the response did not end within {timeout} s"
+        return self.data
+
+    def hang_up(self) -> None:
+        """Close the connection as a client that leaves does."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.ended.wait(30)
+        self.sock.close()
 
 
 def wait_for(pred, timeout: float, what: str, every: float = 0.05) -> None:  # noqa: ANN001

@@ -170,8 +170,9 @@ def test_dead_worker_fails_requests_and_health(tmp_path: Path) -> None:
                    for pid in workers)
 
 
-def test_dead_engine_thread(plan: Path) -> None:
-    """In process: the engine thread dies mid-request; the request fails with 503, /health is 503."""
+def test_dead_engine_thread(plan: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """In process: the engine thread dies mid-request; the request fails with 503, /health is 503.
+    The client gets the stable message; the exception is in the server log."""
     httpx = pytest.importorskip("httpx")
     from mstar_runtime.api import MStar
     from mstar_runtime.serve.server import ServeConfig, create_app
@@ -198,9 +199,14 @@ def test_dead_engine_thread(plan: Path) -> None:
                 health = await c.get("/health")
                 return r.status_code, r.json(), health.status_code
 
-        status, body, health = asyncio.run(scenario())
-        assert status == 503 and "injected engine fault" in body["error"]["message"]
+        with caplog.at_level("ERROR", logger="mstar_runtime.serve.server"):
+            status, body, health = asyncio.run(scenario())
+        assert status == 503 and body["error"]["code"] == "engine_unavailable"
+        assert "the engine thread stopped" in body["error"]["message"]
+        assert "injected" not in body["error"]["message"]
         assert health == 503
+        logged = [r.getMessage() for r in caplog.records if r.name == "mstar_runtime.serve.server"]
+        assert len([x for x in logged if "injected engine fault" in x]) == 1, logged
     finally:
         done = threading.Event()
         threading.Thread(target=lambda: (m.close(), done.set()), daemon=True).start()

@@ -222,7 +222,7 @@ async def start_flight(state: ServerState, request: Request, route: str, walk: s
         handle: RequestHandle = state.m.submit(walk, inputs, timeout=timeout)
     except Exception as e:
         state.metrics.rejected(walk)
-        raise submit_error(e, fields) from None
+        raise submit_error(e, fields, state.engine_problem()) from None
     flight = Flight(state, handle, route, request.receive, fields, primary, t0)
     flight.client_timeout = timeout is not None
     return flight

@@ -4,7 +4,11 @@ Errors. Every failure a client can cause or see is an `ApiError`: an HTTP status
 OpenAI body `{"error": {"message", "type", "param", "code"}}`, where `param` names the
 request field at fault in the route's own vocabulary (`messages`, `input`, `inputs.prompt`),
 not the walk's port names. `submit_error` maps what `MStar.submit` raises and
-`failure_error` what a request that already ran ended with (`RequestFailed`).
+`failure_error` what a request that already ran ended with (`RequestFailed`). What is not
+the client's business stays in the server log: a dead engine or a lost worker reaches
+clients as one stable message (`ENGINE_STOPPED`, `WORKER_LOST`), never with the worker's
+pid, exit status and stderr or the transport's source paths, peer addresses and ports; an
+internal error (a node bug) as a message naming only the request id.
 
 Flight. One submitted request as a route serves it: it counts as in flight (the drain on
 SIGTERM waits for it), streams the handle's appended outputs while watching the client's
@@ -16,6 +20,7 @@ in the metrics.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -34,6 +39,12 @@ INVALID = "invalid_request_error"
 SERVER = "server_error"
 NOT_FOUND = "not_found_error"
 T = TypeVar("T")
+
+# what clients are told about a dead engine or worker (`ServerState.engine_problem`)
+ENGINE_STOPPED = "the engine thread stopped"
+WORKER_LOST = "a worker process was lost"
+
+log = logging.getLogger("mstar_runtime.serve.server")
 
 Receive = Callable[[], Awaitable[Mapping[str, Any]]]
 
@@ -59,14 +70,21 @@ def bad_request(message: str, param: str | None, code: str = "invalid_value") ->
     return ApiError(400, message, param=param, code=code)
 
 
-def submit_error(e: Exception, fields: Mapping[str, str]) -> ApiError:
+def engine_unavailable(message: str) -> ApiError:
+    """503 `engine_unavailable`: `message` holds only the stable words of `engine_problem`."""
+    return ApiError(503, f"{message}; restart the server (the details are in its log)", type=SERVER,
+                    code="engine_unavailable")
+
+
+def submit_error(e: Exception, fields: Mapping[str, str], engine_problem: str | None = None) -> ApiError:
     """What `MStar.submit` raised, as the route's error. `fields` maps walk inputs to request fields."""
     if isinstance(e, UnknownWalk):
         return ApiError(404, str(e), type=NOT_FOUND, param="walk", code="walk_not_found")
     if isinstance(e, RequestError):
         return bad_request(str(e), fields.get(e.field or "", e.field))
-    if isinstance(e, EngineClosed):
-        return ApiError(503, f"the engine is not serving: {e}", type=SERVER, code="engine_unavailable")
+    if isinstance(e, EngineClosed):  # its text is the engine's own (a traceback's last line): log only
+        log.warning("a request was refused: the engine is closed (%s)", e)
+        return engine_unavailable(f"the engine is not serving: {engine_problem or 'it is closed'}")
     raise e
 
 
@@ -79,15 +97,15 @@ def failure_error(e: RequestFailed, fields: Mapping[str, str], primary: str | No
     blamed on the route's `primary` field). The conductor's "can never fit" (no field: the
     API has no structured kind for it, so its wording is matched) is 413. Timeouts,
     shutdowns and a dead engine are 504/503 (a timeout the client chose itself is its 408);
-    anything else is the server's fault, 500.
+    anything else is the server's fault, 500. Neither a 503 for a dead engine nor a 500
+    carries the engine's message (see the module docstring): `Flight.error_for` logs it.
     """
     if e.finish_reason == "timeout":
         if client_timeout:
             return ApiError(408, f"{e.message} (the request's own timeout)", param="timeout", code="timeout")
         return ApiError(504, e.message, type=SERVER, code="timeout")
     if e.finish_reason == "shutdown":
-        return ApiError(503, f"the server shut down before the request finished: {e.message}", type=SERVER,
-                        code="shutdown")
+        return ApiError(503, "the server shut down before the request finished", type=SERVER, code="shutdown")
     if e.finish_reason == "cancelled":
         return ApiError(499, e.message, type=SERVER, code="cancelled")
     if e.field is not None:
@@ -95,8 +113,9 @@ def failure_error(e: RequestFailed, fields: Mapping[str, str], primary: str | No
     if "can never fit" in e.message:
         return ApiError(413, e.message, param=primary, code="request_too_large")
     if engine_problem is not None:
-        return ApiError(503, f"the engine failed: {e.message}", type=SERVER, code="engine_unavailable")
-    return ApiError(500, e.message, type=SERVER, code="internal_error")
+        return engine_unavailable(f"the engine failed while running the request: {engine_problem}")
+    return ApiError(500, f"request {e.request_id} failed inside the engine (an internal error; the server "
+                    "log has the details)", type=SERVER, code="internal_error")
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -161,7 +180,13 @@ class Flight:
         return str(summary["state"])
 
     def error_for(self, e: RequestFailed) -> ApiError:
-        return failure_error(e, self.fields, self.primary, self.state.engine_problem(), self.client_timeout)
+        """The error to answer for `e`; what the client is not told goes to the log."""
+        err = failure_error(e, self.fields, self.primary, self.state.engine_problem(), self.client_timeout)
+        if err.status == 500:
+            log.error("request %s (walk '%s') failed: %s", e.request_id, self.walk, e.message)
+        elif err.code == "engine_unavailable":  # unless it is the engine's fault, logged already
+            self.state.log_fault(e.message, f"request {e.request_id} (walk '{self.walk}') failed: {e.message}")
+        return err
 
     def fail_early(self, e: RequestFailed | ClientGone) -> ApiError:
         """End a request that failed (or whose client left) before its response started: the error to send."""
@@ -242,4 +267,5 @@ class Flight:
             self.audio_samples += audio_samples(value)
 
 
-__all__ = ["ApiError", "ClientGone", "Flight", "bad_request", "failure_error", "submit_error"]
+__all__ = ["ENGINE_STOPPED", "WORKER_LOST", "ApiError", "ClientGone", "Flight", "bad_request", "engine_unavailable",
+           "failure_error", "submit_error"]

@@ -9,9 +9,11 @@ left at their defaults); extra body keys that are walk inputs pass through (`see
 true` (or `stream_format: "audio"`) chunks are sent as the walk decodes them (a WAV header
 of unknown length first); with `stream_format: "sse"`, OpenAI's `speech.audio.delta`
 events carry base64 chunks and `speech.audio.done` ends the stream. Streams start once the
-first chunk exists (or the walk ended), so early failures are still 4xx; a raw stream that
-fails later is cut off (the connection closes without the final chunk: clients see an
-incomplete body), an SSE stream ends with an `error` event.
+first chunk exists (or the walk ended), so early failures are still 4xx. A raw stream that
+fails later (a shutdown abort, a lost worker) has no way to say so inside the audio: it
+ends cleanly, shorter (the chunked body is terminated, so clients read a complete but
+truncated file, not a protocol error), and the server logs one line with the reason; an
+SSE stream ends with an `error` event.
 
 Images. `b64_json` PNGs only (there is no file host for `url`); `n` images are `n` requests
 (seeds `seed + i` when the walk takes a `seed`, so they differ); `size` goes to `width` /
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -55,6 +58,7 @@ if TYPE_CHECKING:
     from mstar_runtime.serve.server import ServerState, WalkRole
 
 MEDIA = {"wav": "audio/wav", "pcm": "audio/pcm"}
+log = logging.getLogger("mstar_runtime.serve.server")
 
 
 def install(app: FastAPI, state: ServerState) -> None:
@@ -152,11 +156,19 @@ async def _stream_speech(flight: Flight, role: WalkRole, fmt: str, rate: int, ss
                 yield pcm16(value)
 
     async def raw() -> AsyncIterator[bytes]:
+        sent = 0
         try:
             async for c in chunks():
                 if c:
                     yield c
+                    sent += len(c)
             flight.outcome = "finished"
+        except RequestFailed as e:
+            # raw audio cannot carry an error: the body ends cleanly (the client has a shorter
+            # file, not a protocol error) and the log says why, in one line
+            message = " ".join(flight.error_for(e).message.split())
+            log.warning("request %s (%s): the %s audio stream ended early after %d bytes: %s",
+                        e.request_id, flight.walk, fmt, sent, message)
         except ClientGone:  # the client left mid-stream: nobody to tell; the flight cancels the request
             return
         finally:

@@ -21,7 +21,8 @@ Lifecycle (`ServerState`):
   and uvicorn exits. A second signal exits at once;
 - a client that disconnects cancels its request (`server_common.Flight`), freeing its pages;
 - a dead engine thread or worker process turns `/health` to 503; its in-flight requests
-  fail with the engine's message (503), new ones are refused.
+  fail (503), new ones are refused, all with one stable message (`ENGINE_STOPPED`,
+  `WORKER_LOST`); the details (pids, exit signals, stderr, transport errors) are logged once.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from mstar_runtime.api import MStar
 from mstar_runtime.plan.loader import Plan, load_plan
-from mstar_runtime.serve.common import SERVER, ApiError
+from mstar_runtime.serve.common import ENGINE_STOPPED, SERVER, WORKER_LOST, ApiError, engine_unavailable
 from mstar_runtime.serve.io import sample_rate
 from mstar_runtime.serve.metrics import Metrics
 from mstar_runtime.serve.text import TextCodec
@@ -159,6 +160,7 @@ class ServerState:
         self.flights: set[Flight] = set()
         self.draining = False
         self._idle = asyncio.Event()
+        self._logged_faults: set[str] = set()
         self.text = (TextCodec(m.plan, self.walks.chat.walk, self.walks.chat.text_input, config.weights)
                      if self.walks.chat is not None else None)
 
@@ -167,21 +169,41 @@ class ServerState:
         return sample_rate(self.plan.config)
 
     def engine_problem(self) -> str | None:
-        """Why the engine cannot serve, or None. Reads MStar's private `_dead` and `_thread`:
-        the API has no public health property (see docs/serving.md)."""
+        """Why the engine cannot serve, in the stable words clients get (`ENGINE_STOPPED`,
+        `WORKER_LOST`), or None. The details (a worker's pid, exit signal and stderr, the
+        transport's errors with their source paths and peer addresses) are for the server
+        log only: logged once, when first seen."""
+        fault = self._engine_fault()
+        if fault is None:
+            return None
+        public, detail = fault
+        self.log_fault(detail, f"the engine stopped serving: {detail}")
+        return public
+
+    def log_fault(self, detail: str, line: str) -> None:
+        """Log `line` (an error) unless `detail` was logged already: each fault once."""
+        if detail not in self._logged_faults:
+            self._logged_faults.add(detail)
+            log.error("%s", line)
+
+    def _engine_fault(self) -> tuple[str, str] | None:
+        """(stable message, details) of a dead engine or worker. Reads MStar's private `_dead`,
+        `_closing` and `_thread`: the API has no public health property (see docs/serving.md)."""
         dead = getattr(self.m, "_dead", None)
         if dead:
-            return str(dead)
+            return ENGINE_STOPPED, str(dead)
+        if getattr(self.m, "_closing", False):  # closed on purpose (the shutdown abort): no fault
+            return None
         thread = getattr(self.m, "_thread", None)
         if thread is not None and not thread.is_alive():
-            return "the engine thread has stopped"
+            return ENGINE_STOPPED, "the engine thread has stopped"
         broken = self.m.conductor.broken
         if broken:
-            return f"a worker was lost: {broken}"
+            return WORKER_LOST, str(broken)
         for rank, worker in self.m.conductor.workers.items():
             alive = getattr(worker, "alive", None)
             if callable(alive) and not alive():
-                return f"the worker process of rank {rank} is not running"
+                return WORKER_LOST, f"the worker process of rank {rank} is not running"
         return None
 
     def admit(self, walk: str) -> None:
@@ -191,7 +213,7 @@ class ServerState:
             problem = ApiError(503, "the server is shutting down and admits no new requests", type=SERVER,
                                code="shutting_down", headers={"Retry-After": "5"})
         elif (dead := self.engine_problem()) is not None:
-            problem = ApiError(503, f"the engine is not serving: {dead}", type=SERVER, code="engine_unavailable")
+            problem = engine_unavailable(f"the engine is not serving: {dead}")
         elif len(self.flights) >= self.config.max_pending:
             problem = ApiError(503, f"the server has {len(self.flights)} requests in flight (max_pending "
                                f"{self.config.max_pending}); retry later", type=SERVER, code="overloaded",

@@ -10,6 +10,17 @@ Ensures:  `model.cuda_graphs` lists one `GraphCaptureIR` per captured (node, pha
           A fixed-count `Loop` whose body is only captured calls on one rank with no
           streams, emits or nested loops is captured whole (kind "loop"): e.g. a
           multi-token code-predictor loop becomes one replay per outer step.
+          A KV phase with symbolic input dims is captured too when it is a recurrent loop
+          step: a loop calls it with its own outputs of the previous iteration (each carried
+          input comes back from the same call through an output port of the same declared
+          type, so its shape stays the same for the whole loop) and everything else it takes
+          is fixed for the loop (defined outside it) or a scalar. Such a step keeps its size
+          per request (e.g. the V-JEPA predictor's rollout `step`, one frame block per
+          trajectory), so a batch of entries of the size the node declares (its
+          `graph_step_tokens`, engine/graphs.py) replays one graph per bucket, and the
+          runtime runs any other batch of it eagerly. (The memory pass's graph-pool estimate
+          covers fixed-shape phases only; a recurrent step's graphs live in the pool's
+          headroom, bounded by the runtime's tokens-per-graph cap.)
           A node setting `cuda_graphs = false` opts a node out; nodes without weights (no
           `arch`: tokenizers, samplers, schedulers) run on the host and are never captured,
           as the memory pass assumes. CPU ranks capture nothing.
@@ -70,14 +81,16 @@ def cuda_graphs(model: I.ModelIR) -> I.ModelIR:
     steps: dict[tuple[str, str, int], list[str]] = {}
     capturable: dict[str, bool] = {}
     for walk in model.walks.values():
+        recurrent = _recurrent_steps(model, walk)
         for c in I.walk_calls(walk):
             node = model.nodes[c.node]
             phase = node.phases[c.phase]
             ranks = pl.call_ranks[c.id]
-            ok = (ranks[0] in cuda_ranks and node.arch is not None  # weightless nodes are host-side logic
-                  and node.settings.get("cuda_graphs", True) is not False and _fixed_shape(node, phase))
-            capturable[c.id] = ok
-            if ok:
+            graphed = (ranks[0] in cuda_ranks and node.arch is not None  # weightless nodes are host-side logic
+                       and node.settings.get("cuda_graphs", True) is not False)
+            ok = graphed and _fixed_shape(node, phase)
+            capturable[c.id] = ok  # whole-loop captures take fixed-shape steps only
+            if ok or (graphed and c.id in recurrent):
                 for r in ranks:
                     steps.setdefault((c.node, c.phase, r), []).append(c.id)
     buckets = batch_buckets(max_batch)
@@ -91,6 +104,66 @@ def cuda_graphs(model: I.ModelIR) -> I.ModelIR:
                                                tuple(c.id for c in _calls(loop.body)), buckets))
     captures.sort(key=lambda g: (g.rank, g.kind, g.key))
     return dataclasses.replace(model, cuda_graphs=tuple(captures))
+
+
+def _recurrent_steps(model: I.ModelIR, walk: I.WalkIR) -> set[str]:
+    """Ids of the KV calls of `walk` that a loop runs as a recurrent step (module docstring)."""
+    out: set[str] = set()
+    for loop in (r for r in I.iter_regions(walk.body) if isinstance(r, I.Loop)):
+        defined = _defined_in(loop.body) | set(loop.carry) | ({loop.index} if loop.index else set())
+        for c in _own_calls(loop.body):
+            node = model.nodes[c.node]
+            if node.engine != "kv":
+                continue
+            phase = node.phases[c.phase]
+            produced = dict(zip(c.results, phase.outputs))  # value -> the output port that binds it
+            fed_back, ok = False, True
+            for port in phase.inputs:
+                t = node.inputs[port].type
+                arg = c.args.get(port)
+                if t.kind in ("str", "image"):
+                    ok = False
+                elif t.kind != "tensor" or not isinstance(arg, I.Var):
+                    continue  # a scalar or a constant: no shape
+                elif arg.name in loop.carry and arg.name in produced:
+                    out_port = node.outputs.get(produced[arg.name])
+                    ok = ok and out_port is not None and out_port.type == t
+                    fed_back = True
+                elif arg.name in defined:
+                    ok = False  # made inside the loop by something else: its shape may change
+            if ok and fed_back:
+                out.add(c.id)
+    return out
+
+
+def _own_calls(region: I.Region) -> list[I.Call]:
+    """The calls of a loop body, not those of nested loops (their own loop decides)."""
+    if isinstance(region, I.Call):
+        return [region]
+    if isinstance(region, I.Seq):
+        return [c for r in region.body for c in _own_calls(r)]
+    if isinstance(region, I.Parallel):
+        return [c for b in region.branches for c in _own_calls(b.body)]
+    if isinstance(region, I.OnStream):
+        return _own_calls(region.body)
+    return []
+
+
+def _defined_in(region: I.Region) -> set[str]:
+    """Every value name bound anywhere inside `region`."""
+    names: set[str] = set()
+    for r in I.iter_regions(region):
+        if isinstance(r, I.Call):
+            names.update(r.results)
+        elif isinstance(r, I.Acc):
+            names.add(r.name)
+        elif isinstance(r, I.OnStream):
+            names.add(r.name)
+        elif isinstance(r, I.Loop):
+            names.update(r.carry)
+            if r.index:
+                names.add(r.index)
+    return names
 
 
 def _calls(region: I.Region) -> list[I.Call]:

@@ -11,7 +11,14 @@ One process, one device, the same (dummy or converted) weights for both sides:
 - one whole `plan` call (encode the current and goal images, CEM) with the walk's defaults
   for the variant, against the encoder module plus `reference.cem` (recompute rollouts);
 - `encode` of 8 frames (the encoder alone; no baseline: same module either way).
-Prints each ratio next to the cost model's prediction and writes the figures as JSON.
+Prints each ratio next to the cost model's prediction and writes the figures as JSON. Also:
+- the whole plan against its compute floor: the predictor FLOPs the plan needs (2 x params x
+  tokens processed, plus 4 x dim x layers x queries x keys of attention; the two encoder
+  images are left out, ~0.1 % of it) over the bf16 matmul peak measured in the same run
+  (`measure_bf16_peak`), and M*'s time as a multiple of that floor;
+- one request of the issue's target: encode 8 frames + the H = 30 single-trajectory rollout
+  (the sum of the two measured latencies; target < 100 ms);
+- whether the rollout step replayed CUDA graphs and the CEM's rows ran on FlashInfer.
 
 Cost model (per trajectory, P = 2 + tokens_per_frame = 258 tokens per step, T context frames):
   recompute: sum_{h<H} forward over (T+h)*P tokens          -> O(H^2) token-FLOPs, O(H^3) attention
@@ -70,6 +77,49 @@ def p50(fn: Callable[[], Any], repeats: int, warmup: int, device: str) -> tuple[
         sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times), result
+
+
+def measure_bf16_peak(device: str, n: int = 8192, repeats: int = 20) -> float:
+    """Dense bf16 matmul throughput in FLOP/s, measured now: `n x n @ n x n` with CUDA events
+    (the compute floor's denominator). On the CPU a float32 512-cube and wall time (a smoke figure)."""
+    if not device.startswith("cuda"):
+        n = 512
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        t0 = time.perf_counter()
+        for _ in range(3):
+            a @ b
+        return 2.0 * n**3 * 3 / (time.perf_counter() - t0)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    del a, b
+    torch.cuda.empty_cache()
+    return 2.0 * n**3 * repeats / seconds
+
+
+def plan_flops(cfg: dict[str, Any], params: int, samples: int, horizon: int, cem_steps: int, context: int = 1
+               ) -> dict[str, float]:
+    """Predictor FLOPs of a whole CEM plan: every iteration rolls `samples` rows out `horizon`
+    steps from `context` frames (the history once per iteration, shared by the rows)."""
+    d, depth = cfg["pred_dim"], cfg["pred_depth"]
+    per = 2 + cfg["tokens_per_frame"]
+    hist = (context - 1) * per
+    tokens = hist + samples * horizon * per  # per iteration
+    # history block i sees blocks 0..i; a row's block at step h sees the history and its h + 1 blocks
+    attn = sum(4.0 * d * depth * per * (i + 1) * per for i in range(context - 1))
+    attn += sum(4.0 * d * depth * samples * per * (hist + (h + 1) * per) for h in range(horizon))
+    dense = 2.0 * params * tokens
+    return {"plan_tokens": float(tokens * cem_steps), "plan_dense_flops": dense * cem_steps,
+            "plan_attention_flops": attn * cem_steps, "plan_flops": (dense + attn) * cem_steps}
 
 
 # ---------------------------------------------------------------------------- cost model
@@ -179,9 +229,30 @@ def main(argv: list[str] | None = None) -> int:
     t_enc, _ = p50(lambda: run("encode", {"frames": frames8}), args.repeats, args.warmup, dev)
     report["encode_8_frames_ms"] = t_enc * 1e3
     print(f"  encode 8 frames: {t_enc * 1e3:.2f} ms")
+    h30 = next((r for r in report["rollout"] if r["horizon"] == 30), None)
+    if h30 is not None and args.rows == 1:
+        request = t_enc * 1e3 + h30["mstar_ms"]
+        report["request_encode8_rollout30_ms"] = request
+        print(f"  one request (encode 8 frames + H=30 rollout, sum of the two): {request:.1f} ms "
+              f"(target < 100 ms: {'met' if request < 100 else 'missed'})")
+    report["step_graphs"] = graph_stats(worker)
+    print(f"  predictor.step CUDA graphs: {report['step_graphs']}")
 
     if not args.no_plan:
         report["plan"] = bench_plan(args, cfg, run, encoder, pred, ref, dev, g)
+        params = sum(p.numel() for name, p in node.named_parameters() if not name.startswith("extrinsics_encoder"))
+        k = report["plan"]
+        floor = plan_flops(cfg, params, k["samples"], k["rollout"], k["cem_steps"], context=1)
+        peak = measure_bf16_peak(dev)
+        floor_ms = floor["plan_flops"] / peak * 1e3
+        k.update(floor, predictor_params=params, bf16_peak_flops=peak, compute_floor_ms=floor_ms,
+                 floor_ratio=k["mstar_ms"] / floor_ms, row_attention=row_stats(worker))
+        print(f"  plan compute floor: {_si(floor['plan_flops'])}FLOP of predictor work "
+              f"(2 x {_si(params)} params x {_si(floor['plan_tokens'])} tokens "
+              f"+ {_si(floor['plan_attention_flops'])}FLOP attention) at the measured bf16 peak "
+              f"{_si(peak)}FLOP/s = {floor_ms:.1f} ms; M* {k['mstar_ms']:.1f} ms = "
+              f"{k['floor_ratio']:.2f}x the floor")
+        print(f"  CEM rows' attention: {k['row_attention']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
@@ -218,6 +289,32 @@ def bench_plan(args: argparse.Namespace, cfg: dict[str, Any], run: Callable[...,
           f"M* {t_m * 1e3:.1f} ms, recompute {t_r * 1e3:.1f} ms, {t_r / t_m:.2f}x "
           f"(model {res['predicted_ratio']:.2f}x for the predictor), trajectory max|diff| {diff:.2e}")
     return res
+
+
+def _si(x: float) -> str:
+    """1.34e15 -> '1.34 P' (the unit follows)."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}"
+    return f"{x:.3g} "
+
+
+def graph_stats(worker: Any) -> dict[str, Any]:
+    """The predictor step's GraphRunner: buckets, replays, whether capture failed (none off a GPU)."""
+    runner = worker.engines["predictor"].graph_runners.get("step")
+    if runner is None:
+        return {"graphed": False}
+    return {"graphed": runner.capture, "tokens_per_entry": runner.tokens, "buckets": runner.buckets,
+            "replays": runner.replays, "failed": runner.failed}
+
+
+def row_stats(worker: Any) -> dict[str, Any]:
+    """Which kernel served the CEM's per-row attention (FlashInfer plans made, or the reference)."""
+    node = worker.engines["predictor"].node
+    kernels = [k for k in getattr(node, "_row_kernels", {}).values() if k is not None]
+    if not kernels:
+        return {"kernel": "reference"}
+    return {"kernel": "flashinfer", "plans": sum(getattr(k, "plans", 0) for k in kernels)}
 
 
 if __name__ == "__main__":

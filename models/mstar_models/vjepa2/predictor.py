@@ -19,13 +19,24 @@ their history. Layout of the request's KV context (one tag):
     [step 1: row 0 block, ...] ...
 Row b attends to the history and to its own blocks only. With B == 1 that is exactly the
 contiguous block-causal sequence, and the step goes through the engine's `attn.attend`
-(`SeqPlan(mask="block_causal", block_size=2 + tokens_per_frame)`, paged, FlashInfer on GPU).
+(`SeqPlan(mask="block_causal", block_size=2 + tokens_per_frame)`, paged, FlashInfer on GPU)
+inside `attn.run_graphed`: its one new block sees the whole context, so on a GPU the engine
+replays it from a CUDA graph per batch bucket (`graph_step_tokens`: every entry of such a
+step adds exactly 2 + tokens_per_frame tokens; engine/graphs.py).
 With B > 1 no mask of the engine says "the history plus my own blocks", so the node attends
-per row itself: it writes the new K/V into its reserved slots of the paged pool and gathers
-each row's keys from the pool (`attn.extra["pool"]` / `["metadata"]`, the hook the engine
-provides for nodes that need more than `attend`). One step of all rows is still ONE entry,
-so all CEM samples of a request are one batched call whatever their number (the language's
-KV tags are static names, so a per-sample tag or fork is not expressible for S samples).
+per row itself (`attn.extra["pool"]` / `["metadata"]`, the hook the engine provides for
+nodes that need more than `attend`): `row_layout` splits the step into one attention entry
+per row (its block's queries; the pool slots of the history and of the row's own blocks as
+its keys), the node writes the new K/V into its reserved slots and runs FlashInfer over
+those token lists on a GPU (`flashinfer_backend.FlashInferRowPrefill`: pages of one token,
+one non-causal prefill for all rows of the step), else gathers each row's keys and runs SDPA.
+One step of all rows is still ONE entry of the engine, so all CEM samples of a request are one
+batched call whatever their number (the language's KV tags are static names, so a per-sample
+tag or fork is not expressible for S samples). That entry declares mask "full" to the engine:
+the engine's attention never serves it, and a block-causal declaration would make the engine's
+backend plan a q x kv custom mask of the whole step (400 rows x 258 tokens: 10^10 mask bits,
+whose 32-bit offsets overflow FlashInfer's plan, BENCHMARKS.md "negative dimension"; a failed
+custom-mask plan then sent every later custom-mask step of the backend to the reference).
 
 Phases (node state per (request, tag): T, history length, rows, steps done):
 - prefill(frames [T,N,E], states [T,7], actions [B,A,7]) writes history blocks 0..T-2 with
@@ -40,7 +51,10 @@ Outputs are in the node's compute dtype (f32 at the tiny size keeps float32 pari
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +72,9 @@ from mstar_runtime.ops.node import (
     RequestError,
     SeqPlan,
 )
+from mstar_runtime.ops.readback import upload, upload_tensor
+
+log = logging.getLogger(__name__)
 
 COND_TOKENS = 2  # action, state (3 with extrinsics, which the released model does not use)
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -89,6 +106,13 @@ class ACPredictor(KVNode):
         )
         self.predictor_norm = nn.LayerNorm(self.dim, eps=LN_EPS, device=dev, dtype=dt)
         self.predictor_proj = nn.Linear(self.dim, self.enc_dim, device=dev, dtype=dt)
+        # A single-trajectory step adds one block per entry over its whole context: the engine's
+        # GraphRunner replays it from CUDA graphs (engine/graphs.py)
+        self.graph_step_tokens = {"step": self.tokens_per_step}
+        # "auto": FlashInfer for the per-row attention of multi-row steps where it serves the
+        # pool, "reference": gathered keys and SDPA everywhere (tests compare the two)
+        self.row_attention = "auto"
+        self._row_kernels: dict[int, object | None] = {}  # id(pool) -> FlashInferRowPrefill or None
 
     @property
     def kv_geometry(self) -> KVGeometry:
@@ -106,6 +130,8 @@ class ACPredictor(KVNode):
             rows = shapes["actions"][0]
             if rows < 1:
                 raise RequestError("actions need at least one trajectory", "actions")
+            if rows > 1:  # the node attends per row itself; see the module docstring for "full"
+                return SeqPlan(rows * per, mask="full")
             return SeqPlan(rows * per, mask="block_causal", block_size=per)
         raise NodeError(f"node '{spec.name}' has no phase '{phase}'")
 
@@ -148,7 +174,7 @@ class ACPredictor(KVNode):
         parts, outs = [], []
         dev = self.spec.device  # walk inputs (the context pose, say) arrive on the host
         for entry, seq in zip(batch, attn.seqs):
-            frames, states, actions = (entry[k].to(dev) for k in ("frames", "states", "actions"))
+            frames, states, actions = (upload_tensor(entry[k], dev) for k in ("frames", "states", "actions"))
             steps = int(frames.shape[0])
             self._check_frames(frames, "frames")
             if tuple(states.shape) != (steps, self.action_encoder.in_features):
@@ -183,7 +209,7 @@ class ACPredictor(KVNode):
             st = seq.state
             if "T" not in st:
                 raise RequestError("predictor.step before predictor.prefill on this context", "actions")
-            actions = entry["actions"].to(self.spec.device)
+            actions = upload_tensor(entry["actions"], self.spec.device)
             rows, t = int(actions.shape[0]), st["T"] - 1 + st["done"]
             if t >= self.max_steps:
                 raise RequestError(f"step {t} is past the predictor's {self.max_steps} steps "
@@ -192,8 +218,8 @@ class ACPredictor(KVNode):
                 raise RequestError(f"step {t} needs actions[:, {t}]; got actions {list(actions.shape)}", "actions")
             if st["rows"] not in (None, rows):
                 raise RequestError(f"a rollout keeps its {st['rows']} trajectories; got {rows}", "actions")
-            frame = self._rows(entry["frame"].to(self.spec.device), rows, "frame")
-            state = self._rows(entry["state"].to(self.spec.device), rows, "state")
+            frame = self._rows(upload_tensor(entry["frame"], self.spec.device), rows, "frame")
+            state = self._rows(upload_tensor(entry["state"], self.spec.device), rows, "state")
             self._check_frames(frame, "frame")
             if seq.start != st["hist"] + st["done"] * rows * per:
                 raise NodeError(f"node '{self.spec.name}': KV context at {seq.start} tokens, expected "
@@ -220,35 +246,42 @@ class ACPredictor(KVNode):
         """Attention where row b of an entry sees the shared history and its own blocks only."""
         pool = attn.extra["pool"]
         meta = attn.extra["metadata"]
-        ps, per, dev = pool.page_size, self.tokens_per_step, pool.device
-        plans = []  # (first token, rows, new (pages, offsets), visible (pages, offsets) [rows, L])
-        offset = 0
-        for k, (seq, rows) in enumerate(zip(attn.seqs, rows_of)):
-            table = torch.tensor(meta.seqs[k].page_table, dtype=torch.long, device=dev)
-            hist, done = seq.state["hist"], seq.state["done"]
-            new = torch.arange(seq.start, seq.start + rows * per, device=dev)
-            own = (hist + torch.arange(done + 1, device=dev)[None, :, None] * rows * per
-                   + torch.arange(rows, device=dev)[:, None, None] * per
-                   + torch.arange(per, device=dev)[None, None, :]).flatten(1)  # [rows, (done+1)*per]
-            seen = torch.cat([torch.arange(hist, device=dev).expand(rows, -1), own], dim=1)
-            plans.append((offset, rows, (table[new // ps], new % ps), (table[seen // ps], seen % ps)))
-            offset += rows * per
+        entries = [RowEntry(seq.start, seq.state["hist"], seq.state["done"], rows, meta.seqs[k].page_table)
+                   for k, (seq, rows) in enumerate(zip(attn.seqs, rows_of))]
+        layout = row_layout(entries, self.tokens_per_step, pool.page_size, pool.device)
+        new_pages, new_offsets = layout.new_slots // pool.page_size, layout.new_slots % pool.page_size
+        kernel = self._row_kernel(pool, layout)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             data = pool.data[layer]
-            out = torch.empty_like(q)
-            for first, rows, (np_, no), (sp, so) in plans:
-                n = rows * per
-                data[np_, 0, no] = k[first : first + n].to(data.dtype)
-                data[np_, 1, no] = v[first : first + n].to(data.dtype)
-                keys = data[sp, 0, so].to(q.dtype).transpose(1, 2)  # [rows, H, L, hd]
-                vals = data[sp, 1, so].to(q.dtype).transpose(1, 2)
-                qr = q[first : first + n].view(rows, per, self.heads, self.head_dim).transpose(1, 2)
-                o = F.scaled_dot_product_attention(qr, keys, vals)
-                out[first : first + n] = o.transpose(1, 2).reshape(n, self.heads, self.head_dim)
-            return out
+            data[new_pages, 0, new_offsets] = k.to(data.dtype)
+            data[new_pages, 1, new_offsets] = v.to(data.dtype)
+            if kernel is not None:
+                return kernel.run(q, layer)
+            return row_attention_reference(q, pool, layer, layout, self.heads, self.head_dim)
 
         return attend
+
+    def _row_kernel(self, pool: Any, layout: RowLayout) -> Any:
+        """The FlashInfer row attention planned for this step, or None (the reference serves it)."""
+        if self.row_attention != "auto":
+            return None
+        key = id(pool)
+        if key not in self._row_kernels:
+            from mstar_runtime.kv.flashinfer_backend import row_prefill  # imports flashinfer lazily
+
+            self._row_kernels[key] = row_prefill(pool)
+        kernel = self._row_kernels[key]
+        if kernel is None:
+            return None
+        try:
+            kernel.plan(layout.qo_indptr, layout.kv_indptr, layout.visible, self.heads, None)  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 - the reference computes the same; say so once
+            log.warning("node '%s': FlashInfer per-row plan failed (%s: %s); per-row attention uses the "
+                        "reference from now on", self.spec.name, type(e).__name__, e)
+            self._row_kernels[key] = None
+            return None
+        return kernel
 
     # ------------------------------------------------------------------ checks
     def _check_frames(self, frames: torch.Tensor, port: str) -> None:
@@ -263,3 +296,76 @@ class ACPredictor(KVNode):
         if x.shape[0] == 1:
             return x.expand(rows, *x.shape[1:])
         raise RequestError(f"{port} has {x.shape[0]} rows; the actions have {rows} trajectories", port)
+
+
+# ---------------------------------------------------------------------------- rows as attention entries
+@dataclass(frozen=True)
+class RowEntry:
+    """One engine entry of a multi-row step, as the row split needs it."""
+
+    start: int  # KV tokens of the context before this step
+    hist: int  # shared history tokens at the front of the context
+    done: int  # steps already appended for every row
+    rows: int
+    page_table: Sequence[int]
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """A multi-row step as attention entries, one per row (all entries' rows, in packed order):
+    entry r's queries are packed rows qo_indptr[r]..qo_indptr[r+1]-1 (its new block) and it
+    sees the pool slots visible[kv_indptr[r]:kv_indptr[r+1]] (the history, then its own blocks
+    of every step so far, this one last), all of them (no mask within)."""
+
+    qo_indptr: list[int]
+    kv_indptr: list[int]
+    new_slots: torch.Tensor  # [tokens] long: where the step's new K/V go, in packed order
+    visible: torch.Tensor  # [kv_indptr[-1]] long: pool slots each row attends to
+    groups: list[tuple[int, int, int]]  # per engine entry: (first row, rows, keys per row)
+
+
+def row_layout(entries: Sequence[RowEntry], per: int, page_size: int, device: torch.device | str) -> RowLayout:
+    """Split a step's entries into rows (the module docstring's context layout: history, then
+    per step one block per row): positions come from the node state, slots from each entry's
+    page table (uploaded without a host wait), all on `device`."""
+    dev = torch.device(device)
+    qo, kv, groups = [0], [0], []
+    news, seen = [], []
+    row = 0
+    for e in entries:
+        length = e.hist + (e.done + 1) * per
+        table = upload(list(e.page_table), torch.long, dev)
+        new = torch.arange(e.start, e.start + e.rows * per, device=dev)
+        own = (e.hist + torch.arange(e.done + 1, device=dev)[None, :, None] * e.rows * per
+               + torch.arange(e.rows, device=dev)[:, None, None] * per
+               + torch.arange(per, device=dev)[None, None, :]).flatten(1)  # [rows, (done+1)*per]
+        pos = torch.cat([torch.arange(e.hist, device=dev).expand(e.rows, -1), own], dim=1).flatten()
+        news.append(table[new // page_size] * page_size + new % page_size)
+        seen.append(table[pos // page_size] * page_size + pos % page_size)
+        for _ in range(e.rows):
+            qo.append(qo[-1] + per)
+            kv.append(kv[-1] + length)
+        groups.append((row, e.rows, length))
+        row += e.rows
+    return RowLayout(qo, kv, torch.cat(news), torch.cat(seen), groups)
+
+
+def row_attention_reference(q: torch.Tensor, pool: Any, layer: int, layout: RowLayout, heads: int,
+                            head_dim: int) -> torch.Tensor:
+    """The rows' attention from gathered keys: per engine entry one SDPA over its rows (they
+    all see the same number of keys); what FlashInferRowPrefill computes."""
+    data = pool.data[layer]
+    ps = pool.page_size
+    out = torch.empty_like(q)
+    per = layout.qo_indptr[1] - layout.qo_indptr[0] if len(layout.qo_indptr) > 1 else 0
+    for first, rows, length in layout.groups:
+        a, b = layout.kv_indptr[first], layout.kv_indptr[first + rows]
+        slots = layout.visible[a:b]
+        pages, offsets = slots // ps, slots % ps
+        keys = data[pages, 0, offsets].to(q.dtype).view(rows, length, heads, head_dim).transpose(1, 2)
+        vals = data[pages, 1, offsets].to(q.dtype).view(rows, length, heads, head_dim).transpose(1, 2)
+        qa, qb = layout.qo_indptr[first], layout.qo_indptr[first + rows]
+        qr = q[qa:qb].view(rows, per, heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qr, keys, vals)
+        out[qa:qb] = o.transpose(1, 2).reshape(qb - qa, heads, head_dim)
+    return out

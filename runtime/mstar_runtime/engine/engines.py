@@ -28,9 +28,11 @@ step rather than once per layer). A node class may set `attention_scale` (defaul
 1/sqrt(head_dim)). On a GPU the worker passes `flashinfer_backend.select_backend(device)`.
 
 CUDA graphs (`graphs`: phase -> batch buckets, from the plan's `cuda_graphs` entries for
-this node and rank): the engine owns one `graphs.GraphRunner` per such phase and, for a
-decode batch that fits a bucket, binds it to the step as `attn.graph_runner`, so the node's
-`attn.run_graphed(fn, ...)` replays a captured graph. The pool then has one scratch page
+this node and rank): the engine owns one `graphs.GraphRunner` per such phase (its entries
+add one token each, or the fixed count the node declares in `graph_step_tokens`, e.g. the
+V-JEPA rollout step's frame block) and, for a batch that fits a bucket, binds it to the
+step as `attn.graph_runner`, so the node's `attn.run_graphed(fn, ...)` replays a captured
+graph. The pool then has one scratch page
 after the `num_pages` usable ones, for the pad rows. In such a step the backend's
 `prepare` and the eager slot tensor are made only if the node attends outside
 `run_graphed`.
@@ -53,7 +55,7 @@ from typing import Any
 
 import torch
 
-from mstar_runtime.engine.graphs import GraphRunner, graph_runners
+from mstar_runtime.engine.graphs import GraphRunner, graph_runners, graph_step_tokens
 from mstar_runtime.engine.stateless_graphs import Capture, StatelessGraphRunner, stateless_graph_runners
 from mstar_runtime.kv.attention import AttentionError, AttentionMetadata, KVPool, paged_attention
 from mstar_runtime.kv.block_manager import SlotCopy
@@ -199,7 +201,8 @@ class KVCacheEngine(_Engine):
         # `capture_graphs=False` keeps the padding but runs eagerly (CPU tests), None: capture on cuda
         self.graph_runners: dict[str, GraphRunner] = graph_runners(
             self.pool, graphs or {}, self.backend, self.scale, scratch_page=num_pages,
-            capture=capture_graphs, name=self.name,
+            capture=capture_graphs, name=self.name, tokens=graph_step_tokens(node, graphs or {}),
+            max_tokens=getattr(node, "graph_max_tokens", None),
         )
         self._states: dict[tuple[str, str], dict[str, Any]] = {}
         self._tags: dict[str, dict[str, None]] = {}  # request -> its tags holding a state, in order

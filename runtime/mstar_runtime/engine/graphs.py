@@ -1,4 +1,4 @@
-"""CUDA graphs for KV decode steps: pad to a batch bucket, capture once per bucket, replay.
+"""CUDA graphs for KV steps of a fixed size per entry: pad to a batch bucket, capture once per bucket, replay.
 
 (Stateless steps, such as a codec's fixed-window decode, have their own runner:
 runtime/mstar_runtime/engine/stateless_graphs.py.)
@@ -6,38 +6,53 @@ runtime/mstar_runtime/engine/stateless_graphs.py.)
 The `cuda-graphs` pass marks which (node, phase, rank) steps are captured and with which
 batch buckets. For such a phase the `KVCacheEngine` owns one `GraphRunner` and installs it,
 bound to the step, as `attn.graph_runner`; the node's `attn.run_graphed(fn, *tensors)` then
-lands in `GraphRunner._run` instead of calling `fn` directly. Only decode batches are
-graphed: every entry adds exactly one token (`q_len == 1`) and there are at most as many
-entries as the largest bucket. Anything else (prefill, mixed batches, bigger batches) never
-gets a runner and runs eagerly.
+lands in `GraphRunner._run` instead of calling `fn` directly. A runner serves steps whose
+entries all add the same number of tokens `Q` (the runner's `tokens`):
+- decode batches (`Q == 1`, the default): every entry adds one token;
+- fixed-block steps (`Q > 1`, a node declares it per phase with `graph_step_tokens`, e.g.
+  the V-JEPA predictor's rollout `step`: one frame block of 2 + tokens_per_frame tokens per
+  trajectory): every entry adds exactly Q tokens AND its queries see its whole context
+  (`sees_whole_context`: a "full" entry, or a block-causal one whose queries all sit in
+  its last block), so the attention is one non-causal prefill per entry with fixed query
+  lengths. A causal or otherwise masked multi-token entry is never graphed.
+There are at most as many entries as the largest bucket; for `Q > 1` buckets whose
+`bucket * Q` exceeds the runner's token cap (`max_tokens`, default `DEFAULT_MAX_GRAPH_TOKENS`,
+a node may set `graph_max_tokens`) are dropped: such steps are GPU-bound and run eagerly,
+and each graph's static buffers and activations grow with `bucket * Q`. Anything else
+(prefill, mixed batches, bigger batches) never gets a runner and runs eagerly.
 
 What a step does:
 1. `bind` (host, before the node runs): picks the smallest bucket B >= n entries and builds
-   the padded host arrays once: FlashInfer's indptr / indices / last_page_len for B rows
-   and the (page, offset) of every row's new token. Rows n..B-1 are pad rows: each attends
-   to one token of the pool's scratch page (the page after the last usable one; the
-   BlockManager never hands it out) and writes its K/V there, so nothing real is read or
-   overwritten and nothing ever reads the scratch page back.
+   the padded host arrays once (`pad_step`): FlashInfer's qo_indptr (entry e's queries are
+   rows e*Q .. e*Q+Q-1, fixed per bucket) / kv indptr / indices / last_page_len for B
+   entries and the (page, offset) of every new token. Entries n..B-1 are pad entries: each
+   has Q queries over a context of Q tokens made of the pool's scratch page (the page after
+   the last usable one; the BlockManager never hands it out) repeated ceil(Q / page_size)
+   times, and writes its Q new K/V there, so nothing real is read or overwritten and
+   nothing ever reads the scratch page back.
 2. `_run` (inside the node's `run_graphed`): on first use it captures `fn` for EVERY
    bucket, largest first, all in one memory pool (a smaller graph reuses the larger one's
    activations), each after two warm-up runs on a side stream, with all-pad metadata so the
    warm-ups write only the scratch page. Then, every step: copy the real rows into the
    bucket's static input buffers (non-blocking, from the host arrays), copy the new tokens'
    pages/offsets into its static index buffers, `plan()` the bucket's attention (always
-   outside the graph), replay, and return the outputs' first n rows (cloned: the static
+   outside the graph), replay, and return the outputs' first n * Q rows (cloned: the static
    outputs are overwritten by the next replay).
 
 Inside the graph the node's `attn.attend(layer, q, k, v)` is routed to `_attend_static`: the
 KV write is an index_put into `pool.data[layer]` at the static page/offset buffers, and the
-attention is the bucket's own planned kernel (a FlashInfer decode wrapper made with
-`use_cuda_graph=True` and fixed indptr/indices/last_page_len buffers, see
-`flashinfer_backend.FlashInferGraphDecode`). Because replays do not run Python, `fn` must be
-the same tensor computation every step, its only attention `attn.attend`, with no host
-reads (see `AttentionContext.run_graphed`).
+attention is the bucket's own planned kernel: for decode a FlashInfer decode wrapper made
+with `use_cuda_graph=True` and fixed indptr/indices/last_page_len buffers
+(`flashinfer_backend.FlashInferGraphDecode`), for `Q > 1` a prefill wrapper made the same
+way with a fixed qo_indptr too, planned non-causal (`flashinfer_backend.FlashInferGraphPrefill`).
+Because replays do not run Python, `fn` must be the same tensor computation every step, its
+only attention `attn.attend`, with no host reads, its inputs and outputs packed per token
+(first dim = n * Q; see `AttentionContext.run_graphed`).
 
 `capture=False` runs the same padding, bucketing, static buffers and slicing with `fn`
-called eagerly on the padded buffers and the reference attention (`ReferenceBucketDecode`):
-the CPU tests check the bookkeeping that way (tests/test_graph_runner_cpu.py).
+called eagerly on the padded buffers and the reference attention (`ReferenceBucketDecode`,
+which serves any padded step): the CPU tests check the bookkeeping that way
+(tests/test_graph_runner_cpu.py for decode, tests/test_vjepa2_graphs.py for Q > 1).
 """
 
 from __future__ import annotations
@@ -79,37 +94,57 @@ def smallest_bucket(buckets: Sequence[int], n: int) -> int | None:
     return buckets[i] if n >= 1 and i < len(buckets) else None
 
 
+DEFAULT_MAX_GRAPH_TOKENS = 16384  # the cap on bucket * Q of a fixed-block (Q > 1) runner's graphs
+
+
+def sees_whole_context(s: SequenceAttention) -> bool:
+    """Whether every query of the entry attends to its whole context, so a non-causal prefill
+    computes it: a "full" entry, a single query (any mask kind sees everything then), or a
+    block-causal entry whose queries all sit in its last block (a V-JEPA rollout step adds
+    exactly one frame block; flashinfer_backend._effective_mask says the same)."""
+    if s.mask == "full" or s.q_len == 1:
+        return True
+    if s.mask == "block_causal" and s.block_size:
+        return (s.kv_len - s.q_len) // s.block_size == (s.kv_len - 1) // s.block_size
+    return False
+
+
 @dataclass(frozen=True)
-class PaddedDecode:
-    """One decode step padded to a bucket: host arrays (pinned on a GPU), built once per step."""
+class PaddedStep:
+    """One step padded to a bucket: host arrays (pinned on a GPU), built once per step."""
 
     bucket: int
-    real: int  # entries of the step; rows real..bucket-1 are pad rows
+    real: int  # entries of the step; entries real..bucket-1 are pad entries
+    tokens: int  # Q: new tokens (queries) of every entry, pad entries included
+    qo_indptr: torch.Tensor  # int32 [bucket + 1]: entry e's queries are rows e*Q .. e*Q + Q - 1
     indptr: torch.Tensor  # int32 [bucket + 1]
     indices: torch.Tensor  # int32 [indptr[-1]]
     last_page_len: torch.Tensor  # int32 [bucket]
-    pages: torch.Tensor  # int64 [bucket]: page of each row's new token
-    offsets: torch.Tensor  # int64 [bucket]: its offset in that page
-    meta: AttentionMetadata  # the same batch for the reference attention (pad rows included)
+    pages: torch.Tensor  # int64 [bucket * Q]: page of each new token
+    offsets: torch.Tensor  # int64 [bucket * Q]: its offset in that page
+    meta: AttentionMetadata  # the same batch for the reference attention (pad entries included)
+
+
+PaddedDecode = PaddedStep  # the Q == 1 case (its earlier name)
 
 
 class BucketAttention(Protocol):
     """The attention of one bucket: planned on the host once per step, run per layer (in a graph)."""
 
-    def plan(self, step: PaddedDecode, q_heads: int) -> None: ...
+    def plan(self, step: PaddedStep, q_heads: int) -> None: ...
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor: ...
 
 
 class ReferenceBucketDecode:
-    """`paged_attention` over the padded batch: what the CPU tests use (never captured: it reads
-    page tables on the host)."""
+    """`paged_attention` over the padded batch (decode or fixed-block): what the CPU tests use
+    (never captured: it reads page tables on the host)."""
 
     def __init__(self, pool: KVPool, scale: float | None):
         self.pool, self.scale = pool, scale
         self.meta: AttentionMetadata | None = None
 
-    def plan(self, step: PaddedDecode, q_heads: int) -> None:
+    def plan(self, step: PaddedStep, q_heads: int) -> None:
         self.meta = step.meta
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
@@ -123,28 +158,46 @@ def _upload(values: list[int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, pin_memory=pin)
 
 
-def pad_decode(
-    meta: AttentionMetadata, slots: Sequence[int], bucket: int, page_size: int, scratch_page: int, pin: bool
-) -> PaddedDecode:
-    """The host arrays of a decode batch padded with scratch rows to `bucket` rows."""
+def pad_step(
+    meta: AttentionMetadata, slots: Sequence[int], bucket: int, page_size: int, scratch_page: int, pin: bool,
+    tokens: int = 1, *, allow_empty: bool = False,
+) -> PaddedStep:
+    """The host arrays of a batch of entries that each add `tokens` tokens, padded with scratch
+    entries to `bucket` entries (the module docstring). `allow_empty`: all pad entries (capture)."""
     n = len(meta.seqs)
-    if not 0 < n <= bucket or len(slots) != n:
-        raise ValueError(f"cannot pad {n} entries with {len(slots)} slots to a bucket of {bucket}")
+    if not (0 if allow_empty else 1) <= n <= bucket or len(slots) != n * tokens or tokens < 1:
+        raise ValueError(f"cannot pad {n} entries of {tokens} token(s) with {len(slots)} slots "
+                         f"to a bucket of {bucket}")
+    if any(s.q_len != tokens for s in meta.seqs):
+        raise ValueError(f"every entry must add {tokens} token(s), got {[s.q_len for s in meta.seqs]}")
     indptr, indices, last = meta.paged_kv_arrays(page_size)
     pad = bucket - n
-    indptr = indptr + [indptr[-1] + i + 1 for i in range(pad)]
-    indices = indices + [scratch_page] * pad
-    last = last + [1] * pad
-    pages = [s // page_size for s in slots] + [scratch_page] * pad
-    offsets = [s % page_size for s in slots] + [0] * pad
-    ints32 = _upload(indptr + indices + last, torch.int32, pin)
+    pad_pages = -(-tokens // page_size)  # a pad entry's context: Q tokens of the scratch page, repeated
+    indptr = indptr + [indptr[-1] + (i + 1) * pad_pages for i in range(pad)]
+    indices = indices + [scratch_page] * (pad * pad_pages)
+    last = last + [tokens - (pad_pages - 1) * page_size] * pad
+    pad_offsets = [i % page_size for i in range(tokens)]
+    pages = [s // page_size for s in slots] + [scratch_page] * (pad * tokens)
+    offsets = [s % page_size for s in slots] + pad_offsets * pad
+    qo = list(range(0, (bucket + 1) * tokens, tokens))
+    ints32 = _upload(qo + indptr + indices + last, torch.int32, pin)
     ints64 = _upload(pages + offsets, torch.int64, pin)
-    a, b = bucket + 1, bucket + 1 + len(indices)
-    scratch = SequenceAttention(1, 1, (scratch_page,))
-    return PaddedDecode(
-        bucket=bucket, real=n, indptr=ints32[:a], indices=ints32[a:b], last_page_len=ints32[b:],
-        pages=ints64[:bucket], offsets=ints64[bucket:], meta=AttentionMetadata(meta.seqs + (scratch,) * pad),
+    a = bucket + 1
+    b, c = 2 * a, 2 * a + len(indices)
+    scratch = SequenceAttention(tokens, tokens, (scratch_page,) * pad_pages, "full" if tokens > 1 else "causal")
+    rows = bucket * tokens
+    return PaddedStep(
+        bucket=bucket, real=n, tokens=tokens, qo_indptr=ints32[:a], indptr=ints32[a:b], indices=ints32[b:c],
+        last_page_len=ints32[c:], pages=ints64[:rows], offsets=ints64[rows:],
+        meta=AttentionMetadata(meta.seqs + (scratch,) * pad),
     )
+
+
+def pad_decode(
+    meta: AttentionMetadata, slots: Sequence[int], bucket: int, page_size: int, scratch_page: int, pin: bool
+) -> PaddedStep:
+    """The host arrays of a decode batch padded with scratch rows to `bucket` rows."""
+    return pad_step(meta, slots, bucket, page_size, scratch_page, pin, 1)
 
 
 @dataclass
@@ -156,14 +209,15 @@ class _Bucket:
     pages: torch.Tensor
     offsets: torch.Tensor
     inputs: list[torch.Tensor] = field(default_factory=list)
-    pending: PaddedDecode | None = None  # what to plan at the first attend while the head count is unknown
+    pending: PaddedStep | None = None  # what to plan at the first attend while the head count is unknown
     planned: bool = False
     graph: Any = None  # torch.cuda.CUDAGraph once captured
     outputs: Any = None  # what fn returned during capture (static tensors)
 
 
 class GraphRunner:
-    """Pads, captures and replays one KV node's decode phase per batch bucket (module docstring)."""
+    """Pads, captures and replays one KV node's decode (Q == 1) or fixed-block (Q > 1) phase per
+    batch bucket (module docstring)."""
 
     def __init__(
         self,
@@ -174,15 +228,24 @@ class GraphRunner:
         scratch_page: int,
         capture: bool,
         name: str = "",
+        tokens: int = 1,
+        max_tokens: int | None = None,
     ):
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {list(buckets)}")
+        if tokens < 1:
+            raise ValueError(f"tokens per entry must be >= 1, got {tokens}")
         if not 0 <= scratch_page < pool.num_pages:
             raise ValueError(f"scratch page {scratch_page} is not a page of the pool ({pool.num_pages} pages)")
         if capture and pool.device.type != "cuda":
             raise ValueError("CUDA graphs need a cuda pool; use capture=False elsewhere")
         self.pool = pool
-        self.buckets = sorted(set(int(b) for b in buckets))
+        self.tokens = int(tokens)
+        sizes = sorted(set(int(b) for b in buckets))
+        if self.tokens > 1:  # bucket * Q rows per graph: keep those within the cap (at least the smallest)
+            cap = DEFAULT_MAX_GRAPH_TOKENS if max_tokens is None else int(max_tokens)
+            sizes = [b for b in sizes if b * self.tokens <= cap] or sizes[:1]
+        self.buckets = sizes
         self.make_attention = make_attention
         self.scratch_page = scratch_page
         self.capture = capture
@@ -209,13 +272,17 @@ class GraphRunner:
         self.failed = "released"
 
     def accepts(self, meta: AttentionMetadata, n_entries: int) -> bool:
-        """A decode batch that fits a bucket: every entry attends with exactly one new token.
-
-        For one query at the end of its context the causal, full and block-causal masks all
-        see the whole context, so the mask kind does not matter here."""
+        """A batch that fits a bucket and whose every entry attends with exactly Q new tokens
+        (Q == 1: a decode batch; for one query at the end of its context the causal, full and
+        block-causal masks all see the whole context, so the mask kind does not matter), for
+        Q > 1 each over its whole context (`sees_whole_context`)."""
         n = len(meta.seqs)
-        return (self.failed is None and n == n_entries and self.bucket_for(n) is not None
-                and all(s.q_len == 1 for s in meta.seqs))
+        if self.failed is not None or n != n_entries or self.bucket_for(n) is None:
+            return False
+        q = self.tokens
+        if q == 1:
+            return all(s.q_len == 1 for s in meta.seqs)
+        return all(s.q_len == q and sees_whole_context(s) for s in meta.seqs)
 
     def bind(self, attn: AttentionContext, meta: AttentionMetadata, slots: Sequence[int]
              ) -> Callable[..., Any]:
@@ -223,19 +290,21 @@ class GraphRunner:
         bucket = self.bucket_for(len(meta.seqs))
         if bucket is None:
             raise ValueError(f"{len(meta.seqs)} entries exceed the largest bucket {self.max_bucket}")
-        step = pad_decode(meta, slots, bucket, self.pool.page_size, self.scratch_page,
-                          pin=self.pool.device.type == "cuda")
+        step = pad_step(meta, slots, bucket, self.pool.page_size, self.scratch_page,
+                        pin=self.pool.device.type == "cuda", tokens=self.tokens)
         return functools.partial(self._run, attn, step)
 
     # ------------------------------------------------------------------ the step
-    def _run(self, attn: AttentionContext, step: PaddedDecode, fn: Callable[..., Any],
+    def _run(self, attn: AttentionContext, step: PaddedStep, fn: Callable[..., Any],
              *tensors: torch.Tensor) -> Any:
-        n = step.real
+        q = self.tokens
+        n, rows = step.real, step.real * q
         for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != rows:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                want = f"{n}" if q == 1 else f"{n} entries x {q} tokens = {rows} rows"
                 raise NodeError(f"node '{self.name}': run_graphed input {i} must be a tensor with one row per "
-                                f"entry ({n}), got {got}")
+                                f"entry{'' if q == 1 else ' token'} ({want}), got {got}")
         if self.failed is not None:
             return fn(*tensors)
         if not self._state:
@@ -244,15 +313,15 @@ class GraphRunner:
             except Exception as e:  # noqa: BLE001 - a graph that cannot be captured must not fail serving
                 self.failed = f"{type(e).__name__}: {e}"
                 self._state.clear()
-                log.warning("node '%s': CUDA-graph capture failed (%s); its decode steps run eagerly",
-                            self.name, self.failed)
+                log.warning("node '%s': CUDA-graph capture failed (%s); its %s steps run eagerly",
+                            self.name, self.failed, "decode" if q == 1 else f"{q}-token")
                 return fn(*tensors)  # this step, eagerly, through the engine's own attention
         b = self._state[step.bucket]
         for buf, t in zip(b.inputs, tensors, strict=True):
             if buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype:
                 raise NodeError(f"node '{self.name}': run_graphed inputs changed shape or dtype since capture "
                                 f"({tuple(buf.shape[1:])} {buf.dtype} -> {tuple(t.shape[1:])} {t.dtype})")
-            buf[:n].copy_(t, non_blocking=True)
+            buf[:rows].copy_(t, non_blocking=True)
         b.pages.copy_(step.pages, non_blocking=True)
         b.offsets.copy_(step.offsets, non_blocking=True)
         # plan() always here, outside any graph; only before the very first attend of an eager
@@ -267,23 +336,23 @@ class GraphRunner:
             outputs = b.outputs
         else:
             outputs = self._call(attn, b, fn)
-        return first_rows(outputs, step.bucket, n, self.name, "a run_graphed output")
+        return first_rows(outputs, step.bucket * q, rows, self.name, "a run_graphed output")
 
     # ------------------------------------------------------------------ capture
     def _new_bucket(self, size: int, like: Sequence[torch.Tensor]) -> _Bucket:
-        dev = self.pool.device
+        dev, q, ps = self.pool.device, self.tokens, self.pool.page_size
+        rows = size * q
+        pad_pages = -(-q // ps)
         b = _Bucket(
             size=size,
-            attention=self.make_attention(size, size * self.pool.num_pages),
-            pages=torch.full((size,), self.scratch_page, dtype=torch.int64, device=dev),
-            offsets=torch.zeros(size, dtype=torch.int64, device=dev),
-            inputs=[torch.zeros((size, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in like],
+            attention=self.make_attention(size, size * max(self.pool.num_pages, pad_pages)),
+            pages=torch.full((rows,), self.scratch_page, dtype=torch.int64, device=dev),
+            offsets=(torch.arange(rows, device=dev) % q) % ps,
+            inputs=[torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in like],
         )
         # All-pad metadata: warm-ups and capture write and read only the scratch page.
-        dummy = pad_decode(AttentionMetadata((SequenceAttention(1, 1, (self.scratch_page,)),)),
-                           [self.scratch_page * self.pool.page_size], size, self.pool.page_size,
-                           self.scratch_page, pin=False)
-        b.pending = dummy
+        b.pending = pad_step(AttentionMetadata(()), [], size, ps, self.scratch_page, pin=False, tokens=q,
+                             allow_empty=True)
         return b
 
     def _prepare_all(self, attn: AttentionContext, fn: Callable[..., Any], like: Sequence[torch.Tensor]) -> None:
@@ -319,8 +388,9 @@ class GraphRunner:
 
     def _attend_static(self, b: _Bucket, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                        ) -> torch.Tensor:
-        if q.shape[0] != b.size:
-            raise NodeError(f"node '{self.name}': attend got {q.shape[0]} rows in a bucket of {b.size}")
+        if q.shape[0] != b.size * self.tokens:
+            raise NodeError(f"node '{self.name}': attend got {q.shape[0]} rows in a bucket of {b.size} "
+                            f"entries x {self.tokens} token(s)")
         if not b.planned:  # only ever during a warm-up or an eager (capture=False) first call
             self.q_heads = q.shape[1]
             assert b.pending is not None
@@ -342,6 +412,14 @@ def graph_buckets(cuda_graphs: Sequence[Mapping[str, Any]], node: str, rank: int
     return {phase: buckets for phase, buckets in out.items() if buckets}
 
 
+def graph_step_tokens(node: Any, phases: Mapping[str, Any]) -> dict[str, int]:
+    """phase -> tokens every entry adds in a graphed step of it: the node's `graph_step_tokens`
+    mapping where it names the phase (a fixed-block step such as the V-JEPA rollout), else 1
+    (a decode step)."""
+    declared = getattr(node, "graph_step_tokens", None) or {}
+    return {phase: int(declared.get(phase, 1)) for phase in phases}
+
+
 def graph_runners(
     pool: KVPool,
     phases: Mapping[str, Sequence[int]],
@@ -351,23 +429,38 @@ def graph_runners(
     scratch_page: int,
     capture: bool | None = None,
     name: str = "",
+    tokens: Mapping[str, int] | None = None,
+    max_tokens: int | None = None,
 ) -> dict[str, GraphRunner]:
-    """One GraphRunner per captured phase, or none when the backend cannot attend inside a graph.
+    """One GraphRunner per captured phase, or none for a phase whose steps the backend cannot
+    attend inside a graph. `tokens`: phase -> tokens per entry (default 1: decode); a phase
+    with more is served by the backend's graph prefill (`flashinfer_backend.graph_prefill`),
+    with at most `max_tokens` rows per graph.
 
     `capture=None` captures on a cuda pool; `capture=False` keeps the bookkeeping with eager
     calls and the reference attention (any device)."""
     if not phases:
         return {}
     capture = pool.device.type == "cuda" if capture is None else capture
-    if capture:
-        factory = getattr(backend, "graph_decoder", None)
-        make = factory(pool, scale) if factory is not None else None
+    tokens = tokens or {}
+    out: dict[str, GraphRunner] = {}
+    for phase, buckets in phases.items():
+        q = int(tokens.get(phase, 1))
+        make: Callable[[int, int], BucketAttention] | None
+        if not capture:
+            def make(bucket: int, max_indices: int) -> BucketAttention:
+                return ReferenceBucketDecode(pool, scale)
+        elif q == 1:
+            factory = getattr(backend, "graph_decoder", None)
+            make = factory(pool, scale) if factory is not None else None
+        else:
+            from mstar_runtime.kv.flashinfer_backend import graph_prefill  # no flashinfer import here
+
+            make = graph_prefill(backend, pool, scale, q)
         if make is None:
-            log.info("node '%s': no CUDA graphs (its attention backend cannot run inside one); eager steps",
-                     name)
-            return {}
-    else:
-        def make(bucket: int, max_indices: int) -> BucketAttention:
-            return ReferenceBucketDecode(pool, scale)
-    return {phase: GraphRunner(pool, buckets, make, scratch_page=scratch_page, capture=capture, name=name)
-            for phase, buckets in phases.items()}
+            log.info("node '%s': no CUDA graphs for phase '%s' (its attention backend cannot run inside one); "
+                     "eager steps", name, phase)
+            continue
+        out[phase] = GraphRunner(pool, buckets, make, scratch_page=scratch_page, capture=capture, name=name,
+                                 tokens=q, max_tokens=max_tokens)
+    return out

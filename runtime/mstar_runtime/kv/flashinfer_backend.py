@@ -40,6 +40,27 @@ are short enough that FA3's prefill speed does not show. Pass `prefill_backend="
 `graph_decoder(pool, scale)` gives the GraphRunner its per-bucket attention:
 `FlashInferGraphDecode`, a decode wrapper made with `use_cuda_graph=True` and fixed
 indptr / indices / last_page_len buffers, planned before every replay and run inside it.
+`graph_prefill(backend, pool, scale, tokens)` does the same for a runner whose entries each
+add `tokens` > 1 tokens over their whole context (the V-JEPA rollout step):
+`FlashInferGraphPrefill`, a prefill wrapper made with `use_cuda_graph=True` and fixed
+qo_indptr / kv indptr / indices / last_page_len buffers (the qo_indptr never changes: every
+entry of a bucket, pad entries included, has `tokens` queries), planned non-causal.
+
+`FlashInferRowPrefill` attends query blocks over arbitrary token lists of a pool (a V-JEPA
+CEM step: each trajectory's block sees the shared history and its own earlier blocks, which
+are interleaved with the other trajectories' and not page-aligned). It views one layer of the
+pool as pages of ONE token (`token_views`: K of slot (page p, offset o) is view row
+p * 2 * page_size + o, V the same row of a view shifted by page_size rows, both with equal
+strides), so any token list is a page table (`token_view_index`), and plans one non-causal
+prefill per step with one entry per row: 258 queries over a few thousand keys each, where the
+whole step as one block-causal entry would need a q x kv custom mask whose 32-bit offsets
+overflow (BENCHMARKS.md: "negative dimension").
+
+The wrappers added here wait, before re-planning, for their previous plan's upload (a
+`_PlanFence` event): FlashInfer's plan writes its schedule into one pinned host buffer per
+wrapper and queues a copy of it, so a host that runs a step ahead of the GPU must not
+overwrite that buffer before the queued copy has read it. The wait is an event query in
+steady state (the copy has long run); it blocks only when the host is a whole step ahead.
 
 Nothing here imports flashinfer at module import: only constructing a `FlashInferBackend`
 does, so the CPU runtime never needs it.
@@ -50,7 +71,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -327,4 +348,173 @@ class FlashInferCohortDecode:
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         out = self.wrapper.run(q if q.dtype == self.pool.dtype else q.to(self.pool.dtype), self.pool.data[layer])
+        return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+# ---------------------------------------------------------------------------- fixed-block graphs and rows
+class _PlanFence:
+    """Orders a wrapper's re-plan after its previous plan's pinned-buffer upload (module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.event: Any = None
+
+    def wait(self) -> None:
+        if self.event is not None and not self.event.query():
+            self.event.synchronize()  # only when the host is a whole step ahead of the GPU
+
+    def record(self) -> None:
+        if self.device.type != "cuda":
+            return
+        if self.event is None:
+            self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream(self.device))
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def graph_prefill(backend: Any, pool: KVPool, scale: float | None, tokens: int
+                  ) -> Callable[[int, int], Any] | None:
+    """A factory of per-bucket graph attention for a GraphRunner whose entries each add `tokens`
+    tokens over their whole context, or None when the backend is not FlashInfer or cannot
+    serve this pool (the runner then stays eager)."""
+    if not isinstance(backend, FlashInferBackend):
+        return None
+    reason = unsupported(pool)
+    if reason is not None:
+        _log_once(logging.INFO, f"flashinfer: no CUDA-graph prefill for a pool with {reason}")
+        return None
+    sm_scale = scale if scale is not None else 1.0 / math.sqrt(pool.head_dim)
+    return lambda bucket, max_indices: FlashInferGraphPrefill(backend, pool, bucket, max_indices, sm_scale, tokens)
+
+
+class FlashInferGraphPrefill:
+    """One bucket's attention of a fixed-block step for CUDA graphs: a `use_cuda_graph=True`
+    prefill wrapper (FA2, as the backend's eager prefill) with fixed qo_indptr / kv indptr /
+    indices / last_page_len buffers, planned non-causal outside the graph before every replay
+    (`GraphRunner` only hands it steps whose entries see their whole context); the captured
+    `run` reads those buffers."""
+
+    def __init__(self, backend: FlashInferBackend, pool: KVPool, bucket: int, max_indices: int, scale: float,
+                 tokens: int):
+        dev = pool.device
+        self.pool, self.scale, self.tokens = pool, scale, tokens
+        self.wrapper = backend.fi.BatchPrefillWithPagedKVCacheWrapper(
+            backend.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=torch.empty(bucket + 1, dtype=torch.int32, device=dev),
+            paged_kv_indptr_buf=torch.empty(bucket + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buf=torch.empty(max_indices, dtype=torch.int32, device=dev),
+            paged_kv_last_page_len_buf=torch.empty(bucket, dtype=torch.int32, device=dev),
+            backend="fa2",
+        )
+        # FlashInfer 0.7.4's graph planner sizes its query tiles for Q rows per entry when told
+        # (else for the ragged worst case); older wrappers lack the argument
+        self._hint = {"uniform_q_len": tokens} if _accepts(self.wrapper.plan, "uniform_q_len") else {}
+        self._fence = _PlanFence(dev)
+
+    def plan(self, step: Any, q_heads: int) -> None:
+        p = self.pool
+        # the lengths stay on the host (plan reads them there); the indices go up first,
+        # non-blocking from pinned memory (a graph wrapper copies host indices blocking)
+        indices = step.indices.to(p.device, non_blocking=True)
+        self._fence.wait()
+        self.wrapper.plan(step.qo_indptr, step.indptr, indices, step.last_page_len, q_heads, p.kv_heads,
+                          p.head_dim, p.page_size, causal=False, q_data_type=p.dtype, kv_data_type=p.dtype,
+                          sm_scale=self.scale, non_blocking=True, **self._hint)
+        self._fence.record()
+
+    def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        out = self.wrapper.run(q if q.dtype == self.pool.dtype else q.to(self.pool.dtype), self.pool.data[layer])
+        return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def token_views(pool: KVPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one layer as pages of one token: two `[N, 1, kv_heads, head_dim]` views with
+    equal strides over `pool.data[layer]`, N = (2 * num_pages - 1) * page_size. Row
+    `token_view_index(slot)` of the first is the K of that slot, of the second its V."""
+    data = pool.data
+    if not data.is_contiguous():
+        raise ValueError("token views need a contiguous KV pool")
+    ps, h, d = pool.page_size, pool.kv_heads, pool.head_dim
+    rows = (2 * pool.num_pages - 1) * ps
+    base = data.storage_offset() + layer * data.stride(0)
+    size, stride = (rows, 1, h, d), (h * d, h * d, d, 1)
+    k = data.as_strided(size, stride, base)
+    v = data.as_strided(size, stride, base + ps * h * d)
+    return k, v
+
+
+def token_view_index(slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Pool slots (page * page_size + offset) -> rows of `token_views` (int32, on the slots' device)."""
+    return (slots // page_size * (2 * page_size) + slots % page_size).to(torch.int32)
+
+
+def row_prefill(pool: KVPool) -> FlashInferRowPrefill | None:
+    """A `FlashInferRowPrefill` for this pool, or None where the reference must serve it: not a
+    cuda pool FlashInfer supports, `MSTAR_ATTENTION=reference`, or flashinfer not importable
+    (logged once)."""
+    if os.environ.get(ENV_VAR, "").strip().lower() == "reference":
+        return None
+    reason = unsupported(pool)
+    if reason is not None:
+        _log_once(logging.INFO, f"flashinfer: per-row attention by the reference for a pool with {reason}")
+        return None
+    try:
+        return FlashInferRowPrefill(pool)
+    except ImportError as e:
+        _log_once(logging.WARNING, f"flashinfer: per-row attention by the reference (flashinfer does not import: {e})")
+        return None
+
+
+_row_workspaces: dict[torch.device, torch.Tensor] = {}
+ROW_WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace; one per device for every row wrapper
+
+
+class FlashInferRowPrefill:
+    """Query blocks attending to arbitrary token lists of a pool (module docstring): entry r's
+    queries are packed rows qo_indptr[r]..qo_indptr[r+1]-1 and it sees the pool slots
+    slots[kv_indptr[r]:kv_indptr[r+1]], every query all of them (non-causal). Planned once per
+    step (`plan`), run once per layer (`run`) after the layer's new K/V are in the pool."""
+
+    def __init__(self, pool: KVPool, *, prefill_backend: str = "fa2"):
+        import flashinfer  # lazy: the CPU runtime never needs it
+
+        dev = pool.device
+        ws = _row_workspaces.get(dev)
+        if ws is None:
+            ws = _row_workspaces[dev] = torch.empty(ROW_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        self.pool = pool
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=prefill_backend)
+        self._fence = _PlanFence(dev)
+        self.plans = 0
+
+    def plan(self, qo_indptr: Sequence[int], kv_indptr: Sequence[int], slots: torch.Tensor, q_heads: int,
+             scale: float | None) -> None:
+        """Host indptrs (lengths are read on the host), device slots (no host round trip)."""
+        p = self.pool
+        n = len(qo_indptr) - 1
+        pin = p.device.type == "cuda"
+        host = torch.tensor(list(qo_indptr) + list(kv_indptr) + [1] * n, dtype=torch.int32, pin_memory=pin)
+        qo, kv, last = host[: n + 1], host[n + 1 : 2 * n + 2], host[2 * n + 2 :]
+        indices = token_view_index(slots.to(p.device), p.page_size)
+        sm_scale = scale if scale is not None else 1.0 / math.sqrt(p.head_dim)
+        self._fence.wait()
+        self.wrapper.plan(qo, kv, indices, last, q_heads, p.kv_heads, p.head_dim, 1, causal=False,
+                          q_data_type=p.dtype, kv_data_type=p.dtype,
+                          sm_scale=sm_scale, non_blocking=True)
+        self._fence.record()
+        self.plans += 1
+
+    def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        out = self.wrapper.run(q if q.dtype == self.pool.dtype else q.to(self.pool.dtype),
+                               token_views(self.pool, layer))
         return out if out.dtype == q.dtype else out.to(q.dtype)

@@ -47,3 +47,5 @@ def test_no_server_errors(case, fuzz_server: Server) -> None:  # noqa: ANN001
     if response.status_code >= 400:  # every error has the OpenAI body, naming a field where there is one
         body = response.json()
         assert set(body["error"]) == {"message", "type", "param", "code"}, body
+        if response.status_code == 400 and body["error"]["code"] not in ("invalid_json", "invalid_body"):
+            assert body["error"]["param"] is not None, body  # a 400 for a bad field names it

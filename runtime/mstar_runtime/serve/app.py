@@ -3,8 +3,16 @@
 route uses to admit and submit a request.
 
 Every error leaves as the OpenAI body (`server_common.ApiError`): FastAPI's validation
-errors become 400 naming the field (`messages[0].content`), unknown routes 404, wrong
-methods 405, uncaught exceptions 500 with the exception's type only (details go to the log).
+errors become 400 naming the field (`messages[0].content`; a body that is missing or not
+an object is `invalid_body`, with no field), a body whose Content-Type is not the route's
+(JSON, or a form for image edits) 415, unknown routes 404, wrong methods 405, uncaught
+exceptions 500 with the exception's type only (details go to the log).
+
+Walk inputs follow one rule on every route (`check_inputs`): the extra keys of an OpenAI
+body are typed as the native route types them (`schemas.input_annotation`: int64, finite
+floats, ...), loop counts stay within their loop's bound, and a token-count input
+(`MAX_TOKEN_INPUTS`) above the plan's limit is a 400 `max_tokens_too_large` that names the
+field and the limit.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from mstar_runtime.serve.common import (
     bad_request,
     submit_error,
 )
+from mstar_runtime.serve.io import decode_image_text
+from mstar_runtime.serve.schemas import INT64_MAX, INT64_MIN
 
 try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
     from fastapi import Request, UploadFile
@@ -43,6 +53,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
                        (404, "unknown model or walk"),
                        (408, "the request ran past its own `timeout`"),
                        (413, "the request can never fit (the message gives the limit)"),
+                       (415, "the body's Content-Type is not the route's (application/json; edits: a form)"),
                        (500, "the engine failed the request"),
                        (503, "draining, overloaded, or the engine is dead"))
 }
@@ -84,12 +95,51 @@ def validation_error(errors: list[Mapping[str, Any]]) -> ApiError:
         return bad_request(f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
                            None, "invalid_json")
     param = param_of(first.get("loc", ()))
+    if param is None:  # the body as a whole: no field to name
+        if kind == "missing":
+            return bad_request("a request body is required (a JSON object)", None, "invalid_body")
+        got = first.get("input")
+        what = ("null" if got is None else "true or false" if isinstance(got, bool) else "an array"
+                if isinstance(got, list) else "a string" if isinstance(got, str) else "a number"
+                if isinstance(got, int | float) else type(got).__name__)
+        return bad_request(f"the request body must be a JSON object, got {what}", None, "invalid_body")
     if kind == "extra_forbidden":
         return bad_request(f"unknown field '{param}'", param, "unknown_field")
     if kind == "missing":
-        return bad_request(f"'{param}' is required" if param else "a request body is required", param, "missing")
+        return bad_request(f"'{param}' is required", param, "missing")
     message = str(first.get("msg", "invalid value"))
-    return bad_request(f"{param}: {message}" if param else message, param)
+    return bad_request(f"{param}: {message}", param)
+
+
+def _media(content_type: str | None) -> tuple[str, str]:
+    """(type, subtype) of a Content-Type header, lower case, without parameters."""
+    main, _, sub = (content_type or "").split(";", 1)[0].strip().lower().partition("/")
+    return main, sub
+
+
+def content_type_error(request: Request, errors: list[Mapping[str, Any]]) -> ApiError | None:
+    """The 415 for a body that failed validation because its Content-Type is not the route's
+    (FastAPI then validates the raw bytes: "Input should be a valid dictionary"), or None."""
+    from fastapi import params
+
+    route = request.scope.get("route")
+    body = list(getattr(getattr(route, "dependant", None), "body_params", None) or [])
+    if not body or any(e.get("type") == "missing" and tuple(e.get("loc", ())) == ("body",) for e in errors):
+        return None  # no body expected, or none sent: the 400 says that
+    form = any(isinstance(f.field_info, params.Form) for f in body)  # File is a Form
+    raw = request.headers.get("content-type")
+    main, sub = _media(raw)
+    if form:
+        if (main, sub) in (("multipart", "form-data"), ("application", "x-www-form-urlencoded")):
+            return None
+        want = "multipart/form-data"
+    else:
+        if main == "application" and (sub == "json" or sub.endswith("+json")):
+            return None
+        want = "application/json"
+    got = f"Content-Type is '{raw}'" if raw else "there is no Content-Type header"
+    return ApiError(415, f"{got}; {request.method} {request.url.path} takes a body of type {want} (send the header "
+                    f"Content-Type: {want})", code="unsupported_media_type")
 
 
 def install(app: FastAPI, state: ServerState) -> None:
@@ -103,14 +153,16 @@ def install(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> Any:
-        return error_response(validation_error(list(e.errors())))
+        errors = list(e.errors())
+        return error_response(content_type_error(request, errors) or validation_error(errors))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException) -> Any:
         kind = NOT_FOUND if e.status_code == 404 else INVALID if e.status_code < 500 else SERVER
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
-        return error_response(ApiError(e.status_code, message, type=kind, code=None,
+        code = "invalid_body" if e.status_code == 400 else None  # FastAPI's "error parsing the body" (a form)
+        return error_response(ApiError(e.status_code, message, type=kind, code=code,
                                        headers=dict(e.headers or {})))
 
     @app.exception_handler(Exception)
@@ -194,28 +246,88 @@ def check_model(state: ServerState, model: str) -> None:
 
 
 def walk_extras(state: ServerState, walk: str, extra: Mapping[str, Any] | None, taken: set[str]) -> dict[str, Any]:
-    """A body's extra keys as walk inputs (the openai client's `extra_body`); others are a 400."""
-    declared = {p["name"] for p in state.plan.walk(walk)["inputs"]}
+    """A body's extra keys as walk inputs (the openai client's `extra_body`), typed exactly as
+    the native route types them (`schemas.input_annotation`: int64, finite floats, strict
+    types, images as base64); other keys are a 400 naming them."""
+    from pydantic import ValidationError
+
+    adapters = state.input_types[walk]
     out: dict[str, Any] = {}
     for key, value in (extra or {}).items():
-        if key not in declared or key in taken:
-            usable = sorted(declared - taken)
+        if key not in adapters or key in taken:
+            usable = sorted(set(adapters) - taken)
             raise bad_request(f"unknown field '{key}' (extra fields must be inputs of walk '{walk}': "
                               f"{', '.join(usable) or 'none'})", key, "unknown_field")
-        out[key] = value
+        try:
+            out[key] = adapters[key].validate_python(value)
+        except ValidationError as e:
+            errors = [{**err, "loc": ("body", key, *err.get("loc", ()))} for err in e.errors(include_url=False)]
+            raise validation_error(errors) from None
+    return decode_images(state.plan.walk(walk), out, {k: k for k in out})
+
+
+def decode_images(program: Mapping[str, Any], values: Mapping[str, Any], fields: Mapping[str, str]) -> dict[str, Any]:
+    """Image inputs given as base64 text (or a data: URL) as the walk's RGB uint8 tensors."""
+    kinds = {p["name"]: p["type"]["kind"] for p in program["inputs"]}
+    out = dict(values)
+    for name, value in values.items():
+        if kinds.get(name) == "image" and isinstance(value, str):
+            param = fields.get(name, name)
+            try:
+                out[name] = decode_image_text(value)
+            except ValueError as e:
+                raise bad_request(f"{param}: {e}", param, "invalid_image") from None
     return out
+
+
+MAX_TOKEN_INPUTS = ("max_tokens", "max_completion_tokens", "max_new_tokens", "max_new", "max_length")
+
+
+def token_limit(state: ServerState) -> int | None:
+    """Tokens a walk of this plan decodes at most: its `max_new_tokens` (the bound of every
+    decode loop) plus the prefill's token; None when the plan has no such bound."""
+    bound = state.plan.config.get("max_new_tokens")
+    return bound + 1 if isinstance(bound, int) and not isinstance(bound, bool) else None
+
+
+def check_token_limit(state: ServerState, param: str, value: Any) -> None:
+    """The 400 for a token count above the plan's limit, on every route alike (a walk would
+    clamp it silently at its loop's bound)."""
+    most = token_limit(state)
+    if most is not None and isinstance(value, int) and not isinstance(value, bool) and value > most:
+        raise bad_request(f"{param} is {value}, but this plan decodes at most {most} tokens per walk (its "
+                          f"max_new_tokens {most - 1}, plus the prefill's token)", param, "max_tokens_too_large")
+
+
+def check_inputs(state: ServerState, walk: str, inputs: Mapping[str, Any], fields: Mapping[str, str]) -> None:
+    """The route-independent checks of walk inputs the engine would not report by field:
+    integers outside 64 bits (also those the server derives, such as image i's seed + i),
+    loop counts outside their loop's bound, token counts above the plan's limit."""
+    for p in state.plan.walk(walk)["inputs"]:
+        value = inputs.get(p["name"])
+        if p["type"]["kind"] == "int" and isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+            param = fields.get(p["name"], p["name"])
+            raise bad_request(f"{param} is {value}, outside the 64-bit integers ({INT64_MIN} to {INT64_MAX})",
+                              param, "out_of_range")
+    for name, most in state.loop_limits.get(walk, {}).items():
+        value = inputs.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= most:
+            param = fields.get(name, name)
+            raise bad_request(f"{param} must be between 0 and {most} (the bound of walk '{walk}'s loop), "
+                              f"got {value}", param, "out_of_range")
+    for name in MAX_TOKEN_INPUTS:
+        if name in inputs and name in state.input_types[walk]:
+            check_token_limit(state, fields.get(name, name), inputs[name])
 
 
 async def start_flight(state: ServerState, request: Request, route: str, walk: str, inputs: Mapping[str, Any],
                        fields: Mapping[str, str], primary: str | None, timeout: float | None = None) -> Flight:
-    """Admit and submit one request; the `Flight` to run it under (`async with`)."""
-    for name, most in state.loop_limits.get(walk, {}).items():
-        value = inputs.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= most:
-            state.metrics.rejected(walk)
-            param = fields.get(name, name)
-            raise bad_request(f"{param} must be between 0 and {most} (the bound of walk '{walk}'s loop), "
-                              f"got {value}", param, "out_of_range")
+    """Check, admit and submit one request; the `Flight` to run it under (`async with`)."""
+    try:
+        check_inputs(state, walk, inputs, fields)
+    except ApiError:
+        state.metrics.rejected(walk)
+        raise
     state.admit(walk)
     t0 = time.perf_counter()
     try:
@@ -249,5 +361,6 @@ def finish_openapi(app: FastAPI, state: ServerState) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-__all__ = ["ERROR_RESPONSES", "check_model", "error_response", "install", "param_of", "start_flight",
-           "validation_error", "walk_extras"]
+__all__ = ["ERROR_RESPONSES", "MAX_TOKEN_INPUTS", "check_inputs", "check_model", "check_token_limit",
+           "content_type_error", "decode_images", "error_response", "install", "param_of", "start_flight",
+           "token_limit", "validation_error", "walk_extras"]

@@ -5,7 +5,8 @@ The messages become the walk's text input: a lone message is its text as is; sev
 system and developer messages go to the walk's `system` input instead, when it has one.
 Image parts go to the walk's image input when it has one (an `image`, or a uint8 [H, W, 3]
 tensor; one image, as a data: URL); otherwise they are a 400 naming the part. `max_tokens`
-(or `max_completion_tokens`) goes to the walk's `max_tokens` / `max_new_tokens` / `max_new`
+(or `max_completion_tokens`; above the plan's limit a 400, as on every route:
+`app.check_token_limit`) goes to the walk's `max_tokens` / `max_new_tokens` / `max_new`
 / `max_length` input and is also enforced here:
 a walk whose transitions decode on (the test family's chat -> continue) is cut at that
 many tokens, with finish reason "length". Sampling fields (`temperature`, `top_p`, `seed`,
@@ -32,7 +33,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mstar_runtime.api import RequestFailed
-from mstar_runtime.serve.app import ERROR_RESPONSES, check_model, error_response, start_flight, walk_extras
+from mstar_runtime.serve.app import (
+    ERROR_RESPONSES,
+    MAX_TOKEN_INPUTS,
+    check_model,
+    check_token_limit,
+    error_response,
+    start_flight,
+    walk_extras,
+)
 from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
 from mstar_runtime.serve.io import decode_image_text
 from mstar_runtime.serve.schemas import ChatCompletionRequest
@@ -48,7 +57,6 @@ if TYPE_CHECKING:
 
     from mstar_runtime.serve.server import ServerState, WalkRole
 
-MAX_TOKEN_INPUTS = ("max_tokens", "max_completion_tokens", "max_new_tokens", "max_new", "max_length")
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty")
 
 
@@ -98,14 +106,13 @@ def render_prompt(body: ChatCompletionRequest, role: WalkRole) -> tuple[str, str
     return "\n".join(f"{r}: {t}" for r, t in texts) + "\nassistant:", sys_text, image
 
 
-def _limit(state: ServerState, body: ChatCompletionRequest) -> int | None:
+def _limit(state: ServerState, body: ChatCompletionRequest) -> tuple[int | None, str]:
+    """The reply's token limit and the field that set it (checked even when the walk has no
+    token-count input: the server cuts the reply itself)."""
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     want = body.max_completion_tokens or body.max_tokens
-    bound = state.plan.config.get("max_new_tokens")
-    if want is not None and isinstance(bound, int) and want > bound + 1:
-        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        raise bad_request(f"{param} is {want}, but this plan decodes at most {bound + 1} tokens per walk "
-                          f"(its max_new_tokens {bound}, plus the prefill's token)", param, "max_tokens_too_large")
-    return want
+    check_token_limit(state, param, want)
+    return want, param
 
 
 def _ids(value: Any) -> list[int]:
@@ -175,15 +182,17 @@ def install(app: FastAPI, state: ServerState) -> None:
             name = image_input(role)
             assert name is not None
             inputs[name], fields[name] = image, "messages"
-        limit = _limit(state, body)
+        limit, limit_param = _limit(state, body)
         target = next((n for n in MAX_TOKEN_INPUTS if n in role.inputs), None)
         if limit is not None and target is not None:
-            inputs[target], fields[target] = limit, "max_tokens"
+            inputs[target], fields[target] = limit, limit_param
         for f in SAMPLING_FIELDS:
             value = getattr(body, f)
             if value is not None and f in role.inputs:
                 inputs[f], fields[f] = value, f
-        inputs.update(walk_extras(state, role.walk, body.model_extra, set(inputs)))
+        extra = walk_extras(state, role.walk, body.model_extra, set(inputs))
+        inputs.update(extra)
+        fields.update({k: k for k in extra})  # a node that rejects one blames it, not `messages`
         flight = await start_flight(state, request, "chat", role.walk, inputs, fields, "messages")
         flight.prompt_tokens = state.text.count(inputs) if state.text is not None else 0
         rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -78,7 +78,9 @@ def decode_image(data: bytes) -> torch.Tensor:
             if img.width * img.height > MAX_IMAGE_PIXELS:
                 raise ValueError(f"the image is {img.width}x{img.height}; at most {MAX_IMAGE_PIXELS} pixels")
             rgb = img.convert("RGB")
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+    except UnidentifiedImageError:  # its text is a repr of the buffer ("<_io.BytesIO object at 0x...>")
+        raise ValueError("not a readable image (PNG, JPEG, or another format Pillow reads)") from None
+    except (OSError, Image.DecompressionBombError) as e:
         raise ValueError(f"not a readable image: {e}") from None
     import numpy as np
 

@@ -4,7 +4,8 @@
 Speech. `input` goes to the walk's `text`, `voice` to its `voice` input (ignored when the
 walk has none), `speed` and `instructions` only to inputs of those names (else 400 unless
 left at their defaults); extra body keys that are walk inputs pass through (`seed`,
-`max_tokens`). The audio output is 16-bit mono at the plan's sample rate: `wav` or raw
+`max_tokens`), typed and bounded as on every route (`app.walk_extras`, `app.check_inputs`:
+int64, and a token count above the plan's limit is a 400, not clamped). The audio output is 16-bit mono at the plan's sample rate: `wav` or raw
 `pcm`. Without `stream` the response is the whole file (exact WAV sizes). With `stream:
 true` (or `stream_format: "audio"`) chunks are sent as the walk decodes them (a WAV header
 of unknown length first); with `stream_format: "sse"`, OpenAI's `speech.audio.delta`

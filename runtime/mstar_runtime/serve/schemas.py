@@ -4,8 +4,8 @@ Only what this server does is declared; an OpenAI field it cannot honour is decl
 the values it accepts (`n: 1`, `response_format: wav | pcm`) so a client asking for more gets
 a 400 naming the field rather than a silently different answer. Bodies allow extra keys:
 a key that is an input of the route's walk is passed to it (the openai client's
-`extra_body`, e.g. `{"seed": 3}`), any other key is a 400 naming it (checked by the route,
-which knows the walk).
+`extra_body`, e.g. `{"seed": 3}`), typed by `input_annotation` exactly as the native route
+types that input; any other key is a 400 naming it (checked by the route, which knows the walk).
 
 Without the `serve` extra (pydantic comes with FastAPI) this module must still import,
 because the layering test imports every runtime module; the classes are then inert.
@@ -13,6 +13,7 @@ because the layering test imports every runtime module; the classes are then ine
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 try:
@@ -33,8 +34,39 @@ MAX_INPUT_CHARS = 4096  # OpenAI's limit for /v1/audio/speech input
 MAX_PROMPT_CHARS = 32000  # OpenAI's limit for image prompts
 SIZE_PATTERN = r"^(auto|[1-9][0-9]{0,4}x[1-9][0-9]{0,4})$"
 
+MAX_STR = 1 << 20  # characters of a str walk input
+
 Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+
+
+def input_annotation(t: Mapping[str, Any]) -> Any:
+    """The pydantic type of a walk input of declared type `t`, for every route alike (the
+    native route's body and the extra keys of the OpenAI routes): str (at most MAX_STR
+    characters), int64, finite float, bool, a tensor as nested lists of its rank, an image
+    as base64 text (decoded by the route)."""
+    kind = t["kind"]
+    if kind == "str":
+        return Annotated[StrictStr, Field(max_length=MAX_STR)]
+    if kind == "int":
+        return Int64
+    if kind == "float":
+        return Finite
+    if kind == "bool":
+        return StrictBool
+    if kind == "image":
+        return Annotated[StrictStr, Field(description="base64 PNG/JPEG, or a data:image/...;base64, URL")]
+    elem: Any = {"bool": StrictBool, "i32": Int64, "i64": Int64, "u8": Int64}.get(t.get("dtype", ""), Finite)
+    for _ in t.get("dims", []):
+        elem = list[elem]
+    return elem
+
+
+def input_adapters(program: Mapping[str, Any]) -> dict[str, Any]:
+    """A pydantic TypeAdapter per input of a walk program (`input_annotation`)."""
+    from pydantic import TypeAdapter
+
+    return {p["name"]: TypeAdapter(input_annotation(p["type"])) for p in program["inputs"]}
 
 
 class _Body(BaseModel):
@@ -138,4 +170,5 @@ class WalkRequestBase(_Strict):
         None, description="seconds before the request is failed with finish reason 'timeout'")
 
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "ImageGenerationRequest", "SpeechRequest", "WalkRequestBase"]
+__all__ = ["ChatCompletionRequest", "ChatMessage", "ImageGenerationRequest", "SpeechRequest", "WalkRequestBase",
+           "input_adapters", "input_annotation"]

@@ -44,6 +44,7 @@ from mstar_runtime.plan.loader import Plan, load_plan
 from mstar_runtime.serve.common import ENGINE_STOPPED, SERVER, WORKER_LOST, ApiError, engine_unavailable
 from mstar_runtime.serve.io import sample_rate
 from mstar_runtime.serve.metrics import Metrics
+from mstar_runtime.serve.schemas import input_adapters
 from mstar_runtime.serve.text import TextCodec
 
 if TYPE_CHECKING:
@@ -157,6 +158,7 @@ class ServerState:
         self.metrics = Metrics()
         self.metrics.sample_rate = self.sample_rate
         self.loop_limits = {w: loop_limits(m.plan.walk(w)) for w in m.plan.walks}
+        self.input_types = {w: input_adapters(m.plan.walk(w)) for w in m.plan.walks}  # one rule for every route
         self.flights: set[Flight] = set()
         self.draining = False
         self._idle = asyncio.Event()

@@ -26,13 +26,13 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
 from mstar_runtime.api import RequestFailed
-from mstar_runtime.serve.app import ERROR_RESPONSES, error_response, start_flight
-from mstar_runtime.serve.common import NOT_FOUND, ApiError, ClientGone, Flight, bad_request
-from mstar_runtime.serve.io import decode_image_text, wire_value
-from mstar_runtime.serve.schemas import Finite, Int64, WalkRequestBase
+from mstar_runtime.serve.app import ERROR_RESPONSES, decode_images, error_response, start_flight
+from mstar_runtime.serve.common import NOT_FOUND, ApiError, ClientGone, Flight
+from mstar_runtime.serve.io import wire_value
+from mstar_runtime.serve.schemas import WalkRequestBase, input_annotation
 
 try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
     from fastapi import Request, UploadFile
@@ -44,28 +44,6 @@ if TYPE_CHECKING:
 
     from mstar_runtime.serve.server import ServerState
 
-MAX_STR = 1 << 20
-
-
-def _annotation(t: Mapping[str, Any]) -> Any:
-    from pydantic import Field, StrictBool, StrictStr
-
-    kind = t["kind"]
-    if kind == "str":
-        return Annotated[StrictStr, Field(max_length=MAX_STR)]
-    if kind == "int":
-        return Int64
-    if kind == "float":
-        return Finite
-    if kind == "bool":
-        return StrictBool
-    if kind == "image":
-        return Annotated[StrictStr, Field(description="base64 PNG/JPEG, or a data:image/...;base64, URL")]
-    elem: Any = {"bool": StrictBool, "i32": Int64, "i64": Int64, "u8": Int64}.get(t.get("dtype", ""), Finite)
-    for _ in t.get("dims", []):
-        elem = list[elem]
-    return elem
-
 
 def request_model(walk: str, program: Mapping[str, Any]) -> Any:
     """The pydantic body of walk `walk`: {"inputs": {...typed...}, "stream", "timeout"}."""
@@ -74,7 +52,7 @@ def request_model(walk: str, program: Mapping[str, Any]) -> Any:
     fields: dict[str, Any] = {}
     required = False
     for p in program["inputs"]:
-        ann, default = _annotation(p["type"]), p["default"]
+        ann, default = input_annotation(p["type"]), p["default"]
         if default is None:
             required = True
             fields[p["name"]] = (ann, Field(...))
@@ -83,18 +61,6 @@ def request_model(walk: str, program: Mapping[str, Any]) -> Any:
     inputs = create_model(f"Walk_{walk}_Inputs", __config__=ConfigDict(extra="forbid"), **fields)
     spec = Field(...) if required else Field(default_factory=inputs)
     return create_model(f"Walk_{walk}_Request", __base__=WalkRequestBase, inputs=(inputs, spec))
-
-
-def _decode(program: Mapping[str, Any], raw: Mapping[str, Any]) -> dict[str, Any]:
-    kinds = {p["name"]: p["type"]["kind"] for p in program["inputs"]}
-    out = dict(raw)
-    for name, value in raw.items():
-        if kinds.get(name) == "image" and isinstance(value, str):
-            try:
-                out[name] = decode_image_text(value)
-            except ValueError as e:
-                raise bad_request(f"inputs.{name}: {e}", f"inputs.{name}", "invalid_image") from None
-    return out
 
 
 def _line(obj: Any) -> str:
@@ -144,13 +110,13 @@ def _install_walk(app: FastAPI, state: ServerState, walk: str, streaming: Any) -
     wire = _Wire(state, walk)
     fields = {p["name"]: f"inputs.{p['name']}" for p in program["inputs"]}
     # a node that rejects a port the client never named (the token list a prompt became)
-    # blames the walk's text input when it has exactly one
+    # blames the walk's text input when it has exactly one, else `inputs` as a whole
     texts = [p["name"] for p in program["inputs"] if p["type"]["kind"] == "str"]
-    primary = f"inputs.{texts[0]}" if len(texts) == 1 else None
+    primary = f"inputs.{texts[0]}" if len(texts) == 1 else "inputs"
 
     async def run_walk(body: Any, request: Request) -> Any:
         raw = body.inputs.model_dump(exclude_unset=True)
-        inputs = _decode(program, raw)
+        inputs = decode_images(program, raw, fields)
         flight = await start_flight(state, request, "walk", walk, inputs, fields, primary, timeout=body.timeout)
         if not body.stream:
             return await _whole(flight, wire)

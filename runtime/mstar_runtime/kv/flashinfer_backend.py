@@ -312,9 +312,11 @@ class FlashInferGraphDecode:
             paged_kv_indices_buffer=torch.empty(max_indices, dtype=torch.int32, device=dev),
             paged_kv_last_page_len_buffer=torch.empty(bucket, dtype=torch.int32, device=dev),
         )
+        self.fence = _PlanFence(dev)
 
     def plan(self, step: Any, q_heads: int) -> None:
         p = self.pool
+        self.fence.wait()  # the wrapper's pinned plan buffer: its previous upload must have run
         # indptr and last_page_len stay on the host (plan reads the lengths there); the indices
         # go up first, non-blocking from pinned memory: a graph wrapper copies host indices into
         # its fixed buffer with a blocking copy (FlashInfer only trusts device sources there)
@@ -322,6 +324,7 @@ class FlashInferGraphDecode:
         self.wrapper.plan(step.indptr, indices, step.last_page_len, q_heads, p.kv_heads, p.head_dim,
                           p.page_size, q_data_type=p.dtype, kv_data_type=p.dtype, sm_scale=self.scale,
                           non_blocking=True)
+        self.fence.record()
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         out = self.wrapper.run(q if q.dtype == self.pool.dtype else q.to(self.pool.dtype), self.pool.data[layer])
@@ -337,14 +340,17 @@ class FlashInferCohortDecode:
         self.pool, self.q_heads = pool, q_heads
         self.scale = scale if scale is not None else 1.0 / math.sqrt(pool.head_dim)
         self.wrapper = backend.fi.BatchDecodeWithPagedKVCacheWrapper(backend.workspace, "NHD", use_tensor_cores=True)
+        self.fence = _PlanFence(pool.device)
 
     def plan(self, indptr: Any, indices: Any, last: Any) -> None:
         p = self.pool
+        self.fence.wait()  # the wrapper's pinned plan buffer: its previous upload must have run
         host = torch.from_numpy(np.concatenate([indptr, indices, last]).astype(np.int32)).pin_memory()
         n, m = indptr.shape[0] - 1, indices.shape[0]
         self.wrapper.plan(host[: n + 1], host[n + 1 : n + 1 + m], host[n + 1 + m :], self.q_heads, p.kv_heads,
                           p.head_dim, p.page_size, q_data_type=p.dtype, kv_data_type=p.dtype, sm_scale=self.scale,
                           non_blocking=True)
+        self.fence.record()
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         out = self.wrapper.run(q if q.dtype == self.pool.dtype else q.to(self.pool.dtype), self.pool.data[layer])

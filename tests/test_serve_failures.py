@@ -114,3 +114,50 @@ def test_lost_worker_stable_messages_details_in_log(tmp_path: Path) -> None:
     # the details are in the server log, once
     detail = [line for line in out.splitlines() if "worker rank 1 lost" in line]
     assert len(detail) == 1 and f"pid {worker}" in detail[0], out
+
+
+def test_internal_error_names_the_request_not_the_node_error(tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """In process: a node fails for a reason that is not the request's input (a bug). The
+    client gets a 500 naming the request id; the node's error text is in the server log."""
+    import asyncio
+    import threading
+
+    httpx = pytest.importorskip("httpx")
+    from mstar_runtime.api import MStar
+    from mstar_runtime.serve.server import ServeConfig, create_app
+
+    m = MStar.load(compile_plan(tmp_path, extra=("t2i",)), weights="init")
+    secret = "transport failed at /src/gloo/pair.cc:537 [127.0.0.1]:4242"
+    engine = m.conductor.workers[0].engines["flow"]
+    run = engine.run
+
+    def failing(phase: str, entries: list) -> list:  # flow.init is the t2i walk's first flow step
+        if phase == "init":
+            raise RuntimeError(secret)
+        return run(phase, entries)
+
+    engine.run = failing  # type: ignore[method-assign]
+    try:
+        app = create_app(m, ServeConfig(weights="init"))
+
+        async def scenario() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                         timeout=30) as c:
+                whole = await c.post("/v1/walks/t2i", json={"inputs": {"prompt": "x"}, "stream": False})
+                images = await c.post("/v1/images/generations", json={"model": MODEL, "prompt": "x"})
+                return whole, images
+
+        with caplog.at_level("ERROR", logger="mstar_runtime.serve.server"):
+            whole, images = asyncio.run(scenario())
+        for r in (whole, images):
+            assert r.status_code == 500, r.text
+            err = r.json()["error"]
+            assert err["code"] == "internal_error" and re.search(r"request req-\d+", err["message"]), err
+            assert "pair.cc" not in err["message"] and "127.0.0.1" not in err["message"], err
+        logged = [r.getMessage() for r in caplog.records if r.name == "mstar_runtime.serve.server"]
+        assert sum(secret in x for x in logged) == 2, logged
+    finally:
+        done = threading.Event()
+        threading.Thread(target=lambda: (m.close(), done.set()), daemon=True).start()
+        assert done.wait(30)

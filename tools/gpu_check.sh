@@ -130,7 +130,7 @@ if [[ "$STAGES" == *" tests "* ]]; then
   stage "pytest -m gpu"
   TIMEOUT_FLAG=""
   $PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT_FLAG="--timeout=170"
-  timeout 200 $PY -m pytest -m gpu -q -rfEs --durations=15 --continue-on-collection-errors $TIMEOUT_FLAG tests/
+  timeout 240 $PY -m pytest -m gpu -q -rfEs --durations=15 --continue-on-collection-errors $TIMEOUT_FLAG tests/
   rc=$?; echo "pytest exit code $rc"; [ $rc -eq 0 ] || STATUS=1
 fi
 

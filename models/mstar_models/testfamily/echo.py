@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import torch
 
 from mstar_models.testfamily.common import as_int, seeded_init_, setting
-from mstar_models.testfamily.lm import LlamaModel
+from mstar_models.testfamily.lm import LlamaModel, TinyLM
 from mstar_runtime.ops.cohort import Attend, CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import (
     AttentionContext,
@@ -68,14 +68,8 @@ class EchoLM(KVNode):
 
     @classmethod
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
-        if phase == "prefill":
-            n = int(shapes["tokens"][0]) if len(shapes["tokens"]) == 1 else 0
-            if n < 1:
-                raise RequestError(f"prefill needs a 1-D, non-empty token list, got shape {tuple(shapes['tokens'])}",
-                                   "tokens")
-            return SeqPlan(q_len=n)
-        if phase == "decode":
-            return SeqPlan(q_len=1)
+        if phase in ("prefill", "decode"):  # the same ports and KV use as TinyLM's
+            return TinyLM.kv_plan(phase, shapes, spec)
         raise NodeError(f"node '{spec.name}' (EchoLM) has no phase '{phase}'")
 
     def cohort_phase(self, phase: str) -> CohortPhase | None:

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 CohortKey = tuple[str, str, tuple[int, ...], str]  # (node, phase, ranks, loop id)
 FLUSH_EVERY = 8  # steps between flushes of a row's emits when no stream chunk is due
+NEVER = np.iinfo(np.int64).max  # a `due` item count no row reaches (no stream to flush for)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class Cohort:
         self.iters = np.zeros(rows, dtype=np.int64)  # steps launched
         self.valid = np.zeros(rows, dtype=np.int64)  # steps whose outputs were applied
         self.since = np.zeros(rows, dtype=np.int64)  # valid steps since the last flush
-        self.due = np.full(rows, np.iinfo(np.int64).max, dtype=np.int64)  # stream items at which to flush
+        self.due = np.full(rows, NEVER, dtype=np.int64)  # stream items at which to flush
         item_ports = sorted({p for _, p in self.emits} | {p for _, p in self.feeds})
         self.item_ports = item_ports
         self.nitems = {p: np.zeros(rows, dtype=np.int64) for p in item_ports}
@@ -285,7 +286,9 @@ class Cohort:
         spec = self.ports[port]
         shape = (block.shape[0], *spec.row_shape) if spec.items else (block.shape[0] * (spec.row_shape or (1,))[0],
                                                                       *spec.row_shape[1:])
-        return torch.from_numpy(np.ascontiguousarray(block)).reshape(shape).to(spec.dtype or torch.float32)
+        t = torch.from_numpy(np.ascontiguousarray(block)).reshape(shape)
+        dtype = spec.dtype or torch.float32
+        return t if t.dtype == dtype else t.to(dtype)
 
     def _flush(self, m: Member) -> None:
         r = m.row
@@ -312,7 +315,7 @@ class Cohort:
 
     def _next_due(self, m: Member, r: int) -> int:
         """The item count of the row's first stream port at which its next chunk is ready."""
-        best = np.iinfo(np.int64).max
+        best = NEVER
         for sid, port in self.feeds:
             buf: StreamBuffer = m.request.buffers[sid]
             pushed = int(self.pushed[port][r])

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from mstar_runtime import safetensors_header
 from mstarc import ir as I
-from mstarc.diagnostics import Diagnostic, Span
+from mstarc import limits
+from mstarc.diagnostics import CompileError, Diagnostic, Span
 
 _ST_DTYPES = {"BF16": "bf16", "F16": "f16", "F32": "f32", "I32": "i32", "I64": "i64", "U8": "u8", "BOOL": "bool",
               "F64": "f64", "I8": "i8", "I16": "i16", "F8_E4M3": "f8e4m3", "F8_E5M2": "f8e5m2"}
@@ -43,9 +44,12 @@ def scan(folder: str | Path) -> I.CheckpointIR:
     index = root / "model.safetensors.index.json"
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            text = limits.read_text_capped(index, str(index), limits.MAX_JSON_BYTES)
+            weight_map = json.loads(text)["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError):
+        except CompileError as e:  # over the size cap
+            raise CheckpointError(e.diagnostics[0].message) from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise CheckpointError(f"'{index}' is not a valid safetensors index") from None
     else:
         names = sorted(p.name for p in root.glob("*.safetensors"))

@@ -15,9 +15,11 @@ user input.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from mstar_runtime.plan import planfile
@@ -36,38 +38,56 @@ def _display(path: str) -> str:
     return rel if not rel.startswith("..") else path
 
 
+@contextlib.contextmanager
+def _phase(name: str, *passthrough: type[Exception]) -> Iterator[None]:
+    """A front-end phase: a user error passes through, anything else is a compiler bug naming it."""
+    try:
+        yield
+    except (CompileError, InternalError, *passthrough):
+        raise
+    except Exception as e:  # noqa: BLE001 - reported as E090, never as a traceback
+        raise InternalError(name, f"{type(e).__name__}: {e}") from e
+
+
 def _frontend(args: argparse.Namespace) -> tuple[I.ModelIR, str, object | None]:
     """Parse, lower (with weights) and load the placement: the inputs of the pipeline."""
     from mstarc import checkpoint
     from mstarc.lower import lower
-    from mstarc.parser import parse_file
+    from mstarc.parser import parse, read_source
 
     src = _display(args.model)
-    model_ast = parse_file(args.model, src)
+    data, text = read_source(args.model, src)  # read once: the digest is of the bytes parsed
+    with _phase("parse"):
+        model_ast = parse(text, src)
     weights_dir: Path | None = None
     ck = I.CheckpointIR("none")
     if args.weights == "dummy":
         ck = I.CheckpointIR("dummy")
     elif args.weights:
         try:
-            ck = checkpoint.scan(args.weights)
+            with _phase("checkpoint", checkpoint.CheckpointError):
+                ck = checkpoint.scan(args.weights)
         except checkpoint.CheckpointError as e:
             raise CompileError([Diagnostic("E062", str(e), Span(src, 0, 0), "pass a folder of .safetensors files")]) from None
         weights_dir = Path(args.weights)
-    model = lower(model_ast, args.variant, src, weights_dir, ck)
-    if weights_dir is not None:
-        try:
-            model = checkpoint.with_subdirs(model, weights_dir)
-        except checkpoint.CheckpointError as e:
-            raise CompileError([Diagnostic("E062", str(e), Span(src, 0, 0), "pass a folder of .safetensors files")]) from None
-    problems = checkpoint.compare(model)
+    with _phase("lower"):
+        model = lower(model_ast, args.variant, src, weights_dir, ck)
+    with _phase("checkpoint"):
+        if weights_dir is not None:
+            try:
+                model = checkpoint.with_subdirs(model, weights_dir)
+            except checkpoint.CheckpointError as e:
+                raise CompileError([Diagnostic("E062", str(e), Span(src, 0, 0),
+                                               "pass a folder of .safetensors files")]) from None
+        problems = checkpoint.compare(model)
     if problems:
         raise CompileError(problems)
     spec = None
     if getattr(args, "placement", None):
         from mstarc.placement import load_placement
-        spec = load_placement(args.placement, _display(args.placement))
-    digest = hashlib.sha256(Path(args.model).read_bytes()).hexdigest()
+        with _phase("placement"):
+            spec = load_placement(args.placement, _display(args.placement))
+    digest = hashlib.sha256(data).hexdigest()
     return model, digest, spec
 
 
@@ -98,7 +118,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     model = pipeline.run(model, spec, verify_each=args.verify_each, print_after=frozenset(args.print_after),
                          time_passes=args.time_passes)
     _warn(model)
-    body = build_plan(model, digest)
+    with _phase("plan"):
+        body = build_plan(model, digest)
     try:
         size = planfile.write(args.output, body)
     except planfile.PlanFileError as e:
@@ -106,6 +127,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"mstarc: error: cannot write '{args.output}': {e.strerror or e}", file=sys.stderr)
         return EXIT_USER
+    except Exception as e:  # noqa: BLE001 - a body that does not encode is a compiler bug
+        raise InternalError("plan", f"{type(e).__name__}: {e}") from e
     print(f"wrote {args.output}: model '{model.name}' ({model.variant}), {len(model.placement.ranks)} rank(s), "
           f"{size} bytes")
     return EXIT_OK
@@ -114,6 +137,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
 def _read_plan(path: str) -> dict:
     try:
         return planfile.read(path)
+    except RecursionError:  # JSON nested deeper than Python reads: not a plan mstarc wrote
+        raise CompileError([Diagnostic("E070", "plan body nests too deeply: the file is corrupt", Span(path, 0, 0))]) \
+            from None
     except planfile.PlanFileError as e:
         if e.kind == "io":
             raise CompileError([Diagnostic("E004", e.message, Span(path, 0, 0))]) from None
@@ -124,7 +150,14 @@ def _read_plan(path: str) -> dict:
 def cmd_explain(args: argparse.Namespace) -> int:
     from mstarc.explain import explain
 
-    print(explain(_read_plan(args.plan), args.format), end="")
+    plan = _read_plan(args.plan)
+    with _phase("explain", RecursionError):
+        try:
+            text = explain(plan, args.format)
+        except RecursionError:  # deeper than any plan mstarc writes (blocks nest at most 64 deep)
+            raise CompileError([Diagnostic("E070", "plan nests too deeply to explain: the file is corrupt",
+                                           Span(args.plan, 0, 0))]) from None
+    print(text, end="")
     return EXIT_OK
 
 
@@ -132,7 +165,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from mstarc.diff import diff_plans
 
     a, b = _read_plan(args.plan_a), _read_plan(args.plan_b)
-    changes = diff_plans(a, b)
+    with _phase("diff", RecursionError):
+        try:
+            changes = diff_plans(a, b)
+        except RecursionError:  # deeper than any plan mstarc writes
+            raise CompileError([Diagnostic("E070", "plans nest too deeply to compare: a file is corrupt",
+                                           Span(args.plan_a, 0, 0))]) from None
     if not changes:
         print("plans are equal")
         return EXIT_OK

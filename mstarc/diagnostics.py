@@ -19,6 +19,8 @@ CODES: dict[str, str] = {
     "E002": "syntax error: unexpected character",
     "E003": "syntax error: unexpected end of file",
     "E004": "file cannot be read",
+    "E005": "nesting too deep",
+    "E006": "input too large",
     # names and structure (E01x)
     "E010": "duplicate definition",
     "E011": "unknown name",
@@ -36,6 +38,7 @@ CODES: dict[str, str] = {
     "E022": "checkpoint config reference fails",
     "E023": "bad architecture arguments",
     "E024": "bad engine kind",
+    "E025": "value out of range",
     # types (E03x)
     "E030": "port type mismatch",
     "E031": "bad type",
@@ -152,6 +155,8 @@ class DiagnosticSink:
 class SourceCache:
     """Source text by file name, so a diagnostic can echo its line; reads files lazily."""
 
+    MAX_BYTES = 2 << 20
+
     def __init__(self) -> None:
         self._text: dict[str, list[str]] = {}
 
@@ -161,11 +166,23 @@ class SourceCache:
     def line(self, file: str, line: int) -> str | None:
         if file not in self._text:
             try:
-                self.add(file, Path(file).read_text(encoding="utf-8", errors="replace"))
+                with Path(file).open("rb") as f:  # at most what a source may hold (mstarc/limits.py)
+                    data = f.read(self.MAX_BYTES)
             except OSError:
                 return None
+            self.add(file, data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n"))
         lines = self._text[file]
         return lines[line - 1] if 1 <= line <= len(lines) else None
+
+
+def spell_cycle(names: list[str]) -> str:
+    """A cycle in a message, `a -> b -> a`; a long one shows its first and last names."""
+    if len(names) <= 12:
+        return " -> ".join(names)
+    return " -> ".join(names[:5]) + f" -> ... ({len(names) - 9} more) -> " + " -> ".join(names[-4:])
+
+
+MAX_SHOWN_LINE = 200  # longer source lines are shown as a window around the span
 
 
 def render(diag: Diagnostic, sources: SourceCache) -> str:
@@ -174,11 +191,18 @@ def render(diag: Diagnostic, sources: SourceCache) -> str:
     text = sources.line(diag.span.file, diag.span.line) if diag.span.line > 0 else None
     if text is not None:
         gutter = f"{diag.span.line:>4} | "
-        out.append(gutter + text.expandtabs(4))
         start = max(diag.span.col, 1)
         width = 1
         if diag.span.end_line == diag.span.line and diag.span.end_col > diag.span.col:
             width = diag.span.end_col - diag.span.col
+        if len(text) > MAX_SHOWN_LINE:  # a window of a very long line around the span
+            first = max(0, min(start - 1 - MAX_SHOWN_LINE // 4, len(text) - MAX_SHOWN_LINE))
+            cut = text[first:first + MAX_SHOWN_LINE]
+            lead = "..." if first > 0 else ""
+            text = lead + cut + ("..." if first + MAX_SHOWN_LINE < len(text) else "")
+            start = start - first + len(lead)
+            width = min(width, MAX_SHOWN_LINE)
+        out.append(gutter + text.expandtabs(4))
         width = max(1, min(width, len(text) - start + 1))
         out.append(" " * (len(gutter) - 2) + "| " + " " * (start - 1) + "^" * width)
     if diag.hint:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mstarc import archs, ast
 from mstarc import ir as I
-from mstarc.config import CheckpointConfig, EvalError, evaluate, resolve_variant
+from mstarc.config import CheckpointConfig, EvalError, ValueBudget, evaluate, resolve_variant
 from mstarc.diagnostics import DiagnosticSink, Span
 
 ENGINES = ("kv", "stateless")
@@ -29,10 +29,11 @@ def lower(model: ast.Model, variant: str, source: str, weights: Path | None = No
           checkpoint: I.CheckpointIR | None = None) -> I.ModelIR:
     sink = DiagnosticSink()
     ckpt_cfg = CheckpointConfig(weights)
-    config = resolve_variant(model, variant, ckpt_cfg, sink)
+    budget = ValueBudget()
+    config = resolve_variant(model, variant, ckpt_cfg, sink, budget)
     if config is None:
         sink.check()
-    lw = _Lowerer(config or {}, ckpt_cfg, sink)
+    lw = _Lowerer(config or {}, ckpt_cfg, sink, budget)
     nodes = lw.nodes(model.nodes)
     edges = lw.edges(model.edges, model.streams)
     walks = lw.walks(model.walks)
@@ -44,8 +45,10 @@ def lower(model: ast.Model, variant: str, source: str, weights: Path | None = No
 
 
 class _Lowerer:
-    def __init__(self, config: dict[str, I.ConfigValue], ckpt: CheckpointConfig, sink: DiagnosticSink):
+    def __init__(self, config: dict[str, I.ConfigValue], ckpt: CheckpointConfig, sink: DiagnosticSink,
+                 budget: ValueBudget | None = None):
         self.config, self.ckpt, self.sink = config, ckpt, sink
+        self.budget = budget if budget is not None else ValueBudget()
 
     # ---- expressions
     def _config_lookup(self, name: str, span: Span) -> I.ConfigValue:
@@ -55,10 +58,20 @@ class _Lowerer:
 
     def value(self, expr: ast.Expr) -> I.ConfigValue | None:
         try:
-            return evaluate(expr, self._config_lookup, self.ckpt)
+            v = evaluate(expr, self._config_lookup, self.ckpt, self.budget)
+            self.budget.charge(v, expr.span)  # recorded in the IR (and the plan) once more
+            return v
         except EvalError as e:
             self.sink.error(e.code, e.message, e.span, e.hint)
             return None
+
+    def constant(self, value: I.ConfigValue, span: Span) -> I.ConfigValue:
+        """A config value used as a walk constant: charged to the budget, as the plan repeats it."""
+        try:
+            self.budget.charge(value, span)
+        except EvalError as e:
+            self.sink.error(e.code, e.message, e.span, e.hint)
+        return value
 
     def int_value(self, expr: ast.Expr, what: str) -> int | None:
         v = self.value(expr)
@@ -284,7 +297,7 @@ class _WalkLowerer:
         if isinstance(expr, ast.NameRef):
             if expr.name in self.scope or expr.name not in self.p.config:
                 return I.Var(expr.name, expr.span)  # unknown names are verify's to report
-            return I.Const(self.p.config[expr.name], expr.span)
+            return I.Const(self.p.constant(self.p.config[expr.name], expr.span), expr.span)
         if _mentions(expr, self.scope):
             self.p.sink.error("E020", "walk values cannot be combined in expressions", expr.span,
                               "pass the values to a node phase that computes the result")
@@ -339,6 +352,10 @@ class _WalkLowerer:
                                       st.value.span, "bound the loop with a config value; pass per-request limits to a node")
                 else:
                     max_ = self.p.int_value(st.value, "a loop's max")
+                    if max_ is not None and max_ < 0:
+                        self.p.sink.error("E040", f"{s.kind} max must be a non-negative integer, got {max_}",
+                                          st.value.span, "max is the most iterations the loop may run")
+                        max_ = None
             else:
                 allowed = "max=" if dynamic else "n= and max="
                 self.p.sink.error("E042", f"{s.kind} has no setting '{key}'", st.name.span, f"{s.kind} takes {allowed}")

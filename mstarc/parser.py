@@ -4,6 +4,12 @@ The Lark LALR parser is built once per process from grammar/walk.lark (positions
 cached. No Lark exception ever reaches a caller: a syntax error becomes `CompileError` with
 code E001 (unexpected token), E002 (unexpected character) or E003 (unexpected end of file),
 naming what was expected in words.
+
+Bounded work (mstarc/limits.py): a file is read with a size cap and refused above a token
+count before Lark sees it (E006); the parse tree is turned into the AST by an explicit stack,
+not by recursion, and a tree that nests blocks or expressions deeper than the limits is E005
+at the construct that crosses the limit. So no input can make a later recursive walk of the
+AST (evaluation, lowering, the passes, the printer) exceed Python's recursion limit.
 """
 
 from __future__ import annotations
@@ -13,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import lark
-from lark import Token, Transformer, v_args
+from lark import Token, Tree
 
-from mstarc import ast
+from mstarc import ast, limits
 from mstarc.diagnostics import CompileError, Diagnostic, Span
 
 GRAMMAR_PATH = Path(__file__).resolve().parent / "grammar" / "walk.lark"
@@ -64,6 +70,12 @@ def _token_text(tok: Token) -> str:
 def parse(text: str, file: str) -> ast.Model:
     """Parse one `.walk` source. Raises CompileError (one syntax diagnostic) on bad input."""
     parser = _lark()
+    if len(text) > limits.MAX_WALK_TOKENS:  # a shorter text cannot hold more tokens
+        n = limits.count_tokens(text, limits.MAX_WALK_TOKENS + 1)
+        if n > limits.MAX_WALK_TOKENS:
+            raise CompileError([Diagnostic(
+                "E006", f"'{file}' is too large: more than {limits.MAX_WALK_TOKENS} tokens, the cap",
+                Span(file, 0, 0), "a model file is far smaller; split the model or check that this is the file you meant")])
     try:
         tree = parser.parse(text)
     except lark.exceptions.UnexpectedToken as e:
@@ -97,28 +109,76 @@ def parse(text: str, file: str) -> ast.Model:
     return _ToAst(file).transform(tree)
 
 
-def parse_file(path: str | Path, display_name: str | None = None) -> ast.Model:
-    """Read and parse a file; an unreadable file is E004, not an OSError."""
+def read_source(path: str | Path, display_name: str | None = None) -> tuple[bytes, str]:
+    """The bytes and text of a `.walk` file: E004 when it cannot be read (or is not UTF-8),
+    E006 over the size cap."""
     name = display_name or str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        data = limits.read_bytes_capped(path, name, limits.MAX_WALK_BYTES)
+        return data, limits.decode_text(data)
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise CompileError([Diagnostic("E004", f"cannot read '{name}': {reason}", Span(name, 0, 0))]) from None
-    return parse(text, name)
+
+
+def parse_file(path: str | Path, display_name: str | None = None) -> ast.Model:
+    """Read and parse a file; an unreadable file is E004, not an OSError."""
+    name = display_name or str(path)
+    return parse(read_source(path, name)[1], name)
 
 
 def _kids(children: list[Any]) -> list[Any]:
     return [c for c in children if c is not None]
 
 
-@v_args(meta=True)
-class _ToAst(Transformer):
-    """Lark tree -> AST. One method per grammar rule; spans from Lark's meta."""
+# Rules that open one level of nesting (limits.MAX_BLOCK_DEPTH, MAX_EXPR_DEPTH).
+_BLOCK_RULES = frozenset({"block"})
+_EXPR_RULES = frozenset({"add", "sub", "mul", "div", "mod", "neg", "list", "funcall"})
+
+
+class _ToAst:
+    """Lark tree -> AST. One method per grammar rule, called as `method(meta, children)` with
+    the children already converted; spans from Lark's meta.
+
+    `transform` walks the tree with an explicit stack (post-order), so a deep tree cannot
+    exhaust Python's recursion limit, and refuses a tree deeper than the nesting limits."""
 
     def __init__(self, file: str):
-        super().__init__(visit_tokens=True)
         self.file = file
+
+    def transform(self, tree: Tree) -> Any:
+        # a frame: (tree, its children iterator, converted children, block depth, expression depth)
+        stack: list[tuple[Tree, Any, list[Any], int, int]] = [(tree, iter(tree.children), [], 0, 0)]
+        while True:
+            node, children, out, blocks, exprs = stack[-1]
+            for child in children:
+                if isinstance(child, Tree):
+                    rule = str(child.data)
+                    b = blocks + (rule in _BLOCK_RULES)
+                    e = exprs + (rule in _EXPR_RULES)
+                    if b > limits.MAX_BLOCK_DEPTH or e > limits.MAX_EXPR_DEPTH:
+                        raise CompileError([self._too_deep(child, b > limits.MAX_BLOCK_DEPTH)])
+                    stack.append((child, iter(child.children), [], b, e))
+                    break
+                out.append(self.NAME(child) if isinstance(child, Token) and child.type == "NAME" else child)
+            else:
+                stack.pop()
+                result = getattr(self, str(node.data))(node.meta, out)
+                if not stack:
+                    return result
+                stack[-1][2].append(result)
+
+    def _too_deep(self, tree: Tree, blocks: bool) -> Diagnostic:
+        meta = tree.meta
+        span = Span(self.file, meta.line, meta.column, meta.line, meta.column + 1) \
+            if not getattr(meta, "empty", True) else Span(self.file, 0, 0)
+        if blocks:
+            return Diagnostic("E005", f"blocks nest more than {limits.MAX_BLOCK_DEPTH} levels deep", span,
+                              "a walk's body and every loop, branch and stream body is one level; "
+                              "flatten the nesting")
+        return Diagnostic("E005", f"expression nests more than {limits.MAX_EXPR_DEPTH} levels deep", span,
+                          "every operator, negation, list and function call is one level, so is every term "
+                          "of a chain like `a + b + c`; split the expression into several settings")
 
     def _span(self, meta: Any) -> Span:
         if getattr(meta, "empty", True):
@@ -128,9 +188,8 @@ class _ToAst(Transformer):
     def _tok_span(self, tok: Token) -> Span:
         return Span(self.file, tok.line, tok.column, tok.end_line, tok.end_column)
 
-    # terminals (visit_tokens): names carry spans; v_args(meta) does not apply to tokens
-    @v_args(meta=False, inline=False)
-    def NAME(self, tok: Token) -> ast.Ident:  # noqa: N802 - Lark calls terminal callbacks by name
+    # terminals: names carry spans; the other tokens stay Lark tokens
+    def NAME(self, tok: Token) -> ast.Ident:  # noqa: N802 - named after the terminal
         return ast.Ident(str(tok), self._tok_span(tok))
 
     # ---- top level
@@ -335,7 +394,12 @@ class _ToAst(Transformer):
         return ast.Neg(children[0], self._span(meta))
 
     def int(self, meta, children):
-        return ast.IntLit(int(str(children[0]).replace("_", "")), self._span(meta))
+        digits = str(children[0]).replace("_", "")
+        if len(digits) > 100:  # far beyond 64 bits (and Python refuses to convert > 4300 digits)
+            raise CompileError([Diagnostic("E025", f"integer literal of {len(digits)} digits does not fit in 64 bits",
+                                           self._span(meta), f"integers are signed 64-bit: {limits.INT_MIN} to "
+                                           f"{limits.INT_MAX}")])
+        return ast.IntLit(int(digits), self._span(meta))
 
     def float(self, meta, children):
         text = str(children[0])
@@ -343,7 +407,11 @@ class _ToAst(Transformer):
 
     def string(self, meta, children):
         raw = str(children[0])[1:-1]
-        value = raw.encode("utf-8").decode("unicode_escape") if "\\" in raw else raw
+        try:
+            value = raw.encode("utf-8").decode("unicode_escape") if "\\" in raw else raw
+        except UnicodeDecodeError as e:  # `\x4`, `\N{nothing}`: a malformed escape
+            raise CompileError([Diagnostic("E001", f"bad escape in string: {e.reason}", self._span(meta),
+                                           "use \\\\ for a backslash")]) from None
         return ast.StrLit(value, self._span(meta))
 
     def true(self, meta, children):

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from mstarc import limits
 from mstarc.diagnostics import CompileError, DiagnosticSink, Span
 
 DEVICE_TYPES = ("cuda", "cpu")
@@ -36,6 +37,25 @@ _MODEL_KEYS = ("nodes", "walks")
 _NODE_KEYS = ("rank", "ranks", "tp")
 _WALK_KEYS = ("nodes", "branches")
 _NO_SPAN = Span.unknown()
+# Bounds of values the plan records (far above any device; keeps every size a 64-bit integer).
+MAX_MEMORY_GIB = 1 << 20  # 1 PiB
+MAX_HBM_TB_S = 1000
+_MAXIMA = {"page_size": 1 << 20, "max_batch": 1 << 16}
+
+
+@dataclass(frozen=True)
+class _Huge:
+    """A YAML integer with more digits than Python converts to an int."""
+
+    digits: int
+
+    def __str__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+def _short(v: Any) -> str:
+    text = str(v) if not isinstance(v, int) or v.bit_length() < 256 else f"an integer of {v.bit_length()} bits"
+    return text
 
 
 @dataclass(frozen=True)
@@ -121,7 +141,7 @@ def load_placement(path: str | Path, display_name: str | None = None) -> Placeme
     """Read and check a placement file; raises CompileError with every problem found."""
     file = display_name or str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = limits.read_text_capped(path, file, limits.MAX_PLACEMENT_BYTES)
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         sink = DiagnosticSink()
@@ -138,6 +158,10 @@ def parse_placement(text: str, file: str) -> PlacementSpec:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
         sink.error("E050", f"malformed YAML: {_yaml_problem(e)}", _mark_span(file, e))
+        raise CompileError(sink.diagnostics) from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        sink.error("E050", "malformed YAML: lists or mappings nest too deeply", Span(file, 1, 1),
+                   "a placement file nests a few levels; see docs/placement.md")
         raise CompileError(sink.diagnostics) from None
     spec = _Reader(file, sink).document(root, Path(file).stem)
     sink.check()
@@ -181,7 +205,8 @@ class _Reader:
     def bad(self, node: yaml.Node, what: str, want: str) -> None:
         got = _TYPE_WORDS.get(node.tag, "a tagged value")
         if isinstance(node, yaml.ScalarNode) and node.tag != "tag:yaml.org,2002:null":
-            got = f"{got} ({node.value!r})" if node.tag == "tag:yaml.org,2002:str" else f"{got} ({node.value})"
+            value = node.value if len(node.value) <= 60 else node.value[:57] + "..."
+            got = f"{got} ({value!r})" if node.tag == "tag:yaml.org,2002:str" else f"{got} ({value})"
         self.sink.error("E050", f"{what} must be {want}, got {got}", self.span(node))
 
     def mapping(self, node: yaml.Node, what: str, allowed: tuple[str, ...] | None,
@@ -210,26 +235,44 @@ class _Reader:
         return out
 
     def scalar(self, node: yaml.Node) -> Any:
-        return _SCALARS.construct_object(node) if isinstance(node, yaml.ScalarNode) else node
+        if not isinstance(node, yaml.ScalarNode):
+            return node
+        try:
+            return _SCALARS.construct_object(node)
+        except (ValueError, yaml.YAMLError):  # an integer of more digits than Python converts
+            return _Huge(len(node.value))
 
-    def integer(self, node: yaml.Node, what: str, minimum: int | None = None) -> int | None:
+    def integer(self, node: yaml.Node, what: str, minimum: int | None = None,
+                maximum: int = limits.INT_MAX) -> int | None:
         v = self.scalar(node)
+        if isinstance(v, _Huge):
+            self.sink.error("E050", f"{what} must be at most {maximum}, got {v}", self.span(node))
+            return None
         if isinstance(v, bool) or not isinstance(v, int):
             self.bad(node, what, "an integer")
             return None
         if minimum is not None and v < minimum:
-            self.sink.error("E050", f"{what} must be at least {minimum}, got {v}", self.span(node))
+            self.sink.error("E050", f"{what} must be at least {minimum}, got {_short(v)}", self.span(node))
+            return None
+        if v > maximum:
+            self.sink.error("E050", f"{what} must be at most {maximum}, got {_short(v)}", self.span(node))
             return None
         return v
 
-    def number(self, node: yaml.Node, what: str, code: str = "E050") -> float | None:
-        """A positive int or float (a non-positive one is reported with `code`)."""
+    def number(self, node: yaml.Node, what: str, code: str = "E050", maximum: float | None = None) -> float | None:
+        """A positive int or float, at most `maximum` (else reported with `code`)."""
         v = self.scalar(node)
+        if isinstance(v, _Huge):
+            self.sink.error(code, f"{what} must be at most {maximum}, got {v}", self.span(node))
+            return None
         if isinstance(v, bool) or not isinstance(v, int | float):
             self.bad(node, what, "a number")
             return None
         if not v > 0 or v == float("inf"):
-            self.sink.error(code, f"{what} must be a positive number, got {v}", self.span(node))
+            self.sink.error(code, f"{what} must be a positive number, got {_short(v)}", self.span(node))
+            return None
+        if maximum is not None and v > maximum:
+            self.sink.error(code, f"{what} must be at most {maximum}, got {_short(v)}", self.span(node))
             return None
         return v
 
@@ -247,15 +290,17 @@ class _Reader:
             self.sink.error("E050", f"{what} names no ranks", self.span(node))
             return None
         ranks: list[int] = []
+        seen: set[int] = set()
         spans: list[Span] = []
         for item in items:
             r = self.integer(item, f"a rank of {what}")
             if r is None:
                 return None
-            if r in ranks:
+            if r in seen:
                 self.sink.error("E050", f"rank {r} is listed twice for {what}", self.span(item))
                 return None
             ranks.append(r)
+            seen.add(r)
             spans.append(self.span(item))
         return RankGroup(tuple(ranks), self.span(key), tuple(spans))
 
@@ -283,7 +328,7 @@ class _Reader:
         ints = {"page_size": DEFAULT_PAGE_SIZE, "max_batch": DEFAULT_MAX_BATCH}
         for key in ints:
             if key in top:
-                ints[key] = self.integer(top[key][1], f"'{key}'", 1) or ints[key]
+                ints[key] = self.integer(top[key][1], f"'{key}'", 1, _MAXIMA[key]) or ints[key]
         default_rank: int | str = 0
         default_span = self.span(root)
         if "default_rank" in top:
@@ -292,7 +337,7 @@ class _Reader:
             v = self.scalar(node)
             if v == SPREAD:
                 default_rank = SPREAD
-            elif isinstance(v, int) and not isinstance(v, bool):
+            elif isinstance(v, int) and not isinstance(v, bool) and limits.int_fits(v):
                 default_rank = v
             else:
                 self.bad(node, "'default_rank'", "a rank or `spread`")
@@ -317,6 +362,10 @@ class _Reader:
             if count < 1:
                 self.sink.error("E055", f"'devices.count' must be at least 1, got {count}", self.span(d["count"][1]))
                 return ()
+            if count > limits.MAX_DEVICES:
+                self.sink.error("E055", f"'devices.count' must be at most {limits.MAX_DEVICES}, got {count}",
+                                self.span(d["count"][1]), f"a placement has at most {limits.MAX_DEVICES} devices")
+                return ()
             one = self.device_fields(d, self.span(node), "the devices")
             return tuple(DeviceSpec(r, *one[1:], span=one[0]) for r in range(count)) if one else ()
         if not isinstance(node, yaml.SequenceNode):
@@ -324,6 +373,10 @@ class _Reader:
             return ()
         if not node.value:
             self.sink.error("E055", "'devices' is empty", self.span(node), "a placement needs at least one device")
+            return ()
+        if len(node.value) > limits.MAX_DEVICES:
+            self.sink.error("E055", f"'devices' lists {len(node.value)} devices, more than {limits.MAX_DEVICES}",
+                            self.span(node), f"a placement has at most {limits.MAX_DEVICES} devices")
             return ()
         out: list[DeviceSpec] = []
         seen: set[int] = set()
@@ -361,10 +414,11 @@ class _Reader:
                 dtype = None
         ok = ok and dtype is not None
         name = self.string(d["name"][1], f"the name of {what}") if "name" in d else dtype
-        memory = self.number(d["memory_gib"][1], f"'memory_gib' of {what}", "E055") if "memory_gib" in d else None
+        memory = self.number(d["memory_gib"][1], f"'memory_gib' of {what}", "E055", MAX_MEMORY_GIB) \
+            if "memory_gib" in d else None
         hbm = None
         if "hbm_tb_s" in d:
-            hbm = self.number(d["hbm_tb_s"][1], f"'hbm_tb_s' of {what}", "E055")
+            hbm = self.number(d["hbm_tb_s"][1], f"'hbm_tb_s' of {what}", "E055", MAX_HBM_TB_S)
             ok = ok and hbm is not None
         if not ok or name is None or memory is None:
             return None
@@ -423,7 +477,7 @@ class _Reader:
         tp, tp_span = len(g.ranks), self.span(value)
         if "tp" in d:
             tp_span = self.span(d["tp"][1])
-            tp = self.integer(d["tp"][1], f"'tp' of {what}", 1) or tp
+            tp = self.integer(d["tp"][1], f"'tp' of {what}", 1, limits.MAX_DEVICES) or tp
             if len(g.ranks) % tp:
                 self.sink.error("E050", f"{what} has {len(g.ranks)} rank{'s' if len(g.ranks) > 1 else ''}, "
                                 f"not a multiple of its tp {tp}", tp_span,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mstarc.archs.spec import SHARD_ROLES, WEIGHT_DTYPES, ArchError, ArchSpec, KVGeometry, TensorSpec
+from mstarc.limits import MAX_ARCH_TENSORS
 
 _REQUIRED = object()
 
@@ -106,6 +107,9 @@ class Tensors:
     def add(self, name: str, shape: tuple[int, ...], shard: str = "replicate") -> None:
         assert shard in SHARD_ROLES, shard
         assert name not in self._items, f"duplicate tensor {name}"  # a catalogue bug, not user error
+        if len(self._items) >= MAX_ARCH_TENSORS:  # a layer or expert count far beyond any model
+            raise ArchError(f"the architecture would have more than {MAX_ARCH_TENSORS} weight tensors",
+                            None)
         self._items[name] = TensorSpec(name, tuple(shape), self.dtype, shard)
 
     def linear(self, prefix: str, out_f: int, in_f: int, bias: bool = True, shard: str = "replicate") -> None:

@@ -24,6 +24,7 @@ Fails when (E052, at the YAML `tp` value, naming the node, the dimension and its
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 from mstarc import ir as I
 from mstarc.archs import TensorSpec
 from mstarc.diagnostics import DiagnosticSink, Span
+from mstarc.limits import MAX_DEVICES
 
 SHARD_KINDS = ("col", "row", "vocab", "expert", "replicate")
 _DIVIDED_DIMS = ("heads", "intermediate", "moe_intermediate", "vocab")
@@ -106,7 +108,12 @@ def shard_tp(model: I.ModelIR) -> I.ModelIR:
 
 
 def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    """The divisors of n, for a hint: all of them up to 100,000 (trial division up to its
+    square root), else only those a placement can use (up to `limits.MAX_DEVICES`)."""
+    if n <= 100_000:
+        small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+        return ", ".join(str(d) for d in sorted(set(small + [n // d for d in small])))
+    return ", ".join(str(d) for d in range(1, MAX_DEVICES + 1) if n % d == 0) + ", ..."
 
 
 def _shard_node(node: I.NodeIR, tp: int, ranks: tuple[int, ...], span: Span,

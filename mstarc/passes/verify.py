@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from mstarc import ir as I
-from mstarc.diagnostics import DiagnosticSink, Span
+from mstarc.diagnostics import DiagnosticSink, Span, spell_cycle
 
 INT = I.ValueType("int")
 BOOL = I.ValueType("bool")
@@ -34,9 +34,11 @@ def verify(model: I.ModelIR) -> I.ModelIR:
     sink = DiagnosticSink()
     _check_nodes(model, sink)
     _check_edges(model, sink)
+    edges = _edge_index(model)
     for walk in model.walks.values():
-        _WalkChecker(model, walk, sink).run()
+        _WalkChecker(model, walk, sink, edges).run()
     _check_transitions(model, sink)
+    _check_transition_cycles(model, sink)
     _check_usage(model, sink)
     sink.check()
     warnings = tuple(d for d in sink.diagnostics if d.severity == "warning")
@@ -106,8 +108,23 @@ def _check_stream_types(e: I.EdgeIR, src: I.ValueType, dst: I.ValueType, sink: D
                    f"takes {lead}", e.span, f"make the consumer's first dim {need} or symbolic")
 
 
+_EdgeIndex = tuple[dict[tuple[str, str], list[I.EdgeIR]], set[tuple[str, str, str, str]]]
+
+
+def _edge_index(model: I.ModelIR) -> _EdgeIndex:
+    """(producer port -> its streaming edges, the (src node, port, dst node, port) of value edges)."""
+    streams: dict[tuple[str, str], list[I.EdgeIR]] = {}
+    values: set[tuple[str, str, str, str]] = set()
+    for e in model.edges:
+        if e.streaming:
+            streams.setdefault((e.src_node, e.src_port), []).append(e)
+        else:
+            values.add((e.src_node, e.src_port, e.dst_node, e.dst_port))
+    return streams, values
+
+
 class _WalkChecker:
-    def __init__(self, model: I.ModelIR, walk: I.WalkIR, sink: DiagnosticSink):
+    def __init__(self, model: I.ModelIR, walk: I.WalkIR, sink: DiagnosticSink, edges: _EdgeIndex):
         self.m, self.w, self.sink = model, walk, sink
         self.outputs = {p.name: p for p in walk.outputs}
         self.emitted: set[str] = set()
@@ -116,6 +133,8 @@ class _WalkChecker:
         self.all_bound = {r for c in I.iter_regions(walk.body) if isinstance(c, I.Call) for r in c.results}
         self.loops: list[str] = []  # ids of the loops being checked, innermost last
         self.acc_values: dict[tuple[str, str], ValueInfo] = {}
+        self.stream_edges, self.value_edges = edges
+        self.input_names = {p.name for p in walk.inputs}
 
     def run(self) -> None:
         for p in self.w.inputs:
@@ -139,7 +158,7 @@ class _WalkChecker:
             return None
         if op.name in env:
             return env[op.name]
-        if op.name in self.all_bound or any(p.name == op.name for p in self.w.inputs):
+        if op.name in self.all_bound or op.name in self.input_names:
             self.sink.error("E034", f"value '{op.name}' is used before it is bound here", op.span,
                             "a value bound in a loop body or stream block is local to it unless carried or accumulated")
         else:
@@ -186,8 +205,24 @@ class _WalkChecker:
         return node
 
     def call(self, c: I.Call, env: dict[str, ValueInfo]) -> None:
+        # The arguments are read before the results are bound: `x = a.f(x = x)` passes the old
+        # `x`, which is type-checked (and edge-checked) like any other value.
+        self.call_args(c, env)
         for name in c.results:  # bound even when the call is wrong, so errors do not cascade
             env[name] = ValueInfo(ANY, None)
+        node = self.m.nodes.get(c.node)
+        phase = node.phases.get(c.phase) if node is not None else None
+        if node is None or phase is None:
+            return
+        if c.results and len(c.results) != len(phase.outputs):
+            return
+        for name, port in zip(c.results, phase.outputs):
+            if port in node.outputs:  # an unknown port was reported with the phase; its value stays ANY
+                env[name] = ValueInfo(node.outputs[port].type, (node.name, port))
+                for e in self.stream_edges.get((node.name, port), ()):
+                    self.fed_streams.add(e.id)
+
+    def call_args(self, c: I.Call, env: dict[str, ValueInfo]) -> None:
         node = self.node_and_tag(c.node, c.tag, c.span, c.tag_span)
         if node is None:
             for op in c.args.values():
@@ -211,19 +246,13 @@ class _WalkChecker:
             self.sink.error("E032", f"'{c.node}.{c.phase}' has {len(phase.outputs)} output"
                             f"{'s' if len(phase.outputs) != 1 else ''} ({', '.join(phase.outputs)}), "
                             f"but {len(c.results)} name{'s are' if len(c.results) != 1 else ' is'} bound", c.span)
-            return
-        for name, port in zip(c.results, phase.outputs):
-            if port in node.outputs:  # an unknown port was reported with the phase; its value stays ANY
-                env[name] = ValueInfo(node.outputs[port].type, (node.name, port))
-                for e in self.m.edges:
-                    if e.streaming and e.src_node == node.name and e.src_port == port:
-                        self.fed_streams.add(e.id)
 
     def check_arg(self, c: I.Call, node: I.NodeIR, port: str, op: I.Operand, env) -> None:
         want = node.inputs[port].type
         if isinstance(op, I.Const):
             if not _const_fits(op.value, want):
-                self.sink.error("E030", f"input '{port}' of '{c.node}.{c.phase}' is {want}, got constant {op.value!r}", op.span)
+                self.sink.error("E030", f"input '{port}' of '{c.node}.{c.phase}' is {want}, got constant "
+                                f"{_shown(op.value)}", op.span)
             return
         info = self.use(op, env)
         if info is None:
@@ -239,8 +268,7 @@ class _WalkChecker:
                             op.span)
         if info.producer and info.producer[0] != c.node:
             src_node, src_port = info.producer
-            if not any(not e.streaming and (e.src_node, e.src_port, e.dst_node, e.dst_port) ==
-                       (src_node, src_port, c.node, port) for e in self.m.edges):
+            if (src_node, src_port, c.node, port) not in self.value_edges:
                 self.sink.error("E035", f"'{op.name}' flows from {src_node}.{src_port} to {c.node}.{port} "
                                 "but no edge declares it", op.span,
                                 f"declare `edge {src_node}.{src_port} -> {c.node}.{port}`")
@@ -340,6 +368,9 @@ class _WalkChecker:
             self.sink.error("E011", f"walk '{self.w.name}' has no output '{e.output}'", e.span, _known("outputs", self.outputs))
         info = self.use(e.value, env)
         self.emitted.add(e.output)
+        if out is not None and isinstance(e.value, I.Const) and not _const_fits(e.value.value, out.type):
+            self.sink.error("E030", f"output '{e.output}' is {out.type}, got constant {_shown(e.value.value)}", e.span)
+            return
         if out is None or info is None:
             return
         t = info.type
@@ -351,6 +382,12 @@ class _WalkChecker:
         node = self.node_and_tag(f.node, f.src_tag, f.span, f.span)
         if node is not None and node.engine == "kv":
             self.node_and_tag(f.node, f.dst_tag, f.span, f.span)
+
+
+def _shown(value: I.ConfigValue) -> str:
+    """A constant in a message: its repr, shortened (a list constant may be long)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _is_bool(t: I.ValueType) -> bool:
@@ -401,6 +438,43 @@ def _check_transitions(model: I.ModelIR, sink: DiagnosticSink) -> None:
             for tag in (k.tag, k.as_tag):
                 if tag not in node.tags:
                     sink.error("E016", f"node '{k.node}' has no KV tag '{tag}'", k.span, _known("tags", node.tags))
+
+
+def _check_transition_cycles(model: I.ModelIR, sink: DiagnosticSink) -> None:
+    """A request's chain of walks is finite: no walk can be reached again through transitions.
+
+    A transition's flag is computed per request (a node's output, or a constant), so the
+    compiler cannot tell that a cycle ends: every cycle is refused, including `w -> w`. A
+    depth-first search from each walk in source order, transitions in file order; each
+    transition that closes a cycle is reported, with the cycle spelled out."""
+    out: dict[str, list[I.TransitionIR]] = {}
+    for t in model.transitions:
+        if t.src in model.walks and t.dst in model.walks:
+            out.setdefault(t.src, []).append(t)
+    done: set[str] = set()
+    for root in model.walks:
+        if root in done:
+            continue
+        path, on_path = [root], {root: 0}  # walk -> its index in `path`
+        stack = [iter(out.get(root, ()))]
+        while stack:
+            for t in stack[-1]:
+                if t.dst in on_path:
+                    cycle = path[on_path[t.dst]:] + [t.dst]
+                    sink.error("E048", f"transitions can repeat walks forever: {spell_cycle(cycle)}", t.span,
+                               "a request's walks must not repeat; repeat steps inside one walk with "
+                               "`dynamic_loop max = N until FLAG`")
+                    continue
+                if t.dst in done:
+                    continue
+                on_path[t.dst] = len(path)
+                path.append(t.dst)
+                stack.append(iter(out.get(t.dst, ())))
+                break
+            else:
+                stack.pop()
+                del on_path[path[-1]]
+                done.add(path.pop())
 
 
 def _check_usage(model: I.ModelIR, sink: DiagnosticSink) -> None:

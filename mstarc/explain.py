@@ -87,16 +87,31 @@ def _cohort(mark: dict[str, Any]) -> str:
 def plan_view(plan: dict[str, Any]) -> dict[str, Any]:
     nodes = plan["nodes"]
     mem_by_rank = {m["rank"]: m for m in plan["memory"]["ranks"]}
+    # grouped once, not searched per rank: a plan may have up to 1024 ranks
+    resident_by_rank: dict[int, list[str]] = {}
+    for x in plan["placement"]["resident"]:
+        resident_by_rank.setdefault(x["rank"], x["nodes"])
+    graphs_by_rank: dict[int, list[dict[str, Any]]] = {}
+    for g in plan["cuda_graphs"]:
+        graphs_by_rank.setdefault(g["rank"], []).append(g)
+    streams_by_rank: dict[int, list[dict[str, Any]]] = {}
+    for s in plan["streams"]:
+        streams_by_rank.setdefault(s["consumer_rank"], []).append(s)
+    where: dict[str, list[int]] = {}  # node -> the ranks it is resident on, in rank order
     ranks = []
     for dev in plan["placement"]["ranks"]:
         r = dev["rank"]
         mem = mem_by_rank.get(r, {})
-        resident = next((x["nodes"] for x in plan["placement"]["resident"] if x["rank"] == r), [])
+        resident = resident_by_rank.get(r, [])
+        kv_by_node: dict[str, dict[str, Any]] = {}
+        for k in mem.get("kv", []):
+            kv_by_node.setdefault(k["node"], k)
         node_rows = []
         for name in resident:
+            where.setdefault(name, []).append(r)
             n = nodes[name]
             shard = n.get("shard") or {}
-            kv = next((k for k in mem.get("kv", []) if k["node"] == name), None)
+            kv = kv_by_node.get(name)
             node_rows.append({
                 "name": name, "engine": n["engine"], "impl": n["impl"], "tp": shard.get("tp", 1),
                 "params": n["arch"]["params"] if n["arch"] else 0,
@@ -112,10 +127,10 @@ def plan_view(plan: dict[str, Any]) -> dict[str, Any]:
             "graph_pool": human_bytes(mem.get("graph_pool_bytes")), "workspace": human_bytes(mem.get("workspace_bytes")),
             "nodes": node_rows,
             "graphs": [{"key": g["key"], "kind": g["kind"], "buckets": ", ".join(str(b) for b in g["buckets"])}
-                       for g in plan["cuda_graphs"] if g["rank"] == r],
+                       for g in graphs_by_rank.get(r, [])],
             "streams": [{"id": s["id"], "policy": _policy(s["policy"]), "capacity": s["capacity"],
                          "route": f"rank {s['producer_rank']} -> rank {s['consumer_rank']}"}
-                        for s in plan["streams"] if s["consumer_rank"] == r],
+                        for s in streams_by_rank.get(r, [])],
         })
     walks = []
     for name, w in sorted(plan["walks"].items()):
@@ -123,7 +138,9 @@ def plan_view(plan: dict[str, Any]) -> dict[str, Any]:
                            for p in w["inputs"])
         sig_out = ", ".join(f"{p['name']}: {_type(p['type'])}" for p in w["outputs"])
         walks.append({"name": name, "signature": f"({sig_in}) -> ({sig_out})", "lines": program_lines(w["program"], 1)})
-    edges = [{"id": e["id"], "src": e["src"], "dst": e["dst"], "policy": _policy(e["policy"]) if e["policy"] else None}
+    # `pairs`: (src rank, dst rank) of every pair of the two nodes' instances (the dot graph's arrows)
+    edges = [{"id": e["id"], "src": e["src"], "dst": e["dst"], "policy": _policy(e["policy"]) if e["policy"] else None,
+              "pairs": [(a, b) for a in where.get(e["src"][0], []) for b in where.get(e["dst"][0], [])]}
              for e in plan["edges"]]
     return {"model": plan["model"], "weights": plan["weights"], "ranks": ranks, "walks": walks, "edges": edges,
             "transitions": plan["transitions"], "placement": plan["placement"].get("name", ""),

@@ -10,6 +10,7 @@ dynamic), `OnStream`, and the leaf statements `Call`, `Emit`, `Acc`, `Fork`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -305,7 +306,15 @@ class ModelIR:
         return g
 
     def edge(self, edge_id: str) -> EdgeIR | None:
-        return next((e for e in self.edges if e.id == edge_id), None)
+        """The first edge with this id (an index built once per ModelIR, not a search)."""
+        return self._edges_by_id.get(edge_id)
+
+    @functools.cached_property
+    def _edges_by_id(self) -> dict[str, EdgeIR]:  # not a field: `replace` starts a new one
+        out: dict[str, EdgeIR] = {}
+        for e in self.edges:
+            out.setdefault(e.id, e)
+        return out
 
 
 def iter_regions(region: Region):

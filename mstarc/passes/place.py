@@ -140,11 +140,14 @@ def _transfers(model: I.ModelIR, call_ranks: dict[str, tuple[int, ...]]) -> tupl
     # KV contexts a transition keeps (chat -> t2i keep llm@gen) enter the target walk where
     # the source walk left them: one transition deep, from each walk's own final state.
     finals = {w: _Flow(model, walk, call_ranks).run({})[1] for w, walk in model.walks.items()}
+    into: dict[str, list[I.TransitionIR]] = {}  # target walk -> its transitions, in file order
+    for t in model.transitions:
+        into.setdefault(t.dst, []).append(t)
     out: list[TransferIR] = []
     for walk in model.walks.values():
         entry: dict[str, _Defs] = {}
-        for t in model.transitions:
-            if t.dst == walk.name and t.src in finals:
+        for t in into.get(walk.name, ()):
+            if t.src in finals:
                 for k in t.keep:
                     defs = finals[t.src].get(f"{k.node}@{k.tag}")
                     if defs:
@@ -320,6 +323,8 @@ class _Flow:
         self.acc_stack: list[dict[str, _Defs]] = []
         self.chunks: dict[str, str] = {}  # chunk name of an enclosing stream block -> edge id
         self.calls = I.walk_calls(walk)
+        self.loop_memo: dict[tuple, dict[str, _Defs]] = {}
+        self.producers: dict[str, frozenset[str]] = {}  # streaming edge id -> the calls that feed it
 
     def run(self, entry: dict[str, _Defs]) -> tuple[list[TransferIR], dict[str, _Defs]]:
         """The walk's transfers, and the definitions live at its end (for transitions)."""
@@ -385,6 +390,21 @@ class _Flow:
             self.seq(r, env)
 
     def loop(self, lp: I.Loop, env: dict[str, _Defs]) -> None:
+        # The two passes below re-run nested loops, so loops nested d deep would take 2^d
+        # passes over the innermost body. A loop's effect is a function of the definitions
+        # reaching it (and of the enclosing stream chunks): its transfers, already in
+        # `self.out`, and the definitions leaving it. So a loop reached again with the same
+        # definitions only replays the definitions leaving it.
+        key = (lp.id, frozenset(env.items()), frozenset(self.chunks.items()))
+        seen = self.loop_memo.get(key)
+        if seen is not None:
+            env.clear()
+            env.update(seen)
+            return
+        self._loop(lp, env)
+        self.loop_memo[key] = dict(env)
+
+    def _loop(self, lp: I.Loop, env: dict[str, _Defs]) -> None:
         self.use_operand(lp.count, env, f"{lp.id}:count", (CONDUCTOR_RANK,))
         self.acc_stack.append({})
         first = dict(env)
@@ -412,16 +432,25 @@ class _Flow:
                     merged[n] = merged.get(n, frozenset()) | defs
         env.update(merged)
 
+    def stream_producers(self, edge: I.EdgeIR) -> frozenset[str]:
+        """The calls of the walk that bind the producer port of a streaming edge (computed for
+        all streams at once: a walk may have many stream blocks)."""
+        if not self.producers:
+            found: dict[tuple[str, str], set[str]] = {}
+            for c in self.calls:
+                phase = self.m.nodes[c.node].phases.get(c.phase)
+                if phase is not None:
+                    for port in phase.outputs[:len(c.results)]:
+                        found.setdefault((c.node, port), set()).add(c.id)
+            self.producers = {e.id: frozenset(found.get((e.src_node, e.src_port), ())) for e in self.m.edges
+                              if e.streaming}
+        return self.producers.get(edge.id, frozenset())
+
     def on_stream(self, block: I.OnStream, env: dict[str, _Defs]) -> None:
         edge = self.m.edge(block.stream)
         inner = dict(env)
         if edge is not None:
-            producers = set()
-            for c in self.calls:
-                phase = self.m.nodes[c.node].phases.get(c.phase)
-                if c.node == edge.src_node and phase is not None and edge.src_port in phase.outputs[:len(c.results)]:
-                    producers.add(c.id)
-            inner[block.name] = frozenset(producers)
+            inner[block.name] = self.stream_producers(edge)
         outer = self.chunks.get(block.name)
         self.chunks[block.name] = block.stream
         self.seq(block.body, inner)

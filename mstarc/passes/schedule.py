@@ -38,8 +38,36 @@ from mstarc.cohorts import cohort_mark
 
 
 def schedule(model: I.ModelIR) -> I.ModelIR:
-    programs = {name: _Scheduler(model, walk).program() for name, walk in sorted(model.walks.items())}
+    index = _Index(model)
+    programs = {name: _Scheduler(model, walk, index).program() for name, walk in sorted(model.walks.items())}
     return dataclasses.replace(model, schedule=programs)
+
+
+class _Index:
+    """What every walk's scheduler looks up, grouped once for the model (not once per walk)."""
+
+    def __init__(self, model: I.ModelIR):
+        self.transfers: dict[str, list] = {}  # walk -> its value transfers, in placement order
+        for t in model.placement.transfers:
+            if t.kind == "value":  # value moves before a call; kv/stream moves are listed in the placement
+                self.transfers.setdefault(t.walk, []).append(t)
+        self.buffers: dict[str, list] = {}  # walk -> its stream buffers
+        for b in model.stream_buffers:
+            self.buffers.setdefault(b.walk, []).append(b)
+        self.stream_edges: dict[tuple[str, str], list[I.EdgeIR]] = {}  # producer port -> its streams, in order
+        for e in model.edges:
+            if e.streaming:
+                self.stream_edges.setdefault((e.src_node, e.src_port), []).append(e)
+        self.graph_of_step: dict[str, str] = {}
+        self.graph_of_loop: dict[str, str] = {}
+        call_ranks = model.placement.call_ranks
+        for g in model.cuda_graphs:
+            if g.kind == "loop":
+                self.graph_of_loop[g.loop] = g.key
+            else:
+                for s in g.steps:
+                    if call_ranks[s][0] == g.rank:
+                        self.graph_of_step[s] = g.key
 
 
 def operand_json(op: I.Operand) -> dict[str, Any]:
@@ -47,30 +75,23 @@ def operand_json(op: I.Operand) -> dict[str, Any]:
 
 
 class _Scheduler:
-    def __init__(self, model: I.ModelIR, walk: I.WalkIR):
+    def __init__(self, model: I.ModelIR, walk: I.WalkIR, index: _Index):
         self.m, self.w = model, walk
-        pl = model.placement
-        self.call_ranks = pl.call_ranks
+        self.call_ranks = model.placement.call_ranks
         self.transfers_by_consumer: dict[str, list] = {}
-        for t in pl.transfers:  # value moves before a call; kv/stream moves are listed in the placement
-            if t.walk == walk.name and t.kind == "value":
-                self.transfers_by_consumer.setdefault(t.consumer_step, []).append(t)
-        self.graph_of_step = {}
-        self.graph_of_loop = {}
-        for g in model.cuda_graphs:
-            if g.kind == "loop":
-                self.graph_of_loop[g.loop] = g.key
-            else:
-                for s in g.steps:
-                    if self.call_ranks[s][0] == g.rank:
-                        self.graph_of_step[s] = g.key
-        self.buffers = {b.edge: b for b in model.stream_buffers if b.walk == walk.name}
+        for t in index.transfers.get(walk.name, ()):
+            self.transfers_by_consumer.setdefault(t.consumer_step, []).append(t)
+        self.graph_of_step = index.graph_of_step
+        self.graph_of_loop = index.graph_of_loop
+        self.buffers = {b.edge: b for b in index.buffers.get(walk.name, ())}
+        self.stream_edges = index.stream_edges
 
     def program(self) -> dict[str, Any]:
+        modes = _emit_modes(self.w)
         return {
             "walk": self.w.name,
             "inputs": [{"name": p.name, "type": p.type.to_json(), "default": p.default} for p in self.w.inputs],
-            "outputs": [{"name": p.name, "type": p.type.to_json(), "mode": _emit_mode(self.w, p.name)}
+            "outputs": [{"name": p.name, "type": p.type.to_json(), "mode": modes.get(p.name, "set")}
                         for p in self.w.outputs],
             "streams": sorted(b.id for b in self.buffers.values()),
             "program": self.region(self.w.body),
@@ -115,8 +136,8 @@ class _Scheduler:
         phase = node.phases[c.phase]
         results = [[port, name] for port, name in zip(phase.outputs, c.results)]
         feeds = [{"stream": self.buffers[e.id].id, "port": e.src_port, "var": name}
-                 for port, name in results for e in self.m.edges
-                 if e.streaming and e.src_node == c.node and e.src_port == port and e.id in self.buffers]
+                 for port, name in results for e in self.stream_edges.get((c.node, port), ())
+                 if e.id in self.buffers]
         tag = c.tag if c.tag is not None else (node.tags[0] if node.engine == "kv" else None)
         return {"op": "call", "id": c.id, "node": c.node, "phase": c.phase, "tag": tag,
                 "ranks": list(self.call_ranks[c.id]),
@@ -133,8 +154,10 @@ class _Scheduler:
                 for t in sorted(self.transfers_by_consumer.get(step, []), key=lambda t: (t.value, t.src_rank))]
 
 
-def _emit_mode(walk: I.WalkIR, output: str) -> str:
+def _emit_modes(walk: I.WalkIR) -> dict[str, str]:
+    """Each output's mode, from its first emit in pre-order ("set" when it has none)."""
+    modes: dict[str, str] = {}
     for r in I.iter_regions(walk.body):
-        if isinstance(r, I.Emit) and r.output == output:
-            return "append" if r.op == "+=" else "set"
-    return "set"
+        if isinstance(r, I.Emit) and r.output not in modes:
+            modes[r.output] = "append" if r.op == "+=" else "set"
+    return modes

@@ -272,7 +272,11 @@ def test_killing_a_worker_ends_the_run(plans: dict[int, Path]) -> None:
         with pytest.raises(EngineStopped, match="the engine stopped: worker rank 2 lost"):
             conductor.submit("generate", {"prompt": "after"})
         assert not conductor.step()
-        # A worker that hangs (stopped) is lost once the answer is overdue, and killed.
+        # A worker that hangs (stopped) is lost once the answer is overdue, and killed. First
+        # take the answer of a step rank 1 may still have in flight (the run stopped without
+        # it): stopped between its answer and its output tensors, it would leave this side in
+        # torch.distributed's 300 s receive instead of the heartbeat's 1 s.
+        workers[1].heartbeat(timeout=10.0)
         os.kill(workers[1].pid, signal.SIGSTOP)
         with pytest.raises(WorkerLost, match=r"worker rank 1 lost: .*did not answer within 1 s.*killed here"):
             workers[1].heartbeat(timeout=1.0)

@@ -18,12 +18,16 @@ rows that have an event -- never Python per row:
      (wasted, speculative) step is truncated from its KV, its node columns are written
      back, and its task resumes after the loop with the carried values of its last valid
      step (as the interpreter's speculative loop gives them);
-   - a row whose first step ran on an unread flag (its prefill's `done`) checks it: if it
-     said stop, the row leaves with nothing of the loop applied;
    - a row whose stream has a chunk due, or that has not flushed for `flush_every` steps,
      flushes: its new items are pushed to the stream buffer (as much as it has room for;
      the rest waits) and emitted as one appended value per emit;
-4. rows that left are filled by the last row (rows stay dense: a step is rows 0..n-1).
+4. a row that joined on an unread flag (its prefill's `done`) reads it once its first step
+   is launched: if it said stop, the row leaves with nothing of the loop applied (one
+   wasted step, as the interpreter's speculative loop wastes);
+5. rows that left are filled by the last row (rows stay dense: a step is rows 0..n-1).
+
+A replay after preemption may group a row's items differently (flush points depend on
+buffer room); `Request.emit` counts what the client has in items, so it gets each once.
 
 Stream items pushed in groups and emits appended as one value per flush give the same
 buffers and outputs as the item-by-item generic path (`concat` of appended values). What a

@@ -125,6 +125,7 @@ def test_serve_on_a_busy_port_is_one_clear_error(testfamily_plan: Path) -> None:
         ["--requests", "x.jsonl"],  # batch without --out
         ["--walk", "generate", "--input", "novalue"],
         ["--requests", "x.jsonl", "--out", "d", "--input", "a=1"],
+        ["--walk", "generate", "--step-path", "fast"],  # not a step path
     ],
 )
 def test_bad_usage_exits_2(testfamily_plan: Path, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -208,6 +209,20 @@ def test_all_good_batch_exits_0(testfamily_plan: Path, tmp_path: Path, capsys: p
     assert (summary["requests"], summary["finished"], summary["failed"]) == (5, 5, 0)
     assert summary["preemptions"] > 0  # the hidden debug flag reached the conductor
     assert "finished: 5" in capsys.readouterr().out
+
+
+def test_step_path_flag_picks_the_path_and_both_give_the_same_tokens(testfamily_plan: Path, tmp_path: Path) -> None:
+    requests = tmp_path / "chat.jsonl"
+    requests.write_text("\n".join(json.dumps({"id": f"c{i}", "walk": "chat", "inputs": {"prompt": f"hi {i}", "max_new": 5}})
+                                  for i in range(4)) + "\n")
+    tokens, cohort_steps = {}, {}
+    for path in ("cohort", "generic"):
+        out = tmp_path / path
+        assert main([str(testfamily_plan), "--requests", str(requests), "--out", str(out), "--step-path", path]) == 0
+        cohort_steps[path] = json.loads((out / "summary.json").read_text())["cohort_steps"]
+        tokens[path] = [json.loads((out / f"c{i}.tokens.json").read_text()) for i in range(4)]
+    assert cohort_steps["cohort"] > 0 and cohort_steps["generic"] == 0
+    assert tokens["cohort"] == tokens["generic"]
 
 
 def test_missing_requests_file_exits_1(testfamily_plan: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -47,6 +47,7 @@ from mstar_runtime.control.conductor import (
     Request,
     WorkerLike,
 )
+from mstar_runtime.control.conductor import step_path as resolve_step_path
 from mstar_runtime.control.validate import TORCH_DTYPES, validate_inputs
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan.loader import Plan, PlanError, load_plan
@@ -332,10 +333,11 @@ class MStar:
 
     def __init__(self, plan: Plan, workers: Mapping[int, WorkerLike], *, shutdown: Callable[[], None] | None = None,
                  max_running: int | None = None, preempt_every: int | None = None,
-                 request_timeout: float | None = None):
+                 request_timeout: float | None = None, step_path: str | None = None):
+        """`step_path`: "cohort" or "generic" (docs/runtime.md, "Decode cohorts"); None: $MSTAR_STEP_PATH, else cohort."""
         self.plan = plan
         self._conductor = Conductor(plan, workers, max_running=max_running, preempt_every=preempt_every,
-                                    request_timeout=request_timeout)
+                                    request_timeout=request_timeout, path=step_path)
         self._shutdown = shutdown
         self._lock = threading.Condition()  # guards everything below; the engine sleeps on it
         self._inbox: deque[tuple[str, RequestHandle]] = deque()
@@ -353,20 +355,22 @@ class MStar:
     @classmethod
     def load(cls, plan_path: str | PathLike[str], *, weights: str | PathLike[str] = "dummy",
              device: str | None = None, max_running: int | None = None, preempt_every: int | None = None,
-             request_timeout: float | None = None) -> MStar:
+             request_timeout: float | None = None, step_path: str | None = None) -> MStar:
         """Load a plan (a bad one raises `PlanError`, unchanged), start its workers and the engine."""
         plan = load_plan(plan_path, device=device)
         return cls.from_plan(plan, weights=weights, max_running=max_running, preempt_every=preempt_every,
-                             request_timeout=request_timeout)
+                             request_timeout=request_timeout, step_path=step_path)
 
     @classmethod
     def from_plan(cls, plan: Plan, *, weights: str | PathLike[str] = "dummy", max_running: int | None = None,
-                  preempt_every: int | None = None, request_timeout: float | None = None) -> MStar:
+                  preempt_every: int | None = None, request_timeout: float | None = None,
+                  step_path: str | None = None) -> MStar:
         """Like `load`, for a plan already loaded (the CLI checks its inputs against it first)."""
+        resolve_step_path(step_path)  # a bad name is the caller's error, found before any worker starts
         workers, shutdown = start_workers(plan, weights)
         try:
             return cls(plan, workers, shutdown=shutdown, max_running=max_running, preempt_every=preempt_every,
-                       request_timeout=request_timeout)
+                       request_timeout=request_timeout, step_path=step_path)
         except BaseException:
             shutdown()
             raise

@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--serve: fail a request that runs longer than this (finish reason 'timeout')")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="--serve: the model id clients name (default: the plan's model name)")
+    p.add_argument("--step-path", choices=("cohort", "generic"), default=None,
+                   help="how marked decode loops run: 'cohort' (device-resident batches, one step for every "
+                        "request) or 'generic' (a step call per request); default $MSTAR_STEP_PATH, else cohort "
+                        "(docs/runtime.md)")
     p.add_argument("--preempt-every", type=int, metavar="N", help=argparse.SUPPRESS)  # debug: force preemptions
     return p
 
@@ -369,6 +373,7 @@ def run_batch(m: MStar, args: argparse.Namespace) -> int:
         "mean_batch": round(st["mean_batch"], 2),
         "wasted_steps": int(st["wasted_steps"]),
         "preemptions": int(st["preemptions"]),
+        "cohort_steps": int(st.get("cohort_steps", 0)),  # decode cohort steps (0 on the generic path)
         "failures": sorted(run.failures, key=lambda f: f["line"]),
     }
     (out / "summary.json").write_text(json.dumps(jsonable(summary), indent=2) + "\n", encoding="utf-8")
@@ -412,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         plan = load_plan(args.plan, device=args.device)
         inputs = cli_inputs(plan, args.walk, args.input, parser) if args.walk else {}
-        m = MStar.from_plan(plan, weights=args.weights, preempt_every=args.preempt_every)
+        m = MStar.from_plan(plan, weights=args.weights, preempt_every=args.preempt_every, step_path=args.step_path)
     except _startup_errors() as e:
         return _error(e)
     except KeyboardInterrupt:

@@ -405,7 +405,7 @@ def run_cli(args: Any) -> int:
     try:
         plan = load_plan(args.plan, device=args.device)
         m = MStar.from_plan(plan, weights=args.weights, preempt_every=args.preempt_every,
-                            request_timeout=args.request_timeout)
+                            request_timeout=args.request_timeout, step_path=args.step_path)
     except BaseException:
         sock.close()
         raise

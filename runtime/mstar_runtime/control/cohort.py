@@ -102,6 +102,7 @@ class Cohort:
         self.until_port = self.port_of.get(op["until"]) if op.get("dynamic") else None
         self.max_iters = int(op["max"]) if op.get("max") is not None else None
         self.members: list[Member] = []  # row order
+        self._by_request: dict[str, Member] = {}  # request id -> its row (every request's release asks)
         self.step_index = 0
         # host mirrors, per row
         self.lens = np.zeros(rows, dtype=np.int64)  # KV tokens before the row's next step
@@ -143,6 +144,7 @@ class Cohort:
         inv = {port: enter.inputs[port] for port in self.shape.invariant}
         self.worker.cohort_join(self.key, row, request.id, state_tag, fed, inv, self.bm.page_table(key), length)
         self.members.append(m)
+        self._by_request[request.id] = m
         self._joined.append(m)
         if pending is not None:
             self._flags.append(m)
@@ -155,11 +157,11 @@ class Cohort:
 
     def remove(self, request: Request) -> bool:
         """Drop a request's row without resuming it (preempted, cancelled, failed). True if it was here."""
-        for m in self.members:
-            if m.request is request:
-                self._drop_row(m)
-                return True
-        return False
+        m = self._by_request.get(request.id)
+        if m is None or m.request is not request:
+            return False
+        self._drop_row(m)
+        return True
 
     # ------------------------------------------------------------------ the step
     def step(self) -> None:
@@ -377,6 +379,7 @@ class Cohort:
     def _drop_row(self, m: Member) -> None:
         """Remove `m`'s row; the last row moves into its place (host arrays and device columns)."""
         m.alive = False
+        del self._by_request[m.request.id]
         r, last = m.row, self.n - 1
         if self._outstanding is not None:  # keep the launched step's row map current
             rows = self._outstanding[1]

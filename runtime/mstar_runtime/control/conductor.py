@@ -31,6 +31,12 @@ any change of batch). `overlap=False` keeps the one-rank order of steps, for bit
 comparisons; in lockstep workloads (Orpheus requests decoding together: every window is
 released at the same step for all of them) the batches, and so the outputs, are the same.
 
+A loop the compiler marked as a cohort (`cohort` on the loop op) runs, where its node offers
+a column step, as a decode cohort (control/cohort.py, docs/runtime.md "Decode cohorts"): the
+task yields `EnterCohort`, becomes a row, and is resumed only when it leaves; the scheduler
+sees the cohort as one standing group of its rows (step 4), and a cohort step replaces
+steps 5-6 for its rows. `path="generic"` (or $MSTAR_STEP_PATH) keeps every loop here.
+
 Requests join and leave between steps (continuous batching); a finished request frees its
 pages at once. A preempted request restarts from scratch later; whatever it already
 streamed is not streamed again (replay is deterministic). `preempt_every=N` forces a
@@ -467,8 +473,7 @@ class Conductor:
             return None
         cohort = self.cohorts[key] = Cohort(key, op, ports, worker, bm, rows, max_len, max_pages,
                                             preempt=self._cohort_preempt, fail=self._fail)
-        self._cohort_seq[key] = next(self._seq)
-        return cohort
+        return cohort  # its step order is set when its first row joins (_enter_cohort)
 
     def _enter_cohort(self, task: WalkTask, y: EnterCohort) -> None:
         """Make the task a row of its loop's cohort, or resume it at once with None (generic)."""

@@ -164,12 +164,9 @@ class CohortColumns:
                 fi.plan(*self.table.flashinfer_arrays(self.host_lens[:n] + 1, self.pool.page_size))
             packed = self._body(n, n, eager=True, attention=fi)
         else:
-            assert graphs is not None
             self.n_dev.fill_(n)
             packed = graphs.replay(self, bucket, n)
         self.host_lens[:n] += 1
-        keys = self._keys
-        assert keys is not None
         layout, ints, floats = packed
         return CohortResult(n, layout, Readback(ints[:n]) if ints is not None else None,
                             Readback(floats[:n]) if floats is not None else None)

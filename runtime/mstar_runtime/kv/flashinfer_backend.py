@@ -85,6 +85,7 @@ from mstar_runtime.kv.attention import (
     attention_mask,
     paged_attention,
 )
+from mstar_runtime.kv.block_table import pinned
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +346,7 @@ class FlashInferCohortDecode:
     def plan(self, indptr: Any, indices: Any, last: Any) -> None:
         p = self.pool
         self.fence.wait()  # the wrapper's pinned plan buffer: its previous upload must have run
-        host = torch.from_numpy(np.concatenate([indptr, indices, last]).astype(np.int32)).pin_memory()
+        host = pinned(np.concatenate([indptr, indices, last]).astype(np.int32))
         n, m = indptr.shape[0] - 1, indices.shape[0]
         self.wrapper.plan(host[: n + 1], host[n + 1 : n + 1 + m], host[n + 1 + m :], self.q_heads, p.kv_heads,
                           p.head_dim, p.page_size, q_data_type=p.dtype, kv_data_type=p.dtype, sm_scale=self.scale,

@@ -488,8 +488,8 @@ class Conductor:
             self._cohort_seq[cohort.key] = next(self._seq)
         try:
             cohort.join(req, task, y, tag)
-        except RequestError as e:
-            self._fail(req, str(e), e.field)
+        except RequestError:  # a row the column step cannot take (top-k, say): the generic loop
+            self.ready.append((task, None, None))  # runs it, and reports any real input error itself
 
     def _cohort_resume(self, task: WalkTask, done: CohortExit) -> None:
         """A row left its loop (called by `Cohort`): its task goes on after the loop."""

@@ -137,7 +137,8 @@ class BlockManager:
 
     def set_length(self, key: SeqKey, n_tokens: int) -> None:
         """Record that the sequence holds ``n_tokens`` tokens (written by a cohort through pages
-        ``add_page`` gave it): at most what its pages hold, and never less than its shared pages."""
+        ``add_page`` gave it): at most what its pages hold. To shrink it, ``truncate`` (which
+        returns the pages it no longer needs and unshares a shared last page)."""
         table = self._tables[self._known(key)]
         if not 0 <= n_tokens <= len(table) * self.page_size:
             raise KVCacheError(f"{key} cannot hold {n_tokens} tokens in {len(table)} page(s)")

@@ -13,7 +13,8 @@ The contract, for a phase whose every entry adds one KV token (a decode):
 - `join(state, inputs) -> columns`: called once when a request enters the loop, with the
   request's per-(request, tag) node state (`attn.states[i]` of the generic path, written by
   its prefill) and its loop-invariant inputs. Returns the row's columns: name -> tensor (the
-  row's own shape, no batch dim) on the node's device. Host work per request lives here.
+  row's own shape, no batch dim; host tensors are uploaded without a wait). Host work per
+  request lives here. A `RequestError` declines the row: its loop runs on the generic path.
 - `step(batch: CohortStep) -> outputs`: pure tensor code over `batch.n` rows: no host reads,
   no Python per row (so the engine can capture it in a CUDA graph). It reads the fed inputs
   (`batch.inputs[port]`, `[n, ...]`), may update its columns in place (`batch.cols[name]`,
@@ -50,7 +51,6 @@ class CohortStep:
     positions: torch.Tensor  # int64 [n]: the absolute position of each row's new token
     attend: Attend  # writes the rows' new K/V and attends over each row's context
     device: torch.device
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -342,8 +342,9 @@ class SamplingColumns:
 
 
 def sampling_row(params: SamplingParams, step: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """One request's `SamplingColumns` row (top-k is not a column: a row with it cannot join),
-    as host tensors by default: the cohort uploads a joining row without waiting for the device."""
+    """One request's `SamplingColumns` row, as host tensors by default: the cohort uploads a
+    joining row without waiting for the device. Top-k is not a column: a row with it raises
+    `RequestError`, and the conductor runs that request's loop on the generic path."""
     if params.top_k:
         raise RequestError("top_k is not supported on the cohort path", "top_k")
     seed = secrets.randbits(64) if params.seed is None else params.seed

@@ -182,17 +182,14 @@ class Worker:
         if cphase is None:
             return False
         heads = int(engine.node.spec.arch_args.get("heads", 0)) // max(engine.node.spec.tp_size, 1)
-        graphs = None
-        runner = engine.graph_runners.get(shape.phase)
-        has_scratch = engine.pool.num_pages > engine.num_pages
-        if (runner is not None and has_scratch and isinstance(engine.backend, FlashInferBackend)
-                and unsupported(engine.pool) is None and os.environ.get(COHORT_GRAPHS_ENV, "1") != "0"):
-            decoder = engine.backend.graph_decoder(engine.pool, engine.scale)
-            if decoder is not None:
-                graphs = CohortGraphs([b for b in runner.buckets if b <= rows] or [rows], engine.num_pages, decoder)
-        eager = None
+        graphs = eager = None
         if isinstance(engine.backend, FlashInferBackend) and unsupported(engine.pool) is None:
             eager = FlashInferCohortDecode(engine.backend, engine.pool, engine.scale, heads)
+            runner = engine.graph_runners.get(shape.phase)
+            has_scratch = engine.pool.num_pages > engine.num_pages  # pad rows need the scratch page
+            decoder = engine.backend.graph_decoder(engine.pool, engine.scale)
+            if runner is not None and has_scratch and decoder is not None and os.environ.get(COHORT_GRAPHS_ENV, "1") != "0":
+                graphs = CohortGraphs([b for b in runner.buckets if b <= rows] or [rows], engine.num_pages, decoder)
         self._cohorts[key] = CohortColumns(engine.pool, cphase, shape, rows, max_pages, self.device,
                                            scale=engine.scale, node=node, q_heads=heads, graphs=graphs,
                                            eager_attention=eager)

@@ -106,9 +106,10 @@ class KVPages:
     def reserve(self, node: str, key: tuple[str, str], plan: SeqPlan) -> KVSlots:
         bm = self.managers[node]
         start = bm.seq_len(key) if key in bm else 0
+        content = bm.version(key)  # before the append: what the queries attend to besides themselves
         slots = bm.append(key, plan.q_len)  # raises OutOfPages, changing nothing
         return KVSlots(start=start, q_len=plan.q_len, slots=slots, page_table=bm.page_table(key),
-                       mask=plan.mask, block_size=plan.block_size, keep=plan.keep)
+                       mask=plan.mask, block_size=plan.block_size, keep=plan.keep, content=content)
 
     def truncate(self, node: str, key: tuple[str, str], length: int) -> SlotCopy | None:
         bm = self.managers[node]

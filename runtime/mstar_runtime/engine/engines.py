@@ -79,6 +79,10 @@ class KVSlots:
     mask: str = "causal"
     block_size: int | None = None
     keep: bool = True  # False: the conductor truncates these tokens after the step
+    # The context's content version before the step (BlockManager.version); -1: unknown.
+    # Equal versions of one request hold the same tokens, which lets `run` compute a
+    # not-kept query block once for all of them.
+    content: int = -1
 
 
 @dataclass(slots=True)
@@ -206,6 +210,7 @@ class KVCacheEngine(_Engine):
         )
         self._states: dict[tuple[str, str], dict[str, Any]] = {}
         self._tags: dict[str, dict[str, None]] = {}  # request -> its tags holding a state, in order
+        self.shared_queries = 0  # entries whose outputs were another entry's (see `run`)
 
     # ------------------------------------------------------------------ states
     def state(self, request_id: str, tag: str | None) -> dict[str, Any]:
@@ -253,10 +258,52 @@ class KVCacheEngine(_Engine):
 
     # ------------------------------------------------------------------ running
     def run(self, phase: str, entries: list[StepEntry]) -> list[dict[str, Any]]:
+        """One batched step; a not-kept query block asked of several contexts of one request that
+        hold the same content (the same version) with the same inputs is computed once, and its
+        outputs are given to each (BAGEL's text-to-image `cfg_img` branch, a fork of `gen`)."""
         ports = self._ports(phase)
         if not entries:
             return []
         kvs = [self._check_slots(phase, e) for e in entries]
+        alias = self._shared_queries(entries)
+        if alias is not None:
+            firsts = sorted(set(alias))
+            outputs = self._run(phase, [entries[i] for i in firsts], [kvs[i] for i in firsts], ports)
+            by_entry = dict(zip(firsts, outputs))
+            self.shared_queries += len(entries) - len(firsts)
+            for i, j in enumerate(alias):
+                if i != j:  # the state the step would have left: the same as its twin's
+                    e, o = entries[i], entries[j]
+                    st = self.state(e.request_id, e.tag)
+                    st.clear()
+                    st.update(deepcopy(self.state(o.request_id, o.tag)))
+            return [dict(by_entry[j]) for j in alias]
+        return self._run(phase, entries, kvs, ports)
+
+    def _shared_queries(self, entries: list[StepEntry]) -> list[int] | None:
+        """For each entry the index of the first entry it can reuse (itself if none), or None
+        when every entry is its own. Only not-kept queries of known content qualify: their
+        result depends on nothing but the context's tokens, the node state and the inputs."""
+        alias, seen, shared = list(range(len(entries))), {}, False
+        for i, e in enumerate(entries):
+            kv = e.kv
+            if kv is None or kv.keep or kv.content < 0 or kv.q_len == 0:
+                continue
+            key = (e.request_id, kv.content, kv.start, kv.q_len, kv.mask, kv.block_size)
+            for j in seen.get(key, ()):
+                o = entries[j]
+                if _same_inputs(e.inputs, o.inputs) and _same_state(
+                    self.state(e.request_id, e.tag), self.state(o.request_id, o.tag)
+                ):
+                    alias[i], shared = j, True
+                    break
+            else:
+                seen.setdefault(key, []).append(i)
+        return alias if shared else None
+
+    def _run(
+        self, phase: str, entries: list[StepEntry], kvs: list[KVSlots], ports: Sequence[str] | None
+    ) -> list[dict[str, Any]]:
         attending = [kv for kv in kvs if kv.q_len > 0]
         try:
             meta = AttentionMetadata.build(
@@ -322,3 +369,30 @@ class KVCacheEngine(_Engine):
             if slot != table[pos // ps] * ps + pos % ps:
                 raise NodeError(f"{where}: slot {slot} of token {pos} is not where its page table puts it")
         return kv
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal without reading a device: tensors only by identity (or equal CPU contents)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if a is b:
+            return True
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        return (a.device.type == "cpu" and b.device.type == "cpu" and a.shape == b.shape
+                and a.dtype == b.dtype and torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return _same_state(a, b)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same_value, a, b))
+    try:
+        return bool(type(a) is type(b) and a == b)
+    except Exception:  # an object without a usable ==: not known to be equal
+        return False
+
+
+def _same_inputs(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+
+
+def _same_state(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)

@@ -13,6 +13,14 @@ append therefore only ever writes into a page its sequence owns alone.
 
 Allocation is deterministic: the lowest-numbered free page is handed out first, so a run
 is reproducible and tests can pin page numbers.
+
+Content versions: ``version(key)`` names what a sequence holds, so that two contexts known to
+hold the same tokens can be told apart from two that merely have the same length. A fork's
+destination takes its source's version; an append gives a new one; a truncation back to a
+length the sequence had before restores the version it had then (a not-kept query block, as
+BAGEL's denoise, appends and truncates every step and leaves the version as it was). The
+engine uses it to compute a not-kept query once for contexts that hold the same content
+(BAGEL's text-to-image `cfg_img`, a fork of `gen` that neither writes again).
 """
 
 import heapq
@@ -60,6 +68,10 @@ class BlockManager:
         self._lens: dict[SeqKey, int] = {}
         # Insertion-ordered tags per request, so free_request needs no scan of all sequences.
         self._tags: dict[str, dict[str, None]] = {}
+        # Per sequence, (length, version) at each append, lengths non-decreasing: the last one is
+        # the current version; a truncation pops back to an earlier length (module docstring).
+        self._versions: dict[SeqKey, list[tuple[int, int]]] = {}
+        self._next_version = 1
 
     # ----------------------------------------------------------------- queries
     @property
@@ -78,6 +90,15 @@ class BlockManager:
 
     def __contains__(self, key: SeqKey) -> bool:
         return key in self._tables
+
+    def version(self, key: SeqKey) -> int:
+        """The content version of a sequence (0: empty or unknown); equal versions, equal tokens."""
+        history = self._versions.get(key)
+        return history[-1][1] if history else 0
+
+    def _new_version(self, key: SeqKey, length: int) -> None:
+        self._versions.setdefault(key, []).append((length, self._next_version))
+        self._next_version += 1
 
     def seq_len(self, key: SeqKey) -> int:
         return self._lens[self._known(key)]
@@ -120,6 +141,8 @@ class BlockManager:
         table.extend(self._take(growth))
         start = self._lens[key]
         self._lens[key] = start + n_tokens
+        if n_tokens:
+            self._new_version(key, start + n_tokens)
         ps = self.page_size
         return [table[pos // ps] * ps + pos % ps for pos in range(start, start + n_tokens)]
 
@@ -142,6 +165,10 @@ class BlockManager:
         table = self._tables[self._known(key)]
         if not 0 <= n_tokens <= len(table) * self.page_size:
             raise KVCacheError(f"{key} cannot hold {n_tokens} tokens in {len(table)} page(s)")
+        if n_tokens != self._lens[key]:
+            self._truncate_versions(key, min(n_tokens, self._lens[key]))
+            if n_tokens > self._lens[key]:
+                self._new_version(key, n_tokens)
         self._lens[key] = n_tokens
 
     def fork(self, src_key: SeqKey, dst_key: SeqKey) -> SlotCopy | None:
@@ -171,6 +198,7 @@ class BlockManager:
             copy = SlotCopy(range(src0, src0 + partial), range(dst0, dst0 + partial))
         self._tables[dst_key] = new_table
         self._lens[dst_key] = n
+        self._versions[dst_key] = list(self._versions.get(src_key, ()))
         self._tags.setdefault(dst_key[0], {})[dst_key[1]] = None
         return copy
 
@@ -193,6 +221,7 @@ class BlockManager:
                 heapq.heappush(self._free, page)
         del table[keep:]
         self._lens[key] = new_len
+        self._truncate_versions(key, new_len)
         partial = new_len % self.page_size
         if partial and table and self._refcount[table[-1]] > 1:
             if not self._free:
@@ -209,6 +238,7 @@ class BlockManager:
         """Drop one sequence; returns how many pages went back to the pool (shared ones may not)."""
         table = self._tables.pop(self._known(key))
         del self._lens[key]
+        self._versions.pop(key, None)
         tags = self._tags[key[0]]
         del tags[key[1]]
         if not tags:
@@ -227,6 +257,14 @@ class BlockManager:
         return sum(self.free((request_id, tag)) for tag in list(self._tags.get(request_id, ())))
 
     # ----------------------------------------------------------------- helpers
+    def _truncate_versions(self, key: SeqKey, new_len: int) -> None:
+        """Versions of lengths above `new_len` are gone; a cut inside an append is new content."""
+        history = self._versions.get(key, [])
+        while history and history[-1][0] > new_len:
+            history.pop()
+        if new_len and (not history or history[-1][0] != new_len):
+            self._new_version(key, new_len)
+
     def _known(self, key: SeqKey) -> SeqKey:
         if key not in self._tables:
             raise UnknownSequence(f"no KV sequence for request {key[0]!r} tag {key[1]!r}")

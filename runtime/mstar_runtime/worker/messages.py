@@ -90,6 +90,7 @@ class KVSlots:
     mask: str = "causal"
     block_size: int | None = None
     keep: bool = True
+    content: int = -1
 
 
 @dataclass(frozen=True, slots=True)

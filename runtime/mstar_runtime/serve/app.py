@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from mstar_runtime.api import RequestHandle
+from mstar_runtime.serve.bounds import check_bounds
 from mstar_runtime.serve.common import (
     INVALID,
     NOT_FOUND,
@@ -284,26 +285,40 @@ MAX_TOKEN_INPUTS = ("max_tokens", "max_completion_tokens", "max_new_tokens", "ma
 
 
 def token_limit(state: ServerState) -> int | None:
-    """Tokens a walk of this plan decodes at most: its `max_new_tokens` (the bound of every
-    decode loop) plus the prefill's token; None when the plan has no such bound."""
-    bound = state.plan.config.get("max_new_tokens")
-    return bound + 1 if isinstance(bound, int) and not isinstance(bound, bool) else None
+    """Tokens a walk of this plan decodes at most, or None when the plan has no such bound:
+    its `max_new_tokens` (the bound of every decode loop) plus the prefill's token, or its
+    `max_text_tokens` (BAGEL: the bound of its text loops, which emit every token they decode)."""
+    return _token_bound(state)[0]
+
+
+def _token_bound(state: ServerState) -> tuple[int | None, str]:
+    """(the limit, how the plan sets it)."""
+    config = state.plan.config
+    bound = config.get("max_new_tokens")
+    if isinstance(bound, int) and not isinstance(bound, bool):
+        return bound + 1, f"its max_new_tokens {bound}, plus the prefill's token"
+    bound = config.get("max_text_tokens")
+    if isinstance(bound, int) and not isinstance(bound, bool):
+        return bound, f"its max_text_tokens {bound}"
+    return None, ""
 
 
 def check_token_limit(state: ServerState, param: str, value: Any) -> None:
     """The 400 for a token count above the plan's limit, on every route alike (a walk would
     clamp it silently at its loop's bound)."""
-    most = token_limit(state)
+    most, why = _token_bound(state)
     if most is not None and isinstance(value, int) and not isinstance(value, bool) and value > most:
-        raise bad_request(f"{param} is {value}, but this plan decodes at most {most} tokens per walk (its "
-                          f"max_new_tokens {most - 1}, plus the prefill's token)", param, "max_tokens_too_large")
+        raise bad_request(f"{param} is {value}, but this plan decodes at most {most} tokens per walk ({why})",
+                          param, "max_tokens_too_large")
 
 
 def check_inputs(state: ServerState, walk: str, inputs: Mapping[str, Any], fields: Mapping[str, str]) -> None:
     """The route-independent checks of walk inputs the engine would not report by field:
     integers outside 64 bits (also those the server derives, such as image i's seed + i),
-    loop counts outside their loop's bound, token counts above the plan's limit."""
-    for p in state.plan.walk(walk)["inputs"]:
+    loop counts outside their loop's bound, token counts above the plan's limit, and the
+    bounds of image-generation inputs (`bounds.check_bounds`: sizes, flow steps, CFG)."""
+    program = state.plan.walk(walk)
+    for p in program["inputs"]:
         value = inputs.get(p["name"])
         if p["type"]["kind"] == "int" and isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
             param = fields.get(p["name"], p["name"])
@@ -318,6 +333,7 @@ def check_inputs(state: ServerState, walk: str, inputs: Mapping[str, Any], field
     for name in MAX_TOKEN_INPUTS:
         if name in inputs and name in state.input_types[walk]:
             check_token_limit(state, fields.get(name, name), inputs[name])
+    check_bounds(state.plan.config, program, inputs, fields)
 
 
 async def start_flight(state: ServerState, request: Request, route: str, walk: str, inputs: Mapping[str, Any],

@@ -1,10 +1,14 @@
-"""`POST /v1/chat/completions`, served by the plan's `chat` walk.
+"""`POST /v1/chat/completions`, served by the plan's `chat` walk, and by its `understand`
+walk for requests with an image when `chat` takes none (BAGEL: `chat(prompt)` for text,
+`understand(image, question)` for an image and its question).
 
 The messages become the walk's text input: a lone message is its text as is; several are
 `role: text` lines ending with `assistant:` (the plan has no chat template of its own);
 system and developer messages go to the walk's `system` input instead, when it has one.
 Image parts go to the walk's image input when it has one (an `image`, or a uint8 [H, W, 3]
-tensor; one image, as a data: URL); otherwise they are a 400 naming the part. `max_tokens`
+tensor; one image, as a data: URL; a remote URL is a 400: nothing is fetched); otherwise
+they are a 400 naming the part. A plan with `understand` but no `chat` answers a request
+without an image with a 400 naming `messages`. `max_tokens`
 (or `max_completion_tokens`; above the plan's limit a 400, as on every route:
 `app.check_token_limit`) goes to the walk's `max_tokens` / `max_new_tokens` / `max_new`
 / `max_length` input and is also enforced here:
@@ -95,7 +99,7 @@ def render_prompt(body: ChatCompletionRequest, role: WalkRole) -> tuple[str, str
                 try:
                     image = decode_image_text(part.image_url.url)
                 except ValueError as e:
-                    raise bad_request(f"image_url: {e}", f"{param}.image_url.url") from None
+                    raise bad_request(f"image_url: {e}", f"{param}.image_url.url", "invalid_image") from None
         if has_system and msg.role in ("system", "developer"):
             system.append("".join(pieces))  # the walk has its own slot for instructions
         else:
@@ -126,7 +130,8 @@ class Reply:
 
     def __init__(self, state: ServerState, flight: Flight, role: WalkRole, limit: int | None):
         self.flight, self.role, self.limit = flight, role, limit
-        self.text = TextStream(state.text) if state.text is not None else None
+        codec = state.codecs.get(role.walk)
+        self.text = TextStream(codec) if codec is not None else None
         self.finish: str | None = None
         self.parts: list[str] = []
 
@@ -161,18 +166,46 @@ class Reply:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+def image_part(body: ChatCompletionRequest) -> str | None:
+    """Where the request's first image part is (`messages[i].content[j]`), or None."""
+    for i, msg in enumerate(body.messages):
+        for j, part in enumerate(msg.content if isinstance(msg.content, list) else []):
+            if part.type == "image_url":
+                return f"messages[{i}].content[{j}]"
+    return None
+
+
+def has_image(body: ChatCompletionRequest) -> bool:
+    return image_part(body) is not None
+
+
+def pick_walk(state: ServerState, body: ChatCompletionRequest) -> WalkRole:
+    """The walk that serves a chat request: `chat`, or `understand` for a request with an
+    image when `chat` takes none (or when the plan has no `chat`)."""
+    chat, understand = state.walks.chat, state.walks.understand
+    if chat is not None and (image_input(chat) is not None or understand is None or not has_image(body)):
+        return chat
+    if understand is not None and (has_image(body) or chat is None):
+        if not has_image(body):
+            raise bad_request(f"walk '{understand.walk}' answers questions about an image: add an image_url part "
+                              "(this plan has no text-only chat walk)", "messages", "missing")
+        return understand
+    raise AssertionError("the chat route is installed only for a plan with chat or understand")
+
+
 def install(app: FastAPI, state: ServerState) -> None:
     from fastapi.responses import StreamingResponse
 
-    role = state.walks.chat
-    assert role is not None
+    served = [r.walk for r in (state.walks.chat, state.walks.understand) if r is not None]
+    assert served
 
     @app.post("/v1/chat/completions", tags=["openai"], responses=ERROR_RESPONSES,
-              summary=f"Chat completions (walk '{role.walk}'), optionally streamed as SSE")
+              summary=f"Chat completions (walk {' / '.join(repr(w) for w in served)}), optionally streamed as SSE")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         check_model(state, body.model)
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        role = pick_walk(state, body)
         prompt, system, image = render_prompt(body, role)
         inputs: dict[str, Any] = {role.text_input: prompt}
         fields = {role.text_input: "messages"}
@@ -181,7 +214,7 @@ def install(app: FastAPI, state: ServerState) -> None:
         if image is not None:
             name = image_input(role)
             assert name is not None
-            inputs[name], fields[name] = image, "messages"
+            inputs[name], fields[name] = image, image_part(body) or "messages"  # a node refusing it names the part
         limit, limit_param = _limit(state, body)
         target = next((n for n in MAX_TOKEN_INPUTS if n in role.inputs), None)
         if limit is not None and target is not None:
@@ -194,7 +227,8 @@ def install(app: FastAPI, state: ServerState) -> None:
         inputs.update(extra)
         fields.update({k: k for k in extra})  # a node that rejects one blames it, not `messages`
         flight = await start_flight(state, request, "chat", role.walk, inputs, fields, "messages")
-        flight.prompt_tokens = state.text.count(inputs) if state.text is not None else 0
+        codec = state.codecs.get(role.walk)
+        flight.prompt_tokens = codec.count(inputs) if codec is not None else 0
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         reply = Reply(state, flight, role, limit)
         if not body.stream:
@@ -291,4 +325,4 @@ async def _streamed(flight: Flight, reply: Reply, rid: str, model: str, body: Ch
                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-__all__ = ["image_input", "install", "render_prompt"]
+__all__ = ["has_image", "image_input", "image_part", "install", "pick_walk", "render_prompt"]

@@ -155,8 +155,9 @@ class ImageGenerationRequest(_Body):
     prompt: StrictStr = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     n: Annotated[StrictInt, Field(ge=1, le=10)] = 1
     size: Annotated[StrictStr, Field(pattern=SIZE_PATTERN)] | None = Field(
-        None, description="WxH; passed as width/height when the walk takes them, else the walk's own size")
-    response_format: Literal["b64_json"] | None = Field(None, description="images are returned inline only")
+        None, description="WxH (or auto); the walk's width/height, within the plan's latent grid (serve.images)")
+    response_format: Literal["b64_json", "url"] | None = Field(
+        None, description="images are returned inline only: 'url' is a 400 (there is no file host)")
     output_format: Literal["png"] | None = None
     quality: StrictStr | None = None
     style: StrictStr | None = None

@@ -3,7 +3,8 @@
     app = create_app(MStar.load("tf.plan"), ServeConfig())      # or: mstar-run tf.plan --serve
 
 Routes depend on the plan's walks (`ServedWalks`): `/v1/audio/speech` for a walk `tts`,
-`/v1/chat/completions` for `chat`, `/v1/images/generations` and `/edits` for `t2i` / `edit`,
+`/v1/chat/completions` for `chat` and/or `understand` (requests with an image go to
+`understand` when `chat` takes none), `/v1/images/generations` and `/edits` for `t2i` / `edit`,
 `/v1/walks/<walk>` for every walk; always `/v1/models`, `/health`, `/metrics` and
 `/openapi.json`. docs/serving.md lists them with their errors and metrics.
 
@@ -83,6 +84,7 @@ class WalkRole:
 class ServedWalks:
     tts: WalkRole | None = None
     chat: WalkRole | None = None
+    understand: WalkRole | None = None  # chat requests with an image, when `chat` takes none
     t2i: WalkRole | None = None
     edit: WalkRole | None = None
     all: tuple[str, ...] = field(default_factory=tuple)
@@ -112,14 +114,26 @@ def _is_image(o: Mapping[str, Any]) -> bool:
     return o["type"]["kind"] == "image" or o["name"] in ("image", "images", "pixels")
 
 
+def _takes_image(role: WalkRole | None) -> bool:
+    """An `image` input, or a uint8 [H, W, 3] tensor (Qwen3-Omni's), as `chat.image_input` reads it."""
+    for p in (role.inputs.values() if role is not None else ()):
+        t = p["type"]
+        if t["kind"] == "image" or (t["kind"] == "tensor" and t.get("dtype") == "u8" and len(t.get("dims", [])) == 3
+                                    and t["dims"][2] == 3):
+            return True
+    return False
+
+
 def served_walks(plan: Plan) -> ServedWalks:
     """Which OpenAI routes this plan serves, by walk name and typed inputs/outputs."""
     edit = _role(plan, "edit", ("prompt", "text"), _is_image)
     if edit is not None and not any(p["type"]["kind"] == "image" for p in edit.inputs.values()):
         edit = None
+    understand = _role(plan, "understand", ("question", "prompt", "text"), _is_text_stream)
     return ServedWalks(
         tts=_role(plan, "tts", ("text",), _is_audio),
         chat=_role(plan, "chat", ("prompt", "text"), _is_text_stream),
+        understand=understand if _takes_image(understand) else None,
         t2i=_role(plan, "t2i", ("prompt", "text"), _is_image),
         edit=edit,
         all=tuple(sorted(plan.walks)),
@@ -163,8 +177,10 @@ class ServerState:
         self.draining = False
         self._idle = asyncio.Event()
         self._logged_faults: set[str] = set()
-        self.text = (TextCodec(m.plan, self.walks.chat.walk, self.walks.chat.text_input, config.weights)
-                     if self.walks.chat is not None else None)
+        # prompt counts and token rendering of each walk the chat route serves
+        self.codecs = {r.walk: TextCodec(m.plan, r.walk, r.text_input, config.weights)
+                       for r in (self.walks.chat, self.walks.understand) if r is not None}
+        self.text = self.codecs.get(self.walks.chat.walk) if self.walks.chat is not None else None
 
     @property
     def sample_rate(self) -> int:
@@ -263,6 +279,7 @@ def create_app(m: MStar, config: ServeConfig | None = None) -> FastAPI:
 
     from mstar_runtime.serve import app as server_app
     from mstar_runtime.serve import chat as server_chat
+    from mstar_runtime.serve import images as server_images
     from mstar_runtime.serve import media as server_media
     from mstar_runtime.serve import walks as server_walks
 
@@ -271,9 +288,10 @@ def create_app(m: MStar, config: ServeConfig | None = None) -> FastAPI:
                   description="OpenAI-compatible and native routes over a compiled M* plan (docs/serving.md).")
     app.state.mstar = state
     server_app.install(app, state)
-    if state.walks.chat is not None:
+    if state.walks.chat is not None or state.walks.understand is not None:
         server_chat.install(app, state)
     server_media.install(app, state)
+    server_images.install(app, state)
     server_walks.install(app, state)
     server_app.finish_openapi(app, state)
     return app

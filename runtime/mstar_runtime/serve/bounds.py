@@ -121,10 +121,10 @@ def check_bounds(config: Mapping[str, Any], program: Mapping[str, Any], inputs: 
             low = f"{lo:g} <= " if lo_ok else f"{lo:g} < "
             raise bad_request(f"{param(name)} must be {low}{name} <= {hi:g}, got {v:g}"
                               f"{default_note(is_default, f'{v:g}')}", param(name), "out_of_range")
-    start, _ = value("cfg_interval_start", "float")
+    start, start_default = value("cfg_interval_start", "float")
     end, _ = value("cfg_interval_end", "float")
     if isinstance(start, int | float) and isinstance(end, int | float) and start > end:
-        p = param("cfg_interval_start")
+        p = param("cfg_interval_end" if start_default else "cfg_interval_start")  # the one the client sent
         raise bad_request(f"{p}: the CFG interval must have start <= end, got [{start:g}, {end:g}]", p, "out_of_range")
 
     kind, kind_default = value("cfg_renorm_type", "str")

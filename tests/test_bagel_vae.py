@@ -20,6 +20,8 @@ same eps, and the posterior plus the flow node's noise replay the official singl
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from mstar_models.bagel import vae
 from mstar_models.bagel.transforms import ImageTransform
 from mstar_models.bagel.vae import (
     SCALE_FACTOR,
@@ -119,11 +122,15 @@ def to_pixels(img: torch.Tensor) -> torch.Tensor:
     return (img.permute(2, 0, 1).float() / 255.0 - 0.5).div(0.5).unsqueeze(0)
 
 
-def forwards(module: torch.nn.Module) -> list[int]:
-    """A list that records the batch size of every forward of `module`."""
+@contextmanager
+def forwards(module: torch.nn.Module) -> Iterator[list[int]]:
+    """A list that records the batch size of every forward of `module` inside the block."""
     seen: list[int] = []
-    module.register_forward_hook(lambda _m, args, _out: seen.append(int(args[0].shape[0])))
-    return seen
+    handle = module.register_forward_hook(lambda _m, args, _out: seen.append(int(args[0].shape[0])))
+    try:
+        yield seen
+    finally:
+        handle.remove()
 
 
 @pytest.fixture(scope="module")
@@ -272,21 +279,36 @@ def test_batches_group_by_size(nodes: tuple[FluxVaeEncoder, FluxVaeDecoder]) -> 
     enc, dec = nodes
     batch = [{"image": image(H, W, 20), "seed": 1}, {"image": image(W, H, 21), "seed": 2},
              {"image": image(H, W, 22), "seed": 3}]
-    enc_calls, dec_calls = forwards(enc.encoder), forwards(dec.decoder)
-    together = enc.run("encode", batch)
-    assert sorted(enc_calls) == [1, 2]  # one forward per size
+    with forwards(enc.encoder) as calls:
+        together = enc.run("encode", batch)
+    assert sorted(calls) == [1, 2]  # one forward per size
     alone = [enc.run("encode", [e])[0] for e in batch]
     for t, a in zip(together, alone, strict=True):
         torch.testing.assert_close(t["latent"], a["latent"], rtol=0, atol=1e-5)
         assert (t["height"], t["width"], t["drawn"]) == (a["height"], a["width"], a["drawn"])
     assert [(t["height"], t["width"]) for t in together] == [(H, W), (W, H), (H, W)]
     dec_batch = [{"latent": t["latent"], "height": t["height"], "width": t["width"]} for t in together]
-    images = dec.run("decode", dec_batch)
-    assert sorted(dec_calls[-2:]) == [1, 2] and len(dec_calls) == 2
+    with forwards(dec.decoder) as calls:
+        images = dec.run("decode", dec_batch)
+    assert sorted(calls) == [1, 2]
     for entry, out in zip(dec_batch, images, strict=True):
         single = dec.run("decode", [entry])[0]["image"]
         assert out["image"].shape == (entry["height"], entry["width"], 3)
         assert (out["image"].int() - single.int()).abs().max() <= 1
+
+
+def test_a_big_size_group_is_cut_by_the_pixel_cap(nodes: tuple[FluxVaeEncoder, FluxVaeDecoder],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    enc, dec = nodes
+    monkeypatch.setattr(vae, "MAX_PIXELS_PER_FORWARD", 2 * H * W)
+    batch = [{"image": image(H, W, 23 + i), "seed": i} for i in range(5)]
+    with forwards(enc.encoder) as calls:
+        outs = enc.run("encode", batch)
+    assert calls == [2, 2, 1]
+    with forwards(dec.decoder) as calls:
+        dec.run("decode", [{"latent": o["latent"], "height": H, "width": W} for o in outs])
+    assert calls == [2, 2, 1]
+    torch.testing.assert_close(outs[4]["latent"], enc.run("encode", batch[4:])[0]["latent"], rtol=0, atol=1e-5)
 
 
 def test_resize_phase_is_the_vae_transform(nodes: tuple[FluxVaeEncoder, FluxVaeDecoder]) -> None:
@@ -432,6 +454,7 @@ def test_real_size_bf16_close_to_f32_on_gpu() -> None:
     with torch.no_grad():
         p32 = dec32.pixels(lat.unsqueeze(0), 48, 64)
         p16 = dec16.pixels(lat.unsqueeze(0), 48, 64)
-    assert ((p32 - p16).norm() / p32.norm()) < 0.05
+    # measured on a CPU at 512 x 768: 0.4 % (encoder), 2.3 % (decoder)
+    assert ((p32 - p16).norm() / p32.norm()) < 0.08
     out = dec16.run("decode", [{"latent": lat, "height": 768, "width": 1024}])[0]["image"]
     assert out.shape == (768, 1024, 3) and out.dtype == torch.uint8 and out.device.type == "cuda"

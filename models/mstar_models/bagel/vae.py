@@ -8,7 +8,7 @@ of `ae.safetensors` (`encoder.down.{l}.block.{b}.conv1`, `decoder.up.{l}.upsampl
 which the `flux_vae_encoder` / `flux_vae_decoder` archs (mstarc/archs/flux_vae.py) list, so
 the runtime's loader reads the checkpoint without a prefix or rename.
 
-Encoder phases (contract: /work/scratch/BAGEL_CONTRACT.md):
+Encoder phases (node `vae_enc` of models/bagel/bagel.walk):
 - `resize(image) -> (resized)`: the VAE `ImageTransform` only.
 - `encode(image, seed) -> (latent, height, width, resized, drawn)`: resize, map to [-1, 1],
   encode, sample the posterior z = mean + std * eps (the official code samples:

@@ -1,0 +1,148 @@
+"""BAGEL's walks end to end on the tiny variant (CPU): every walk runs and writes its outputs; t2i
+equals a dense reference loop (three contexts, the official CFG combination, our VAE decoder);
+the CFG branches that are off or that repeat gen's context cost no forward; both step paths
+give the same text."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mstar_models.bagel.flow import shifted_times
+from mstar_models.bagel.reference import ReferenceConfig, ReferenceContext
+from mstar_runtime.api import MStar
+from tests.test_bagel_flow import official_velocity
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZE = {"height": 64, "width": 48}
+
+
+@pytest.fixture(scope="module")
+def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bagel") / "bagel.plan"
+    subprocess.run([sys.executable, "-m", "mstarc.cli", "compile", str(ROOT / "models/bagel/bagel.walk"),
+                    "--variant", "tiny", "--placement", str(ROOT / "placements/cpu.yaml"), "-o", str(out)],
+                   check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(plan_path: Path) -> Any:
+    with MStar.load(plan_path, weights="dummy") as m:
+        yield m
+
+
+def nodes(engine: MStar) -> dict[str, Any]:
+    return {name: e.node for name, e in engine.conductor.workers[0].engines.items()}
+
+
+def image(h: int, w: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+class Count:
+    """Counts the latent rows a node's denoise phase really computes (entries with a query)."""
+
+    def __init__(self, node: Any):
+        self.node, self.entries, self.calls = node, 0, 0
+        self.original = node.phase_denoise
+
+    def __enter__(self) -> Count:
+        def counted(batch: list[dict], attn: Any) -> list[dict]:
+            self.calls += 1
+            self.entries += sum(1 for e in batch if e["latent"].shape[0] > 0)
+            return self.original(batch, attn)
+
+        self.node.phase_denoise = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.node.phase_denoise = self.original
+
+
+def test_every_walk_runs_and_writes_its_outputs(engine: MStar) -> None:
+    out = engine.generate("t2i", prompt="a red fox", num_timesteps=4, **SIZE)
+    assert out["image"].dtype == torch.uint8 and tuple(out["image"].shape) == (64, 48, 3)
+    src = image(40, 56)
+    out = engine.generate("edit", source=src, prompt="make it blue", num_timesteps=3)
+    resized = nodes(engine)["vae_enc"].run("resize", [{"image": src}])[0]["resized"]
+    assert tuple(out["image"].shape) == tuple(resized.shape)  # the edit keeps the resized size
+    out = engine.generate("understand", image=src, question="what is it?", max_length=6)
+    assert isinstance(out["text"], str)
+    out = engine.generate("chat", prompt="hello", max_length=6)
+    assert isinstance(out["text"], str) and isinstance(out["image_start"], bool)
+    out = engine.generate("think", prompt="a fox", max_length=5, num_timesteps=3, height=32, width=32)
+    assert isinstance(out["text"], str) and tuple(out["image"].shape) == (32, 32, 3)
+
+
+def test_t2i_equals_a_dense_reference_loop(engine: MStar) -> None:
+    n = nodes(engine)
+    llm, cfg = n["llm"], n["llm"].spec.config
+    ref_cfg = ReferenceConfig(layers=cfg["layers"], heads=cfg["heads"], kv_heads=cfg["kv_heads"],
+                              head_dim=cfg["head_dim"], max_latent_size=cfg["max_latent_size"],
+                              bos_id=cfg["bos_id"], eos_id=cfg["eos_id"], vision_start_id=cfg["vision_start_id"],
+                              vision_end_id=cfg["vision_end_id"])
+    weights = {k: v.detach().float().clone() for k, v in llm.state_dict().items()}
+    steps, prompt, seed = 5, "a watercolour harbour", 3
+    got = engine.generate("t2i", prompt=prompt, num_timesteps=steps, seed=seed, **SIZE)["image"]
+
+    gen, cfg_text = ReferenceContext(weights, ref_cfg), None
+    cfg_text = gen.copy()  # empty: cfg_text is gen before the prompt
+    gen.text(n["tok"].run("encode", [{"text": prompt}])[0]["ids"].long())
+    cfg_img = gen.copy()
+    x = torch.randn(4 * 3, int(cfg["patch_dim"]), generator=torch.Generator().manual_seed(seed))
+    ts = shifted_times(steps, 3.0)
+    for i in range(steps - 1):
+        t, dt = float(ts[i]), float(ts[i] - ts[i + 1])
+        v = gen.velocity(x, t, **SIZE)
+        if 0.4 < t <= 1.0:  # the official interval gating, then text 4.0 and image 1.5
+            v = official_velocity(v, cfg_text.velocity(x, t, **SIZE), cfg_img.velocity(x, t, **SIZE), 4.0, 1.5,
+                                  "global", 0.0)
+        x = x - v * dt
+    want = n["vae_dec"].run("decode", [{"latent": x, **SIZE}])[0]["image"]
+    assert (got.int() - want.int()).abs().max() <= 1
+
+
+def test_branches_off_or_equal_to_gen_cost_no_forward(engine: MStar) -> None:
+    n = nodes(engine)
+    eng = engine.conductor.workers[0].engines["llm"]
+    steps = 9  # 8 Euler steps: 7 inside the (0.4, 1] interval, 1 outside
+    ts = shifted_times(steps, 3.0)[:-1].tolist()
+    inside = sum(1 for t in ts if 0.4 < t <= 1.0)
+    assert 0 < inside < len(ts)  # both kinds of step occur
+    with Count(n["llm"]) as c:
+        before = eng.shared_queries
+        engine.generate("t2i", prompt="a fox", num_timesteps=steps, **SIZE)
+    # per step one batched call; gen + cfg_text inside the interval, gen alone outside; the
+    # image branch is gen's twin (a fork never written again): computed once, shared
+    assert c.calls == len(ts)
+    assert c.entries == len(ts) + inside  # the node never sees the shared entries
+    assert eng.shared_queries - before == inside
+    with Count(n["llm"]) as c:
+        before = eng.shared_queries
+        engine.generate("t2i", prompt="a fox", num_timesteps=steps, cfg_text_scale=1.0, **SIZE)
+    assert c.entries == len(ts) and eng.shared_queries == before  # no CFG at all: gen only
+    with Count(n["llm"]) as c:  # edit: three distinct contexts, interval [0, 1]: three per step
+        engine.generate("edit", source=image(32, 32), prompt="blue", num_timesteps=steps)
+    assert c.entries == 3 * len(ts)
+    with Count(n["llm"]) as c:
+        engine.generate("edit", source=image(32, 32), prompt="blue", num_timesteps=steps, cfg_img_scale=1.0)
+    assert c.entries == 2 * len(ts)
+
+
+def test_both_step_paths_give_the_same_text(plan_path: Path) -> None:
+    texts = {}
+    for path in ("cohort", "generic"):
+        with MStar.load(plan_path, weights="dummy", step_path=path) as m:
+            hs = [m.submit("understand", {"image": image(32, 40, i), "question": f"question {i}",
+                                          "max_length": 7}) for i in range(3)]
+            hs.append(m.submit("chat", {"prompt": "hello", "max_length": 9}))
+            texts[path] = [h.result(timeout=60)["text"] for h in hs]
+            if path == "cohort":
+                assert m.conductor.stats["cohort_steps"] > 0
+    assert texts["cohort"] == texts["generic"]

@@ -1,0 +1,496 @@
+"""Qwen3-Omni's processor as a stateless node: `build(prompt, system, audio, image) -> (ids, mel, pixels,
+grid)` and `detokenize(token) -> piece`.
+
+What transformers 5.24's `Qwen3OmniMoeProcessor` does for one conversation, written here:
+- Chat template: messages `[system (when not empty), user: [image?, audio?, text]]` rendered
+  with `add_generation_prompt=True` in a sandboxed jinja2 environment set up as transformers'
+  (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, a `tojson` that does not
+  escape HTML). The template is the checkpoint's own (`chat_template.json`, else
+  `chat_template.jinja`, else `tokenizer_config.json`'s `chat_template`); without a
+  checkpoint it is `BUNDLED_TEMPLATE`, a ChatML layout with one
+  `<|vision_start|><|image_pad|><|vision_end|>` / `<|audio_start|><|audio_pad|><|audio_end|>`
+  placeholder per part, in the parts' order.
+- Tokens: the rendered text is tokenized, then each `<|audio_pad|>` becomes one id per audio
+  token and each `<|image_pad|>` one per merged image token, which is what tokenizing HF's
+  expanded string gives (added tokens are split off before BPE). A prompt that itself
+  contains a placeholder token is refused.
+- Audio (16 kHz mono samples) -> Whisper-style log-mel, `feature_size` bins: hann-window STFT
+  (n_fft 400, hop 160, centred, reflect padding), the last frame dropped, power spectrum
+  times a slaney-normalised mel filter bank (0 to sr / 2), log10 clamped at 1e-10, floored
+  at max - 8, then (x + 4) / 4. Frames = samples // hop. Audio tokens = the encoder's
+  `encoded_length(frames)`.
+- Image (u8 [H, W, 3]) -> `smart_resize` to multiples of patch * merge within
+  [min_pixels, max_pixels], a PIL bicubic resize, x / 255, (x - mean) / std, then flattened
+  patches [h * w, 3 * temporal * patch * patch] in merge-block order (each patch repeated
+  over the temporal patch), grid (1, h, w) in patches. Image tokens = h * w / merge^2.
+The sizes come from the checkpoint's `preprocessor_config.json` when there is one, else from
+transformers' class defaults (OpenAI CLIP mean / std; min / max pixels 3136 / 12845056 as in
+the Qwen-Omni preprocessor configs [unverified for Qwen3-Omni]) and the model config (patch,
+merge, temporal patch, mel bins). Node settings of the same names override both.
+
+Tokenizer: the checkpoint's `tokenizer.json`, else its `vocab.json` + `merges.txt` (+ the
+added tokens of `tokenizer_config.json`) in Qwen2's shape; without a checkpoint, the bundled
+`tokenizer_tiny.json` (tools/make_qwen3_omni_tiny_tokenizer.py: Qwen's shape, 512 ids, Qwen's
+33 added tokens at 479..511). When the model's vocabulary is real-sized, the bundled
+tokenizer's added tokens and role words are relabelled to Qwen's ids, so that every node
+agrees with `token_ids(vocab)`, the id table the thinker and talker use.
+
+The node holds no parameters or buffers, so the server copies it to count prompt tokens and
+render text (mstar_runtime/serve/text.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import numpy as np
+import torch
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from PIL import Image
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from mstar_models.qwen3_omni.audio_encoder import N_WINDOW, encoded_length
+from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+
+BUNDLED_TOKENIZER = Path(__file__).resolve().parent / "tokenizer_tiny.json"
+QWEN2_SPLIT = (  # transformers' Qwen2Tokenizer PRETOKENIZE_REGEX
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+BUNDLED_TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "    {%- if message.content is string %}\n"
+    "        {%- set content = message.content %}\n"
+    "    {%- else %}\n"
+    "        {%- set ns = namespace(text='') %}\n"
+    "        {%- for part in message.content %}\n"
+    "            {%- if part.type == 'image' or 'image' in part or 'image_url' in part %}\n"
+    "                {%- set ns.text = ns.text ~ '<|vision_start|><|image_pad|><|vision_end|>' %}\n"
+    "            {%- elif part.type == 'audio' or 'audio' in part or 'input_audio' in part %}\n"
+    "                {%- set ns.text = ns.text ~ '<|audio_start|><|audio_pad|><|audio_end|>' %}\n"
+    "            {%- elif part.type == 'video' or 'video' in part %}\n"
+    "                {%- set ns.text = ns.text ~ '<|vision_start|><|video_pad|><|vision_end|>' %}\n"
+    "            {%- elif part.type == 'text' %}\n"
+    "                {%- set ns.text = ns.text ~ part.text %}\n"
+    "            {%- endif %}\n"
+    "        {%- endfor %}\n"
+    "        {%- set content = ns.text %}\n"
+    "    {%- endif %}\n"
+    "    {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+
+# ------------------------------------------------------------------------------ token ids
+@dataclass(frozen=True)
+class TokenIds:
+    """The ids the Qwen3-Omni nodes agree on (models.md 2.2, "Thinker misc" and "Top-level ids")."""
+
+    endoftext: int
+    im_start: int
+    im_end: int
+    vision_start: int
+    vision_end: int
+    image: int  # <|image_pad|>
+    video: int  # <|video_pad|>
+    audio_start: int
+    audio_end: int
+    tts_pad: int
+    tts_bos: int
+    tts_eos: int
+    audio: int  # <|audio_pad|>
+    system: int
+    user: int
+    assistant: int
+
+
+REAL_IDS = TokenIds(151643, 151644, 151645, 151652, 151653, 151655, 151656, 151669, 151670, 151671, 151672, 151673,
+                    151675, 8948, 872, 77091)
+TINY_OFFSET = 151643 - 479  # the bundled tokenizer keeps Qwen's added tokens at 479..511, in order
+TINY_ROLES = {"system": 273, "user": 265, "assistant": 298}  # their ids in tokenizer_tiny.json
+TINY_IDS = TokenIds(**{k: (v - TINY_OFFSET if v > 151000 else TINY_ROLES[k])
+                       for k, v in REAL_IDS.__dict__.items()})
+TOKEN_NAMES = {"endoftext": "<|endoftext|>", "im_start": "<|im_start|>", "im_end": "<|im_end|>",
+               "vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>", "image": "<|image_pad|>",
+               "video": "<|video_pad|>", "audio_start": "<|audio_start|>", "audio_end": "<|audio_end|>",
+               "tts_pad": "<tts_pad>", "tts_bos": "<tts_text_bos>", "tts_eos": "<tts_text_eod>",
+               "audio": "<|audio_pad|>", "system": "system", "user": "user", "assistant": "assistant"}
+
+
+def token_ids(vocab: int) -> TokenIds:
+    """Qwen's ids when the vocabulary holds them (the released 152064), else the bundled tiny tokenizer's."""
+    if vocab > REAL_IDS.audio:
+        return REAL_IDS
+    if vocab < 512:
+        raise ValueError(f"a vocabulary of {vocab} ids cannot hold Qwen3-Omni's special tokens (tiny needs 512)")
+    return TINY_IDS
+
+
+# ------------------------------------------------------------------------------ settings
+@dataclass(frozen=True)
+class Features:
+    """Audio and image preprocessing sizes (module docstring)."""
+
+    sampling_rate: int = 16000
+    n_fft: int = 400
+    hop_length: int = 160
+    feature_size: int = 128
+    patch_size: int = 16
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 3136
+    max_pixels: int = 12845056
+    image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, ...] = OPENAI_CLIP_STD
+    rescale_factor: float = 1 / 255
+    max_audio_seconds: float = 300.0
+
+    def updated(self, values: Mapping[str, Any]) -> Features:
+        """With the known keys of a preprocessor_config.json (or node settings) applied."""
+        out: dict[str, Any] = {}
+        size = values.get("size")
+        if isinstance(size, Mapping):  # transformers >= 4.5x spells the pixel bounds as `size`
+            values = {**values, "min_pixels": size.get("shortest_edge", values.get("min_pixels")),
+                      "max_pixels": size.get("longest_edge", values.get("max_pixels"))}
+        for name, cur in self.__dict__.items():
+            v = values.get(name)
+            if v is None:
+                continue
+            out[name] = tuple(float(x) for x in v) if isinstance(cur, tuple) else type(cur)(v)
+        return replace(self, **out)
+
+
+def _config_features(spec: NodeSpec) -> Features:
+    cfg = spec.config
+    f = Features().updated({"feature_size": cfg.get("mel_bins"), "patch_size": cfg.get("vis_patch"),
+                            "merge_size": cfg.get("vis_merge"), "temporal_patch_size": cfg.get("vis_temporal_patch")})
+    return f.updated(spec.settings)
+
+
+# ------------------------------------------------------------------------------ mel
+def _hz_to_mel(f: torch.Tensor) -> torch.Tensor:
+    """Slaney's mel scale: linear below 1 kHz (3 / 200 mel per Hz), logarithmic above."""
+    mel = f / (200.0 / 3)
+    logstep = math.log(6.4) / 27.0
+    return torch.where(f >= 1000.0, 15.0 + torch.log(f.clamp(min=1e-10) / 1000.0) / logstep, mel)
+
+
+def _mel_to_hz(m: torch.Tensor) -> torch.Tensor:
+    logstep = math.log(6.4) / 27.0
+    return torch.where(m >= 15.0, 1000.0 * torch.exp(logstep * (m - 15.0)), m * (200.0 / 3))
+
+
+def mel_filters(n_fft: int, n_mels: int, sampling_rate: int) -> torch.Tensor:
+    """[n_fft // 2 + 1, n_mels] triangular slaney-normalised filters from 0 Hz to sr / 2, in fp32."""
+    fft_freqs = torch.linspace(0, sampling_rate / 2, n_fft // 2 + 1, dtype=torch.float64)
+    edges = _mel_to_hz(torch.linspace(float(_hz_to_mel(torch.tensor(0.0, dtype=torch.float64))),
+                                      float(_hz_to_mel(torch.tensor(sampling_rate / 2, dtype=torch.float64))),
+                                      n_mels + 2, dtype=torch.float64))
+    lower = (fft_freqs[:, None] - edges[None, :-2]) / (edges[1:-1] - edges[:-2])[None]
+    upper = (edges[None, 2:] - fft_freqs[:, None]) / (edges[2:] - edges[1:-1])[None]
+    filters = torch.clamp(torch.minimum(lower, upper), min=0.0)
+    return (filters * (2.0 / (edges[2:] - edges[:-2]))[None]).float()
+
+
+def log_mel(wave: torch.Tensor, filters: torch.Tensor, n_fft: int, hop: int) -> torch.Tensor:
+    """[samples] fp32 -> [n_mels, samples // hop] log-mel features (module docstring)."""
+    stft = torch.stft(wave, n_fft, hop, window=torch.hann_window(n_fft), return_complex=True)
+    power = (stft[..., :-1].abs() ** 2).contiguous()
+    log = torch.clamp(filters.T @ power, min=1e-10).log10()
+    log = torch.maximum(log, log.max() - 8.0)
+    return (log + 4.0) / 4.0
+
+
+# ------------------------------------------------------------------------------ image
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Height and width, multiples of `factor`, near the image's aspect ratio, with a pixel count in
+    [min_pixels, max_pixels] (Qwen2-VL's rule)."""
+    if max(height, width) > 200 * min(height, width):
+        raise RequestError(f"image aspect ratio must be below 200, got {height} x {width}", "image")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def image_patches(image: np.ndarray, f: Features) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """u8 [H, W, 3] -> (patches [h * w, 3 * T * p * p] fp32 in merge-block order, grid (1, h, w))."""
+    p, m, t = f.patch_size, f.merge_size, f.temporal_patch_size
+    height, width = smart_resize(image.shape[0], image.shape[1], p * m, f.min_pixels, f.max_pixels)
+    resized = np.asarray(Image.fromarray(image).resize((width, height), resample=Image.Resampling.BICUBIC))
+    x = (resized.astype(np.float64) * f.rescale_factor).astype(np.float32)
+    x = (x - np.asarray(f.image_mean, dtype=np.float32)) / np.asarray(f.image_std, dtype=np.float32)
+    gh, gw = height // p, width // p
+    x = x.transpose(2, 0, 1).reshape(3, gh // m, m, p, gw // m, m, p)
+    x = x.transpose(1, 4, 2, 5, 0, 3, 6)  # (block row, block col, row in block, col in block, C, py, px)
+    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], t, p, p))
+    return np.ascontiguousarray(x.reshape(gh * gw, 3 * t * p * p)), (1, gh, gw)
+
+
+# ------------------------------------------------------------------------------ tokenizer
+def _read_tokenizer(path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises a bare Exception for unreadable or corrupt files
+        raise NodeError(f"cannot read tokenizer '{path}': {e}") from None
+
+
+def bundled_tokenizer(vocab: int) -> Tokenizer:
+    """tokenizer_tiny.json, relabelled to Qwen's ids when `token_ids(vocab)` is the real table."""
+    ids = token_ids(vocab)
+    if ids is TINY_IDS:
+        return _read_tokenizer(BUNDLED_TOKENIZER)
+    spec = json.loads(BUNDLED_TOKENIZER.read_text(encoding="utf-8"))
+    table = spec["model"]["vocab"]
+    for added in spec["added_tokens"]:
+        added["id"] += TINY_OFFSET
+        table[added["content"]] = added["id"]
+    for role in TINY_ROLES:
+        table[role] = getattr(REAL_IDS, role)
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def qwen2_tokenizer(folder: Path) -> Tokenizer:
+    """A Qwen2-shaped tokenizer from `vocab.json` + `merges.txt` and the added tokens of `tokenizer_config.json`."""
+    try:
+        vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
+        lines = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")) \
+            if (folder / "tokenizer_config.json").is_file() else {}
+    except (OSError, ValueError) as e:
+        raise NodeError(f"cannot read the tokenizer files in '{folder}': {e}") from None
+    merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="",
+                               fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    added = config.get("added_tokens_decoder", {})
+    for _, t in sorted(added.items(), key=lambda kv: int(kv[0])):
+        token = AddedToken(t["content"], single_word=t.get("single_word", False), lstrip=t.get("lstrip", False),
+                           rstrip=t.get("rstrip", False), normalized=t.get("normalized", False),
+                           special=t.get("special", True))
+        tok.add_tokens([token])
+    for i, t in added.items():
+        if tok.token_to_id(t["content"]) != int(i):
+            raise NodeError(f"tokenizer in '{folder}': added token {t['content']!r} got id "
+                            f"{tok.token_to_id(t['content'])}, its tokenizer_config.json says {i}")
+    return tok
+
+
+def checkpoint_template(folder: Path) -> str | None:
+    """The checkpoint's chat template: chat_template.json, chat_template.jinja, tokenizer_config.json."""
+    try:
+        if (folder / "chat_template.json").is_file():
+            value = json.loads((folder / "chat_template.json").read_text(encoding="utf-8")).get("chat_template")
+            if isinstance(value, str):
+                return value
+        if (folder / "chat_template.jinja").is_file():
+            return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        if (folder / "tokenizer_config.json").is_file():
+            value = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+            if isinstance(value, str):
+                return value
+    except (OSError, ValueError) as e:
+        raise NodeError(f"cannot read the chat template in '{folder}': {e}") from None
+    return None
+
+
+def compile_template(source: str) -> jinja2.Template:
+    """A chat template in the sandboxed environment transformers renders chat templates in."""
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateError as e:
+        raise NodeError(f"the chat template does not compile: {e}") from None
+
+
+# ------------------------------------------------------------------------------ node
+class Processor(StatelessNode):
+    """build(prompt, system, audio, image) -> (ids, mel, pixels, grid); detokenize(token) -> (piece)."""
+
+    def __init__(self, spec: NodeSpec):
+        super().__init__(spec)
+        vocab = int(spec.config.get("vocab", REAL_IDS.audio + 1))
+        try:
+            self.ids = token_ids(vocab)
+        except ValueError as e:
+            raise NodeError(f"node '{spec.name}': {e}") from None
+        self.vocab = vocab
+        self.n_window = int(spec.config.get("audio_n_window", N_WINDOW))
+        self.tokenizer = bundled_tokenizer(vocab)
+        self.template_source = BUNDLED_TEMPLATE
+        self.template = compile_template(BUNDLED_TEMPLATE)
+        self._set_features(_config_features(spec))
+
+    def _set_features(self, features: Features) -> None:
+        self.features = features
+        # a plain attribute, not a buffer: the server copies only nodes without tensors of their own
+        self.filters = mel_filters(features.n_fft, features.feature_size, features.sampling_rate)
+
+    def on_weights(self, source: str) -> None:
+        """Called by the weights loader with the weights source: the checkpoint's tokenizer, chat
+        template and preprocessor sizes, where the folder has them."""
+        folder = Path(source)
+        if (folder / "tokenizer.json").is_file():
+            self._use_tokenizer(_read_tokenizer(folder / "tokenizer.json"), folder)
+        elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+            self._use_tokenizer(qwen2_tokenizer(folder), folder)
+        template = checkpoint_template(folder)
+        if template is not None:
+            self.template, self.template_source = compile_template(template), template
+        pre = folder / "preprocessor_config.json"
+        if pre.is_file():
+            try:
+                values = json.loads(pre.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                raise NodeError(f"cannot read '{pre}': {e}") from None
+            self._set_features(Features().updated(values).updated(self.spec.settings))
+
+    def _use_tokenizer(self, tok: Tokenizer, folder: Path) -> None:
+        for field, name in TOKEN_NAMES.items():
+            want, got = getattr(self.ids, field), tok.token_to_id(name)
+            if got != want:
+                raise NodeError(f"node '{self.spec.name}': the tokenizer in '{folder}' has {name!r} at id {got}; "
+                                f"the model's other nodes use {want} (vocab {self.vocab})")
+        self.tokenizer = tok
+
+    # ---- build
+    def messages(self, prompt: str, system: str, audio: bool, image: bool) -> list[dict[str, Any]]:
+        """The conversation the template renders (module docstring)."""
+        parts: list[dict[str, Any]] = ([{"type": "image"}] if image else []) + ([{"type": "audio"}] if audio else [])
+        parts.append({"type": "text", "text": prompt})
+        out: list[dict[str, Any]] = [{"role": "system", "content": [{"type": "text", "text": system}]}] if system \
+            else []
+        return out + [{"role": "user", "content": parts}]
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, tools=None, documents=None,
+                                        bos_token=None, eos_token="<|im_end|>")
+        except jinja2.exceptions.TemplateError as e:
+            raise RequestError(f"the chat template refused the conversation: {e}", "prompt") from None
+
+    def phase_build(self, batch: Batch) -> Batch:
+        f = self.features
+        prepared = [(_text(e, "prompt"), _text(e, "system"), self._audio(e), self._image(e)) for e in batch]
+        for prompt, _, wave, img in prepared:
+            if not prompt.strip() and wave is None and img is None:
+                raise RequestError("prompt is empty and there is no audio or image: nothing to answer", "prompt")
+        texts = [self.render(self.messages(p, s, w is not None, i is not None)) for p, s, w, i in prepared]
+        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        out: Batch = []
+        for (_, _, wave, img), enc in zip(prepared, encodings, strict=True):
+            mel = log_mel(wave, self.filters, f.n_fft, f.hop_length) if wave is not None \
+                else torch.zeros(f.feature_size, 0)
+            if img is not None:
+                patches, grid = image_patches(img, f)
+                pixels, grids = torch.from_numpy(patches), torch.tensor([grid], dtype=torch.int32)
+            else:
+                pixels = torch.zeros(0, 3 * f.temporal_patch_size * f.patch_size ** 2)
+                grids = torch.zeros(0, 3, dtype=torch.int32)
+            n_audio = encoded_length(mel.shape[1], self.n_window) if wave is not None else 0
+            n_image = int(grids[:, 0].mul(grids[:, 1]).mul(grids[:, 2]).sum()) // f.merge_size ** 2
+            ids = self._expand(list(enc.ids), n_audio if wave is not None else None, n_image if img is not None
+                               else None)
+            # host tensors: the thinker reads ids on the host anyway
+            out.append({"ids": torch.tensor(ids, dtype=torch.int32), "mel": mel, "pixels": pixels, "grid": grids})
+        return out
+
+    def _expand(self, ids: list[int], n_audio: int | None, n_image: int | None) -> list[int]:
+        """One id per audio / image token in place of each placeholder; the placeholders must be the template's."""
+        counts = {self.ids.audio: ids.count(self.ids.audio), self.ids.image: ids.count(self.ids.image),
+                  self.ids.video: ids.count(self.ids.video)}
+        want = {self.ids.audio: int(n_audio is not None), self.ids.image: int(n_image is not None),
+                self.ids.video: 0}
+        if counts != want:
+            raise RequestError("the prompt contains an audio, image or video placeholder token; "
+                               "send media as the audio / image inputs", "prompt")
+        out: list[int] = []
+        for t in ids:
+            if t == self.ids.audio:
+                out += [t] * int(n_audio or 0)
+            elif t == self.ids.image:
+                out += [t] * int(n_image or 0)
+            else:
+                out.append(t)
+        return out
+
+    def _audio(self, entry: Mapping[str, Any]) -> torch.Tensor | None:
+        a = entry.get("audio")
+        if a is None or isinstance(a, torch.Tensor) and a.numel() == 0:
+            return None
+        if not isinstance(a, torch.Tensor) or not a.is_floating_point() or a.dim() != 1:
+            got = f"{a.dtype} {list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+            raise RequestError(f"audio must be float mono samples [A] at {self.features.sampling_rate} Hz, "
+                               f"got {got}", "audio")
+        f = self.features
+        if a.shape[0] <= f.n_fft // 2:  # the centred STFT reflects n_fft / 2 samples at each end
+            raise RequestError(f"audio is {a.shape[0]} samples; at least {f.n_fft // 2 + 1} are needed", "audio")
+        if a.shape[0] > f.max_audio_seconds * f.sampling_rate:
+            raise RequestError(f"audio is {a.shape[0] / f.sampling_rate:.1f} s; at most {f.max_audio_seconds:g} s",
+                               "audio")
+        a = a.detach().to("cpu", torch.float32)
+        if not bool(torch.isfinite(a).all()):
+            raise RequestError("audio holds NaN or infinite samples", "audio")
+        return a
+
+    def _image(self, entry: Mapping[str, Any]) -> np.ndarray | None:
+        img = entry.get("image")
+        if img is None or isinstance(img, torch.Tensor) and img.numel() == 0:
+            return None
+        if not isinstance(img, torch.Tensor) or img.dtype != torch.uint8 or img.dim() != 3 or img.shape[2] != 3:
+            got = f"{img.dtype} {list(img.shape)}" if isinstance(img, torch.Tensor) else type(img).__name__
+            raise RequestError(f"image must be u8 [H, W, 3] RGB, got {got}", "image")
+        return img.detach().cpu().numpy()
+
+    # ---- detokenize
+    def phase_detokenize(self, batch: Batch) -> Batch:
+        out: Batch = []
+        for entry in batch:
+            t = entry.get("token")
+            if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dim() > 1:
+                raise RequestError("token must be integer token ids [N]", "token")
+            ids = [int(v) for v in t.reshape(-1).tolist()]
+            if any(not 0 <= v < self.vocab for v in ids):
+                raise RequestError(f"token ids must lie in [0, {self.vocab})", "token")
+            out.append({"piece": self.tokenizer.decode(ids, skip_special_tokens=True)})
+        return out
+
+
+def _text(entry: Mapping[str, Any], port: str) -> str:
+    value = entry.get(port, "")
+    if not isinstance(value, str):
+        raise RequestError(f"{port} must be a string, got {type(value).__name__}", port)
+    return value
+

@@ -108,6 +108,8 @@ EOF
 #   tests    pytest -m gpu
 #   bench    tools/bench/orpheus.py, then tools/bench/vjepa2.py if time is left
 #   orpheus  tools/bench/orpheus.py only
+#   bagel    pytest -m gpu on tests/test_bagel_*.py, then tools/bench/bagel.py $BAGEL_ARGS
+#            (the official inferencer too when `.official/` was carried: tools/official_bagel.sh)
 #   multigpu on a machine with 2+ GPUs: pytest -m multigpu (unless MULTIGPU_TESTS=0), then Orpheus
 #            for each placement of MULTIGPU_PLACEMENTS (default: tp 1, tp 2 and the split;
 #            orpheus-<placement>.json each)
@@ -153,6 +155,17 @@ if [[ "$STAGES" == *" bench "* ]] && [ -f tools/bench/vjepa2.py ]; then
   else
     echo "skipped: only $left s left of the 9-minute budget"
   fi
+fi
+
+if [[ "$STAGES" == *" bagel "* ]]; then
+  stage "pytest -m gpu tests/test_bagel_*.py"
+  timeout 200 $PY -m pytest -m gpu -q -rfEs --durations=10 tests/test_bagel_*.py
+  rc=$?; echo "pytest exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+  stage "tools/bench/bagel.py"
+  left=$(( 560 - ($(date +%s) - START) ))
+  # shellcheck disable=SC2086
+  timeout $left $PY tools/bench/bagel.py ${BAGEL_ARGS:-} --out "$OUT/bagel.json"
+  rc=$?; echo "bagel bench exit code $rc"; [ $rc -eq 0 ] || STATUS=1
 fi
 
 # ---------------------------------------------------------------------------- 4. several GPUs

@@ -22,12 +22,16 @@ chunk per text piece, then one chunk with the finish reason, then (with
 `stream_options.include_usage`) a usage chunk with no choices, then `data: [DONE]`. The
 response starts only once the first token exists, so a request that fails before that
 still gets its 4xx; a failure later ends the stream with a chunk whose finish reason is the
-engine's (`error`, `timeout`, `shutdown`) and an `error` event.
+engine's (`error`, `timeout`, `shutdown`) and an `error` event. A failure that comes after
+the served walk ended, in the walk a transition moved on to (BAGEL's chat -> t2i for a
+reply that opens an image), is not the reply's: the reply ends there ("stop") and the
+failure is logged.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -61,6 +65,7 @@ if TYPE_CHECKING:
 
     from mstar_runtime.serve.server import ServerState, WalkRole
 
+log = logging.getLogger("mstar_runtime.serve.server")
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty")
 
 
@@ -245,7 +250,8 @@ async def _whole(flight: Flight, reply: Reply, rid: str, model: str) -> Any:
                 if reply.finish is not None:
                     break  # the limit: Flight's exit cancels the rest
     except RequestFailed as e:
-        return error_response(flight.error_for(e))
+        if not after_the_reply(flight, e):
+            return error_response(flight.error_for(e))
     except ClientGone:
         return error_response(ApiError(499, "client closed the request", code="cancelled"))
     reply.end()
@@ -256,6 +262,18 @@ async def _whole(flight: Flight, reply: Reply, rid: str, model: str) -> Any:
                      "logprobs": None, "finish_reason": reply.finish}],
         "usage": reply.usage(),
     }
+
+
+def after_the_reply(flight: Flight, e: RequestFailed) -> bool:
+    """Whether `e` came after the served walk had ended: the walk moved on through a transition
+    (BAGEL's chat -> t2i, for a reply that opens an image) and that walk failed. The reply is
+    then complete; the failure is logged, not answered. Cancellations, timeouts and shutdowns
+    are the request's, whenever they happen."""
+    if e.finish_reason != "error" or flight.walk not in flight.handle.summary()["walks"]:
+        return False
+    log.warning("request %s: walk '%s' ended, then the walk it moved on to failed (%s); the reply is the walk's "
+                "text", e.request_id, flight.walk, e.message)
+    return True
 
 
 def _sse(obj: Any) -> str:
@@ -275,7 +293,12 @@ async def _streamed(flight: Flight, reply: Reply, rid: str, model: str, body: Ch
     try:  # wait for the first piece of text (or the end) before committing to a 200
         first = await flight.head(events, text)
     except ApiError as e:
-        return error_response(e)
+        # as `after_the_reply`: only a failure (400, 413, 500), not a cancel, timeout or shutdown
+        if e.status not in (400, 413, 500) or flight.walk not in flight.handle.summary()["walks"]:
+            return error_response(e)
+        first = []  # the walk ended without text, then a transition's walk failed: an empty reply
+        log.warning("request %s: walk '%s' ended, then the walk it moved on to failed (%s); the reply is "
+                    "the walk's text", flight.handle.id, flight.walk, e.message)
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
         obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -300,7 +323,7 @@ async def _streamed(flight: Flight, reply: Reply, rid: str, model: str, body: Ch
                         if reply.finish is not None:
                             break
                 except RequestFailed as e:
-                    failed = e
+                    failed = None if after_the_reply(flight, e) else e
             if failed is None:
                 tail = reply.end()
                 if tail:

@@ -119,6 +119,13 @@ def interval_alias(role: WalkRole, extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def extra_fields(extra: Mapping[str, Any], sent: Mapping[str, Any]) -> dict[str, str]:
+    """The request field of each extra walk input: its own name, or `cfg_interval` for the
+    two inputs that alias set."""
+    alias = "cfg_interval" in sent
+    return {k: "cfg_interval" if alias and k in ("cfg_interval_start", "cfg_interval_end") else k for k in extra}
+
+
 def image_requests(state: ServerState, role: WalkRole, prompt: str, size: str | None, n: int,
                    extra: Mapping[str, Any], extra_fields: Mapping[str, str],
                    seed: int | None) -> list[tuple[dict[str, Any], dict[str, str]]]:
@@ -189,10 +196,9 @@ def _install_generations(app: FastAPI, state: ServerState, role: WalkRole) -> No
         check_model(state, body.model)
         if body.response_format == "url":
             raise bad_request(NO_URL, "response_format", "unsupported")
-        raw = interval_alias(role, dict(body.model_extra or {}))
-        extra = walk_extras(state, role.walk, raw, {role.text_input, "width", "height"})
-        fields = {k: ("cfg_interval" if k.startswith("cfg_interval_") and "cfg_interval" in (body.model_extra or {})
-                      else k) for k in extra}
+        raw = dict(body.model_extra or {})
+        extra = walk_extras(state, role.walk, interval_alias(role, raw), {role.text_input, "width", "height"})
+        fields = extra_fields(extra, raw)
         seed = extra.pop("seed", None)
         per = image_requests(state, role, body.prompt, body.size, body.n, extra, fields, seed)
         return await run_images(state, request, role, per)
@@ -237,10 +243,9 @@ def _install_edits(app: FastAPI, state: ServerState, role: WalkRole) -> None:
                 raw[name] = [_form_value(declared, v) for v in values]
             else:
                 raw[name] = _form_value(declared, values[0])
-        raw = interval_alias(role, raw)
-        extra = walk_extras(state, role.walk, raw, {role.text_input, image_input, "width", "height", "seed"})
-        fields = {k: ("cfg_interval" if k.startswith("cfg_interval_") and "cfg_interval" in form else k)
-                  for k in extra}
+        extra = walk_extras(state, role.walk, interval_alias(role, raw),
+                            {role.text_input, image_input, "width", "height", "seed"})
+        fields = extra_fields(extra, raw)
         extra[image_input], fields[image_input] = picture, "image"
         if mask is not None:
             if "mask" not in role.inputs:

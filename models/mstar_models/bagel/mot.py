@@ -18,9 +18,12 @@ Phases (models/bagel/bagel.walk, node `llm`; tags gen, cfg_text, cfg_img):
   prefill_vae(clean: f32[M, P], height, width) -> ()
                                             <vs> + M latents + <ve> at one position, mask full;
                                             latents = vae2llm(x) + time_embedder(0) + latent_pos_embed
-  start(temperature, max_length[, seed]) -> (token, done, image_start)
+  start(temperature, max_length[, seed]) -> (token, emitted, done, image_start)
                                             feeds <|im_start|> at the current position
-  decode(token) -> (token, done, image_start)
+  decode(token) -> (token, emitted, done, image_start)
+                                            `token` stays on the device (fed back); `emitted` is
+                                            the same id as a host item for the text stream (a
+                                            readback on a GPU: the tokenizer never waits on it)
   denoise(latent: f32[M, P], t, height, width) -> (velocity: f32[M, P])
                                             the latent block with time t against the cache, not
                                             kept; velocity = llm2vae(h) at the latents. M = 0: an
@@ -682,14 +685,15 @@ class MoTLanguageModel(KVNode):
             for i, limit in enumerate(limits):
                 out.append({
                     "token": tok32[i : i + 1],
+                    "emitted": Lazy(lambda i=i: torch.tensor(back.values()[i : i + 1], dtype=torch.int32)),
                     "done": True if limit else Lazy(lambda i=i: back.values()[i] in ends),
                     "image_start": Lazy(lambda i=i: back.values()[i] == self.vision_start),
                 })
             return out
         values = tokens.tolist()
         for i, (value, limit) in enumerate(zip(values, limits)):
-            out.append({"token": tok32[i : i + 1], "done": limit or value in ends,
-                        "image_start": value == self.vision_start})
+            out.append({"token": tok32[i : i + 1], "emitted": torch.tensor([value], dtype=torch.int32),
+                        "done": limit or value in ends, "image_start": value == self.vision_start})
         return out
 
     # ------------------------------------------------------------------ cohort
@@ -699,7 +703,8 @@ class MoTLanguageModel(KVNode):
         the reply's `base`, `max_new` and the sampling settings)."""
         if phase != "decode":
             return None
-        return CohortPhase(join=self._cohort_join, step=self._cohort_step, leave=lambda state, cols, steps: None)
+        return CohortPhase(join=self._cohort_join, step=self._cohort_step, leave=lambda state, cols, steps: None,
+                           max_items={"emitted": 1})
 
     def _cohort_join(self, state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
         gen = state.get("gen")
@@ -721,8 +726,9 @@ class MoTLanguageModel(KVNode):
         tokens = sample_columns(logits, sc)
         limit = (step + 1 >= c["max_new"]) | (b.positions + 1 >= self.max_seq_len)
         opens = tokens == self.vision_start
-        return {"token": tokens.to(torch.int32)[:, None], "done": limit | opens | (tokens == self.eos),
-                "image_start": opens}
+        tok32 = tokens.to(torch.int32)[:, None]
+        return {"token": tok32, "emitted": tok32, "emitted:count": torch.ones_like(tokens),
+                "done": limit | opens | (tokens == self.eos), "image_start": opens}
 
 
 __all__ = ["MoTLanguageModel", "sincos_2d", "timestep_features"]

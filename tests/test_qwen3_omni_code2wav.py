@@ -234,3 +234,36 @@ def test_loader_names_a_missing_tensor(plan: Plan, hf72: torch.nn.Module, tmp_pa
     node = Code2Wav(plan.node_spec("code2wav", device="cpu"))
     with pytest.raises(WeightsError, match=r"code2wav\.decoder\.6\.conv\.bias"):
         load_weights(node, plan, "code2wav", tmp_path)
+
+
+@pytest.mark.gpu
+def test_real_size_code2wav_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The released Code2Wav (models.md 2.2) on the GPU in fp32 (TF32 off): one decode equals
+    transformers', and 25-frame chunks with 25 frames of left context tile it (keep-last)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = tmp_path_factory.mktemp("qwen3_omni_real") / "real.plan"
+    assert mstarc(["compile", str(ROOT / "models/qwen3_omni/qwen3_omni.walk"), "--variant", "real",
+                   "-p", str(ROOT / "placements/h200x1.yaml"), "-o", str(out)]) == 0
+    plan = load_plan(out)
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    with torch.device(dev):
+        torch.manual_seed(0)
+        ref = hf_model.Qwen3OmniMoeCode2Wav(hf_config.Qwen3OmniMoeCode2WavConfig()).eval()
+    _randomize(ref, 0)
+    spec = plan.node_spec("code2wav", device=dev)
+    node = Code2Wav(dataclasses.replace(spec, dtype=torch.float32)).eval()  # the real plan computes in bf16
+    node.load_state_dict(ref.state_dict())
+    codes = torch.randint(0, 2048, (80, 16), generator=torch.Generator().manual_seed(0), dtype=torch.int32).to(dev)
+    with torch.no_grad():
+        full = node.run("decode", [{"codes": codes, "codes:context": 0}])[0]["pcm"]
+        want = ref(codes.T[None].long())[0, 0]
+        torch.testing.assert_close(full, want, atol=1e-4, rtol=0)
+        windows = stream_windows(codes, 25, 25)
+        parts = node.run("decode", [{"codes": c, "codes:context": ctx} for c, ctx in windows])
+    streamed = torch.cat([p["pcm"] for p in parts])
+    assert streamed.shape == full.shape == (1920 * 80 - 555,)
+    first = parts[0]["pcm"].numel() + parts[1]["pcm"].numel()  # windows from frame 0: exact
+    torch.testing.assert_close(streamed[:first], full[:first], atol=1e-4, rtol=0)

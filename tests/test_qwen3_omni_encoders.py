@@ -12,11 +12,13 @@ reads our nodes from that folder. Both sides run fp32; they differ in summation 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mstar_models.qwen3_omni.audio_encoder import AudioEncoder, encoded_length
 from mstar_models.qwen3_omni.vision_encoder import VisionEncoder
@@ -195,3 +197,52 @@ def test_bad_vision_inputs_are_request_errors(vision: VisionEncoder, pixels: tor
     with pytest.raises(RequestError) as err:
         vision.run("encode", [{"pixels": pixels, "grid": grid}])
     assert err.value.field == field
+
+
+# --------------------------------------------------------------------- GPU, real size
+@pytest.mark.gpu
+def test_real_size_encoders_equal_transformers_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The released audio / vision sizes (models.md 2.2) on the GPU: fp32 parity (TF32 off) with
+    transformers' default init, and the bf16 node close to the fp32 reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = tmp_path_factory.mktemp("qwen3_omni_real") / "real.plan"
+    assert mstarc(["compile", str(ROOT / "models/qwen3_omni/qwen3_omni.walk"), "--variant", "real",
+                   "-p", str(ROOT / "placements/h200x1.yaml"), "-o", str(out)]) == 0
+    plan = load_plan(out)
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    g = torch.Generator().manual_seed(0)
+    audio_cfg = hf_config.Qwen3OmniMoeAudioEncoderConfig(output_dim=2048)
+    vision_cfg = hf_config.Qwen3OmniMoeVisionEncoderConfig(out_hidden_size=2048)
+    with torch.device(dev):
+        torch.manual_seed(0)
+        tower = hf_model.Qwen3OmniMoeAudioEncoder(audio_cfg).eval()
+        visual = hf_model.Qwen3OmniMoeVisionEncoder(vision_cfg).eval()
+    mels = [torch.randn(128, f, generator=g) for f in (1234, 37)]
+    grids = [[1, 28, 36], [1, 8, 8]]
+    pixels = [torch.randn(t * h * w, 1536, generator=g) for t, h, w in grids]
+    for dtype, rtol in ((torch.float32, 1e-4), (torch.bfloat16, None)):
+        aud = AudioEncoder(dataclasses.replace(plan.node_spec("audio_enc", device=dev), dtype=dtype)).eval()
+        aud.load_state_dict(tower.state_dict())
+        vis = VisionEncoder(dataclasses.replace(plan.node_spec("vision_enc", device=dev), dtype=dtype)).eval()
+        vis.load_state_dict(visual.state_dict())
+        with torch.no_grad():
+            got_a = aud.run("encode", [{"mel": m.to(dev)} for m in mels])
+            got_v = vis.run("encode", [{"pixels": p.to(dev), "grid": torch.tensor([gr])} for p, gr in
+                                       zip(pixels, grids, strict=True)])
+            for m, o in zip(mels, got_a, strict=True):
+                ref = tower(input_features=m.to(dev), feature_lens=torch.tensor([m.shape[1]], device=dev))
+                _close(o["embeds"], ref.last_hidden_state, rtol)
+            ref_v = visual(torch.cat(pixels).to(dev), grid_thw=torch.tensor(grids, device=dev))
+            _close(torch.cat([o["embeds"] for o in got_v]), ref_v.pooler_output, rtol)
+            _close(torch.cat([o["deepstack"] for o in got_v], dim=1), torch.stack(ref_v.deepstack_features), rtol)
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, rtol: float | None) -> None:
+    if rtol is not None:
+        torch.testing.assert_close(got, ref, atol=rtol * float(ref.abs().max()), rtol=rtol)
+    else:  # bf16 against fp32: the same direction, per token
+        cos = F.cosine_similarity(got.float(), ref.float(), dim=-1)
+        assert float(cos.min()) > 0.99, float(cos.min())

@@ -10,6 +10,7 @@ the filter banks differ by ~1e-9, built in float64 by each side).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -169,7 +170,7 @@ def test_token_id_tables() -> None:
 
 def test_real_vocab_relabels_the_bundled_tokenizer(plan: Plan, ours: Processor) -> None:
     spec = plan.node_spec("proc", device="cpu")
-    real = Processor(type(spec)(**{**spec.__dict__, "config": {**spec.config, "vocab": 152064}}))
+    real = Processor(dataclasses.replace(spec, config={**spec.config, "vocab": 152064}))
     e = entry("Hi there", "Sys", np.zeros(4000, dtype=np.float32), None)
     tiny_ids = ours.run("build", [e])[0]["ids"].tolist()
     real_ids = real.run("build", [e])[0]["ids"].tolist()

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+from mstar_models.bagel import mot
 from mstar_models.bagel.mot import MoTLanguageModel, Route, sincos_2d, timestep_features
 from mstar_models.bagel.reference import ReferenceConfig, ReferenceContext, sincos_table, timestep_embedding
 from mstar_runtime.engine.cohort_engine import CohortColumns, CohortShape
@@ -35,6 +36,7 @@ from mstar_runtime.kv.attention import paged_attention
 from mstar_runtime.kv.block_manager import BlockManager
 from mstar_runtime.ops.node import NodeError, NodeSpec, RequestError
 from mstar_runtime.ops.readback import Lazy, resolve
+from mstar_runtime.ops.sampler import sample
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,9 +56,10 @@ PORTS = {"prefill_text": (), "prefill_vit": (), "prefill_vae": (), "start": ("to
 
 
 # ------------------------------------------------------------------------------ fixtures
-def make_spec(config: dict[str, Any] | None = None, **settings: Any) -> NodeSpec:
+def make_spec(config: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu", **settings: Any) -> NodeSpec:
     cfg = {**CONFIG, **(config or {})}
-    return NodeSpec("llm", "kv", cfg, {k: cfg[k] for k in ARCH}, settings, torch.float32, torch.device("cpu"))
+    return NodeSpec("llm", "kv", cfg, {k: cfg[k] for k in ARCH}, settings, dtype, torch.device(device))
 
 
 def randomize_(node: MoTLanguageModel, seed: int = 0) -> MoTLanguageModel:
@@ -80,8 +83,8 @@ def randomize_(node: MoTLanguageModel, seed: int = 0) -> MoTLanguageModel:
 
 
 def build(config: dict[str, Any] | None = None, weights: MoTLanguageModel | None = None,
-          **settings: Any) -> MoTLanguageModel:
-    node = MoTLanguageModel(make_spec(config, **settings))
+          dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", **settings: Any) -> MoTLanguageModel:
+    node = MoTLanguageModel(make_spec(config, dtype, device, **settings))
     if weights is None:
         return randomize_(node)
     node.load_state_dict(weights.state_dict(), strict=True)
@@ -94,20 +97,21 @@ def node() -> MoTLanguageModel:
 
 
 def reference(node: MoTLanguageModel) -> ReferenceContext:
-    cfg = ReferenceConfig(layers=CONFIG["layers"], heads=CONFIG["heads"], kv_heads=CONFIG["kv_heads"],
-                          head_dim=CONFIG["head_dim"], max_latent_size=CONFIG["max_latent_size"], bos_id=BOS,
-                          eos_id=EOS, vision_start_id=VS, vision_end_id=VE)
-    return ReferenceContext({k: v.clone() for k, v in node.state_dict().items()}, cfg)
+    c = node.spec.config
+    cfg = ReferenceConfig(layers=c["layers"], heads=c["heads"], kv_heads=c["kv_heads"], head_dim=c["head_dim"],
+                          max_latent_size=c["max_latent_size"], bos_id=BOS, eos_id=EOS, vision_start_id=VS,
+                          vision_end_id=VE)
+    return ReferenceContext({k: v.detach().float().cpu().clone() for k, v in node.state_dict().items()}, cfg)
 
 
 class Runner:
     """A node on a KVCacheEngine with a BlockManager reserving slots as the conductor does."""
 
     def __init__(self, node: MoTLanguageModel, backend: Callable[..., torch.Tensor] | None = None,
-                 ports: dict[str, tuple[str, ...]] | None = PORTS):
+                 ports: dict[str, tuple[str, ...]] | None = PORTS, graphs: dict[str, list[int]] | None = None):
         self.node = node
-        self.engine = KVCacheEngine(node, PAGES, PAGE, torch.float32, "cpu", output_ports=ports,
-                                    attention_backend=backend)
+        self.engine = KVCacheEngine(node, PAGES, PAGE, node.spec.dtype, node.spec.device, output_ports=ports,
+                                    attention_backend=backend, graphs=graphs)
         self.bm = BlockManager(PAGES, PAGE)
 
     def run(self, phase: str, items: list[tuple[str, str, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -556,3 +560,66 @@ def test_bad_inputs_are_request_errors(node: MoTLanguageModel) -> None:
         r2.one("start", "r", "gen", temperature=0.0, max_length=0)
     with pytest.raises(NodeError, match="shard"):
         MoTLanguageModel(dataclasses.replace(spec, tp_size=2))
+
+
+# ------------------------------------------------------------------------------------ GPU
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float().cpu(), b.float().cpu()
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.gpu
+def test_gpu_flashinfer_graphs_and_lazy_outputs_follow_the_reference(cuda: torch.device,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on the GPU, FlashInfer attention (causal, full and mixed batches), CUDA-graphed
+    decode steps and Lazy outputs, against the float32 CPU reference (head_dim 128, which
+    FlashInfer is compiled for). Teacher-forced with the reference's greedy tokens, so that a
+    bf16 near-tie cannot make the two sequences diverge."""
+    from mstar_runtime.kv.flashinfer_backend import select_backend
+
+    config = {"hidden": 512, "heads": 4, "kv_heads": 2, "head_dim": 128, "intermediate": 1024}
+    cpu = build(config)
+    gpu = MoTLanguageModel(make_spec(config, torch.bfloat16, cuda))
+    gpu.load_state_dict(cpu.state_dict(), strict=True)
+    gpu.eval().requires_grad_(False)
+    assert gpu.lazy_outputs
+    # the logits as the sampler gets them: outside the captured graph (a wrapped head would be
+    # called at capture only)
+    rows: list[torch.Tensor] = []
+
+    def recording(logits: torch.Tensor, *args: Any) -> torch.Tensor:
+        rows.append(logits.clone())
+        return sample(logits, *args)
+
+    monkeypatch.setattr(mot, "sample", recording)
+    r = Runner(gpu, backend=select_backend(cuda), graphs={"decode": [1, 2, 4]})
+    ref = {tag: reference(cpu) for tag in ("gen", "cfg_img")}
+    t1, vit, clean, t2 = text(80, 7), randn(81, 6, 512), randn(82, 4, 16), text(83, 5)
+    r.one("prefill_text", "r", "gen", text=t1.to(cuda))
+    r.one("prefill_vit", "r", "gen", vit=vit.to(cuda, torch.bfloat16))
+    r.one("prefill_vae", "r", "gen", clean=clean.to(cuda), height=32, width=32)
+    r.fork("r", "gen", "cfg_text")
+    r.one("prefill_text", "r", "gen", text=t2.to(cuda))
+    r.one("prefill_text", "r", "cfg_img", text=t2.to(cuda))
+    ref["gen"].text(t1)
+    ref["gen"].vit(vit.to(torch.bfloat16).float())
+    ref["gen"].vae(clean, 32, 32)
+    ref["cfg_text"] = ref["gen"].copy()
+    ref["gen"].text(t2)
+    ref["cfg_img"].text(t2)
+    latent = randn(84, 16, 16)
+    outs = r.run("denoise", [("r", tag, {"latent": latent.to(cuda), "t": 0.6, "height": 64, "width": 64})
+                             for tag in ("gen", "cfg_text", "cfg_img")])
+    for tag, out in zip(("gen", "cfg_text", "cfg_img"), outs):
+        err = rel(out["velocity"], ref[tag].velocity(latent, 0.6, 64, 64))
+        assert err < 3e-2, f"{tag}: velocity relative error {err:.2e}"
+    out = r.one("start", "r", "gen", temperature=0.0, max_length=50)
+    want = [ref["gen"].step(BOS)]
+    for _ in range(6):
+        assert resolve(out["done"]) in (False, True)
+        token = int(want[-1].argmax())
+        want.append(ref["gen"].step(token))
+        out = r.one("decode", "r", "gen", token=torch.tensor([token], dtype=torch.int32, device=cuda))
+    err = rel(torch.cat(rows), torch.stack(want))
+    assert err < 3e-2, f"logits relative error {err:.2e}"
+    assert "decode" in r.engine.graph_runners

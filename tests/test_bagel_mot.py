@@ -51,8 +51,9 @@ ARCH = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vo
         "max_latent_size", "timestep_dim")
 BOS, EOS, VS, VE = 296, 297, 298, 299
 PAGE, PAGES = 8, 96
-PORTS = {"prefill_text": (), "prefill_vit": (), "prefill_vae": (), "start": ("token", "done", "image_start"),
-         "decode": ("token", "done", "image_start"), "denoise": ("velocity",)}
+REPLY = ("token", "emitted", "done", "image_start")
+PORTS = {"prefill_text": (), "prefill_vit": (), "prefill_vae": (), "start": REPLY, "decode": REPLY,
+         "denoise": ("velocity",)}
 
 
 # ------------------------------------------------------------------------------ fixtures
@@ -219,6 +220,7 @@ def test_und_path_equals_hf_qwen3_on_text(node: MoTLanguageModel, monkeypatch: p
     tokens = [int(out["token"])]
     for _ in range(7):
         assert out["done"] is False and out["image_start"] is False
+        assert out["emitted"].device.type == "cpu" and out["emitted"].tolist() == out["token"].tolist()
         out = r.one("decode", "r", "gen", token=out["token"])
         tokens.append(int(out["token"]))
     # HF over the same tokens: the prompt, <|im_start|>, then the generated ones
@@ -424,10 +426,11 @@ def test_lazy_outputs_resolve_to_the_plain_values(node: MoTLanguageModel) -> Non
         replies[lazy] = _reply(Runner(n), 3, max_length=3)
     assert all(isinstance(o[k], Lazy) for o in replies[True][:2] for k in ("done", "image_start"))
     assert replies[True][2]["done"] is True  # a host limit is a plain value
-    values = {lazy: [(int(o["token"]), resolve(o["done"]), resolve(o["image_start"])) for o in outs]
-              for lazy, outs in replies.items()}
+    values = {lazy: [(int(o["token"]), resolve(o["emitted"]).tolist(), resolve(o["done"]), resolve(o["image_start"]))
+                     for o in outs] for lazy, outs in replies.items()}
     assert values[True] == values[False]
-    assert [v[1:] for v in values[False][:2]] == [(False, False), (True, True)]
+    assert [v[2:] for v in values[False][:2]] == [(False, False), (True, True)]
+    assert all(v[1] == [v[0]] for v in values[True])
 
 
 def test_sampling_is_seeded_and_batch_independent(node: MoTLanguageModel) -> None:
@@ -470,16 +473,16 @@ def test_cohort_decode_gives_the_generic_tokens(node: MoTLanguageModel) -> None:
 
     rids = ["a", "b", "c"]
     generic = Runner(node)
-    want: dict[str, list[tuple[int, bool, bool]]] = {}
+    want: dict[str, list[tuple[int, int, bool, bool]]] = {}
     for i, rid in enumerate(rids):
         out = setup(generic, rid, i)
         want[rid] = []
         for _ in range(steps):
             out = generic.one("decode", rid, "gen", token=out["token"])
-            want[rid].append((int(out["token"]), out["done"], out["image_start"]))
+            want[rid].append((int(out["token"]), int(out["emitted"]), out["done"], out["image_start"]))
 
     r = Runner(node)
-    shape = CohortShape("decode", (("token", "token"),), (), ("token", "done", "image_start"))
+    shape = CohortShape("decode", (("token", "token"),), (), REPLY)
     cohort = CohortColumns(r.engine.pool, node.cohort_phase("decode"), shape, 4, PAGES, torch.device("cpu"),
                            scale=None, node="llm", q_heads=CONFIG["heads"])
     for row, (i, rid) in enumerate(zip(range(3), rids)):
@@ -490,12 +493,13 @@ def test_cohort_decode_gives_the_generic_tokens(node: MoTLanguageModel) -> None:
         r.bm.set_length(key, r.bm.seq_len(key) - steps)
         cohort.join(row, r.engine.state(rid, "gen"), {"token": out["token"]}, {}, r.bm.page_table(key),
                     r.bm.seq_len(key))
-    got: dict[str, list[tuple[int, bool, bool]]] = {rid: [] for rid in rids}
+    got: dict[str, list[tuple[int, int, bool, bool]]] = {rid: [] for rid in rids}
     for _ in range(steps):
         arrays = cohort.step(3).arrays()
         for row, rid in enumerate(rids):
-            got[rid].append((int(arrays["token"][row, 0]), bool(arrays["done"][row, 0]),
-                             bool(arrays["image_start"][row, 0])))
+            assert int(arrays["emitted:count"][row, 0]) == 1
+            got[rid].append((int(arrays["token"][row, 0]), int(arrays["emitted"][row, 0]),
+                             bool(arrays["done"][row, 0]), bool(arrays["image_start"][row, 0])))
     assert got == want
 
 

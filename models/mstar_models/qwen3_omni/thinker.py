@@ -1,0 +1,394 @@
+"""Qwen3-Omni's thinker as a KV node: the 48-layer MoE text model with its encoders' outputs, lm_head, sampling.
+
+The math is transformers 5.24's `Qwen3OmniMoeThinkerForConditionalGeneration` step for step
+(`decoder.Decoder` layers with `moe.SparseMoE` MLPs, interleaved MRoPE from
+`positions.rope_index`, untied `lm_head`). Parameters carry the checkpoint's names under
+`thinker.` (`thinker.model.embed_tokens.weight`, `thinker.model.layers.{i}.*`,
+`thinker.model.norm.weight`, `thinker.lm_head.weight`).
+
+Prefill (models/qwen3_omni/qwen3_omni.walk, node `thinker`):
+- the token embeddings, with the audio encoder's rows (`audio` [Na, hidden]) put at the audio
+  placeholder positions and the vision encoder's merged rows (`image` [Nv, hidden]) at the
+  image placeholder positions, in order (HF's masked_scatter);
+- positions from `rope_index` over the prompt with the image grids (`grid` [K, 3]); each
+  audio's length is its placeholder count;
+- deepstack: `deepstack` [D, Nv, hidden] row d is added to the output of layer d at the
+  image positions (D <= layers);
+- the next token is sampled from the last position's logits.
+Decode feeds one token at KV index j with position j + delta in all three components.
+
+Speech phases also give what the talker reads (`talker.TalkerMoE`):
+- `states` [T, hidden]: per prompt position, the input embedding at text positions and, at
+  audio / image / video positions (`mm` [T]), the hidden state HF's `hidden_states` tuple holds
+  at index `accept_hidden_layer` (0 = the input embeddings, i = the output of layer i - 1
+  before that layer's deepstack addition, `layers` = the final-normed output);
+- `item` [1, hidden] at every step: the embedding of the token just sampled, or, on the step
+  that ends the text (`<|im_end|>` or the token limit), the embedding of `tts_eos` instead:
+  HF's talker never sees the last generated token (the thinker's returned hidden states stop
+  before it) and gets `tts_eos` after the last one it does see.
+
+Per-(request, tag) state (`attn.states[i]`), written by prefill: `sampling` (SamplingParams),
+`max_tokens`, `step` (tokens sampled so far: the sampler step of the next draw), `delta`
+(the MRoPE delta of the context). `done` is raised on `<|im_end|>`, at `max_tokens`, or when
+the context reaches the `max_seq_len` setting; it and the token's end-of-text check are
+`readback.Lazy`, so no step waits on the device. A decode after `done` (the runtime's
+speculative step) runs and its results are thrown away.
+
+Settings: `max_seq_len` (default 4096), `moe_kernel` (auto | grouped | padded | loop).
+Config (walk config or `arch` arguments; released values by default): `experts_per_token`
+(8), `norm_topk_prob` (true), `rope_theta` (1e6), `rms_eps` (1e-6), `mrope_section`
+([24, 20, 20] at head_dim 128, `positions.default_mrope_section`), `accept_hidden_layer` (24),
+and the token ids of `tokens.TokenIds`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from mstar_models.qwen3_omni.decoder import Decoder, seeded_init_
+from mstar_models.qwen3_omni.lm_common import (
+    config_value,
+    grids,
+    max_seq_len,
+    rows,
+    sampling_params,
+    scalar,
+    token_ids,
+)
+from mstar_models.qwen3_omni.moe import SparseMoE, Weight
+from mstar_models.qwen3_omni.positions import default_mrope_section, inv_freq, mrope_tables, rope_index
+from mstar_models.qwen3_omni.tokens import TokenIds
+from mstar_runtime.ops.node import (
+    AttentionContext,
+    Batch,
+    KVGeometry,
+    KVNode,
+    NodeError,
+    NodeSpec,
+    RequestError,
+    SeqPlan,
+)
+from mstar_runtime.ops.readback import Lazy, Readback, upload
+from mstar_runtime.ops.sampler import SamplingParams, sample
+
+PREFILLS = ("prefill", "prefill_speech")
+DECODES = ("decode", "decode_speech")
+
+
+@dataclass
+class _Prompt:
+    """One prefill entry, checked."""
+
+    ids: torch.Tensor  # [T] long, on the device
+    tokens: list[int]
+    audio: torch.Tensor  # [Na, hidden]
+    image: torch.Tensor  # [Nv, hidden]
+    deepstack: torch.Tensor  # [D, Nv, hidden]
+    positions: torch.Tensor  # [3, T] float32, from the context's start
+    delta: float
+    grids: list[tuple[int, int, int]]
+    params: SamplingParams
+    max_tokens: int
+
+
+class ThinkerMoE(KVNode):
+    """The thinker node; see the module docstring for its phases, state and settings."""
+
+    checkpoint_prefix: ClassVar[str] = "thinker."
+
+    def __init__(self, spec: NodeSpec):
+        super().__init__(spec)
+        if spec.tp_size != 1:
+            raise NodeError(f"node '{spec.name}' (ThinkerMoE) does not shard yet; place it with tp=1")
+        g = lambda name, *default: config_value(spec, name, *default)  # noqa: E731 - a local shorthand
+        self.vocab, self.hidden, self.layers = int(g("vocab")), int(g("hidden")), int(g("layers"))
+        self.heads, self.kv_heads, self.head_dim = int(g("heads")), int(g("kv_heads")), int(g("head_dim"))
+        if self.heads % self.kv_heads or self.head_dim % 2:
+            raise NodeError(f"node '{spec.name}': heads ({self.heads}) must be a multiple of kv_heads "
+                            f"({self.kv_heads}) and head_dim ({self.head_dim}) even")
+        self.section = [int(s) for s in g("mrope_section", default_mrope_section(self.head_dim))]
+        if len(self.section) != 3 or sum(self.section) != self.head_dim // 2:
+            raise NodeError(f"node '{spec.name}': mrope_section {self.section} must be 3 values summing to "
+                            f"head_dim / 2 = {self.head_dim // 2}")
+        self.tap = int(g("accept_hidden_layer", 24))
+        if not 0 <= self.tap <= self.layers:
+            raise NodeError(f"node '{spec.name}': accept_hidden_layer {self.tap} is not in [0, {self.layers}]")
+        self.tok = TokenIds.from_spec(spec)
+        # the talker's 3-D positions follow the talker config's time scale (the same in the release)
+        pps = config_value(spec, "talker_position_id_per_seconds", self.tok.position_id_per_seconds)
+        self.talker_tok = dataclasses.replace(self.tok, position_id_per_seconds=pps)
+        self.max_seq_len = max_seq_len(spec)
+        eps = float(g("rms_eps", 1e-6))
+        experts, inter = int(g("experts")), int(g("moe_intermediate"))
+        top_k, normalize = int(g("experts_per_token", 8)), bool(g("norm_topk_prob", True))
+        kernel = str(spec.settings.get("moe_kernel", "auto"))
+        factory: dict[str, Any] = {"dtype": spec.dtype, "device": spec.device}
+        self.model = Decoder(
+            self.layers, self.hidden, self.heads, self.kv_heads, self.head_dim, eps,
+            lambda i: SparseMoE(self.hidden, experts, inter, top_k, normalize, kernel=kernel, **factory), **factory,
+        )
+        self.model.embed_tokens = Weight(torch.empty(self.vocab, self.hidden, **factory))
+        self.lm_head = Weight(torch.empty(self.vocab, self.hidden, **factory))
+        seeded_init_(self, spec.name)
+        # float32 on the CPU, then moved, as HF computes it; not persistent: never a checkpoint tensor
+        self.register_buffer("freq", inv_freq(self.head_dim, float(g("rope_theta", 1e6))).to(spec.device),
+                             persistent=False)
+        self.attention_scale = self.head_dim**-0.5
+
+    # ------------------------------------------------------------------ contract
+    @property
+    def kv_geometry(self) -> KVGeometry:
+        return KVGeometry(self.layers, self.kv_heads, self.head_dim)
+
+    @classmethod
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+        if phase in PREFILLS:
+            shape = tuple(shapes.get("ids", ()))
+            if len(shape) != 1 or shape[0] < 1:
+                raise RequestError(f"ids must be a 1-D, non-empty token list, got shape {shape}", "ids")
+            if shape[0] > max_seq_len(spec):
+                raise RequestError(f"prompt of {shape[0]} tokens is longer than max_seq_len {max_seq_len(spec)}", "ids")
+            return SeqPlan(q_len=shape[0])
+        if phase in DECODES:
+            return SeqPlan(q_len=1)
+        raise NodeError(f"node '{spec.name}' (ThinkerMoE) has no phase '{phase}'")
+
+    # ------------------------------------------------------------------ phases
+    def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
+        return self._prefill(batch, attn, speech=False)
+
+    def phase_prefill_speech(self, batch: Batch, attn: AttentionContext) -> Batch:
+        return self._prefill(batch, attn, speech=True)
+
+    def phase_decode(self, batch: Batch, attn: AttentionContext) -> Batch:
+        return self._decode(batch, attn, speech=False)
+
+    def phase_decode_speech(self, batch: Batch, attn: AttentionContext) -> Batch:
+        return self._decode(batch, attn, speech=True)
+
+    # ------------------------------------------------------------------ math
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.model.embed_tokens.weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (computed in the weights' dtype, as HF does, then widened)."""
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of (t, h, w) positions [3, N]."""
+        return mrope_tables(positions, self.freq, self.section, self.model.embed_tokens.weight.dtype)
+
+    def forward_embeds(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionContext,
+        deepstack: list[tuple[torch.Tensor, torch.Tensor]] = (),  # type: ignore[assignment]
+        tap: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Packed input rows h [N, hidden] at positions [3, N] -> final-normed hidden [N, hidden].
+
+        `deepstack[d]` = (row index, rows) added after layer d; `tap` (a list) receives the
+        hidden state at index `accept_hidden_layer` of HF's hidden_states tuple."""
+        cos, sin = self.tables(positions)
+        if tap is not None and self.tap == 0:
+            tap.append(h)
+
+        def after(i: int, x: torch.Tensor) -> torch.Tensor:
+            if tap is not None and i + 1 == self.tap and self.tap < self.layers:
+                tap.append(x)  # before this layer's deepstack addition, as HF records it
+            if i < len(deepstack):
+                idx, add = deepstack[i]
+                x = x.index_add(0, idx, add)
+            return x
+
+        out = self.model.forward_layers(h, cos, sin, attn.attend, after)
+        if tap is not None and self.tap == self.layers:
+            tap.append(out)
+        return out
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill(self, batch: Batch, attn: AttentionContext, speech: bool) -> Batch:
+        # every entry is checked before any state changes: a RequestError makes the conductor
+        # rerun the entries one by one, which must find them as they were
+        prompts = [self._check_prefill(entry, seq.start, seq.q_len, seq.state, speech)
+                   for entry, seq in zip(batch, attn.seqs)]
+        dev = self.freq.device
+        h = self.embed(torch.cat([p.ids for p in prompts]))
+        audio_at: list[int] = []
+        image_at: list[int] = []
+        offset = 0
+        for p in prompts:
+            for i, t in enumerate(p.tokens):
+                if t == self.tok.audio_token_id:
+                    audio_at.append(offset + i)
+                elif t == self.tok.image_token_id:
+                    image_at.append(offset + i)
+            offset += len(p.tokens)
+        if audio_at:
+            h = h.index_copy(0, upload(audio_at, torch.long, dev), torch.cat([p.audio for p in prompts]))
+        image_idx = upload(image_at, torch.long, dev) if image_at else None
+        if image_idx is not None:
+            h = h.index_copy(0, image_idx, torch.cat([p.image for p in prompts]))
+        deep: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if image_idx is not None:
+            depth = max(p.deepstack.shape[0] for p in prompts)
+            for d in range(depth):
+                # an entry without images contributes no rows, whatever its deepstack's depth
+                parts = [p.deepstack[d] for p in prompts if p.image.shape[0]]
+                deep.append((image_idx, torch.cat(parts)))
+        positions = torch.cat([p.positions for p in prompts], dim=1).to(dev)
+        tap: list[torch.Tensor] | None = [] if speech else None
+        hidden = self.forward_embeds(h, positions, attn, deep, tap)
+        for p, seq in zip(prompts, attn.seqs, strict=True):
+            seq.state.clear()
+            seq.state.update(sampling=p.params, max_tokens=p.max_tokens, step=0, delta=p.delta)
+        out = self._next_tokens(self.logits(attn.last_rows(hidden)), attn, speech)
+        if speech:
+            assert tap is not None
+            for o, p, e, t in zip(out, prompts, attn.split(h), attn.split(tap[0])):
+                o.update(self._talker_prompt(p, e, t))
+        return out
+
+    def _check_prefill(
+        self, entry: Mapping[str, Any], start: int, q_len: int, state: Mapping[str, Any], speech: bool
+    ) -> _Prompt:
+        ids = token_ids(entry, "ids", self.vocab)
+        if ids.numel() != q_len:
+            raise NodeError(f"node '{self.spec.name}': prefill of {ids.numel()} tokens got {q_len} KV slots")
+        if start + q_len > self.max_seq_len:
+            raise RequestError(f"prompt of {q_len} tokens (context {start + q_len}) is longer than max_seq_len "
+                               f"{self.max_seq_len}", "ids")
+        tokens = ids.tolist()
+        dev, dt, hid = self.freq.device, self.model.embed_tokens.weight.dtype, self.hidden
+        audio, image = rows(entry, "audio", hid, dt, dev), rows(entry, "image", hid, dt, dev)
+        tok = self.tok
+        if tok.video_token_id in tokens:
+            raise RequestError("video placeholders in the prompt, but this node takes no video input", "ids")
+        n_audio, n_image = tokens.count(tok.audio_token_id), tokens.count(tok.image_token_id)
+        if n_audio != audio.shape[0]:
+            raise RequestError(f"the prompt has {n_audio} audio placeholders but the audio encoder gave "
+                               f"{audio.shape[0]} rows", "audio")
+        if n_image != image.shape[0]:
+            raise RequestError(f"the prompt has {n_image} image placeholders but the vision encoder gave "
+                               f"{image.shape[0]} rows", "image")
+        image_grids = grids(entry, "grid")
+        merged = sum(t * h * w // tok.vis_merge**2 for t, h, w in image_grids)
+        if merged != n_image:
+            raise RequestError(f"the image grids {image_grids} give {merged} merged patches; the prompt has "
+                               f"{n_image} image placeholders", "grid")
+        deep = entry.get("deepstack")
+        if not isinstance(deep, torch.Tensor) or deep.numel() == 0:
+            deep = torch.zeros(0, n_image, hid, dtype=dt, device=dev)
+        elif deep.dim() != 3 or deep.shape[1:] != (n_image, hid) or deep.shape[0] > self.layers:
+            raise RequestError(f"deepstack must be [D <= {self.layers}, {n_image}, {hid}], got {list(deep.shape)}",
+                               "deepstack")
+        positions, delta = rope_index(tokens, tok, image_grids)
+        if start:  # a prompt that continues a context: its positions continue the context's
+            if "delta" not in state:
+                raise RequestError("a prefill that continues a context the thinker never prefilled", "ids")
+            base = start + float(state["delta"])
+            positions, delta = positions + base, delta + float(state["delta"])
+        max_tokens = scalar(entry, "max_tokens", int)
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+        params = sampling_params(entry)
+        if speech:
+            self._check_speech(tokens)
+        return _Prompt(ids.to(device=dev, dtype=torch.long), tokens, audio, image, deep.to(device=dev, dtype=dt),
+                       positions, delta, image_grids, params, max_tokens)
+
+    def _check_speech(self, tokens: list[int]) -> None:
+        tok, n = self.tok, len(tokens)
+        if n < 3 or tokens[n - 3] != tok.im_start_token_id or tokens[n - 2] != tok.assistant_token_id:
+            raise RequestError("a speech prompt must end with the assistant header <|im_start|>assistant\\n", "ids")
+        for name in ("tts_pad_token_id", "tts_bos_token_id", "tts_eos_token_id"):
+            if not 0 <= getattr(tok, name) < self.vocab:
+                raise NodeError(f"node '{self.spec.name}': {name} {getattr(tok, name)} is outside the vocab "
+                                f"({self.vocab}); set it in the walk's config")
+
+    def _talker_prompt(self, p: _Prompt, embeds: torch.Tensor, tapped: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the talker's prefill reads (HF `generate`'s `_get_talker_user_parts` / `_assistant_parts`).
+
+        `states` [S, hidden]: the rows of the talker prompt's text stream before its projection:
+        every position of the user turns (the span from `<|im_start|>` of a user turn up to the
+        next `<|im_start|>`), as the input embedding or, at multimodal positions, the tapped
+        hidden state; then the assistant header `<|im_start|>assistant\n`, four `tts_pad` and
+        one `tts_bos` embedding (S = user positions + 8). `mm` [S] says which rows are tapped
+        states. `positions` [3, S]: the talker's own positions, `rope_index` over the user ids
+        followed by nine `tts_pad` (the ninth is its first decode step)."""
+        tok, tokens = self.tok, p.tokens
+        n = len(tokens)
+        head = n - 3
+        user: list[int] = []
+        role_at = 0  # HF clamps "the last <|im_start|> so far" to position 0 before the first one
+        for i, t in enumerate(tokens):
+            if t == tok.im_start_token_id:
+                role_at = i
+            if tokens[min(role_at + 1, n - 1)] == tok.user_token_id:
+                user.append(i)
+        dev = embeds.device
+        mm = torch.tensor([tokens[i] in tok.multimodal for i in user] + [False] * 8)
+        at = upload(user, torch.long, dev)
+        mm_user = mm[: len(user)].to(dev)[:, None]
+        user_rows = torch.where(mm_user, tapped.index_select(0, at), embeds.index_select(0, at))
+        extra = self.embed(upload([tok.tts_pad_token_id] * 4 + [tok.tts_bos_token_id], torch.long, dev))
+        states = torch.cat([user_rows, embeds[head:], extra])
+        talker_ids = [tokens[i] for i in user] + [tok.tts_pad_token_id] * 9
+        positions, _ = rope_index(talker_ids, self.talker_tok, p.grids)
+        return {"states": states, "mm": mm, "positions": positions[:, :-1].to(dev)}
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, batch: Batch, attn: AttentionContext, speech: bool) -> Batch:
+        for entry, seq in zip(batch, attn.seqs, strict=True):
+            token = entry.get("token")
+            if not isinstance(token, torch.Tensor) or tuple(token.shape) != (1,):
+                shape = tuple(token.shape) if isinstance(token, torch.Tensor) else type(token).__name__
+                raise RequestError(f"token must be a tensor of shape [1], got {shape}", "token")
+            if "sampling" not in seq.state:
+                raise RequestError("decode on a KV context that was never prefilled", "token")
+        dev = self.freq.device
+        ids = torch.cat([entry["token"] for entry in batch]).to(device=dev, dtype=torch.long)
+        pos = upload([s.start + float(s.state["delta"]) for s in attn.seqs], torch.float32, dev)
+
+        def step(i: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+            return self.logits(self.forward_embeds(self.embed(i), p[None, :].expand(3, -1), attn))
+
+        return self._next_tokens(attn.run_graphed(step, ids, pos), attn, speech)
+
+    # ------------------------------------------------------------------ sampling
+    def _next_tokens(self, logits: torch.Tensor, attn: AttentionContext, speech: bool) -> Batch:
+        """Sample one token per entry (one sampler call); `done` and the end-of-text check are lazy."""
+        states = attn.states
+        tokens = sample(logits, [st["sampling"] for st in states], [None] * len(states), [st["step"] for st in states])
+        back = Readback(tokens)
+        eos = self.tok.im_end_token_id
+        limits = []
+        for st, seq in zip(states, attn.seqs):
+            st["step"] += 1
+            limits.append(st["step"] >= st["max_tokens"] or seq.start + seq.q_len >= self.max_seq_len)
+        tok32 = tokens.to(torch.int32)
+        items = self._items(tokens, limits) if speech else None
+        out: Batch = []
+        for i, limit in enumerate(limits):
+            o: dict[str, Any] = {
+                "token": tok32[i : i + 1],
+                "done": True if limit else Lazy(lambda i=i: back.values()[i] == eos),
+            }
+            if items is not None:
+                o["item"] = items[i : i + 1]
+            out.append(o)
+        return out
+
+    def _items(self, tokens: torch.Tensor, limits: list[bool]) -> torch.Tensor:
+        """The talker's text item of each entry: the new token's embedding, or tts_eos's on the last step."""
+        tts_eos = self.tok.tts_eos_token_id  # in the vocab: checked by the speech prefill
+        last = (tokens == self.tok.im_end_token_id) | upload(limits, torch.bool, tokens.device)
+        eos_row = self.model.embed_tokens.weight[tts_eos][None, :]
+        return torch.where(last[:, None], eos_row, self.embed(tokens))

@@ -1,0 +1,390 @@
+"""Qwen3-Omni's language models as KV nodes (thinker, talker, code predictor): parity with transformers 5.24.
+
+The reference is `Qwen3OmniMoeForConditionalGeneration` built from a tiny config at the walk's
+tiny sizes (tests/qwen3_omni_lm_support.py), with randomized weights written by
+`save_pretrained` (the checkpoint's per-expert names) and read back by our loader through the
+compiled tiny plan. The audio and vision encoder outputs our thinker takes are HF's own
+(`get_audio_features` / `get_image_features`): the encoders are other nodes.
+
+Tolerances: float32 on the CPU, logits `rtol=1e-5, atol=2e-5` (|logits| ~ 5 here; summation
+orders differ between paged attention and SDPA, grouped GEMMs and HF's expert loop); token and
+code choices are compared exactly (the weights give gaps far above that noise).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from qwen3_omni_lm_support import NEWLINE, TINY_IDS, Harness, compile_plan, hf_model, node_spec
+
+from mstar_models.qwen3_omni.code_predictor import CodePredictor
+from mstar_models.qwen3_omni.positions import rope_index
+from mstar_models.qwen3_omni.talker import TalkerMoE
+from mstar_models.qwen3_omni.thinker import ThinkerMoE
+from mstar_models.qwen3_omni.tokens import TokenIds
+from mstar_runtime.ops.node import RequestError
+from mstar_runtime.plan.loader import Plan
+from mstar_runtime.weights import load_weights
+
+pytest.importorskip("transformers")
+
+RTOL, ATOL = 1e-5, 2e-5
+I = TINY_IDS
+TOK = TokenIds.tiny()
+THINKER = {"prefill": ("token", "done"), "decode": ("token", "done"),
+           "prefill_speech": ("token", "done", "item", "states", "mm", "positions"),
+           "decode_speech": ("token", "done", "item")}
+TALKER = {"prefill": (), "decode": ("code", "context", "done"), "decode_pad": ("code", "context", "done"),
+          "feed": ()}
+PREDICTOR = {"step": ("code", "inputs"), "finish": ("frame", "feedback")}
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
+CLASSES = {"thinker": ThinkerMoE, "talker": TalkerMoE, "code_predictor": CodePredictor}
+
+
+# ------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def hf() -> Any:
+    return hf_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(hf: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("qwen3_omni_ckpt")
+    hf.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
+    return compile_plan(tmp_path_factory.mktemp("qwen3_omni_plan") / "tiny.plan")
+
+
+def load(plan: Plan, checkpoint: Path, name: str, **settings: Any) -> Any:
+    node = CLASSES[name](node_spec(plan, name, **settings)).eval()
+    load_weights(node, plan, name, str(checkpoint))
+    return node
+
+
+@pytest.fixture(scope="module")
+def encoded(hf: Any) -> dict[str, torch.Tensor]:
+    """One audio clip (100 mel frames: 13 tokens) and one image (grid 1 x 4 x 6: 6 tokens), HF-encoded."""
+    gen = torch.Generator().manual_seed(5)
+    feats, fmask = torch.randn(1, 128, 100, generator=gen), torch.ones(1, 100, dtype=torch.long)
+    grid, pixels = torch.tensor([[1, 4, 6]]), torch.randn(24, 1536, generator=gen)
+    with torch.no_grad():
+        audio = hf.thinker.model.get_audio_features(feats, fmask, return_dict=True).last_hidden_state
+        vis = hf.thinker.model.get_image_features(pixels, grid, return_dict=True)
+    return {"feats": feats, "fmask": fmask, "grid": grid, "pixels": pixels, "audio": audio,
+            "image": torch.cat(vis.pooler_output), "deepstack": torch.stack([torch.cat(f) for f in vis.deepstack_features])}
+
+
+def chat(*turns: tuple[str, list[int]], audio: int = 0, image: int = 0) -> torch.Tensor:
+    """A chat-template prompt: turns (role, text ids), the first user turn holding the audio and
+    image placeholders, ending with the assistant header."""
+    ids: list[int] = []
+    media = True
+    for role, text in turns:
+        ids += [I["im_start_token_id"], I[f"{role}_token_id"], NEWLINE]
+        if role == "user" and media:
+            if audio:
+                ids += [I["audio_start_token_id"]] + [I["audio_token_id"]] * audio + [I["audio_end_token_id"]]
+            if image:
+                ids += [I["vision_start_token_id"]] + [I["image_token_id"]] * image + [I["vision_end_token_id"]]
+            media = False
+        ids += text + [I["im_end_token_id"], NEWLINE]
+    return torch.tensor(ids + [I["im_start_token_id"], I["assistant_token_id"], NEWLINE], dtype=torch.int32)
+
+
+def text_prompt(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 470, (n,), generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+
+
+def generate(run: Harness, rid: str, inputs: dict[str, Any], steps: int, speech: bool = False) -> list[dict[str, Any]]:
+    suffix = "_speech" if speech else ""
+    outs = run.step("prefill" + suffix, [(rid, {**GREEDY, "max_tokens": 64, **inputs})])
+    while len(outs) <= steps:
+        outs += run.step("decode" + suffix, [(rid, {"token": outs[-1]["token"]})])
+    return outs
+
+
+def tokens_of(outs: list[dict[str, Any]]) -> list[int]:
+    return [int(o["token"]) for o in outs]
+
+
+# ------------------------------------------------------------------------------ names
+def test_token_ids_agree_with_the_processor() -> None:
+    from mstar_models.qwen3_omni import processor
+
+    for real, table in ((TokenIds(), processor.REAL_IDS), (TokenIds.tiny(), processor.TINY_IDS)):
+        for name, value in vars(table).items():
+            if name != "endoftext":
+                assert getattr(real, f"{name}_token_id") == value, name
+
+
+def test_parameters_carry_the_checkpoint_names(plan: Plan, checkpoint: Path) -> None:
+    for name, cls in CLASSES.items():
+        node = cls(node_spec(plan, name))
+        ours = {cls.checkpoint_prefix + k: tuple(v.shape) for k, v in node.state_dict().items()}
+        arch = {t.name: tuple(t.shape) for t in plan.node(name).arch.tensors}
+        assert ours == arch, name
+    # the constructor's own weights (the `init` source) are deterministic
+    a, b = ThinkerMoE(node_spec(plan, "thinker")), ThinkerMoE(node_spec(plan, "thinker"))
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    # loading fills the fused expert buffers in place
+    node = load(plan, checkpoint, "thinker")
+    mlp = node.model.layers[1].mlp
+    assert mlp.experts[3].down_proj.weight.data_ptr() == mlp.down[3].data_ptr()
+    assert not torch.equal(mlp.down[3], a.model.layers[1].mlp.down[3])
+
+
+# ------------------------------------------------------------------------------ thinker, text
+def test_thinker_logits_match_hf(plan: Plan, checkpoint: Path, hf: Any) -> None:
+    run = Harness(load(plan, checkpoint, "thinker"), THINKER)
+    prompt = text_prompt(13, seed=2)  # 13 tokens over pages of 4: a partial last page
+    outs = generate(run, "a", {"ids": prompt}, steps=6)
+    fed = torch.cat([prompt.long()] + [o["token"].long() for o in outs[:-1]])
+    with torch.no_grad():
+        ref = hf.thinker(input_ids=fed[None], attention_mask=torch.ones(1, len(fed), dtype=torch.long)).logits[0]
+    ours = torch.cat(run.logits)
+    torch.testing.assert_close(ours, ref[len(prompt) - 1 :], rtol=RTOL, atol=ATOL)
+    assert tokens_of(outs) == ref[len(prompt) - 1 :].argmax(-1).tolist()
+
+
+def test_thinker_greedy_tokens_equal_hf_generate(plan: Plan, checkpoint: Path, hf: Any) -> None:
+    prompt = text_prompt(9, seed=3)
+    outs = generate(Harness(load(plan, checkpoint, "thinker"), THINKER, watch=None), "a",
+                    {"ids": prompt, "max_tokens": 10}, steps=9)
+    with torch.no_grad():
+        ref = hf.thinker.generate(prompt.long()[None], max_new_tokens=10, do_sample=False,
+                                  attention_mask=torch.ones(1, 9, dtype=torch.long))
+    assert tokens_of(outs) == ref[0, 9:].tolist()
+    # done on <|im_end|> (HF's generate here has no eos), and when max_tokens is reached on the 10th
+    eos = [t == I["im_end_token_id"] for t in tokens_of(outs)]
+    assert [o["done"] for o in outs] == eos[:9] + [True]
+
+
+# ------------------------------------------------------------------------------ positions
+def _hf_rope(hf: Any, ids: list[int], **kw: Any) -> tuple[torch.Tensor, float]:
+    t = torch.tensor(ids)[None]
+    pos, delta = hf.thinker.get_rope_index(t, attention_mask=torch.ones_like(t), **kw)
+    return pos[:, 0], float(delta)
+
+
+def test_positions_equal_hf_get_rope_index(hf: Any) -> None:
+    # text, audio (250 mel frames: 33 tokens), an image 1 x 4 x 6 (6 tokens), text, a second
+    # image 2 x 2 x 4 (4 tokens over 2 temporal patches), text
+    vs, ve, a0, a1 = I["vision_start_token_id"], I["vision_end_token_id"], I["audio_start_token_id"], I["audio_end_token_id"]
+    ids = ([1, 2, 3, a0] + [I["audio_token_id"]] * 33 + [a1, vs] + [I["image_token_id"]] * 6 + [ve, 4, 5, vs]
+           + [I["image_token_id"]] * 4 + [ve, 6])
+    grids = [(1, 4, 6), (2, 2, 4)]
+    ref, ref_delta = _hf_rope(hf, ids, image_grid_thw=torch.tensor(grids), audio_seqlens=torch.tensor([250]))
+    ours, delta = rope_index(ids, TOK, grids)
+    assert torch.equal(ours, ref) and delta == ref_delta
+    assert not torch.equal(ours[0], ours[1]) and delta != 0  # 3-D: rows and columns, time scaled by 13
+    # a video with its audio track, at a fractional 0.7 s per temporal patch: patches and audio
+    # interleaved by time; then a plain video
+    v = I["video_token_id"]
+    ids = ([1, vs, a0] + [v] * 8 + [I["audio_token_id"]] * 13 + [a1, ve, 2, vs] + [v] * 4 + [ve, 3])
+    kw = dict(video_grid_thw=torch.tensor([[2, 4, 4], [1, 4, 4]]), use_audio_in_video=True,
+              audio_seqlens=torch.tensor([100]), second_per_grids=torch.tensor([0.7, 2.0]))
+    # use_audio_in_video applies to every video of the prompt in HF: the plain one is counted
+    # as a video only if it has an audio start after its vision start, so give each its own call
+    ref, ref_delta = _hf_rope(hf, ids[: ids.index(2)], **{**kw, "video_grid_thw": torch.tensor([[2, 4, 4]]),
+                                                         "second_per_grids": torch.tensor([0.7])})
+    ours, delta = rope_index(ids[: ids.index(2)], TOK, video_grids=[(2, 4, 4)], video_seconds=[0.7],
+                             use_audio_in_video=True)
+    assert torch.equal(ours, ref) and delta == ref_delta
+    assert not torch.equal(ours[1], torch.sort(ours[1]).values)  # interleaved: rows jump between patch and audio
+    tail = ids[ids.index(2) - 1 :]
+    ref, ref_delta = _hf_rope(hf, tail, video_grid_thw=torch.tensor([[1, 4, 4]]),
+                              second_per_grids=torch.tensor([2.0]))
+    ours, delta = rope_index(tail, TOK, video_grids=[(1, 4, 4)], video_seconds=[2.0])
+    assert torch.equal(ours, ref) and delta == ref_delta
+    # no grids: 1-D positions even with audio, as HF
+    ids = [1, a0] + [I["audio_token_id"]] * 13 + [a1, 2]
+    ref, ref_delta = _hf_rope(hf, ids, audio_seqlens=torch.tensor([100]))
+    ours, delta = rope_index(ids, TOK)
+    assert torch.equal(ours, ref) and delta == ref_delta == 0.0
+    with pytest.raises(RequestError, match="grid"):
+        rope_index([vs] + [I["image_token_id"]] * 6 + [ve], TOK, [(1, 4, 6), (1, 2, 2)])
+
+
+# ------------------------------------------------------------------------------ thinker, multimodal
+def test_thinker_with_audio_image_and_deepstack_matches_hf(plan: Plan, checkpoint: Path, hf: Any,
+                                                          encoded: dict[str, torch.Tensor]) -> None:
+    e = encoded
+    prompt = chat(("system", [40, 41]), ("user", [50, 51]), audio=13, image=6)
+    run = Harness(load(plan, checkpoint, "thinker"), THINKER)
+    inputs = {"ids": prompt, "audio": e["audio"], "image": e["image"], "deepstack": e["deepstack"], "grid": e["grid"]}
+    outs = generate(run, "a", inputs, steps=4)
+    with torch.no_grad():
+        # HF's own decode loop (its positions after a multimodal prompt come from the rope deltas)
+        gen = hf.thinker.generate(
+            input_ids=prompt.long()[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            input_features=e["feats"], feature_attention_mask=e["fmask"], pixel_values=e["pixels"],
+            image_grid_thw=e["grid"], max_new_tokens=5, do_sample=False, output_logits=True,
+            return_dict_in_generate=True)
+        # without the deepstack additions the answer differs (so the comparison can fail)
+        plain = Harness(load(plan, checkpoint, "thinker"), THINKER)
+        generate(plain, "a", {**inputs, "deepstack": None}, steps=0)
+    ref = torch.cat(gen.logits)
+    torch.testing.assert_close(torch.cat(run.logits), ref, rtol=RTOL, atol=ATOL)
+    assert tokens_of(outs) == gen.sequences[0, len(prompt) :].tolist()
+    assert not torch.allclose(plain.logits[0], ref[:1], rtol=1e-3, atol=1e-3)
+
+
+def test_thinker_batch_equals_each_request_alone(plan: Plan, checkpoint: Path,
+                                                 encoded: dict[str, torch.Tensor]) -> None:
+    e = encoded
+    requests = {
+        "a": {"ids": text_prompt(5, seed=4)},
+        "b": {"ids": chat(("user", [50]), audio=13, image=6), "audio": e["audio"], "image": e["image"],
+              "deepstack": e["deepstack"], "grid": e["grid"]},
+        "c": {"ids": text_prompt(11, seed=6), "temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 7},
+    }
+    node = load(plan, checkpoint, "thinker")
+    alone = {}
+    for rid, inputs in requests.items():
+        run = Harness(node, THINKER)
+        outs = generate(run, rid, inputs, steps=4)
+        alone[rid] = (tokens_of(outs), torch.cat(run.logits))
+    run = Harness(node, THINKER)
+    got = {r: [o] for r, o in zip("ab", run.step("prefill", [(r, {**GREEDY, "max_tokens": 64, **requests[r]})
+                                                            for r in "ab"]))}
+    logits = {r: [run.logits[-1][i : i + 1]] for i, r in enumerate("ab")}
+    while any(len(got.get(r, [])) <= 4 for r in requests):
+        if len(got["a"]) == 2 and "c" not in got:  # c's prefill beside a's and b's decodes
+            got["c"] = run.step("prefill", [("c", {**GREEDY, "max_tokens": 64, **requests["c"]})])
+            logits["c"] = [run.logits[-1]]
+        live = [r for r in got if len(got[r]) <= 4]
+        for i, (r, out) in enumerate(zip(live, run.step("decode", [(r, {"token": got[r][-1]["token"]})
+                                                                   for r in live]))):
+            got[r].append(out)
+            logits[r].append(run.logits[-1][i : i + 1])
+    for rid in requests:
+        assert tokens_of(got[rid]) == alone[rid][0], rid
+        torch.testing.assert_close(torch.cat(logits[rid]), alone[rid][1], rtol=RTOL, atol=ATOL)
+
+
+# ------------------------------------------------------------------------------ speech
+def speak(nodes: dict[str, Any], prompts: dict[str, dict[str, Any]], text_tokens: int, frames: int,
+          **talker: Any) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+    """Thinker -> talker -> code predictor for a batch of requests, each step batched across them."""
+    th, tk = Harness(nodes["thinker"], THINKER, watch=None), Harness(nodes["talker"], TALKER, watch=None)
+    cp = Harness(nodes["code_predictor"], PREDICTOR, watch=None)
+    rids = list(prompts)
+    pre = th.step("prefill_speech", [(r, {**GREEDY, "max_tokens": text_tokens, **prompts[r]}) for r in rids])
+    text = {r: [int(o["token"])] for r, o in zip(rids, pre)}
+    items = {r: [o["item"]] for r, o in zip(rids, pre)}
+    last = dict(zip(rids, pre))
+    while not all(last[r]["done"] for r in rids):
+        live = [r for r in rids if not last[r]["done"]]
+        for r, o in zip(live, th.step("decode_speech", [(r, {"token": last[r]["token"]}) for r in live])):
+            text[r].append(int(o["token"]))
+            items[r].append(o["item"])
+            last[r] = o
+    settings = {"speaker": "ethan", "do_sample": False, "temperature": 0.9, "top_k": 50, "top_p": 1.0,
+                "repetition_penalty": 1.05, "max_frames": frames, "seed": 0, **talker}
+    tk.step("prefill", [(r, {"states": o["states"], "mm": o["mm"], "positions": o["positions"], **settings})
+                        for r, o in zip(rids, pre)])
+    codes: dict[str, list[torch.Tensor]] = {r: [] for r in rids}
+    for f in range(frames):
+        texted = [r for r in rids if f < len(items[r])]
+        padded = [r for r in rids if f >= len(items[r])]
+        outs = dict(zip(texted, tk.step("decode", [(r, {"text": items[r][f]}) for r in texted]) if texted else []))
+        outs.update(zip(padded, tk.step("decode_pad", [(r, {}) for r in padded]) if padded else []))
+        ctx = {r: outs[r]["context"] for r in rids}
+        residual: dict[str, list[torch.Tensor]] = {r: [] for r in rids}
+        for g in range(3):
+            step = cp.step("step", [(r, {"inputs": ctx[r], "group": g, "do_sample": settings["do_sample"], "seed": 3})
+                                    for r in rids])
+            for r, o in zip(rids, step):
+                residual[r].append(o["code"])
+                ctx[r] = o["inputs"]
+        fin = cp.step("finish", [(r, {"code0": outs[r]["code"], "residual": torch.cat(residual[r])}) for r in rids])
+        for r, o in zip(rids, fin):
+            codes[r].append(o["frame"])
+        tk.step("feed", [(r, {"feedback": o["feedback"]}) for r, o in zip(rids, fin)])
+    return text, {r: torch.cat(c).T for r, c in codes.items()}
+
+
+@pytest.fixture(scope="module")
+def lm_nodes(plan: Plan, checkpoint: Path) -> dict[str, Any]:
+    return {name: load(plan, checkpoint, name) for name in CLASSES}
+
+
+def test_speech_codes_equal_hf_generate(lm_nodes: dict[str, Any], hf: Any, encoded: dict[str, torch.Tensor]) -> None:
+    """Greedy end to end: the thinker's text, the talker prompt from the user turns (an image,
+    so the talker's positions are 3-D and its prompt reads the thinker's layer tap), the talker's
+    layer-0 codes and the code predictor's residual codes, against `generate(return_audio=True)`."""
+    e = encoded
+    prompt = chat(("system", [40, 41]), ("user", [50, 51]), ("assistant", [60, 61]), ("user", [70, 71, 72]),
+                  image=6)
+    text_tokens, frames = 6, 8
+    captured: dict[str, torch.Tensor] = {}
+    decode = hf.code2wav.chunked_decode
+
+    def capture(codes: torch.Tensor, **kw: Any) -> torch.Tensor:
+        captured["codes"] = codes.clone()
+        return torch.zeros(1, 1, 1)  # the vocoder is another node's test
+
+    hf.code2wav.chunked_decode = capture
+    try:
+        with torch.no_grad():
+            seqs, _ = hf.generate(
+                input_ids=prompt.long()[None], pixel_values=e["pixels"], image_grid_thw=e["grid"],
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long), speaker="ethan", return_audio=True,
+                thinker_max_new_tokens=text_tokens, thinker_do_sample=False, thinker_eos_token_id=I["im_end_token_id"],
+                talker_do_sample=False, talker_max_new_tokens=frames)
+    finally:
+        hf.code2wav.chunked_decode = decode
+    text, codes = speak(lm_nodes, {"r": {"ids": prompt, "image": e["image"], "deepstack": e["deepstack"],
+                                         "grid": e["grid"]}}, text_tokens, frames)
+    assert text["r"] == seqs[0, len(prompt) :].tolist()
+    ref = captured["codes"][0]  # [code groups, frames]: HF has no codes for its last talker token
+    assert ref.shape == (4, frames - 1)
+    assert torch.equal(codes["r"][:, : frames - 1].long(), ref)
+
+
+def test_speech_batch_equals_each_request_alone(lm_nodes: dict[str, Any], encoded: dict[str, torch.Tensor]) -> None:
+    e = encoded
+    prompts = {
+        "a": {"ids": chat(("user", [70, 71])), "max_tokens": 3},
+        "b": {"ids": chat(("system", [40]), ("user", [50, 51]), image=6), "image": e["image"],
+              "deepstack": e["deepstack"], "grid": e["grid"]},
+    }
+    together = speak(lm_nodes, prompts, 5, 6, do_sample=True, seed=11)
+    for rid in prompts:
+        alone = speak(lm_nodes, {rid: prompts[rid]}, 5, 6, do_sample=True, seed=11)
+        assert together[0][rid] == alone[0][rid], rid
+        assert torch.equal(together[1][rid], alone[1][rid]), rid
+    assert not torch.equal(together[1]["a"], together[1]["b"])
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_bad_inputs_fail_the_request_with_a_clear_error(plan: Plan, lm_nodes: dict[str, Any],
+                                                        encoded: dict[str, torch.Tensor]) -> None:
+    th = Harness(lm_nodes["thinker"], THINKER, watch=None)
+    with pytest.raises(RequestError, match="audio placeholders"):
+        th.step("prefill", [("a", {**GREEDY, "max_tokens": 4, "ids": chat(("user", [1]), audio=13)})])
+    with pytest.raises(RequestError, match="assistant header"):
+        th.step("prefill_speech", [("b", {**GREEDY, "max_tokens": 4, "ids": text_prompt(6, seed=1)})])
+    with pytest.raises(RequestError, match="never prefilled"):
+        th.step("decode", [("c", {"token": torch.tensor([3], dtype=torch.int32)})])
+    with pytest.raises(RequestError, match="must lie in"):
+        th.step("prefill", [("d", {**GREEDY, "max_tokens": 4, "ids": torch.tensor([1, 999])})])
+    with pytest.raises(RequestError, match="grid"):
+        th.step("prefill", [("g", {**GREEDY, "max_tokens": 4, "ids": chat(("user", [1]), image=6),
+                                   "image": encoded["image"], "grid": torch.tensor([[1, 4, 4]])})])
+    cp = Harness(lm_nodes["code_predictor"], PREDICTOR, watch=None)
+    with pytest.raises(RequestError, match="in order"):
+        cp.step("step", [("e", {"inputs": torch.zeros(1, 32), "group": 1, "do_sample": False})])
+    tk = Harness(lm_nodes["talker"], TALKER, watch=None)
+    with pytest.raises(RequestError, match="speaker"):
+        tk.step("prefill", [("f", {"states": torch.zeros(9, 64), "mm": torch.zeros(9, dtype=torch.bool),
+                                   "positions": torch.zeros(3, 9), "speaker": "nobody", "do_sample": False,
+                                   "temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0,
+                                   "max_frames": 4})])

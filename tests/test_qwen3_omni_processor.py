@@ -247,3 +247,17 @@ def test_bad_inputs_are_request_errors(ours: Processor, values: dict[str, Any], 
     with pytest.raises(RequestError) as err:
         ours.run("build", [e])
     assert err.value.field == field
+
+
+def test_config_token_ids_relabel_the_bundled_tokenizer(plan: Plan, ours: Processor) -> None:
+    # the thinker's config names (mstar_models.qwen3_omni.tokens); 500 is <|file_sep|>'s and 7 a byte's: they swap
+    spec = plan.node_spec("proc", device="cpu")
+    node = Processor(dataclasses.replace(spec, config={**spec.config, "audio_token_id": 500, "user_token_id": 7}))
+    assert (node.ids.audio, node.ids.user) == (500, 7)
+    e = entry("Hi there", "", np.zeros(4000, dtype=np.float32), None)
+    base, moved = ours.run("build", [e])[0]["ids"].tolist(), node.run("build", [e])[0]["ids"].tolist()
+    swap = {TINY_IDS.audio: 500, TINY_IDS.user: 7}
+    assert moved == [swap.get(t, t) for t in base] and moved.count(500) == 4
+    assert node.run("detokenize", [{"token": torch.tensor(moved)}])[0]["piece"] == "user\nHi there\nassistant\n"
+    with pytest.raises(NodeError, match="distinct"):
+        Processor(dataclasses.replace(spec, config={**spec.config, "audio_token_id": TINY_IDS.image}))

@@ -31,9 +31,10 @@ merge, temporal patch, mel bins). Node settings of the same names override both.
 Tokenizer: the checkpoint's `tokenizer.json`, else its `vocab.json` + `merges.txt` (+ the
 added tokens of `tokenizer_config.json`) in Qwen2's shape; without a checkpoint, the bundled
 `tokenizer_tiny.json` (tools/make_qwen3_omni_tiny_tokenizer.py: Qwen's shape, 512 ids, Qwen's
-33 added tokens at 479..511). When the model's vocabulary is real-sized, the bundled
-tokenizer's added tokens and role words are relabelled to Qwen's ids, so that every node
-agrees with `token_ids(vocab)`, the id table the thinker and talker use.
+33 added tokens at 479..511). Token ids: `token_ids(vocab)` (Qwen's when the vocabulary holds
+them, else the bundled tokenizer's, `TINY_IDS`), overridden by model-config values under the
+thinker's names (`audio_token_id`, `user_token_id`, ...); the bundled tokenizer is relabelled
+to those ids, and a checkpoint's tokenizer must agree with them (else NodeError).
 
 The node holds no parameters or buffers, so the server copies it to count prompt tokens and
 render text (mstar_runtime/serve/text.py).
@@ -126,6 +127,8 @@ TOKEN_NAMES = {"endoftext": "<|endoftext|>", "im_start": "<|im_start|>", "im_end
                "video": "<|video_pad|>", "audio_start": "<|audio_start|>", "audio_end": "<|audio_end|>",
                "tts_pad": "<tts_pad>", "tts_bos": "<tts_text_bos>", "tts_eos": "<tts_text_eod>",
                "audio": "<|audio_pad|>", "system": "system", "user": "user", "assistant": "assistant"}
+# the model-config names of these ids (the thinker's and talker's, mstar_models.qwen3_omni.tokens)
+CONFIG_KEYS = {f: f"{f}_token_id" for f in TOKEN_NAMES if f != "endoftext"}
 
 
 def token_ids(vocab: int) -> TokenIds:
@@ -253,19 +256,53 @@ def _read_tokenizer(path: Path) -> Tokenizer:
         raise NodeError(f"cannot read tokenizer '{path}': {e}") from None
 
 
-def bundled_tokenizer(vocab: int) -> Tokenizer:
-    """tokenizer_tiny.json, relabelled to Qwen's ids when `token_ids(vocab)` is the real table."""
-    ids = token_ids(vocab)
-    if ids is TINY_IDS:
+def bundled_tokenizer(vocab: int, ids: TokenIds | None = None) -> Tokenizer:
+    """tokenizer_tiny.json, relabelled to Qwen's ids when `token_ids(vocab)` is the real table, then to
+    `ids` (a token whose id another one takes swaps ids with it, so the vocabulary stays one-to-one)."""
+    base = token_ids(vocab)
+    ids = ids or base
+    if base is TINY_IDS and ids == TINY_IDS:
         return _read_tokenizer(BUNDLED_TOKENIZER)
     spec = json.loads(BUNDLED_TOKENIZER.read_text(encoding="utf-8"))
-    table = spec["model"]["vocab"]
+    id_of: dict[str, int] = dict(spec["model"]["vocab"])  # the added tokens are in it too
+    if base is REAL_IDS:
+        for added in spec["added_tokens"]:
+            id_of[added["content"]] += TINY_OFFSET
+        for role in TINY_ROLES:
+            id_of[role] = getattr(REAL_IDS, role)
+    token_at = {i: t for t, i in id_of.items()}
+    for field, name in TOKEN_NAMES.items():
+        old, new = id_of[name], getattr(ids, field)
+        if old == new:
+            continue
+        other = token_at.pop(new, None)
+        id_of[name], token_at[new] = new, name
+        if other is not None:
+            id_of[other], token_at[old] = old, other
+        else:
+            del token_at[old]
+    spec["model"]["vocab"] = id_of
     for added in spec["added_tokens"]:
-        added["id"] += TINY_OFFSET
-        table[added["content"]] = added["id"]
-    for role in TINY_ROLES:
-        table[role] = getattr(REAL_IDS, role)
+        added["id"] = id_of[added["content"]]
     return Tokenizer.from_str(json.dumps(spec))
+
+
+def configured_ids(spec: NodeSpec, vocab: int) -> TokenIds:
+    """`token_ids(vocab)` with the ids the model config (or the node's arch line) sets under the
+    thinker's names (`audio_token_id`, `user_token_id`, ...: mstar_models.qwen3_omni.tokens)."""
+    values = dict(token_ids(vocab).__dict__)
+    for field in values:
+        key = CONFIG_KEYS.get(field)
+        for source in (spec.arch_args, spec.config):
+            if key is not None and key in source:
+                values[field] = int(source[key])
+                break
+    bad = {k: v for k, v in values.items() if not 0 <= v < vocab}
+    if bad:
+        raise ValueError(f"token ids {bad} lie outside the vocabulary of {vocab}")
+    if len(set(values.values())) != len(values):
+        raise ValueError(f"token ids must be distinct, got {values}")
+    return TokenIds(**values)
 
 
 def qwen2_tokenizer(folder: Path) -> Tokenizer:
@@ -343,12 +380,12 @@ class Processor(StatelessNode):
         super().__init__(spec)
         vocab = int(spec.config.get("vocab", REAL_IDS.audio + 1))
         try:
-            self.ids = token_ids(vocab)
+            self.ids = configured_ids(spec, vocab)
         except ValueError as e:
             raise NodeError(f"node '{spec.name}': {e}") from None
         self.vocab = vocab
         self.n_window = int(spec.config.get("audio_n_window", N_WINDOW))
-        self.tokenizer = bundled_tokenizer(vocab)
+        self.tokenizer = bundled_tokenizer(vocab, self.ids)
         self.template_source = BUNDLED_TEMPLATE
         self.template = compile_template(BUNDLED_TEMPLATE)
         self._set_features(_config_features(spec))

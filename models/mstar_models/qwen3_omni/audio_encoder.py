@@ -67,6 +67,34 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> tor
     return torch.cat([torch.sin(scaled), torch.cos(scaled)], dim=1)
 
 
+@dataclass
+class Segments:
+    """Packed tokens [N, H, hd] <-> padded attention segments [S, H, L, hd] (block-diagonal attention
+    as one SDPA call: a segment's queries see its own keys only)."""
+
+    slots: torch.Tensor  # [N] flat slot (segment * L + position) of each token
+    key_mask: torch.Tensor  # [S, 1, 1, L] True where a key is a real token
+    count: int
+    width: int
+
+    @classmethod
+    def of(cls, lengths: list[int], device: torch.device) -> Segments:
+        width = max(lengths)
+        slots = [w * width + j for w, n in enumerate(lengths) for j in range(n)]
+        mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+        return cls(torch.tensor(slots, dtype=torch.long, device=device), mask[:, None, None, :].to(device),
+                   len(lengths), width)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """[N, H, hd] -> [S, H, L, hd], zeros in the padding."""
+        out = t.new_zeros(self.count * self.width, *t.shape[1:]).index_copy_(0, self.slots, t)
+        return out.view(self.count, self.width, *t.shape[1:]).transpose(1, 2)
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        """[S, H, L, hd] -> [N, H, hd]."""
+        return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]).index_select(0, self.slots)
+
+
 class AudioAttention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
@@ -96,34 +124,6 @@ class AudioEncoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, segments: Segments) -> torch.Tensor:
         x = x + self.self_attn(self.self_attn_layer_norm(x), segments)
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
-
-
-@dataclass
-class Segments:
-    """Packed tokens [N, H, hd] <-> padded attention segments [S, H, L, hd] (block-diagonal attention
-    as one SDPA call: a segment's queries see its own keys only)."""
-
-    slots: torch.Tensor  # [N] flat slot (segment * L + position) of each token
-    key_mask: torch.Tensor  # [S, 1, 1, L] True where a key is a real token
-    count: int
-    width: int
-
-    @classmethod
-    def of(cls, lengths: list[int], device: torch.device) -> Segments:
-        width = max(lengths)
-        slots = [w * width + j for w, n in enumerate(lengths) for j in range(n)]
-        mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
-        return cls(torch.tensor(slots, dtype=torch.long, device=device), mask[:, None, None, :].to(device),
-                   len(lengths), width)
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """[N, H, hd] -> [S, H, L, hd], zeros in the padding."""
-        out = t.new_zeros(self.count * self.width, *t.shape[1:]).index_copy_(0, self.slots, t)
-        return out.view(self.count, self.width, *t.shape[1:]).transpose(1, 2)
-
-    def unpack(self, t: torch.Tensor) -> torch.Tensor:
-        """[S, H, L, hd] -> [N, H, hd]."""
-        return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]).index_select(0, self.slots)
 
 
 class AudioEncoder(StatelessNode):

@@ -174,11 +174,20 @@ class Features:
         return replace(self, **out)
 
 
-def _config_features(spec: NodeSpec) -> Features:
+def _features(spec: NodeSpec, checkpoint: Mapping[str, Any] | None = None) -> Features:
+    """Defaults, then the model config, then a checkpoint's preprocessor_config.json, then node settings;
+    the patch and mel sizes must still be what the encoders take."""
     cfg = spec.config
     f = Features().updated({"feature_size": cfg.get("mel_bins"), "patch_size": cfg.get("vis_patch"),
                             "merge_size": cfg.get("vis_merge"), "temporal_patch_size": cfg.get("vis_temporal_patch")})
-    return f.updated(spec.settings)
+    f = f.updated(checkpoint or {}).updated(spec.settings)
+    want = {"feature_size": cfg.get("mel_bins"), "patch_size": cfg.get("vis_patch"), "merge_size": cfg.get("vis_merge"),
+            "temporal_patch_size": cfg.get("vis_temporal_patch")}
+    for name, value in want.items():
+        if value is not None and getattr(f, name) != value:
+            raise NodeError(f"node '{spec.name}': preprocessing {name} is {getattr(f, name)}, but the model's "
+                            f"encoders take {value}")
+    return f
 
 
 # ------------------------------------------------------------------------------ mel
@@ -388,7 +397,7 @@ class Processor(StatelessNode):
         self.tokenizer = bundled_tokenizer(vocab, self.ids)
         self.template_source = BUNDLED_TEMPLATE
         self.template = compile_template(BUNDLED_TEMPLATE)
-        self._set_features(_config_features(spec))
+        self._set_features(_features(spec))
 
     def _set_features(self, features: Features) -> None:
         self.features = features
@@ -412,7 +421,7 @@ class Processor(StatelessNode):
                 values = json.loads(pre.read_text(encoding="utf-8"))
             except (OSError, ValueError) as e:
                 raise NodeError(f"cannot read '{pre}': {e}") from None
-            self._set_features(Features().updated(values).updated(self.spec.settings))
+            self._set_features(_features(self.spec, values))
 
     def _use_tokenizer(self, tok: Tokenizer, folder: Path) -> None:
         for field, name in TOKEN_NAMES.items():

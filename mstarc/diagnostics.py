@@ -47,6 +47,7 @@ CODES: dict[str, str] = {
     "E034": "value used before it is bound",
     "E035": "value flows between nodes without an edge",
     "E036": "walk output never produced",
+    "E037": "value never used (warning)",
     # control structure (E04x)
     "E040": "loop without a bound",
     "E041": "dynamic loop without a stop flag",

@@ -1,11 +1,13 @@
-"""The graph IR: an elaborated model (one config variant) as nodes, edges and walk region trees.
+"""The IR: an elaborated model (one config variant) as nodes, edges and walk region trees.
 
-`mstarc.lower` builds a `ModelIR` from the AST; every pass in `mstarc.passes` is a pure
-function `ModelIR -> ModelIR` that fills one of the result fields at the bottom of `ModelIR`
-(via `dataclasses.replace`, never by mutation). The node/edge topology is also available as
-a networkx `MultiDiGraph` (`ModelIR.graph()`), which the passes use for reachability and
-ordering. Region trees mirror the walk primitives: `Seq`, `Parallel`, `Loop` (fixed or
-dynamic), `OnStream`, and the leaf statements `Call`, `Emit`, `Acc`, `Fork`.
+`mstarc.lower` builds a `ModelIR` from the AST, with its networkx graph (`ModelIR.graph`, a
+`mstarc.graph.GraphIR`: the topology and every walk's dataflow); every pass in
+`mstarc.passes` is a pure function `ModelIR -> ModelIR` that fills one of the result fields
+at the bottom of `ModelIR` and, where it changes the graph, gives it a new one (via
+`dataclasses.replace`, never by mutation). Cycles, reachability, values that cross ranks and
+step orders come from the graph; the dataclasses below are what its vertices carry. Region
+trees mirror the walk primitives: `Seq`, `Parallel`, `Loop` (fixed or dynamic), `OnStream`,
+and the leaf statements `Call`, `Emit`, `Acc`, `Fork`.
 """
 
 from __future__ import annotations
@@ -14,12 +16,11 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import networkx as nx
-
 from mstarc.diagnostics import Span
 
 if TYPE_CHECKING:
     from mstarc.archs import ArchSpec
+    from mstarc.graph import GraphIR
 
 ConfigValue = int | float | str | bool | list
 
@@ -286,6 +287,8 @@ class ModelIR:
     transitions: tuple[TransitionIR, ...]
     checkpoint: CheckpointIR = field(default_factory=lambda: CheckpointIR("none"))
     span: Span = field(default=_NO_SPAN, compare=False)
+    # the topology and the walks' dataflow (mstarc.graph); built by lower, transformed by place
+    graph: GraphIR | None = field(default=None, compare=False, repr=False)
     # ---- filled by passes (None until the pass ran) ----
     verified: bool = False
     warnings: tuple = ()  # Diagnostic warnings found by verify (printed, never fatal)
@@ -295,15 +298,6 @@ class ModelIR:
     stream_buffers: Any = None  # tuple[mstarc.passes.streams.StreamBufferIR, ...]
     cuda_graphs: Any = None  # tuple[mstarc.passes.cuda_graphs.GraphCaptureIR, ...]
     schedule: Any = None  # dict[walk, step program (JSON-ready dict)]
-
-    def graph(self) -> nx.MultiDiGraph:
-        """The node/edge topology; nodes carry `ir=NodeIR`, edges are keyed by `EdgeIR.id`."""
-        g = nx.MultiDiGraph()
-        for name in sorted(self.nodes):
-            g.add_node(name, ir=self.nodes[name])
-        for e in self.edges:
-            g.add_edge(e.src_node, e.dst_node, key=e.id, ir=e)
-        return g
 
     def edge(self, edge_id: str) -> EdgeIR | None:
         """The first edge with this id (an index built once per ModelIR, not a search)."""

@@ -3,7 +3,8 @@
 Requires: a parsed `ast.Model`.
 Ensures:  every config expression, node setting, `arch` argument, port dim, walk default and
           chunk-policy parameter is a value; each node's `ArchSpec` is computed; walk bodies
-          are region trees with stable step ids. Names are *not* checked across the model
+          are region trees with stable step ids; `graph` is the model's networkx graph
+          (mstarc/graph.py: topology and every walk's dataflow). Names are *not* checked across the model
           here: that is the `verify` pass's job, so lowering keeps unresolved names as `Var`s.
 Fails when: a variant is unknown, a config value cannot be evaluated, a type is malformed,
           an architecture is unknown or rejects its arguments, a chunk policy is malformed,
@@ -12,10 +13,11 @@ Fails when: a variant is unknown, a config value cannot be evaluated, a type is 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 
-from mstarc import archs, ast
+from mstarc import archs, ast, graph
 from mstarc import ir as I
 from mstarc.config import CheckpointConfig, EvalError, ValueBudget, evaluate, resolve_variant
 from mstarc.diagnostics import DiagnosticSink, Span
@@ -39,9 +41,10 @@ def lower(model: ast.Model, variant: str, source: str, weights: Path | None = No
     walks = lw.walks(model.walks)
     transitions = lw.transitions(model.transitions)
     sink.check()
-    return I.ModelIR(name=model.name.name, variant=variant, source=source, config=dict(config or {}),
-                     nodes=nodes, edges=edges, walks=walks, transitions=transitions,
-                     checkpoint=checkpoint or I.CheckpointIR("none"), span=model.span)
+    out = I.ModelIR(name=model.name.name, variant=variant, source=source, config=dict(config or {}),
+                    nodes=nodes, edges=edges, walks=walks, transitions=transitions,
+                    checkpoint=checkpoint or I.CheckpointIR("none"), span=model.span)
+    return dataclasses.replace(out, graph=graph.build(out))
 
 
 class _Lowerer:

@@ -2,7 +2,8 @@
 
 `PIPELINE` is the order of the design brief. Each entry's CLI name is the pass's kebab-case
 name; `place` is the only pass with an option (the placement). A pass that raises anything
-but a user `CompileError` is reported as an internal error that names it.
+but a user `CompileError` is reported as an internal error that names it. `--print-after
+PASS` prints the IR field the pass filled, then the IR graph (`mstarc.graph.dump`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from mstarc import graph
 from mstarc import ir as I
 from mstarc.diagnostics import CompileError, InternalError
 from mstarc.passes.cuda_graphs import cuda_graphs
@@ -57,6 +59,7 @@ def run(model: I.ModelIR, placement: Any = None, *, until: str = "schedule", ver
                 raise InternalError(name, "IR verification failed after it: " + "; ".join(problems))
         if name in print_after:
             out.write(f"// ---- IR after {name} ----\n{dump_field(model, name)}\n")
+            out.write(f"// ---- graph after {name} ----\n{graph.dump(model.graph)}\n")
     if time_passes:
         total = sum(t for _, t in timings)
         out.write("pass            time (ms)\n")

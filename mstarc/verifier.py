@@ -7,13 +7,46 @@ Each check only looks at the fields that have been filled so far.
 
 from __future__ import annotations
 
+import networkx as nx
+
 from mstar_runtime.plan.planfile import iter_ops
 from mstarc import ir as I
 
 
+def check_graph(model: I.ModelIR) -> list[str]:
+    """The graph's invariants: a vertex per call; without the reads of the previous loop
+    iteration and of KV contexts the dataflow is acyclic once verified; after `place` no
+    read crosses ranks except through a transfer vertex, one per listed transfer."""
+    g = model.graph
+    if g is None:
+        return ["the IR has no graph"]
+    flow, errs = g.flow, []
+    for walk in model.walks.values():
+        for c in I.walk_calls(walk):
+            if c.id not in flow or flow.nodes[c.id]["kind"] != "call":
+                errs.append(f"call {c.id} has no vertex in the graph")
+    if model.verified:
+        forward = nx.DiGraph((u, v) for u, v, d in flow.edges(data=True) if d["kind"] in ("contains", "def") or (
+            d["kind"] == "use" and not d["back"] and d["vkind"] in ("value", "stream")
+            and flow.nodes[u]["walk"] == flow.nodes[v]["walk"]))
+        if not nx.is_directed_acyclic_graph(forward):
+            errs.append(f"the dataflow has a cycle: {nx.find_cycle(forward)}")
+    pl = model.placement
+    if pl is not None:
+        for u, v, _, _ in g.uses():
+            src = pl.call_ranks.get(flow.nodes[u]["origin"])
+            dst = pl.call_ranks.get(v, (0,)) if flow.nodes[v]["kind"] == "call" else (0,)
+            if src is not None and not set(src) & set(dst):
+                errs.append(f"{u} reaches {v} across ranks {src} -> {dst} without a transfer")
+        n = sum(1 for _, d in flow.nodes(data=True) if d["kind"] == "transfer")
+        if n != len(pl.transfers):
+            errs.append(f"the graph has {n} transfer vertices, the placement lists {len(pl.transfers)} transfers")
+    return errs
+
+
 def check_ir(model: I.ModelIR) -> list[str]:
     """Every violated invariant, as a sentence. Empty when the IR is well formed."""
-    errs: list[str] = []
+    errs: list[str] = check_graph(model)
     call_ids: list[str] = []
     for walk in model.walks.values():
         for c in I.walk_calls(walk):

@@ -6,7 +6,10 @@ Ensures:  `model.placement` is a `PlacementIR`: the ranks' devices; per node its
           per rank every node instance resident there (`resident`: where its calls
           run, every rank of its own entry, and its default rank if no walk calls it);
           and every value or KV context that a step on one rank hands to a step on
-          another (`transfers`).
+          another (`transfers`). The graph (`model.graph.flow`) gets the same
+          transfers as vertices: a use edge whose value lives on ranks that do not hold
+          its reader becomes value -> transfer -> reader (kind "transfer", one vertex per
+          destination rank, id `<walk>.tN`), and every call vertex its `ranks`.
           Resolution order for a call: the innermost mapped (walk, branch), else the
           (walk, node) override, else the node's first TP group. Unplaced nodes go to
           `default_rank`, or with `spread` largest weights first onto the least-loaded
@@ -17,7 +20,8 @@ Fails when: a rank is out of range (E051); an override names a group whose size 
           a node the walk never calls (E053); it names an unknown walk or branch (E054).
           Each diagnostic points at the YAML value; all are collected.
 
-Transfers: a value counts as defined by the call that binds it (a value accumulated with
+Transfers are read off the graph's use edges (mstarc/graph.py), in their discovery order:
+a value counts as defined by the call that binds it (a value accumulated with
 `acc` in a loop, by the call that bound the accumulated value). A use is a call argument,
 a stream chunk (the streaming edge's producer calls are its definitions), or one of the
 conductor's reads, which happen beside rank 0 (`CONDUCTOR_RANK`): an `emit` (consumer
@@ -42,11 +46,11 @@ from typing import Any
 
 from mstarc import ir as I
 from mstarc.diagnostics import DiagnosticSink, Span
+from mstarc.graph import GraphIR
 from mstarc.placement import SPREAD, NodePlacement, PlacementSpec, RankGroup
 
 CONDUCTOR_RANK = 0
 _NO_SPAN = Span.unknown()
-_Defs = frozenset[str]  # step ids whose result may reach a use
 
 
 @dataclass(frozen=True)
@@ -126,35 +130,56 @@ def place(model: I.ModelIR, spec: PlacementSpec) -> I.ModelIR:
         node_over = p.node_overrides(walk, wp.nodes if wp else {}, node_tp)
         branch_over = p.branch_overrides(walk, wp.branches if wp else {})
         resolver = _CallResolver(walk, node_ranks, node_tp, node_over, branch_over, sink)
-        resolver.seq(walk.body, None)
+        resolver.run(model.graph)
         call_ranks.update(resolver.call_ranks)
     sink.check()
     resident = _resident(model, node_ranks, call_ranks, set(section.nodes), [r.rank for r in ranks])
-    return dataclasses.replace(model, placement=PlacementIR(
+    transfers, graph = _transfers(model.graph, call_ranks)
+    return dataclasses.replace(model, graph=graph, placement=PlacementIR(
         spec.name, ranks, spec.kv_memory_fraction, spec.page_size, spec.max_batch, node_ranks, node_tp,
-        call_ranks, resident, _transfers(model, call_ranks), tp_spans))
+        call_ranks, resident, transfers, tp_spans))
 
 
-def _transfers(model: I.ModelIR, call_ranks: dict[str, tuple[int, ...]]) -> tuple[TransferIR, ...]:
-    """Every walk's transfers, walks in source order, each in discovery order."""
-    # KV contexts a transition keeps (chat -> t2i keep llm@gen) enter the target walk where
-    # the source walk left them: one transition deep, from each walk's own final state.
-    finals = {w: _Flow(model, walk, call_ranks).run({})[1] for w, walk in model.walks.items()}
-    into: dict[str, list[I.TransitionIR]] = {}  # target walk -> its transitions, in file order
-    for t in model.transitions:
-        into.setdefault(t.dst, []).append(t)
-    out: list[TransferIR] = []
-    for walk in model.walks.values():
-        entry: dict[str, _Defs] = {}
-        for t in into.get(walk.name, ()):
-            if t.src in finals:
-                for k in t.keep:
-                    defs = finals[t.src].get(f"{k.node}@{k.tag}")
-                    if defs:
-                        key = f"{k.node}@{k.as_tag}"
-                        entry[key] = entry.get(key, frozenset()) | defs
-        out.extend(_Flow(model, walk, call_ranks).run(entry)[0])
-    return tuple(out)
+def _transfers(graph: GraphIR, call_ranks: dict[str, tuple[int, ...]]) -> tuple[tuple[TransferIR, ...], GraphIR]:
+    """Every use edge whose value lives on ranks that do not hold its reader becomes a path
+    value -> transfer vertex -> reader (one transfer per destination rank), in the graph's
+    discovery order: walks in source order, each walk's reads as reaching definitions found
+    them. A reader on some of the value's ranks keeps its direct edge too."""
+    flow = graph.flow.copy()
+    found: dict[TransferIR, list[tuple[str, str, str, dict]]] = {}  # an ordered set, with the edges it splits
+    split: list[tuple[str, str, str]] = []
+    for u, v, k, d in graph.uses():
+        value = flow.nodes[u]
+        src = call_ranks.get(value["origin"])
+        if src is None:  # a walk input: the conductor has it
+            continue
+        reader = flow.nodes[v]
+        dst = call_ranks[v] if reader["kind"] == "call" else (CONDUCTOR_RANK,)
+        local = False
+        for r in dst:
+            if r in src:
+                local = True
+                continue
+            t = TransferIR(reader["walk"], value["name"], src[0], r, value["origin"], d["consumer"], d["vkind"])
+            found.setdefault(t, []).append((u, v, k, d))
+        if not local:
+            split.append((u, v, k))
+    count: dict[str, int] = {}
+    for t, edges in found.items():
+        count[t.walk] = count.get(t.walk, 0) + 1
+        tid = f"{t.walk}.t{count[t.walk]}"
+        flow.add_node(tid, kind="transfer", walk=t.walk, ir=t, value=t.value, vkind=t.kind, src=t.src_rank,
+                      dst=t.dst_rank)
+        for u, v, k, d in edges:
+            if not flow.has_edge(u, tid, "transfer"):
+                flow.add_edge(u, tid, key="transfer", kind="transfer", value=u, back=d["back"], vkind=d["vkind"])
+            flow.add_edge(tid, v, key=k, kind="transfer", value=u, back=d["back"], vkind=d["vkind"])
+    for u, v, k in split:
+        flow.remove_edge(u, v, k)
+    for cid, ranks in call_ranks.items():
+        if cid in flow:
+            flow.nodes[cid]["ranks"] = ranks
+    return tuple(found), graph.with_flow(flow)
 
 
 def _resident(model: I.ModelIR, node_ranks: dict[str, tuple[int, ...]],
@@ -283,18 +308,21 @@ class _CallResolver:
         self.call_ranks: dict[str, tuple[int, ...]] = {}
         self.reported: set[tuple[str, str]] = set()
 
-    def seq(self, seq: I.Seq, branch: tuple[str, RankGroup] | None) -> None:
-        for r in seq.body:
-            if isinstance(r, I.Call):
-                self.call(r, branch)
-            elif isinstance(r, I.Parallel):
-                for b in r.branches:
-                    mapped = self.branch_over.get(b.name)
-                    self.seq(b.body, (b.name, mapped) if mapped is not None else branch)
-            elif isinstance(r, I.Loop | I.OnStream):
-                self.seq(r.body, branch)
-            elif isinstance(r, I.Seq):
-                self.seq(r, branch)
+    def run(self, graph: GraphIR) -> None:
+        flow = graph.flow
+        for v in graph.walk_vertices(self.walk.name):
+            d = flow.nodes[v]
+            if d["kind"] != "call":
+                continue
+            branch: tuple[str, RankGroup] | None = None
+            up = d["parent"]
+            while up is not None and self.branch_over:  # the innermost enclosing branch the placement maps
+                ud = flow.nodes[up]
+                if ud["kind"] == "branch" and ud["ir"].name in self.branch_over:
+                    branch = (ud["ir"].name, self.branch_over[ud["ir"].name])
+                    break
+                up = ud["parent"]
+            self.call(d["ir"], branch)
 
     def call(self, c: I.Call, branch: tuple[str, RankGroup] | None) -> None:
         tp = self.node_tp.get(c.node, 1)
@@ -312,151 +340,3 @@ class _CallResolver:
             self.call_ranks[c.id] = self.node_over[c.node]
         else:
             self.call_ranks[c.id] = self.node_ranks.get(c.node, (0,))[:tp]
-
-
-class _Flow:
-    """Reaching definitions over one walk's region tree, turned into cross-rank transfers."""
-
-    def __init__(self, model: I.ModelIR, walk: I.WalkIR, call_ranks: dict[str, tuple[int, ...]]):
-        self.m, self.w, self.call_ranks = model, walk, call_ranks
-        self.out: dict[TransferIR, None] = {}  # an ordered set: discovery order, no duplicates
-        self.acc_stack: list[dict[str, _Defs]] = []
-        self.chunks: dict[str, str] = {}  # chunk name of an enclosing stream block -> edge id
-        self.calls = I.walk_calls(walk)
-        self.loop_memo: dict[tuple, dict[str, _Defs]] = {}
-        self.producers: dict[str, frozenset[str]] = {}  # streaming edge id -> the calls that feed it
-
-    def run(self, entry: dict[str, _Defs]) -> tuple[list[TransferIR], dict[str, _Defs]]:
-        """The walk's transfers, and the definitions live at its end (for transitions)."""
-        env = dict(entry)
-        self.seq(self.w.body, env)
-        return list(self.out), env
-
-    def use(self, value: str, defs: _Defs, consumer: str, dst: tuple[int, ...], kind: str = "value") -> None:
-        for producer in sorted(defs):
-            src = self.call_ranks[producer]
-            for d in dst:
-                if d not in src:
-                    self.out[TransferIR(self.w.name, value, src[0], d, producer, consumer, kind)] = None
-
-    def use_operand(self, op: I.Operand | None, env: dict[str, _Defs], consumer: str,
-                    dst: tuple[int, ...]) -> None:
-        if isinstance(op, I.Var) and op.name in env:
-            if op.name in self.chunks:  # items reach the consumer's stream buffer, not a value
-                self.use(self.chunks[op.name], env[op.name], consumer, dst, "stream")
-            else:
-                self.use(op.name, env[op.name], consumer, dst)
-
-    def kv_key(self, c: I.Call) -> str | None:
-        node = self.m.nodes[c.node]
-        if node.engine != "kv":
-            return None
-        return f"{c.node}@{c.tag or (node.tags[0] if node.tags else 'main')}"
-
-    def seq(self, seq: I.Seq, env: dict[str, _Defs]) -> None:
-        for r in seq.body:
-            self.region(r, env)
-
-    def region(self, r: I.Region, env: dict[str, _Defs]) -> None:
-        conductor = (CONDUCTOR_RANK,)
-        if isinstance(r, I.Call):
-            dst = self.call_ranks[r.id]
-            for op in r.args.values():
-                self.use_operand(op, env, r.id, dst)
-            key = self.kv_key(r)
-            if key is not None:
-                if key in env:
-                    self.use(key, env[key], r.id, dst, "kv")
-                env[key] = frozenset({r.id})
-            for name in r.results:
-                env[name] = frozenset({r.id})
-        elif isinstance(r, I.Emit):
-            self.use_operand(r.value, env, f"{self.w.name}:emit:{r.output}", conductor)
-        elif isinstance(r, I.Acc):
-            if self.acc_stack and isinstance(r.value, I.Var):
-                stack = self.acc_stack[-1]
-                stack[r.name] = stack.get(r.name, frozenset()) | env.get(r.value.name, frozenset())
-        elif isinstance(r, I.Fork):
-            src = f"{r.node}@{r.src_tag}"
-            if src in env:
-                env[f"{r.node}@{r.dst_tag}"] = env[src]
-        elif isinstance(r, I.Loop):
-            self.loop(r, env)
-        elif isinstance(r, I.Parallel):
-            self.parallel(r, env)
-        elif isinstance(r, I.OnStream):
-            self.on_stream(r, env)
-        elif isinstance(r, I.Seq):
-            self.seq(r, env)
-
-    def loop(self, lp: I.Loop, env: dict[str, _Defs]) -> None:
-        # The two passes below re-run nested loops, so loops nested d deep would take 2^d
-        # passes over the innermost body. A loop's effect is a function of the definitions
-        # reaching it (and of the enclosing stream chunks): its transfers, already in
-        # `self.out`, and the definitions leaving it. So a loop reached again with the same
-        # definitions only replays the definitions leaving it.
-        key = (lp.id, frozenset(env.items()), frozenset(self.chunks.items()))
-        seen = self.loop_memo.get(key)
-        if seen is not None:
-            env.clear()
-            env.update(seen)
-            return
-        self._loop(lp, env)
-        self.loop_memo[key] = dict(env)
-
-    def _loop(self, lp: I.Loop, env: dict[str, _Defs]) -> None:
-        self.use_operand(lp.count, env, f"{lp.id}:count", (CONDUCTOR_RANK,))
-        self.acc_stack.append({})
-        first = dict(env)
-        self.seq(lp.body, first)
-        # Second pass over the body with the back edge: carried values and KV contexts may
-        # come from the previous iteration's end as well as from before the loop.
-        carried = [n for n in first if n in lp.carry or "@" in n]
-        again = dict(env)
-        for n in carried:
-            again[n] = env.get(n, frozenset()) | first[n]
-        self.seq(lp.body, again)
-        if lp.until is not None and lp.until in again:
-            self.use(lp.until, again[lp.until], f"{lp.id}:until", (CONDUCTOR_RANK,))
-        for n in carried:
-            env[n] = env.get(n, frozenset()) | again[n]
-        env.update(self.acc_stack.pop())
-
-    def parallel(self, par: I.Parallel, env: dict[str, _Defs]) -> None:
-        merged: dict[str, _Defs] = {}
-        for b in par.branches:
-            inner = dict(env)
-            self.seq(b.body, inner)
-            for n, defs in inner.items():
-                if env.get(n) != defs:
-                    merged[n] = merged.get(n, frozenset()) | defs
-        env.update(merged)
-
-    def stream_producers(self, edge: I.EdgeIR) -> frozenset[str]:
-        """The calls of the walk that bind the producer port of a streaming edge (computed for
-        all streams at once: a walk may have many stream blocks)."""
-        if not self.producers:
-            found: dict[tuple[str, str], set[str]] = {}
-            for c in self.calls:
-                phase = self.m.nodes[c.node].phases.get(c.phase)
-                if phase is not None:
-                    for port in phase.outputs[:len(c.results)]:
-                        found.setdefault((c.node, port), set()).add(c.id)
-            self.producers = {e.id: frozenset(found.get((e.src_node, e.src_port), ())) for e in self.m.edges
-                              if e.streaming}
-        return self.producers.get(edge.id, frozenset())
-
-    def on_stream(self, block: I.OnStream, env: dict[str, _Defs]) -> None:
-        edge = self.m.edge(block.stream)
-        inner = dict(env)
-        if edge is not None:
-            inner[block.name] = self.stream_producers(edge)
-        outer = self.chunks.get(block.name)
-        self.chunks[block.name] = block.stream
-        self.seq(block.body, inner)
-        if outer is None:
-            del self.chunks[block.name]
-        else:
-            self.chunks[block.name] = outer
-        # Values bound in a stream block are local to it; KV contexts it advances are not.
-        env.update({n: d for n, d in inner.items() if "@" in n})

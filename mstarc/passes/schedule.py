@@ -1,7 +1,15 @@
 """schedule: each walk's step program, the tree the conductor interprets per request.
 
-Requires: `verify`, `place`, `streams` and `cuda-graphs` have run.
-Ensures:  `model.schedule[walk]` is a JSON-ready dict: the walk's typed inputs (with
+Requires: `verify`, `place`, `streams` and `cuda-graphs` have run (the graph has its
+          transfer vertices).
+Ensures:  every region's body is emitted in a topological order of the graph's dataflow
+          (mstarc/graph.py) within that region: a statement after every statement of the
+          same body whose values it reads (a read inside a nested region counts for the
+          region; values from the previous loop iteration and stream items do not
+          order), each value `transfer` vertex right before the call it feeds, ties in
+          source order (transfers of one call by value name, then source rank). Source
+          order is such an order, so a program lists its statements as written.
+          `model.schedule[walk]` is a JSON-ready dict: the walk's typed inputs (with
           defaults) and outputs (append or set), and `program`, a region tree of ops:
           `seq`, `call` (node, phase, tag, ranks, args, results, the CUDA graph it replays,
           the streams its outputs feed), `parallel` (branches with their rank), `loop`
@@ -33,8 +41,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import networkx as nx
+
 from mstarc import ir as I
 from mstarc.cohorts import cohort_mark
+from mstarc.graph import lca_children
 
 
 def schedule(model: I.ModelIR) -> I.ModelIR:
@@ -47,10 +58,12 @@ class _Index:
     """What every walk's scheduler looks up, grouped once for the model (not once per walk)."""
 
     def __init__(self, model: I.ModelIR):
-        self.transfers: dict[str, list] = {}  # walk -> its value transfers, in placement order
-        for t in model.placement.transfers:
-            if t.kind == "value":  # value moves before a call; kv/stream moves are listed in the placement
-                self.transfers.setdefault(t.walk, []).append(t)
+        flow = model.graph.flow
+        self.order: dict[str, int] = {}  # transfer vertex -> its index in the placement's list
+        tids = {flow.nodes[v]["ir"]: v for v in flow if flow.nodes[v]["kind"] == "transfer"}
+        for i, t in enumerate(model.placement.transfers):
+            if t in tids:
+                self.order[tids[t]] = i
         self.buffers: dict[str, list] = {}  # walk -> its stream buffers
         for b in model.stream_buffers:
             self.buffers.setdefault(b.walk, []).append(b)
@@ -68,6 +81,28 @@ class _Index:
                 for s in g.steps:
                     if call_ranks[s][0] == g.rank:
                         self.graph_of_step[s] = g.key
+        self.deps = _lifted_dependencies(flow)
+
+
+def _lifted_dependencies(flow: nx.MultiDiGraph) -> dict[str, list[tuple[str, str]]]:
+    """Per region vertex, the (earlier child, later child) pairs of its body that a value
+    orders: the child holding the value's definition and the child holding its reader."""
+    deps: dict[str, list[tuple[str, str]]] = {}
+    for u, v, d in flow.edges(data=True):
+        if d["kind"] not in ("use", "transfer") or d.get("back") or d.get("vkind") not in ("value", "kv"):
+            continue
+        if flow.nodes[v]["kind"] == "transfer":
+            continue  # the transfer's own out-edge orders the reader
+        for origin in _origins(flow, d["value"] if d["kind"] == "transfer" else u):
+            where = lca_children(flow, origin, v)
+            if where is not None:
+                deps.setdefault(where[0], []).append((where[1], where[2]))
+    return deps
+
+
+def _origins(flow: nx.MultiDiGraph, value: str) -> list[str]:
+    """The statements that define a value vertex (its call, and an `acc` or `fork` that renames it)."""
+    return [o for o, _, d in flow.in_edges(value, data=True) if d["kind"] == "def" and flow.nodes[o]["kind"] != "walk"]
 
 
 def operand_json(op: I.Operand) -> dict[str, Any]:
@@ -76,11 +111,9 @@ def operand_json(op: I.Operand) -> dict[str, Any]:
 
 class _Scheduler:
     def __init__(self, model: I.ModelIR, walk: I.WalkIR, index: _Index):
-        self.m, self.w = model, walk
+        self.m, self.w, self.index = model, walk, index
+        self.flow = model.graph.flow
         self.call_ranks = model.placement.call_ranks
-        self.transfers_by_consumer: dict[str, list] = {}
-        for t in index.transfers.get(walk.name, ()):
-            self.transfers_by_consumer.setdefault(t.consumer_step, []).append(t)
         self.graph_of_step = index.graph_of_step
         self.graph_of_loop = index.graph_of_loop
         self.buffers = {b.edge: b for b in index.buffers.get(walk.name, ())}
@@ -94,34 +127,62 @@ class _Scheduler:
             "outputs": [{"name": p.name, "type": p.type.to_json(), "mode": modes.get(p.name, "set")}
                         for p in self.w.outputs],
             "streams": sorted(b.id for b in self.buffers.values()),
-            "program": self.region(self.w.body),
+            "program": self.body(self.w.name),
         }
 
-    def region(self, r: I.Region) -> dict[str, Any]:
-        if isinstance(r, I.Seq):
-            body: list[dict[str, Any]] = []
-            for item in r.body:
-                if isinstance(item, I.Call):
-                    body.extend(self.transfers(item.id))
-                body.append(self.region(item))
-            return {"op": "seq", "body": body}
+    def order(self, region: str) -> list[str]:
+        """The region's body and the value transfers into its calls, topologically sorted."""
+        flow = self.flow
+        h = nx.DiGraph()
+        key: dict[str, tuple] = {}
+        for child in flow.nodes[region]["children"]:
+            d = flow.nodes[child]
+            key[child] = (d["pos"], 1, "", 0, 0)
+            h.add_node(child)
+            if d["kind"] != "call":
+                continue
+            for t, _, e in flow.in_edges(child, data=True):
+                td = flow.nodes[t]
+                if e["kind"] == "transfer" and td["vkind"] == "value" and t not in key:
+                    key[t] = (d["pos"], 0, td["value"], td["src"], self.index.order[t])
+                    h.add_edge(t, child)
+                    for origin in () if e["back"] else _origins(flow, e["value"]):  # the copy waits for the value
+                        where = lca_children(flow, origin, child)
+                        if where is not None and where[0] == region:
+                            h.add_edge(where[1], t)
+        h.add_edges_from(self.index.deps.get(region, ()))
+        return list(nx.lexicographical_topological_sort(h, key=key.__getitem__))
+
+    def body(self, region: str) -> dict[str, Any]:
+        out: list[dict[str, Any]] = []
+        for v in self.order(region):
+            d = self.flow.nodes[v]
+            if d["kind"] == "transfer":
+                out.append({"op": "transfer", "value": d["value"], "src": d["src"], "dst": d["dst"]})
+            else:
+                out.append(self.statement(v, d))
+        return {"op": "seq", "body": out}
+
+    def statement(self, v: str, d: dict[str, Any]) -> dict[str, Any]:
+        r = d["ir"]
         if isinstance(r, I.Call):
             return self.call(r)
         if isinstance(r, I.Parallel):
             return {"op": "parallel", "id": r.id, "branches": [
-                {"name": b.name, "rank": self._branch_rank(b), "body": self.region(b.body)} for b in r.branches]}
+                {"name": self.flow.nodes[b]["ir"].name, "rank": self._branch_rank(self.flow.nodes[b]["ir"]),
+                 "body": self.body(b)} for b in d["children"]]}
         if isinstance(r, I.Loop):
             loop: dict[str, Any] = {
                 "op": "loop", "id": r.id, "dynamic": r.dynamic,
                 "count": operand_json(r.count) if r.count is not None else None,
                 "max": r.max, "until": r.until, "index": r.index, "carry": list(r.carry),
                 "acc": [{"name": a.name, "value": operand_json(a.value)} for a in I.loop_accs(r.body)],
-                "graph": self.graph_of_loop.get(r.id), "body": self.region(r.body)}
+                "graph": self.graph_of_loop.get(r.id), "body": self.body(v)}
             loop["cohort"] = cohort_mark(loop)
             return loop
         if isinstance(r, I.OnStream):
             return {"op": "on_stream", "id": r.id, "stream": self.buffers[r.stream].id, "as": r.name,
-                    "body": self.region(r.body)}
+                    "body": self.body(v)}
         if isinstance(r, I.Emit):
             return {"op": "emit", "output": r.output, "mode": "append" if r.op == "+=" else "set",
                     "value": operand_json(r.value)}
@@ -129,7 +190,7 @@ class _Scheduler:
             return {"op": "acc", "name": r.name, "value": operand_json(r.value)}
         if isinstance(r, I.Fork):
             return {"op": "fork", "node": r.node, "src": r.src_tag, "dst": r.dst_tag}
-        raise AssertionError(f"unknown region {type(r).__name__}")  # pragma: no cover
+        raise AssertionError(f"unknown statement {type(r).__name__}")  # pragma: no cover
 
     def call(self, c: I.Call) -> dict[str, Any]:
         node = self.m.nodes[c.node]
@@ -148,10 +209,6 @@ class _Scheduler:
         """The rank a branch runs on, when all its steps run on one (single-rank) group."""
         groups = {self.call_ranks[c.id] for c in I.iter_regions(branch.body) if isinstance(c, I.Call)}
         return next(iter(groups))[0] if len(groups) == 1 and len(next(iter(groups))) == 1 else None
-
-    def transfers(self, step: str) -> list[dict[str, Any]]:
-        return [{"op": "transfer", "value": t.value, "src": t.src_rank, "dst": t.dst_rank}
-                for t in sorted(self.transfers_by_consumer.get(step, []), key=lambda t: (t.value, t.src_rank))]
 
 
 def _emit_modes(walk: I.WalkIR) -> dict[str, str]:

@@ -7,6 +7,12 @@ Ensures:  every call names a known node, phase, tag and input ports, with every 
           has a bound (Loop: n, DynamicLoop: max and a stop flag bound in its body); every
           stream block names a streaming edge that the walk feeds; every walk output is
           produced; transitions name real walks, flags and KV tags. Sets `verified`.
+          From the graph (`model.graph`, mstarc/graph.py): no stream block feeds its own
+          stream, directly or through other blocks (a cycle of the dataflow graph); every
+          stream block is fired by a producer (a block with no `fires` edge is E047);
+          transitions form no cycle (depth-first search of the topology's transition
+          edges, E048); a node no walk `calls` is warning E019; a walk input, an `acc` or a
+          stateless step whose values nothing reads is warning E037.
 Fails when: any of the above does not hold (all diagnostics of the model, collected).
 """
 
@@ -14,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+import networkx as nx
 
 from mstarc import ir as I
 from mstarc.diagnostics import DiagnosticSink, Span, spell_cycle
@@ -34,12 +42,13 @@ def verify(model: I.ModelIR) -> I.ModelIR:
     sink = DiagnosticSink()
     _check_nodes(model, sink)
     _check_edges(model, sink)
-    edges = _edge_index(model)
+    edges = _value_edges(model)
     for walk in model.walks.values():
         _WalkChecker(model, walk, sink, edges).run()
     _check_transitions(model, sink)
     _check_transition_cycles(model, sink)
     _check_usage(model, sink)
+    _check_flow(model, sink)
     sink.check()
     warnings = tuple(d for d in sink.diagnostics if d.severity == "warning")
     return dataclasses.replace(model, verified=True, warnings=warnings)
@@ -108,32 +117,21 @@ def _check_stream_types(e: I.EdgeIR, src: I.ValueType, dst: I.ValueType, sink: D
                    f"takes {lead}", e.span, f"make the consumer's first dim {need} or symbolic")
 
 
-_EdgeIndex = tuple[dict[tuple[str, str], list[I.EdgeIR]], set[tuple[str, str, str, str]]]
-
-
-def _edge_index(model: I.ModelIR) -> _EdgeIndex:
-    """(producer port -> its streaming edges, the (src node, port, dst node, port) of value edges)."""
-    streams: dict[tuple[str, str], list[I.EdgeIR]] = {}
-    values: set[tuple[str, str, str, str]] = set()
-    for e in model.edges:
-        if e.streaming:
-            streams.setdefault((e.src_node, e.src_port), []).append(e)
-        else:
-            values.add((e.src_node, e.src_port, e.dst_node, e.dst_port))
-    return streams, values
+def _value_edges(model: I.ModelIR) -> set[tuple[str, str, str, str]]:
+    """The (src node, port, dst node, port) of every declared value edge."""
+    return {(e.src_node, e.src_port, e.dst_node, e.dst_port) for e in model.edges if not e.streaming}
 
 
 class _WalkChecker:
-    def __init__(self, model: I.ModelIR, walk: I.WalkIR, sink: DiagnosticSink, edges: _EdgeIndex):
+    def __init__(self, model: I.ModelIR, walk: I.WalkIR, sink: DiagnosticSink,
+                 value_edges: set[tuple[str, str, str, str]]):
         self.m, self.w, self.sink = model, walk, sink
         self.outputs = {p.name: p for p in walk.outputs}
         self.emitted: set[str] = set()
-        self.fed_streams: set[str] = set()
-        self.stream_blocks: list[I.OnStream] = []
         self.all_bound = {r for c in I.iter_regions(walk.body) if isinstance(c, I.Call) for r in c.results}
         self.loops: list[str] = []  # ids of the loops being checked, innermost last
         self.acc_values: dict[tuple[str, str], ValueInfo] = {}
-        self.stream_edges, self.value_edges = edges
+        self.value_edges = value_edges
         self.input_names = {p.name for p in walk.inputs}
 
     def run(self) -> None:
@@ -143,10 +141,6 @@ class _WalkChecker:
                                 "an empty list [] is the empty tensor; other tensor defaults need the declared rank")
         env = {p.name: ValueInfo(p.type, None) for p in self.w.inputs}
         self.seq(self.w.body, env, loop_depth=0)
-        for block in self.stream_blocks:
-            if block.stream not in self.fed_streams and self.m.edge(block.stream) is not None:
-                self.sink.error("E047", f"stream {block.stream} is never fed in walk '{self.w.name}'", block.span,
-                                "a call in this walk must bind the stream's producer port")
         for out in self.w.outputs:
             if out.name not in self.emitted:
                 self.sink.error("E036", f"walk '{self.w.name}' never produces its output '{out.name}'", out.span,
@@ -219,8 +213,6 @@ class _WalkChecker:
         for name, port in zip(c.results, phase.outputs):
             if port in node.outputs:  # an unknown port was reported with the phase; its value stays ANY
                 env[name] = ValueInfo(node.outputs[port].type, (node.name, port))
-                for e in self.stream_edges.get((node.name, port), ()):
-                    self.fed_streams.add(e.id)
 
     def call_args(self, c: I.Call, env: dict[str, ValueInfo]) -> None:
         node = self.node_and_tag(c.node, c.tag, c.span, c.tag_span)
@@ -347,7 +339,6 @@ class _WalkChecker:
         env.update(merged)
 
     def on_stream(self, block: I.OnStream, env: dict[str, ValueInfo], depth: int) -> None:
-        self.stream_blocks.append(block)
         edge = self.m.edge(block.stream)
         # the block starts with the walk (runtime/mstar_runtime/control/interpreter.py): it sees the walk's inputs only
         inner = {p.name: ValueInfo(p.type, None) for p in self.w.inputs}
@@ -445,31 +436,31 @@ def _check_transition_cycles(model: I.ModelIR, sink: DiagnosticSink) -> None:
 
     A transition's flag is computed per request (a node's output, or a constant), so the
     compiler cannot tell that a cycle ends: every cycle is refused, including `w -> w`. A
-    depth-first search from each walk in source order, transitions in file order; each
-    transition that closes a cycle is reported, with the cycle spelled out."""
-    out: dict[str, list[I.TransitionIR]] = {}
-    for t in model.transitions:
-        if t.src in model.walks and t.dst in model.walks:
-            out.setdefault(t.src, []).append(t)
+    depth-first search of the topology graph's transition edges from each walk in source
+    order, transitions in file order; each transition that closes a cycle (a back edge) is
+    reported, with the cycle spelled out."""
+    topo = model.graph.topology
+    out = {w: sorted(((v.removeprefix("walk:"), d) for _, v, d in topo.out_edges(f"walk:{w}", data=True)
+                      if d["kind"] == "transition"), key=lambda e: e[1]["order"]) for w in model.walks}
     done: set[str] = set()
     for root in model.walks:
         if root in done:
             continue
         path, on_path = [root], {root: 0}  # walk -> its index in `path`
-        stack = [iter(out.get(root, ()))]
+        stack = [iter(out[root])]
         while stack:
-            for t in stack[-1]:
-                if t.dst in on_path:
-                    cycle = path[on_path[t.dst]:] + [t.dst]
-                    sink.error("E048", f"transitions can repeat walks forever: {spell_cycle(cycle)}", t.span,
+            for dst, d in stack[-1]:
+                if dst in on_path:
+                    cycle = path[on_path[dst]:] + [dst]
+                    sink.error("E048", f"transitions can repeat walks forever: {spell_cycle(cycle)}", d["ir"].span,
                                "a request's walks must not repeat; repeat steps inside one walk with "
                                "`dynamic_loop max = N until FLAG`")
                     continue
-                if t.dst in done:
+                if dst in done:
                     continue
-                on_path[t.dst] = len(path)
-                path.append(t.dst)
-                stack.append(iter(out.get(t.dst, ())))
+                on_path[dst] = len(path)
+                path.append(dst)
+                stack.append(iter(out[dst]))
                 break
             else:
                 stack.pop()
@@ -478,7 +469,99 @@ def _check_transition_cycles(model: I.ModelIR, sink: DiagnosticSink) -> None:
 
 
 def _check_usage(model: I.ModelIR, sink: DiagnosticSink) -> None:
-    used = {c.node for w in model.walks.values() for c in I.walk_calls(w)}
+    """Model nodes no walk reaches through a `calls` edge of the topology graph."""
+    topo = model.graph.topology
     for name, node in model.nodes.items():
-        if name not in used:
+        if not any(d["kind"] == "calls" for _, _, d in topo.in_edges(f"node:{name}", data=True)):
             sink.warning("E019", f"node '{name}' is not used by any walk", node.span)
+
+
+def _check_flow(model: I.ModelIR, sink: DiagnosticSink) -> None:
+    """What the dataflow graph shows: stream blocks nothing fires, streams that feed
+    themselves, and values nothing reads."""
+    flow = model.graph.flow
+    for v, d in flow.nodes(data=True):
+        if d["kind"] != "on_stream":
+            continue
+        block = d["ir"]
+        if model.edge(block.stream) is not None and not any(
+                e["kind"] == "use" for _, _, e in flow.in_edges(v, data=True)):
+            sink.error("E047", f"stream {block.stream} is never fed in walk '{d['walk']}'", block.span,
+                       "a call in this walk must bind the stream's producer port")
+    _check_stream_cycles(model, flow, sink)
+    if not sink.has_errors:  # an error often is why a value looks unread (`x = a.f(x = q)`)
+        _check_unused(model, flow, sink)
+
+
+def _check_stream_cycles(model: I.ModelIR, flow: nx.MultiDiGraph, sink: DiagnosticSink) -> None:
+    """A stream block that feeds, directly or through other blocks, the stream it drains.
+
+    In the graph of a walk's `contains` edges, value definitions and reads (not from the
+    previous loop iteration, not of KV contexts, whose blocks run beside the walk), every
+    edge goes forward in the source, except the items of a stream, which go from their
+    producer to the block wherever it is written. So a cycle is a chain of streams: the
+    block runs when it has pushed items itself, and after the walk's streams closed."""
+    if not any(_in_block(flow, flow.nodes[u]["origin"]) for u, v, d in flow.edges(data=True)
+               if d["kind"] == "use" and flow.nodes[v]["kind"] == "on_stream"):
+        return  # a cycle needs a producer inside a block: the only edges that go back are stream items
+    h = nx.DiGraph()
+    for u, v, d in flow.edges(data=True):
+        if d["kind"] == "contains" or d["kind"] == "def" or (
+                d["kind"] == "use" and not d["back"] and d["vkind"] in ("value", "stream")):
+            if flow.nodes[u]["walk"] == flow.nodes[v]["walk"]:
+                h.add_edge(u, v)
+    for scc in nx.strongly_connected_components(h):
+        if len(scc) < 2:
+            continue
+        blocks = sorted((v for v in scc if flow.nodes[v]["kind"] == "on_stream"), key=lambda v: flow.nodes[v]["pos"])
+        if not blocks:  # pragma: no cover - every other edge goes forward in the source
+            continue
+        cycle = [u for u, _ in nx.find_cycle(h.subgraph(scc), source=blocks[0])]
+        streams = [flow.nodes[v]["ir"].stream for v in cycle if flow.nodes[v]["kind"] == "on_stream"]
+        first = flow.nodes[blocks[0]]["ir"]
+        what = (f"stream {streams[0]} is fed from its own block" if len(streams) == 1 else
+                "stream blocks feed each other's streams: " + spell_cycle(streams + streams[:1]))
+        sink.error("E047", what, first.span, "call a stream's producer from the walk's main body, not from a block "
+                   "that the stream (or a stream it feeds) fires")
+
+
+def _in_block(flow: nx.MultiDiGraph, vid: str) -> bool:
+    up = flow.nodes[vid].get("parent") if vid in flow else None
+    while up is not None:
+        if flow.nodes[up]["kind"] == "on_stream":
+            return True
+        up = flow.nodes[up]["parent"]
+    return False
+
+
+def _check_unused(model: I.ModelIR, flow: nx.MultiDiGraph, sink: DiagnosticSink) -> None:
+    """Warnings (E037) for values nothing reads where that is wasted work, not a result a
+    phase happens to return: a walk input, an accumulated value, or every result of a
+    stateless step (which has no other effect)."""
+    def read(vid: str) -> bool:
+        return any(e["kind"] == "use" for _, _, e in flow.out_edges(vid, data=True))
+
+    carried = {(t.src, p.name) for t in model.transitions if t.dst in model.walks
+               for p in model.walks[t.dst].inputs}  # inputs a transition hands on
+    for v, d in flow.nodes(data=True):
+        kind = d["kind"]
+        if kind == "walk":
+            for p in d["ir"].inputs:
+                vid = f"{v}/{p.name}"
+                if vid in flow and not read(vid) and (v, p.name) not in carried:
+                    sink.warning("E037", f"input '{p.name}' of walk '{v}' is never used", p.span,
+                                 "remove it, or pass it to the phase that needs it")
+        elif kind == "acc":
+            made = [u for _, u, k in flow.out_edges(v, keys=True) if k == "acc"]
+            if made and not any(read(u) for u in made):
+                sink.warning("E037", f"accumulated value '{d['ir'].name}' is never used", d["ir"].span,
+                             "emit it or pass it to a phase, or remove the acc")
+        elif kind == "call":
+            c = d["ir"]
+            node = model.nodes.get(c.node)
+            if node is None or node.engine != "stateless" or c.phase not in node.phases:
+                continue
+            made = [u for _, u, k in flow.out_edges(v, keys=True) if k == "def"]
+            if not any(read(u) for u in made):
+                sink.warning("E037", f"no result of '{c.node}.{c.phase}' is used", c.span,
+                             "a stateless step has no other effect: use a result or remove the call")

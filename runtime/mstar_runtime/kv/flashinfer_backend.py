@@ -36,6 +36,10 @@ The prefill wrapper runs FlashInfer's FA2 backend by default: it is the same com
 as tensor-core decode and as custom-mask prefill, so a fresh machine compiles one module
 (28 s) instead of two (FA3 prefill alone takes 84 s, device.md 2c); prompts of a TTS model
 are short enough that FA3's prefill speed does not show. Pass `prefill_backend="auto"` for FA3.
+A step of at least `LONG_PREFILL_TOKENS` queries without a custom mask (BAGEL's 4098-token
+image blocks and denoise queries, three CFG branches at a time) runs on a second wrapper
+with `long_prefill_backend`, by default "auto" (FA3 on Hopper: about twice FA2's speed
+there); `$MSTAR_LONG_PREFILL_BACKEND` overrides it ("fa2" keeps one module).
 
 `graph_decoder(pool, scale)` gives the GraphRunner its per-bucket attention:
 `FlashInferGraphDecode`, a decode wrapper made with `use_cuda_graph=True` and fixed
@@ -93,6 +97,8 @@ WORKSPACE_BYTES = 256 << 20  # the float workspace device.md ran with; shared by
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 ENV_VAR = "MSTAR_ATTENTION"  # "reference" forces the reference; "flashinfer" makes a failed import an error
+LONG_PREFILL_ENV = "MSTAR_LONG_PREFILL_BACKEND"  # the long-prefill wrapper's backend (module docstring)
+LONG_PREFILL_TOKENS = 2048  # queries of a step from which its prefill runs on that wrapper
 
 _logged: set[str] = set()
 
@@ -148,6 +154,7 @@ class _Step:
     mode: str  # "decode" | "prefill" | "reference" | "empty"
     causal: bool = True
     custom: bool = False
+    long: bool = False  # a long prefill: the second wrapper (module docstring)
     host: torch.Tensor | None = None  # int32: [qo_indptr |] kv_indptr | indices | last_page_len
     n_indices: int = 0
     planned_for: tuple[int, float] | None = None  # (q heads, scale) the wrapper was planned with
@@ -162,6 +169,7 @@ class FlashInferBackend:
         *,
         workspace_bytes: int = WORKSPACE_BYTES,
         prefill_backend: str = "fa2",
+        long_prefill_backend: str | None = None,
         graph_tensor_cores: bool | None = None,
     ):
         import flashinfer  # lazy: the CPU runtime never needs it
@@ -177,10 +185,15 @@ class FlashInferBackend:
         self.graph_tensor_cores = graph_tensor_cores
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=prefill_backend)
+        if long_prefill_backend is None:
+            long_prefill_backend = os.environ.get(LONG_PREFILL_ENV, "auto").strip() or "auto"
+        self._prefill_long = (self._prefill if long_prefill_backend == prefill_backend else
+                              flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                             backend=long_prefill_backend))
         self._step: _Step | None = None
         # per pool: (q heads, scale) seen at its last call, so the next steps plan in prepare()
         self._learnt: dict[int, tuple[int, float]] = {}
-        self._failed: set[tuple[str, bool]] = set()  # (mode, custom mask) whose plan failed once
+        self._failed: set[tuple[str, bool, bool]] = set()  # (mode, custom mask, long) whose plan failed once
         self.plans = 0  # wrapper plans made (for tests and stats)
 
     # ------------------------------------------------------------------ protocol
@@ -206,7 +219,7 @@ class FlashInferBackend:
             self._plan(step, *want)
             if step.mode == "reference":
                 return paged_attention(q, pool, layer, meta, scale)
-        wrapper = self._decode if step.mode == "decode" else self._prefill
+        wrapper = self._decode if step.mode == "decode" else self._prefill_long if step.long else self._prefill
         out = wrapper.run(q if q.dtype == pool.dtype else q.to(pool.dtype), pool.data[layer])
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
@@ -227,12 +240,14 @@ class FlashInferBackend:
         causal = kinds == {"causal"}
         custom = not (causal or kinds == {"full"})
         host = torch.tensor(meta.q_indptr() + indptr + indices + last, dtype=torch.int32, pin_memory=pin)
-        step = _Step(pool, meta, "prefill", causal=causal, custom=custom, host=host, n_indices=len(indices))
+        long = not custom and sum(s.q_len for s in meta.seqs) >= LONG_PREFILL_TOKENS
+        step = _Step(pool, meta, "prefill", causal=causal, custom=custom, long=long, host=host,
+                     n_indices=len(indices))
         return self._unless_failed(step)
 
     def _unless_failed(self, step: _Step) -> _Step:
         """A step of a kind whose plan failed before goes straight to the reference."""
-        if (step.mode, step.custom) in self._failed:
+        if (step.mode, step.custom, step.long) in self._failed:
             step.mode = "reference"
         return step
 
@@ -255,12 +270,13 @@ class FlashInferBackend:
                     dev = pool.device
                     qo, kv, indices, last = (t.to(dev) for t in (qo, kv, indices, last))
                     mask = _custom_mask(step.meta, dev)
-                self._prefill.plan(qo, kv, indices, last, q_heads, pool.kv_heads, pool.head_dim,
-                                   pool.page_size, causal=step.causal, custom_mask=mask, **common)
+                wrapper = self._prefill_long if step.long else self._prefill
+                wrapper.plan(qo, kv, indices, last, q_heads, pool.kv_heads, pool.head_dim,
+                             pool.page_size, causal=step.causal, custom_mask=mask, **common)
         except Exception as e:  # noqa: BLE001 - any planning failure: the reference computes the same
             _log_once(logging.WARNING, f"flashinfer: {step.mode} plan failed ({type(e).__name__}: {e}); "
                       "this step kind uses the reference attention")
-            self._failed.add((step.mode, step.custom))
+            self._failed.add((step.mode, step.custom, step.long))
             step.mode = "reference"
             return
         step.planned_for = (q_heads, scale)

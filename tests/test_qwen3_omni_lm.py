@@ -25,7 +25,7 @@ from mstar_models.qwen3_omni.positions import rope_index
 from mstar_models.qwen3_omni.talker import TalkerMoE
 from mstar_models.qwen3_omni.thinker import ThinkerMoE
 from mstar_models.qwen3_omni.tokens import TokenIds
-from mstar_runtime.ops.node import RequestError
+from mstar_runtime.ops.node import NodeSpec, RequestError
 from mstar_runtime.plan.loader import Plan
 from mstar_runtime.weights import load_weights
 
@@ -138,6 +138,30 @@ def test_parameters_carry_the_checkpoint_names(plan: Plan, checkpoint: Path) -> 
     mlp = node.model.layers[1].mlp
     assert mlp.experts[3].down_proj.weight.data_ptr() == mlp.down[3].data_ptr()
     assert not torch.equal(mlp.down[3], a.model.layers[1].mlp.down[3])
+
+
+def test_real_size_parameters_are_the_released_checkpoints() -> None:
+    """At the released sizes (on the meta device: shapes only), every node's names and shapes are
+    its arch's, i.e. the checkpoint's tensor list (48 x 128 experts in the thinker)."""
+    from mstarc.archs import qwen3_omni as archs
+
+    real = {
+        "thinker": (archs.qwen3_omni_thinker, dict(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128,
+                                                   experts=128, moe_intermediate=768, vocab=152064)),
+        "talker": (archs.qwen3_omni_talker, dict(layers=20, hidden=1024, heads=16, kv_heads=2, head_dim=128,
+                                                 experts=128, moe_intermediate=384, shared_intermediate=768,
+                                                 codec_vocab=3072, thinker_hidden=2048, projection_intermediate=2048)),
+        "code_predictor": (archs.qwen3_omni_code_predictor, dict(layers=5, hidden=1024, heads=16, kv_heads=8,
+                                                                 head_dim=128, intermediate=3072, vocab=2048,
+                                                                 code_groups=16)),
+    }
+    for name, (arch, args) in real.items():
+        cls = CLASSES[name]
+        node = cls(NodeSpec(name, "kv", {"vocab": 152064}, args, {}, torch.bfloat16, torch.device("meta")))
+        ours = {cls.checkpoint_prefix + k: tuple(v.shape) for k, v in node.state_dict().items()}
+        assert ours == {t.name: tuple(t.shape) for t in arch(args, "bf16").tensors}, name
+        if name == "thinker":
+            assert len(ours) == 18867 and node.tok.audio_token_id == 151675 and node.section == [24, 20, 20]
 
 
 # ------------------------------------------------------------------------------ thinker, text

@@ -154,3 +154,37 @@ def test_router_matches_hf_topk_router() -> None:
     w, ids = moe.route(tokens(11), ours.gate.weight, 3, True)
     assert torch.equal(ids, ids_ref)
     torch.testing.assert_close(w, w_ref, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_grouped_bf16_is_the_loop_and_replays_from_a_cuda_graph() -> None:
+    """On a GPU (bf16, the released talker's sizes): the grouped kernel is chosen, equals the loop
+    to bf16 rounding, and a CUDA graph of the block replays the eager result bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    dev = torch.device("cuda")
+    m = SparseMoE(1024, 128, 384, 6, True, 768, device=dev, dtype=torch.bfloat16)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    assert m.kernel == "grouped"
+    x = torch.randn(16, 1024, device=dev, dtype=torch.bfloat16, generator=gen)
+    with torch.inference_mode():
+        eager = m(x)
+        m.set_kernel("loop")
+        ref = m(x)
+        m.set_kernel("grouped")
+        assert (eager.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            m(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = m(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)

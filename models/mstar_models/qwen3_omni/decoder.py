@@ -115,6 +115,8 @@ def seeded_init_(module: nn.Module, name: str) -> None:
     gens: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for pname, p in module.named_parameters():
+            if p.device.type == "meta":  # shapes only (a size check): nothing to fill
+                continue
             if p.dim() < 2:
                 p.fill_(1.0 if "norm" in pname and not pname.endswith("bias") else 0.0)
                 continue

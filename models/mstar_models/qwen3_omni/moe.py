@@ -86,7 +86,7 @@ def grouped_experts(
     x [N, H]; ids, weights [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H] in x's dtype."""
     fn = _grouped_mm_fn()
     assert fn is not None, "grouped_experts needs torch's grouped_mm (check grouped_mm_supported first)"
-    n, k = ids.shape
+    k = ids.shape[1]
     experts = gate_up.shape[0]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs of one expert together, in token order
@@ -101,8 +101,17 @@ def grouped_experts(
     gu = fn(rows, gate_up.transpose(1, 2), offs=offs)
     gate, up = gu.chunk(2, dim=-1)
     y = fn(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
-    y = y * weights.reshape(-1).index_select(0, order)[:, None]
-    return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+    return _combine(y, order, weights, x.dtype)
+
+
+def _combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Expert outputs of the sorted pairs y [N * k, H] -> [N, H]: each pair's row back in its
+    (token, slot) place, scaled by its routing weight, summed over the k slots. A reduction, not
+    an index_add: CUDA's index_add with repeated indices adds in a varying order (atomics), so a
+    step would not repeat itself bit for bit, nor a graph replay its eager run."""
+    n, k = weights.shape
+    rows = torch.empty_like(y).index_copy_(0, order, y)  # unique indices: deterministic
+    return (rows.view(n, k, -1) * weights[:, :, None]).sum(dim=1).to(dtype)
 
 
 def padded_experts(
@@ -110,7 +119,7 @@ def padded_experts(
 ) -> torch.Tensor:
     """`grouped_experts` without the grouped kernel: the active experts' rows padded to the
     largest group and run as batched matmuls. Reads the group sizes on the host (one sync)."""
-    n, k = ids.shape
+    k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     sorted_ids = flat.index_select(0, order)
@@ -128,8 +137,7 @@ def padded_experts(
     gu = torch.bmm(buf, gate_up.index_select(0, active).transpose(1, 2))
     gate, up = gu.chunk(2, dim=-1)
     y = torch.bmm(F.silu(gate) * up, down.index_select(0, active).transpose(1, 2))[group, rank]
-    y = y * weights.reshape(-1).index_select(0, order)[:, None]
-    return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+    return _combine(y, order, weights, x.dtype)
 
 
 def loop_experts(

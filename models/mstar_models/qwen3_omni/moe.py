@@ -14,10 +14,12 @@ released thinker and talker configs), cast back to the logits' dtype.
 
 Experts (`grouped_experts`): the step's (token, expert) pairs are sorted by expert, the rows
 gathered once, and each projection runs as one grouped GEMM over the sorted rows with
-per-expert offsets (`torch.nn.functional.grouped_mm`, else `torch._grouped_mm`); the weighted
-rows go back to their tokens with one index_add. Nothing reads a device value, so a step can
-be captured in a CUDA graph. Where the grouped kernel is missing or refuses the dtype (CUDA
-takes bf16 only), `padded_experts` runs the active experts as one batched matmul over groups
+per-expert offsets (`torch.nn.functional.grouped_mm`, else `torch._grouped_mm`); the rows go
+back to their (token, slot) places and a weighted sum over the k slots gives each token's
+output (a reduction: an index_add with repeated indices adds in a varying order on CUDA).
+Nothing reads a device value, so a step can be captured in a CUDA graph and replays its eager
+result bit for bit. Where the grouped kernel is missing or refuses the dtype,
+`padded_experts` runs the active experts as one batched matmul over groups
 padded to the largest one (it reads the group sizes on the host). `loop_experts` is the
 simple per-expert loop in transformers' order: the test reference, never a serving path.
 docs/moe.md has the measured speeds.

@@ -268,6 +268,8 @@ def test_thinker_batch_equals_each_request_alone(plan: Plan, checkpoint: Path,
         "b": {"ids": chat(("user", [50]), audio=13, image=6), "audio": e["audio"], "image": e["image"],
               "deepstack": e["deepstack"], "grid": e["grid"]},
         "c": {"ids": text_prompt(11, seed=6), "temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 7},
+        # an image without deepstack rows beside one with them
+        "d": {"ids": chat(("user", [52]), image=6), "image": e["image"], "grid": e["grid"]},
     }
     node = load(plan, checkpoint, "thinker")
     alone = {}
@@ -276,9 +278,9 @@ def test_thinker_batch_equals_each_request_alone(plan: Plan, checkpoint: Path,
         outs = generate(run, rid, inputs, steps=4)
         alone[rid] = (tokens_of(outs), torch.cat(run.logits))
     run = Harness(node, THINKER)
-    got = {r: [o] for r, o in zip("ab", run.step("prefill", [(r, {**GREEDY, "max_tokens": 64, **requests[r]})
-                                                            for r in "ab"]))}
-    logits = {r: [run.logits[-1][i : i + 1]] for i, r in enumerate("ab")}
+    got = {r: [o] for r, o in zip("abd", run.step("prefill", [(r, {**GREEDY, "max_tokens": 64, **requests[r]})
+                                                             for r in "abd"]))}
+    logits = {r: [run.logits[-1][i : i + 1]] for i, r in enumerate("abd")}
     while any(len(got.get(r, [])) <= 4 for r in requests):
         if len(got["a"]) == 2 and "c" not in got:  # c's prefill beside a's and b's decodes
             got["c"] = run.step("prefill", [("c", {**GREEDY, "max_tokens": 64, **requests["c"]})])

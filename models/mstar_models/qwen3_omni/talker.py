@@ -28,7 +28,9 @@ Phases (models/qwen3_omni/qwen3_omni.walk, node `talker`):
   decode's codec input. Adds no KV.
 Positions: `positions` in prefill; decode at KV index j has j + delta in all three
 components, delta = (last prefill position + 1) - S (the talker's 3-D rule, HF's
-`compute_3d_position_ids`).
+`compute_3d_position_ids`). transformers 5.24 itself fails on a talker prompt with both audio
+and an image or video (its talker config has no `audio_config` for the audio length); the
+thinker computes those positions by the same rules, each audio's length its placeholder count.
 
 `done` is raised on codec eos (lazy) or after `max_frames` frames. Once a frame has sampled
 codec eos, every later frame of the request returns codec eos again (a no-op frame: the code

@@ -18,10 +18,18 @@ Prefill (models/qwen3_omni/qwen3_omni.walk, node `thinker`):
 Decode feeds one token at KV index j with position j + delta in all three components.
 
 Speech phases also give what the talker reads (`talker.TalkerMoE`):
-- `states` [T, hidden]: per prompt position, the input embedding at text positions and, at
-  audio / image / video positions (`mm` [T]), the hidden state HF's `hidden_states` tuple holds
-  at index `accept_hidden_layer` (0 = the input embeddings, i = the output of layer i - 1
-  before that layer's deepstack addition, `layers` = the final-normed output);
+- at prefill, the talker's prompt (`_talker_prompt`; HF `generate`'s `_get_talker_user_parts`
+  and `_get_talker_assistant_parts`): `states` [S, hidden], the rows of the talker prompt's
+  text stream before the talker projects them, i.e. every position of the user turns (from
+  a user turn's `<|im_start|>` up to the next `<|im_start|>`; system and earlier assistant
+  turns are dropped), then the assistant header `<|im_start|>assistant\\n`, four `tts_pad`
+  and one `tts_bos` embedding (S = user positions + 8); at text positions a row is the input
+  embedding, at audio / image / video positions (`mm` [S]) the hidden state HF's
+  `hidden_states` tuple holds at index `accept_hidden_layer` (0 = the input embeddings,
+  i = the output of layer i - 1 before that layer's deepstack addition, `layers` = the
+  final-normed output); `positions` [3, S], the talker's positions (`rope_index` over the
+  user ids and nine `tts_pad`, the ninth being the talker's first decode). The prompt must
+  end with the assistant header;
 - `item` [1, hidden] at every step: the embedding of the token just sampled, or, on the step
   that ends the text (`<|im_end|>` or the token limit), the embedding of `tts_eos` instead:
   HF's talker never sees the last generated token (the thinker's returned hidden states stop
@@ -240,8 +248,10 @@ class ThinkerMoE(KVNode):
         if image_idx is not None:
             depth = max(p.deepstack.shape[0] for p in prompts)
             for d in range(depth):
-                # an entry without images contributes no rows, whatever its deepstack's depth
-                parts = [p.deepstack[d] for p in prompts if p.image.shape[0]]
+                # an entry without images contributes no rows; one whose deepstack is shallower
+                # (or absent) adds nothing at this layer
+                parts = [p.deepstack[d] if d < p.deepstack.shape[0] else torch.zeros_like(p.image)
+                         for p in prompts if p.image.shape[0]]
                 deep.append((image_idx, torch.cat(parts)))
         positions = torch.cat([p.positions for p in prompts], dim=1).to(dev)
         tap: list[torch.Tensor] | None = [] if speech else None

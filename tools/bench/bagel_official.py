@@ -47,8 +47,10 @@ edit then differs from M* in its noise, T2I does not.
 API: `official_model(state_dicts, config, device, dtype)` -> `Official`; `official_from_worker`;
 `official_t2i_latents`, `official_edit_latents`, `official_understand_tokens`;
 `official_inferencer_timings` (+ `time_t2i`, `time_edit`, `time_understand`).
-CLI: `python tools/bench/bagel_official.py check` (imports and one tiny run) and
-`... run --weights W --config C --jobs J --inputs I --out O` (a process of its own).
+CLI (`python tools/bench/bagel_official.py ...`): `check` (imports, one tiny run on random
+weights); `run --weights W --config C --jobs J --inputs I --out O` (jobs on given weights, the
+CPU test's official side in a process of its own); `parity [--variant real] [--device cuda]`
+(M*'s walks, then the official code, on the same dummy weights in one process: figures as JSON).
 """
 
 from __future__ import annotations
@@ -535,19 +537,62 @@ def official_model(state_dicts: Mapping[str, torch.Tensor] | Iterable[Mapping[st
     return Official(model, vae, inferencer, tokenizer, new_token_ids, device, dtype, cfg, mods, hooks)
 
 
-def official_from_worker(worker: Any, device: torch.device | str | None = None, *,
-                         vae_device: torch.device | str | None = None, folder: Path = OFFICIAL) -> Official:
-    """`official_model` on the weights of an M* Worker's BAGEL nodes (llm, vit, vae_enc, vae_dec) by
-    their checkpoint names, in the plan's dtype; the tokenizer node encodes prompts for it. The AE
-    runs on `vae_device` (default: the model device, as eval/gen/gen_images_mp.py; the app keeps it
-    on the CPU, which M*'s edit noise follows: pass "cpu" for parity)."""
+BAGEL_NODES = ("llm", "vit", "vae_enc", "vae_dec")  # the nodes holding checkpoint tensors
+
+
+def worker_weights(worker: Any, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """The weights of an M* Worker's BAGEL nodes by checkpoint name; copies on `device` (e.g. "cpu",
+    so that the worker can be freed before the official model is built), else the nodes' own tensors."""
     from mstar_runtime.weights import checkpoint_name
 
-    nodes = {name: worker.engines[name].node for name in ("llm", "vit", "vae_enc", "vae_dec")}
-    sds = [{checkpoint_name(n, k): v for k, v in n.state_dict().items()} for n in nodes.values()]
-    dtype = next(nodes["llm"].parameters()).dtype
+    out: dict[str, torch.Tensor] = {}
+    for name in BAGEL_NODES:
+        node = worker.engines[name].node
+        for k, v in node.state_dict().items():
+            out[checkpoint_name(node, k)] = v.detach() if device is None else v.detach().to(device, copy=True)
+    return out
+
+
+def release_worker(worker: Any) -> None:
+    """Free an M* Worker's GPU memory (its nodes and KV pools) even while references to it remain:
+    its engines are dropped (the worker is unusable afterwards), then the heap Worker froze at load
+    (`gc.freeze`, so its reference cycles were out of the collector's reach) is unfrozen and
+    collected, and the allocator's cache emptied."""
+    import gc
+
+    for engine in worker.engines.values():
+        node = getattr(engine, "node", None)
+        if node is not None:  # probes set as instance attributes close over the node: a cycle
+            for name in [k for k in vars(node) if k.startswith("phase_")]:
+                delattr(node, name)
+    worker.engines.clear()
+    gc.unfreeze()
+    gc.collect()
+    if worker.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def official_from_worker(worker: Any, device: torch.device | str | None = None, *,
+                         vae_device: torch.device | str | None = None, folder: Path = OFFICIAL) -> Official:
+    """`official_model` on the weights of an M* Worker's BAGEL nodes (by checkpoint name, in the plan's
+    dtype), beside the worker on the same GPU; its tokenizer node encodes prompts for it. The AE runs
+    on `vae_device` (default: the model device, as eval/gen/gen_images_mp.py; the app keeps it on the
+    CPU, which M*'s edit noise follows: pass "cpu" for parity). The official model is a second copy
+    of the weights: when the worker's KV pool leaves no room for it (a plan for a whole H200 gives
+    its KV pool 90% of what the weights leave), take `worker_weights(worker, "cpu")` and
+    `tokenizer_from_node(...)`, `release_worker(worker)`, then call `official_model` (as `parity`
+    does; OfficialError says so)."""
+    weights = worker_weights(worker)
+    dtype = next(worker.engines["llm"].node.parameters()).dtype
     device = torch.device(device or worker.device)
-    return official_model(sds, worker.plan.config, device, dtype, tokenizer=tokenizer_from_node(
+    if device.type == "cuda":
+        need = sum(w.numel() for k, w in weights.items() if not k.startswith(VAE_PREFIXES)) * dtype.itemsize
+        free = torch.cuda.mem_get_info(device)[0]
+        if free < need + (4 << 30):  # + activations and the 3 contexts at 1024^2
+            raise OfficialError(f"{free / 2**30:.1f} GiB free on {device}, the official model needs "
+                                f"{need / 2**30:.1f} GiB + ~4 GiB: copy worker_weights(worker, 'cpu'), "
+                                "release_worker(worker) (its KV pool), then build official_model from the copy")
+    return official_model(weights, worker.plan.config, device, dtype, tokenizer=tokenizer_from_node(
         worker.engines["tok"].node, worker.plan.config), vae_device=vae_device or device, folder=folder)
 
 
@@ -738,6 +783,145 @@ def _median(xs: list[float]) -> float:
     return s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
 
 
+# ------------------------------------------------------------------------------ M* side
+def compile_plan(variant: str, placement: Path, out: Path) -> Path:
+    """models/bagel/bagel.walk compiled for `variant` and `placement` into `out`."""
+    from mstarc.cli import main as mstarc
+
+    rc = mstarc(["compile", str(ROOT / "models/bagel/bagel.walk"), "--variant", variant, "-p", str(placement),
+                 "-o", str(out)])
+    if rc != 0:
+        raise OfficialError(f"mstarc compile of the bagel walk ({variant}, {placement.name}) failed: {rc}")
+    return out
+
+
+class MStarRun:
+    """A compiled BAGEL plan on a Conductor with rank 0's Worker in this process, with probes on the
+    nodes' phases (instance attributes: StatelessNode.run finds them first): the latent the VAE
+    decoder receives (after the last Euler step), flow.noise's x_1 and the streamed tokens (the
+    new token of each detokenize chunk)."""
+
+    def __init__(self, plan_path: Path, device: str = "cpu", weights: str = "dummy"):
+        from mstar_runtime.control.conductor import Conductor
+        from mstar_runtime.plan.loader import load_plan
+        from mstar_runtime.worker.worker import Worker
+
+        self.plan = load_plan(plan_path, device=device)
+        self.worker = Worker(self.plan, 0, device, weights)
+        self.conductor = Conductor(self.plan, {0: self.worker})
+        self.latents: list[torch.Tensor] = []
+        self.noise: list[torch.Tensor] = []
+        self.tokens: list[int] = []
+        self._probe("vae_dec", "decode", lambda e, o: self.latents.append(e["latent"].detach().float().cpu()))
+        self._probe("flow", "noise", lambda e, o: self.noise.append(o["latent"].detach().float().cpu()))
+        self._probe("tok", "detokenize", lambda e, o: self.tokens.append(int(e["tokens"][-1])))
+
+    def _probe(self, node_name: str, phase: str, record: Callable[[dict[str, Any], dict[str, Any]], None]) -> None:
+        node = self.worker.engines[node_name].node
+        method = getattr(node, f"phase_{phase}")
+
+        def probed(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            out = method(batch)
+            for e, o in zip(batch, out, strict=True):
+                record(e, o)
+            return out
+
+        setattr(node, f"phase_{phase}", probed)
+
+    def run(self, walk: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """One request of `walk`, alone; its outputs (the probes hold its latents and tokens)."""
+        from mstar_runtime.control.conductor import FINISHED
+
+        self.latents.clear()
+        self.noise.clear()
+        self.tokens.clear()
+        h = self.conductor.submit(walk, dict(inputs))
+        self.conductor.run_until_idle()
+        if h.state != FINISHED:
+            raise OfficialError(f"M* {walk} failed: {h.error}")
+        return h.outputs
+
+    def segment_ids(self, text: str) -> list[int]:
+        """The tokenizer node's ids of `text`, without the <|im_start|> / <|im_end|> it adds."""
+        return self.worker.engines["tok"].node.segment([text])[0][1:-1].tolist()
+
+
+def synthetic_image(h: int, w: int, seed: int = 0) -> torch.Tensor:
+    """A smooth RGB image (uint8 [h, w, 3]): gradients and a disc, so that resizing has work to do."""
+    g = torch.Generator().manual_seed(seed)
+    yy, xx = torch.meshgrid(torch.linspace(0, 1, h), torch.linspace(0, 1, w), indexing="ij")
+    img = torch.stack([xx, yy, 1 - xx * yy], -1)
+    cy, cx, r = torch.rand(3, generator=g)
+    img[((yy - cy) ** 2 + (xx - cx) ** 2) < (0.15 + 0.2 * r) ** 2] = torch.rand(3, generator=g)
+    return (img * 255).round().to(torch.uint8)
+
+
+def latent_error(ours: torch.Tensor, official: torch.Tensor, x1: torch.Tensor) -> dict[str, float]:
+    """max and RMS |ours - official| relative to the official displacement from the shared x_1."""
+    moved = official - x1
+    diff = ours - official
+    return {"max_rel": diff.abs().max().item() / max(moved.abs().max().item(), 1e-30),
+            "rms_rel": diff.norm().item() / max(moved.norm().item(), 1e-30), "moved_max": moved.abs().max().item()}
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def parity(variant: str, device: str, size: int, edit_size: int, num_timesteps: int, answer: int,
+           folder: Path = OFFICIAL) -> dict[str, Any]:
+    """M*'s t2i, edit and understand walks against the official code on the same `dummy` weights, one
+    process: M* first (it never imports transformers), its weights copied to the host and the worker
+    freed (its KV pool fills the GPU), then the official model on `device` in the plan's dtype with
+    the AE on the CPU (the app's placement, whose eps order M*'s edit follows)."""
+    import tempfile
+
+    placement = ROOT / "placements" / ("h200x1.yaml" if device.startswith("cuda") else "cpu.yaml")
+    with tempfile.TemporaryDirectory() as tmp:
+        ms = MStarRun(compile_plan(variant, placement, Path(tmp) / "bagel.plan"), device)
+    rec: dict[str, Any] = {"variant": variant, "device": device, "size": size, "edit_size": edit_size,
+                           "num_timesteps": num_timesteps, "answer": answer}
+    t2i = {"prompt": "A photo of a red fox sitting in the snow at the edge of a pine forest", "height": size,
+           "width": size, "num_timesteps": num_timesteps, "seed": 0}
+    edit = {"source": synthetic_image(edit_size, edit_size, 1), "prompt": "Make the sky purple and add a full moon",
+            "num_timesteps": num_timesteps, "seed": 0}
+    und = {"image": synthetic_image(edit_size, edit_size, 2), "question": "What is in this image? Describe it.",
+           "max_length": answer}
+    ours: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    ms.run("t2i", t2i)
+    ours["t2i"] = (ms.latents[-1], ms.noise[-1])
+    ms.run("edit", edit)
+    ours["edit"] = (ms.latents[-1], ms.noise[-1])
+    ms.run("understand", und)
+    ours["und"] = list(ms.tokens)
+    rec["mstar_s"] = time.perf_counter() - t0
+    weights = worker_weights(ms.worker, "cpu")
+    config, tok = dict(ms.plan.config), tokenizer_from_node(ms.worker.engines["tok"].node, ms.plan.config)
+    dtype = next(ms.worker.engines["llm"].node.parameters()).dtype
+    release_worker(ms.worker)
+    del ms
+    if device.startswith("cuda"):
+        rec["gpu_free_gib_after_release"] = torch.cuda.mem_get_info()[0] / 2**30
+    t0 = time.perf_counter()
+    off = official_model(weights, config, device, dtype, tokenizer=tok, vae_device="cpu", folder=folder)
+    del weights
+    rec["official_build_s"] = time.perf_counter() - t0
+    rec["attention"], rec["stubs"], rec["commit"] = off.modules.attention, off.modules.stubs, off.modules.commit
+    t0 = time.perf_counter()
+    lat = official_t2i_latents(off, t2i["prompt"], height=size, width=size, num_timesteps=num_timesteps, seed=0)
+    rec["t2i"] = latent_error(ours["t2i"][0], lat, ours["t2i"][1])
+    lat = official_edit_latents(off, edit["source"], edit["prompt"], num_timesteps=num_timesteps, seed=0)
+    rec["edit"] = latent_error(ours["edit"][0], lat, ours["edit"][1])
+    toks = official_understand_tokens(off, und["image"], und["question"], max_length=answer).tolist()
+    rec["und"] = {"mstar": ours["und"], "official": toks, "common_prefix": common_prefix(ours["und"], toks)}
+    rec["official_s"] = time.perf_counter() - t0
+    return rec
+
+
 # ------------------------------------------------------------------------------ CLI
 def _tiny_config() -> dict[str, Any]:
     """The bagel walk's `variant tiny` values the official modules read."""
@@ -792,9 +976,25 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--inputs", type=Path, help="safetensors of the jobs' images")
     run.add_argument("--out", type=Path, required=True, help="safetensors: one tensor per job name")
     run.add_argument("--device", default="cpu")
+    par = sub.add_parser("parity", help="M*'s walks against the official code on the same dummy weights")
+    par.add_argument("--variant", default="real", choices=["real", "tiny"])
+    par.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    par.add_argument("--size", type=int, default=1024, help="t2i side, px")
+    par.add_argument("--edit-size", type=int, default=512, help="edit / understanding image side, px")
+    par.add_argument("--num-timesteps", type=int, default=4, help="schedule points: num_timesteps - 1 Euler steps")
+    par.add_argument("--answer", type=int, default=16, help="understanding max_length")
+    par.add_argument("--out", type=Path, help="JSON of the figures")
     args = ap.parse_args(argv)
     if args.cmd == "check":
         return _check(args.folder)
+    if args.cmd == "parity":
+        rec = parity(args.variant, args.device, args.size, args.edit_size, args.num_timesteps, args.answer,
+                     args.folder)
+        text = json.dumps(rec, indent=2)
+        print(text)
+        if args.out:
+            args.out.write_text(text)
+        return 0
     from safetensors.torch import load_file, save_file
 
     weights = load_file(str(args.weights))

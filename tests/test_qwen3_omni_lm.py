@@ -342,13 +342,16 @@ def lm_nodes(plan: Plan, checkpoint: Path) -> dict[str, Any]:
     return {name: load(plan, checkpoint, name) for name in CLASSES}
 
 
-def test_speech_codes_equal_hf_generate(lm_nodes: dict[str, Any], hf: Any, encoded: dict[str, torch.Tensor]) -> None:
-    """Greedy end to end: the thinker's text, the talker prompt from the user turns (an image,
-    so the talker's positions are 3-D and its prompt reads the thinker's layer tap), the talker's
-    layer-0 codes and the code predictor's residual codes, against `generate(return_audio=True)`."""
+@pytest.mark.parametrize("media", ["image", "audio"])
+def test_speech_codes_equal_hf_generate(lm_nodes: dict[str, Any], hf: Any, encoded: dict[str, torch.Tensor],
+                                        media: str) -> None:
+    """Greedy end to end: the thinker's text, the talker prompt from the user turns (whose image
+    makes the talker's positions 3-D; whose audio leaves them 1-D, as HF), read from the
+    thinker's layer tap at the media positions, the talker's layer-0 codes and the code
+    predictor's residual codes, against `generate(return_audio=True)`."""
     e = encoded
     prompt = chat(("system", [40, 41]), ("user", [50, 51]), ("assistant", [60, 61]), ("user", [70, 71, 72]),
-                  image=6)
+                  **{media: 6 if media == "image" else 13})
     text_tokens, frames = 6, 8
     captured: dict[str, torch.Tensor] = {}
     decode = hf.code2wav.chunked_decode
@@ -357,18 +360,23 @@ def test_speech_codes_equal_hf_generate(lm_nodes: dict[str, Any], hf: Any, encod
         captured["codes"] = codes.clone()
         return torch.zeros(1, 1, 1)  # the vocoder is another node's test
 
+    if media == "image":
+        hf_media = {"pixel_values": e["pixels"], "image_grid_thw": e["grid"]}
+        ours = {"image": e["image"], "deepstack": e["deepstack"], "grid": e["grid"]}
+    else:
+        hf_media = {"input_features": e["feats"], "feature_attention_mask": e["fmask"]}
+        ours = {"audio": e["audio"]}
     hf.code2wav.chunked_decode = capture
     try:
         with torch.no_grad():
             seqs, _ = hf.generate(
-                input_ids=prompt.long()[None], pixel_values=e["pixels"], image_grid_thw=e["grid"],
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long), speaker="ethan", return_audio=True,
-                thinker_max_new_tokens=text_tokens, thinker_do_sample=False, thinker_eos_token_id=I["im_end_token_id"],
-                talker_do_sample=False, talker_max_new_tokens=frames)
+                input_ids=prompt.long()[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                speaker="ethan", return_audio=True, thinker_max_new_tokens=text_tokens, thinker_do_sample=False,
+                thinker_eos_token_id=I["im_end_token_id"], talker_do_sample=False, talker_max_new_tokens=frames,
+                **hf_media)
     finally:
         hf.code2wav.chunked_decode = decode
-    text, codes = speak(lm_nodes, {"r": {"ids": prompt, "image": e["image"], "deepstack": e["deepstack"],
-                                         "grid": e["grid"]}}, text_tokens, frames)
+    text, codes = speak(lm_nodes, {"r": {"ids": prompt, **ours}}, text_tokens, frames)
     assert text["r"] == seqs[0, len(prompt) :].tolist()
     ref = captured["codes"][0]  # [code groups, frames]: HF has no codes for its last talker token
     assert ref.shape == (4, frames - 1)

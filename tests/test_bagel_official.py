@@ -115,13 +115,9 @@ def redraw_(module: torch.nn.Module, seed: int) -> None:
 
 # ------------------------------------------------------------------------------ fixtures
 def _flow_settings(case: dict[str, Any]) -> dict[str, Any]:
-    """Walk inputs -> the harness' official settings (cfg_interval as one pair)."""
-    s = {k: case[k] for k in ("cfg_text_scale", "cfg_img_scale", "cfg_renorm_type", "cfg_renorm_min") if k in case}
-    if "cfg_interval_start" in case or "cfg_interval_end" in case:
-        defaults = bagel_official.T2I_DEFAULTS if "source" not in case else bagel_official.EDIT_DEFAULTS
-        lo, hi = defaults["cfg_interval"]
-        s["cfg_interval"] = [case.get("cfg_interval_start", lo), case.get("cfg_interval_end", hi)]
-    return s
+    """Walk inputs -> every official setting of the job (the walk's defaults are the official app's)."""
+    defaults = bagel_official.EDIT_DEFAULTS if "source" in case else bagel_official.T2I_DEFAULTS
+    return bagel_official.settings_from_walk(case, defaults)
 
 
 @pytest.fixture(scope="module")

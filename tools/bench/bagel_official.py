@@ -626,6 +626,20 @@ def _hyper(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[st
     return h
 
 
+def settings_from_walk(inputs: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The official generation settings of walk-style inputs (cfg_text_scale, cfg_img_scale,
+    cfg_renorm_type, cfg_renorm_min, timestep_shift, cfg_interval_start / _end as one pair); other
+    keys are ignored."""
+    s = {k: inputs[k] for k in ("cfg_text_scale", "cfg_img_scale", "cfg_renorm_type", "cfg_renorm_min")
+         if k in inputs}
+    if "timestep_shift" in inputs:
+        s["timestep_shift"] = inputs["timestep_shift"]
+    if "cfg_interval_start" in inputs or "cfg_interval_end" in inputs:
+        lo, hi = defaults["cfg_interval"]
+        s["cfg_interval"] = [inputs.get("cfg_interval_start", lo), inputs.get("cfg_interval_end", hi)]
+    return _hyper(defaults, s)
+
+
 @contextlib.contextmanager
 def _latent_capture(off: Official) -> Iterator[list[torch.Tensor]]:
     """The latent gen_image hands decode_image (after the last Euler step), instead of decoding it."""
@@ -701,11 +715,11 @@ def _timed(off: Official, fn: Callable[[], Any]) -> tuple[float, Any]:
 
 def time_t2i(off: Official, t2i: Mapping[str, Any]) -> float:
     """Seconds of one official T2I to a PIL image (`inferencer(text=...)`), walk-style inputs:
-    prompt, height, width, num_timesteps, seed, and optional T2I_DEFAULTS keys."""
-    s = {k: v for k, v in t2i.items() if k in T2I_DEFAULTS}
-    h = _hyper(T2I_DEFAULTS, s)
+    prompt (text, or its ids without specials), height, width, num_timesteps, seed, and the walk's
+    optional CFG inputs (settings_from_walk)."""
+    h = settings_from_walk(t2i, T2I_DEFAULTS)
     torch.manual_seed(int(t2i.get("seed", 0)))
-    sec, out = _timed(off, lambda: off.inferencer(text=t2i["prompt"], num_timesteps=int(t2i["num_timesteps"]),
+    sec, out = _timed(off, lambda: off.inferencer(text=_text(off, t2i["prompt"]), num_timesteps=int(t2i["num_timesteps"]),
                                                   image_shapes=(int(t2i["height"]), int(t2i["width"])), **h))
     if out.get("image") is None:
         raise OfficialError("the official T2I returned no image")
@@ -714,10 +728,10 @@ def time_t2i(off: Official, t2i: Mapping[str, Any]) -> float:
 
 def time_edit(off: Official, edit: Mapping[str, Any]) -> float:
     """Seconds of one official edit to a PIL image: source (uint8 [H, W, 3]), prompt,
-    num_timesteps, seed, and optional EDIT_DEFAULTS keys."""
-    h = _hyper(EDIT_DEFAULTS, {k: v for k, v in edit.items() if k in EDIT_DEFAULTS})
+    num_timesteps, seed, and the walk's optional CFG inputs."""
+    h = settings_from_walk(edit, EDIT_DEFAULTS)
     torch.manual_seed(int(edit.get("seed", 0)))
-    sec, out = _timed(off, lambda: off.inferencer(image=_pil(edit["source"]), text=edit["prompt"],
+    sec, out = _timed(off, lambda: off.inferencer(image=_pil(edit["source"]), text=_text(off, edit["prompt"]),
                                                   num_timesteps=int(edit["num_timesteps"]), **h))
     if out.get("image") is None:
         raise OfficialError("the official edit returned no image")
@@ -740,7 +754,7 @@ def time_understand(off: Official, und: Mapping[str, Any]) -> tuple[int, float, 
     try:
         off.sync()
         t0 = time.perf_counter()
-        off.inferencer(image=_pil(und["image"]), text=und["question"], understanding_output=True,
+        off.inferencer(image=_pil(und["image"]), text=_text(off, und["question"]), understanding_output=True,
                        max_think_token_n=int(und.get("max_length", 500)), do_sample=False)
         off.sync()
         sec = time.perf_counter() - t0
@@ -762,7 +776,7 @@ def official_inferencer_timings(off: Official, *, t2i: Mapping[str, Any] | None 
                            "dtype": str(off.dtype).replace("torch.", ""), "batching": "none (B > 1 is sequential)"}
     if warmup:  # CUDA context, cuBLAS handles, the allocator: not the official code's cost
         side = 16 * min(4, int(off.config["max_latent_size"]))
-        time_t2i(off, {"prompt": "warm-up", "height": side, "width": side, "num_timesteps": 3, "seed": 0})
+        time_t2i(off, {"prompt": [1, 2, 3], "height": side, "width": side, "num_timesteps": 3, "seed": 0})
         if und is not None:
             time_understand(off, {**und, "max_length": 4})
     if t2i is not None:

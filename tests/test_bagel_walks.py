@@ -146,3 +146,25 @@ def test_both_step_paths_give_the_same_text(plan_path: Path) -> None:
             if path == "cohort":
                 assert m.conductor.stats["cohort_steps"] > 0
     assert texts["cohort"] == texts["generic"]
+
+
+def test_a_step_takes_at_most_the_nodes_token_budget(plan_path: Path) -> None:
+    """A kv node's `max_prefill_tokens` setting bounds one batched step's new tokens (16 ViT
+    blocks of 4902 tokens ran out of memory at real size); the first entry always runs."""
+    with MStar.load(plan_path, weights="dummy") as m:
+        assert m.conductor._token_budget("llm") == 65536  # the walk's setting
+        m.conductor._token_budget = lambda node: 40 if node == "llm" else None
+        llm = nodes(m)["llm"]
+        sizes, original = [], llm.phase_prefill_vit
+
+        def counted(batch: list[dict], attn: Any) -> list[dict]:
+            sizes.append(sum(s.q_len for s in attn.seqs))
+            return original(batch, attn)
+
+        llm.phase_prefill_vit = counted
+        # 56 x 56 images: a 4 x 4 grid, blocks of 18 tokens: two per step under a budget of 40
+        hs = [m.submit("understand", {"image": image(56, 56, i), "question": "q", "max_length": 3})
+              for i in range(5)]
+        for h in hs:
+            h.result(timeout=60)
+    assert sizes and max(sizes) <= 40 and sum(sizes) == 5 * 18 and len(sizes) >= 3

@@ -128,6 +128,9 @@ class StepHandleLike(Protocol):
     def result(self) -> list[dict[str, Any]]: ...
 
 
+_OVER_BUDGET = object()  # `_reserve_one`: the call waits for a step with room for its tokens
+
+
 @dataclass(eq=False)
 class _InFlight:
     """A step sent to a worker process whose answer the conductor has not taken yet."""
@@ -614,6 +617,8 @@ class Conductor:
     def _reserve(self, key: tuple[str, str, tuple[int, ...]], calls: list[StepCall]) -> list[tuple[StepCall, StepEntry]]:
         node, phase, ranks = key
         is_kv = self.plan.node(node)["engine"] == "kv"
+        budget = self._token_budget(node) if is_kv else None
+        used = 0
         entries: list[tuple[StepCall, StepEntry]] = []
         for call in calls:
             req = call.request
@@ -622,14 +627,28 @@ class Conductor:
             inputs = chunk_inputs(call.inputs)
             kv: KVSlots | None = None
             if is_kv:
-                kv = self._reserve_one(node, phase, ranks[0], call, inputs)
+                room = None if budget is None or not entries else budget - used
+                kv = self._reserve_one(node, phase, ranks[0], call, inputs, room)
+                if kv is _OVER_BUDGET:  # this call and the rest wait for the next step
+                    break
                 if kv is None:
                     continue
+                used += kv.q_len
             entries.append((call, StepEntry(req.id, call.tag, inputs, kv)))
         # a later entry's reservation may have preempted an earlier entry's request
         return [(c, e) for c, e in entries if c in self.pending and not c.request.done]
 
-    def _reserve_one(self, node: str, phase: str, rank: int, call: StepCall, inputs: dict[str, Any]) -> KVSlots | None:
+    def _token_budget(self, node: str) -> int | None:
+        """The node's `max_prefill_tokens` setting, when the walk sets one: the most new tokens
+        one batched step of it takes (the memory pass sized the activations for that many);
+        the first entry of a step is always taken."""
+        value = self._kv_class(node)[1].settings.get("max_prefill_tokens")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    def _reserve_one(self, node: str, phase: str, rank: int, call: StepCall, inputs: dict[str, Any],
+                     room: int | None = None) -> Any:
+        """The call's KV slots; None when it failed (or lost its request); `_OVER_BUDGET` when
+        its tokens do not fit the `room` left in this step's token budget."""
         cls, spec = self._kv_class(node)
         shapes = {p: tuple(v.shape) for p, v in inputs.items() if isinstance(v, torch.Tensor)}
         try:
@@ -637,6 +656,8 @@ class Conductor:
         except RequestError as e:
             self._fail(call.request, str(e), e.field)
             return None
+        if room is not None and plan.q_len > room:
+            return _OVER_BUDGET
         key = (call.request.id, call.tag or "main")
         while True:
             try:

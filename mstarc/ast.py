@@ -136,17 +136,28 @@ class Port:
 
 
 @dataclass(frozen=True)
+class ReadRef:
+    """`reads NODE[@TAG]` on a phase: a KV context the phase attends to besides its call's own."""
+
+    node: Ident
+    tag: Ident | None  # None: the tag of the call
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
 class Phase:
     name: Ident
     inputs: tuple[Ident, ...]
     outputs: tuple[Ident, ...]
     span: Span = field(default=_NO_SPAN, compare=False)
+    reads: tuple[ReadRef, ...] = ()
 
 
 @dataclass(frozen=True)
 class Tags:
     names: tuple[Ident, ...]
     span: Span = field(default=_NO_SPAN, compare=False)
+    args: tuple[tuple[Arg, ...], ...] = ()  # per name, its `(max_len = N)` arguments (empty: none)
 
 
 @dataclass(frozen=True)
@@ -161,6 +172,7 @@ class Node:
     settings: tuple[Setting, ...]
     span: Span = field(default=_NO_SPAN, compare=False)
     extra_archs: tuple[Arch, ...] = ()  # more than one `arch` line: an error, kept for E010
+    impl_args: tuple[Arg, ...] | None = None  # `= pkg.Impl(key = value, ...)`: the implementation's settings
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,8 @@ def _analyse(loop: Mapping[str, Any]) -> tuple[Mark | None, str | None]:
         emits.append([item["output"], results[value["var"]]])
     if len(call["ranks"]) != 1:
         return None, f"{call['id']} runs on {len(call['ranks'])} ranks"
+    if call.get("reads"):
+        return None, f"{call['id']} reads other KV contexts"
     carry = set(loop.get("carry") or ())
     fed: list[list[str]] = []
     invariant: list[str] = []

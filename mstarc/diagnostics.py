@@ -39,6 +39,7 @@ CODES: dict[str, str] = {
     "E023": "bad architecture arguments",
     "E024": "bad engine kind",
     "E025": "value out of range",
+    "E026": "bad node setting",
     # types (E03x)
     "E030": "port type mismatch",
     "E031": "bad type",
@@ -48,6 +49,7 @@ CODES: dict[str, str] = {
     "E035": "value flows between nodes without an edge",
     "E036": "walk output never produced",
     "E037": "value never used (warning)",
+    "E039": "bad KV context read",
     # control structure (E04x)
     "E040": "loop without a bound",
     "E041": "dynamic loop without a stop flag",
@@ -66,6 +68,7 @@ CODES: dict[str, str] = {
     "E053": "placement names an unknown node",
     "E054": "placement names an unknown walk or branch",
     "E055": "bad device",
+    "E056": "KV context read on other ranks",
     # memory (E06x)
     "E060": "model does not fit the device",
     "E061": "KV pool too small",

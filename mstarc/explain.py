@@ -45,6 +45,7 @@ def program_lines(op: dict[str, Any], depth: int = 0) -> list[tuple[int, str]]:
         ranks = ",".join(str(r) for r in op["ranks"])
         extras = [f"rank {ranks}"] + ([f"graph {op['graph']}"] if op.get("graph") else [])
         extras += [f"feeds {f['stream'].split(':', 1)[1]}" for f in op.get("feeds", [])]
+        extras += [f"reads {r['node']}@{r['tag']}" for r in op.get("reads", [])]
         return [(depth, f"{lhs + ' = ' if lhs else ''}{op['node']}.{op['phase']}({args}){tag}   [{'; '.join(extras)}]")]
     if kind == "loop":
         if op["dynamic"]:
@@ -118,7 +119,8 @@ def plan_view(plan: dict[str, Any]) -> dict[str, Any]:
                 "weights": human_bytes(mem.get("node_weights", {}).get(name)),
                 "kv_per_token": human_bytes(kv["bytes_per_token"]) if kv else "-",
                 "kv_tokens": kv["tokens"] if kv else None, "kv_pages": kv["pages"] if kv else None,
-                "tags": ", ".join(n["tags"]) if n["engine"] == "kv" else "",
+                "tags": ", ".join(t + (f" (max_len {n['tag_max_len'][t]})" if t in n.get("tag_max_len", {}) else "")
+                                  for t in n["tags"]) if n["engine"] == "kv" else "",
             })
         ranks.append({
             "rank": r, "device": dev["type"] if dev["name"] == dev["type"] else f"{dev['type']} {dev['name']}", "capacity": human_bytes(dev["memory_bytes"]),
@@ -135,7 +137,7 @@ def plan_view(plan: dict[str, Any]) -> dict[str, Any]:
     walks = []
     for name, w in sorted(plan["walks"].items()):
         sig_in = ", ".join(f"{p['name']}: {_type(p['type'])}" + (f" = {json.dumps(p['default'])}" if p["default"] is not None else "")
-                           for p in w["inputs"])
+                           + (" (streamed)" if p.get("stream") else "") for p in w["inputs"])
         sig_out = ", ".join(f"{p['name']}: {_type(p['type'])}" for p in w["outputs"])
         walks.append({"name": name, "signature": f"({sig_in}) -> ({sig_out})", "lines": program_lines(w["program"], 1)})
     # `pairs`: (src rank, dst rank) of every pair of the two nodes' instances (the dot graph's arrows)
@@ -144,7 +146,9 @@ def plan_view(plan: dict[str, Any]) -> dict[str, Any]:
              for e in plan["edges"]]
     return {"model": plan["model"], "weights": plan["weights"], "ranks": ranks, "walks": walks, "edges": edges,
             "transitions": plan["transitions"], "placement": plan["placement"].get("name", ""),
-            "schema": f"{plan['schema']['major']}.{plan['schema']['minor']}", "compiler": plan.get("compiler", "")}
+            "schema": f"{plan['schema']['major']}.{plan['schema']['minor']}"
+                      + (f" (requires {', '.join(plan['requires'])})" if plan.get("requires") else ""),
+            "compiler": plan.get("compiler", "")}
 
 
 def _policy(p: dict[str, Any]) -> str:

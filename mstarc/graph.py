@@ -19,7 +19,8 @@
   Value vertices (`kind` "value", id `ORIGIN/NAME`) are one per (defining call, name): the
   value NAME as the call ORIGIN made it, on ORIGIN's ranks. `vkind` says what it is:
   "value" (a call result, `port` its output port), "kv" (the KV context `node@tag` after
-  ORIGIN ran on it), "stream" (the items ORIGIN pushes into the streaming edge NAME),
+  ORIGIN ran on it), "stream" (the items ORIGIN pushes into the streaming edge NAME; for a
+  stream from a walk input ORIGIN is the walk),
   "input" (a walk input; ORIGIN is the walk). A `def` edge goes from ORIGIN to the value;
   an `acc` or `fork` statement that renames a value adds its own `def` edge (key "acc" or
   "fork"), and a KV context that a transition keeps enters its target walk with a "keep"
@@ -29,7 +30,9 @@
   iteration of a loop: its origin is at or after the reader in the walk) and `consumer`:
   the name a cross-rank transfer of it gives the reader (a call's id,
   `<walk>:emit:<output>`, `<loop>:count`, `<loop>:until`), or None for reads that move
-  nothing (`acc`, `fork`, and `fires` edges from a stream's items to its block).
+  nothing (`acc`, `fork`, and `fires` edges from a stream's items to its block). A step
+  whose phase `reads` another KV context has a use edge from that context (key
+  `read:node@tag`, `read` true): it attends to the context without rewriting it.
 
 Which values reach a read is decided by reaching definitions over the region tree: a loop
 body is walked twice so that carried values and KV contexts also reach from the previous
@@ -248,7 +251,8 @@ class _Dataflow:
         vid = self.value(origin, name, vkind)
         self.r.defs[(stmt, vid, key)] = None
 
-    def use(self, name: str, defs: _Defs, reader: str, key: str, consumer: str | None, vkind: str = "value") -> None:
+    def use(self, name: str, defs: _Defs, reader: str, key: str, consumer: str | None, vkind: str = "value",
+            read: bool = False) -> None:
         pos = self.g.nodes[reader]["pos"]
         for origin in sorted(defs):
             vid = self.value(origin, name, vkind)
@@ -257,6 +261,8 @@ class _Dataflow:
                 o = self.g.nodes.get(origin)
                 back = o is not None and o["walk"] == self.w.name and o["pos"] >= pos
                 self.r.uses[edge] = {"vkind": vkind, "consumer": consumer, "back": back}
+                if read:
+                    self.r.uses[edge]["read"] = True
 
     def use_operand(self, op: I.Operand | None, env: dict[str, _Defs], reader: str, key: str,
                     consumer: str | None) -> None:
@@ -316,14 +322,19 @@ class _Dataflow:
     def call(self, c: I.Call, env: dict[str, _Defs]) -> None:
         for port, op in c.args.items():
             self.use_operand(op, env, c.id, f"arg:{port}", c.id)
+        node = self.m.nodes.get(c.node)
+        phase = node.phases.get(c.phase) if node is not None else None
+        if phase is not None and node.engine == "kv":
+            for r in phase.reads:  # other contexts the step attends to: read, not rewritten
+                ctx = r.resolve(node.tag_of(c.tag))
+                if ctx in env:
+                    self.use(ctx, env[ctx], c.id, f"read:{ctx}", c.id, "kv", read=True)
         key = self.kv_key(c)
         if key is not None:
             if key in env:
                 self.use(key, env[key], c.id, "kv", c.id, "kv")
             env[key] = frozenset({c.id})
             self.value(c.id, key, "kv")
-        node = self.m.nodes.get(c.node)
-        phase = node.phases.get(c.phase) if node is not None else None
         ports = phase.outputs if phase is not None and len(phase.outputs) == len(c.results) else (None,) * len(c.results)
         for name, port in zip(c.results, ports):
             env[name] = frozenset({c.id})
@@ -387,7 +398,10 @@ class _Dataflow:
                     for port in phase.outputs[:len(c.results)]:
                         found.setdefault((c.node, port), set()).add(c.id)
             self.producers = {e.id: frozenset(found.get((e.src_node, e.src_port), ())) for e in self.m.edges
-                              if e.streaming}
+                              if e.streaming and not e.from_input}
+            # a stream from an input of this walk: the request itself (the walk vertex) feeds it
+            self.producers.update({e.id: frozenset({self.w.name}) for e in self.m.edges
+                                   if e.from_input and e.src_node == self.w.name})
         return self.producers.get(edge.id, frozenset())
 
     def on_stream(self, block: I.OnStream, env: dict[str, _Defs]) -> None:

@@ -74,11 +74,25 @@ class PortIR:
 
 
 @dataclass(frozen=True)
+class ReadIR:
+    """A KV context a phase attends to besides its call's own: `reads NODE[@TAG]`."""
+
+    node: str
+    tag: str | None  # None: the tag of the call
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+    def resolve(self, call_tag: str) -> str:
+        """`node@tag` of the context a call on `call_tag` reads."""
+        return f"{self.node}@{self.tag if self.tag is not None else call_tag}"
+
+
+@dataclass(frozen=True)
 class PhaseIR:
     name: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     span: Span = field(default=_NO_SPAN, compare=False)
+    reads: tuple[ReadIR, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,6 +112,12 @@ class NodeIR:
     arch: ArchSpec | None  # noqa: F821 - resolved lazily (TYPE_CHECKING import)
     dtype: str = "bf16"
     span: Span = field(default=_NO_SPAN, compare=False)
+    tag_max_len: dict[str, int] = field(default_factory=dict)  # tags with their own bound (`cross(max_len=N)`)
+    impl_settings: tuple[str, ...] = ()  # the names in `settings` given as the implementation's arguments
+
+    def tag_of(self, call_tag: str | None) -> str:
+        """The KV tag a call uses: its own, else the node's first."""
+        return call_tag if call_tag is not None else (self.tags[0] if self.tags else "main")
 
 
 @dataclass(frozen=True)
@@ -112,7 +132,8 @@ class ChunkPolicyIR:
 
 @dataclass(frozen=True)
 class EdgeIR:
-    """A GraphEdge (tensor moves when the producer step ends) or, with a policy, a StreamingGraphEdge."""
+    """A GraphEdge (tensor moves when the producer step ends) or, with a policy, a StreamingGraphEdge;
+    a streaming edge may start at a walk's input (`from_input`): the client streams it in."""
 
     src_node: str
     src_port: str
@@ -120,6 +141,7 @@ class EdgeIR:
     dst_port: str
     policy: ChunkPolicyIR | None = None
     span: Span = field(default=_NO_SPAN, compare=False)
+    from_input: bool = False  # a stream whose producer is input `src_port` of walk `src_node`
 
     @property
     def id(self) -> str:

@@ -21,6 +21,7 @@ from mstarc import archs, ast, graph
 from mstarc import ir as I
 from mstarc.config import CheckpointConfig, EvalError, ValueBudget, evaluate, resolve_variant
 from mstarc.diagnostics import DiagnosticSink, Span
+from mstarc.settings import NODE_SETTINGS, TAG_ARGS, closest, setting_problem
 
 ENGINES = ("kv", "stateless")
 DTYPES = tuple(I.DTYPE_BYTES)
@@ -37,7 +38,7 @@ def lower(model: ast.Model, variant: str, source: str, weights: Path | None = No
         sink.check()
     lw = _Lowerer(config or {}, ckpt_cfg, sink, budget)
     nodes = lw.nodes(model.nodes)
-    edges = lw.edges(model.edges, model.streams)
+    edges = lw.edges(model.edges, model.streams, {w.name.name for w in model.walks})
     walks = lw.walks(model.walks)
     transitions = lw.transitions(model.transitions)
     sink.check()
@@ -52,6 +53,7 @@ class _Lowerer:
                  budget: ValueBudget | None = None):
         self.config, self.ckpt, self.sink = config, ckpt, sink
         self.budget = budget if budget is not None else ValueBudget()
+        self.node_names: set[str] = set()
 
     # ---- expressions
     def _config_lookup(self, name: str, span: Span) -> I.ConfigValue:
@@ -87,6 +89,16 @@ class _Lowerer:
 
     def type(self, t: ast.TypeRef) -> I.ValueType:
         name = t.name.name
+        if name not in I.SCALAR_KINDS and name not in DTYPES and name in self.config:
+            # a config value that names a type: the port's dtype follows the variant
+            value = self.config[name]
+            if not isinstance(value, str) or value not in I.SCALAR_KINDS + DTYPES:
+                names = ", ".join(dict.fromkeys(I.SCALAR_KINDS + DTYPES))
+                self.sink.error("E031", f"type '{name}' is the config value {value!r}, which names no type",
+                                t.name.span, f"give '{name}' a type name as a string ({names}), or write the "
+                                "type itself")
+                return I.ValueType("any")
+            name = value
         if name in I.SCALAR_KINDS and not (name == "bool" and t.dims is not None):
             if t.dims is not None:
                 self.sink.error("E031", f"type '{name}' takes no dimensions", t.span)
@@ -113,6 +125,7 @@ class _Lowerer:
     # ---- nodes
     def nodes(self, nodes: Iterable[ast.Node]) -> dict[str, I.NodeIR]:
         out: dict[str, I.NodeIR] = {}
+        self.node_names = {n.name.name for n in nodes}
         for n in nodes:
             if n.name.name in out:
                 self.sink.error("E010", f"node '{n.name.name}' is defined twice", n.name.span)
@@ -139,22 +152,11 @@ class _Lowerer:
                 self.sink.error("E010", f"phase '{ph.name.name}' of node '{n.name.name}' is defined twice", ph.name.span)
                 continue
             phases[ph.name.name] = I.PhaseIR(ph.name.name, tuple(i.name for i in ph.inputs),
-                                             tuple(o.name for o in ph.outputs), ph.span)
-        settings = {}
-        for s in n.settings:
-            v = self.value(s.value)
-            if v is not None:
-                settings[s.name.name] = v
-        tags: tuple[str, ...] = ("main",)
-        if n.tags is not None:
-            if engine != "kv":
-                self.sink.error("E046", f"node '{n.name.name}' is stateless and cannot have KV tags", n.tags.span,
-                                "only kv nodes own KV contexts")
-            names = [t.name for t in n.tags.names]
-            for t in n.tags.names:
-                if names.count(t.name) > 1 and names.index(t.name) != list(n.tags.names).index(t):
-                    self.sink.error("E010", f"tag '{t.name}' is listed twice", t.span)
-            tags = tuple(dict.fromkeys(names))
+                                             tuple(o.name for o in ph.outputs), ph.span,
+                                             tuple(I.ReadIR(r.node.name, r.tag.name if r.tag else None, r.span)
+                                                   for r in ph.reads))
+        settings = self.settings(n)
+        tags, tag_max_len = self.tags(n, engine)
         dtype = settings.get("dtype", self.config.get("dtype", "bf16"))
         if dtype not in DTYPES:
             self.sink.error("E031", f"node dtype must be one of {', '.join(DTYPES)}, not {dtype!r}", n.span)
@@ -163,8 +165,84 @@ class _Lowerer:
             self.sink.error("E010", f"node '{n.name.name}' has more than one arch", extra.span)
         arch_name, arch_args, spec = self.arch(n.arch, str(dtype))
         impl = "mstar_models." + ".".join(i.name for i in n.impl)
+        impl_settings = self.impl_args(n, settings)
         return I.NodeIR(n.name.name, engine, impl, ins, outs, phases, tags, settings,
-                        arch_name, arch_args, spec, str(dtype), n.span)
+                        arch_name, arch_args, spec, str(dtype), n.span, tag_max_len, impl_settings)
+
+    def settings(self, n: ast.Node) -> dict[str, I.ConfigValue]:
+        """The node body's settings: each one the compiler or the runtime reads (mstarc/settings.py)."""
+        out: dict[str, I.ConfigValue] = {}
+        for s in n.settings:
+            name = s.name.name
+            spec = NODE_SETTINGS.get(name)
+            if spec is None:
+                like = closest(name, list(NODE_SETTINGS))
+                self.sink.error("E026", f"node '{n.name.name}' has no setting '{name}'", s.name.span,
+                                (f"did you mean '{like}'? " if like else "")
+                                + f"settings: {', '.join(NODE_SETTINGS)}; what only the implementation reads "
+                                f"goes in its arguments: `= {'.'.join(i.name for i in n.impl)}({name} = ...)`")
+                continue
+            if name in out:
+                self.sink.error("E010", f"setting '{name}' of node '{n.name.name}' is given twice", s.name.span)
+                continue
+            v = self.value(s.value)
+            if v is None:
+                continue
+            problem = setting_problem(spec, v) if name != "dtype" else None  # dtype: E031 below
+            if problem is not None:
+                self.sink.error("E026", f"setting '{name}' of node '{n.name.name}' {problem}, got {v!r}", s.value.span)
+                continue
+            out[name] = v
+        return out
+
+    def impl_args(self, n: ast.Node, settings: dict[str, I.ConfigValue]) -> tuple[str, ...]:
+        """The implementation's arguments, added to `settings` (the compiler does not read them)."""
+        names: list[str] = []
+        for a in n.impl_args or ():
+            if a.name is None:
+                self.sink.error("E026", "implementation arguments must be named (key = value)", a.span)
+                continue
+            name = a.name.name
+            if name in NODE_SETTINGS:
+                self.sink.error("E026", f"'{name}' is a setting the compiler or the runtime reads, not an argument "
+                                "of the implementation", a.name.span, f"write `{name} = ...` in the node's body")
+                continue
+            if name in names:
+                self.sink.error("E010", f"implementation argument '{name}' is given twice", a.name.span)
+                continue
+            v = self.value(a.value)
+            if v is not None:
+                settings[name] = v
+                names.append(name)
+        return tuple(names)
+
+    def tags(self, n: ast.Node, engine: str) -> tuple[tuple[str, ...], dict[str, int]]:
+        if n.tags is None:
+            return ("main",), {}
+        if engine != "kv":
+            self.sink.error("E046", f"node '{n.name.name}' is stateless and cannot have KV tags", n.tags.span,
+                            "only kv nodes own KV contexts")
+        names = [t.name for t in n.tags.names]
+        for i, t in enumerate(n.tags.names):
+            if names.index(t.name) != i:
+                self.sink.error("E010", f"tag '{t.name}' is listed twice", t.span)
+        bounds: dict[str, int] = {}
+        for t, args in zip(n.tags.names, n.tags.args or ((),) * len(n.tags.names)):
+            for a in args:
+                key = a.name.name if a.name is not None else None
+                spec = TAG_ARGS.get(key or "")
+                if spec is None:
+                    what = f"'{key}'" if key else "a positional argument"
+                    self.sink.error("E026", f"tag '{t.name}' has no setting {what}", a.span,
+                                    f"a tag takes {', '.join(f'{k} = N' for k in TAG_ARGS)}")
+                    continue
+                v = self.value(a.value)
+                problem = setting_problem(spec, v) if v is not None else None
+                if problem is not None:
+                    self.sink.error("E026", f"{key} of tag '{t.name}' {problem}, got {v!r}", a.value.span)
+                elif v is not None:
+                    bounds[t.name] = int(v)
+        return tuple(dict.fromkeys(names)), bounds
 
     def arch(self, a: ast.Arch | None, dtype: str):
         if a is None:
@@ -195,13 +273,19 @@ class _Lowerer:
         return a.name.name, args, spec
 
     # ---- edges
-    def edges(self, edges: Iterable[ast.Edge], streams: Iterable[ast.Stream]) -> tuple[I.EdgeIR, ...]:
+    def edges(self, edges: Iterable[ast.Edge], streams: Iterable[ast.Stream], walks: set[str]) -> tuple[I.EdgeIR, ...]:
         out: list[I.EdgeIR] = []
         for e in edges:
             out.append(I.EdgeIR(e.src.node.name, e.src.port.name, e.dst.node.name, e.dst.port.name, None, e.span))
         for s in streams:
             policy = self.policy(s.policy)
-            out.append(I.EdgeIR(s.src.node.name, s.src.port.name, s.dst.node.name, s.dst.port.name, policy, s.span))
+            src = s.src.node.name
+            # `stream WALK.INPUT -> node.port`: the walk's input arrives in chunks from the client
+            from_input = src in walks and src not in self.node_names
+            if src in walks and src in self.node_names:
+                self.sink.error("E010", f"stream {src}.{s.src.port.name} names both node '{src}' and walk '{src}'",
+                                s.src.node.span, "rename the node or the walk")
+            out.append(I.EdgeIR(src, s.src.port.name, s.dst.node.name, s.dst.port.name, policy, s.span, from_input))
         seen: set[str] = set()
         for e in out:
             if e.id in seen:

@@ -217,18 +217,23 @@ class _ToAst:
 
     # ---- nodes
     def node(self, meta, children):
-        name, engine, impl, *body = children
-        items = body[0] if body else []
+        name, engine, impl, *rest = children
+        impl_args = rest.pop(0)[1] if rest and isinstance(rest[0], tuple) and rest[0][:1] == ("impl",) else None
+        items = rest[0] if rest else []
         archs = [i for i in items if isinstance(i, ast.Arch)]
         tags = [i for i in items if isinstance(i, ast.Tags)]
         return ast.Node(
             name=name, engine=engine, impl=impl, arch=archs[0] if archs else None,
             ports=tuple(i for i in items if isinstance(i, ast.Port)),
             phases=tuple(i for i in items if isinstance(i, ast.Phase)),
-            tags=ast.Tags(tuple(n for t in tags for n in t.names), tags[0].span) if tags else None,
+            tags=ast.Tags(tuple(n for t in tags for n in t.names), tags[0].span,
+                          tuple(a for t in tags for a in t.args)) if tags else None,
             settings=tuple(i for i in items if isinstance(i, ast.Setting)),
-            span=self._span(meta), extra_archs=tuple(archs[1:]),
+            span=self._span(meta), extra_archs=tuple(archs[1:]), impl_args=impl_args,
         )
+
+    def impl_args(self, meta, children):
+        return ("impl", tuple(children[0] or ()))
 
     def dotted(self, meta, children):
         return tuple(children)
@@ -246,11 +251,20 @@ class _ToAst:
         return str(children[0])
 
     def phase(self, meta, children):
-        name, ins, outs = children
-        return ast.Phase(name, tuple(ins or ()), tuple(outs or ()), self._span(meta))
+        name, ins, outs, *reads = children
+        return ast.Phase(name, tuple(ins or ()), tuple(outs or ()), self._span(meta), tuple(reads[0]) if reads else ())
+
+    def reads(self, meta, children):
+        return list(children)
+
+    def read_item(self, meta, children):
+        return ast.ReadRef(children[0], children[1] if len(children) > 1 else None, self._span(meta))
 
     def tags(self, meta, children):
-        return ast.Tags(tuple(children[0]), self._span(meta))
+        return ast.Tags(tuple(n for n, _ in children), self._span(meta), tuple(a for _, a in children))
+
+    def tag_decl(self, meta, children):
+        return (children[0], tuple(children[1] or ()) if len(children) > 1 else ())
 
     def name_list(self, meta, children):
         return list(children)

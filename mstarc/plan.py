@@ -20,7 +20,7 @@ def build_plan(model: I.ModelIR, source_sha256: str) -> dict[str, Any]:
     for field in ("placement", "sharding", "memory", "stream_buffers", "cuda_graphs", "schedule"):
         if getattr(model, field) is None:
             raise ValueError(f"cannot build a plan before the pass that fills '{field}' has run")
-    return {
+    body = {
         "schema": {"major": planfile.SCHEMA_MAJOR, "minor": planfile.SCHEMA_MINOR},
         "compiler": f"mstarc {__version__}",
         "model": {"name": model.name, "variant": model.variant, "source": model.source,
@@ -37,6 +37,22 @@ def build_plan(model: I.ModelIR, source_sha256: str) -> dict[str, Any]:
                          "keep": [{"node": k.node, "tag": k.tag, "as": k.as_tag} for k in t.keep]}
                         for t in model.transitions],
     }
+    needs = requires(model)
+    if needs:  # only then: a plan without them keeps its bytes
+        body["requires"] = needs
+    return body
+
+
+def requires(model: I.ModelIR) -> list[str]:
+    """The features beyond schema 1.1 the plan uses, which a runtime must implement to run it
+    (docs/plan-format.md): `kv_reads` (a call attends to other KV contexts) and
+    `input_streams` (a walk input arrives in chunks through a stream)."""
+    out = []
+    if any(ph.reads for n in model.nodes.values() for ph in n.phases.values()):
+        out.append("kv_reads")
+    if any(e.from_input for e in model.edges):
+        out.append("input_streams")
+    return out
 
 
 def _weights(ck: I.CheckpointIR) -> dict[str, Any]:
@@ -60,11 +76,18 @@ def _node(model: I.ModelIR, node: I.NodeIR) -> dict[str, Any]:
         "settings": node.settings,
         "inputs": {p: port.type.to_json() for p, port in sorted(node.inputs.items())},
         "outputs": {p: port.type.to_json() for p, port in sorted(node.outputs.items())},
-        "phases": {n: {"inputs": list(ph.inputs), "outputs": list(ph.outputs)} for n, ph in sorted(node.phases.items())},
+        "phases": {n: _phase(ph) for n, ph in sorted(node.phases.items())},
         "ranks": list(model.placement.node_ranks.get(node.name, ())),
         "arch": arch,
         "shard": shard.to_json() if shard is not None else None,
-    }
+    } | ({"tag_max_len": dict(sorted(node.tag_max_len.items()))} if node.tag_max_len else {})
+
+
+def _phase(ph: I.PhaseIR) -> dict[str, Any]:
+    out: dict[str, Any] = {"inputs": list(ph.inputs), "outputs": list(ph.outputs)}
+    if ph.reads:
+        out["reads"] = [{"node": r.node, "tag": r.tag} for r in ph.reads]  # tag null: the call's
+    return out
 
 
 def _edge(e: I.EdgeIR) -> dict[str, Any]:

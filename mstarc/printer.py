@@ -85,6 +85,12 @@ def _stmt(s: ast.Stmt, ind: int) -> list[str]:
     raise TypeError(type(s).__name__)
 
 
+def _reads(p: ast.Phase) -> str:
+    if not p.reads:
+        return ""
+    return " reads " + ", ".join(r.node.name + (f"@{r.tag.name}" if r.tag else "") for r in p.reads)
+
+
 def _params(ps) -> str:
     return ", ".join(f"{p.name.name}: {format_type(p.type)}" + (f" = {format_expr(p.default)}" if p.default else "")
                      for p in ps)
@@ -98,14 +104,17 @@ def format_model(m: ast.Model) -> str:
         out += [f"    {s.name.name} = {format_expr(s.value)}" for s in v.settings]
         out.append("  }")
     for n in m.nodes:
-        out.append(f"  node {n.name.name} : {n.engine.name} = {'.'.join(i.name for i in n.impl)} {{")
+        impl_args = f"({format_args(n.impl_args)})" if n.impl_args is not None else ""
+        out.append(f"  node {n.name.name} : {n.engine.name} = {'.'.join(i.name for i in n.impl)}{impl_args} {{")
         for a in ([n.arch] if n.arch else []) + list(n.extra_archs):
             out.append(f"    arch {a.name.name}({format_args(a.args)})")
         if n.tags:
-            out.append("    tags " + ", ".join(t.name for t in n.tags.names))
+            args = n.tags.args or ((),) * len(n.tags.names)
+            out.append("    tags " + ", ".join(t.name + (f"({format_args(a)})" if a else "")
+                                           for t, a in zip(n.tags.names, args)))
         out += [f"    {p.direction} {p.name.name} : {format_type(p.type)}" for p in n.ports]
         out += [f"    phase {p.name.name}({', '.join(i.name for i in p.inputs)}) -> "
-                f"({', '.join(o.name for o in p.outputs)})" for p in n.phases]
+                f"({', '.join(o.name for o in p.outputs)})" + _reads(p) for p in n.phases]
         out += [f"    {s.name.name} = {format_expr(s.value)}" for s in n.settings]
         out.append("  }")
     for e in m.edges:

@@ -236,13 +236,13 @@ def _calls_in_order(program: dict) -> list[str]:
 
 
 def test_schedule_follows_dependencies_not_positions() -> None:
-    """With the positions of the two first calls swapped, the tie-break alone would put the
-    reader first; the topological order keeps the writer before it."""
+    """With the tie-break of the two first calls swapped (their `order`), it alone would put
+    the reader first; the topological order keeps the writer before it."""
     m = compiled(SPLIT, TWO_RANKS, until="cuda-graphs")
     from mstarc.passes.schedule import schedule
     plain = schedule(m).schedule["go"]["program"]
     flow = m.graph.flow.copy()
-    flow.nodes["go.s1"]["pos"], flow.nodes["go.s2"]["pos"] = flow.nodes["go.s2"]["pos"], flow.nodes["go.s1"]["pos"]
+    flow.nodes["go.s1"]["order"], flow.nodes["go.s2"]["order"] = flow.nodes["go.s2"]["pos"], flow.nodes["go.s1"]["pos"]
     swapped = schedule(dataclasses.replace(m, graph=m.graph.with_flow(flow))).schedule["go"]["program"]
     assert _calls_in_order(plain) == _calls_in_order(swapped)
     body = [op["op"] if op["op"] != "call" else op["id"] for op in plain["body"]]
@@ -253,7 +253,7 @@ def test_independent_statements_follow_the_source() -> None:
     m = compiled(SPLIT, "devices: {count: 1, type: cpu, memory_gib: 1}\n")
     flow = m.graph.flow.copy()
     # enc.run and the emit of z do not depend on each other: moving the emit first is allowed
-    flow.nodes["go.e2"]["pos"] = -1
+    flow.nodes["go.e2"]["order"] = -1
     from mstarc.passes.schedule import schedule
     out = schedule(dataclasses.replace(m, graph=m.graph.with_flow(flow), schedule=None)).schedule["go"]["program"]
     # but the emit reads z (dec.run), so it can only move up to right after it
@@ -286,3 +286,32 @@ def test_lca_children() -> None:
     assert G.lca_children(flow, "go.l1", "go.s4") is None
     assert nx.is_directed_acyclic_graph(nx.DiGraph(
         (u, v) for u, v, d in flow.edges(data=True) if d["kind"] == "contains"))
+
+
+def test_a_context_renamed_later_in_the_loop_does_not_order_backwards() -> None:
+    """A fork after a branch renames the context the branch reads in the next iteration: that
+    read comes through the back edge (the fork is after it), so the schedule must not order
+    the fork before the branch (found by tests/test_fuzz_programs.py)."""
+    src = """\
+model m {
+  variant real { }
+  node lm : kv = m.LM {
+    arch llama(layers = 2, hidden = 64, heads = 4, kv_heads = 2, head_dim = 16, intermediate = 128, vocab = 256)
+    tags main, alt
+    out stop : bool[1]
+    phase p() -> (stop)
+  }
+  walk w() -> (out: bool[N]) {
+    dynamic_loop max = 3 until v {
+      v = lm.p() @main
+      parallel { branch b { u = lm.p() @alt } }
+      fork lm @main -> @alt
+      acc all += u
+    }
+    emit out += all
+  }
+}
+"""
+    m = compiled(src, "devices: {count: 1, type: cpu, memory_gib: 1}\n")
+    body = m.schedule["w"]["program"]["body"][0]["body"]["body"]
+    assert [op["op"] for op in body] == ["call", "parallel", "fork", "acc"]

@@ -10,6 +10,11 @@ Ensures:  `model.cuda_graphs` lists one `GraphCaptureIR` per captured (node, pha
           A fixed-count `Loop` whose body is only captured calls on one rank with no
           streams, emits or nested loops is captured whole (kind "loop"): e.g. a
           multi-token code-predictor loop becomes one replay per outer step.
+          A step whose requests add several rows each (`step_tokens`: the leading dim of
+          its fixed inputs, e.g. a denoise block of latent_len tokens) is captured only at
+          the buckets of at most `graph_max_tokens` rows in all (node setting, default
+          16384, the runtime's cap), at least the smallest; a phase that reads other KV
+          contexts (`reads`) is never captured.
           A KV phase with symbolic input dims is captured too when it is a recurrent loop
           step: a loop calls it with its own outputs of the previous iteration (each carried
           input comes back from the same call through an output port of the same declared
@@ -34,6 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mstarc import ir as I
+
+DEFAULT_MAX_GRAPH_TOKENS = 16384  # rows of one captured multi-row step: the runtime's cap (engine/graphs.py)
 
 
 @dataclass(frozen=True)
@@ -67,11 +74,46 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
 
 
 def _fixed_shape(node: I.NodeIR, phase: I.PhaseIR) -> bool:
+    if phase.reads:  # a graph replays one context per entry; a step that reads more runs eagerly
+        return False
     for port in phase.inputs:
         t = node.inputs[port].type
         if t.kind == "str" or t.kind == "image" or any(isinstance(d, str) for d in t.dims):
             return False
     return True
+
+
+def step_tokens(node: I.NodeIR, phase: I.PhaseIR) -> int:
+    """Rows one request adds to a captured step of `phase`: 1 when the arch states its
+    activation per item (a codec's window); else the largest leading dim of the phase's
+    tensor inputs (a decode's `i32[1]`: 1; a denoise block's `f32[latent_len, dim]`:
+    latent_len), at least 1."""
+    if node.arch is not None and node.arch.dims.get("activation_elements"):
+        return 1
+    lead = [t.dims[0] for p in phase.inputs if p in node.inputs
+            for t in (node.inputs[p].type,) if t.kind == "tensor" and t.dims and isinstance(t.dims[0], int)]
+    return max([1, *lead])
+
+
+def graph_max_tokens(node: I.NodeIR) -> int:
+    v = node.settings.get("graph_max_tokens", DEFAULT_MAX_GRAPH_TOKENS)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else DEFAULT_MAX_GRAPH_TOKENS
+
+
+def captured_buckets(node: I.NodeIR, phase: I.PhaseIR, buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """The buckets a multi-row step is captured at: those of at most `graph_max_tokens`
+    rows (bucket x rows per request), at least the smallest."""
+    q = step_tokens(node, phase)
+    if q <= 1:
+        return buckets
+    return tuple(b for b in buckets if b * q <= graph_max_tokens(node)) or buckets[:1]
+
+
+def graphed_phases(node: I.NodeIR) -> list[I.PhaseIR]:
+    """The phases the pass captures by their shapes (what the memory pass budgets a pool for)."""
+    if node.arch is None or node.settings.get("cuda_graphs", True) is False:
+        return []
+    return [ph for ph in node.phases.values() if _fixed_shape(node, ph)]
 
 
 def cuda_graphs(model: I.ModelIR) -> I.ModelIR:
@@ -94,7 +136,8 @@ def cuda_graphs(model: I.ModelIR) -> I.ModelIR:
                 for r in ranks:
                     steps.setdefault((c.node, c.phase, r), []).append(c.id)
     buckets = batch_buckets(max_batch)
-    captures = [GraphCaptureIR("step", r, n, p, None, tuple(sorted(ids)), buckets)
+    captures = [GraphCaptureIR("step", r, n, p, None, tuple(sorted(ids)),
+                               captured_buckets(model.nodes[n], model.nodes[n].phases[p], buckets))
                 for (n, p, r), ids in sorted(steps.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1]))]
     for walk in model.walks.values():
         for loop in (r for r in I.iter_regions(walk.body) if isinstance(r, I.Loop)):

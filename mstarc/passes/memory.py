@@ -6,11 +6,15 @@ Ensures:  `model.memory` is a `MemoryIR` with, per rank:
              sharding; when `model.checkpoint.tensors` is non-empty each arch tensor found
              there is sized from the checkpoint's dtype and shape instead of the arch's.
   graph pool (cuda ranks only) for every graphed node there (an arch, `cuda_graphs` not
-             false, a phase whose inputs all have fixed shapes, as the cuda-graphs pass
-             captures them): max_batch * (act + logits) + buckets * 4 MiB. All buckets of
-             a node share one pool, captured largest first, so the largest bucket's
-             activations are what the pool holds; 4 MiB per bucket covers each graph's
-             executable and private allocations.
+             false, a phase whose inputs all have fixed shapes and that reads no other
+             context, as the cuda-graphs pass captures them): the largest over its graphed
+             phases of B * (rows * act + logits), plus buckets * 4 MiB, where rows is what
+             one request adds to the step (`step_tokens`: 1 for a decode, latent_len for a
+             denoise block) and B the largest bucket the phase is captured at (max_batch,
+             or fewer for a multi-row step: B * rows stays within `graph_max_tokens`). All
+             buckets of a node share one pool, captured largest first, so the largest
+             bucket's activations are what the pool holds; 4 MiB per bucket covers each
+             graph's executable and private allocations.
   workspace  the largest over the rank's arch nodes (a worker runs one step at a time) of
              rows * act + max_batch * logits, plus 256 MiB on a cuda rank with an
              arch node (FlashInfer's 128 MiB float workspace and cuBLAS workspaces).
@@ -31,10 +35,14 @@ Ensures:  `model.memory` is a `MemoryIR` with, per rank:
              of tokens, in whole pages; a TP group's ranks all take the smallest page count
              of the group so that page ids agree. Only kv nodes with KV geometry (an arch
              with `kv`) hold a pool. A pool is capped at what can ever be used at once:
-             max_batch requests x the node's KV tags x its max_seq_len tokens (so a CPU
-             rank with 16 GiB does not zero 14 GiB of pool for a tiny model).
+             max_batch requests x the sum over the node's KV tags of each tag's longest
+             context (its `max_len`, else max_seq_len) (so a CPU rank with 16 GiB does not
+             zero 14 GiB of pool for a tiny model). Every context counts: a decoder's
+             cross-attention tag as much as its own.
 Fails when: weights + graph pool + workspace exceed a rank's memory (E060), or a kv node's
-          pool cannot hold one sequence of its `max_seq_len` setting, default 4096 (E061);
+          pool cannot hold one sequence of its `max_seq_len` setting, default 4096, or
+          what one step of it holds at once when its phase reads another of its contexts
+          (own tag + read tags, each at its longest) (E061);
           both at the device's YAML entry, all ranks checked.
 """
 
@@ -46,7 +54,7 @@ from typing import Any
 
 from mstarc import ir as I
 from mstarc.diagnostics import DiagnosticSink
-from mstarc.passes.cuda_graphs import batch_buckets
+from mstarc.passes.cuda_graphs import batch_buckets, captured_buckets, graphed_phases, step_tokens
 from mstarc.passes.shard_tp import ShardSpec, tensor_bytes_per_rank
 
 GIB = 1 << 30
@@ -150,6 +158,7 @@ def memory(model: I.ModelIR) -> I.ModelIR:
             for p in pages.values():
                 if name in p:
                     p[name] = min(held)
+    needs = {n: _one_step_tokens(model, node) for n, node in model.nodes.items()}
     out: list[RankMemoryIR] = []
     for row, rank in zip(rows, pl.ranks):
         pools = []
@@ -159,20 +168,47 @@ def memory(model: I.ModelIR) -> I.ModelIR:
             tokens = n_pages * pl.page_size
             max_seq = _setting(node, "max_seq_len", DEFAULT_MAX_SEQ_LEN)
             pools.append(KVPoolIR(name, bpt, tokens, n_pages, tokens * bpt, max_seq))
-            if tokens < max_seq and row.rank not in too_full:
+            need, parts = needs[name]
+            if tokens < need and row.rank not in too_full:
+                what = (f"one sequence of max_seq_len {max_seq}" if not parts else
+                        f"the {need} tokens one step holds at once ({parts})")
                 sink.error("E061", f"{rank.label}: the KV pool of node '{name}' holds {tokens} tokens, fewer than "
-                           f"one sequence of max_seq_len {max_seq} ({bpt} bytes per token)", rank.span,
+                           f"{what} ({bpt} bytes per token)", rank.span,
                            "give the rank more memory or fewer nodes, raise kv_memory_fraction or tp, "
-                           "or lower the node's max_seq_len")
+                           "or lower the node's max_seq_len" + (" or its tags' max_len" if parts else ""))
         out.append(dataclasses.replace(row, kv=tuple(pools)))
     sink.check()
     return dataclasses.replace(model, memory=MemoryIR(pl.page_size, tuple(out), sources))
 
 
+def _tag_len(node: I.NodeIR, tag: str) -> int:
+    """The longest context of one tag: its own `max_len`, else the node's max_seq_len."""
+    return node.tag_max_len.get(tag) or _setting(node, "max_seq_len", DEFAULT_MAX_SEQ_LEN)
+
+
 def _useful_pages(node: I.NodeIR, pl) -> int:
-    """Pages beyond max_batch requests, each with all its tags at max_seq_len, are never used."""
-    tokens = pl.max_batch * len(node.tags) * _setting(node, "max_seq_len", DEFAULT_MAX_SEQ_LEN)
+    """Pages beyond max_batch requests, each with all its tags at their longest, are never used."""
+    tokens = pl.max_batch * sum(_tag_len(node, t) for t in node.tags)
     return -(-tokens // pl.page_size)
+
+
+def _one_step_tokens(model: I.ModelIR, node: I.NodeIR) -> tuple[int, str]:
+    """The most tokens of this node's pool one step must find resident: its own context,
+    plus the other contexts of this node its phase `reads` (a decoder's self and cross
+    contexts); and a sentence that names them when a step reads more than its own (else
+    "": the pool must hold one sequence of max_seq_len, as always)."""
+    need, parts = _setting(node, "max_seq_len", DEFAULT_MAX_SEQ_LEN), ""
+    for walk in model.walks.values():
+        for c in I.walk_calls(walk):
+            phase = node.phases.get(c.phase) if c.node == node.name else None
+            if phase is None or not phase.reads:
+                continue
+            own = node.tag_of(c.tag)
+            tags = [own] + [r.resolve(own).split("@", 1)[1] for r in phase.reads if r.node == node.name]
+            total = sum(_tag_len(node, t) for t in tags)
+            if len(tags) > 1 and total > need:
+                need, parts = total, " + ".join(f"{t} {_tag_len(node, t)}" for t in tags)
+    return need, parts
 
 
 def _graph_pool_and_workspace(cuda: bool, resident: list[I.NodeIR], sharding: dict[str, ShardSpec],
@@ -183,8 +219,8 @@ def _graph_pool_and_workspace(cuda: bool, resident: list[I.NodeIR], sharding: di
         if n.arch is None:
             continue
         act, logits = _act_bytes(n, sharding[n.name])
-        if cuda and _graphed(n):
-            graph += max_batch * (act + logits) + len(batch_buckets(max_batch)) * GRAPH_BYTES_PER_BUCKET
+        if cuda:
+            graph += _graph_pool(n, act, logits, max_batch)
         # act is per token (an eager step holds up to max_prefill_tokens of them), or per item
         # when the arch states its peak per row (a batch holds max_batch items)
         per_item = bool(_dims(n).get("activation_elements"))
@@ -253,12 +289,13 @@ def _kv_bytes_per_token(node: I.NodeIR, spec: ShardSpec) -> int:
     return 2 * kv.layers * heads * kv.head_dim * I.DTYPE_BYTES.get(node.dtype, 2)
 
 
-def _graphed(node: I.NodeIR) -> bool:
-    """Mirrors the cuda-graphs pass: a phase whose every input has a fixed shape is captured."""
-    if node.settings.get("cuda_graphs", True) is False:
-        return False
-    for phase in node.phases.values():
-        types = [node.inputs[p].type for p in phase.inputs if p in node.inputs]
-        if all(t.kind not in ("str", "image") and not any(isinstance(x, str) for x in t.dims) for t in types):
-            return True
-    return False
+def _graph_pool(node: I.NodeIR, act: int, logits: int, max_batch: int) -> int:
+    """A graphed node's pool: its largest captured step (bucket x rows per request of
+    activations, bucket x logits) and each bucket's graph; 0 for a node never captured."""
+    buckets = batch_buckets(max_batch)
+    largest, n_buckets = 0, 0
+    for phase in graphed_phases(node):
+        kept = captured_buckets(node, phase, buckets)
+        largest = max(largest, kept[-1] * (step_tokens(node, phase) * act + logits))
+        n_buckets = max(n_buckets, len(kept))
+    return largest + n_buckets * GRAPH_BYTES_PER_BUCKET if n_buckets else 0

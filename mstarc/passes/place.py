@@ -14,10 +14,13 @@ Ensures:  `model.placement` is a `PlacementIR`: the ranks' devices; per node its
           (walk, node) override, else the node's first TP group. Unplaced nodes go to
           `default_rank`, or with `spread` largest weights first onto the least-loaded
           rank (ties: lowest rank; equal weights: node name), so the result never
-          depends on dict or hash order.
+          depends on dict or hash order. An unplaced node whose phases read another
+          node's KV context (`reads`) takes that node's ranks and tp instead.
 Fails when: a rank is out of range (E051); an override names a group whose size is not the
           node's tp (E052); the model's section names an unknown node, or a walk override
-          a node the walk never calls (E053); it names an unknown walk or branch (E054).
+          a node the walk never calls (E053); it names an unknown walk or branch (E054); a
+          step that reads another KV context (`reads`) runs on other ranks than the steps
+          that wrote it (E056).
           Each diagnostic points at the YAML value; all are collected.
 
 Transfers are read off the graph's use edges (mstarc/graph.py), in their discovery order:
@@ -133,11 +136,35 @@ def place(model: I.ModelIR, spec: PlacementSpec) -> I.ModelIR:
         resolver.run(model.graph)
         call_ranks.update(resolver.call_ranks)
     sink.check()
+    _check_reads(model, call_ranks, {**{d.rank: d.span for d in spec.devices}, **tp_spans}, sink)
+    sink.check()
     resident = _resident(model, node_ranks, call_ranks, set(section.nodes), [r.rank for r in ranks])
     transfers, graph = _transfers(model.graph, call_ranks)
     return dataclasses.replace(model, graph=graph, placement=PlacementIR(
         spec.name, ranks, spec.kv_memory_fraction, spec.page_size, spec.max_batch, node_ranks, node_tp,
         call_ranks, resident, transfers, tp_spans))
+
+
+def _check_reads(model: I.ModelIR, call_ranks: dict[str, tuple[int, ...]], spans: dict, sink: DiagnosticSink) -> None:
+    """A step that reads another KV context (`reads`) attends to its pages where they are:
+    it must run on exactly the ranks of the steps that wrote it (the same TP group), since
+    moving a context's pages before every step is never what a placement means."""
+    flow = model.graph.flow
+    seen: set[tuple[str, str]] = set()
+    for u, v, _, d in model.graph.uses():
+        if not d.get("read"):
+            continue
+        value = flow.nodes[u]
+        src, dst = call_ranks.get(value["origin"]), call_ranks.get(v)
+        if src is None or dst is None or src == dst or (v, value["name"]) in seen:
+            continue
+        seen.add((v, value["name"]))
+        c = flow.nodes[v]["ir"]
+        owner = value["name"].split("@")[0]
+        span = spans.get(c.node) or spans.get(owner) or spans.get(dst[0]) or model.span
+        sink.error("E056", f"step '{v}' ({c.node}.{c.phase}) reads {value['name']} on ranks {list(dst)}, but "
+                   f"'{value['origin']}' wrote it on ranks {list(src)}", span,
+                   f"place '{c.node}' on the ranks of '{owner}' (the same tensor-parallel group)")
 
 
 def _transfers(graph: GraphIR, call_ranks: dict[str, tuple[int, ...]]) -> tuple[tuple[TransferIR, ...], GraphIR]:
@@ -150,8 +177,10 @@ def _transfers(graph: GraphIR, call_ranks: dict[str, tuple[int, ...]]) -> tuple[
     split: list[tuple[str, str, str]] = []
     for u, v, k, d in graph.uses():
         value = flow.nodes[u]
-        src = call_ranks.get(value["origin"])
-        if src is None:  # a walk input: the conductor has it
+        src, producer = call_ranks.get(value["origin"]), value["origin"]
+        if src is None and d["vkind"] == "stream":  # a streamed walk input: its items arrive at the conductor
+            src, producer = (CONDUCTOR_RANK,), f"{value['origin']}:input:{value['port']}"
+        elif src is None:  # a walk input: the conductor has it
             continue
         reader = flow.nodes[v]
         dst = call_ranks[v] if reader["kind"] == "call" else (CONDUCTOR_RANK,)
@@ -160,7 +189,7 @@ def _transfers(graph: GraphIR, call_ranks: dict[str, tuple[int, ...]]) -> tuple[
             if r in src:
                 local = True
                 continue
-            t = TransferIR(reader["walk"], value["name"], src[0], r, value["origin"], d["consumer"], d["vkind"])
+            t = TransferIR(reader["walk"], value["name"], src[0], r, producer, d["consumer"], d["vkind"])
             found.setdefault(t, []).append((u, v, k, d))
         if not local:
             split.append((u, v, k))
@@ -238,12 +267,21 @@ class _Placer:
                             f"known ranks: {', '.join(str(i) for i in range(self.n))}, or `spread`")
             default = 0
         unplaced = [n for n in self.m.nodes if n not in node_ranks and n not in entries]
+        # a node whose steps read another's KV context goes where that context is (E056 otherwise)
+        follows = {n: o for n in unplaced for o in _read_owners(self.m.nodes[n]) if o != n}
+        own = [n for n in unplaced if n not in follows]
         if default == SPREAD:
-            node_ranks.update(self.spread(unplaced, node_ranks, node_tp))
+            node_ranks.update(self.spread(own, node_ranks, node_tp))
         else:
-            node_ranks.update({n: (int(default),) for n in unplaced})
-        for n in unplaced:
+            node_ranks.update({n: (int(default),) for n in own})
+        for n in own:
             node_tp[n] = 1
+        for n, owner in follows.items():
+            leader = owner
+            while leader in follows and leader != n:  # a reader of a reader follows the first owner
+                leader = follows[leader]
+            node_ranks[n] = node_ranks.get(leader, (int(default) if default != SPREAD else 0,))
+            node_tp[n] = node_tp.get(leader, 1)
         return ({n: node_ranks[n] for n in self.m.nodes if n in node_ranks},
                 {n: node_tp[n] for n in self.m.nodes if n in node_tp}, spans)
 
@@ -292,6 +330,11 @@ class _Placer:
             elif self.in_range(g, f"branch '{name}' of walk '{walk.name}'"):
                 out[name] = g
         return out
+
+
+def _read_owners(node: I.NodeIR) -> list[str]:
+    """The nodes whose KV contexts this node's phases read, in phase order."""
+    return list(dict.fromkeys(r.node for ph in node.phases.values() for r in ph.reads))
 
 
 def _weight_bytes(node: I.NodeIR) -> int:

@@ -7,12 +7,14 @@ Ensures:  every region's body is emitted in a topological order of the graph's d
           same body whose values it reads (a read inside a nested region counts for the
           region; values from the previous loop iteration and stream items do not
           order), each value `transfer` vertex right before the call it feeds, ties in
-          source order (transfers of one call by value name, then source rank). Source
-          order is such an order, so a program lists its statements as written.
+          source order (a vertex's `order` attribute when a pass set one, else its `pos`;
+          transfers of one call by value name, then source rank). Source order is such an
+          order, so a program lists its statements as written.
           `model.schedule[walk]` is a JSON-ready dict: the walk's typed inputs (with
           defaults) and outputs (append or set), and `program`, a region tree of ops:
           `seq`, `call` (node, phase, tag, ranks, args, results, the CUDA graph it replays,
-          the streams its outputs feed), `parallel` (branches with their rank), `loop`
+          the streams its outputs feed, and `reads`, the other KV contexts it attends to,
+          when its phase has any), `parallel` (branches with their rank), `loop`
           (count or max/until, index, carry, accumulated values, whole-loop graph),
           `on_stream` (the buffer it drains), `emit`, `acc`, `fork`, and `transfer`
           (a value copied between ranks, placed right before the step that needs it).
@@ -93,16 +95,20 @@ def _lifted_dependencies(flow: nx.MultiDiGraph) -> dict[str, list[tuple[str, str
             continue
         if flow.nodes[v]["kind"] == "transfer":
             continue  # the transfer's own out-edge orders the reader
-        for origin in _origins(flow, d["value"] if d["kind"] == "transfer" else u):
+        for origin in _origins(flow, d["value"] if d["kind"] == "transfer" else u, v):
             where = lca_children(flow, origin, v)
             if where is not None:
                 deps.setdefault(where[0], []).append((where[1], where[2]))
     return deps
 
 
-def _origins(flow: nx.MultiDiGraph, value: str) -> list[str]:
-    """The statements that define a value vertex (its call, and an `acc` or `fork` that renames it)."""
-    return [o for o, _, d in flow.in_edges(value, data=True) if d["kind"] == "def" and flow.nodes[o]["kind"] != "walk"]
+def _origins(flow: nx.MultiDiGraph, value: str, reader: str) -> list[str]:
+    """The statements before `reader` that define a value vertex (its call, and an `acc` or
+    `fork` that renames it). One at or after the reader reaches it only through a loop's
+    back edge (a value renamed later in the previous iteration), which does not order."""
+    pos = flow.nodes[reader]["pos"]
+    return [o for o, _, d in flow.in_edges(value, data=True) if d["kind"] == "def"
+            and flow.nodes[o]["kind"] != "walk" and flow.nodes[o].get("pos", pos) < pos]
 
 
 def operand_json(op: I.Operand) -> dict[str, Any]:
@@ -123,12 +129,20 @@ class _Scheduler:
         modes = _emit_modes(self.w)
         return {
             "walk": self.w.name,
-            "inputs": [{"name": p.name, "type": p.type.to_json(), "default": p.default} for p in self.w.inputs],
+            "inputs": [self.input(p) for p in self.w.inputs],
             "outputs": [{"name": p.name, "type": p.type.to_json(), "mode": modes.get(p.name, "set")}
                         for p in self.w.outputs],
             "streams": sorted(b.id for b in self.buffers.values()),
             "program": self.body(self.w.name),
         }
+
+    def input(self, p: I.ParamIR) -> dict[str, Any]:
+        out = {"name": p.name, "type": p.type.to_json(), "default": p.default}
+        for b in self.buffers.values():
+            e = self.m.edge(b.edge)
+            if e is not None and e.from_input and e.src_port == p.name:
+                out["stream"] = b.id  # the client streams it into this buffer (only then: plans keep their bytes)
+        return out
 
     def order(self, region: str) -> list[str]:
         """The region's body and the value transfers into its calls, topologically sorted."""
@@ -137,16 +151,17 @@ class _Scheduler:
         key: dict[str, tuple] = {}
         for child in flow.nodes[region]["children"]:
             d = flow.nodes[child]
-            key[child] = (d["pos"], 1, "", 0, 0)
+            rank = d.get("order", d["pos"])  # the tie-break: source order unless a pass set another
+            key[child] = (rank, 1, "", 0, 0)
             h.add_node(child)
             if d["kind"] != "call":
                 continue
             for t, _, e in flow.in_edges(child, data=True):
                 td = flow.nodes[t]
                 if e["kind"] == "transfer" and td["vkind"] == "value" and t not in key:
-                    key[t] = (d["pos"], 0, td["value"], td["src"], self.index.order[t])
+                    key[t] = (rank, 0, td["value"], td["src"], self.index.order[t])
                     h.add_edge(t, child)
-                    for origin in () if e["back"] else _origins(flow, e["value"]):  # the copy waits for the value
+                    for origin in () if e["back"] else _origins(flow, e["value"], child):  # the copy waits for the value
                         where = lca_children(flow, origin, child)
                         if where is not None and where[0] == region:
                             h.add_edge(where[1], t)
@@ -200,10 +215,13 @@ class _Scheduler:
                  for port, name in results for e in self.stream_edges.get((c.node, port), ())
                  if e.id in self.buffers]
         tag = c.tag if c.tag is not None else (node.tags[0] if node.engine == "kv" else None)
-        return {"op": "call", "id": c.id, "node": c.node, "phase": c.phase, "tag": tag,
-                "ranks": list(self.call_ranks[c.id]),
-                "args": {port: operand_json(op) for port, op in sorted(c.args.items())},
-                "results": results, "graph": self.graph_of_step.get(c.id), "feeds": feeds}
+        op = {"op": "call", "id": c.id, "node": c.node, "phase": c.phase, "tag": tag,
+              "ranks": list(self.call_ranks[c.id]),
+              "args": {port: operand_json(op) for port, op in sorted(c.args.items())},
+              "results": results, "graph": self.graph_of_step.get(c.id), "feeds": feeds}
+        if phase.reads and tag is not None:  # only then: plans without reads keep their bytes
+            op["reads"] = [dict(zip(("node", "tag"), r.resolve(tag).split("@", 1))) for r in phase.reads]
+        return op
 
     def _branch_rank(self, branch: I.Branch) -> int | None:
         """The rank a branch runs on, when all its steps run on one (single-rank) group."""

@@ -5,7 +5,8 @@ Ensures:  `model.stream_buffers` lists, for every `on stream` block of every wal
           `StreamBufferIR` with the policy, the item type, the largest chunk, the capacity in
           items (the bound that gives backpressure: the producer waits while the consumer
           lags by more than `capacity` unconsumed items), and the producer and consumer ranks
-          (different ranks mean the items cross ranks as they are pushed).
+          (different ranks mean the items cross ranks as they are pushed). A stream from a
+          walk input is produced at the conductor (rank 0): the client pushes its items.
 Fails when: a policy's chunk is larger than the capacity the node allows (E044), which can
           only happen with an explicit `stream_capacity` node setting.
 """
@@ -61,8 +62,11 @@ def streams(model: I.ModelIR) -> I.ModelIR:
         for block in (r for r in I.iter_regions(walk.body) if isinstance(r, I.OnStream)):
             edge = model.edge(block.stream)
             assert edge is not None and edge.policy is not None  # verify guarantees it
-            src_port = model.nodes[edge.src_node].outputs[edge.src_port]
-            item = I.ValueType("tensor", src_port.type.dtype, src_port.type.dims[1:])
+            if edge.from_input:  # the client's chunks: the walk input's type, items along its first dim
+                src_type = next(p.type for p in model.walks[edge.src_node].inputs if p.name == edge.src_port)
+            else:
+                src_type = model.nodes[edge.src_node].outputs[edge.src_port].type
+            item = I.ValueType("tensor", src_type.dtype, src_type.dims[1:])
             chunk = chunk_length(edge.policy) or 1
             node = model.nodes[edge.dst_node]
             capacity = node.settings.get("stream_capacity", CAPACITY_CHUNKS * chunk)

@@ -36,6 +36,7 @@ class ValueInfo:
     type: I.ValueType
     producer: tuple[str, str] | None  # (node, out port) that produced it, None for inputs/constants
     stream: str | None = None  # set for an on-stream chunk: the streaming edge id
+    streamed: str | None = None  # set for a walk input that arrives as a stream: that stream's id
 
 
 def verify(model: I.ModelIR) -> I.ModelIR:
@@ -57,6 +58,8 @@ def verify(model: I.ModelIR) -> I.ModelIR:
 def _check_nodes(model: I.ModelIR, sink: DiagnosticSink) -> None:
     for node in model.nodes.values():
         for ph in node.phases.values():
+            for r in ph.reads:
+                _check_read(model, node, ph, r, sink)
             for port in ph.inputs:
                 if port not in node.inputs:
                     sink.error("E013", f"phase '{node.name}.{ph.name}' reads unknown input port '{port}'", ph.span,
@@ -67,6 +70,48 @@ def _check_nodes(model: I.ModelIR, sink: DiagnosticSink) -> None:
                                _known("output ports", node.outputs))
 
 
+def _check_read(model: I.ModelIR, node: I.NodeIR, ph: I.PhaseIR, r: I.ReadIR, sink: DiagnosticSink) -> None:
+    """`phase f(...) -> (...) reads OWNER[@TAG]`: a kv phase attending to another KV context,
+    whose pages must have its own layout (the same layers, KV heads, head dim and dtype)."""
+    where = f"phase '{node.name}.{ph.name}'"
+    if node.engine != "kv":
+        sink.error("E039", f"{where} reads KV contexts, but '{node.name}' is stateless", r.span,
+                   "only a kv node's steps attend to KV contexts")
+        return
+    owner = model.nodes.get(r.node)
+    if owner is None:
+        sink.error("E012", f"{where} reads unknown node '{r.node}'", r.span, _known("nodes", model.nodes))
+        return
+    if owner.engine != "kv":
+        sink.error("E039", f"{where} reads '{r.node}', which is stateless and holds no KV context", r.span)
+        return
+    if r.tag is not None and r.tag not in owner.tags:
+        sink.error("E016", f"node '{r.node}' has no KV tag '{r.tag}'", r.span, _known("tags", owner.tags))
+    if r.node == node.name and r.tag is None:
+        sink.error("E039", f"{where} reads its own context", r.span,
+                   f"a step attends to its own context anyway; name another tag: `reads {r.node}@TAG`")
+    mine, theirs = _kv_layout(node), _kv_layout(owner)
+    if mine is None or theirs is None:
+        missing = node.name if mine is None else r.node
+        sink.error("E039", f"{where} reads {r.node}'s context, but '{missing}' has no KV layout (an arch with KV)",
+                   r.span, "give both nodes an `arch` whose KV geometry the compiler knows")
+    elif mine != theirs:
+        sink.error("E039", f"{where} reads {r.node}'s context, laid out as {_layout_text(theirs)}, but "
+                   f"'{node.name}' attends as {_layout_text(mine)}", r.span,
+                   "a reader attends layer by layer to the owner's pages: layers, KV heads, head dim and "
+                   "dtype must agree")
+
+
+def _kv_layout(node: I.NodeIR) -> tuple[int, int, int, str] | None:
+    kv = node.arch.kv if node.arch is not None else None
+    return (kv.layers, kv.kv_heads, kv.head_dim, node.dtype) if kv is not None else None
+
+
+def _layout_text(layout: tuple[int, int, int, str]) -> str:
+    layers, heads, head_dim, dtype = layout
+    return f"{layers} layers x {heads} KV heads x {head_dim} ({dtype})"
+
+
 def _known(what: str, names) -> str:
     names = sorted(names)
     return f"known {what}: {', '.join(names)}" if names else f"there are no {what}"
@@ -74,6 +119,9 @@ def _known(what: str, names) -> str:
 
 def _check_edges(model: I.ModelIR, sink: DiagnosticSink) -> None:
     for e in model.edges:
+        if e.from_input:
+            _check_input_stream(model, e, sink)
+            continue
         src, dst = model.nodes.get(e.src_node), model.nodes.get(e.dst_node)
         for name, node in ((e.src_node, src), (e.dst_node, dst)):
             if node is None:
@@ -90,6 +138,25 @@ def _check_edges(model: I.ModelIR, sink: DiagnosticSink) -> None:
                        "producer and consumer ports need the same dtype, rank and dims")
         if sp and dp and e.policy is not None:
             _check_stream_types(e, sp.type, dp.type, sink)
+
+
+def _check_input_stream(model: I.ModelIR, e: I.EdgeIR, sink: DiagnosticSink) -> None:
+    """`stream WALK.INPUT -> node.port`: a tensor input of the walk, its first dim counting
+    items as a producer port's does, into an input port of a node."""
+    walk = model.walks[e.src_node]
+    param = next((p for p in walk.inputs if p.name == e.src_port), None)
+    if param is None:
+        sink.error("E013", f"walk '{walk.name}' has no input '{e.src_port}'", e.span,
+                   _known("inputs", [p.name for p in walk.inputs]))
+    dst = model.nodes.get(e.dst_node)
+    if dst is None:
+        sink.error("E012", f"edge {e.id} names unknown node '{e.dst_node}'", e.span, _known("nodes", model.nodes))
+        return
+    dp = dst.inputs.get(e.dst_port)
+    if dp is None:
+        sink.error("E013", f"node '{dst.name}' has no input port '{e.dst_port}'", e.span, _known("input ports", dst.inputs))
+    if param is not None and dp is not None:
+        _check_stream_types(e, param.type, dp.type, sink)
 
 
 def chunk_length(policy: I.ChunkPolicyIR) -> int | None:
@@ -139,19 +206,28 @@ class _WalkChecker:
             if p.default is not None and not _default_fits(p.default, p.type):
                 self.sink.error("E030", f"default of input '{p.name}' is {p.default!r}, which is not a {p.type}", p.span,
                                 "an empty list [] is the empty tensor; other tensor defaults need the declared rank")
-        env = {p.name: ValueInfo(p.type, None) for p in self.w.inputs}
+        env = self.inputs_env()
         self.seq(self.w.body, env, loop_depth=0)
         for out in self.w.outputs:
             if out.name not in self.emitted:
                 self.sink.error("E036", f"walk '{self.w.name}' never produces its output '{out.name}'", out.span,
                                 f"add `emit {out.name} = VALUE` or `emit {out.name} += VALUE`")
 
+    def inputs_env(self) -> dict[str, ValueInfo]:
+        streamed = {e.src_port: e.id for e in self.m.edges if e.from_input and e.src_node == self.w.name}
+        return {p.name: ValueInfo(p.type, None, streamed=streamed.get(p.name)) for p in self.w.inputs}
+
     # ---- values
     def use(self, op: I.Operand, env: dict[str, ValueInfo]) -> ValueInfo | None:
         if isinstance(op, I.Const):
             return None
         if op.name in env:
-            return env[op.name]
+            info = env[op.name]
+            if info.streamed is not None:
+                self.sink.error("E047", f"input '{op.name}' arrives as stream {info.streamed}; it has no value "
+                                "of its own", op.span, f"read its chunks in an `on stream {info.streamed.replace('->', ' -> ')}` block")
+                return None
+            return info
         if op.name in self.all_bound or op.name in self.input_names:
             self.sink.error("E034", f"value '{op.name}' is used before it is bound here", op.span,
                             "a value bound in a loop body or stream block is local to it unless carried or accumulated")
@@ -230,6 +306,7 @@ class _WalkChecker:
                                 _known("inputs", phase.inputs))
                 continue
             self.check_arg(c, node, port, op, env)
+        self.call_reads(c, node, phase)
         missing = [p for p in phase.inputs if p not in c.args]
         if missing:
             self.sink.error("E033", f"call to '{c.node}.{c.phase}' is missing input{'s' if len(missing) > 1 else ''} "
@@ -238,6 +315,22 @@ class _WalkChecker:
             self.sink.error("E032", f"'{c.node}.{c.phase}' has {len(phase.outputs)} output"
                             f"{'s' if len(phase.outputs) != 1 else ''} ({', '.join(phase.outputs)}), "
                             f"but {len(c.results)} name{'s are' if len(c.results) != 1 else ' is'} bound", c.span)
+
+    def call_reads(self, c: I.Call, node: I.NodeIR, phase: I.PhaseIR) -> None:
+        """A phase's `reads NODE` takes the call's tag: it must be one of NODE's, and another context."""
+        if node.engine != "kv":
+            return
+        tag = node.tag_of(c.tag)
+        for r in phase.reads:
+            owner = self.m.nodes.get(r.node)
+            if owner is None or owner.engine != "kv":
+                continue  # reported with the phase
+            if r.tag is None and tag not in owner.tags:
+                self.sink.error("E016", f"'{c.node}.{c.phase}' @{tag} reads {r.node}@{tag}, but '{r.node}' has no "
+                                f"KV tag '{tag}'", c.tag_span, _known("tags", owner.tags))
+            elif r.resolve(tag) == f"{c.node}@{tag}" and r.tag is not None:
+                self.sink.error("E039", f"'{c.node}.{c.phase}' @{tag} reads its own context {c.node}@{tag}", c.tag_span,
+                                "call it on another tag, or read another one")
 
     def check_arg(self, c: I.Call, node: I.NodeIR, port: str, op: I.Operand, env) -> None:
         want = node.inputs[port].type
@@ -341,7 +434,12 @@ class _WalkChecker:
     def on_stream(self, block: I.OnStream, env: dict[str, ValueInfo], depth: int) -> None:
         edge = self.m.edge(block.stream)
         # the block starts with the walk (runtime/mstar_runtime/control/interpreter.py): it sees the walk's inputs only
-        inner = {p.name: ValueInfo(p.type, None) for p in self.w.inputs}
+        inner = self.inputs_env()
+        if edge is not None and edge.from_input and edge.src_node != self.w.name:
+            self.sink.error("E047", f"stream {edge.id} carries an input of walk '{edge.src_node}'; walk "
+                            f"'{self.w.name}' cannot drain it", block.span,
+                            f"drain it in walk '{edge.src_node}', or declare a stream from an input of "
+                            f"'{self.w.name}'")
         if edge is None or not edge.streaming:
             known = [e.id for e in self.m.edges if e.streaming]
             self.sink.error("E047", f"no stream {block.stream} is declared", block.span, _known("streams", known))
@@ -484,11 +582,13 @@ def _check_flow(model: I.ModelIR, sink: DiagnosticSink) -> None:
         if d["kind"] != "on_stream":
             continue
         block = d["ir"]
-        if model.edge(block.stream) is not None and not any(
+        edge = model.edge(block.stream)
+        if edge is not None and not (edge.from_input and edge.src_node != d["walk"]) and not any(
                 e["kind"] == "use" for _, _, e in flow.in_edges(v, data=True)):
             sink.error("E047", f"stream {block.stream} is never fed in walk '{d['walk']}'", block.span,
                        "a call in this walk must bind the stream's producer port")
     _check_stream_cycles(model, flow, sink)
+    _check_reads_written(model, flow, sink)
     if not sink.has_errors:  # an error often is why a value looks unread (`x = a.f(x = q)`)
         _check_unused(model, flow, sink)
 
@@ -525,6 +625,31 @@ def _check_stream_cycles(model: I.ModelIR, flow: nx.MultiDiGraph, sink: Diagnost
                    "that the stream (or a stream it feeds) fires")
 
 
+def _check_reads_written(model: I.ModelIR, flow: nx.MultiDiGraph, sink: DiagnosticSink) -> None:
+    """Every context a step reads is written by a step before it (or kept by a transition):
+    a read with no `read` edge into the call would attend to nothing."""
+    for v, d in flow.nodes(data=True):
+        if d["kind"] != "call":
+            continue
+        c = d["ir"]
+        node = model.nodes.get(c.node)
+        phase = node.phases.get(c.phase) if node is not None else None
+        if phase is None or not phase.reads or node.engine != "kv":
+            continue
+        got = {k for _, _, k in flow.in_edges(v, keys=True)}
+        own = node.tag_of(c.tag)
+        for r in phase.reads:
+            key = r.resolve(own)
+            owner = model.nodes.get(r.node)
+            if owner is None or owner.engine != "kv" or key.split("@", 1)[1] not in owner.tags \
+                    or key == f"{c.node}@{own}":
+                continue  # reported as E012, E039 or E016
+            if f"read:{key}" not in got:
+                sink.error("E039", f"'{c.node}.{c.phase}' reads {key}, which no step of walk '{d['walk']}' writes "
+                           "before it", c.span, f"call {r.node} on that tag first (a prefill), or keep the context "
+                           "from another walk with a transition")
+
+
 def _in_block(flow: nx.MultiDiGraph, vid: str) -> bool:
     up = flow.nodes[vid].get("parent") if vid in flow else None
     while up is not None:
@@ -543,6 +668,7 @@ def _check_unused(model: I.ModelIR, flow: nx.MultiDiGraph, sink: DiagnosticSink)
 
     carried = {(t.src, p.name) for t in model.transitions if t.dst in model.walks
                for p in model.walks[t.dst].inputs}  # inputs a transition hands on
+    carried |= {(e.src_node, e.src_port) for e in model.edges if e.from_input}  # read through their stream
     for v, d in flow.nodes(data=True):
         kind = d["kind"]
         if kind == "walk":

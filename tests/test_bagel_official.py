@@ -224,19 +224,22 @@ def test_comparison_sees_a_wrong_cfg(runs: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------ GPU, real size
-GPU_LATENT_RMS_TOL = 5e-2  # bf16 on both sides, different op orders: see the test
-GPU_MIN_PREFIX = 4
+GPU_SLACK = 1.25  # M*'s bf16 error against the f32 reference may exceed the official bf16's by 25%
+GPU_MIN_PREFIX = 8  # greedy tokens M* shares with the f32 reference (or all the official shares)
 
 
 @pytest.mark.gpu
 def test_real_size_matches_official_on_gpu(tmp_path: Path) -> None:
-    """Real size, bf16, one H200, the plan's `dummy` weights: M*'s t2i (1024^2) and edit (512^2)
-    latents after 3 Euler steps of the default CFG, and understanding's greedy tokens, against the
-    official code on the same tensors (`bagel_official.py parity`, a process of its own: the GPU
-    machine's transformers 5.x must not be imported beside the official 4.49). bf16 rounding at
-    different places (M*'s fused GEMMs and paged attention against the official per-expert GEMMs,
-    hard bf16 casts and the official AE in f32 on the CPU) leaves a few 1e-3 of the displacement;
-    greedy decoding on random weights has near-ties, so only a prefix of the tokens must agree."""
+    """Real size, bf16, one H200, the plan's `dummy` weights (`bagel_official.py parity`, a process
+    of its own: the GPU machine's transformers 5.x must not be imported beside the official 4.49;
+    ~150 s): M*'s t2i (1024^2, with and without CFG) and edit (512^2) latents after 3 Euler steps,
+    and understanding's greedy tokens, against the official code in bf16 and in f32 (the same
+    weights upcast: the exact reference). bf16 alone moves a latent by a few % of its displacement
+    and the CFG combination amplifies that (x4 text, x1.5-2 image), so M* and the official bf16 runs
+    differ from each other by ~15% (measured, t2i with CFG) while each is 12.2% from the f32 run:
+    the test asks M* to be as close to f32 as the official bf16 run is. Measured on an H200: t2i
+    0.122 (M*) vs 0.122 (official), t2i without CFG 0.024 vs 0.025, edit 0.066 vs 0.065 (rms of the
+    displacement); tokens: 13 shared with f32 (the official 15 of 15; random weights have near-ties)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     out = tmp_path / "parity.json"
@@ -246,7 +249,11 @@ def test_real_size_matches_official_on_gpu(tmp_path: Path) -> None:
                           timeout=540)
     assert proc.returncode == 0, f"parity run failed:\n{proc.stderr[-4000:]}"
     rec = json.loads(out.read_text())
-    for case in ("t2i", "edit"):
-        assert rec[case]["moved_max"] > 1e-2, f"{case}: the official steps barely moved the latent: {rec[case]}"
-        assert rec[case]["rms_rel"] <= GPU_LATENT_RMS_TOL, f"{case}: {rec[case]}"
-    assert rec["und"]["common_prefix"] >= GPU_MIN_PREFIX, f"understanding tokens: {rec['und']}"
+    for case in ("t2i", "t2i_nocfg", "edit"):
+        r = rec[case]
+        assert r["official_vs_f32"]["moved_max"] > 1e-1, f"{case}: the steps barely moved the latent: {r}"
+        ours, theirs = r["mstar_vs_f32"]["rms_rel"], r["official_vs_f32"]["rms_rel"]
+        assert ours <= GPU_SLACK * theirs + 5e-3, f"{case}: M* {ours:.4f} from f32, the official bf16 {theirs:.4f}: {r}"
+    und = rec["und"]
+    want = min(GPU_MIN_PREFIX, und["common_prefix_f32"]["official"])
+    assert und["common_prefix_f32"]["mstar"] >= want, f"understanding tokens: {und}"

@@ -18,10 +18,13 @@ official code needs to run here (reference/models.md 1.6):
 - `cv2` and `torchvision` (imported by data/transforms.py, which needs PIL's bicubic resize,
   ToTensor and Normalize): stubs only where they do not import (this machine; the GPU
   machine has both).
-- the hard-coded `torch.bfloat16` casts of qwen2_navit / siglip_navit: on the CPU only, the
-  two modules see a `torch` whose `bfloat16` is the model dtype (f32 weights would otherwise
-  meet bf16 activations). On a GPU the official code runs as released: bf16 weights under
-  its own `torch.autocast("cuda", bfloat16)`.
+- the hard-coded `torch.bfloat16` casts of qwen2_navit / siglip_navit: for a model in another
+  dtype (f32: the CPU test, and `parity`'s f32 reference on a GPU) those modules and the
+  inferencer see a `torch` whose `bfloat16` is the model dtype and whose `autocast` does nothing
+  (f32 weights would otherwise meet bf16 activations on the CPU, and run bf16 GEMMs under the
+  autocast on a GPU). A bf16 model runs as released: bf16 weights under the inferencer's own
+  `torch.autocast("cuda", bfloat16)`. The setting is per process (module globals): the latest
+  `official_model` sets it.
 - accelerate's device hooks: the official app loads the model with
   `load_checkpoint_and_dispatch(..., force_hooks=True)` and keeps the FLUX AE on the CPU;
   the inferencer relies on those hooks to move its host tensors. Here forward pre-hooks move
@@ -44,13 +47,16 @@ the seed) and FlowStep.noise (skipping those `drawn` values) follow that order o
 With the AE on a GPU, eps come from the CUDA generator and x_1 from an untouched CPU stream:
 edit then differs from M* in its noise, T2I does not.
 
-API: `official_model(state_dicts, config, device, dtype)` -> `Official`; `official_from_worker`;
+API: `official_model(state_dicts, config, device, dtype)` -> `Official` (bf16 on a GPU as
+released, or f32 anywhere); `official_from_worker`, or `worker_weights` + `release_worker` when
+the worker's KV pool leaves no room for a second copy of the weights (a whole-H200 plan);
 `official_t2i_latents`, `official_edit_latents`, `official_understand_tokens`;
 `official_inferencer_timings` (+ `time_t2i`, `time_edit`, `time_understand`).
 CLI (`python tools/bench/bagel_official.py ...`): `check` (imports, one tiny run on random
 weights); `run --weights W --config C --jobs J --inputs I --out O` (jobs on given weights, the
 CPU test's official side in a process of its own); `parity [--variant real] [--device cuda]`
-(M*'s walks, then the official code, on the same dummy weights in one process: figures as JSON).
+(M*'s walks, then the official code in the plan's dtype and in f32, on the same dummy weights
+in one process: errors relative to the latents' displacement, tokens, as JSON).
 """
 
 from __future__ import annotations
@@ -190,7 +196,8 @@ def _torchvision_stub() -> dict[str, types.ModuleType]:
 
 
 class _TorchView(types.ModuleType):
-    """`torch` as qwen2_navit / siglip_navit see it on the CPU: `bfloat16` is the model dtype."""
+    """`torch` as the official modules see it when the model is not bf16: `bfloat16` is the model
+    dtype and `autocast` does nothing (the official autocast only makes bf16 GEMMs of mixed inputs)."""
 
     def __init__(self, dtype: torch.dtype):
         super().__init__("torch")
@@ -199,6 +206,8 @@ class _TorchView(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         if name == "bfloat16":
             return self._bf16_as
+        if name == "autocast":
+            return lambda *a, **k: contextlib.nullcontext()
         return getattr(torch, name)
 
 
@@ -292,10 +301,11 @@ def setup(folder: Path = OFFICIAL) -> Modules:
     return mods
 
 
-def _redirect_bf16(mods: Modules, dtype: torch.dtype | None) -> None:
-    """On the CPU the official hard casts to bf16 become casts to `dtype`; None restores torch."""
-    for mod in (mods.qwen2_navit, mods.siglip_navit):
-        mod.torch = torch if dtype is None else _TorchView(dtype)
+def _redirect_bf16(mods: Modules, dtype: torch.dtype) -> None:
+    """For a model in `dtype` other than bf16 the official hard casts to bf16 become casts to `dtype`
+    and the inferencer's autocast is off; for bf16 the modules see torch itself (the released code)."""
+    for mod in (mods.qwen2_navit, mods.siglip_navit, mods.inferencer):
+        mod.torch = torch if dtype == torch.bfloat16 else _TorchView(dtype)
 
 
 # ------------------------------------------------------------------------------ the model
@@ -497,6 +507,9 @@ def official_model(state_dicts: Mapping[str, torch.Tensor] | Iterable[Mapping[st
     Built on the meta device and given storage once, so a real-size model costs one copy."""
     mods = setup(folder)
     device = torch.device(device)
+    if dtype == torch.bfloat16 and device.type != "cuda":
+        raise OfficialError("a bf16 official model needs a CUDA device: the official code mixes f32 inputs with "
+                            "bf16 weights under torch.autocast('cuda'); use float32 on the CPU")
     weights = _merge(state_dicts)
     cfg = dict(config)
     llm_config, vit_config, ae_params, bagel_config = _configs(mods, cfg)
@@ -513,7 +526,7 @@ def official_model(state_dicts: Mapping[str, torch.Tensor] | Iterable[Mapping[st
     ae = mods.autoencoder.AutoEncoder(ae_params)
     _load_into(ae, {k: v for k, v in weights.items() if k.startswith(VAE_PREFIXES)}, "AutoEncoder")
     vae = PlacedAE(ae.eval().requires_grad_(False), torch.device(vae_device or "cpu"))
-    _redirect_bf16(mods, dtype if device.type == "cpu" and dtype != torch.bfloat16 else None)
+    _redirect_bf16(mods, dtype)
     hooks = []
     if device.type != "cpu":
         for mod in (model.language_model.model.embed_tokens, model.language_model.model, model.vit_model,
@@ -565,7 +578,9 @@ def release_worker(worker: Any) -> None:
         if node is not None:  # probes set as instance attributes close over the node: a cycle
             for name in [k for k in vars(node) if k.startswith("phase_")]:
                 delattr(node, name)
-    worker.engines.clear()
+    for value in vars(worker).values():  # engines, and the cohort maps that hold engines too
+        if isinstance(value, dict):
+            value.clear()
     gc.unfreeze()
     gc.collect()
     if worker.device.type == "cuda":
@@ -885,12 +900,30 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _official_cases(off: Official, cases: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, c in cases.items():
+        if "source" in c:
+            out[name] = official_edit_latents(off, c["source"], c["prompt"], num_timesteps=c["num_timesteps"],
+                                              seed=c["seed"], **settings_from_walk(c, EDIT_DEFAULTS))
+        elif "question" in c:
+            out[name] = official_understand_tokens(off, c["image"], c["question"], max_length=c["max_length"]).tolist()
+        else:
+            out[name] = official_t2i_latents(off, c["prompt"], height=c["height"], width=c["width"],
+                                             num_timesteps=c["num_timesteps"], seed=c["seed"],
+                                             **settings_from_walk(c, T2I_DEFAULTS))
+    return out
+
+
 def parity(variant: str, device: str, size: int, edit_size: int, num_timesteps: int, answer: int,
            folder: Path = OFFICIAL) -> dict[str, Any]:
-    """M*'s t2i, edit and understand walks against the official code on the same `dummy` weights, one
-    process: M* first (it never imports transformers), its weights copied to the host and the worker
-    freed (its KV pool fills the GPU), then the official model on `device` in the plan's dtype with
-    the AE on the CPU (the app's placement, whose eps order M*'s edit follows)."""
+    """M*'s t2i (with and without CFG), edit and understand walks against the official code on the
+    same `dummy` weights, in one process: M* first (it never imports transformers), its weights
+    copied to the host and the worker released (its KV pool fills the GPU); then the official model
+    on `device` in the plan's dtype, and, when that is not f32, again in f32 (the same weights
+    upcast, bf16 casts redirected, no autocast): a reference that says how far each bf16 run is
+    from exact. The AE runs on the CPU (the app's placement, whose eps order M*'s edit follows)."""
+    import gc
     import tempfile
 
     placement = ROOT / "placements" / ("h200x1.yaml" if device.startswith("cuda") else "cpu.yaml")
@@ -900,18 +933,19 @@ def parity(variant: str, device: str, size: int, edit_size: int, num_timesteps: 
                            "num_timesteps": num_timesteps, "answer": answer}
     t2i = {"prompt": "A photo of a red fox sitting in the snow at the edge of a pine forest", "height": size,
            "width": size, "num_timesteps": num_timesteps, "seed": 0}
-    edit = {"source": synthetic_image(edit_size, edit_size, 1), "prompt": "Make the sky purple and add a full moon",
-            "num_timesteps": num_timesteps, "seed": 0}
-    und = {"image": synthetic_image(edit_size, edit_size, 2), "question": "What is in this image? Describe it.",
-           "max_length": answer}
+    cases: dict[str, dict[str, Any]] = {
+        "t2i": t2i,
+        "t2i_nocfg": {**t2i, "cfg_text_scale": 1.0, "seed": 1},
+        "edit": {"source": synthetic_image(edit_size, edit_size, 1), "prompt": "Make the sky purple and add a "
+                 "full moon", "num_timesteps": num_timesteps, "seed": 0},
+        "und": {"image": synthetic_image(edit_size, edit_size, 2), "question": "What is in this image? Describe it.",
+                "max_length": answer},
+    }
     ours: dict[str, Any] = {}
     t0 = time.perf_counter()
-    ms.run("t2i", t2i)
-    ours["t2i"] = (ms.latents[-1], ms.noise[-1])
-    ms.run("edit", edit)
-    ours["edit"] = (ms.latents[-1], ms.noise[-1])
-    ms.run("understand", und)
-    ours["und"] = list(ms.tokens)
+    for name, c in cases.items():
+        ms.run("edit" if "source" in c else "understand" if "question" in c else "t2i", c)
+        ours[name] = list(ms.tokens) if "question" in c else (ms.latents[-1], ms.noise[-1])
     rec["mstar_s"] = time.perf_counter() - t0
     weights = worker_weights(ms.worker, "cpu")
     config, tok = dict(ms.plan.config), tokenizer_from_node(ms.worker.engines["tok"].node, ms.plan.config)
@@ -920,19 +954,33 @@ def parity(variant: str, device: str, size: int, edit_size: int, num_timesteps: 
     del ms
     if device.startswith("cuda"):
         rec["gpu_free_gib_after_release"] = torch.cuda.mem_get_info()[0] / 2**30
-    t0 = time.perf_counter()
-    off = official_model(weights, config, device, dtype, tokenizer=tok, vae_device="cpu", folder=folder)
-    del weights
-    rec["official_build_s"] = time.perf_counter() - t0
-    rec["attention"], rec["stubs"], rec["commit"] = off.modules.attention, off.modules.stubs, off.modules.commit
-    t0 = time.perf_counter()
-    lat = official_t2i_latents(off, t2i["prompt"], height=size, width=size, num_timesteps=num_timesteps, seed=0)
-    rec["t2i"] = latent_error(ours["t2i"][0], lat, ours["t2i"][1])
-    lat = official_edit_latents(off, edit["source"], edit["prompt"], num_timesteps=num_timesteps, seed=0)
-    rec["edit"] = latent_error(ours["edit"][0], lat, ours["edit"][1])
-    toks = official_understand_tokens(off, und["image"], und["question"], max_length=answer).tolist()
-    rec["und"] = {"mstar": ours["und"], "official": toks, "common_prefix": common_prefix(ours["und"], toks)}
-    rec["official_s"] = time.perf_counter() - t0
+    runs: dict[str, dict[str, Any]] = {}
+    for dt in dict.fromkeys([dtype, torch.float32]):
+        t0 = time.perf_counter()
+        off = official_model(weights, config, device, dt, tokenizer=tok, vae_device="cpu", folder=folder)
+        key = str(dt).replace("torch.", "")
+        rec[f"official_{key}_build_s"] = time.perf_counter() - t0
+        rec["attention"], rec["stubs"], rec["commit"] = off.modules.attention, off.modules.stubs, off.modules.commit
+        t0 = time.perf_counter()
+        runs[key] = _official_cases(off, cases)
+        rec[f"official_{key}_s"] = time.perf_counter() - t0
+        del off
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    native, exact = runs[str(dtype).replace("torch.", "")], runs["float32"]
+    for name, c in cases.items():
+        if "question" in c:
+            rec[name] = {"mstar": ours[name], "official": native[name], "official_f32": exact[name],
+                         "common_prefix": common_prefix(ours[name], native[name]),
+                         "common_prefix_f32": {"mstar": common_prefix(ours[name], exact[name]),
+                                               "official": common_prefix(native[name], exact[name])}}
+            continue
+        lat, x1 = ours[name]
+        rec[name] = {"mstar_vs_official": latent_error(lat, native[name], x1)}
+        if native is not exact:
+            rec[name]["mstar_vs_f32"] = latent_error(lat, exact[name], x1)
+            rec[name]["official_vs_f32"] = latent_error(native[name], exact[name], x1)
     return rec
 
 

@@ -26,7 +26,7 @@ class SettingSpec:
 NODE_SETTINGS: dict[str, SettingSpec] = {
     "dtype": SettingSpec("dtype", "lowering"),
     "max_seq_len": SettingSpec("positive_int", "memory"),
-    "max_prefill_tokens": SettingSpec("positive_int", "memory"),
+    "max_prefill_tokens": SettingSpec("positive_int", "memory, the runtime's conductor"),
     "cuda_graphs": SettingSpec("bool", "cuda-graphs, memory"),
     "graph_max_tokens": SettingSpec("positive_int", "cuda-graphs, memory, the runtime's graph runners"),
     "stream_capacity": SettingSpec("positive_int", "streams"),

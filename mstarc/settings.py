@@ -28,7 +28,7 @@ NODE_SETTINGS: dict[str, SettingSpec] = {
     "max_seq_len": SettingSpec("positive_int", "memory"),
     "max_prefill_tokens": SettingSpec("positive_int", "memory, the runtime's conductor"),
     "cuda_graphs": SettingSpec("bool", "cuda-graphs, memory"),
-    "graph_max_tokens": SettingSpec("positive_int", "cuda-graphs, memory, the runtime's graph runners"),
+    "graph_max_tokens": SettingSpec("positive_int", "cuda-graphs, memory (the plan's buckets)"),
     "stream_capacity": SettingSpec("positive_int", "streams"),
     "max_batch": SettingSpec("positive_int", "the runtime's conductor"),
     "checkpoint_subdir": SettingSpec("str", "the runtime's weight loader"),

@@ -168,3 +168,33 @@ def test_a_step_takes_at_most_the_nodes_token_budget(plan_path: Path) -> None:
         for h in hs:
             h.result(timeout=60)
     assert sizes and max(sizes) <= 40 and sum(sizes) == 5 * 18 and len(sizes) >= 3
+
+
+def test_mstar_run_writes_png_and_text_for_every_walk(plan_path: Path, tmp_path: Path) -> None:
+    """The CLI as a user runs it: one request of each walk, files in --out (a batch file holds all)."""
+    import json
+
+    from PIL import Image
+
+    from tests.test_cli_run import mstar_run
+
+    src = tmp_path / "src.png"
+    Image.fromarray(image(40, 56).numpy()).save(src)
+    requests = tmp_path / "requests.jsonl"
+    lines = [
+        {"id": "draw", "walk": "t2i", "inputs": {"prompt": "a fox", "height": 48, "width": 32, "num_timesteps": 3}},
+        {"id": "paint", "walk": "edit", "inputs": {"source": f"@{src}", "prompt": "blue", "num_timesteps": 3}},
+        {"id": "look", "walk": "understand", "inputs": {"image": f"@{src}", "question": "what?", "max_length": 4}},
+        {"id": "talk", "walk": "chat", "inputs": {"prompt": "hi", "max_length": 4}},
+        {"id": "plan", "walk": "think", "inputs": {"prompt": "a fox", "max_length": 3, "height": 32, "width": 32,
+                                                   "num_timesteps": 3}},
+    ]
+    requests.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    p = mstar_run(str(plan_path), "--requests", str(requests), "--out", str(tmp_path / "out"))
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "out"
+    assert Image.open(out / "draw.image.png").size == (32, 48)
+    assert Image.open(out / "plan.image.png").size == (32, 32)
+    assert Image.open(out / "paint.image.png").size[0] > 0
+    for name in ("look.text.txt", "talk.text.txt", "plan.text.txt"):
+        assert (out / name).is_file()

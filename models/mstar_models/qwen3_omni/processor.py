@@ -63,6 +63,7 @@ BUNDLED_TOKENIZER = Path(__file__).resolve().parent / "tokenizer_tiny.json"
 QWEN2_SPLIT = (  # transformers' Qwen2Tokenizer PRETOKENIZE_REGEX
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+REPLACEMENT = "\ufffd"  # what the byte-level decoder gives for an incomplete UTF-8 sequence
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -530,8 +531,28 @@ class Processor(StatelessNode):
             ids = [int(v) for v in t.reshape(-1).tolist()]
             if any(not 0 <= v < self.vocab for v in ids):
                 raise RequestError(f"token ids must lie in [0, {self.vocab})", "token")
-            out.append({"piece": self.tokenizer.decode(ids, skip_special_tokens=True)})
+            if "token:context" not in entry:  # plain ids (the server renders a reply this way)
+                out.append({"piece": self.tokenizer.decode(ids, skip_special_tokens=True)})
+                continue
+            context = entry["token:context"]
+            if isinstance(context, bool) or not isinstance(context, int) or not 0 <= context <= len(ids):
+                raise RequestError(f"token:context must be an int in [0, {len(ids)}], got {context!r}", "token")
+            out.append({"piece": self._new_text(ids, context)})
         return out
+
+    def _new_text(self, ids: list[int], context: int) -> str:
+        """The text a stream chunk's new ids add: decode(all) minus decode(the first `context`).
+
+        Byte-level BPE can split one character over several ids, and a decode that ends inside
+        one ends in U+FFFD: that tail is held back and comes with the id that completes it, so
+        the pieces of a stream join to one decode of all its ids."""
+        now = self.tokenizer.decode(ids, skip_special_tokens=True).rstrip(REPLACEMENT)
+        before = self.tokenizer.decode(ids[:context], skip_special_tokens=True).rstrip(REPLACEMENT) \
+            if context else ""
+        common = 0  # byte-level decodes of a prefix are prefixes, up to the held-back tail
+        while common < min(len(before), len(now)) and before[common] == now[common]:
+            common += 1
+        return now[common:]
 
 
 def _text(entry: Mapping[str, Any], port: str) -> str:

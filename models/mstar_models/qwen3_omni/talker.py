@@ -33,8 +33,8 @@ and an image or video (its talker config has no `audio_config` for the audio len
 thinker computes those positions by the same rules, each audio's length its placeholder count.
 
 `done` is raised on codec eos (lazy) or after `max_frames` frames. Once a frame has sampled
-codec eos, every later frame of the request returns codec eos again (a no-op frame: the code
-predictor emits no codes for it), decided on the device.
+codec eos, or `max_frames` frames have run, every later frame of the request returns codec
+eos again (a no-op frame: the code predictor emits no codes for it), decided on the device.
 
 Per-(request, tag) state: `sampling`, `max_frames`, `frames` (frames decoded), `history`
 (int64 [max_frames] codes so far, -1 beyond; only with a repetition penalty), `finished`
@@ -300,7 +300,9 @@ class TalkerMoE(KVNode):
         histories = [None if st["history"] is None else st["history"][: st["frames"]] for st in states]
         sampled = sample(self.logits(hidden), [st["sampling"] for st in states], histories,
                          [st["frames"] for st in states])
-        finished = torch.stack([st["finished"] for st in states])
+        # a frame past max_frames is a no-op too (the walk may still feed it text items)
+        over = upload([st["frames"] >= st["max_frames"] for st in states], torch.bool, dev)
+        finished = torch.stack([st["finished"] for st in states]) | over
         eos = self.tok.codec_eos_token_id
         codes = torch.where(finished, eos, sampled)
         context = torch.stack([hidden, self.codec_embed(codes)], dim=1)  # [B, 2, hidden]

@@ -72,6 +72,7 @@ from mstar_models.qwen3_omni.lm_common import (
 from mstar_models.qwen3_omni.moe import SparseMoE, Weight
 from mstar_models.qwen3_omni.positions import default_mrope_section, inv_freq, mrope_tables, rope_index
 from mstar_models.qwen3_omni.tokens import TokenIds
+from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import (
     AttentionContext,
     Batch,
@@ -83,7 +84,7 @@ from mstar_runtime.ops.node import (
     SeqPlan,
 )
 from mstar_runtime.ops.readback import Lazy, Readback, upload
-from mstar_runtime.ops.sampler import SamplingParams, sample
+from mstar_runtime.ops.sampler import SamplingColumns, SamplingParams, sample, sample_columns, sampling_row
 
 PREFILLS = ("prefill", "prefill_speech")
 DECODES = ("decode", "decode_speech")
@@ -368,9 +369,14 @@ class ThinkerMoE(KVNode):
         pos = upload([s.start + float(s.state["delta"]) for s in attn.seqs], torch.float32, dev)
 
         def step(i: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-            return self.logits(self.forward_embeds(self.embed(i), p[None, :].expand(3, -1), attn))
+            return self._step_logits(i, p, attn.attend)
 
         return self._next_tokens(attn.run_graphed(step, ids, pos), attn, speech)
+
+    def _step_logits(self, ids: torch.Tensor, positions: torch.Tensor, attend: Any) -> torch.Tensor:
+        """Logits [B, vocab] of one text token per row at float positions [B] (equal in t, h, w)."""
+        cos, sin = self.tables(positions[None, :].expand(3, -1))
+        return self.logits(self.model.forward_layers(self.embed(ids), cos, sin, attend))
 
     # ------------------------------------------------------------------ sampling
     def _next_tokens(self, logits: torch.Tensor, attn: AttentionContext, speech: bool) -> Batch:
@@ -389,6 +395,7 @@ class ThinkerMoE(KVNode):
         for i, limit in enumerate(limits):
             o: dict[str, Any] = {
                 "token": tok32[i : i + 1],
+                "emitted": Lazy(lambda i=i: torch.tensor(back.values()[i : i + 1], dtype=torch.int32)),
                 "done": True if limit else Lazy(lambda i=i: back.values()[i] == eos),
             }
             if items is not None:
@@ -402,3 +409,42 @@ class ThinkerMoE(KVNode):
         last = (tokens == self.tok.im_end_token_id) | upload(limits, torch.bool, tokens.device)
         eos_row = self.model.embed_tokens.weight[tts_eos][None, :]
         return torch.where(last[:, None], eos_row, self.embed(tokens))
+
+    # ------------------------------------------------------------------ cohort
+    def cohort_phase(self, phase: str) -> CohortPhase | None:
+        """`decode` as a column step for decode cohorts (runtime/mstar_runtime/ops/cohort.py): the
+        math of `phase_decode` over every row, the state as columns (the sampling settings and
+        sampler step, `max_tokens`, the MRoPE `delta`). The speech decode is not offered: its
+        loop also runs the talker, so the compiler never marks it."""
+        if phase != "decode":
+            return None
+        return CohortPhase(join=self._cohort_join, step=self._cohort_step, leave=self._cohort_leave,
+                           max_items={"emitted": 1})
+
+    def _cohort_join(self, state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
+        if "sampling" not in state:
+            raise RequestError("decode on a KV context that was never prefilled", "token")
+        params: SamplingParams = state["sampling"]
+        if params.greedy:  # top-k cannot change an argmax; the columns have no top-k
+            params = dataclasses.replace(params, top_k=0)
+        cols = sampling_row(params, state["step"])  # a row with top-k sampling stays generic
+        cols.update(max_tokens=torch.tensor(state["max_tokens"]),
+                    delta=torch.tensor(float(state["delta"]), dtype=torch.float32))
+        return cols
+
+    def _cohort_leave(self, state: dict[str, Any], cols: Columns, steps: int) -> None:
+        state["step"] += steps
+
+    def _cohort_step(self, b: CohortStep) -> dict[str, torch.Tensor]:
+        c = b.cols
+        ids = b.inputs["token"].reshape(-1).to(torch.long)
+        logits = self._step_logits(ids, b.positions.to(torch.float32) + c["delta"], b.attend)
+        # no repetition penalty in the thinker: the sampler skips that stage without a history
+        sc = SamplingColumns(c["temperature"], c["top_p"], c["penalty"], c["greedy"], c["seed"], c["step"],
+                             None)  # type: ignore[arg-type]
+        tokens = sample_columns(logits, sc)
+        c["step"].add_(1)
+        done = (c["step"] >= c["max_tokens"]) | (b.positions + 1 >= self.max_seq_len) | \
+            (tokens == self.tok.im_end_token_id)
+        tok32 = tokens.to(torch.int32)[:, None]
+        return {"token": tok32, "emitted": tok32, "emitted:count": torch.ones_like(tokens), "done": done}

@@ -69,6 +69,8 @@ CODES: dict[str, str] = {
     "E054": "placement names an unknown walk or branch",
     "E055": "bad device",
     "E056": "KV context read on other ranks",
+    "E057": "bad host layout",
+    "E058": "tensor-parallel group spans hosts",
     # memory (E06x)
     "E060": "model does not fit the device",
     "E061": "KV pool too small",

@@ -3,8 +3,10 @@
 The view is built in Python (`plan_view`) and rendered by jinja2 templates in
 `mstarc/templates/`; the templates only lay out what the view holds, so every format shows
 the same facts: per rank its device, nodes, weights and KV bytes, TP degree, captured CUDA
-graphs with their batch buckets, and stream buffers with their policies; then each walk's
-step program as an indented tree (a loop marked as a cohort says so, with its fed-back ports).
+graphs with their batch buckets, and stream buffers with their policies; for a placement
+with hosts, each host's ranks and every transfer between hosts with the bytes it carries
+per step; then each walk's step program as an indented tree (a loop marked as a cohort
+says so, with its fed-back ports).
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ def human_bytes(n: int | float | None) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def carried(nbytes: int | None, per: list[str]) -> str:
+    """What one copy of a transfer carries: `4.00 KiB`, `4 B x K`, `56.00 KiB per token`."""
+    if nbytes is None:
+        return "size not known from the types"
+    if per == ["token"]:
+        return f"{human_bytes(nbytes)} per token"
+    return " x ".join([human_bytes(nbytes), *per])
 
 
 def _operand(op: dict[str, Any]) -> str:
@@ -98,6 +109,8 @@ def plan_view(plan: dict[str, Any]) -> dict[str, Any]:
     streams_by_rank: dict[int, list[dict[str, Any]]] = {}
     for s in plan["streams"]:
         streams_by_rank.setdefault(s["consumer_rank"], []).append(s)
+    hosts = plan["placement"].get("hosts", [])  # absent unless the placement names hosts
+    host_of = {r: h["host"] for h in hosts for r in h["ranks"]}
     where: dict[str, list[int]] = {}  # node -> the ranks it is resident on, in rank order
     ranks = []
     for dev in plan["placement"]["ranks"]:
@@ -123,7 +136,7 @@ def plan_view(plan: dict[str, Any]) -> dict[str, Any]:
                                   for t in n["tags"]) if n["engine"] == "kv" else "",
             })
         ranks.append({
-            "rank": r, "device": dev["type"] if dev["name"] == dev["type"] else f"{dev['type']} {dev['name']}", "capacity": human_bytes(dev["memory_bytes"]),
+            "rank": r, "host": host_of.get(r), "device": dev["type"] if dev["name"] == dev["type"] else f"{dev['type']} {dev['name']}", "capacity": human_bytes(dev["memory_bytes"]),
             "weights": human_bytes(mem.get("weights_bytes")),
             "kv_pool": human_bytes(sum(k["bytes"] for k in mem.get("kv", []))),
             "graph_pool": human_bytes(mem.get("graph_pool_bytes")), "workspace": human_bytes(mem.get("workspace_bytes")),
@@ -144,7 +157,13 @@ def plan_view(plan: dict[str, Any]) -> dict[str, Any]:
     edges = [{"id": e["id"], "src": e["src"], "dst": e["dst"], "policy": _policy(e["policy"]) if e["policy"] else None,
               "pairs": [(a, b) for a in where.get(e["src"][0], []) for b in where.get(e["dst"][0], [])]}
              for e in plan["edges"]]
+    cross_host = [{"walk": x["walk"], "value": x["value"], "kind": x["kind"],
+                   "route": f"rank {x['src_rank']} (host {x['src_host']}) -> rank {x['dst_rank']} (host {x['dst_host']})",
+                   "steps": f"{x['producer_step']} -> {x['consumer_step']}", "carries": carried(x["bytes"], x["per"])}
+                  for x in plan["placement"].get("cross_host", [])]
     return {"model": plan["model"], "weights": plan["weights"], "ranks": ranks, "walks": walks, "edges": edges,
+            "hosts": [{"host": h["host"], "ranks": ", ".join(str(r) for r in h["ranks"])} for h in hosts],
+            "cross_host": cross_host,
             "transitions": plan["transitions"], "placement": plan["placement"].get("name", ""),
             "schema": f"{plan['schema']['major']}.{plan['schema']['minor']}"
                       + (f" (requires {', '.join(plan['requires'])})" if plan.get("requires") else ""),

@@ -3,8 +3,9 @@
 `load_placement` reads a `placements/*.yaml` file into a `PlacementSpec`. The YAML is read
 only with `yaml.compose` (a node tree, never `yaml.load`), so every value keeps its line
 and column and every problem becomes a `Diagnostic` at the offending value: E050 for a
-malformed file (bad YAML, unknown or missing key, wrong type), E055 for a bad device. All
-problems of the file are collected and raised together as one `CompileError`.
+malformed file (bad YAML, unknown or missing key, wrong type), E055 for a bad device, E057
+for hosts that do not take the ranks in order, each once. All problems of the file are
+collected and raised together as one `CompileError`.
 
 The loader checks only what the file alone can tell. Whether the named nodes, walks and
 branches exist, whether ranks are in range and whether the model fits are the `place`,
@@ -30,9 +31,12 @@ DEFAULT_MAX_BATCH = 64
 GIB = 1 << 30
 TB = 10**12
 
-_TOP_KEYS = ("placement", "devices", "kv_memory_fraction", "page_size", "max_batch", "default_rank", "models")
+_TOP_KEYS = ("placement", "devices", "hosts", "kv_memory_fraction", "page_size", "max_batch", "default_rank",
+             "models")
 _DEVICE_KEYS = ("rank", "type", "name", "memory_gib", "hbm_tb_s")
 _SHORTHAND_KEYS = ("count", "type", "name", "memory_gib", "hbm_tb_s")
+_HOSTS_SHORTHAND_KEYS = ("count", "devices")
+_HOST_KEYS = ("ranks",)
 _MODEL_KEYS = ("nodes", "walks")
 _NODE_KEYS = ("rank", "ranks", "tp")
 _WALK_KEYS = ("nodes", "branches")
@@ -72,6 +76,18 @@ class DeviceSpec:
     @property
     def label(self) -> str:
         return f"{self.type} {self.name}, {self.memory_bytes / GIB:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One host of a multi-host placement: its ranks, in the order of its local devices.
+
+    The ranks of host h follow those of host h - 1 (torchrun numbers the processes of its
+    nodes that way), so host h's i-th rank runs on that host's device i."""
+
+    host: int
+    ranks: tuple[int, ...]
+    span: Span = field(default=_NO_SPAN, compare=False)  # the host's entry (the shorthand: `hosts`)
 
 
 @dataclass(frozen=True)
@@ -131,6 +147,15 @@ class PlacementSpec:
     models: dict[str, ModelPlacement]
     default_rank_span: Span = field(default=_NO_SPAN, compare=False)
     span: Span = field(default=_NO_SPAN, compare=False)  # the whole document
+    # the hosts the ranks run on (docs/distributed.md); empty: one host, as before
+    hosts: tuple[HostSpec, ...] = ()
+
+    def host_of(self, rank: int) -> int | None:
+        """The host of `rank`; None when the placement names no hosts (or the rank is on none)."""
+        for h in self.hosts:
+            if rank in h.ranks:
+                return h.host
+        return None
 
     def model(self, name: str) -> ModelPlacement:
         """The section for model `name`; an empty one when the file has none."""
@@ -316,6 +341,7 @@ class _Reader:
         if "placement" in top:
             name = self.string(top["placement"][1], "'placement'") or stem
         devices = self.devices(top["devices"][1]) if "devices" in top else ()
+        hosts = self.hosts(top["hosts"][1], len(devices)) if "hosts" in top and devices else ()
         fraction = DEFAULT_KV_MEMORY_FRACTION
         if "kv_memory_fraction" in top:
             node = top["kv_memory_fraction"][1]
@@ -349,7 +375,64 @@ class _Reader:
                 if section is not None:
                     models[model] = section
         return PlacementSpec(name, self.file, devices, fraction, ints["page_size"], ints["max_batch"],
-                             default_rank, models, default_span, self.span(root))
+                             default_rank, models, default_span, self.span(root), hosts)
+
+    def hosts(self, node: yaml.Node, n_ranks: int) -> tuple[HostSpec, ...]:
+        """`hosts: {count: H, devices: D}` or `hosts: [{ranks: [...]}, ...]`: every rank on
+        one host, host by host in rank order (E057 otherwise)."""
+        order = ("hosts take the ranks in order, as torchrun numbers its nodes' processes: "
+                 "host 0 ranks 0..k-1, host 1 the next ones, ...")
+        if isinstance(node, yaml.MappingNode):
+            d = self.mapping(node, "'hosts'", _HOSTS_SHORTHAND_KEYS, _HOSTS_SHORTHAND_KEYS)
+            if d is None or len(d) < 2:
+                return ()
+            count = self.integer(d["count"][1], "'hosts.count'", 1, limits.MAX_DEVICES)
+            per = self.integer(d["devices"][1], "'hosts.devices'", 1, limits.MAX_DEVICES)
+            if count is None or per is None:
+                return ()
+            if count * per != n_ranks:
+                self.sink.error("E057", f"{count} host{'s' if count > 1 else ''} of {per} device"
+                                f"{'s' if per > 1 else ''} make {count * per} rank{'s' if count * per > 1 else ''}, "
+                                f"but 'devices' has {n_ranks}", self.span(node),
+                                "give as many ranks per host as each host has devices, or list them: "
+                                "`hosts: [{ranks: [0, 1]}, {ranks: [2]}]`")
+                return ()
+            return tuple(HostSpec(h, tuple(range(h * per, (h + 1) * per)), self.span(node)) for h in range(count))
+        if not isinstance(node, yaml.SequenceNode):
+            self.bad(node, "'hosts'", "a list of {ranks: [...]} or {count: H, devices: D}")
+            return ()
+        if not node.value:
+            self.sink.error("E057", "'hosts' is empty", self.span(node), "list each host's ranks, or leave `hosts` out")
+            return ()
+        out: list[HostSpec] = []
+        due = 0  # the next rank a host must take
+        for h, item in enumerate(node.value):
+            d = self.mapping(item, f"host {h}", _HOST_KEYS, _HOST_KEYS)
+            if d is None or "ranks" not in d:
+                return ()
+            value = d["ranks"][1]
+            if not isinstance(value, yaml.SequenceNode):
+                self.bad(value, f"'ranks' of host {h}", "a list of ranks")
+                return ()
+            g = self.rank_group(d["ranks"][0], value, f"host {h}")
+            if g is None:
+                return ()
+            for r, span in zip(g.ranks, g.rank_spans):
+                if r >= n_ranks:
+                    self.sink.error("E057", f"host {h} lists rank {r}, but the placement has {n_ranks} "
+                                    f"rank{'s' if n_ranks > 1 else ''}", span,
+                                    f"known ranks: 0..{n_ranks - 1}")
+                    return ()
+                if r != due:
+                    self.sink.error("E057", f"host {h} lists rank {r} where rank {due} is due", span, order)
+                    return ()
+                due += 1
+            out.append(HostSpec(h, g.ranks, self.span(item)))
+        if due != n_ranks:
+            left = f"rank {due} is" if due == n_ranks - 1 else f"ranks {due}..{n_ranks - 1} are"
+            self.sink.error("E057", f"{left} on no host", self.span(node), "every rank runs on one host: " + order)
+            return ()
+        return tuple(out)
 
     def devices(self, node: yaml.Node) -> tuple[DeviceSpec, ...]:
         if isinstance(node, yaml.MappingNode):  # the {count: N, ...} shorthand

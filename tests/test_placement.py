@@ -110,7 +110,7 @@ def test_unknown_top_level_key() -> None:
 p.yaml:3:1: error[E050]: unknown key 'page_sise' in the placement file
    3 | page_sise: 16
      | ^^^^^^^^^
-  = hint: known keys: placement, devices, kv_memory_fraction, page_size, max_batch, default_rank, models"""
+  = hint: known keys: placement, devices, hosts, kv_memory_fraction, page_size, max_batch, default_rank, models"""
 
 
 def test_unknown_device_key() -> None:

@@ -16,11 +16,16 @@ Ensures:  `model.placement` is a `PlacementIR`: the ranks' devices; per node its
           rank (ties: lowest rank; equal weights: node name), so the result never
           depends on dict or hash order. An unplaced node whose phases read another
           node's KV context (`reads`) takes that node's ranks and tp instead.
+          With `hosts` in the placement: each host's ranks (`hosts`), and every transfer
+          between ranks of different hosts with the bytes it carries per step
+          (`cross_host`, from the value's port type: symbolic dims stay factors; a KV
+          context counts bytes per token).
 Fails when: a rank is out of range (E051); an override names a group whose size is not the
           node's tp (E052); the model's section names an unknown node, or a walk override
           a node the walk never calls (E053); it names an unknown walk or branch (E054); a
           step that reads another KV context (`reads`) runs on other ranks than the steps
-          that wrote it (E056).
+          that wrote it (E056); a tensor-parallel group (a node's, or one a walk or branch
+          override names) has ranks on more than one host (E058).
           Each diagnostic points at the YAML value; all are collected.
 
 Transfers are read off the graph's use edges (mstarc/graph.py), in their discovery order:
@@ -51,6 +56,8 @@ from mstarc import ir as I
 from mstarc.diagnostics import DiagnosticSink, Span
 from mstarc.graph import GraphIR
 from mstarc.placement import SPREAD, NodePlacement, PlacementSpec, RankGroup
+
+SCALAR_BYTES = {"int": 8, "float": 8, "bool": 1}  # what a scalar value costs on the wire, about
 
 CONDUCTOR_RANK = 0
 _NO_SPAN = Span.unknown()
@@ -90,6 +97,23 @@ class TransferIR:
 
 
 @dataclass(frozen=True)
+class CrossHostIR:
+    """A transfer between ranks on different hosts, and what it carries each time it runs:
+    `bytes` times every symbolic dim in `per` (a KV context: bytes per token); `bytes` None
+    for a value whose size the types do not say (a string, an image, an accumulated list)."""
+
+    transfer: TransferIR
+    src_host: int
+    dst_host: int
+    bytes: int | None
+    per: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.transfer.to_json(), "src_host": self.src_host, "dst_host": self.dst_host,
+                "bytes": self.bytes, "per": list(self.per)}
+
+
+@dataclass(frozen=True)
 class PlacementIR:
     name: str
     ranks: tuple[RankIR, ...]
@@ -102,9 +126,15 @@ class PlacementIR:
     resident: dict[int, tuple[str, ...]]  # rank -> node instances there, sorted; every rank present
     transfers: tuple[TransferIR, ...]
     tp_spans: dict[str, Span] = field(default_factory=dict, compare=False)  # node -> YAML tp/ranks value
+    hosts: tuple[tuple[int, ...], ...] = ()  # each host's ranks; empty: one host (no `hosts` key)
+    cross_host: tuple[CrossHostIR, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        extra: dict[str, Any] = {}
+        if self.hosts:  # only then: plans of placements without hosts keep their bytes
+            extra = {"hosts": [{"host": h, "ranks": list(rs)} for h, rs in enumerate(self.hosts)],
+                     "cross_host": [x.to_json() for x in self.cross_host]}
+        return extra | {
             "name": self.name,
             "kv_memory_fraction": self.kv_memory_fraction,
             "page_size": self.page_size,
@@ -116,6 +146,12 @@ class PlacementIR:
             "transfers": [t.to_json() for t in self.transfers],
         }
 
+    def host_of(self, rank: int) -> int | None:
+        for h, rs in enumerate(self.hosts):
+            if rank in rs:
+                return h
+        return None
+
 
 def place(model: I.ModelIR, spec: PlacementSpec) -> I.ModelIR:
     sink = DiagnosticSink()
@@ -123,6 +159,10 @@ def place(model: I.ModelIR, spec: PlacementSpec) -> I.ModelIR:
     section = spec.model(model.name)
     p = _Placer(model, spec, len(ranks), sink)
     node_ranks, node_tp, tp_spans = p.nodes(section.nodes)
+    for name, span in tp_spans.items():  # the placed entries (a reader follows its owner's groups)
+        rs, tp = node_ranks[name], node_tp[name]
+        for i in range(0, len(rs) if tp > 1 else 0, tp):
+            p.one_host(rs[i:i + tp], span, f"node '{name}'")
     call_ranks: dict[str, tuple[int, ...]] = {}
     for wname, wp in section.walks.items():
         if wname not in model.walks:
@@ -139,10 +179,57 @@ def place(model: I.ModelIR, spec: PlacementSpec) -> I.ModelIR:
     _check_reads(model, call_ranks, {**{d.rank: d.span for d in spec.devices}, **tp_spans}, sink)
     sink.check()
     resident = _resident(model, node_ranks, call_ranks, set(section.nodes), [r.rank for r in ranks])
-    transfers, graph = _transfers(model.graph, call_ranks)
+    transfers, graph, carried = _transfers(model.graph, call_ranks)
+    hosts = tuple(h.ranks for h in spec.hosts)
+    host = {r: h for h, rs in enumerate(hosts) for r in rs}
+    cross = tuple(CrossHostIR(t, host[t.src_rank], host[t.dst_rank], *_carried_bytes(model, carried[t]))
+                  for t in transfers if hosts and host[t.src_rank] != host[t.dst_rank])
     return dataclasses.replace(model, graph=graph, placement=PlacementIR(
         spec.name, ranks, spec.kv_memory_fraction, spec.page_size, spec.max_batch, node_ranks, node_tp,
-        call_ranks, resident, transfers, tp_spans))
+        call_ranks, resident, transfers, tp_spans, hosts, cross))
+
+
+def _carried_bytes(model: I.ModelIR, value: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+    """(bytes, symbolic dims) of one copy of a value vertex's value (see `CrossHostIR`)."""
+    vkind, name = value["vkind"], value["name"]
+    if vkind == "kv":
+        node = model.nodes.get(name.split("@")[0])
+        kv = node.arch.kv if node is not None and node.arch is not None else None
+        if kv is None:
+            return None, ("token",)
+        return 2 * kv.layers * kv.kv_heads * kv.head_dim * I.DTYPE_BYTES.get(node.dtype, 2), ("token",)
+    vtype: I.ValueType | None = None
+    if vkind == "stream":  # the items one producer step pushes
+        edge = next((e for e in model.edges if e.id == name), None)
+        if edge is not None and edge.from_input:
+            walk = model.walks.get(edge.src_node)
+            vtype = next((p.type for p in walk.inputs if p.name == edge.src_port), None) if walk else None
+        elif edge is not None and edge.src_node in model.nodes:
+            port = model.nodes[edge.src_node].outputs.get(edge.src_port)
+            vtype = port.type if port is not None else None
+    else:
+        origin = model.graph.flow.nodes.get(value["origin"], {})
+        call = origin.get("ir")
+        node = model.nodes.get(call.node) if isinstance(call, I.Call) else None
+        port_name = value.get("port")
+        if port_name is None and node is not None and name in call.results and call.phase in node.phases:
+            outs = node.phases[call.phase].outputs
+            i = call.results.index(name)
+            port_name = outs[i] if i < len(outs) else None
+        port = node.outputs.get(port_name) if node is not None and port_name is not None else None
+        vtype = port.type if port is not None else None
+    if vtype is None:
+        return None, ()
+    if vtype.kind != "tensor":
+        return SCALAR_BYTES.get(vtype.kind), ()
+    n = I.DTYPE_BYTES.get(vtype.dtype or "", 0)
+    per: list[str] = []
+    for d in vtype.dims:
+        if isinstance(d, int):
+            n *= d
+        else:
+            per.append(d)
+    return n, tuple(per)
 
 
 def _check_reads(model: I.ModelIR, call_ranks: dict[str, tuple[int, ...]], spans: dict, sink: DiagnosticSink) -> None:
@@ -167,11 +254,13 @@ def _check_reads(model: I.ModelIR, call_ranks: dict[str, tuple[int, ...]], spans
                    f"place '{c.node}' on the ranks of '{owner}' (the same tensor-parallel group)")
 
 
-def _transfers(graph: GraphIR, call_ranks: dict[str, tuple[int, ...]]) -> tuple[tuple[TransferIR, ...], GraphIR]:
+def _transfers(graph: GraphIR, call_ranks: dict[str, tuple[int, ...]]
+               ) -> tuple[tuple[TransferIR, ...], GraphIR, dict[TransferIR, dict[str, Any]]]:
     """Every use edge whose value lives on ranks that do not hold its reader becomes a path
     value -> transfer vertex -> reader (one transfer per destination rank), in the graph's
     discovery order: walks in source order, each walk's reads as reaching definitions found
-    them. A reader on some of the value's ranks keeps its direct edge too."""
+    them. A reader on some of the value's ranks keeps its direct edge too. Also returns
+    each transfer's value vertex (its attributes), which says what it carries."""
     flow = graph.flow.copy()
     found: dict[TransferIR, list[tuple[str, str, str, dict]]] = {}  # an ordered set, with the edges it splits
     split: list[tuple[str, str, str]] = []
@@ -208,7 +297,8 @@ def _transfers(graph: GraphIR, call_ranks: dict[str, tuple[int, ...]]) -> tuple[
     for cid, ranks in call_ranks.items():
         if cid in flow:
             flow.nodes[cid]["ranks"] = ranks
-    return tuple(found), graph.with_flow(flow)
+    carried = {t: graph.flow.nodes[edges[0][0]] for t, edges in found.items()}
+    return tuple(found), graph.with_flow(flow), carried
 
 
 def _resident(model: I.ModelIR, node_ranks: dict[str, tuple[int, ...]],
@@ -238,6 +328,19 @@ def _known(what: str, names: Iterable[str]) -> str:
 class _Placer:
     def __init__(self, model: I.ModelIR, spec: PlacementSpec, n_ranks: int, sink: DiagnosticSink):
         self.m, self.spec, self.n, self.sink = model, spec, n_ranks, sink
+        self.host = {r: h.host for h in spec.hosts for r in h.ranks}
+
+    def one_host(self, group: tuple[int, ...], span: Span, what: str) -> bool:
+        """E058 unless the tensor-parallel `group` (ranks in range) runs on one host: its
+        collectives run in every layer, at the speed of the link between its ranks."""
+        hosts = {self.host[r] for r in group if r in self.host}
+        if len(hosts) <= 1:
+            return True
+        where = ", ".join(f"rank {r} on host {self.host[r]}" for r in group if r in self.host)
+        self.sink.error("E058", f"the tensor-parallel group {list(group)} of {what} spans hosts ({where})", span,
+                        "keep a tp group on one host (its all-reduces run in every layer); replicas "
+                        "(tp 1) or pipeline stages may sit on other hosts")
+        return False
 
     def in_range(self, group: RankGroup, what: str) -> bool:
         ok = True
@@ -316,7 +419,7 @@ class _Placer:
                     self.sink.error("E052", f"walk '{walk.name}' runs node '{name}' on {len(g.ranks)} "
                                     f"rank{'s' if len(g.ranks) != 1 else ''}, but its tp is {tp}", g.span,
                                     f"name {tp} rank{'s' if tp != 1 else ''}: one tensor-parallel group")
-                else:
+                elif self.one_host(g.ranks, g.span, f"node '{name}' in walk '{walk.name}'"):
                     out[name] = g.ranks
         return out
 
@@ -327,7 +430,8 @@ class _Placer:
             if name not in branches:
                 self.sink.error("E054", f"walk '{walk.name}' has no branch '{name}'", g.span,
                                 _known(f"branches of walk '{walk.name}'", branches))
-            elif self.in_range(g, f"branch '{name}' of walk '{walk.name}'"):
+            elif self.in_range(g, f"branch '{name}' of walk '{walk.name}'") and \
+                    self.one_host(g.ranks, g.span, f"branch '{name}' of walk '{walk.name}'"):
                 out[name] = g
         return out
 

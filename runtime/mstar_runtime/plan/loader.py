@@ -258,6 +258,8 @@ class Plan:
     kv_pages_cap: int | None
     body: Mapping[str, Any] = field(repr=False)
     _transitions: tuple[TransitionSpec, ...] = field(repr=False)
+    # each host's ranks, for a plan launched over several hosts (docs/distributed.md); empty: one host
+    hosts: tuple[tuple[int, ...], ...] = ()
 
     # ---- lookups
     @property
@@ -318,8 +320,12 @@ class Plan:
         return pages if self.kv_pages_cap is None else min(pages, self.kv_pages_cap)
 
     def torch_device(self, rank: int) -> torch.device:
-        """The device worker `rank` runs on in this process (one GPU per rank, by index)."""
-        return torch.device(f"cuda:{rank}") if self.device == "cuda" else torch.device("cpu")
+        """The device worker `rank` runs on in this process (one GPU per rank, by index; on
+        a plan with hosts, by its index among its host's ranks)."""
+        if self.device != "cuda":
+            return torch.device("cpu")
+        host = next((h for h in self.hosts if rank in h), None)
+        return torch.device(f"cuda:{host.index(rank) if host is not None else rank}")
 
     def node_spec(
         self,
@@ -466,6 +472,10 @@ def _parse_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
             }
         ),
         "_transitions": transitions,
+        "hosts": tuple(
+            tuple(r.ints(h, "ranks", "placement.hosts[]"))
+            for h in r.get(placement, "hosts", "list", "placement", optional=True) or []
+        ),
     }
 
 
@@ -916,20 +926,24 @@ def _hardware_fit(path: str, parts: Mapping[str, Any], device: str | None, cap: 
             )
         raise PlanError(path, "device 'cuda' was asked for, but this machine has no CUDA GPU")
     count = torch.cuda.device_count()
-    if count < len(ranks):
+    # a plan over several hosts is checked as one of them: GPU i holds each host's i-th rank
+    hosts: tuple[tuple[int, ...], ...] = parts["hosts"] or (tuple(r.rank for r in ranks),)
+    need_gpus = max(len(h) for h in hosts)
+    if count < need_gpus:
         raise PlanError(
             path,
-            f"the plan needs {len(ranks)} GPU(s), one per rank; this machine has {count}; "
-            "compile it for a placement with fewer ranks",
+            f"the plan needs {need_gpus} GPU(s){' per host' if len(hosts) > 1 else ''}, one per rank; this "
+            f"machine has {count}; compile it for a placement with fewer ranks",
         )
     for mem in memory:
-        props = torch.cuda.get_device_properties(mem.rank)
+        gpu = next((h.index(mem.rank) for h in hosts if mem.rank in h), mem.rank)
+        props = torch.cuda.get_device_properties(gpu)
         need = mem.used_bytes(cap)
         if props.total_memory < need:
             raise PlanError(
                 path,
                 f"rank {mem.rank} needs {need / 2**30:.1f} GiB (weights, KV pool, CUDA graphs, "
-                f"workspace) but GPU {mem.rank} ({props.name}) has {props.total_memory / 2**30:.1f} "
+                f"workspace) but GPU {gpu} ({props.name}) has {props.total_memory / 2**30:.1f} "
                 "GiB; compile it for a placement that matches this GPU",
             )
     return "cuda"

@@ -15,6 +15,15 @@ checkpoint's tokenizer is the one used) and calls it directly:
   lossless, deterministic and visibly not prose. The test family's byte-level prompt
   node has no such phase, so its chat replies read as ids.
 
+Streaming (`TextStream`). When the node holds a `tokenizers.Tokenizer` (its `tokenizer`
+attribute) whose decode gives exactly the detokenize phase's text, a reply streams through
+the library's own incremental decoder (`tokenizers.decoders.DecodeStream`): each token is
+decoded once, with a few tokens of context, rather than the whole reply again per token.
+"Exactly" is checked when the codec is built, on a probe that has accents, CJK, an emoji
+split over several byte-level tokens and a special token (which also settles whether the
+phase skips special tokens); a node whose ids are not the tokenizer's (BAGEL relabels its
+specials) or whose phase means something else fails the probe and keeps the phase path.
+
 Only stateless nodes with no parameters are copied (a tokenizer, not an encoder): anything
 heavier would duplicate weights in memory, and the codec falls back (ids as numbers, prompt
 tokens 0). Calls are serialised with a lock; nodes need not be thread-safe.
@@ -35,6 +44,9 @@ from mstar_runtime.plan.loader import Plan
 log = logging.getLogger(__name__)
 
 DETOKENIZE_PHASES = ("detokenize", "decode_text", "detok", "untokenize")
+# What the streaming decoder must render as the detokenize phase does: accents, CJK, and an
+# emoji that byte-level BPE splits over several tokens (the held-back-bytes case)
+PROBE_TEXT = "Hello, wörld: naïve café — 你好世界 🎉👍🏽 done."
 
 
 def _first_call_on(program: Mapping[str, Any], var: str) -> Mapping[str, Any] | None:
@@ -62,6 +74,8 @@ class TextCodec:
         self.encode_phase: str | None = None
         self.encode_args: dict[str, str] = {}  # port -> walk input
         self.detok_phase: str | None = None
+        self.tokenizer: Any = None  # a tokenizers.Tokenizer equal to the detokenize phase (streams with it)
+        self.skip_special = True  # whether the phase drops special tokens, as the probe found
         self._lock = threading.Lock()
         call = _first_call_on(plan.walk(walk), text_input)
         if call is None:
@@ -88,6 +102,8 @@ class TextCodec:
                 self.detok_phase = phase
                 self._detok_in, self._detok_out = spec.inputs[0], spec.outputs[0]
                 break
+        if self.detok_phase is not None:
+            self.tokenizer, self.skip_special = self._stream_tokenizer()
 
     @staticmethod
     def _build(plan: Plan, name: str, weights: str | PathLike[str]) -> Any:
@@ -115,22 +131,70 @@ class TextCodec:
     def render(self, ids: list[int]) -> str:
         """The text of all ids generated so far."""
         if self.detok_phase is not None:
-            tokens = torch.tensor(ids, dtype=torch.int32)
-            with self._lock:
-                out = self.node.run(self.detok_phase, [{self._detok_in: tokens}])[0]
-            text = out.get(self._detok_out)
-            if isinstance(text, str):
+            text = self._phase_text(ids)
+            if text is not None:
                 return text
         return " ".join(str(i) for i in ids)
 
+    def _phase_text(self, ids: list[int]) -> str | None:
+        tokens = torch.tensor(ids, dtype=torch.int32)
+        with self._lock:
+            out = self.node.run(self.detok_phase, [{self._detok_in: tokens}])[0]
+        text = out.get(self._detok_out)
+        return text if isinstance(text, str) else None
+
+    def _stream_tokenizer(self) -> tuple[Any, bool]:
+        """(the node's tokenizer, whether to skip special tokens) when streaming with it gives
+        the detokenize phase's text on the probe (module docstring); else (None, True)."""
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:  # pragma: no cover - tokenizers comes with the runtime extra
+            return None, True
+        tok = getattr(self.node, "tokenizer", None)
+        if not isinstance(tok, Tokenizer):
+            return None, True
+        try:
+            ids = tok.encode(PROBE_TEXT, add_special_tokens=False).ids
+            special = sorted(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+            if special:  # one special token inside the reply: does the phase drop it?
+                ids = ids[: len(ids) // 2] + [special[0]] + ids[len(ids) // 2:]
+            want = self._phase_text(ids)
+        except Exception as e:  # the phase does not take a whole reply (BAGEL's wants a context chunk)
+            log.info("detokenize phase of '%s' does not decode a whole reply (%s): no streaming decoder", self.node, e)
+            return None, True
+        for skip in (True, False):
+            if want is not None and _stream_decode(tok, ids, skip) == want:
+                return tok, skip
+        return None, True
+
+
+def _stream_decode(tok: Any, ids: list[int], skip_special: bool) -> str | None:
+    """`ids` through a fresh `DecodeStream`, pieces joined, plus what it still holds back at
+    the end (as `TextStream.flush` gives it); None if the decoder refuses them."""
+    from tokenizers.decoders import DecodeStream
+
+    stream = DecodeStream(skip_special_tokens=skip_special)
+    try:
+        text = "".join(piece for i in ids if (piece := stream.step(tok, i)) is not None)
+    except Exception:  # its own consistency check ("invalid prefix") failed
+        return None
+    full = tok.decode(ids, skip_special_tokens=skip_special)
+    return text + full[len(text):] if full.startswith(text) else None
+
 
 class TextStream:
-    """Incremental deltas of one reply: `push(ids) -> new text` (see `TextCodec.render`)."""
+    """Incremental deltas of one reply: `push(ids) -> new text`, `flush()` at its end (see
+    `TextCodec.render`, and the module docstring for the streaming decoder)."""
 
     def __init__(self, codec: TextCodec):
         self.codec = codec
         self.ids: list[int] = []
         self.sent = ""
+        self._decoder: Any = None
+        if codec.tokenizer is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._decoder = DecodeStream(skip_special_tokens=codec.skip_special)
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)
@@ -139,6 +203,11 @@ class TextStream:
             delta = piece if not self.sent else " " + piece
             self.sent += delta
             return delta
+        if self._decoder is not None:
+            delta = self._step(ids)
+            if delta is not None:
+                self.sent += delta
+                return delta
         text = self.codec.render(self.ids)
         if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for its other bytes
             return ""
@@ -146,11 +215,29 @@ class TextStream:
         self.sent = text if text.startswith(self.sent) else self.sent
         return delta
 
+    def _step(self, ids: list[int]) -> str | None:
+        """The streaming decoder's text for `ids`, or None once it has failed (the phase path
+        then renders the whole reply, as for a node without a tokenizer)."""
+        pieces: list[str] = []
+        try:
+            for i in ids:
+                piece = self._decoder.step(self.codec.tokenizer, i)
+                if piece is not None:
+                    pieces.append(piece)
+        except Exception as e:  # its "invalid prefix" check: give up on it for this reply
+            log.warning("streaming decoder failed (%s); this reply is decoded whole from here on", e)
+            self._decoder = None
+            return None
+        return "".join(pieces)
+
     def flush(self) -> str:
         """Whatever was held back, at the end of the reply."""
         if self.codec.detok_phase is None or not self.ids:
             return ""
-        text = self.codec.render(self.ids)
+        if self._decoder is not None:  # one whole decode, for the bytes the decoder still holds
+            text = self.codec.tokenizer.decode(self.ids, skip_special_tokens=self.codec.skip_special)
+        else:
+            text = self.codec.render(self.ids)
         delta = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent += delta
         return delta

@@ -1,28 +1,34 @@
-"""`mstarc`: check, compile, explain and diff M* plans.
+"""`mstarc`: check, compile, explain and diff M* plans (click).
 
     mstarc check   MODEL.walk [-p PLACEMENT.yaml] [--variant NAME] [--weights DIR|dummy]
     mstarc compile MODEL.walk -p PLACEMENT.yaml [--variant NAME] [--weights DIR|dummy] -o PLAN
                    [--verify-each] [--print-after PASS] [--time-passes]
     mstarc explain PLAN [--format text|markdown|dot|json]
     mstarc diff    PLAN_A PLAN_B
+    mstarc --version
 
 Exit status: 0 success (and equal plans for diff), 1 a user error (diagnostics on stderr:
 `FILE:LINE:COL: error[CODE]: message`, the source line and a caret) or differing plans,
 2 bad usage, 3 an internal compiler error (which names the pass). Never a traceback for
-user input.
+user input. `--variant`, `-p` and `--weights` also read `MSTAR_VARIANT`, `MSTAR_PLACEMENT`
+and `MSTAR_WEIGHTS`; shell completion: `eval "$(_MSTARC_COMPLETE=bash_source mstarc)"`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import hashlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import click
+
+from mstar_runtime.cli_support import CONTEXT_SETTINGS, run_command, version_option
 from mstar_runtime.plan import planfile
 from mstarc import ir as I
 from mstarc.diagnostics import CompileError, Diagnostic, InternalError, SourceCache, Span, render, render_all
@@ -50,7 +56,7 @@ def _phase(name: str, *passthrough: type[Exception]) -> Iterator[None]:
         raise InternalError(name, f"{type(e).__name__}: {e}") from e
 
 
-def _frontend(args: argparse.Namespace) -> tuple[I.ModelIR, str, object | None]:
+def _frontend(args: SimpleNamespace) -> tuple[I.ModelIR, str, object | None]:
     """Parse, lower (with weights) and load the placement: the inputs of the pipeline."""
     from mstarc import checkpoint
     from mstarc.lower import lower
@@ -62,7 +68,7 @@ def _frontend(args: argparse.Namespace) -> tuple[I.ModelIR, str, object | None]:
         model_ast = parse(text, src)
     weights_dir: Path | None = None
     ck = I.CheckpointIR("none")
-    if args.weights == "dummy":
+    if args.weights in ("dummy", "init"):  # no checkpoint to check (`init`: mstar-run's module init)
         ck = I.CheckpointIR("dummy")
     elif args.weights:
         try:
@@ -92,7 +98,7 @@ def _frontend(args: argparse.Namespace) -> tuple[I.ModelIR, str, object | None]:
     return model, digest, spec
 
 
-def cmd_check(args: argparse.Namespace) -> int:
+def cmd_check(args: SimpleNamespace) -> int:
     from mstarc import pipeline
 
     model, _, spec = _frontend(args)
@@ -106,7 +112,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_compile(args: argparse.Namespace) -> int:
+def cmd_compile(args: SimpleNamespace) -> int:
     from mstarc import pipeline
     from mstarc.plan import build_plan
 
@@ -148,7 +154,7 @@ def _read_plan(path: str) -> dict:
         raise CompileError([Diagnostic(code, e.message, Span(path, 0, 0))]) from None
 
 
-def cmd_explain(args: argparse.Namespace) -> int:
+def cmd_explain(args: SimpleNamespace) -> int:
     from mstarc.explain import explain
 
     plan = _read_plan(args.plan)
@@ -162,7 +168,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_diff(args: argparse.Namespace) -> int:
+def cmd_diff(args: SimpleNamespace) -> int:
     from mstarc.diff import diff_plans
 
     a, b = _read_plan(args.plan_a), _read_plan(args.plan_b)
@@ -180,35 +186,66 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_USER
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mstarc", description="The M* compiler: .walk + placement -> plan.")
-    sub = p.add_subparsers(dest="command", required=True)
+def _model_options(placement_required: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The options of `check` and `compile`: the model, its placement, variant and weights."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed((
+            click.argument("model", metavar="MODEL.walk", type=click.Path(dir_okay=False)),
+            click.option("-p", "--placement", metavar="PLACEMENT.yaml", type=click.Path(dir_okay=False),
+                         required=placement_required, envvar="MSTAR_PLACEMENT", show_envvar=True,
+                         help="The placement file (which devices hold which nodes)."),
+            click.option("--variant", default="real", show_default=True, envvar="MSTAR_VARIANT", show_envvar=True,
+                         help="Config variant."),
+            click.option("--weights", metavar="DIR|dummy", envvar="MSTAR_WEIGHTS", show_envvar=True,
+                         help="Checkpoint folder (safetensors) to check the walk's tensors against, or dummy."),
+            click.option("--verify-each", is_flag=True, help="Check IR invariants after every pass."),
+        )):
+            fn = option(fn)
+        return fn
 
-    def model_args(sp: argparse.ArgumentParser, placement_required: bool) -> None:
-        sp.add_argument("model", metavar="MODEL.walk")
-        sp.add_argument("-p", "--placement", metavar="PLACEMENT.yaml", required=placement_required)
-        sp.add_argument("--variant", default="real", help="config variant (default: real)")
-        sp.add_argument("--weights", metavar="DIR|dummy", help="checkpoint folder (safetensors), or dummy")
-        sp.add_argument("--verify-each", action="store_true", help="check IR invariants after every pass")
+    return wrap
 
-    c = sub.add_parser("check", help="check a model (and a placement) without writing a plan")
-    model_args(c, False)
-    c.set_defaults(fn=cmd_check)
-    c = sub.add_parser("compile", help="compile a model for a placement into a plan file")
-    model_args(c, True)
-    c.add_argument("-o", "--output", required=True, metavar="PLAN")
-    c.add_argument("--print-after", action="append", default=[], metavar="PASS", help="print the IR after PASS")
-    c.add_argument("--time-passes", action="store_true", help="print each pass's time")
-    c.set_defaults(fn=cmd_compile)
-    c = sub.add_parser("explain", help="render a plan for humans")
-    c.add_argument("plan", metavar="PLAN")
-    c.add_argument("--format", choices=("text", "markdown", "dot", "json"), default="text")
-    c.set_defaults(fn=cmd_explain)
-    c = sub.add_parser("diff", help="semantic diff of two plans; exit 1 when they differ")
-    c.add_argument("plan_a", metavar="PLAN_A")
-    c.add_argument("plan_b", metavar="PLAN_B")
-    c.set_defaults(fn=cmd_diff)
-    return p
+
+@click.group("mstarc", context_settings=CONTEXT_SETTINGS,
+             epilog="Diagnostics: docs/diagnostics.md. Shell completion: "
+                    "eval \"$(_MSTARC_COMPLETE=bash_source mstarc)\".")
+@version_option("mstarc")
+def command() -> None:
+    """The M* compiler: .walk + placement -> plan."""
+
+
+@command.command("check")
+@_model_options(placement_required=False)
+def _check(**kw: Any) -> int:
+    """Check a model (and a placement) without writing a plan."""
+    return _run(cmd_check, kw)
+
+
+@command.command("compile")
+@_model_options(placement_required=True)
+@click.option("-o", "--output", required=True, metavar="PLAN", type=click.Path(dir_okay=False),
+              help="Where the plan file goes.")
+@click.option("--print-after", multiple=True, metavar="PASS", help="Print the IR after PASS (repeatable).")
+@click.option("--time-passes", is_flag=True, help="Print each pass's time.")
+def _compile(**kw: Any) -> int:
+    """Compile a model for a placement into a plan file."""
+    return _run(cmd_compile, {**kw, "print_after": list(kw["print_after"])})
+
+
+@command.command("explain")
+@click.argument("plan", metavar="PLAN", type=click.Path(dir_okay=False))
+@click.option("--format", type=click.Choice(["text", "markdown", "dot", "json"]), default="text", show_default=True)
+def _explain(**kw: Any) -> int:
+    """Render a plan for humans."""
+    return _run(cmd_explain, kw)
+
+
+@command.command("diff")
+@click.argument("plan_a", metavar="PLAN_A", type=click.Path(dir_okay=False))
+@click.argument("plan_b", metavar="PLAN_B", type=click.Path(dir_okay=False))
+def _diff(**kw: Any) -> int:
+    """Semantic diff of two plans; exit 1 when they differ."""
+    return _run(cmd_diff, kw)
 
 
 @contextlib.contextmanager
@@ -225,12 +262,13 @@ def _fewer_collections() -> Iterator[None]:
         gc.set_threshold(*before)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def _run(fn: Callable[[SimpleNamespace], int], kw: dict[str, Any]) -> int:
+    """Run one subcommand; diagnostics and internal errors become their exit status."""
+    args = SimpleNamespace(**kw)
     sources = SourceCache()
     try:
         with _fewer_collections():
-            return args.fn(args)
+            return fn(args)
     except CompileError as e:
         errors = [d for d in e.diagnostics if d.severity == "error"]
         print(render_all(e.diagnostics, sources), file=sys.stderr)
@@ -240,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERNAL
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `mstarc` console script: parse `argv` (default `sys.argv[1:]`), run, the exit status.
+    Bad usage raises `SystemExit(2)` after printing the usage and `mstarc: error: ...`."""
+    return run_command(command, "mstarc", argv)
 
 
 def _warn(model: I.ModelIR) -> None:

@@ -298,3 +298,104 @@ def test_a_3d_uint8_tensor_is_a_png_and_1d_float_audio_defaults_to_24k(tmp_path:
                                                    "audio": torch.zeros(10), "x": torch.zeros(10)}, {})
     assert [p.name for p in paths] == ["r.audio.wav", "r.frame.png", "r.x.safetensors", "r.json"]
     assert read_wav(paths[0])[0].framerate == 24000
+
+
+# ----------------------------------------------------------------------------- click: what operators expect
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    assert main(["--version"]) == 0
+    assert re.fullmatch(r"mstar-run \S+ \(plan schema \d+\.\d+\)\n", capsys.readouterr().out)
+
+
+def test_usage_errors_name_the_environment_variable(testfamily_plan: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("MSTAR_PORT", "70000")
+    with pytest.raises(SystemExit) as e:
+        main([str(testfamily_plan), "--serve"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("Usage: mstar-run [OPTIONS] PLAN\n")
+    assert "mstar-run: error: Invalid value for '--port' (env var: 'MSTAR_PORT'): 70000" in err
+
+
+def test_server_options_from_the_environment_do_not_block_other_modes(
+        testfamily_plan: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # set for a server in the same shell; a one-shot run ignores them (on the command line: usage error)
+    monkeypatch.setenv("MSTAR_SHUTDOWN_TIMEOUT", "5")
+    monkeypatch.setenv("MSTAR_API_KEY", "k")
+    assert main([str(testfamily_plan), "--walk", "chat", "--input", "prompt=hi", "--input", "max_new=2",
+                 "--out", str(tmp_path)]) == 0
+    with pytest.raises(SystemExit) as e:
+        main([str(testfamily_plan), "--walk", "chat", "--api-key", "k"])
+    assert e.value.code == 2
+
+
+def test_environment_sets_engine_options(testfamily_plan: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("MSTAR_WEIGHTS", str(tmp_path / "no-such-folder"))
+    assert main([str(testfamily_plan), "--walk", "chat", "--input", "prompt=hi", "--out", str(tmp_path)]) == 1
+    assert "no-such-folder" in capsys.readouterr().err  # MSTAR_WEIGHTS reached the weight loader
+    assert main([str(testfamily_plan), "--walk", "chat", "--input", "prompt=hi", "--weights", "dummy",
+                 "--out", str(tmp_path)]) == 0  # the command line wins
+
+
+def test_shell_completion() -> None:
+    env = {**os.environ, "COMP_WORDS": "mstar-run x.plan --ser", "COMP_CWORD": "2",
+           "_MSTAR_RUN_COMPLETE": "bash_complete"}
+    p = subprocess.run([sys.executable, "-m", "mstar_runtime.cli"], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=60)
+    assert p.returncode == 0 and p.stdout.split() == ["plain,--serve", "plain,--served-model-name"]
+
+
+def test_internal_error_exits_3(testfamily_plan: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    import mstar_runtime.cli as cli
+
+    def broken(*args: Any, **kw: Any) -> int:
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(cli, "one_shot", broken)
+    assert main([str(testfamily_plan), "--walk", "chat", "--input", "prompt=hi", "--out", str(tmp_path)]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "mstar-run: internal error: ZeroDivisionError: boom (this is a bug" in err
+
+
+def test_modes_are_plain_functions(testfamily_plan: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from mstar_runtime.cli import EngineOptions, run_requests, run_walk
+
+    one = EngineOptions(threads=1)
+    assert run_walk(testfamily_plan, "chat", {"prompt": "hi", "max_new": "3"}, out=tmp_path / "w", options=one) == 0
+    assert len(json.loads((tmp_path / "w" / "chat.tokens.json").read_text())) == 3
+    assert run_walk(testfamily_plan, "chat", {"max_new": "x"}, out=tmp_path / "bad") == 1
+    assert "mstar-run: error: walk 'chat', input 'max_new'" in capsys.readouterr().err
+    assert run_requests(testfamily_plan, ROOT / "examples/requests.jsonl", tmp_path / "b", options=one) == 0
+
+
+# ----------------------------------------------------------------------------- examples/
+def test_example_requests_file(testfamily_plan: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/requests.jsonl, as the README runs it on the test family's tiny plan."""
+    lines = (ROOT / "examples/requests.jsonl").read_text().splitlines()
+    assert main([str(testfamily_plan), "--requests", str(ROOT / "examples/requests.jsonl"), "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["requests"], summary["finished"]) == (len(lines), len(lines)) and summary["mean_batch"] > 1
+    walks = {json.loads(line)["walk"] for line in lines}
+    assert walks == {"generate", "generate_fixed", "generate_left", "chat", "flow", "continue"}  # one of each
+    assert (tmp_path / "square.latent.safetensors").exists() and (tmp_path / "hello.audio.wav").stat().st_size > 44
+
+
+def test_example_orpheus_requests_file(tmp_path: Path) -> None:
+    """examples/orpheus-requests.jsonl on Orpheus' tiny plan (random weights: noise shaped like speech)."""
+    from mstarc.cli import main as mstarc
+
+    plan = tmp_path / "orpheus.plan"
+    assert mstarc(["compile", str(ROOT / "models/orpheus/orpheus.walk"), "--variant", "tiny",
+                   "-p", str(ROOT / "placements/cpu.yaml"), "-o", str(plan)]) == 0
+    before = torch.get_num_threads()
+    try:
+        assert main([str(plan), "--requests", str(ROOT / "examples/orpheus-requests.jsonl"), "--out", str(tmp_path),
+                     "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    for rid in ("tara", "leo", "mia"):
+        params, pcm = read_wav(tmp_path / f"{rid}.audio.wav")
+        assert params.framerate == 24000 and pcm.numel() > 0

@@ -157,3 +157,39 @@ def test_weights_folder_headers(tmp_path: Path, capsys: pytest.CaptureFixture[st
     err = capsys.readouterr().err
     assert "error[E062]: node 'llm': missing tensor 'model.layers.0.input_layernorm.weight'" in err
     assert "error[E062]: node 'snac': tensor 'decoder.model.0.weight' has shape [1]" in err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    assert main(["--version"]) == 0
+    assert re.fullmatch(r"mstarc \S+ \(plan schema \d+\.\d+\)\n", capsys.readouterr().out)
+
+
+def test_usage_error_format(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["explain", "p.plan", "--format", "pdf"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("Usage: mstarc explain [OPTIONS] PLAN\n")
+    assert "mstarc: error: Invalid value for '--format': 'pdf' is not one of" in err
+    with pytest.raises(SystemExit) as e:
+        main([])  # no command: the help, as a usage error
+    assert e.value.code == 2 and "Commands:" in capsys.readouterr().err
+
+
+def test_options_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("MSTAR_VARIANT", "tiny")
+    monkeypatch.setenv("MSTAR_PLACEMENT", "placements/cpu.yaml")
+    assert main(["compile", ORPHEUS, "-o", str(tmp_path / "p.plan")]) == 0
+    assert "model 'orpheus' (tiny)" in capsys.readouterr().out
+    assert main(["check", ORPHEUS, "--variant", "real", "-p", "placements/h200x1.yaml"]) == 0  # the command line wins
+    assert capsys.readouterr().out.startswith("ok: model 'orpheus' (real) on placements/h200x1.yaml")
+
+
+def test_shell_completion() -> None:
+    import os
+
+    env = {**os.environ, "COMP_WORDS": "mstarc comp", "COMP_CWORD": "1", "_MSTARC_COMPLETE": "bash_complete"}
+    proc = subprocess.run([sys.executable, "-m", "mstarc.cli"], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert proc.returncode == 0 and proc.stdout.split() == ["plain,compile"]

@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("fastapi", reason="the server needs the `serve` extra: pip install 'mstar[serve]'")
 httpx = pytest.importorskip("httpx", reason="pip install httpx")
 
-from test_server_support import MODEL, Server, compile_plan, serving  # noqa: E402
+from test_server_support import MODEL, Server, compile_plan, samples, serving  # noqa: E402
 
 CLIENTS = 64
 ROUNDS = 2
@@ -108,10 +108,10 @@ def test_64_concurrent_clients_lose_nothing(server: Server) -> None:
     print(f"\nload: {len(latencies)} requests from {CLIENTS} concurrent clients in {wall:.2f} s = "
           f"{len(latencies) / wall:.1f} requests/s; latency p50 {q[49] * 1000:.0f} ms, p99 {q[98] * 1000:.0f} ms")
     metrics = httpx.get(server.base + "/metrics").text
-    finished = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                   if line.startswith("mstar_requests_total") and 'outcome="finished"' in line)
+    finished = sum(v for labels, v in samples(metrics, "mstar_requests_total") if labels["outcome"] == "finished")
     assert finished >= CLIENTS * ROUNDS
-    assert "mstar_kv_pages_in_use 0" in metrics and "mstar_requests_active 0" in metrics
+    assert [v for _, v in samples(metrics, "mstar_kv_pages_in_use")] == [0.0]
+    assert [v for _, v in samples(metrics, "mstar_requests_active")] == [0.0]
 
 
 def _first_audio_http(base: str, n: int) -> list[float]:

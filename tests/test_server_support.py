@@ -128,14 +128,28 @@ def post(url: str, body: object, timeout: float = 30.0) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of metric `name` in a Prometheus text exposition: (labels, value)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        series, _, rest = head.partition("{")
+        if series != name:
+            continue
+        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', rest))
+        out.append((labels, float(value)))
+    return out
+
+
 def metric(base: str, name: str, labels: str = "") -> float:
-    """One sample of /metrics (0 when the series does not exist yet)."""
+    """One sample of /metrics: the sum over the series of `name` whose labels include `labels`
+    (`'walk="chat",outcome="finished"'`, in any order; every series carries `model_name` too);
+    0 when none exists yet."""
     _, text = get(base + "/metrics")
-    key = f"{name}{{{labels}}}" if labels else name
-    for line in text.decode().splitlines():
-        if line.startswith(key + " "):
-            return float(line.split()[-1])
-    return 0.0
+    want = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    return sum(v for got, v in samples(text.decode(), name) if want.items() <= got.items())
 
 
 def send_request(base: str, path: str, body: object) -> socket.socket:
@@ -229,12 +243,13 @@ class Server:
     """`mstar-run PLAN --serve --port 0` in a subprocess on 127.0.0.1 (it picks a free port and
     says which on its first line, so two test runs never race for one)."""
 
-    def __init__(self, plan: Path, *args: str):
+    def __init__(self, plan: Path, *args: str, env: dict[str, str] | None = None):
         self.log = plan.parent / f"server-{time.monotonic_ns()}.log"
         self._log = self.log.open("wb")
         cmd = [sys.executable, "-m", "mstar_runtime.cli", str(plan), "--serve", "--port", "0",
                "--weights", "init", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
+                                     cwd=ROOT)
         self.base = ""
         try:
             wait_for(self._up, START_TIMEOUT_S, f"the server to start ({self.log})", every=0.2)
@@ -288,8 +303,9 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(plan: Path, *args: str) -> Iterator[Server]:
-    server = Server(plan, *args)
+def serving(plan: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """`Server(plan, *args)` (`env`: variables added to the server's environment), stopped at the end."""
+    server = Server(plan, *args, env=env)
     try:
         yield server
     finally:

@@ -1,8 +1,8 @@
-"""`mstar-run`: run a plan's walks from the command line.
+"""`mstar-run`: run a plan's walks from the command line (click).
 
     mstar-run PLAN --walk W [--input k=v ...] [--out DIR] [--weights DIR|dummy] [--device cpu|cuda] [--stream]
     mstar-run PLAN --requests FILE.jsonl --out DIR [--weights ...] [--device ...]
-    mstar-run PLAN --serve [--host 127.0.0.1] [--port 8000] [--shutdown-timeout 30]
+    mstar-run PLAN --serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--no-access-log] [...]
 
 One-shot runs one request and writes its outputs as files (`outputs.write_outputs`: WAV,
 PNG, text, JSON, safetensors, plus `<id>.json`). Batch reads one JSON object per line,
@@ -10,79 +10,49 @@ PNG, text, JSON, safetensors, plus `<id>.json`). Batch reads one JSON object per
 one engine, so the conductor batches their steps; a malformed line or a bad request fails
 that request only (reported with its line number, and an `<id>.json` record), never the
 batch. A summary (throughput, steps, mean batch size, wasted speculative steps,
-preemptions) ends the run and is saved as `summary.json`.
+preemptions) ends the run and is saved as `summary.json`. Serve: docs/serving.md.
 
-Exit codes: 0 when every request finished; 1 when any failed, or the plan or its weights
-cannot load (one `mstar-run: error: ...` line, never a traceback for a user error);
-2 for bad usage.
+Each mode is a plain function too, for callers without a command line (a launcher):
+`run_walk`, `run_requests` and `run_server` load a plan and return the exit status;
+`one_shot` and `batch` run on an `MStar` already loaded (as `serve.server.serve` does).
+
+Options whose help names an environment variable (`MSTAR_PORT`, `MSTAR_API_KEY`, ...) read
+it when the option is not given. Exit codes: 0 when every request finished; 1 when any
+failed, or the plan or its weights cannot load (one `mstar-run: error: ...` line, never a
+traceback for a user error); 2 for bad usage; 3 for an internal error (`cli_support`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import queue
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from os import PathLike
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import click
 import torch
 from tqdm import tqdm
 
 from mstar_runtime.api import MStar, RequestFailed, RequestHandle
+from mstar_runtime.cli_support import CONTEXT_SETTINGS, run_command, version_option
 from mstar_runtime.control.validate import TORCH_DTYPES, validate_inputs
 from mstar_runtime.ops.node import NodeError, RequestError
 from mstar_runtime.outputs import jsonable, output_order, write_outputs
 from mstar_runtime.plan.loader import Plan, PlanError, load_plan
+
+if TYPE_CHECKING:
+    from mstar_runtime.serve.server import ServeConfig
 
 PROG = "mstar-run"
 
 
 class UserError(Exception):
     """A problem the user can fix (bad plan, bad input, unreadable file): one line, exit 1."""
-
-
-# ----------------------------------------------------------------------------- arguments
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        description="Run the walks of a compiled M* plan: one request, a batch file, or a server.",
-    )
-    p.add_argument("plan", help="a plan file from `mstarc compile`")
-    mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--walk", help="run one request of this walk")
-    mode.add_argument("--requests", metavar="FILE.jsonl",
-                      help='run a batch: one {"id", "walk", "inputs"} JSON object per line')
-    mode.add_argument("--serve", action="store_true",
-                      help="serve the plan over HTTP: OpenAI-compatible and native routes (docs/serving.md)")
-    p.add_argument("--input", "-i", action="append", default=[], metavar="K=V",
-                   help="an input of the walk; parsed by its declared type (tensors: a JSON list or "
-                        "@file.safetensors; images: @file.png|jpg). Repeatable")
-    p.add_argument("--out", metavar="DIR", help="where output files go (one-shot default: ./out)")
-    p.add_argument("--weights", default="dummy", metavar="DIR|dummy",
-                   help="a folder of safetensors checkpoints, or 'dummy' for random weights (default)")
-    p.add_argument("--device", choices=("cpu", "cuda"), help="where to run (default: what the plan was compiled for)")
-    p.add_argument("--stream", action="store_true", help="one-shot: print a line per streamed output chunk")
-    p.add_argument("--threads", type=int, metavar="N",
-                   help="torch CPU threads (default: torch's). Tiny CPU models run fastest with 1")
-    p.add_argument("--host", default="127.0.0.1", help="--serve: the address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="--serve: the port (default 8000)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
-                   help="--serve: on SIGTERM, seconds in-flight requests get to finish before they are aborted "
-                        "(default 30)")
-    p.add_argument("--request-timeout", type=float, metavar="S",
-                   help="--serve: fail a request that runs longer than this (finish reason 'timeout')")
-    p.add_argument("--served-model-name", metavar="NAME",
-                   help="--serve: the model id clients name (default: the plan's model name)")
-    p.add_argument("--step-path", choices=("cohort", "generic"), default=None,
-                   help="how marked decode loops run: 'cohort' (device-resident batches, one step for every "
-                        "request) or 'generic' (a step call per request); default $MSTAR_STEP_PATH, else cohort "
-                        "(docs/runtime.md)")
-    p.add_argument("--preempt-every", type=int, metavar="N", help=argparse.SUPPRESS)  # debug: force preemptions
-    return p
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -173,17 +143,24 @@ def parse_json_value(walk: str, name: str, t: Mapping[str, Any] | None, value: A
     return value
 
 
-def cli_inputs(plan: Plan, walk: str, pairs: Sequence[str], parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """`--input k=v` pairs, parsed by the walk's declared input types and validated."""
-    program = plan.walk(walk)
-    declared = {p["name"]: p["type"] for p in program["inputs"]}
-    raw: dict[str, Any] = {}
+def split_pairs(pairs: Sequence[str]) -> dict[str, str]:
+    """`--input NAME=VALUE` pairs as {name: text}; ValueError naming the first malformed one."""
+    out: dict[str, str] = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep or not name:
-            parser.error(f"--input expects NAME=VALUE, got '{pair}'")
-        # an undeclared name stays a string: validate_inputs names it as unknown
-        raw[name] = parse_text(walk, name, declared[name], text) if name in declared else text
+            raise ValueError(f"--input expects NAME=VALUE, got '{pair}'")
+        out[name] = text
+    return out
+
+
+def cli_inputs(plan: Plan, walk: str, texts: Mapping[str, str]) -> dict[str, Any]:
+    """`--input` values ({name: text}), parsed by the walk's declared input types and validated."""
+    program = plan.walk(walk)
+    declared = {p["name"]: p["type"] for p in program["inputs"]}
+    # an undeclared name stays a string: validate_inputs names it as unknown
+    raw = {name: parse_text(walk, name, declared[name], text) if name in declared else text
+           for name, text in texts.items()}
     return validate_inputs(walk, program, raw)
 
 
@@ -199,12 +176,15 @@ def _describe(value: Any) -> str:
     return repr(value)[:80]
 
 
-def run_one(m: MStar, args: argparse.Namespace, inputs: dict[str, Any]) -> int:
-    out = Path(args.out or "out")
-    program = m.plan.walk(args.walk)
-    handle = m.submit(args.walk, inputs, request_id=args.walk)
+def one_shot(m: MStar, walk: str, inputs: Mapping[str, Any], out: str | PathLike[str] = "out",
+             stream: bool = False) -> int:
+    """Run one request of `walk` (inputs already parsed and validated) and write its files to
+    `out`; with `stream`, a line per streamed chunk first. Exit status: 0, or 1 if it failed."""
+    out = Path(out)
+    program = m.plan.walk(walk)
+    handle = m.submit(walk, dict(inputs), request_id=walk)
     try:
-        if args.stream:
+        if stream:
             counts: dict[str, int] = {}
             for name, value in handle.stream():
                 counts[name] = counts.get(name, 0) + 1
@@ -347,9 +327,12 @@ class BatchRun:
         return True
 
 
-def run_batch(m: MStar, args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    lines = read_lines(args.requests)
+def batch(m: MStar, requests: str | PathLike[str], out: str | PathLike[str]) -> int:
+    """Run every request of the JSONL file `requests` concurrently, writing their files and
+    `summary.json` to `out`. Exit status: 0 when all finished, 1 when any failed; a file that
+    cannot be read raises `UserError`."""
+    out = Path(out)
+    lines = read_lines(str(requests))
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     run = BatchRun(m, out, len(lines))
@@ -385,66 +368,103 @@ def run_batch(m: MStar, args: argparse.Namespace) -> int:
     return 1 if run.failures else 0
 
 
-# ----------------------------------------------------------------------------- main
-def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.requests and not args.out:
-        parser.error("--requests needs --out DIR")
-    if args.input and not args.walk:
-        parser.error("--input goes with --walk (a batch file carries its own inputs)")
-    if args.stream and not args.walk:
-        parser.error("--stream goes with --walk")
-    if not args.serve and (args.shutdown_timeout != 30.0 or args.request_timeout is not None
-                           or args.served_model_name is not None):
-        parser.error("--shutdown-timeout, --request-timeout and --served-model-name go with --serve")
-    if args.serve and not 0 <= args.port < 65536:
-        parser.error("--port must be in 0..65535 (0: any free port)")
-    if args.shutdown_timeout < 0 or (args.request_timeout is not None and args.request_timeout <= 0):
-        parser.error("--shutdown-timeout must be >= 0 and --request-timeout > 0")
-    for flag in ("threads", "preempt_every"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+# ----------------------------------------------------------------------------- modes without click
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a mode builds its engine: `mstar-run`'s --weights, --device, --threads, --step-path,
+    --request-timeout (and the hidden --preempt-every, a debug aid)."""
+
+    weights: str | PathLike[str] = "dummy"
+    device: str | None = None  # default: what the plan was compiled for
+    threads: int | None = None  # torch CPU threads
+    step_path: str | None = None  # default: $MSTAR_STEP_PATH, else cohort
+    request_timeout: float | None = None
+    preempt_every: int | None = None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _check_usage(parser, args)
-    if args.serve:
-        return _serve(args)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+def start_engine(plan: Plan, options: EngineOptions) -> MStar:
+    """An engine running `plan` (workers started, weights loaded)."""
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    return MStar.from_plan(plan, weights=str(options.weights), preempt_every=options.preempt_every,
+                           request_timeout=options.request_timeout, step_path=options.step_path)
+
+
+def run_walk(plan: str | PathLike[str], walk: str, inputs: Mapping[str, str] | None = None, *,
+             out: str | PathLike[str] = "out", stream: bool = False,
+             options: EngineOptions | None = None) -> int:
+    """`mstar-run PLAN --walk WALK --input k=v ...`: load the plan, parse `inputs` ({name:
+    text}, as `--input` gives them) by the walk's types, run one request, write its files.
+    Exit status; errors the user can fix are one `mstar-run: error:` line on stderr."""
+    options = options or EngineOptions()
+    return _guard(lambda: _walk(plan, walk, inputs or {}, out, stream, options))
+
+
+def _walk(plan_path: str | PathLike[str], walk: str, texts: Mapping[str, str], out: str | PathLike[str],
+          stream: bool, options: EngineOptions) -> int:
+    plan = load_plan(plan_path, device=options.device)
+    inputs = cli_inputs(plan, walk, texts)  # before the weights load: a typo costs a second
+    with start_engine(plan, options) as m:
+        return one_shot(m, walk, inputs, out, stream)
+
+
+def run_requests(plan: str | PathLike[str], requests: str | PathLike[str], out: str | PathLike[str], *,
+                 options: EngineOptions | None = None) -> int:
+    """`mstar-run PLAN --requests FILE.jsonl --out DIR`: load the plan, run the batch. Exit status."""
+    options = options or EngineOptions()
+
+    def go() -> int:
+        with start_engine(load_plan(plan, device=options.device), options) as m:
+            return batch(m, requests, out)
+
+    return _guard(go)
+
+
+def run_server(plan: str | PathLike[str], config: ServeConfig | None = None, *,
+               options: EngineOptions | None = None) -> int:
+    """`mstar-run PLAN --serve`: bind the address first (a busy port is one line at once), load
+    the plan, serve it until SIGTERM / SIGINT (`serve.server.serve`, on this, the main, thread).
+    `config.weights` is set from `options.weights` (the chat route's tokenizer copy). Exit status."""
+    from dataclasses import replace
+
+    from mstar_runtime.serve.server import ListenError, ServeConfig, listen, missing_extra, serve
+
+    options = options or EngineOptions()
+    config = replace(config or ServeConfig(), weights=options.weights)
+    missing = missing_extra()
+    if missing is not None:
+        return _error(missing)
     try:
-        plan = load_plan(args.plan, device=args.device)
-        inputs = cli_inputs(plan, args.walk, args.input, parser) if args.walk else {}
-        m = MStar.from_plan(plan, weights=args.weights, preempt_every=args.preempt_every, step_path=args.step_path)
+        sock = listen(config.host, config.port)
+    except ListenError as e:
+        return _error(e)
+
+    def load() -> MStar:
+        return start_engine(load_plan(plan, device=options.device), options)
+
+    try:
+        m = _guard(load)
+    except BaseException:
+        sock.close()
+        raise
+    if isinstance(m, int):  # the plan or its weights failed: the error line is out
+        sock.close()
+        return m
+    return serve(m, config, sock)
+
+
+def _guard(fn: Callable[[], Any]) -> Any:
+    """Run `fn`; what a user can fix becomes one error line and exit status 1, Ctrl-C 130."""
+    try:
+        return fn()
     except _startup_errors() as e:
         return _error(e)
-    except KeyboardInterrupt:
-        return 130
-    with m:
-        try:
-            return run_one(m, args, inputs) if args.walk else run_batch(m, args)
-        except UserError as e:
-            return _error(e)
-        except OSError as e:  # the output folder: missing permissions, a full disk
-            return _error(f"cannot write {e.filename or 'the output files'}: {e.strerror or e}")
-        except KeyboardInterrupt:
-            print(f"{PROG}: interrupted", file=sys.stderr)
-            return 130
-
-
-def _serve(args: argparse.Namespace) -> int:
-    """`--serve`: load the plan and serve it until SIGTERM (mstar_runtime.serve.server)."""
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    from mstar_runtime.serve.server import run_cli
-
-    try:
-        return run_cli(args)
-    except _startup_errors() as e:
+    except UserError as e:
         return _error(e)
+    except OSError as e:  # the output folder: missing permissions, a full disk
+        return _error(f"cannot write {e.filename or 'the output files'}: {e.strerror or e}")
     except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
 
 
@@ -462,6 +482,114 @@ def _startup_errors() -> tuple[type[BaseException], ...]:
 def _error(e: BaseException | str) -> int:
     print(f"{PROG}: error: {e}", file=sys.stderr)
     return 1
+
+
+# ----------------------------------------------------------------------------- the command line
+SERVER_OPTIONS = ("host", "port", "api_key", "access_log", "shutdown_timeout", "request_timeout", "served_model_name")
+
+
+def _pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
+    try:
+        return split_pairs(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e).removeprefix("--input "), ctx, param) from None
+
+
+def _check_usage(ctx: click.Context, p: Mapping[str, Any]) -> None:
+    """What click's declarations cannot say: one mode, and options that belong to another."""
+    modes = [flag for flag, on in (("--walk", p["walk"] is not None), ("--requests", p["requests"] is not None),
+                                   ("--serve", p["serve"])) if on]
+    if not modes:
+        raise click.UsageError("one of --walk WALK, --requests FILE.jsonl or --serve is required", ctx)
+    if len(modes) > 1:
+        raise click.UsageError(f"{' and '.join(modes)} cannot be used together (one mode per run)", ctx)
+    if p["requests"] is not None and not p["out"]:
+        raise click.UsageError("--requests needs --out DIR", ctx)
+    if p["inputs"] and p["walk"] is None:
+        raise click.UsageError("--input goes with --walk (a batch file carries its own inputs)", ctx)
+    if p["stream"] and p["walk"] is None:
+        raise click.UsageError("--stream goes with --walk", ctx)
+    if not p["serve"]:  # only what the command line set: an environment meant for a server may be set
+        given = [f"--{name.replace('_', '-')}" for name in SERVER_OPTIONS
+                 if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise click.UsageError(f"server options go with --serve (got {', '.join(given)})", ctx)
+
+
+def _env(name: str) -> dict[str, Any]:
+    return {"envvar": name, "show_envvar": True}
+
+
+@click.command(PROG, context_settings=CONTEXT_SETTINGS, epilog="Routes, errors, metrics and the server's "
+               "options: docs/serving.md. Shell completion: eval \"$(_MSTAR_RUN_COMPLETE=bash_source mstar-run)\".")
+@click.argument("plan", type=click.Path(dir_okay=False))
+@click.option("--walk", metavar="WALK", help="Run one request of this walk.")
+@click.option("--requests", type=click.Path(dir_okay=False), metavar="FILE.jsonl",
+              help='Run a batch: one {"id", "walk", "inputs"} JSON object per line (examples/requests.jsonl).')
+@click.option("--serve", is_flag=True, help="Serve the plan over HTTP: OpenAI-compatible and native routes.")
+@click.option("--input", "-i", "inputs", multiple=True, metavar="K=V", callback=_pairs,
+              help="An input of the walk, parsed by its declared type (tensors: a JSON list or "
+                   "@file.safetensors; images: @file.png|jpg). Repeatable.")
+@click.option("--out", type=click.Path(file_okay=False), metavar="DIR",
+              help="Where output files go (one-shot default: ./out).")
+@click.option("--weights", default="dummy", show_default=True, metavar="DIR|dummy|init", **_env("MSTAR_WEIGHTS"),
+              help="A folder of safetensors checkpoints, 'dummy' for seeded random weights, 'init' for "
+                   "the modules' own initialisation.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), **_env("MSTAR_DEVICE"),
+              help="Where to run (default: what the plan was compiled for).")
+@click.option("--stream", is_flag=True, help="One-shot: print a line per streamed output chunk.")
+@click.option("--threads", type=click.IntRange(min=1), metavar="N", **_env("MSTAR_THREADS"),
+              help="torch CPU threads (default: torch's). Tiny CPU models run fastest with 1.")
+@click.option("--host", default="127.0.0.1", show_default=True, metavar="HOST", **_env("MSTAR_HOST"),
+              help="--serve: the address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, metavar="PORT",
+              **_env("MSTAR_PORT"),
+              help="--serve: the port (0: any free port).")
+@click.option("--api-key", metavar="KEY", **_env("MSTAR_API_KEY"),
+              help="--serve: every route but /health then wants 'Authorization: Bearer KEY' (401 otherwise).")
+@click.option("--access-log/--no-access-log", default=True, show_default=True, **_env("MSTAR_ACCESS_LOG"),
+              help="--serve: log one line per HTTP request (client, request, status, bytes, seconds).")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True, metavar="S",
+              **_env("MSTAR_SHUTDOWN_TIMEOUT"),
+              help="--serve: on SIGTERM, seconds in-flight requests get to finish before they are aborted.")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
+              **_env("MSTAR_REQUEST_TIMEOUT"),
+              help="--serve: fail a request that runs longer than this (finish reason 'timeout').")
+@click.option("--served-model-name", metavar="NAME", **_env("MSTAR_SERVED_MODEL_NAME"),
+              help="--serve: the model id clients name (default: the plan's model name).")
+@click.option("--step-path", type=click.Choice(["cohort", "generic"]), default=None,
+              help="How marked decode loops run: 'cohort' (device-resident batches, one step for every "
+                   "request) or 'generic' (a step call per request); default $MSTAR_STEP_PATH, else cohort.")
+@click.option("--preempt-every", type=click.IntRange(min=1), hidden=True)  # debug: force preemptions
+@version_option(PROG)
+@click.pass_context
+def command(ctx: click.Context, **p: Any) -> int:
+    """Run the walks of a compiled M* plan: one request, a batch file, or a server."""
+    _check_usage(ctx, p)
+    options = EngineOptions(weights=p["weights"], device=p["device"], threads=p["threads"],
+                            step_path=p["step_path"], preempt_every=p["preempt_every"],
+                            request_timeout=p["request_timeout"] if p["serve"] else None)
+    if p["walk"] is not None:
+        return run_walk(p["plan"], p["walk"], p["inputs"], out=p["out"] or "out", stream=p["stream"],
+                        options=options)
+    if p["requests"] is not None:
+        return run_requests(p["plan"], p["requests"], p["out"], options=options)
+    from mstar_runtime.serve.server import ServeConfig
+
+    config = ServeConfig(host=p["host"], port=p["port"], shutdown_timeout=p["shutdown_timeout"],
+                         model_name=p["served_model_name"], api_key=p["api_key"] or None,
+                         access_log=p["access_log"])
+    return run_server(p["plan"], config, options=options)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `mstar-run` console script: parse `argv` (default `sys.argv[1:]`), run, the exit status."""
+    return run_command(command, PROG, argv)
+
+
+__all__ = ["BatchLine", "BatchRun", "EngineOptions", "UserError", "batch", "cli_inputs", "command", "main",
+           "one_shot", "parse_json_value", "parse_line", "parse_text", "read_lines", "run_requests", "run_server",
+           "run_walk", "split_pairs", "start_engine"]
 
 
 if __name__ == "__main__":

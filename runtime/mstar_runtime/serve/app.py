@@ -1,6 +1,11 @@
-"""The server's frame: error handlers, the body-size and response-count middleware, `/health`,
-`/v1/models`, `/metrics`, the OpenAPI touches, and `start_flight`, which every generation
-route uses to admit and submit a request.
+"""The server's frame: error handlers, the middleware every request passes (API key, body
+size, response counts, the access log), `/health`, `/v1/models`, `/metrics`, the OpenAPI
+touches, and `start_flight`, which every generation route uses to admit and submit a request.
+
+With an API key (`--api-key`, `$MSTAR_API_KEY`) every route but `/health` wants the header
+`Authorization: Bearer <key>` and answers 401 `invalid_api_key` without it, as OpenAI and
+vLLM do; the key is compared by its SHA-256 in constant time. The access log
+(`--no-access-log` turns it off) has one line per request, written when its response ends.
 
 Every error leaves as the OpenAI body (`server_common.ApiError`): FastAPI's validation
 errors become 400 naming the field (`messages[0].content`; a body that is missing or not
@@ -18,6 +23,7 @@ field and the limit.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -30,6 +36,7 @@ from mstar_runtime.serve.common import (
     SERVER,
     ApiError,
     Flight,
+    api_key_digest,
     bad_request,
     submit_error,
 )
@@ -197,17 +204,19 @@ def install(app: FastAPI, state: ServerState) -> None:
         check_model(state, model)
         return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mstar"}
 
-    @app.get("/metrics", tags=["server"], summary="Prometheus text format (docs/serving.md lists the series)",
-             response_class=PlainTextResponse)
-    async def metrics() -> Any:
-        stats = state.m.stats()
-        text = state.metrics.render(stats, state.server_gauges(stats))
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+    @app.get("/metrics", tags=["server"], response_class=PlainTextResponse,
+             summary="Prometheus text format 0.0.4, or OpenMetrics if the Accept header asks (docs/serving.md)")
+    async def metrics(request: Request) -> Any:
+        from fastapi.responses import Response
+
+        body, content_type = state.metrics.render(request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
 
 
 class _Frame:
-    """Pure ASGI middleware: refuses oversized bodies (413) before they are read, and counts
-    responses by route template and status for `/metrics`."""
+    """Pure ASGI middleware around every HTTP request: the API key (401 without it, on every
+    route but `/health`), oversized bodies (413, refused before they are read), the response
+    count by route template and status for `/metrics`, and the access log line."""
 
     def __init__(self, app: Any, state: ServerState):
         self.app, self.state = app, state
@@ -216,28 +225,71 @@ class _Frame:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        limit = self.state.config.max_body_bytes
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            from fastapi.responses import JSONResponse
-
-            err = ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
-            await JSONResponse(err.body(), status_code=413)(scope, receive, send)
-            self.state.metrics.response("other", 413)
-            return
-        status = [0]
+        t0 = time.perf_counter()
+        status, sent = [0], [0]
 
         async def counting_send(message: Mapping[str, Any]) -> None:
             if message.get("type") == "http.response.start":
                 status[0] = int(message["status"])
+            elif message.get("type") == "http.response.body":
+                sent[0] += len(message.get("body", b""))
             await send(message)
 
+        route = "other"
         try:
+            headers = dict(scope.get("headers") or [])
+            refusal = self._refusal(scope, headers)
+            if refusal is not None:
+                await error_response(refusal)(scope, receive, counting_send)
+                return
             await self.app(scope, receive, counting_send)
+            route = getattr(scope.get("route"), "path", None) or "other"
         finally:
-            route = scope.get("route")
-            path = getattr(route, "path", None) or "other"
-            self.state.metrics.response(path, status[0] or 500)
+            self.state.metrics.response(route, status[0] or 500)
+            if self.state.config.access_log:
+                access_line(scope, status[0] or 500, sent[0], time.perf_counter() - t0)
+
+    def _refusal(self, scope: Mapping[str, Any], headers: Mapping[bytes, bytes]) -> ApiError | None:
+        """The 401 or 413 that answers this request before the app sees it, or None."""
+        digest = self.state.api_key_digest
+        if digest is not None and scope.get("path") not in UNAUTHENTICATED:
+            problem = check_api_key(headers.get(b"authorization"), digest)
+            if problem is not None:
+                return ApiError(401, problem, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        length = headers.get(b"content-length")
+        limit = self.state.config.max_body_bytes
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+        return None
+
+
+UNAUTHENTICATED = frozenset({"/health"})  # a load balancer's or orchestrator's probe carries no key
+access_log = logging.getLogger("mstar_runtime.serve.access")
+
+
+def check_api_key(header: bytes | None, digest: bytes) -> str | None:
+    """Why an `Authorization` header does not carry the server's key (None when it does).
+    The key is compared by its SHA-256 in constant time (`common.api_key_digest`)."""
+    if not header:
+        return "this server needs an API key: send the header Authorization: Bearer <key>"
+    scheme, _, token = header.decode("latin-1").strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return "the Authorization header must be 'Bearer <key>'"
+    if not secrets.compare_digest(api_key_digest(token.strip()), digest):
+        return "incorrect API key"
+    return None
+
+
+def access_line(scope: Mapping[str, Any], status: int, sent: int, seconds: float) -> None:
+    """One access-log line per request, once its response has ended (a stream's at its end):
+    client, request line, status, body bytes sent, seconds from the request to the end."""
+    client = scope.get("client")
+    who = f"{client[0]}:{client[1]}" if client else "-"
+    path = scope.get("path", "")
+    query = scope.get("query_string", b"")
+    target = f"{path}?{query.decode('latin-1')}" if query else path
+    access_log.info('%s "%s %s HTTP/%s" %d %d %.3fs', who, scope.get("method", "-"), target,
+                    scope.get("http_version", "1.1"), status, sent, seconds)
 
 
 def check_model(state: ServerState, model: str) -> None:
@@ -371,6 +423,12 @@ def finish_openapi(app: FastAPI, state: ServerState) -> None:
             model = comp.get("properties", {}).get("model")
             if isinstance(model, dict) and model.get("type") == "string":
                 model["enum"] = [state.model_id]
+        if state.api_key_digest is not None:  # --api-key: every operation but /health wants it
+            schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            schema["security"] = [{"bearer": []}]
+            for path in UNAUTHENTICATED:
+                for op in schema.get("paths", {}).get(path, {}).values():
+                    op["security"] = []
         app.openapi_schema = schema
         return schema
 

@@ -14,12 +14,13 @@ Flight. One submitted request as a route serves it: it counts as in flight (the 
 SIGTERM waits for it), streams the handle's appended outputs while watching the client's
 connection (a client that hangs up cancels the request, so its KV pages are freed at once
 rather than when the walk would have ended), and on exit records its outcome and timings
-in the metrics.
+(first item of each output, the gaps between a token or text output's items) in the metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -64,6 +65,12 @@ class ApiError(Exception):
 
 class ClientGone(Exception):
     """The client closed its connection before the request ended."""
+
+
+def api_key_digest(key: str) -> bytes:
+    """What a presented API key is compared with: its SHA-256, so the constant-time comparison
+    (`secrets.compare_digest`) does not depend on the key's length either."""
+    return hashlib.sha256(key.encode("utf-8")).digest()
 
 
 def bad_request(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
@@ -130,6 +137,14 @@ def audio_samples(value: Any) -> int:
     return int(value.numel()) if isinstance(value, torch.Tensor) else 0
 
 
+def is_token_item(value: Any) -> bool:
+    """A streamed item of text: a string piece, or integer token ids."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex() \
+        and value.dtype != torch.bool and value.dim() <= 1
+
+
 class Flight:
     """One request in flight on behalf of one HTTP request; use as `async with`."""
 
@@ -147,6 +162,10 @@ class Flight:
         self.client_timeout = False  # the request carries the client's own `timeout`
         self.tokens = 0  # completion tokens, counted by the chat route
         self.prompt_tokens = 0
+        self.token_gaps: list[float] = []  # seconds between consecutive items of a token or text output
+        self._last_token_at: dict[str, float] = {}  # output name -> perf_counter of its latest item
+        self.first_token_s: float | None = None  # seconds from submit to the first / latest token or text item
+        self.last_token_s: float | None = None
 
     async def __aenter__(self) -> Flight:
         self.begin()
@@ -260,12 +279,21 @@ class Flight:
         return await self.handle.aresult()
 
     def _saw(self, name: str, value: Any) -> None:
+        now = time.perf_counter()
         if name not in self.first_at:
-            self.first_at[name] = time.perf_counter() - self.t0
+            self.first_at[name] = now - self.t0
         self.items[name] = self.items.get(name, 0) + 1
         if is_audio_name(name):
             self.audio_samples += audio_samples(value)
+        elif is_token_item(value):  # inter-token latency: the gap since this output's previous item
+            last = self._last_token_at.get(name)
+            if last is not None:
+                self.token_gaps.append(now - last)
+            self._last_token_at[name] = now
+            if self.first_token_s is None:
+                self.first_token_s = now - self.t0
+            self.last_token_s = now - self.t0
 
 
-__all__ = ["ENGINE_STOPPED", "WORKER_LOST", "ApiError", "ClientGone", "Flight", "bad_request", "engine_unavailable",
-           "failure_error", "submit_error"]
+__all__ = ["ENGINE_STOPPED", "WORKER_LOST", "ApiError", "ClientGone", "Flight", "api_key_digest", "bad_request",
+           "engine_unavailable", "failure_error", "is_token_item", "submit_error"]

@@ -6,7 +6,10 @@ Routes depend on the plan's walks (`ServedWalks`): `/v1/audio/speech` for a walk
 `/v1/chat/completions` for `chat` and/or `understand` (requests with an image go to
 `understand` when `chat` takes none), `/v1/images/generations` and `/edits` for `t2i` / `edit`,
 `/v1/walks/<walk>` for every walk; always `/v1/models`, `/health`, `/metrics` and
-`/openapi.json`. docs/serving.md lists them with their errors and metrics.
+`/openapi.json`. docs/serving.md lists them with their errors and metrics. With
+`ServeConfig.api_key` every route but `/health` wants `Authorization: Bearer <key>`;
+`access_log` writes a line per request (`serve.app`). `mstar_runtime.cli.run_server` loads
+a plan and serves it as `mstar-run PLAN --serve` does.
 
 Threads. The engine runs on its own thread (`MStar`); the server is one asyncio loop, on
 the main thread, because a multi-rank plan's worker processes die with the thread that
@@ -41,8 +44,15 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from mstar_runtime.api import MStar
-from mstar_runtime.plan.loader import Plan, load_plan
-from mstar_runtime.serve.common import ENGINE_STOPPED, SERVER, WORKER_LOST, ApiError, engine_unavailable
+from mstar_runtime.plan.loader import Plan
+from mstar_runtime.serve.common import (
+    ENGINE_STOPPED,
+    SERVER,
+    WORKER_LOST,
+    ApiError,
+    api_key_digest,
+    engine_unavailable,
+)
 from mstar_runtime.serve.io import sample_rate
 from mstar_runtime.serve.metrics import Metrics
 from mstar_runtime.serve.schemas import input_adapters
@@ -67,6 +77,9 @@ class ServeConfig:
     max_pending: int = 4096  # generation requests in flight before 503 "overloaded"
     weights: str | PathLike[str] = "dummy"  # for the chat walk's private tokenizer copy
     max_body_bytes: int = MAX_BODY_BYTES
+    # every route but /health then wants `Authorization: Bearer <key>`; kept out of repr (logs)
+    api_key: str | None = field(default=None, repr=False)
+    access_log: bool = True  # one line per HTTP request (logger `mstar_runtime.serve.access`)
 
 
 # ----------------------------------------------------------------------------- walks
@@ -169,8 +182,8 @@ class ServerState:
         self.model_id = config.model_name or m.plan.model_name
         self.created = int(time.time())
         self.walks = served_walks(m.plan)
-        self.metrics = Metrics()
-        self.metrics.sample_rate = self.sample_rate
+        self.metrics = Metrics(self.model_id, self.sample_rate, snapshot=self.snapshot)
+        self.api_key_digest = api_key_digest(config.api_key) if config.api_key else None
         self.loop_limits = {w: loop_limits(m.plan.walk(w)) for w in m.plan.walks}
         self.input_types = {w: input_adapters(m.plan.walk(w)) for w in m.plan.walks}  # one rule for every route
         self.flights: set[Flight] = set()
@@ -256,6 +269,11 @@ class ServerState:
                 pass
         return len(self.flights)
 
+    def snapshot(self) -> tuple[Mapping[str, Any], dict[str, float]]:
+        """The engine's stats and the server's gauges of this moment (for a scrape)."""
+        stats = self.m.stats()
+        return stats, self.server_gauges(stats)
+
     def server_gauges(self, stats: Mapping[str, Any]) -> dict[str, float]:
         return {
             "mstar_requests_active": float(stats.get("requests", {}).get("active", 0)),
@@ -266,10 +284,10 @@ class ServerState:
 
 
 # ----------------------------------------------------------------------------- app
-def _missing_extra() -> str | None:
+def missing_extra() -> str | None:
     import importlib.util
 
-    missing = [m for m in ("fastapi", "uvicorn", "pydantic") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("fastapi", "uvicorn", "pydantic", "prometheus_client") if importlib.util.find_spec(m) is None]
     return f"--serve needs {', '.join(missing)}: {SERVE_EXTRA}" if missing else None
 
 
@@ -324,7 +342,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(m: MStar, config: ServeConfig, sock: socket.socket | None = None) -> int:
     """Serve `m` until SIGTERM/SIGINT, drain, close it. Call on the main thread. Exit status."""
-    missing = _missing_extra()
+    missing = missing_extra()
     if missing is not None:
         m.close()
         print(f"mstar-run: error: {missing}", file=sys.stderr)
@@ -336,8 +354,10 @@ def serve(m: MStar, config: ServeConfig, sock: socket.socket | None = None) -> i
         sock = sock or listen(config.host, config.port)
         app = create_app(m, config)
         state: ServerState = app.state.mstar
-        server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10, lifespan="off"),
-                         state)
+        # uvicorn's own access log stays off: ours (`app.access_line`) is written when a
+        # response ends, with its size and duration, and follows --no-access-log
+        server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=10,
+                                        lifespan="off"), state)
         host, port = sock.getsockname()[:2]
         print(f"mstar-run: serving {state.model_id} ({', '.join(state.walks.all)}) on http://{host}:{port}",
               file=sys.stderr, flush=True)
@@ -406,29 +426,5 @@ class _Server:
         self.server.should_exit = True
 
 
-def run_cli(args: Any) -> int:
-    """The `--serve` branch of `mstar-run` (arguments already parsed by `cli.build_parser`).
-    Plan and startup errors propagate for the CLI to print as one line."""
-    missing = _missing_extra()
-    if missing is not None:
-        print(f"mstar-run: error: {missing}", file=sys.stderr)
-        return 1
-    config = ServeConfig(host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
-                         model_name=args.served_model_name, weights=args.weights)
-    try:
-        sock = listen(config.host, config.port)
-    except ListenError as e:
-        print(f"mstar-run: error: {e}", file=sys.stderr)
-        return 1
-    try:
-        plan = load_plan(args.plan, device=args.device)
-        m = MStar.from_plan(plan, weights=args.weights, preempt_every=args.preempt_every,
-                            request_timeout=args.request_timeout, step_path=args.step_path)
-    except BaseException:
-        sock.close()
-        raise
-    return serve(m, config, sock)
-
-
 __all__ = ["ListenError", "ServeConfig", "ServedWalks", "ServerState", "create_app", "listen", "loop_limits",
-           "run_cli", "serve", "served_walks"]
+           "missing_extra", "serve", "served_walks"]

@@ -12,12 +12,13 @@ Parameters carry the checkpoint's names under `talker.code_predictor.`
 buffers, so a batch gathers every entry's table with one index.
 
 Phases (models/qwen3_omni/qwen3_omni.walk, node `code_predictor`):
-- `step(inputs, group, do_sample) -> (code, inputs)`: group 0 starts the frame with the
-  talker's `context` [2, hidden]; group g >= 1 feeds the previous step's returned embedding
-  [1, hidden]. Returns code g + 1 ([1], greedy, or top-k 50 / top-p 0.8 at temperature 1 when
-  `do_sample`, HF's code-predictor settings) and its embedding, the next step's input.
-  An optional `seed` input at group 0 makes the draws reproducible (the sampler's (seed,
-  step) rule); without one each draw takes fresh randomness.
+- `step(inputs, group, do_sample, seed) -> (code, inputs)`: group 0 starts the frame with
+  the talker's `context` [2, hidden]; group g >= 1 feeds the previous step's returned
+  embedding [1, hidden]. Returns code g + 1 ([1], greedy, or top-k 50 / top-p 0.8 at
+  temperature 1 when `do_sample`, HF's code-predictor settings) and its embedding, the next
+  step's input. The `seed` read at group 0 makes the draws reproducible (the sampler's
+  (seed, step) rule, the step counting the request's draws); without one each draw takes
+  fresh randomness.
 - `finish(code0, residual) -> (frame, feedback)`: the frame's codes [1, code_groups] (code0,
   then the residual codes; no row for a codec-eos frame, which HF never decodes) and the
   talker's next codec input [1, hidden], the sum of `codec_embedding(code0)` and the 15
@@ -25,7 +26,8 @@ Phases (models/qwen3_omni/qwen3_omni.walk, node `code_predictor`):
 
 The context lives in the request's node state, not in the paged pool: the runtime's KV
 contexts only grow, and this one must restart every frame (at most 16 tokens, 5 layers). So
-every phase adds no KV (`SeqPlan(q_len=0)`); the K/V of the frame so far are a dense
+every phase adds no KV (`SeqPlan(q_len=0)`; the walk's `max_seq_len = 16` keeps the pool the
+memory pass reserves for this node minimal); the K/V of the frame so far are a dense
 [layers, code_groups, kv_heads, head_dim] pair in `attn.states[i]["kv"]`, and a step's
 attention runs over the batch's stacked frames with a causal mask.
 

@@ -28,6 +28,12 @@ transformers' class defaults (OpenAI CLIP mean / std; min / max pixels 3136 / 12
 the Qwen-Omni preprocessor configs [unverified for Qwen3-Omni]) and the model config (patch,
 merge, temporal patch, mel bins). Node settings of the same names override both.
 
+Detokenize: ids -> text with special tokens dropped. A stream chunk (`token:context` given:
+the walk's left_context(1, 4) stream of generated ids) returns the text its new id adds,
+decode(all) minus decode(history); a character that byte-level BPE split over several ids
+is held back until its last id, so the pieces join to one decode of the reply (an incomplete
+character at the very end never comes).
+
 Tokenizer: the checkpoint's `tokenizer.json`, else its `vocab.json` + `merges.txt` (+ the
 added tokens of `tokenizer_config.json`) in Qwen2's shape; without a checkpoint, the bundled
 `tokenizer_tiny.json` (tools/make_qwen3_omni_tiny_tokenizer.py: Qwen's shape, 512 ids, Qwen's
@@ -42,6 +48,7 @@ render text (mstar_runtime/serve/text.py).
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 from collections.abc import Mapping
@@ -63,7 +70,18 @@ BUNDLED_TOKENIZER = Path(__file__).resolve().parent / "tokenizer_tiny.json"
 QWEN2_SPLIT = (  # transformers' Qwen2Tokenizer PRETOKENIZE_REGEX
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-REPLACEMENT = "\ufffd"  # what the byte-level decoder gives for an incomplete UTF-8 sequence
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): every byte is written as one character, the printable
+    Latin-1 ones as themselves and the others as U+0100 onwards in byte order; char -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+BYTE_OF = _byte_alphabet()
+
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -396,6 +414,8 @@ class Processor(StatelessNode):
         self.vocab = vocab
         self.n_window = int(spec.config.get("audio_n_window", N_WINDOW))
         self.tokenizer = bundled_tokenizer(vocab, self.ids)
+        self._added: dict[int, AddedToken] = {}
+        self._added_of: Tokenizer | None = None  # the tokenizer `_added` was read from
         self.template_source = BUNDLED_TEMPLATE
         self.template = compile_template(BUNDLED_TEMPLATE)
         self._set_features(_features(spec))
@@ -541,18 +561,33 @@ class Processor(StatelessNode):
         return out
 
     def _new_text(self, ids: list[int], context: int) -> str:
-        """The text a stream chunk's new ids add: decode(all) minus decode(the first `context`).
+        """The text a stream chunk's new ids add: the characters whose last byte they hold.
 
-        Byte-level BPE can split one character over several ids, and a decode that ends inside
-        one ends in U+FFFD: that tail is held back and comes with the id that completes it, so
-        the pieces of a stream join to one decode of all its ids."""
-        now = self.tokenizer.decode(ids, skip_special_tokens=True).rstrip(REPLACEMENT)
-        before = self.tokenizer.decode(ids[:context], skip_special_tokens=True).rstrip(REPLACEMENT) \
-            if context else ""
-        common = 0  # byte-level decodes of a prefix are prefixes, up to the held-back tail
-        while common < min(len(before), len(now)) and before[common] == now[common]:
-            common += 1
-        return now[common:]
+        Byte-level BPE can split one character over several ids. The chunk's bytes go through
+        an incremental UTF-8 decoder, its history first (output dropped), so a character
+        waits for the id that completes it and the pieces of a stream join to one decode of
+        all its ids (invalid bytes become U+FFFD, as the tokenizer's decode makes them). The
+        history may start inside a character: those orphan bytes are in the dropped output,
+        and 4 ids of history hold the 3 bytes a character can have before its last one."""
+        if not isinstance(self.tokenizer.decoder, decoders.ByteLevel):  # not Qwen's shape: decode by ids
+            before = self.tokenizer.decode(ids[:context], skip_special_tokens=True)
+            return self.tokenizer.decode(ids, skip_special_tokens=True)[len(before):]
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        utf8.decode(b"".join(self._bytes(i) for i in ids[:context]))
+        return utf8.decode(b"".join(self._bytes(i) for i in ids[context:]))
+
+    def _bytes(self, token: int) -> bytes:
+        """The bytes one id decodes to (special tokens: none; other added tokens: their text)."""
+        if self._added_of is not self.tokenizer:
+            self._added, self._added_of = self.tokenizer.get_added_tokens_decoder(), self.tokenizer
+        added = self._added.get(token)
+        if added is not None:
+            return b"" if added.special else added.content.encode("utf-8")
+        piece = self.tokenizer.id_to_token(token) or ""
+        try:
+            return bytes(BYTE_OF[c] for c in piece)
+        except KeyError:  # not in the byte alphabet: the token's text itself
+            return piece.encode("utf-8")
 
 
 def _text(entry: Mapping[str, Any], port: str) -> str:

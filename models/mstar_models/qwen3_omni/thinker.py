@@ -16,6 +16,10 @@ Prefill (models/qwen3_omni/qwen3_omni.walk, node `thinker`):
   image positions (D <= layers);
 - the next token is sampled from the last position's logits.
 Decode feeds one token at KV index j with position j + delta in all three components.
+Every step returns `token` [1] (on the device, fed back to the next decode), `emitted` (the
+same id as a host item for the text stream, a `readback.Lazy`) and `done`. `decode` is also
+offered as a decode cohort's column step (`cohort_phase`); rows with top-k sampling stay on
+the generic path (the sampler's columns have no top-k).
 
 Speech phases also give what the talker reads (`talker.TalkerMoE`):
 - at prefill, the talker's prompt (`_talker_prompt`; HF `generate`'s `_get_talker_user_parts`

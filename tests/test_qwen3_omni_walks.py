@@ -14,8 +14,9 @@ plan's loader; its Code2Wav is re-drawn at scales that keep the audio unclipped
 - Streamed Code2Wav windows joined equal one full decode of the same codes, once the left
   context covers the receptive field (a copy of the walk with an 8-frame sliding window and
   16 frames of history).
-- A batch of requests equals each request alone; both step paths give the same outputs (the
-  chat decode loop is a cohort; its rows with top-k sampling run on the generic path).
+- A batch of requests equals each request alone, and so does a run with forced preemption;
+  both step paths give the same outputs (the chat decode loop is a cohort; its rows with
+  top-k sampling run on the generic path).
 """
 
 from __future__ import annotations
@@ -319,6 +320,16 @@ def test_both_step_paths_give_the_same_outputs(plan_path: Path, checkpoint: Path
             steps = m.conductor.stats["cohort_steps"]
             assert steps > 0 if path == "cohort" else steps == 0
     assert all(same(a, b) for a, b in zip(outs["cohort"], outs["generic"], strict=True))
+
+
+def test_forced_preemption_gives_the_same_outputs(plan_path: Path, checkpoint: Path, engine: MStar) -> None:
+    """Preempted requests restart from scratch (node states dropped, seeded sampling): the
+    same text and audio, none of it streamed twice."""
+    alone = [engine.submit(walk, inputs).result(timeout=120) for walk, inputs in REQUESTS]
+    with MStar.load(plan_path, weights=checkpoint, preempt_every=5) as m:
+        again = [h.result(timeout=120) for h in [m.submit(w, i) for w, i in REQUESTS]]
+        assert m.conductor.stats["preemptions"] > 0
+    assert all(same(a, b) for a, b in zip(alone, again, strict=True))
 
 
 # ------------------------------------------------------------------------------ bad input

@@ -302,7 +302,9 @@ def test_a_batch_equals_each_request_alone(engine: MStar) -> None:
 
     talker.phase_decode = counted
     try:
-        handles = [engine.submit(walk, inputs) for walk, inputs in REQUESTS]
+        # queued while the engine thread waits for its (reentrant) lock: admitted together
+        with engine._lock:
+            handles = [engine.submit(walk, inputs) for walk, inputs in REQUESTS]
         together = [h.result(timeout=120) for h in handles]
     finally:
         del talker.phase_decode

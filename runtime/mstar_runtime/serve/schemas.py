@@ -93,12 +93,23 @@ class ImagePart(_Strict):
     image_url: ImageUrl
 
 
+class InputAudio(_Strict):
+    data: StrictStr = Field(description="base64 file bytes")
+    format: Literal["wav", "mp3"] = Field(description="wav (PCM or float, any rate: resampled); mp3 is a 400")
+
+
+class InputAudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
 class ChatMessage(BaseModel):
     # extra keys of a message (`refusal: null`, `annotations`) are ignored: clients echo
     # whole assistant messages back as history
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    content: StrictStr | list[Annotated[TextPart | ImagePart | InputAudioPart, Field(discriminator="type")]] | None \
+        = None
     name: StrictStr | None = None
 
 
@@ -108,6 +119,15 @@ class StreamOptions(_Strict):
 
 class ResponseFormat(_Strict):
     type: Literal["text"] = Field(description="only plain text is served")
+
+
+class VoiceRef(_Strict):
+    id: StrictStr
+
+
+class ChatAudio(_Strict):
+    voice: StrictStr | VoiceRef = Field(description="the walk's voice (Qwen3-Omni: its speaker)")
+    format: Literal["wav", "pcm16"] = Field(description="16-bit mono; a stream is pcm16 only (as OpenAI's)")
 
 
 class ChatCompletionRequest(_Body):
@@ -125,16 +145,14 @@ class ChatCompletionRequest(_Body):
     presence_penalty: Annotated[StrictFloat, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
     stop: None = Field(None, description="stop sequences are not supported")
     logprobs: Literal[False] | None = Field(None, description="log-probabilities are not served")
-    modalities: list[Literal["text"]] | None = Field(None, description="text output only")
+    modalities: list[Literal["text", "audio"]] | None = Field(
+        None, description='["text"], or ["text", "audio"] where the plan has a speech walk (serve.chat)')
+    audio: ChatAudio | None = Field(None, description="with modalities ['text', 'audio']: the voice and format")
     response_format: ResponseFormat | None = None
     user: StrictStr | None = None
 
 
 # ----------------------------------------------------------------------------- speech
-class VoiceRef(_Strict):
-    id: StrictStr
-
-
 class SpeechRequest(_Body):
     model: StrictStr = Field(description="the served model id (GET /v1/models)")
     input: StrictStr = Field(min_length=1, max_length=MAX_INPUT_CHARS, description="the text to speak")
@@ -171,5 +189,5 @@ class WalkRequestBase(_Strict):
         None, description="seconds before the request is failed with finish reason 'timeout'")
 
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "ImageGenerationRequest", "SpeechRequest", "WalkRequestBase",
-           "input_adapters", "input_annotation"]
+__all__ = ["ChatAudio", "ChatCompletionRequest", "ChatMessage", "ImageGenerationRequest", "InputAudioPart",
+           "SpeechRequest", "WalkRequestBase", "input_adapters", "input_annotation"]

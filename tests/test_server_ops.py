@@ -178,3 +178,16 @@ def test_api_key_with_the_openai_client(secured: Server) -> None:
 def test_no_access_log_from_the_environment(secured: Server) -> None:
     assert get(secured.base + "/health")[0] == 200
     assert "mstar_runtime.serve.access" not in secured.output()  # MSTAR_ACCESS_LOG=0
+
+
+def test_docs_list_exactly_the_series(server: Server) -> None:
+    """docs/serving.md's metrics section names every series the server exports, and no other."""
+    import re
+
+    docs = (Path(__file__).resolve().parents[1] / "docs/serving.md").read_text(encoding="utf-8")
+    section = docs[docs.index("## Metrics (`GET /metrics`)"):docs.index("## Examples")]
+    documented = set(re.findall(r"\b((?:mstar|process|python)_[a-z_]*[a-z])\b", section))
+    _, raw = get(server.base + "/metrics")
+    exported = {f.name + ("_total" if f.type == "counter" else "") for f in text_string_to_metric_families(raw.decode())}
+    assert documented == exported, (f"documented only: {sorted(documented - exported)}; "
+                                    f"exported only: {sorted(exported - documented)}")

@@ -17,7 +17,20 @@ allocates pages: the conductor's `BlockManager` does, and every entry arrives wi
    node and the phase.
 
 Entries with `q_len == 0` (a phase that adds no KV) are part of the batch but not of the
-attention metadata; they must not call `attend`. `attn.extra` holds the step's
+attention metadata; they must not call `attend`.
+
+Reads (plan feature `kv_reads`): an entry of a phase that reads other KV contexts comes with
+`KVSlots.reads`, one `ReadSlots` per context (node, tag, length and page table, as the
+conductor's BlockManager of that node holds them), in the phase's `reads` order. The pool of
+a read context is the engine's own (a decoder reading its `cross` tag) or that of another KV
+node on the same worker (`peers`, set by `link_peers`: pi0's action expert reading the VLM);
+its geometry must equal this pool's, since the reader attends layer by layer. The step's
+`attn.attend(..., over=...)`, `attn.attend_to` and `attn.write` (ops/node.py) run on the
+reference path below (`_read_attention`: a gather of each context's pages and one softmax
+per entry, with half precision computed in float32), on the CPU and on a GPU alike: no
+FlashInfer plan serves two pools yet. The read pages are only read: nothing is copied into
+the reader's pool, so its pool holds its own contexts only, as the `memory` pass sized it.
+Such a step is never graphed, and never shares its queries with a twin entry (below). `attn.extra` holds the step's
 `AttentionMetadata` ("metadata") and the `KVPool` ("pool") for nodes that need more than
 `attend` (e.g. reading cached K/V directly).
 
@@ -48,16 +61,23 @@ not offer, and batches beyond the largest bucket, run `node.run` / the tensor pa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from mstar_runtime.engine.graphs import GraphRunner, graph_runners, graph_step_tokens
 from mstar_runtime.engine.stateless_graphs import Capture, StatelessGraphRunner, stateless_graph_runners
-from mstar_runtime.kv.attention import AttentionError, AttentionMetadata, KVPool, paged_attention
+from mstar_runtime.kv.attention import (
+    AttentionError,
+    AttentionMetadata,
+    KVPool,
+    attention_mask,
+    paged_attention,
+)
 from mstar_runtime.kv.block_manager import SlotCopy
 from mstar_runtime.ops.node import AttentionContext, KVNode, NodeError, SeqState, StatelessNode
 from mstar_runtime.ops.readback import upload
@@ -66,6 +86,16 @@ DEFAULT_TAG = "main"  # the KV context of an entry whose tag is None (the conduc
 
 AttentionBackend = Callable[..., torch.Tensor]
 """`(q [N, H, D], pool, layer, meta, scale) -> [N, H, D]`, like `attention.paged_attention`."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSlots:
+    """A KV context one entry reads besides its own: the same request's `node@tag`, read-only."""
+
+    node: str
+    tag: str
+    kv_len: int  # its tokens (0: the context is empty, and adds no keys)
+    page_table: list[int]  # its pages in `node`'s pool, covering kv_len tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +113,7 @@ class KVSlots:
     # Equal versions of one request hold the same tokens, which lets `run` compute a
     # not-kept query block once for all of them.
     content: int = -1
+    reads: tuple[ReadSlots, ...] = ()  # the contexts the phase reads, in its `reads` order
 
 
 @dataclass(slots=True)
@@ -211,6 +242,8 @@ class KVCacheEngine(_Engine):
         self._states: dict[tuple[str, str], dict[str, Any]] = {}
         self._tags: dict[str, dict[str, None]] = {}  # request -> its tags holding a state, in order
         self.shared_queries = 0  # entries whose outputs were another entry's (see `run`)
+        # KV node -> its engine on this worker, for the contexts a step reads (`link_peers`)
+        self.peers: dict[str, KVCacheEngine] = {self.name: self}
 
     # ------------------------------------------------------------------ states
     def state(self, request_id: str, tag: str | None) -> dict[str, Any]:
@@ -287,7 +320,8 @@ class KVCacheEngine(_Engine):
         alias, seen, shared = list(range(len(entries))), {}, False
         for i, e in enumerate(entries):
             kv = e.kv
-            if kv is None or kv.keep or kv.content < 0 or kv.q_len == 0:
+            # a reading entry's result also depends on the contexts it reads: never shared
+            if kv is None or kv.keep or kv.content < 0 or kv.q_len == 0 or kv.reads:
                 continue
             key = (e.request_id, kv.content, kv.start, kv.q_len, kv.mask, kv.block_size)
             for j in seen.get(key, ()):
@@ -316,8 +350,9 @@ class KVCacheEngine(_Engine):
         except AttentionError as err:
             raise NodeError(f"node '{self.name}' phase '{phase}': {err}") from None
         flat = [s for kv in attending for s in kv.slots]
+        reads = self._reads(phase, kvs)
         runner = self.graph_runners.get(phase)
-        graphed = runner is not None and runner.accepts(meta, len(entries))
+        graphed = not reads and runner is not None and runner.accepts(meta, len(entries))
         pool, backend, scale = self.pool, self.backend, self.scale
         prepare = getattr(backend, "prepare", None)
         eager: dict[str, torch.Tensor] = {}
@@ -340,14 +375,97 @@ class KVCacheEngine(_Engine):
             pool.write(layer, k, v, eager_slots())
             return backend(q, pool, layer, meta, scale)
 
-        seqs = [SeqState(kv.start, kv.q_len, self.state(e.request_id, e.tag)) for e, kv in zip(entries, kvs)]
-        attn = AttentionContext(seqs, attend, self.device, extra={"metadata": meta, "pool": pool})
+        def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            pool.write(layer, k, v, eager_slots())
+
+        seqs = [SeqState(kv.start, kv.q_len, self.state(e.request_id, e.tag), tuple(r.kv_len for r in kv.reads))
+                for e, kv in zip(entries, kvs)]
+        attn = AttentionContext(seqs, attend, self.device, extra={"metadata": meta, "pool": pool},
+                                reads=reads, write_fn=write)
+        if reads:
+            def read(layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                     over: tuple[int, ...]) -> torch.Tensor:
+                if k is not None and v is not None:
+                    pool.write(layer, k, v, eager_slots())
+                return self._read_attention(layer, q, attending, over, own=k is not None)
+
+            attn.read_fn = read
         if graphed:
             assert runner is not None
             attn.graph_runner = runner.bind(attn, meta, flat)
         with torch.inference_mode():
             outputs = self.node.run(phase, [e.inputs for e in entries], attn)
         return check_outputs(self.name, phase, outputs, len(entries), ports)
+
+    def _reads(self, phase: str, kvs: list[KVSlots]) -> tuple[str, ...]:
+        """The names ("node@tag", the first entry's) of the contexts the step's entries read;
+        every entry of one phase reads as many."""
+        if not any(kv.reads for kv in kvs):
+            return ()
+        counts = {len(kv.reads) for kv in kvs}
+        if len(counts) != 1:
+            raise NodeError(f"node '{self.name}' phase '{phase}': entries read {sorted(counts)} contexts; "
+                            "every entry of a phase reads the contexts its `reads` clause names")
+        return tuple(f"{r.node}@{r.tag}" for r in kvs[0].reads)
+
+    def _read_attention(self, layer: int, q: torch.Tensor, attending: list[KVSlots], over: tuple[int, ...],
+                        own: bool) -> torch.Tensor:
+        """Per entry, one softmax over the read contexts `over` (every query sees all of their
+        tokens) followed, when `own`, by the entry's own context under its mask."""
+        n_tokens = sum(kv.q_len for kv in attending)
+        if q.dim() != 3 or q.shape[0] != n_tokens:
+            raise NodeError(f"node '{self.name}': q must be [{n_tokens}, heads, head_dim], got {tuple(q.shape)}")
+        heads, dim = q.shape[1], q.shape[2]
+        if dim != self.pool.head_dim or heads % self.pool.kv_heads:
+            raise NodeError(f"node '{self.name}': q has {heads} heads of dim {dim}; the pool has "
+                            f"{self.pool.kv_heads} KV heads of dim {self.pool.head_dim}")
+        scale = self.scale if self.scale is not None else dim**-0.5
+        compute = torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros_like(q)
+        row = 0
+        for kv in attending:
+            n = kv.q_len
+            keys, values, masks = [], [], []
+            for j in over:
+                r = kv.reads[j]
+                if r.kv_len:
+                    k, v = self.peers[r.node].pool.gather(layer, r.page_table, r.kv_len)
+                    keys.append(k)
+                    values.append(v)
+                    masks.append(torch.ones(n, r.kv_len, dtype=torch.bool, device=q.device))
+            if own:
+                kv_len = kv.start + n
+                k, v = self.pool.gather(layer, kv.page_table, kv_len)
+                keys.append(k)
+                values.append(v)
+                mask = attention_mask(n, kv_len, kv.mask, kv.block_size, device=q.device)  # type: ignore[arg-type]
+                masks.append(mask if mask is not None else torch.ones(n, kv_len, dtype=torch.bool, device=q.device))
+            if keys:
+                out[row : row + n] = _grouped_attention(
+                    q[row : row + n].to(compute), torch.cat(keys).to(compute), torch.cat(values).to(compute),
+                    torch.cat(masks, dim=1), scale,
+                ).to(q.dtype)
+            row += n
+        return out
+
+    def _check_reads(self, where: str, kv: KVSlots) -> None:
+        for r in kv.reads:
+            peer = self.peers.get(r.node)
+            if peer is None:
+                raise NodeError(f"{where}: reads {r.node}@{r.tag}, but node '{r.node}' has no KV pool on this "
+                                f"worker (pools here: {', '.join(self.peers)})")
+            a, b = self.pool, peer.pool
+            if (a.num_layers, a.kv_heads, a.head_dim) != (b.num_layers, b.kv_heads, b.head_dim):
+                raise NodeError(
+                    f"{where}: reads {r.node}@{r.tag}, whose pool has {b.num_layers} layers x {b.kv_heads} KV heads "
+                    f"x {b.head_dim}; this node's has {a.num_layers} x {a.kv_heads} x {a.head_dim}"
+                )
+            need = -(-r.kv_len // b.page_size)
+            if r.kv_len < 0 or len(r.page_table) < need or any(
+                not 0 <= p < peer.num_pages for p in r.page_table[:need]
+            ):
+                raise NodeError(f"{where}: the page table {r.page_table[:need]} of {r.node}@{r.tag} does not hold "
+                                f"{r.kv_len} tokens in a pool of {peer.num_pages} pages")
 
     def _check_slots(self, phase: str, e: StepEntry) -> KVSlots:
         where = f"node '{self.name}' phase '{phase}', request '{e.request_id}' tag '{e.tag or DEFAULT_TAG}'"
@@ -368,7 +486,26 @@ class KVCacheEngine(_Engine):
             pos = kv.start + i
             if slot != table[pos // ps] * ps + pos % ps:
                 raise NodeError(f"{where}: slot {slot} of token {pos} is not where its page table puts it")
+        if kv.reads:
+            self._check_reads(where, kv)
         return kv
+
+
+def link_peers(engines: Iterable[Any]) -> None:
+    """Let every KV engine of one worker find the others' pools, for the contexts its steps read."""
+    kv = [e for e in engines if isinstance(e, KVCacheEngine)]
+    for e in kv:
+        e.peers = {o.name: o for o in kv}
+
+
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """q [Lq, H, D] over k/v [Lk, Hkv, D] (head h reads KV head h // (H / Hkv)), mask [Lq, Lk]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
 
 
 def _same_value(a: Any, b: Any) -> bool:

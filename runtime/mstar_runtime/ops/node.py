@@ -16,6 +16,19 @@ with a *batch* of entries, one per request (or per KV tag of a request), for one
   over the entry's whole KV context, for the whole mixed batch (prefill chunks and
   single-token decodes together) in one call.
 
+A phase that reads other KV contexts (`reads` in the plan: pi0's action expert over the
+VLM's prefix, a decoder's cross-attention over its `cross` tag) also attends to those
+contexts of the same request, read-only, layer by layer: `attn.reads` names them in the
+phase's order (`"vlm@main"`), `attn.seqs[i].read_lens` gives their lengths per entry, and
+
+- `attn.attend(layer, q, k, v, over=(0,))` writes the new K/V and attends, in ONE softmax,
+  to the read contexts named in `over` (every query sees all of them) and then to the
+  entry's own context with its mask (pi0: the action tokens attend to prefix + themselves);
+- `attn.attend_to(layer, q, context)` attends to one read context only, writing nothing
+  (Whisper's cross-attention, with its own projections and softmax);
+- `attn.write(layer, k, v)` stores the new tokens' K/V without attending (a phase that only
+  fills a context, e.g. the cross-attention K/V of the encoder's frames).
+
 Per-(request, tag) state that is not KV (a RoPE offset, sampling history, an RNG) lives in
 `attn.states[i]`: a dict the engine keeps with the KV context, copies on `fork` and drops
 when the request ends or is preempted (so a recomputed request starts from the same state).
@@ -23,7 +36,7 @@ when the request ends or is preempted (so a recomputed request starts from the s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -83,6 +96,12 @@ class SeqState:
     start: int  # KV tokens of this context before the step (absolute position of the first query)
     q_len: int
     state: dict[str, Any]  # persistent per-(request, tag) state, owned by the engine
+    read_lens: tuple[int, ...] = ()  # tokens of each context the phase reads (`AttentionContext.reads` order)
+
+
+ReadFn = Callable[[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, tuple[int, ...]], torch.Tensor]
+"""`(layer, q, k, v, over) -> out`: attention over the read contexts `over` (indices into
+`AttentionContext.reads`) and, when k/v are given, the entry's own context after writing them."""
 
 
 @dataclass
@@ -95,6 +114,11 @@ class AttentionContext:
     extra: dict[str, Any] = field(default_factory=dict)
     # Set by an engine that replays CUDA graphs; None runs `fn` eagerly (CPU, prefill, big batches).
     graph_runner: Callable[..., Any] | None = None
+    # The contexts this step reads besides its own ("node@tag", the phase's `reads` order),
+    # the engine's attention over them, and its store-only write (see the module docstring).
+    reads: tuple[str, ...] = ()
+    read_fn: ReadFn | None = None
+    write_fn: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
     @property
     def states(self) -> list[dict[str, Any]]:
@@ -121,9 +145,48 @@ class AttentionContext:
             ends.append(at)
         return packed.index_select(0, upload(ends, torch.long, packed.device))
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store k/v of the new tokens (unless not kept) and attend. q: [N, H, D], k/v: [N, Hkv, D]."""
-        return self.attend_fn(layer, q, k, v)
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, over: Sequence[int | str] = ()
+    ) -> torch.Tensor:
+        """Store k/v of the new tokens and attend. q: [N, H, D], k/v: [N, Hkv, D].
+
+        With `over` (read contexts, by index into `reads` or by name: `"vlm"`, `"vlm@main"`),
+        the softmax runs over those contexts' tokens (all visible to every query) followed by
+        the entry's own context under its mask."""
+        if not over:
+            return self.attend_fn(layer, q, k, v)
+        return self._read(layer, q, k, v, tuple(self.read_index(c) for c in over))
+
+    def attend_to(self, layer: int, q: torch.Tensor, context: int | str = 0) -> torch.Tensor:
+        """Attention of the queries [N, H, D] over one read context only (every query sees all
+        of it); writes nothing. An entry whose read context is empty gets zeros."""
+        return self._read(layer, q, None, None, (self.read_index(context),))
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' K/V [N, Hkv, D] without attending (not inside `run_graphed`)."""
+        if self.write_fn is None:
+            raise NodeError("this step's engine cannot write K/V without attending")
+        self.write_fn(layer, k, v)
+
+    def read_index(self, context: int | str) -> int:
+        """The index in `reads` of a read context given by index, "node@tag" or "node" (its first read)."""
+        if isinstance(context, int) and not isinstance(context, bool):
+            if 0 <= context < len(self.reads):
+                return context
+        elif isinstance(context, str):
+            for i, name in enumerate(self.reads):
+                if name == context or name.partition("@")[0] == context:
+                    return i
+        raise NodeError(
+            f"this step reads no context {context!r}; it reads: {', '.join(self.reads) or 'none'} "
+            "(a phase reads what its `reads` clause names)"
+        )
+
+    def _read(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+              over: tuple[int, ...]) -> torch.Tensor:
+        if self.read_fn is None:
+            raise NodeError("this step reads no other KV context (its phase has no `reads`)")
+        return self.read_fn(layer, q, k, v, over)
 
     def run_graphed(self, fn: Callable[..., Any], *tensors: torch.Tensor) -> Any:
         """Run the tensor function `fn(*tensors)` -- a node's forward without its host logic.

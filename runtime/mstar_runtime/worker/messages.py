@@ -80,6 +80,16 @@ class TensorMeta:
 
 
 @dataclass(frozen=True, slots=True)
+class ReadSlots:
+    """A KV context an entry reads besides its own (``engines.ReadSlots`` on the wire)."""
+
+    node: str
+    tag: str
+    kv_len: int
+    page_table: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class KVSlots:
     """Where one entry's new tokens go in the worker's KV pool (``engines.KVSlots`` on the wire)."""
 
@@ -91,6 +101,7 @@ class KVSlots:
     block_size: int | None = None
     keep: bool = True
     content: int = -1
+    reads: list[ReadSlots] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +297,7 @@ MESSAGE_TYPES: dict[str, type] = {
         Heartbeat,
     )
 }
-STRUCT_TYPES: frozenset[type] = frozenset({StepEntry, ResultEntry, TensorMeta, KVSlots, SlotCopy})
+STRUCT_TYPES: frozenset[type] = frozenset({StepEntry, ResultEntry, TensorMeta, KVSlots, ReadSlots, SlotCopy})
 
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -200,13 +200,17 @@ def recv_tensors(
 def kv_to_wire(kv: engines.KVSlots | None) -> m.KVSlots | None:
     if kv is None:
         return None
-    return m.KVSlots(kv.start, kv.q_len, list(kv.slots), list(kv.page_table), kv.mask, kv.block_size, kv.keep, kv.content)
+    reads = [m.ReadSlots(r.node, r.tag, r.kv_len, list(r.page_table)) for r in kv.reads]
+    return m.KVSlots(kv.start, kv.q_len, list(kv.slots), list(kv.page_table), kv.mask, kv.block_size, kv.keep,
+                     kv.content, reads)
 
 
 def kv_from_wire(kv: m.KVSlots | None) -> engines.KVSlots | None:
     if kv is None:
         return None
-    return engines.KVSlots(kv.start, kv.q_len, kv.slots, kv.page_table, kv.mask, kv.block_size, kv.keep, kv.content)
+    reads = tuple(engines.ReadSlots(r.node, r.tag, r.kv_len, r.page_table) for r in kv.reads)
+    return engines.KVSlots(kv.start, kv.q_len, kv.slots, kv.page_table, kv.mask, kv.block_size, kv.keep, kv.content,
+                           reads)
 
 
 def copy_to_wire(copy: SlotCopy) -> m.SlotCopy:

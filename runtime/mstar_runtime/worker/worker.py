@@ -37,7 +37,13 @@ from typing import Any
 import torch
 
 from mstar_runtime.engine.cohort_engine import CohortColumns, CohortGraphs, CohortResult, CohortShape
-from mstar_runtime.engine.engines import AttentionBackend, KVCacheEngine, StatelessEngine, StepEntry
+from mstar_runtime.engine.engines import (
+    AttentionBackend,
+    KVCacheEngine,
+    StatelessEngine,
+    StepEntry,
+    link_peers,
+)
 from mstar_runtime.engine.graphs import graph_buckets
 from mstar_runtime.kv.block_manager import SlotCopy
 from mstar_runtime.kv.flashinfer_backend import (
@@ -138,6 +144,7 @@ class Worker:
                     module, output_ports=ports,
                     graphs=graph_buckets(plan.body.get("cuda_graphs", ()), name, rank) if on_gpu else None,
                 )
+        link_peers(self.engines.values())  # a step that reads another node's KV context finds its pool
         freeze_heap()
 
     # ------------------------------------------------------------------ steps

@@ -16,7 +16,22 @@ through `loop.call_soon_threadsafe`).
 
 Input errors (unknown walk, missing, unknown or mistyped input) raise `RequestError` in the
 caller, before anything is queued: `submit` validates with the walk's typed inputs exactly
-as the conductor would. Everything that happens later (a node rejecting an input, a
+as the conductor would.
+
+Streamed inputs (a walk input with a `stream` in the plan, e.g. audio from a microphone):
+give the input whole to `submit`, or submit with `streaming=True` and send it in parts,
+
+    h = m.submit("transcribe", {}, streaming=True)
+    for part in microphone():
+        h.feed("audio", part)              # blocks while the engine lags (backpressure)
+    h.close_input("audio")
+    text = h.result()["text"]
+
+Each part goes through the engine thread's queue like a submit; the conductor moves it into
+the stream buffer as its capacity allows, and the walk's `on stream` block takes chunks of
+it by the stream's policy as if the input had come whole. `feed` returns once fewer than
+the stream's `capacity` items of that input wait at the engine, so a client that sends
+faster than the walk consumes is slowed to its pace. Feed one input from one thread. Everything that happens later (a node rejecting an input, a
 timeout, a cancellation, `close()`, the engine thread dying) ends the handle, and
 `result()` raises `RequestFailed` with the message, the field and the finish reason.
 """
@@ -46,9 +61,12 @@ from mstar_runtime.control.conductor import (
     Conductor,
     Request,
     WorkerLike,
+    check_inputs,
+    coerce_items,
+    stream_inputs,
 )
 from mstar_runtime.control.conductor import step_path as resolve_step_path
-from mstar_runtime.control.validate import TORCH_DTYPES, validate_inputs
+from mstar_runtime.control.validate import TORCH_DTYPES
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan.loader import Plan, PlanError, load_plan
 
@@ -112,12 +130,20 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 class RequestHandle:
     """A submitted request. Thread-safe; every method may be called from any thread."""
 
-    def __init__(self, engine: MStar, request_id: str, walk: str, inputs: dict[str, Any], timeout: float | None):
+    def __init__(self, engine: MStar, request_id: str, walk: str, inputs: dict[str, Any], timeout: float | None,
+                 streaming: bool = False):
         self.id = request_id
         self.walk = walk
         self._engine = engine
         self._inputs = inputs  # the engine submits these to the conductor
         self._timeout = timeout
+        self._streaming = streaming
+        # streamed inputs the client feeds: items fed, items the engine took into its buffer
+        # (this attempt), closed ones
+        fed = [n for n in stream_inputs(engine.plan.walk(walk)) if n not in inputs] if streaming else []
+        self._fed: dict[str, int] = dict.fromkeys(fed, 0)
+        self._taken: dict[str, int] = dict.fromkeys(fed, 0)
+        self._closed_inputs: set[str] = set()
         self._submitted_at = time.perf_counter()
         self._cond = threading.Condition()
         self._request: Request | None = None  # set by the engine when the conductor has it
@@ -273,6 +299,58 @@ class RequestHandle:
         False if it had already ended; a request that finishes first stays finished."""
         return self._engine._queue_cancel(self)
 
+    # ---- streamed inputs
+    def feed(self, name: str, items: Any, timeout: float | None = None) -> None:
+        """Send the next part of streamed input `name` (a tensor whose first dimension counts
+        items: samples of `audio: f32[S]`). Waits while the stream's `capacity` or more items of
+        this input wait at the engine. Raises `RequestError` (naming the input) for an input
+        that is not fed this way or is closed, or items of the wrong type; `RequestFailed` if
+        the request ended without its outputs; `TimeoutError` after `timeout` seconds of waiting."""
+        program = self._engine.plan.walk(self.walk)
+        sid = self._fed_input(name)
+        part = coerce_items(self.walk, name, next(p for p in program["inputs"] if p["name"] == name)["type"], items)
+        capacity = self._engine.plan.stream(sid).capacity
+        with self._cond:
+            self._check_feedable(name)
+            if not self._cond.wait_for(lambda: self._done or self._fed[name] - self._taken[name] < capacity, timeout):
+                raise TimeoutError(f"request '{self.id}': input '{name}' was not taken within {timeout} s")
+            self._check_feedable(name)
+            self._fed[name] += int(part.shape[0])
+        self._engine._queue_input(self, "feed", name, part)
+
+    def close_input(self, name: str) -> None:
+        """No more parts of streamed input `name` will come (idempotent): the walk sees its end."""
+        self._fed_input(name)
+        with self._cond:
+            if name in self._closed_inputs or self._done:
+                return
+            self._closed_inputs.add(name)
+        self._engine._queue_input(self, "close_input", name, None)
+
+    def _fed_input(self, name: str) -> str:
+        """The stream id of an input this handle feeds; RequestError for any other name."""
+        streamed = stream_inputs(self._engine.plan.walk(self.walk))
+        if name not in self._fed:
+            # a streamed input this handle does not feed was given whole (submit requires it then)
+            why = ("was given whole at submit" if name in streamed else
+                   f"is not a streamed input of walk '{self.walk}' (streamed: {', '.join(streamed) or 'none'})")
+            raise RequestError(f"request '{self.id}': input '{name}' {why}", name)
+        return streamed[name]
+
+    def _check_feedable(self, name: str) -> None:  # under self._cond
+        if name in self._closed_inputs:
+            raise RequestError(f"request '{self.id}': input '{name}' is closed; nothing more can be fed", name)
+        if self._done:
+            if self._state != FINISHED:
+                raise self._failure()
+            raise RequestError(f"request '{self.id}' has finished; input '{name}' can take no more", name)
+
+    def _input_taken(self, name: str, pushed: int) -> None:  # engine thread
+        with self._cond:
+            if name in self._taken:
+                self._taken[name] = pushed
+                self._cond.notify_all()
+
     # ---- called by the engine thread
     def _push(self, name: str, value: Any) -> None:
         with self._cond:
@@ -315,6 +393,9 @@ class _Relay:
     def on_finish(self, request: Request) -> None:
         self.engine._request_ended(self.handle, request)
 
+    def on_input(self, request: Request, name: str, pushed: int) -> None:
+        self.handle._input_taken(name, pushed)
+
 
 def _empty_output(t: Mapping[str, Any]) -> Any:
     """The value of an appended output that never got an item (a short request's audio)."""
@@ -340,7 +421,8 @@ class MStar:
                                     request_timeout=request_timeout, path=step_path)
         self._shutdown = shutdown
         self._lock = threading.Condition()  # guards everything below; the engine sleeps on it
-        self._inbox: deque[tuple[str, RequestHandle]] = deque()
+        # (command, handle, args): submit, cancel, and a streamed input's feed / close_input
+        self._inbox: deque[tuple[str, RequestHandle, tuple[Any, ...]]] = deque()
         self._live: dict[str, RequestHandle] = {}
         self._counts = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0, TIMEOUT: 0, SHUTDOWN: 0}
         self._ids = itertools.count()
@@ -388,11 +470,13 @@ class MStar:
 
     # ---- client side
     def submit(self, walk: str, inputs: Mapping[str, Any] | None = None, *, request_id: str | None = None,
-               timeout: float | None = None) -> RequestHandle:
+               timeout: float | None = None, streaming: bool = False) -> RequestHandle:
         """Queue a request. Raises `RequestError` (naming the field) for bad input, here and
-        now; `EngineClosed` after `close()`."""
+        now; `EngineClosed` after `close()`. `streaming`: the walk's streamed inputs that
+        `inputs` leaves out are sent through the handle (`feed`, `close_input`)."""
         program = self.plan.walk(walk)  # UnknownWalk, a RequestError naming the field 'walk'
-        values = validate_inputs(walk, program, inputs or {})
+        plain, whole = check_inputs(walk, program, inputs or {}, streaming=streaming)
+        values = {**plain, **{k: v for k, v in whole.items() if v is not None}}
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise RequestError("request_id must be a non-empty string", "request_id")
         if timeout is not None and not timeout > 0:
@@ -402,10 +486,10 @@ class MStar:
             rid = request_id or self._new_id()
             if rid in self._live:
                 raise RequestError(f"request id '{rid}' is already in use", "request_id")
-            handle = RequestHandle(self, rid, walk, values, timeout)
+            handle = RequestHandle(self, rid, walk, values, timeout, streaming)
             self._live[rid] = handle
             self._counts["submitted"] += 1
-            self._inbox.append(("submit", handle))
+            self._inbox.append(("submit", handle, ()))
             self._lock.notify()
         return handle
 
@@ -446,17 +530,32 @@ class MStar:
         with self._lock:
             if handle.done or self._dead is not None or self._closing:
                 return False
-            self._inbox.append(("cancel", handle))
+            self._inbox.append(("cancel", handle, ()))
             self._lock.notify()
             return True
+
+    def _queue_input(self, handle: RequestHandle, kind: str, name: str, part: torch.Tensor | None) -> None:
+        with self._lock:
+            if handle.done or self._dead is not None or self._closing:
+                return  # the handle has ended, or is about to: its outcome says why
+            self._inbox.append((kind, handle, (name, part)))
+            self._lock.notify()
 
     # ---- engine thread
     def _run(self) -> None:
         try:
             while True:
                 with self._lock:
-                    while not self._inbox and not self._closing and self._conductor.idle:
-                        self._lock.wait()
+                    while not self._inbox and not self._closing and (self._conductor.idle or self._conductor.stalled):
+                        # stalled: every request waits on an input its client has not closed; sleep
+                        # until a command comes, or until the nearest deadline is due
+                        deadline = self._conductor.next_deadline() if self._conductor.stalled else None
+                        if deadline is None:
+                            self._lock.wait()
+                        elif (left := deadline - time.perf_counter()) > 0:
+                            self._lock.wait(left)
+                        else:
+                            break
                     commands = list(self._inbox)
                     self._inbox.clear()
                     closing = self._closing
@@ -470,14 +569,25 @@ class MStar:
         except BaseException as e:  # whatever kills the engine must fail its handles, never hang them
             self._die(e)
 
-    def _apply(self, commands: list[tuple[str, RequestHandle]]) -> None:
-        for kind, handle in commands:
+    def _apply(self, commands: list[tuple[str, RequestHandle, tuple[Any, ...]]]) -> None:
+        for kind, handle, args in commands:
             if kind == "cancel":
                 self._conductor.cancel(handle.id)
                 continue
+            if kind in ("feed", "close_input"):
+                name, part = args
+                try:
+                    if kind == "feed":
+                        self._conductor.feed(handle.id, name, part)
+                    else:
+                        self._conductor.close_input(handle.id, name)
+                except RequestError:  # the handle checked it; an input the conductor refuses is a bug to see
+                    log.exception("request '%s': %s of input '%s' refused", handle.id, kind, name)
+                continue
             try:
                 req = self._conductor.submit(handle.walk, handle._inputs, request_id=handle.id,
-                                             listener=_Relay(self, handle), timeout=handle._timeout)
+                                             listener=_Relay(self, handle), timeout=handle._timeout,
+                                             streaming=handle._streaming)
             except RequestError as e:  # submit validated already; a conductor-side refusal
                 self._forget(handle.id, FAILED, "error")
                 handle._settle(FAILED, {}, str(e), e.field, "error")
@@ -485,10 +595,10 @@ class MStar:
             with handle._cond:
                 handle._request = req
 
-    def _drain(self, commands: list[tuple[str, RequestHandle]]) -> None:
+    def _drain(self, commands: list[tuple[str, RequestHandle, tuple[Any, ...]]]) -> None:
         """close(): queued submissions never reach the conductor; running requests are cancelled."""
         message = "MStar was closed before the request finished"
-        for kind, handle in commands:
+        for kind, handle, _ in commands:
             if kind == "submit":
                 self._forget(handle.id, CANCELLED, SHUTDOWN)
                 handle._settle(CANCELLED, {}, message, None, SHUTDOWN)

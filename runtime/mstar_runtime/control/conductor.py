@@ -41,10 +41,31 @@ Requests join and leave between steps (continuous batching); a finished request 
 pages at once. A preempted request restarts from scratch later; whatever it already
 streamed is not streamed again (replay is deterministic). `preempt_every=N` forces a
 preemption every N steps, for tests.
+
+Reads (plan feature `kv_reads`): a call whose op has `reads` gets, with its own KV slots,
+the length and page table of every context it reads (`engines.ReadSlots`, the same
+request's `node@tag` as that node's BlockManager on the call's first rank holds it), taken
+after its own reservation. Such a loop is never a cohort. A tag with its own bound
+(`tag_max_len`) fails the request that would take one of its contexts past it, naming
+the node and tag, before any page is reserved.
+
+Client-streamed inputs (plan feature `input_streams`): a walk input with a `stream` is fed
+by the client in parts (`feed`, `close_input`; `submit(streaming=True)` leaves it out of
+the inputs), or given whole at `submit`, which is one part and closed at once. Each
+request keeps every part it was fed (`InputFeed`), so that an attempt after preemption
+replays the input from its first item; parts move into the attempt's stream buffer as
+its capacity allows (the stream's backpressure, also for one part larger than the
+buffer), and the buffer closes once the client closed the input and every part is in.
+A request whose tasks all wait on an input its client has not closed is waiting, not
+stuck: `step()` then returns False with `stalled` set, until a feed, a close, a new
+request or a cancellation (the API's engine thread sleeps meanwhile, up to the nearest
+deadline: `next_deadline`). A listener with `on_input(request, name, pushed)` hears how
+many items of a streamed input the current attempt has taken into its buffer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import os
@@ -76,8 +97,8 @@ from mstar_runtime.control.interpreter import (
 )
 from mstar_runtime.control.scheduler import GroupKey, KVPages, Scheduler, Standing
 from mstar_runtime.control.streams import StreamBuffer, StreamError, policy_from_spec
-from mstar_runtime.control.validate import TORCH_DTYPES, validate_inputs
-from mstar_runtime.engine.engines import KVSlots, StepEntry
+from mstar_runtime.control.validate import TORCH_DTYPES, coerce, validate_inputs
+from mstar_runtime.engine.engines import KVSlots, ReadSlots, StepEntry
 from mstar_runtime.kv.block_manager import OutOfPages
 from mstar_runtime.ops.node import KVNode, NodeSpec, RequestError
 from mstar_runtime.plan.loader import Plan
@@ -104,6 +125,65 @@ def _empty(t: Mapping[str, Any]) -> Any:
     dtype = TORCH_DTYPES.get(t.get("dtype") or "f32", torch.float32)
     dims = [0] + [d if isinstance(d, int) else 0 for d in t.get("dims", [])[1:]]
     return torch.zeros(dims, dtype=dtype)
+
+
+def stream_inputs(program: Mapping[str, Any]) -> dict[str, str]:
+    """The walk's inputs the client streams in: input name -> stream id."""
+    return {p["name"]: p["stream"] for p in program["inputs"] if p.get("stream")}
+
+
+def coerce_items(walk: str, name: str, t: Mapping[str, Any], value: Any) -> torch.Tensor:
+    """A part of a streamed input, checked against the input's type: its first dimension
+    counts items (any number, also 0), the others and the dtype family as declared."""
+    dims = list(t.get("dims") or [])
+    return coerce(walk, name, {**t, "dims": ["items", *dims[1:]]}, value)
+
+
+def check_inputs(walk: str, program: Mapping[str, Any], inputs: Mapping[str, Any], *,
+                 streaming: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor | None]]:
+    """`validate_inputs` for a walk that may have streamed inputs: (the other inputs, typed and
+    defaulted; streamed input -> its whole value, or None when the client feeds it). A
+    streamed input may be left out only when `streaming`."""
+    streamed = stream_inputs(program)
+    if not streamed:
+        return validate_inputs(walk, program, inputs), {}
+    declared = {p["name"]: p for p in program["inputs"]}
+    plain = {**program, "inputs": [p for p in program["inputs"] if p["name"] not in streamed]}
+    values = validate_inputs(walk, plain, {k: v for k, v in inputs.items() if k not in streamed})
+    whole: dict[str, torch.Tensor | None] = {}
+    for name in streamed:
+        value = inputs.get(name)
+        if value is not None:
+            whole[name] = coerce_items(walk, name, declared[name]["type"], value)
+        elif streaming:
+            whole[name] = None
+        else:
+            raise RequestError(f"walk '{walk}', input '{name}': missing (the client streams it in: give it whole, "
+                               "or submit with streaming=True and feed it)", name)
+    return values, whole
+
+
+@dataclass(eq=False)
+class InputFeed:
+    """A streamed walk input of one request: every part the client fed (kept, so that an attempt
+    after preemption replays it), whether it is closed, and how far the current attempt has
+    moved it into its stream buffer."""
+
+    name: str
+    stream: str
+    type: Mapping[str, Any]
+    parts: list[torch.Tensor] = field(default_factory=list)
+    items: int = 0  # fed so far
+    closed: bool = False
+    whole: bool = False  # given whole at submit
+    # ---- the current attempt
+    buffer: StreamBuffer | None = None
+    part: int = 0  # the next part to push, and how much of it is in already
+    offset: int = 0
+    pushed: int = 0
+
+    def drained(self) -> bool:
+        return self.part == len(self.parts)
 
 
 def _items(value: Any) -> int:
@@ -182,6 +262,11 @@ class Request:
     delivered: dict[str, int] = field(default_factory=dict)
     current_walk: str = ""
     current_inputs: dict[str, Any] = field(default_factory=dict)
+    feeds: dict[str, InputFeed] = field(default_factory=dict)  # its first walk's streamed inputs
+
+    def awaits_client(self) -> bool:
+        """Whether an input of its walk is still open: its tasks may be waiting for the client."""
+        return not self.walks_done and any(not f.closed for f in self.feeds.values())
 
     @property
     def done(self) -> bool:
@@ -276,6 +361,8 @@ class Conductor:
         self._inflight: dict[int, _InFlight] = {}  # rank -> its step sent without waiting, in send order
         self.tp = TPDispatch(self.workers)
         self.broken: str | None = None  # set when a worker process was lost: the engine has stopped
+        self.stalled = False  # the last step found nothing to run but requests waiting on their clients
+        self._fed_buffers: dict[int, tuple[Request, InputFeed]] = {}  # id(stream buffer) -> its client feed
         self.stats: dict[str, float] = {"steps": 0, "batched_entries": 0, "wasted_steps": 0, "preemptions": 0,
                                         "finished": 0, "failed": 0, "cancelled": 0, "step_seconds": 0.0,
                                         "remote_steps": 0, "overlapped_steps": 0, "remote_wait_seconds": 0.0,
@@ -283,16 +370,24 @@ class Conductor:
 
     # ------------------------------------------------------------------ public
     def submit(self, walk: str, inputs: Mapping[str, Any], *, request_id: str | None = None,
-               listener: Listener | None = None, timeout: float | None = None) -> Request:
-        """Queue a request; raises RequestError (naming the field) for bad input."""
+               listener: Listener | None = None, timeout: float | None = None, streaming: bool = False) -> Request:
+        """Queue a request; raises RequestError (naming the field) for bad input. With
+        `streaming`, the walk's streamed inputs left out of `inputs` are fed later (`feed`)."""
         if self.broken is not None:
             raise EngineStopped(f"the engine stopped: {self.broken}")
         program = self.plan.walk(walk)  # raises RequestError for an unknown walk
-        values = validate_inputs(walk, program, inputs)
+        values, whole = check_inputs(walk, program, inputs, streaming=streaming)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests and not self.requests[rid].done:
             raise RequestError(f"request id '{rid}' is already in use", "request_id")
         req = Request(rid, walk, values, next(self._seq), self, listener)
+        declared = {p["name"]: p for p in program["inputs"]}
+        for name, sid in stream_inputs(program).items():
+            feed = req.feeds[name] = InputFeed(name, sid, declared[name]["type"])
+            value = whole[name]
+            if value is not None:
+                feed.parts, feed.items, feed.closed, feed.whole = [value], int(value.shape[0]), True, True
+        self.stalled = False
         req.stats.submitted_at = time.perf_counter()
         limit = timeout if timeout is not None else self.request_timeout
         req.deadline = req.stats.submitted_at + limit if limit else None
@@ -306,7 +401,50 @@ class Conductor:
         if req is None or req.done:
             return False
         self._end(req, CANCELLED, reason=reason)
+        self.stalled = False
         return True
+
+    def feed(self, request_id: str, name: str, items: Any) -> bool:
+        """Append `items` (first dimension = items) to a streamed input of a request; False when
+        the request has ended. RequestError (naming the input) for an input that is not
+        streamed, given whole, or closed, and for items of the wrong type."""
+        req = self.requests.get(request_id)
+        if req is None or req.done:
+            return False
+        feed = self._input_feed(req, name)
+        if feed.closed:
+            how = "was given whole at submit" if feed.whole else "is closed"
+            raise RequestError(f"input '{name}' of request '{request_id}' {how}; nothing more can be fed", name)
+        part = coerce_items(req.walk, name, feed.type, items)
+        feed.parts.append(part)
+        feed.items += int(part.shape[0])
+        self.stalled = False
+        self._pump(req, feed)
+        return True
+
+    def close_input(self, request_id: str, name: str) -> bool:
+        """The client sends no more of a streamed input (idempotent); False when the request has ended."""
+        req = self.requests.get(request_id)
+        if req is None or req.done:
+            return False
+        feed = self._input_feed(req, name)
+        if not feed.closed:
+            feed.closed = True
+            self.stalled = False
+            self._pump(req, feed)
+        return True
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline (`time.perf_counter()` time) of a request not ended yet, if any has one."""
+        times = [r.deadline for r in (*self.running, *self.waiting) if r.deadline is not None and not r.done]
+        return min(times) if times else None
+
+    def _input_feed(self, req: Request, name: str) -> InputFeed:
+        feed = req.feeds.get(name)
+        if feed is None:
+            streamed = ", ".join(req.feeds) or "none"
+            raise RequestError(f"walk '{req.walk}' has no streamed input '{name}' (streamed inputs: {streamed})", name)
+        return feed
 
     @property
     def idle(self) -> bool:
@@ -318,7 +456,9 @@ class Conductor:
                 on_step()
 
     def step(self) -> bool:
-        """One engine-loop iteration. Returns False when there is nothing left to do."""
+        """One engine-loop iteration. Returns False when there is nothing left to do, or nothing
+        until a client feeds or closes an input (`stalled`)."""
+        self.stalled = False
         self._expire()
         self._admit()
         self._collect()
@@ -337,9 +477,14 @@ class Conductor:
                 self._take(next(iter(self._inflight)))
                 self.stats["remote_wait_seconds"] += time.perf_counter() - t0
                 return True
-            stuck = [r for r in self.running if not r.done]
-            for r in stuck:  # tasks blocked on nothing that can ever arrive: a walk bug, never a hang
+            # tasks blocked on nothing that can ever arrive: a walk bug, never a hang; a request
+            # with an input still open waits for its client instead
+            stuck = [r for r in self.running if not r.done and not r.awaits_client()]
+            for r in stuck:
                 self._fail(r, "walk cannot make progress (all of its tasks wait on each other)")
+            if not stuck and self.running:
+                self.stalled = True
+                return False
             return bool(self.waiting or self.running)
         key, calls = picked
         entries = self._reserve(key, calls)
@@ -371,6 +516,14 @@ class Conductor:
         task = Interpreter(req, program, req.buffers).main_task(dict(inputs))
         req.tasks = {task}
         self.ready.append((task, None, None))
+        for name, sid in stream_inputs(program).items():
+            feed = req.feeds.get(name)
+            if feed is None:  # pragma: no cover - a transition into such a walk fails its input check first
+                continue
+            # a new attempt replays the input from its first item
+            feed.buffer, feed.part, feed.offset, feed.pushed = req.buffers[sid], 0, 0, 0
+            self._fed_buffers[id(feed.buffer)] = (req, feed)
+            self._pump(req, feed)
 
     # ------------------------------------------------------------------ tasks
     def _drive(self) -> None:
@@ -462,7 +615,9 @@ class Conductor:
             return cohort
         worker = self.workers.get(ranks[0])
         info = self.plan.node(node)
-        if self.path != "cohort" or len(ranks) != 1 or info.engine != "kv" or not hasattr(worker, "cohort_open"):
+        # a call that reads other contexts has no column step (the compiler marks no such loop)
+        if (self.path != "cohort" or len(ranks) != 1 or info.engine != "kv" or call.get("reads")
+                or not hasattr(worker, "cohort_open")):
             self._no_cohort.add(key)
             return None
         bm = self.kv.managers[(node, ranks[0])]
@@ -567,6 +722,35 @@ class Conductor:
     def _wake_space(self, buffer: StreamBuffer) -> None:
         for task in self._space_waiters.pop(id(buffer), []):
             self.ready.append((task, None, None))
+        fed = self._fed_buffers.get(id(buffer))
+        if fed is not None:
+            self._pump(*fed)
+
+    def _pump(self, req: Request, feed: InputFeed) -> None:
+        """Move fed items into the attempt's stream buffer as far as its capacity allows (a part
+        larger than the room left goes in pieces); close it once the input is closed and in."""
+        buf = feed.buffer
+        if buf is None or buf.closed:
+            return
+        moved = 0
+        while not feed.drained():
+            part = feed.parts[feed.part]
+            n = min(buf.capacity - buf.pending, int(part.shape[0]) - feed.offset)
+            if n > 0:
+                buf.push(part[feed.offset : feed.offset + n])
+                feed.offset += n
+                moved += n
+            if feed.offset < part.shape[0]:
+                break  # the buffer is full: the rest follows when a chunk is taken
+            feed.part, feed.offset = feed.part + 1, 0
+        feed.pushed += moved
+        if feed.closed and feed.drained():
+            buf.close()
+        if moved or buf.closed:
+            self._stream_changed(buf)
+        on_input = getattr(req.listener, "on_input", None)
+        if moved and on_input is not None:
+            on_input(req, feed.name, feed.pushed)
 
     # ------------------------------------------------------------------ KV
     def _kv_class(self, node: str) -> tuple[type[KVNode], NodeSpec]:
@@ -659,6 +843,14 @@ class Conductor:
         if room is not None and plan.q_len > room:
             return _OVER_BUDGET
         key = (call.request.id, call.tag or "main")
+        limit = self.plan.node(node).tag_max_len.get(key[1])
+        if limit is not None:
+            bm = self.kv.managers[(node, rank)]
+            after = (bm.seq_len(key) if key in bm else 0) + plan.q_len
+            if after > limit:
+                self._fail(call.request, f"the KV context {node}@{key[1]} would hold {after} tokens, more than the "
+                           f"max_len of {limit} of its tag '{key[1]}' (step {call.op.get('id', '?')})")
+                return None
         while True:
             try:
                 kv = self.kv.reserve((node, rank), key, plan)
@@ -678,7 +870,20 @@ class Conductor:
                     return None
                 continue
             call.frame.log_kv(node, key, kv.start)
+            reads = call.op.get("reads")
+            if reads:
+                kv = dataclasses.replace(kv, reads=self._read_slots(rank, call.request.id, reads))
             return kv
+
+    def _read_slots(self, rank: int, request_id: str, reads: list[dict[str, Any]]) -> tuple[ReadSlots, ...]:
+        """Where the contexts a call reads lie, as their nodes' BlockManagers on `rank` hold them now."""
+        out = []
+        for r in reads:
+            bm = self.kv.managers[(r["node"], rank)]
+            key = (request_id, r["tag"])
+            n = bm.seq_len(key) if key in bm else 0
+            out.append(ReadSlots(r["node"], r["tag"], n, bm.page_table(key) if n else []))
+        return tuple(out)
 
     def _kv_holders(self) -> list[Request]:
         return [r for r in self.running if self.kv.holds(r.id)]
@@ -848,6 +1053,9 @@ class Conductor:
             self._chunk_waiters.pop(id(buf), None)
             self._chunk_queues.pop(id(buf), None)
             self._space_waiters.pop(id(buf), None)
+            self._fed_buffers.pop(id(buf), None)
+        for feed in req.feeds.values():
+            feed.buffer = None
         for cohort in self.cohorts.values():
             cohort.remove(req)
         self.kv.free_request(req.id)

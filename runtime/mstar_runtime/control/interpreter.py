@@ -9,6 +9,8 @@ It runs until it needs something from the conductor and yields it:
 - `WaitSpace`: room in a bounded stream buffer before a producer step (backpressure).
 - `Join`: child tasks (the branches of a `parallel`); resumed when all have finished.
 - `Spawn`: a detached child task (an `on stream` block runs beside the main body).
+  A stream whose producer is a walk input (`stream` on the input) is fed by the client
+  through the conductor, which also closes it; the main body's end closes only the others.
 - `ForkKV`: copy a KV context of this request to another tag (shared pages).
 - `EnterCohort`: a dynamic loop the compiler marked as a cohort (`op["cohort"]`) asks to run
   as a row of the conductor's decode cohort (runtime/mstar_runtime/control/cohort.py);
@@ -251,6 +253,7 @@ class Interpreter:
 
     def main_task(self, env: Env) -> WalkTask:
         frame = Frame(self.request)
+        fed = {p["stream"] for p in self.program["inputs"] if p.get("stream")}
 
         def body() -> Gen:
             # `on stream` blocks start with their walk and run beside it, wherever they are
@@ -262,6 +265,8 @@ class Interpreter:
             yield from self._region(self.program["program"], env, frame)
             frame.flush_lane()
             for sid in self.program.get("streams", []):  # every producer is done: flush the streams
+                if sid in fed:
+                    continue  # a stream the client feeds closes when the client closes its input
                 self.buffers[sid].close()
                 self.request.stream_closed(sid)
 

@@ -461,8 +461,9 @@ def _guard(fn: Callable[[], Any]) -> Any:
         return _error(e)
     except UserError as e:
         return _error(e)
-    except OSError as e:  # the output folder: missing permissions, a full disk
-        return _error(f"cannot write {e.filename or 'the output files'}: {e.strerror or e}")
+    except OSError as e:  # the output folder or a file read: missing permissions, a full disk
+        where = f"'{e.filename}'" if e.filename else "the output files"
+        return _error(f"cannot access {where}: {e.strerror or e}")
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

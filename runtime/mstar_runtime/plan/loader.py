@@ -3,15 +3,21 @@
 `load_plan` is the only way in. It checks, in this order and before any tensor exists:
 
 1. the container (magic, version, size, checksum) and the schema version, through
-   `planfile.read` (its `PlanFileError` becomes a `PlanError`);
+   `planfile.read` (its `PlanFileError` becomes a `PlanError`), then the plan's `requires`:
+   every feature it names must be one this runtime implements (`SUPPORTED_FEATURES`;
+   docs/plan-format.md, "Required features"), else a `PlanError` naming the feature;
 2. the body's shape: every field the runtime reads is present with the right JSON type
    (a malformed body is a `PlanError` naming the field, never a `KeyError`);
 3. invariants across sections: every `call` of every walk program names an existing node
    and phase, a KV tag of that node, ranks in range on which the node is resident; every
    `on_stream` names a stream of the plan; every kv node has KV geometry and pages on each
    of its ranks; transitions name walks; a loop's `cohort` mark, when not null, names a
-   call of the loop's own body and ports of that call's phase. All violations are
-   reported together, each naming the walk and step (or loop);
+   call of the loop's own body and ports of that call's phase; a call's `reads` (contexts
+   it attends to besides its own) match its phase's, name KV tags of kv nodes with a pool on
+   the call's ranks, and never the call's own context; a tag's `max_len` is a positive int
+   of a tag of the node; a walk input with a `stream` names a stream of that walk whose edge
+   starts at the input. All violations are reported together, each naming the walk and step
+   (or loop);
 4. hardware fit: the device ("cpu" or "cuda") the plan runs on exists, with enough GPUs
    of enough memory for the plan's ranks. A CUDA plan runs on the CPU only when
    `device="cpu"` is asked for explicitly.
@@ -133,10 +139,19 @@ class ShardSpec:
 
 
 @dataclass(frozen=True)
+class ReadSpec:
+    """A KV context a phase reads besides its own: `node`'s tag `tag` (None: the call's tag)."""
+
+    node: str
+    tag: str | None
+
+
+@dataclass(frozen=True)
 class PhaseSpec:
     name: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    reads: tuple[ReadSpec, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,6 +167,8 @@ class PlanNode(_RawView):
     arch: ArchSpec | None
     shard: ShardSpec | None
     raw: Mapping[str, Any] = field(repr=False)
+    # tag -> the most tokens its contexts may hold, for the tags with their own `max_len`
+    tag_max_len: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -499,11 +516,14 @@ def _parse_node(r: _Reader, name: str, d: Any) -> PlanNode:
         raise r.fail(f"{where}.dtype is '{dtype}'; expected one of: {', '.join(NODE_DTYPES)}")
     phases = {}
     for pname, p in r.get(d, "phases", "dict", where).items():
-        phases[pname] = PhaseSpec(
-            pname,
-            r.strs(p, "inputs", f"{where}.phases.{pname}"),
-            r.strs(p, "outputs", f"{where}.phases.{pname}"),
-        )
+        pw = f"{where}.phases.{pname}"
+        reads = []
+        for i, rd in enumerate(r.get(p, "reads", "list", pw, optional=True) or []):
+            reads.append(ReadSpec(r.get(rd, "node", "str", f"{pw}.reads[{i}]"),
+                                  r.get(rd, "tag", "str", f"{pw}.reads[{i}]", optional=True)))
+        phases[pname] = PhaseSpec(pname, r.strs(p, "inputs", pw), r.strs(p, "outputs", pw), tuple(reads))
+    tag_max_len = {tag: r.get(d["tag_max_len"], tag, "int", f"{where}.tag_max_len")
+                   for tag in r.get(d, "tag_max_len", "dict", where, optional=True) or {}}
     arch = None
     a = r.get(d, "arch", "dict", where, optional=True)
     if a is not None:
@@ -566,6 +586,7 @@ def _parse_node(r: _Reader, name: str, d: Any) -> PlanNode:
         arch,
         shard,
         d,
+        MappingProxyType(tag_max_len),
     )
 
 
@@ -664,6 +685,7 @@ class _Invariants:
         for name, walk in p["walks"].items():
             for op in self.ops(name, walk["program"]):
                 self.op(name, walk, op)
+            self.stream_inputs(name, walk)
         for s in p["streams"].values():
             if s.walk not in p["walks"]:
                 self.add(f"stream '{s.id}' belongs to unknown walk '{s.walk}'")
@@ -706,6 +728,18 @@ class _Invariants:
             self.add(f"kv node '{node.name}' has no KV geometry (arch.kv)")
         if not node.tags:
             self.add(f"kv node '{node.name}' has no KV tags")
+        for tag, n in node.tag_max_len.items():
+            if tag not in node.tags or n < 1:
+                self.add(f"kv node '{node.name}' bounds tag '{tag}' to max_len {n}; a bound is a positive int "
+                         f"of one of its tags ({', '.join(node.tags)})")
+        for phase in node.phases.values():
+            for rd in phase.reads:
+                owner = self.nodes.get(rd.node)
+                if owner is None or owner.engine != "kv":
+                    self.add(f"phase {node.name}.{phase.name} reads {rd.node!r}, which is not a kv node")
+                elif rd.tag is not None and rd.tag not in owner.tags:
+                    self.add(f"phase {node.name}.{phase.name} reads {rd.node}@{rd.tag}; "
+                             f"tags: {', '.join(owner.tags)}")
         for rank in node.ranks:
             if self.rank_ok(rank) and rank < len(self.p["memory"]):
                 pool = self.p["memory"][rank].kv.get(node.name)
@@ -761,7 +795,8 @@ class _Invariants:
         if node.engine == "stateless" and tag is not None:
             self.add(f"{step} gives a KV tag to stateless node '{node.name}'")
         ranks = _opt(op, "ranks", list)
-        if not ranks or not all(self.rank_ok(x) for x in ranks):
+        ranks_ok = bool(ranks) and all(self.rank_ok(x) for x in ranks)
+        if not ranks_ok:
             self.add(
                 f"{step} ({node.name}.{op.get('phase')}) runs on ranks {op.get('ranks')!r}, "
                 f"out of range 0..{self.n_ranks - 1}"
@@ -772,6 +807,7 @@ class _Invariants:
                     self.add(f"{step} runs '{node.name}' on rank {x}, where it is not resident")
         if phase is None:
             return
+        self.reads(step, node, phase, op, ranks if ranks_ok else [])
         args = _opt(op, "args", dict)
         if args is None:
             self.add(f"{step} has no argument map")
@@ -789,6 +825,42 @@ class _Invariants:
                 and isinstance(res[1], str)
             ):
                 self.add(f"{step} binds {res!r}, not [output port of {node.name}.{phase.name}, name]")
+
+    def reads(self, step: str, node: PlanNode, phase: PhaseSpec, op: Mapping[str, Any], ranks: list[int]) -> None:
+        """A call's `reads`: one resolved {node, tag} per read of its phase, of a context (not its
+        own) whose node has a KV pool on every rank the call runs on."""
+        reads = op.get("reads", [])
+        fn = f"{node.name}.{phase.name}"
+        if not isinstance(reads, list) or len(reads) != len(phase.reads):
+            self.add(f"{step} reads {reads!r}; {fn} reads "
+                     + (", ".join(f"{r.node}@{r.tag or '<its tag>'}" for r in phase.reads) or "nothing"))
+            return
+        for rd, want in zip(reads, phase.reads):
+            owner = self.nodes.get(rd.get("node")) if isinstance(rd, dict) else None
+            tag = rd.get("tag") if isinstance(rd, dict) else None
+            if owner is None or owner.name != want.node or not isinstance(tag, str) or tag not in owner.tags \
+                    or (want.tag is not None and tag != want.tag) or (want.tag is None and tag != op.get("tag")):
+                self.add(f"{step} reads {rd!r}, not the context {want.node}@{want.tag or op.get('tag')} {fn} reads")
+                continue
+            if (owner.name, tag) == (node.name, op.get("tag")):
+                self.add(f"{step} reads its own context {owner.name}@{tag}")
+            for x in ranks:
+                if x < len(self.p["memory"]) and owner.name not in self.p["memory"][x].kv:
+                    self.add(f"{step} reads {owner.name}@{tag} on rank {x}, where '{owner.name}' has no KV pool")
+
+    def stream_inputs(self, walk: str, program: Mapping[str, Any]) -> None:
+        """A walk input the client streams in names a stream of this walk whose edge starts at it."""
+        for port in program["inputs"]:
+            sid = port.get("stream")
+            if sid is None:
+                continue
+            spec = self.p["streams"].get(sid) if isinstance(sid, str) else None
+            edge = spec.raw.get("edge") if spec is not None else None
+            if spec is None or sid not in program["streams"] or spec.walk != walk or not (
+                isinstance(edge, str) and edge.startswith(f"{walk}.{port['name']}->")
+            ):
+                self.add(f"walk '{walk}' streams input '{port['name']}' into {sid!r}, which is not a stream of "
+                         f"the walk that starts at that input")
 
     def cohort(self, walk: str, program: Mapping[str, Any], op: Mapping[str, Any]) -> None:
         """A non-null cohort mark names a call of the loop's own body and ports of its phase."""
@@ -883,6 +955,7 @@ def load_plan(
         raise PlanError(where, str(e).removeprefix(f"{where}: ")) from None
     if kv_pages_cap is not None and kv_pages_cap < 1:
         raise PlanError(where, f"kv_pages_cap must be >= 1, got {kv_pages_cap}")
+    _check_requires(where, body)
     parts = _parse_body(where, body)
     problems = _Invariants(parts).run()
     if problems:
@@ -895,6 +968,23 @@ def load_plan(
     _null_cohorts(parts["walks"])
     resolved = _hardware_fit(where, parts, device, kv_pages_cap)
     return Plan(path=where, device=resolved, kv_pages_cap=kv_pages_cap, body=body, **parts)
+
+
+# Plan features beyond schema 1.1 this runtime implements (docs/plan-format.md, "Required
+# features"); a plan that requires another one computes something else when its fields are
+# ignored, so it is refused before anything else is read.
+SUPPORTED_FEATURES: frozenset[str] = frozenset({"kv_reads", "input_streams"})
+
+
+def _check_requires(path: str, body: Mapping[str, Any]) -> None:
+    required = body.get("requires", [])
+    if not isinstance(required, list) or not all(isinstance(f, str) for f in required):
+        raise PlanError(path, "malformed plan: `requires` must be a list of feature names")
+    missing = [f for f in required if f not in SUPPORTED_FEATURES]
+    if missing:
+        raise PlanError(path, f"this plan requires {', '.join(missing)}, which this runtime does not implement "
+                        f"(it implements: {', '.join(sorted(SUPPORTED_FEATURES)) or 'none'}; docs/plan-format.md, "
+                        "Required features); compile the model without those constructs")
 
 
 def _hardware_fit(path: str, parts: Mapping[str, Any], device: str | None, cap: int | None) -> str:

@@ -310,7 +310,7 @@ def test_flashinfer_backend_falls_back_when_planning_fails(
     for _ in range(2):
         backend.prepare(pool, meta)
         torch.testing.assert_close(backend(q, pool, 1, meta, None), paged_attention(q, pool, 1, meta))
-    assert ("prefill", False) in backend._failed
+    assert ("prefill", False, False) in backend._failed  # (mode, custom mask, long)
 
 
 def test_select_backend_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -352,3 +352,25 @@ def test_block_causal_in_its_last_block_is_full_attention() -> None:
                 s = SequenceAttention(q, kv, tuple(range(7)), "block_causal", block)
                 full = bool(attention_mask(q, kv, "block_causal", block).all())
                 assert (fib._effective_mask(s) == "full") == full, (q, kv, block)
+
+
+def test_long_prefills_plan_and_run_on_the_second_wrapper(
+    fake_flashinfer: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of >= LONG_PREFILL_TOKENS queries without a custom mask (BAGEL's image blocks)
+    runs on the long-prefill wrapper (FA3 on Hopper by default); a shorter one on the first."""
+    monkeypatch.delenv(fib.LONG_PREFILL_ENV, raising=False)
+    backend = fib.FlashInferBackend("cpu")
+    assert backend._prefill_long is not backend._prefill and backend._prefill_long.kw["backend"] == "auto"
+    monkeypatch.setattr(fib, "LONG_PREFILL_TOKENS", 8)
+    pool, meta, q = _pool_with(BATCHES["full"])  # 4 + 3 + 1 = 8 queries: long
+    backend.prepare(pool, meta)
+    torch.testing.assert_close(backend(q, pool, 1, meta, None), paged_attention(q, pool, 1, meta))
+    assert backend._prefill_long.plan_args is not None and backend._prefill.plan_args is None
+    pool, meta, q = _pool_with(BATCHES["causal"][:1])  # 5 queries: short
+    backend.prepare(pool, meta)
+    torch.testing.assert_close(backend(q, pool, 1, meta, None), paged_attention(q, pool, 1, meta))
+    assert backend._prefill.plan_args is not None
+    monkeypatch.setenv(fib.LONG_PREFILL_ENV, "fa2")  # one module: the same wrapper
+    one = fib.FlashInferBackend("cpu")
+    assert one._prefill_long is one._prefill

@@ -110,8 +110,9 @@ def test_reader_on_other_ranks_is_e056() -> None:
 def test_decoder_pool_counts_both_contexts() -> None:
     m = compiled(model("asr"), "devices: {count: 1, type: cuda, memory_gib: 80}\nmax_batch: 8\n")
     pool = next(k for k in m.memory.ranks[0].kv if k.node == "decoder")
-    # the pool is capped at max_batch requests x (text 448 + cross 1500) tokens
-    assert pool.tokens == 8 * (448 + 1500) and pool.max_seq_len == 448
+    # the pool is capped at max_batch requests x (text 448 + cross 1500) tokens, each context in
+    # whole pages of 16 (1500 -> 1504)
+    assert pool.tokens == 8 * (448 + 1504) and pool.max_seq_len == 448
     step = next(op for op in ops(m, "transcribe") if op["phase"] == "step")
     assert step["reads"] == [{"node": "decoder", "tag": "cross"}] and step["tag"] == "text"
     assert build_plan(m, "0" * 64)["nodes"]["decoder"]["tag_max_len"] == {"cross": 1500}

@@ -187,9 +187,11 @@ def _tag_len(node: I.NodeIR, tag: str) -> int:
 
 
 def _useful_pages(node: I.NodeIR, pl) -> int:
-    """Pages beyond max_batch requests, each with all its tags at their longest, are never used."""
-    tokens = pl.max_batch * sum(_tag_len(node, t) for t in node.tags)
-    return -(-tokens // pl.page_size)
+    """Pages beyond max_batch requests, each with all its tags at their longest, are never used.
+    Counted per context: a context holds whole pages, so each tag rounds up on its own (a
+    4-token context of each of 8 requests needs 8 pages, not the 2 that 32 tokens fill)."""
+    per_request = sum(-(-_tag_len(node, t) // pl.page_size) for t in node.tags)
+    return pl.max_batch * per_request
 
 
 def _one_step_tokens(model: I.ModelIR, node: I.NodeIR) -> tuple[int, str]:

@@ -1,9 +1,15 @@
-"""`POST /v1/audio/speech` (walk `tts`), installed only when the plan has that walk (the
-image routes are `serve.images`).
+"""`POST /v1/audio/speech`, installed only when the plan has a walk for it (the image routes
+are `serve.images`), and the audio a client sends (WAV files, resampled to a walk's rate).
 
-Speech. `input` goes to the walk's `text`, `voice` to its `voice` input (ignored when the
-walk has none), `speed` and `instructions` only to inputs of those names (else 400 unless
-left at their defaults); extra body keys that are walk inputs pass through (`seed`,
+Which walk. A model listed in `SPEECH_WALKS` by its plan's model name is served by the
+walk named there (Qwen3-Omni: `speech`, whose `prompt` is a user turn the model answers, so
+the route sends it with a system text that asks for the input read aloud, `READ_ALOUD`,
+and `instructions` after it); any other plan by its `tts` walk (Orpheus, the test family).
+
+Speech. `input` goes to the walk's text input (`tts`: `text`), `voice` to its voice input
+(`voice`, or Qwen3-Omni's `speaker`; ignored when the walk has none), `speed` and
+`instructions` only to inputs of those names (else 400 unless left at their defaults);
+extra body keys that are walk inputs pass through (`seed`,
 `max_tokens`), typed and bounded as on every route (`app.walk_extras`, `app.check_inputs`:
 int64, and a token count above the plan's limit is a 400, not clamped). The audio output is 16-bit mono at the plan's sample rate: `wav` or raw
 `pcm`. Without `stream` the response is the whole file (exact WAV sizes). With `stream:
@@ -15,15 +21,28 @@ fails later (a shutdown abort, a lost worker) has no way to say so inside the au
 ends cleanly, shorter (the chunked body is terminated, so clients read a complete but
 truncated file, not a protocol error), and the server logs one line with the reason; an
 SSE stream ends with an `error` event.
+
+Audio in (`decode_wav`, `resample`; the chat route's `input_audio` parts). A WAV file of
+integer PCM (8, 16, 24 or 32 bits) or IEEE float (32 or 64 bits), plain or
+WAVE_FORMAT_EXTENSIBLE, any number of channels (averaged to mono), at 4 to 384 kHz. Other
+rates than the walk's are resampled by a band-limited interpolation: a Kaiser-windowed sinc
+low-pass at 0.99 of the lower Nyquist frequency, 16 zero crossings each side, every output
+phase's taps normalised to unit sum (so a constant stays constant). A data size of
+0xFFFFFFFF or past the end of the file (a streamed WAV's header) means "to the end".
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+import math
+import struct
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from mstar_runtime.api import RequestFailed
 from mstar_runtime.serve.app import ERROR_RESPONSES, check_model, error_response, start_flight, walk_extras
@@ -44,38 +63,111 @@ if TYPE_CHECKING:
 MEDIA = {"wav": "audio/wav", "pcm": "audio/pcm"}
 log = logging.getLogger("mstar_runtime.serve.server")
 
+# What Qwen3-Omni's speech walk is told for /v1/audio/speech: its prompt is a user turn that
+# the model would otherwise answer rather than read
+READ_ALOUD = ("Read the user's message aloud exactly as it is written, word for word. Do not answer it, "
+              "comment on it, translate it or add anything to it.")
+
+
+@dataclass(frozen=True)
+class SpeechWalk:
+    """How a walk serves speech: its text input and audio output (`role`), the inputs that
+    `voice` and `instructions` go to, the system text sent before any instructions, and the
+    walk's text output (its transcript) when it has one."""
+
+    role: WalkRole
+    voice: str | None = None
+    instructions: str | None = None
+    preamble: str | None = None
+    transcript: str | None = None
+
+
+# models whose speech is not a `tts(text, voice)` walk, by the plan's model name:
+# (walk, text input, voice input, instructions input, audio output, preamble)
+SPEECH_WALKS: dict[str, tuple[str, str, str, str, str, str | None]] = {
+    "qwen3_omni": ("speech", "prompt", "speaker", "system", "audio_out", READ_ALOUD),
+}
+
+
+def speech_walk(state: ServerState) -> SpeechWalk | None:
+    """The walk that serves `/v1/audio/speech` (module docstring), or None."""
+    from mstar_runtime.serve.server import WalkRole  # the server module imports the route modules lazily
+
+    known = SPEECH_WALKS.get(state.plan.model_name)
+    if known is not None:
+        walk, text, voice, instructions, audio, preamble = known
+        program = state.plan.walks.get(walk)
+        if program is None:
+            return None
+        inputs = {p["name"]: p for p in program["inputs"]}
+        outputs = {o["name"]: o for o in program["outputs"]}
+        if not (_is_str(inputs.get(text)) and _is_stream(outputs.get(audio), ("f32", "f16", "bf16"))):
+            return None
+        transcript = next((n for n, o in outputs.items() if n != audio and _is_stream(o, ("str", "i32", "i64"))),
+                          None)
+        return SpeechWalk(WalkRole(walk, text, audio, inputs), voice if _is_str(inputs.get(voice)) else None,
+                          instructions if _is_str(inputs.get(instructions)) else None, preamble, transcript)
+    role = state.walks.tts
+    if role is None:
+        return None
+    return SpeechWalk(role, "voice" if _is_str(role.inputs.get("voice")) else None,
+                      "instructions" if _is_str(role.inputs.get("instructions")) else None)
+
+
+def _is_str(p: Mapping[str, Any] | None) -> bool:
+    return p is not None and p["type"]["kind"] == "str"
+
+
+def _is_stream(o: Mapping[str, Any] | None, dtypes: tuple[str, ...]) -> bool:
+    """An appended output of kind str (when "str" is in `dtypes`) or a tensor of one of `dtypes`."""
+    if o is None or o["mode"] != "append":
+        return False
+    t = o["type"]
+    return (t["kind"] == "str" and "str" in dtypes) or (t["kind"] == "tensor" and t.get("dtype") in dtypes)
+
 
 def install(app: FastAPI, state: ServerState) -> None:
-    if state.walks.tts is not None:
-        _install_speech(app, state, state.walks.tts)
+    speech = speech_walk(state)
+    if speech is not None:
+        _install_speech(app, state, speech)
 
 
 # ----------------------------------------------------------------------------- speech
-def speech_inputs(state: ServerState, role: WalkRole, body: SpeechRequest) -> tuple[dict[str, Any], dict[str, str]]:
+def voice_of(voice: Any) -> str | None:
+    """A request's voice: a name, or `{"id": name}`."""
+    return voice.id if voice is not None and not isinstance(voice, str) else voice
+
+
+def speech_inputs(state: ServerState, speech: SpeechWalk,
+                  body: SpeechRequest) -> tuple[dict[str, Any], dict[str, str]]:
+    role = speech.role
     if not body.input.strip():
         raise bad_request("input is blank; give the text to speak", "input")
     inputs: dict[str, Any] = {role.text_input: body.input}
     fields = {role.text_input: "input"}
-    voice = body.voice.id if body.voice is not None and not isinstance(body.voice, str) else body.voice
-    if voice is not None and "voice" in role.inputs:
-        inputs["voice"], fields["voice"] = voice, "voice"
+    voice = voice_of(body.voice)
+    if voice is not None and speech.voice is not None:
+        inputs[speech.voice], fields[speech.voice] = voice, "voice"
     if body.speed != 1.0:
         if "speed" not in role.inputs:
             raise bad_request(f"walk '{role.walk}' has no speed control; use speed 1.0", "speed", "unsupported")
         inputs["speed"], fields["speed"] = body.speed, "speed"
-    if body.instructions:
-        if "instructions" not in role.inputs:
-            raise bad_request(f"walk '{role.walk}' takes no instructions", "instructions", "unsupported")
-        inputs["instructions"], fields["instructions"] = body.instructions, "instructions"
+    if body.instructions and speech.instructions is None:
+        raise bad_request(f"walk '{role.walk}' takes no instructions", "instructions", "unsupported")
+    told = [t for t in (speech.preamble, body.instructions) if t]
+    if told and speech.instructions is not None:
+        inputs[speech.instructions] = "\n\n".join(told)
+        fields[speech.instructions] = "instructions"
     extra = walk_extras(state, role.walk, body.model_extra, set(inputs))
     inputs.update(extra)
     fields.update({k: k for k in extra})
     return inputs, fields
 
 
-def _install_speech(app: FastAPI, state: ServerState, role: WalkRole) -> None:
+def _install_speech(app: FastAPI, state: ServerState, speech_walk: SpeechWalk) -> None:
     from fastapi.responses import Response, StreamingResponse
 
+    role = speech_walk.role
     rate = state.sample_rate
     audio_responses = {**ERROR_RESPONSES, 200: {"description": "audio (wav or pcm), or SSE events",
                                                "content": {"audio/wav": {}, "audio/pcm": {}, "text/event-stream": {}}}}
@@ -84,7 +176,7 @@ def _install_speech(app: FastAPI, state: ServerState, role: WalkRole) -> None:
               summary=f"Text to speech (walk '{role.walk}'): wav or pcm, whole or streamed")
     async def speech(body: SpeechRequest, request: Request) -> Any:
         check_model(state, body.model)
-        inputs, fields = speech_inputs(state, role, body)
+        inputs, fields = speech_inputs(state, speech_walk, body)
         flight = await start_flight(state, request, "speech", role.walk, inputs, fields, "input")
         fmt = body.response_format
         if not body.stream and body.stream_format is None:
@@ -184,4 +276,91 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-__all__ = ["install", "speech_inputs"]
+# ----------------------------------------------------------------------------- audio in
+MIN_RATE, MAX_RATE = 4000, 384000
+_PCM, _FLOAT, _EXTENSIBLE = 1, 3, 0xFFFE
+ZERO_CROSSINGS = 16  # of the interpolating sinc, each side
+ROLLOFF = 0.99  # the low-pass edge, as a fraction of the lower Nyquist frequency
+KAISER_BETA = 8.6  # about 80 dB stop-band attenuation
+
+
+def decode_wav(data: bytes) -> tuple[torch.Tensor, int]:
+    """A WAV file as float32 mono samples in [-1, 1] and its sample rate (module docstring);
+    ValueError, saying what is wrong, for anything else."""
+    import numpy as np
+
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise ValueError("not a WAV file (no RIFF/WAVE header)")
+    fmt: tuple[int, int, int, int, int] | None = None
+    at = 12
+    while at + 8 <= len(data):
+        cid, size = data[at:at + 4], struct.unpack("<I", data[at + 4:at + 8])[0]
+        body = data[at + 8:at + 8 + size]
+        if cid == b"fmt ":
+            if len(body) < 16:
+                raise ValueError("the WAV fmt chunk is truncated")
+            code, channels, rate, _, align, bits = struct.unpack("<HHIIHH", body[:16])
+            if code == _EXTENSIBLE and len(body) >= 26:
+                code = struct.unpack("<H", body[24:26])[0]  # the sub-format GUID's first two bytes
+            fmt = (code, channels, rate, align, bits)
+        elif cid == b"data":
+            if fmt is None:
+                raise ValueError("the WAV data chunk comes before its fmt chunk")
+            break
+        at += 8 + size + (size & 1)  # chunks are padded to an even size
+    else:
+        raise ValueError("the WAV file has no data chunk")
+    code, channels, rate, align, bits = fmt
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise ValueError(f"the WAV sample rate is {rate} Hz; {MIN_RATE} to {MAX_RATE} Hz are read")
+    if channels < 1 or align != channels * ((bits + 7) // 8):
+        raise ValueError(f"the WAV fmt chunk is inconsistent ({channels} channels, {bits} bits, block {align})")
+    kinds = {(_PCM, 8): "u1", (_PCM, 16): "<i2", (_PCM, 24): "i3", (_PCM, 32): "<i4", (_FLOAT, 32): "<f4",
+             (_FLOAT, 64): "<f8"}
+    kind = kinds.get((code, bits))
+    if kind is None:
+        what = {_PCM: "integer PCM", _FLOAT: "float"}.get(code, f"format code {code}")
+        raise ValueError(f"the WAV holds {bits}-bit {what} audio; 8/16/24/32-bit PCM or 32/64-bit float are read")
+    raw = body[: len(body) - len(body) % align]  # a streamed header's size runs past the end: to the end
+    if kind == "i3":  # no numpy dtype: sign-extend three little-endian bytes
+        b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 3).astype(np.int32)
+        ints = (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) << 8 >> 8
+        samples = ints.astype(np.float64) / 2.0**23
+    else:
+        arr = np.frombuffer(raw, dtype=np.dtype(kind)).astype(np.float64)
+        scale = {"u1": 128.0, "<i2": 2.0**15, "<i4": 2.0**31}.get(kind)
+        samples = (arr - 128.0) / 128.0 if kind == "u1" else arr / scale if scale else arr
+    mono = samples.reshape(-1, channels).mean(axis=1)
+    if not np.isfinite(mono).all():
+        raise ValueError("the WAV holds NaN or infinite samples")
+    return torch.from_numpy(np.clip(mono, -1.0, 1.0).astype(np.float32)), int(rate)
+
+
+def resample(x: torch.Tensor, orig: int, new: int) -> torch.Tensor:
+    """1-D samples at `orig` Hz as samples at `new` Hz (module docstring): ceil(len * new / orig)
+    of them, output sample m at input time m * orig / new."""
+    if orig == new or x.numel() == 0:
+        return x
+    g = math.gcd(orig, new)
+    up, down = new // g, orig // g
+    # output m = k * up + i sits at input index k * down + f_i, f_i = i * down / up in [0, down):
+    # phase i of `up` is a strided convolution whose taps over input offsets -width .. width + down - 1
+    # are the windowed sinc centred on f_i (zero beyond `width` of it)
+    cutoff = ROLLOFF * min(1.0, up / down) / 2  # cycles per input sample
+    width = math.ceil(ZERO_CROSSINGS / (2 * cutoff))
+    t = torch.arange(-width, width + down, dtype=torch.float64)[None, :] \
+        - (torch.arange(up, dtype=torch.float64) * down / up)[:, None]
+    window = torch.special.i0(KAISER_BETA * (1 - (t / width) ** 2).clamp(min=0).sqrt())
+    taps = torch.where(t.abs() <= width, 2 * cutoff * torch.sinc(2 * cutoff * t) * window, 0.0)
+    taps = taps / taps.sum(dim=1, keepdim=True)
+    n_out = -(-x.numel() * up // down)
+    k_out = -(-n_out // up)
+    right = max(0, (k_out - 1) * down + taps.shape[1] - width - x.numel())
+    padded = torch.nn.functional.pad(x.to(torch.float32)[None, None], (width, right))
+    weight = taps.to(torch.float32)[:, None, :]  # float32: float64 convolutions are 20x slower on the CPU
+    out = torch.nn.functional.conv1d(padded, weight, stride=down)[0, :, :k_out]  # [up, k]
+    return out.T.reshape(-1)[:n_out].to(torch.float32)
+
+
+__all__ = ["READ_ALOUD", "SPEECH_WALKS", "SpeechWalk", "decode_wav", "install", "resample", "speech_inputs",
+           "speech_walk", "voice_of"]

@@ -1,13 +1,18 @@
 """`POST /v1/chat/completions`, served by the plan's `chat` walk, and by its `understand`
 walk for requests with an image when `chat` takes none (BAGEL: `chat(prompt)` for text,
-`understand(image, question)` for an image and its question).
+`understand(image, question)` for an image and its question); requests with `modalities:
+["text", "audio"]` by the plan's speech walk when it also writes text (`media.speech_walk`:
+Qwen3-Omni's `speech`), answered in OpenAI's audio-output format (below).
 
 The messages become the walk's text input: a lone message is its text as is; several are
 `role: text` lines ending with `assistant:` (the plan has no chat template of its own);
 system and developer messages go to the walk's `system` input instead, when it has one.
 Image parts go to the walk's image input when it has one (an `image`, or a uint8 [H, W, 3]
 tensor; one image, as a data: URL; a remote URL is a 400: nothing is fetched); otherwise
-they are a 400 naming the part. A plan with `understand` but no `chat` answers a request
+they are a 400 naming the part. An `input_audio` part (a base64 WAV, `media.decode_wav`) goes
+to the walk's `audio` input (a float [A] tensor), resampled to the rate its prompt node
+reads (`input_rate`); one per request, and mp3 is a 400 (no decoder is bundled). A plan
+with `understand` but no `chat` answers a request
 without an image with a 400 naming `messages`. `max_tokens`
 (or `max_completion_tokens`; above the plan's limit a 400, as on every route:
 `app.check_token_limit`) goes to the walk's `max_tokens` / `max_new_tokens` / `max_new`
@@ -26,10 +31,26 @@ engine's (`error`, `timeout`, `shutdown`) and an `error` event. A failure that c
 the served walk ended, in the walk a transition moved on to (BAGEL's chat -> t2i for a
 reply that opens an image), is not the reply's: the reply ends there ("stop") and the
 failure is logged.
+
+Audio out. `audio: {"voice", "format"}` is required with `modalities: ["text", "audio"]` and
+refused without it; the voice goes to the walk's voice input (Qwen3-Omni: `speaker`; a
+voice the walk does not know is the node's 400, naming `audio.voice`). The whole reply is a
+message with `content: null` and `audio: {"id", "data", "expires_at", "transcript"}`:
+`data` the base64 of a WAV or of raw 16-bit mono PCM at the plan's `sample_rate`, the
+transcript the walk's text. Nothing is kept for later turns, so `expires_at` is the
+creation time (send the transcript back as the assistant's content). Streamed (pcm16 only,
+as OpenAI's), each chunk's `delta.audio` carries a `transcript` piece or a base64 PCM
+`data` piece as the walk emits it (the first also the audio `id`), then one with only
+`expires_at`, then the finish chunk. `max_tokens` bounds the transcript (the walk's own
+input); the audio runs on until the walk ends it, so the reply is never cut early.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
+import dataclasses
 import json
 import logging
 import time
@@ -51,9 +72,10 @@ from mstar_runtime.serve.app import (
     walk_extras,
 )
 from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
-from mstar_runtime.serve.io import decode_image_text
-from mstar_runtime.serve.schemas import ChatCompletionRequest
-from mstar_runtime.serve.text import TextStream
+from mstar_runtime.serve.io import b64, decode_image_text, pcm16, wav_header
+from mstar_runtime.serve.media import SpeechWalk, decode_wav, resample, speech_walk, voice_of
+from mstar_runtime.serve.schemas import ChatCompletionRequest, InputAudioPart
+from mstar_runtime.serve.text import TextCodec, TextStream
 
 try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
     from fastapi import Request, UploadFile
@@ -67,6 +89,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mstar_runtime.serve.server")
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty")
+DEFAULT_INPUT_RATE = 16000  # an audio input's rate when its prompt node names none (Whisper-style encoders')
 
 
 def image_input(role: WalkRole) -> str | None:
@@ -79,9 +102,30 @@ def image_input(role: WalkRole) -> str | None:
     return None
 
 
+def audio_input(role: WalkRole) -> str | None:
+    """The walk input an `input_audio` part goes to: `audio`, a float [A] tensor (Qwen3-Omni's)."""
+    p = role.inputs.get("audio")
+    t = p["type"] if p is not None else {}
+    if t.get("kind") == "tensor" and t.get("dtype") in ("f32", "f16", "bf16") and len(t.get("dims", [])) == 1:
+        return "audio"
+    return None
+
+
+def audio_part(body: ChatCompletionRequest) -> tuple[str, InputAudioPart] | None:
+    """The request's `input_audio` part and where it is (`messages[i].content[j]`), or None."""
+    for i, msg in enumerate(body.messages):
+        for j, part in enumerate(msg.content if isinstance(msg.content, list) else []):
+            if part.type == "input_audio":
+                return f"messages[{i}].content[{j}]", part
+    return None
+
+
 def render_prompt(body: ChatCompletionRequest, role: WalkRole) -> tuple[str, str | None, torch.Tensor | None]:
-    """The walk's text input, its `system` input (when it has one) and image, from the messages."""
+    """The walk's text input, its `system` input (when it has one) and image, from the messages
+    (an `input_audio` part is checked here and decoded by `decode_input_audio`)."""
     target = image_input(role)
+    hears = audio_input(role) is not None
+    audio_seen = False
     has_system = "system" in role.inputs and role.inputs["system"]["type"]["kind"] == "str"
     image: torch.Tensor | None = None
     texts: list[tuple[str, str]] = []
@@ -94,6 +138,13 @@ def render_prompt(body: ChatCompletionRequest, role: WalkRole) -> tuple[str, str
                 pieces.append(part)
             elif part.type == "text":
                 pieces.append(part.text)
+            elif part.type == "input_audio":
+                param = f"messages[{i}].content[{j}]"
+                if not hears:
+                    raise bad_request(f"walk '{role.walk}' takes no audio input", param, "unsupported_modality")
+                if audio_seen:
+                    raise bad_request("one input_audio part per request", param, "too_many_audio_inputs")
+                audio_seen = True
             else:
                 param = f"messages[{i}].content[{j}]"
                 if target is None:
@@ -113,6 +164,41 @@ def render_prompt(body: ChatCompletionRequest, role: WalkRole) -> tuple[str, str
     if len(texts) == 1:
         return texts[0][1], sys_text, image
     return "\n".join(f"{r}: {t}" for r, t in texts) + "\nassistant:", sys_text, image
+
+
+def input_rate(state: ServerState, walk: str) -> int:
+    """The sample rate a walk's audio input wants: its prompt node's `sampling_rate` (Qwen3-Omni's
+    processor: `features.sampling_rate`, from the checkpoint's preprocessor_config.json), else
+    DEFAULT_INPUT_RATE."""
+    codec = state.codecs.get(walk)
+    node = codec.node if codec is not None else None
+    for source in (node, getattr(node, "features", None)):
+        rate = getattr(source, "sampling_rate", None)
+        if isinstance(rate, int) and not isinstance(rate, bool) and rate > 0:
+            return rate
+    return DEFAULT_INPUT_RATE
+
+
+def decode_input_audio(part: InputAudioPart, param: str, rate: int) -> torch.Tensor:
+    """An `input_audio` part as float mono samples at `rate` Hz; a 400 naming the field if it
+    cannot be read."""
+    if part.input_audio.format != "wav":
+        raise bad_request(f"input_audio format '{part.input_audio.format}' is not decoded by this server (no "
+                          "decoder is bundled); send a WAV file with format 'wav'", f"{param}.input_audio.format",
+                          "unsupported")
+    data = part.input_audio.data
+    if data.startswith("data:"):  # a data: URL, as some clients send it
+        data = data.partition(",")[2]
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request("input_audio.data is not valid base64", f"{param}.input_audio.data",
+                          "invalid_audio") from None
+    try:
+        samples, got = decode_wav(raw)
+    except ValueError as e:
+        raise bad_request(f"input_audio: {e}", f"{param}.input_audio.data", "invalid_audio") from None
+    return resample(samples, got, rate)
 
 
 def _limit(state: ServerState, body: ChatCompletionRequest) -> tuple[int | None, str]:
@@ -171,6 +257,51 @@ class Reply:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+class SpokenReply:
+    """One reply in text and audio (modalities ["text", "audio"]): the walk's text is the
+    transcript, its audio 16-bit PCM chunks; see the module docstring for the format."""
+
+    def __init__(self, state: ServerState, flight: Flight, speech: SpeechWalk, limit: int | None, fmt: str,
+                 created: int):
+        role = speech.role
+        assert speech.transcript is not None
+        # no limit of the server's own: the walk's max_tokens bounds the text, and the audio follows it
+        self.text = Reply(state, flight, dataclasses.replace(role, output=speech.transcript), None)
+        self.audio_output, self.limit, self.flight = role.output, limit, flight
+        self.fmt, self.rate = fmt, state.sample_rate
+        self.id = f"audio_{uuid.uuid4().hex}"
+        self.expires_at = created  # nothing is kept for later turns
+        self.pcm: list[bytes] = []
+        self.finish: str | None = None
+
+    def take(self, name: str, value: Any) -> dict[str, str] | None:
+        """The `delta.audio` of one streamed item (a transcript piece or a PCM chunk), or None."""
+        if name == self.audio_output:
+            chunk = pcm16(value)
+            self.pcm.append(chunk)
+            return {"data": b64(chunk)} if chunk else None
+        piece = self.text.take(name, value)
+        return {"transcript": piece} if piece else None
+
+    def end(self) -> str:
+        """The transcript's held-back tail; sets the finish reason ("length" when the text
+        reached max_tokens)."""
+        tail = self.text.end()
+        hit = self.limit is not None and self.flight.tokens >= self.limit
+        self.finish = "length" if hit else "stop"
+        return tail
+
+    def audio(self) -> dict[str, Any]:
+        """The whole reply's `message.audio`."""
+        pcm = b"".join(self.pcm)
+        data = wav_header(self.rate, len(pcm)) + pcm if self.fmt == "wav" else pcm
+        return {"id": self.id, "data": b64(data), "expires_at": self.expires_at,
+                "transcript": "".join(self.text.parts)}
+
+    def usage(self) -> dict[str, int]:
+        return self.text.usage()
+
+
 def image_part(body: ChatCompletionRequest) -> str | None:
     """Where the request's first image part is (`messages[i].content[j]`), or None."""
     for i, msg in enumerate(body.messages):
@@ -198,11 +329,48 @@ def pick_walk(state: ServerState, body: ChatCompletionRequest) -> WalkRole:
     raise AssertionError("the chat route is installed only for a plan with chat or understand")
 
 
+def spoken_walk(state: ServerState) -> SpeechWalk | None:
+    """The walk that answers modalities ["text", "audio"]: the speech walk (`media.speech_walk`)
+    when it takes a chat prompt and writes its text too (Qwen3-Omni's `speech`)."""
+    speech = speech_walk(state)
+    return speech if speech is not None and speech.transcript is not None else None
+
+
+def check_modalities(body: ChatCompletionRequest, speech: SpeechWalk | None) -> bool:
+    """Whether the request wants audio out; a 400 for a combination this plan cannot answer."""
+    wanted = set(body.modalities or ["text"])
+    if "audio" not in wanted:
+        if body.audio is not None:
+            raise bad_request("audio (the voice and format of spoken output) needs modalities ['text', 'audio']",
+                              "audio")
+        return False
+    if "text" not in wanted:
+        raise bad_request("audio output comes with its transcript: use modalities ['text', 'audio']", "modalities",
+                          "unsupported_modality")
+    if speech is None:
+        at = (body.modalities or []).index("audio")
+        raise bad_request("this plan has no walk that answers in speech; use modalities ['text']",
+                          f"modalities[{at}]", "unsupported_modality")
+    if body.audio is None:
+        raise bad_request("modalities ['text', 'audio'] needs audio: {\"voice\": ..., \"format\": \"wav\" or "
+                          "\"pcm16\"}", "audio", "missing")
+    if body.stream and body.audio.format != "pcm16":
+        raise bad_request(f"a streamed audio reply is pcm16 (as OpenAI's), not {body.audio.format}", "audio.format",
+                          "unsupported")
+    return True
+
+
 def install(app: FastAPI, state: ServerState) -> None:
     from fastapi.responses import StreamingResponse
 
     served = [r.walk for r in (state.walks.chat, state.walks.understand) if r is not None]
     assert served
+    speech = spoken_walk(state)
+    if speech is not None:
+        served.append(speech.role.walk)
+        if speech.role.walk not in state.codecs:  # prompt token counts, and the audio input's rate
+            state.codecs[speech.role.walk] = TextCodec(state.plan, speech.role.walk, speech.role.text_input,
+                                                       state.config.weights)
 
     @app.post("/v1/chat/completions", tags=["openai"], responses=ERROR_RESPONSES,
               summary=f"Chat completions (walk {' / '.join(repr(w) for w in served)}), optionally streamed as SSE")
@@ -210,7 +378,8 @@ def install(app: FastAPI, state: ServerState) -> None:
         check_model(state, body.model)
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
-        role = pick_walk(state, body)
+        spoken = check_modalities(body, speech)
+        role = speech.role if spoken and speech is not None else pick_walk(state, body)
         prompt, system, image = render_prompt(body, role)
         inputs: dict[str, Any] = {role.text_input: prompt}
         fields = {role.text_input: "messages"}
@@ -220,6 +389,16 @@ def install(app: FastAPI, state: ServerState) -> None:
             name = image_input(role)
             assert name is not None
             inputs[name], fields[name] = image, image_part(body) or "messages"  # a node refusing it names the part
+        heard = audio_part(body)
+        if heard is not None:
+            name = audio_input(role)
+            assert name is not None  # render_prompt refused the part otherwise
+            param, part = heard
+            # decoding and resampling take a while for a long file: off the event loop
+            inputs[name] = await asyncio.to_thread(decode_input_audio, part, param, input_rate(state, role.walk))
+            fields[name] = param
+        if spoken and speech is not None and speech.voice is not None and body.audio is not None:
+            inputs[speech.voice], fields[speech.voice] = voice_of(body.audio.voice), "audio.voice"
         limit, limit_param = _limit(state, body)
         target = next((n for n in MAX_TOKEN_INPUTS if n in role.inputs), None)
         if limit is not None and target is not None:
@@ -231,10 +410,23 @@ def install(app: FastAPI, state: ServerState) -> None:
         extra = walk_extras(state, role.walk, body.model_extra, set(inputs))
         inputs.update(extra)
         fields.update({k: k for k in extra})  # a node that rejects one blames it, not `messages`
-        flight = await start_flight(state, request, "chat", role.walk, inputs, fields, "messages")
         codec = state.codecs.get(role.walk)
-        flight.prompt_tokens = codec.count(inputs) if codec is not None else 0
+        if codec is None:
+            prompt_tokens = 0
+        elif image is None and heard is None:
+            prompt_tokens = codec.count(inputs)
+        else:  # the prompt node computes the media's features too: off the event loop
+            prompt_tokens = await asyncio.to_thread(codec.count, inputs)
+        flight = await start_flight(state, request, "chat", role.walk, inputs, fields, "messages")
+        flight.prompt_tokens = prompt_tokens
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if spoken and speech is not None and body.audio is not None:
+            created = int(time.time())
+            said = SpokenReply(state, flight, speech, limit, body.audio.format, created)
+            if not body.stream:
+                async with flight:
+                    return await _whole_spoken(flight, said, rid, state.model_id, created)
+            return await _streamed_spoken(flight, said, rid, state.model_id, created, body, StreamingResponse)
         reply = Reply(state, flight, role, limit)
         if not body.stream:
             async with flight:
@@ -348,4 +540,87 @@ async def _streamed(flight: Flight, reply: Reply, rid: str, model: str, body: Ch
                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-__all__ = ["has_image", "image_input", "image_part", "install", "pick_walk", "render_prompt"]
+async def _whole_spoken(flight: Flight, said: SpokenReply, rid: str, model: str, created: int) -> Any:
+    try:
+        async with aclosing(flight.events()) as events:
+            async for name, value in events:
+                said.take(name, value)
+    except RequestFailed as e:
+        return error_response(flight.error_for(e))
+    except ClientGone:
+        return error_response(ApiError(499, "client closed the request", code="cancelled"))
+    said.end()
+    flight.outcome = "finished"
+    return {
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": None, "refusal": None,
+                                             "audio": said.audio()},
+                     "logprobs": None, "finish_reason": said.finish}],
+        "usage": said.usage(),
+    }
+
+
+async def _streamed_spoken(flight: Flight, said: SpokenReply, rid: str, model: str, created: int,
+                           body: ChatCompletionRequest, streaming: Any) -> Any:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    events = flight.events()
+    try:  # the first transcript piece or audio chunk (or the end) before committing to a 200
+        first = await flight.head(events, said.take)
+    except ApiError as e:
+        return error_response(e)
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if include_usage:
+            obj["usage"] = None
+        return _sse(obj)
+
+    named = False
+
+    def audio_chunk(audio: dict[str, Any]) -> str:
+        nonlocal named
+        if not named:  # the first audio delta carries the reply's audio id
+            audio, named = {"id": said.id, **audio}, True
+        return chunk({"audio": audio})
+
+    async def body_stream() -> AsyncIterator[str]:
+        try:
+            yield chunk({"role": "assistant", "content": None, "refusal": None})
+            for audio in first:
+                yield audio_chunk(audio)
+            failed: RequestFailed | None = None
+            try:
+                async for name, value in events:
+                    audio = said.take(name, value)
+                    if audio is not None:
+                        yield audio_chunk(audio)
+            except RequestFailed as e:
+                failed = e
+            if failed is None:
+                tail = said.end()
+                if tail:
+                    yield audio_chunk({"transcript": tail})
+                yield audio_chunk({"expires_at": said.expires_at})
+                flight.outcome = "finished"
+                yield chunk({}, said.finish)
+            else:
+                yield chunk({}, failed.finish_reason)
+            if include_usage:
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": [], "usage": said.usage()})
+            if failed is not None:
+                yield _sse(flight.error_for(failed).body())
+            yield "data: [DONE]\n\n"
+        except ClientGone:  # the client left mid-stream: nobody to tell; the flight cancels the request
+            return
+        finally:
+            await events.aclose()  # never suspends: the generator is finished or at a yield
+            flight.finish()
+
+    return streaming(body_stream(), media_type="text/event-stream",
+                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+__all__ = ["audio_input", "audio_part", "check_modalities", "decode_input_audio", "has_image", "image_input",
+           "image_part", "input_rate", "install", "pick_walk", "render_prompt", "spoken_walk"]

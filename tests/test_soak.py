@@ -132,13 +132,14 @@ def idle(base: str) -> dict[str, float]:
     last: dict[str, float] = {}
 
     def quiet() -> bool:
+        last.clear()
         last.update(scrape(base))
-        return all(last.get(g) == 0 for g in gauges)
+        return all(any(k.partition("{")[0] == g for k in last) and total(last, g) == 0 for g in gauges)
 
     try:
         wait_for(quiet, 15, "the server to hold no request", every=0.1)
     except AssertionError:
-        raise AssertionError(f"leak: {', '.join(f'{g} = {last.get(g)}' for g in gauges)}") from None
+        raise AssertionError(f"leak: {', '.join(f'{g} = {total(last, g)}' for g in gauges)}") from None
     return last
 
 

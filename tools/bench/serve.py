@@ -55,14 +55,15 @@ the JSON say which), 2 for bad usage.
 
 GPU run (issue 17, section 4), not run this session: one H200, the Orpheus `bench` variant
 with its end check disabled so that every request makes exactly 128 tokens, against our
-server, then the same client against the M* reference's server when it is available:
+server, then the same client against the M* reference's server when it is available (4 x
+concurrency requests per run: 16 / 64 / 256 / 1,024):
 
     sed -E 's/(end_of_speech *= *)[0-9]+/\\12000000000/' models/orpheus/orpheus.walk > /tmp/orpheus_fixed.walk
     python -m mstarc.cli compile /tmp/orpheus_fixed.walk --variant bench -p placements/h200x1.yaml \
         -o /tmp/orpheus.plan
     mstar-run /tmp/orpheus.plan --serve --port 8000 --weights dummy --device cuda &
     python tools/bench/serve.py --base-url http://127.0.0.1:8000 --model orpheus --workload speech \
-        --concurrency 1,16,64,256 --num-requests 512 --warmup 16 --max-tokens 128 \
+        --concurrency 1,16,64,256 --warmup 16 --max-tokens 128 \
         --scrape-metrics --out $OUT/serve_orpheus.json
 """
 

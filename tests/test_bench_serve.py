@@ -12,7 +12,8 @@ and chat with an `image_url` part, served by its `understand` walk). Checked:
 - the same seeded speech request gives the same PCM bytes streamed raw, streamed as SSE and
   whole, and Orpheus' audio is whole SNAC windows;
 - failures are reported, never crashed on: a wrong model (404s), a prompt row over the
-  token limit (400s among successes), an unreachable server, and a server killed mid-run;
+  token limit (400s among successes), a wrong API key (401s; the right one is sent as a
+  bearer token), an unreachable server, and a server killed mid-run;
 - the parsers (WAV headers with extra chunks, fed a byte at a time; SSE events; JSONL
   prompt sets and their errors; the Poisson schedule; /metrics text) on their own;
 - the script imports nothing of the runtime.
@@ -313,6 +314,15 @@ def test_errors_are_reported_not_raised(tf: Server, tmp_path: Path) -> None:
     assert rc == 1 and rec["served_models"] == []
     assert rec["runs"][0]["failed"] == 3 and list(rec["runs"][0]["errors"]) == ["ConnectError"]
     assert bench.main(["--base-url", dead, "--out", str(tmp_path / "x.json")]) == 1  # no model to ask for: one line
+
+
+def test_api_key_is_sent_as_a_bearer_token(tf_plan: Path, tmp_path: Path) -> None:
+    with serving(tf_plan, "--api-key", "sekret") as server:
+        rc, rec = run_main(tmp_path, server.base, "--api-key", "sekret", "--max-tokens", "4", "--num-requests", "2")
+        assert rc == 0 and rec["served_models"] == [MODEL] and rec["runs"][0]["ok"] == 2
+        rc, rec = run_main(tmp_path, server.base, "--api-key", "wrong", "--model", MODEL, "--num-requests", "2")
+        assert rc == 1 and rec["served_models"] == []  # GET /v1/models wants the key too
+        assert rec["runs"][0]["errors"] == {"HTTP 401 invalid_api_key": 2}
 
 
 def test_a_server_that_dies_mid_run_is_reported(tf_plan: Path, tmp_path: Path) -> None:

@@ -382,20 +382,16 @@ def test_codec_context_changes_only_what_it_should(family: Family) -> None:
 
 def _lowered(variant: str):
     pytest.importorskip("lark", reason="the compiler's parser needs lark")
-    try:
-        from mstarc.lower import lower
-        from mstarc.parser import parse_file
-    except ImportError as e:  # the compiler is still being assembled
-        pytest.skip(f"the compiler cannot import yet: {e}")
+    from mstarc.lower import lower
+    from mstarc.parser import parse_file
+
     return lower(parse_file(str(WALK_FILE), "testfamily.walk"), variant, "testfamily.walk")
 
 
 @pytest.mark.parametrize("variant", ["tiny", "real"])
 def test_walk_file_checks(variant: str, capsys: pytest.CaptureFixture[str]) -> None:
-    try:
-        from mstarc.cli import main
-    except ImportError as e:
-        pytest.skip(f"the compiler cannot import yet: {e}")
+    from mstarc.cli import main
+
     assert main(["check", str(WALK_FILE), "--variant", variant]) == 0, capsys.readouterr().err
     assert "error" not in capsys.readouterr().err
 

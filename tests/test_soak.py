@@ -203,7 +203,8 @@ def soak(server: Server, seconds: float) -> dict[str, Any]:
     except AssertionError:
         pass
     return {"runs": runs, "sent": sent, "wrong": wrong, "before": before, "after": after, "wall_s": wall,
-            "rss0": rss0, "rss1": rss(pid), "rss_peak": peak[0], "fd0": fd0, "fd1": fd_end[-1] if fd_end else fds(pid)}
+            "rss0": rss0, "rss1": rss(pid), "rss_peak": peak[0], "fd0": fd0,
+            "fd1": fd_end[-1] if fd_end else fds(pid)}
 
 
 def check(rec: dict[str, Any]) -> str:
@@ -215,7 +216,8 @@ def check(rec: dict[str, Any]) -> str:
     for r in runs:
         assert r["failed"] == 0, (r["run"], r["errors"], r["error_samples"])
         assert r["requests"] == r["ok"] + r["cancelled"] > 0
-    fives = {k: v for k, v in delta.items() if k.startswith("mstar_http_responses_total") and 'code="5' in k and v}
+    fives = {k: v for k, v in delta.items()
+             if k.startswith("mstar_http_responses_total") and 'code="5' in k and v}
     assert not fives, fives
     # /metrics agrees with the client
     for workload, route, walk in (("chat", CHAT, "chat"), ("speech", SPEECH, "tts")):
@@ -224,10 +226,13 @@ def check(rec: dict[str, Any]) -> str:
         assert streams > 0
         assert total(delta, "mstar_http_responses_total", route=route, code="200") == streams
         for code in (400, 404, 415):
-            assert total(delta, "mstar_http_responses_total", route=route, code=str(code)) == sent[route, code]
-        ended = sum(total(delta, "mstar_requests_total", walk=walk, outcome=o) for o in ("finished", "cancelled"))
+            got = total(delta, "mstar_http_responses_total", route=route, code=str(code))
+            assert got == sent[route, code], (route, code, got, sent[route, code])
+        ended = sum(total(delta, "mstar_requests_total", walk=walk, outcome=o)
+                    for o in ("finished", "cancelled"))
         assert ended == streams, (walk, ended, streams)
-        assert total(delta, "mstar_requests_total", walk=walk, outcome="cancelled") <= sum(f["cancelled"] for f in figs)
+        cancelled = total(delta, "mstar_requests_total", walk=walk, outcome="cancelled")
+        assert cancelled <= sum(f["cancelled"] for f in figs)
         for bad in ("failed", "timeout", "shutdown"):
             assert total(delta, "mstar_requests_total", walk=walk, outcome=bad) == 0
     engine: Counter = Counter()  # the engine's own count, by state
@@ -245,8 +250,8 @@ def check(rec: dict[str, Any]) -> str:
     return (f"soak {rec['wall_s']:.0f} s: {n} streams ({sum(r['ok'] for r in runs)} ok, "
             f"{sum(r['cancelled'] for r in runs)} cancelled by the client, 0 failed), "
             f"{sum(sent.values())} bad requests answered 4xx, 0 5xx; RSS {rec['rss0'] / 2**20:.1f} -> "
-            f"{rec['rss1'] / 2**20:.1f} MiB (peak {rec['rss_peak'] / 2**20:.1f}), descriptors {rec['fd0']} -> {rec['fd1']}, KV pages in use 0, "
-            f"requests active 0")
+            f"{rec['rss1'] / 2**20:.1f} MiB (peak {rec['rss_peak'] / 2**20:.1f}), "
+            f"descriptors {rec['fd0']} -> {rec['fd1']}, KV pages in use 0, requests active 0")
 
 
 def test_soak_short(plan: Path) -> None:

@@ -91,7 +91,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import percentile, table, write_json  # noqa: E402 - the sibling module, found through the line above
+from common import percentile, table, write_json  # noqa: E402 - the sibling module (sys.path above)
 
 WORKLOADS = ("speech", "chat", "images")
 STREAMED = ("speech", "chat")
@@ -375,7 +375,8 @@ def stream_error(obj: Any) -> tuple[str, str] | None:
 async def speech(client: httpx.AsyncClient, s: Settings, job: Job) -> Result:
     res = Result("speech", start=time.perf_counter())
     p = job.prompt
-    body: dict[str, Any] = {"model": s.model, "input": p.text, "voice": s.voice, "response_format": s.speech_format}
+    body: dict[str, Any] = {"model": s.model, "input": p.text, "voice": s.voice,
+                            "response_format": s.speech_format}
     if s.speech_stream != "none":
         body["stream_format"] = s.speech_stream
     length = p.max_tokens if p.max_tokens is not None else s.max_tokens
@@ -491,8 +492,8 @@ async def chat(client: httpx.AsyncClient, s: Settings, job: Job) -> Result:
                     res.prompt_tokens = usage.get("prompt_tokens")
                 for choice in obj.get("choices") or ():
                     delta = choice.get("delta") or {}
-                    text = (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning")
-                                                           or "")
+                    reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
+                    text = (delta.get("content") or "") + reasoning
                     if text:
                         if last is None:
                             res.first = now - t0
@@ -554,7 +555,7 @@ async def send(client: httpx.AsyncClient, s: Settings, job: Job) -> Result:
             res = await SEND[job.workload](client, s, job)
     except TimeoutError:
         res = Result(job.workload, start=t0).fail("timeout", f"no complete answer within {s.timeout_s} s")
-    except Exception as e:  # noqa: BLE001 - a dead server, a cut stream, a bad body: counted, and the run goes on
+    except Exception as e:  # noqa: BLE001 - a dead server, a cut stream, a bad body: counted; the run goes on
         res = Result(job.workload, start=t0).fail(type(e).__name__, str(e) or repr(e))
     res.end = time.perf_counter()
     return res
@@ -700,7 +701,8 @@ def summarize(results: Sequence[Result], duration: float) -> dict[str, Any]:
         if not rs:
             continue
         good = [r for r in rs if r.ok]
-        fig: dict[str, Any] = {"requests": len(rs), "ok": len(good), "cancelled": sum(r.cancelled for r in rs),
+        fig: dict[str, Any] = {"requests": len(rs), "ok": len(good),
+                               "cancelled": sum(r.cancelled for r in rs),
                                "failed": sum(not r.ok and not r.cancelled for r in rs),
                                "request_throughput": len(good) * per_s,
                                "latency_ms": stats((r.latency for r in good), 1e3)}
@@ -711,20 +713,23 @@ def summarize(results: Sequence[Result], duration: float) -> dict[str, Any]:
                        stall_ms=stats((r.stall for r in good), 1e3), chunks=stats(r.chunks for r in good),
                        audio_s_total=sum(audio), audio_s_per_s=sum(audio) * per_s,
                        audio_bytes_total=sum(r.audio_bytes for r in good),
-                       realtime_streams=sum(x < 1.0 for x in rtf), silent=sum(not r.audio_bytes for r in good),
+                       realtime_streams=sum(x < 1.0 for x in rtf),
+                       silent=sum(not r.audio_bytes for r in good),
                        sample_rates=sorted({r.sample_rate for r in good if r.sample_rate}))
         elif w == "chat":
             tokens = [r.output_tokens or 0 for r in good]
             tpot = [(r.latency - r.first) / (r.output_tokens - 1) for r in good
                     if r.first is not None and r.latency is not None and (r.output_tokens or 0) > 1]
-            fig.update(ttft_ms=stats((r.first for r in good), 1e3), itl_ms=stats((x for r in good for x in r.itl), 1e3),
+            fig.update(ttft_ms=stats((r.first for r in good), 1e3),
+                       itl_ms=stats((x for r in good for x in r.itl), 1e3),
                        tpot_ms=stats(tpot, 1e3), output_tokens=stats(tokens), output_tokens_total=sum(tokens),
                        output_tokens_per_s=sum(tokens) * per_s,
                        prompt_tokens_total=sum(r.prompt_tokens or 0 for r in good),
                        tokens_from=dict(Counter(r.tokens_from for r in good)),
                        finish_reasons=dict(Counter(r.finish_reason for r in good)))
         else:
-            fig.update(images_total=sum(r.images for r in good), images_per_s=sum(r.images for r in good) * per_s,
+            made = sum(r.images for r in good)
+            fig.update(images_total=made, images_per_s=made * per_s,
                        image_bytes_total=sum(r.image_bytes for r in good))
         rec["workloads"][w] = fig
     return rec
@@ -763,7 +768,10 @@ def parse_metrics(text: str) -> dict[str, tuple[str, float]]:
     return out
 
 
-def metrics_delta(before: dict[str, tuple[str, float]], after: dict[str, tuple[str, float]]) -> dict[str, Any]:
+Samples = dict[str, tuple[str, float]]
+
+
+def metrics_delta(before: Samples, after: Samples) -> dict[str, Any]:
     """Counters (and histogram sums and counts): their change over the run; gauges: their value after it."""
     delta = {k: v - before.get(k, ("", 0.0))[1] for k, (kind, v) in after.items()
              if kind in ("counter", "histogram", "summary") and v != before.get(k, ("", 0.0))[1]}
@@ -783,8 +791,8 @@ COLUMNS: dict[str, list[tuple[str, str, int]]] = {
     "images": [("images_per_s", "images/s", 2)],
 }
 LEAD = [("run", "run", 0), ("ok", "ok", 0), ("failed", "failed", 0), ("cancelled", "cancel", 0),
-        ("request_throughput", "req/s", 2), ("latency_ms.p50", "latency p50 ms", 1), ("latency_ms.p90", "p90", 1),
-        ("latency_ms.p99", "p99", 1)]
+        ("request_throughput", "req/s", 2), ("latency_ms.p50", "latency p50 ms", 1),
+        ("latency_ms.p90", "p90", 1), ("latency_ms.p99", "p99", 1)]
 
 
 def report(runs: Sequence[dict[str, Any]]) -> str:
@@ -845,7 +853,8 @@ def _numbers(kind: Callable[[str], float]) -> Callable[[str], list[float]]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
-    ap.add_argument("--model", default=None, help="the model id to send (default: the first of GET /v1/models)")
+    ap.add_argument("--model", default=None,
+                    help="the model id to send (default: the first of GET /v1/models)")
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                     help="sent as `Authorization: Bearer KEY` (default: $OPENAI_API_KEY)")
     ap.add_argument("--workload", type=parse_mix, default=parse_mix("chat"),
@@ -856,16 +865,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (open loop)")
     ap.add_argument("--num-requests", type=int, default=None,
                     help="timed requests per run (default: max(16, 4 x concurrency); open loop 100)")
-    ap.add_argument("--duration", type=float, default=None, help="seconds per run: send until then (soak runs)")
+    ap.add_argument("--duration", type=float, default=None,
+                    help="seconds per run: send until then (soak runs)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed requests per run, first (default 2)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prompts", type=Path, default=None, help="a JSONL prompt set (default: built-in prompts)")
-    ap.add_argument("--prompt-words", type=int, default=12, help="words per built-in prompt (default 12)")
-    ap.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (chat; speech: see "
-                    "--speech-length-field)")
+    ap.add_argument("--prompts", type=Path, default=None,
+                    help="a JSONL prompt set (default: built-in prompts)")
+    ap.add_argument("--prompt-words", type=int, default=12,
+                    help="words per built-in prompt (default 12; at most 4096 distinct prompts, "
+                         "then reused in turn)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="output tokens per request (chat; speech: see --speech-length-field)")
     ap.add_argument("--cancel-fraction", type=float, default=0.0,
                     help="close this fraction of streamed requests after 1 to 3 chunks (disconnect tests)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request before it counts as failed")
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds per request before it counts as failed")
     ap.add_argument("--extra-body", type=json.loads, default={}, help="a JSON object merged into every body")
     for w in WORKLOADS:
         ap.add_argument(f"--{w}-endpoint", default=ENDPOINTS[w], help=f"default {ENDPOINTS[w]}")
@@ -883,8 +897,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="WxH: send a generated PNG as an image_url part with every chat request")
     ap.add_argument("--image-size", default=None, help="images: the `size` field (WxH)")
     ap.add_argument("--images-n", type=int, default=1)
-    ap.add_argument("--scrape-metrics", action="store_true", help="record GET /metrics' changes over each run")
-    ap.add_argument("--trust-env", action="store_true", help="let httpx read proxy settings from the environment")
+    ap.add_argument("--scrape-metrics", action="store_true",
+                    help="record GET /metrics' changes over each run")
+    ap.add_argument("--trust-env", action="store_true",
+                    help="let httpx read proxy settings from the environment")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "serve.json")
     args = ap.parse_args(argv)
     if not isinstance(args.extra_body, dict):
@@ -925,11 +941,11 @@ def main(argv: list[str] | None = None) -> int:
         model=model, max_tokens=args.max_tokens, timeout_s=args.timeout,
         endpoints={w: getattr(args, f"{w}_endpoint") for w in WORKLOADS}, extra_body=args.extra_body,
         voice=args.voice, speech_format=args.speech_format, speech_stream=args.speech_stream,
-        speech_length_field=args.speech_length_field, sample_rate=args.sample_rate, include_usage=not args.no_usage,
-        ignore_eos=args.ignore_eos, temperature=args.temperature, chat_image=image, image_size=args.image_size,
-        images_n=args.images_n)
+        speech_length_field=args.speech_length_field, sample_rate=args.sample_rate,
+        include_usage=not args.no_usage, ignore_eos=args.ignore_eos, temperature=args.temperature,
+        chat_image=image, image_size=args.image_size, images_n=args.images_n)
     prompts = (load_prompts(args.prompts) if args.prompts else
-               builtin_prompts(max(64, args.num_requests or 0), args.prompt_words, args.seed))
+               builtin_prompts(min(max(64, args.num_requests or 0), 4096), args.prompt_words, args.seed))
     specs = [RunSpec("closed", c, args.num_requests or max(16, 4 * int(c)), args.duration, None, args.warmup,
                      args.cancel_fraction, args.seed) for c in args.concurrency or ()]
     specs += [RunSpec("open", r, args.num_requests or 100, args.duration, args.max_concurrency, args.warmup,

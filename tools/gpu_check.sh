@@ -110,6 +110,9 @@ EOF
 #   orpheus  tools/bench/orpheus.py only
 #   bagel    pytest -m gpu on tests/test_bagel_*.py, then tools/bench/bagel.py $BAGEL_ARGS
 #            (the official inferencer too when `.official/` was carried: tools/official_bagel.sh)
+#   qwen3    pytest -m gpu on tests/test_qwen3_omni_*.py, then tools/bench/qwen3_omni.py $QWEN3_ARGS
+#            (real size, dummy weights: speech at B = 1, 4, 16, 32, chat, transformers at B = 1 on the
+#            same weights, the HBM floors; into $OUT/qwen3_omni.json)
 #   multigpu on a machine with 2+ GPUs: pytest -m multigpu (unless MULTIGPU_TESTS=0), then Orpheus
 #            for each placement of MULTIGPU_PLACEMENTS (default: tp 1, tp 2 and the split;
 #            orpheus-<placement>.json each)
@@ -166,6 +169,23 @@ if [[ "$STAGES" == *" bagel "* ]]; then
   # shellcheck disable=SC2086
   timeout $left $PY tools/bench/bagel.py ${BAGEL_ARGS:-} --out "$OUT/bagel.json"
   rc=$?; echo "bagel bench exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+fi
+
+if [[ "$STAGES" == *" qwen3 "* ]]; then
+  stage "pytest -m gpu tests/test_qwen3_omni_*.py"
+  timeout 200 $PY -m pytest -m gpu -q -rfEs --durations=10 tests/test_qwen3_omni_*.py
+  rc=$?; echo "pytest exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+  stage "tools/bench/qwen3_omni.py"
+  left=$(( 560 - ($(date +%s) - START) ))
+  # the transformers baseline runs last and is skipped (recorded) when it would not end in time;
+  # QWEN3_ARGS may set its own --budget-s (the last one given counts)
+  if [ $left -gt 60 ]; then
+    # shellcheck disable=SC2086
+    timeout $left $PY tools/bench/qwen3_omni.py --budget-s $(( left - 20 )) ${QWEN3_ARGS:-} --out "$OUT/qwen3_omni.json"
+    rc=$?; echo "qwen3_omni bench exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+  else
+    echo "skipped: only $left s left of the 9-minute budget"; STATUS=1
+  fi
 fi
 
 # ---------------------------------------------------------------------------- 4. several GPUs

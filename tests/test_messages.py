@@ -18,6 +18,7 @@ from mstar_runtime.worker.messages import (
     ForkKV,
     FreeRequest,
     Heartbeat,
+    Hello,
     KVSlots,
     Message,
     MessageError,
@@ -84,6 +85,7 @@ def samples() -> list[Message]:
         WorkerError(rank=3, message="CUDA error: out of memory", step_id=12),
         WorkerError(rank=0, message="ünïcode ok"),
         Heartbeat(rank=2, seq=2**40),
+        Hello(rank=3, pid=4242, host="node-b", node=1, token="0f" * 16),
     ]
 
 
@@ -124,6 +126,7 @@ def test_allowlist_is_explicit_and_complete() -> None:
         "worker_ready",
         "worker_error",
         "heartbeat",
+        "hello",
     }
     assert {type(m) for m in samples()} == set(MESSAGE_TYPES.values())
 

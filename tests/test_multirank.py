@@ -222,7 +222,7 @@ def test_remote_errors_fail_only_their_requests(plans: dict[int, Path]) -> None:
         assert "worker traceback:" in err and "Traceback (most recent call last)" in err, err
         assert handles[1].state == FINISHED, handles[1].error  # flow never decodes: unaffected
         _same(_one_rank(plans, requests)[1].outputs, handles[1].outputs)
-        assert bad.broken is None and workers[1].alive
+        assert bad.broken is None and workers[1].alive()
         # A node's RequestError on rank 1 (a context over max_context) fails that request only,
         # though it shared its prefill batch with a good one.
         requests = [("generate", {"prompt": "x" * 200, "max_new": 4}), REQUESTS[0]]

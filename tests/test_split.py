@@ -289,7 +289,7 @@ def test_a_remote_step_that_fails_in_flight_fails_only_its_requests(
         assert "node 'lm' phase 'decode': on rank 1: IndexError" in handles[0].error, handles[0].error
         assert handles[1].state == FINISHED, handles[1].error  # flow never decodes: unaffected
         _close(_one_rank(plans["tf1"], requests[1:])[0].outputs, handles[1].outputs)
-        assert conductor.broken is None and workers[1].alive
+        assert conductor.broken is None and workers[1].alive()
         assert conductor.kv.used_pages() == 0
 
 

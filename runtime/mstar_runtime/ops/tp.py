@@ -21,6 +21,7 @@ copies), which is what lets every rank of a group sample the same token from its
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -48,11 +49,13 @@ def has_tp(plan: Plan) -> bool:
     return bool(tp_groups(plan))
 
 
-def build_groups(plan: Plan, rank: int) -> dict[str, Any]:
+def build_groups(plan: Plan, rank: int, timeout: timedelta | None = None) -> dict[str, Any]:
     """Create every TP group of the plan (a collective call: every process of the default
     group must make it, in the same order) and return {node: group} for the nodes of this
-    rank that run at tp > 1. Empty (and creates nothing) when the plan has no TP node."""
-    groups = {ranks: dist.new_group(list(ranks)) for ranks in tp_groups(plan)}
+    rank that run at tp > 1. Empty (and creates nothing) when the plan has no TP node.
+    `timeout`: how long a collective of the group may wait for a member (torch's default,
+    30 min for Gloo, when None; a torchrun launch passes its peer timeout)."""
+    groups = {ranks: dist.new_group(list(ranks), timeout=timeout) for ranks in tp_groups(plan)}
     out: dict[str, Any] = {}
     for name in plan.resident_nodes(rank):
         shard = plan.node(name).shard

@@ -15,7 +15,8 @@ keeps bool, int, float, str and nil apart, so that union decodes without ambigui
 The conversation between the conductor and a worker process (``remote.py``):
 conductor -> worker: ``StepRequest``, ``ForkKV``, ``CopySlots``, ``DropTag``, ``FreeRequest``,
 ``Heartbeat``, ``Shutdown``; worker -> conductor: ``WorkerReady`` (once), ``StepResult``,
-``StepRejected`` (a node's ``RequestError``), ``WorkerError``, ``Heartbeat`` (the echo).
+``StepRejected`` (a node's ``RequestError``), ``WorkerError``, ``Heartbeat`` (the echo); over
+a torchrun launch's control connection the worker first sends ``Hello``.
 """
 
 import dataclasses
@@ -257,6 +258,21 @@ class WorkerError:
 
 
 @dataclass(frozen=True, slots=True)
+class Hello:
+    """Worker -> conductor, first on a control connection of a torchrun launch
+    (`mstar_runtime.worker.launch`): rank ``rank`` (process ``pid`` on host ``host``, its
+    torchrun node ``node``) with the job's ``token`` (a secret the conductor put in torchrun's
+    store), so a connection from anything else is refused before any other frame is read."""
+
+    type: ClassVar[str] = "hello"
+    rank: int
+    pid: int
+    host: str
+    node: int
+    token: str
+
+
+@dataclass(frozen=True, slots=True)
 class Heartbeat:
     """Liveness, so a watchdog can tell a hung worker from a slow step: the conductor sends
     one, the worker echoes ``seq`` with its own rank."""
@@ -278,6 +294,7 @@ Message = (
     | WorkerReady
     | WorkerError
     | Heartbeat
+    | Hello
 )
 
 # The allowlists: the only classes decode will ever instantiate.
@@ -295,6 +312,7 @@ MESSAGE_TYPES: dict[str, type] = {
         WorkerReady,
         WorkerError,
         Heartbeat,
+        Hello,
     )
 }
 STRUCT_TYPES: frozenset[type] = frozenset({StepEntry, ResultEntry, TensorMeta, KVSlots, ReadSlots, SlotCopy})

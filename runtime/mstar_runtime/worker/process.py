@@ -72,6 +72,7 @@ class _Server:
         self.device = worker.device
         self.comm = comm_device(worker.device)
         self.waited = 0.0  # reading messages since the last answer (StepResult.waited_s)
+        self.shut_down = False  # `serve` ended on a Shutdown (not at the end of its input)
         # (node, request_id, tag) -> tensor outputs of its last replicated (TP) step
         self.kept: dict[tuple[str, str, str | None], dict[str, torch.Tensor]] = {}
 
@@ -81,6 +82,7 @@ class _Server:
             msg = read_frame(inp)
             self.waited += time.perf_counter() - t0
             if msg is None or isinstance(msg, m.Shutdown):
+                self.shut_down = msg is not None
                 return 0
             if isinstance(msg, m.StepRequest):
                 self._step(msg)

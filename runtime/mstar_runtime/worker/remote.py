@@ -8,7 +8,7 @@ whose answer is taken later), `heartbeat` and `close`.
 
 Three modules: this one is the conductor's side (`RemoteWorker`, `StepHandle`,
 `start_workers`, `shutdown_workers`); `wire.py` holds what both sides share (frames, values,
-tensor transfers); `worker_process.py` is the worker's loop (`worker_main`, run by this
+tensor transfers); `process.py` is the worker's loop (`worker_main`, run by this
 module's `__main__`).
 
 Control: typed msgpack messages (`messages.py`, decoded through its allowlist), one per
@@ -70,6 +70,13 @@ A worker exits when its stdin reaches EOF (the conductor closed it or died) and,
 gets SIGKILL when the thread that started it dies (PR_SET_PDEATHSIG): start workers from a
 thread that lives as long as they should (the main thread). `start_workers` also registers
 an atexit hook, so no worker outlives a conductor that exits normally.
+
+Several hosts: under torchrun (`launch.py`) the ranks are torchrun's processes, not children
+of rank 0. `set_launcher` makes `start_workers` hand the plan to the launcher, which returns
+rank 0's `LocalWorker` and a `PeerWorker` (`peer.py`) per other rank: this class over a TCP
+connection instead of pipes, the same protocol and failure handling. `alive()` (the
+server's /health) says whether a worker serves: not lost, its process (or connection) up,
+no answer overdue.
 """
 
 from __future__ import annotations
@@ -85,7 +92,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any, NoReturn
@@ -95,7 +102,7 @@ import torch.distributed as dist
 from mstar_runtime.kv.block_manager import SlotCopy
 from mstar_runtime.ops import tp
 from mstar_runtime.ops.node import RequestError
-from mstar_runtime.plan.loader import Plan
+from mstar_runtime.plan.loader import Plan, PlanError
 from mstar_runtime.worker import messages as m
 from mstar_runtime.worker.process import ANSWER_TIMEOUT_S, end_group, worker_main
 from mstar_runtime.worker.wire import (
@@ -148,6 +155,9 @@ def _how_it_ended(proc: subprocess.Popen[bytes]) -> str:
 class RemoteWorker:
     """The conductor's proxy of one worker process (see the module docstring)."""
 
+    died = "died"  # what a `WorkerLost` says of a worker found gone between steps
+    channel = "control pipe"  # what carries the frames, in messages
+
     def __init__(
         self,
         plan: Plan,
@@ -162,6 +172,12 @@ class RemoteWorker:
         env: Mapping[str, str] | None = None,
         peers: _Peers | None = None,
     ):
+        self._setup(plan, rank, answer_timeout, inline_bytes, peers)
+        self._spawn(init_method, weights, device, threads, env)
+        _LIVE.add(self)
+
+    def _setup(self, plan: Plan, rank: int, answer_timeout: float, inline_bytes: int, peers: _Peers | None) -> None:
+        """The conductor-side state of the conversation, whatever carries it."""
         self.plan, self.rank = plan, rank
         self.peers = peers
         self.answer_timeout, self.inline_bytes = answer_timeout, inline_bytes
@@ -181,6 +197,12 @@ class RemoteWorker:
         self._kept_any = False  # a replicated step ran: the worker keeps per-request outputs
         # send the values of `refs` inputs too, for the worker to compare with its own (tests)
         self.check_refs = False
+
+    def _spawn(
+        self, init_method: str, weights: str | Path, device: str, threads: int | None, env: Mapping[str, str] | None
+    ) -> None:
+        """Start the worker process (`python -m mstar_runtime.worker.remote`) on pipes."""
+        plan, rank, answer_timeout = self.plan, self.rank, self.answer_timeout
         cmd = [
             sys.executable,
             "-m",
@@ -229,7 +251,6 @@ class RemoteWorker:
             target=self._drain, args=(self.proc.stderr,), name=f"mstar-worker-{rank}-stderr", daemon=True
         )
         self._stderr_thread.start()
-        _LIVE.add(self)
 
     # ------------------------------------------------------------------ start-up
     def wait_ready(self, timeout: float = START_TIMEOUT_S, digest: str | None = None) -> None:
@@ -305,7 +326,7 @@ class RemoteWorker:
         try:
             send_tensors(tensors, self.rank, self.comm)
         except RuntimeError as e:
-            self._lose(f"torch.distributed send failed: {e}")
+            self._lose(f"did not take the inputs of {batch.node}.{batch.phase} over torch.distributed ({_first_line(e)})")
         handle = StepHandle(self, batch, step_id, time.monotonic() + self.answer_timeout, send_outputs)
         if send_outputs:
             self._inflight = handle
@@ -330,7 +351,7 @@ class RemoteWorker:
             self.lost is not None
             or self._out.poll()
             or time.monotonic() > handle.deadline
-            or self.proc.poll() is not None
+            or not self._running()
         )
 
     def _poll(self, handle: StepHandle) -> None:
@@ -423,7 +444,8 @@ class RemoteWorker:
         try:
             received = iter(recv_tensors(metas, self.rank, self.comm, self.comm))
         except RuntimeError as e:
-            self._lose(f"torch.distributed receive failed: {e}")
+            self._lose(f"did not send the outputs of {batch.node}.{batch.phase} over torch.distributed "
+                       f"({_first_line(e)})")
         return [
             unpack_values(e.outputs, [next(received) for _ in e.outputs], e.inline, e.scalars, self.comm)
             for e in msg.entries
@@ -472,9 +494,17 @@ class RemoteWorker:
             if not isinstance(msg, m.Heartbeat):
                 self._lose(f"sent '{msg.type}' when only a heartbeat was due")
 
-    @property
     def alive(self) -> bool:
-        return self.lost is None and self.proc.poll() is None
+        """Whether the worker serves: not lost, its process running, no answer overdue. A
+        method (the server's /health calls it); cheap, and never waits for the worker."""
+        if self.lost is not None or not self._running():
+            return False
+        h = self._inflight
+        return h is None or h.done or time.monotonic() <= h.deadline
+
+    def _running(self) -> bool:
+        """Whether the worker's process still runs (never waits, never reads a frame)."""
+        return self.proc.poll() is None
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Ask the worker to exit, wait a little, then kill it. Idempotent; never raises."""
@@ -506,7 +536,7 @@ class RemoteWorker:
     def _abandon(self, timeout: float) -> None:
         """Take the answers of steps left in flight (their requests ended meanwhile), so the
         worker is not left blocked sending outputs nobody receives and can read its Shutdown."""
-        if (self._inflight is None and not self._acks) or self.lost is not None or self.proc.poll() is not None:
+        if (self._inflight is None and not self._acks) or self.lost is not None or not self._running():
             return
         if self._lock.acquire(timeout=timeout):
             try:
@@ -544,19 +574,20 @@ class RemoteWorker:
             self._in.write(FRAME.pack(len(data)) + data)
             self._in.flush()
         except (BrokenPipeError, ValueError, OSError) as e:  # ValueError: the pipe was closed here
-            self._lose(f"stopped reading its control pipe ({type(e).__name__})")
+            self._lose(f"stopped reading its {self.channel} ({type(e).__name__}: {e})")
 
     def _read(self, timeout: float, doing: str, within: float | None = None) -> m.Message:
         """The next frame; WorkerLost when there is none in time. `within`: the limit to name
         in that message, when `timeout` is what is left of it."""
         try:
-            msg = self._out.read(timeout, lambda: self.proc.poll() is None)
+            msg = self._out.read(timeout, self._running)
         except TimeoutError:
             self._lose(f"did not answer within {within if within is not None else timeout:.0f} s while {doing}")
         except (ProtocolError, m.MessageError) as e:
             self._lose(f"sent a bad frame while {doing}: {e}")
         if msg is None:
-            self._lose(f"closed its control pipe while {doing}")
+            broke = self._out.error
+            self._lose(f"closed its {self.channel} while {doing}" + (f" ({broke})" if broke else ""))
         return msg
 
     def _lose(self, why: str, reported: str | None = None) -> NoReturn:
@@ -565,27 +596,35 @@ class RemoteWorker:
         `reported`: the text of the worker's own fatal WorkerError (error, then traceback),
         which then stands in for its stderr (that holds the same traceback)."""
         if self.lost is None:
-            killed_here = False
-            if self.proc.poll() is None:
-                try:  # a crashing process may be exiting right now: let it say how
-                    self.proc.wait(0.5)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-                    killed_here = True
-            self._stderr_thread.join(1.0)
-            how = "was killed here, as it still ran" if killed_here else _how_it_ended(self.proc)
+            how = self._end_process()
             if reported is not None:
                 head, _, detail = reported.partition("\n")
-                self.lost = f"its process (pid {self.pid}) {why}: {head}; it {how}" + (
+                self.lost = f"its process ({self._where()}) {why}: {head}; it {how}" + (
                     f"\n{detail}" if detail else ""
                 )
             else:
-                tail = "\n".join(f"  | {line}" for line in self._stderr)
-                self.lost = f"its process (pid {self.pid}) {why}; it {how}" + (
-                    f"; the last lines of its stderr:\n{tail}" if tail else "; it wrote nothing to stderr"
-                )
+                self.lost = f"its process ({self._where()}) {why}; it {how}" + self._output_tail()
         raise WorkerLost(self.rank, self.lost)
+
+    def _where(self) -> str:
+        return f"pid {self.pid}"
+
+    def _end_process(self) -> str:
+        """Make sure the process is gone (killing it if it still runs); how it ended."""
+        killed_here = False
+        if self.proc.poll() is None:
+            try:  # a crashing process may be exiting right now: let it say how
+                self.proc.wait(0.5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                killed_here = True
+        self._stderr_thread.join(1.0)
+        return "was killed here, as it still ran" if killed_here else _how_it_ended(self.proc)
+
+    def _output_tail(self) -> str:
+        tail = "\n".join(f"  | {line}" for line in self._stderr)
+        return f"; the last lines of its stderr:\n{tail}" if tail else "; it wrote nothing to stderr"
 
 
 def can_submit(worker: Any) -> bool:
@@ -635,6 +674,13 @@ class StepHandle:
         return self._outputs
 
 
+def _first_line(e: BaseException) -> str:
+    """An exception's first sentence, without the source path Gloo puts first."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = text.split("] ", 1)[1] if text.startswith("[") and "] " in text else text
+    return text.split(". ", 1)[0]  # Gloo goes on with advice that does not apply
+
+
 def _frame(msg: m.Message) -> bytes:
     data = m.encode(msg)
     return FRAME.pack(len(data)) + data
@@ -653,27 +699,64 @@ class _Peers:
     def __init__(self) -> None:
         self.remotes: list[RemoteWorker] = []
 
-    def check(self) -> None:
-        for w in self.remotes:
-            if w.lost is not None:
-                raise WorkerLost(w.rank, w.lost)
-            if not w._closed and w.proc.poll() is not None:
-                w._lose("died")
+    def check(self, within: float = 0.0) -> None:
+        """WorkerLost for the first worker that is gone; with `within`, keep looking that
+        long (a dead peer's connection may close a little after the error it caused)."""
+        deadline = time.monotonic() + within
+        while True:
+            for w in self.remotes:
+                if w.lost is not None:
+                    raise WorkerLost(w.rank, w.lost)
+                if not w._closed and not w._running():
+                    w._lose(w.died)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
 
 class LocalWorker(Worker):
     """Rank 0's in-process worker, checking its peer processes before each step."""
 
     peers: _Peers | None = None
+    LOSS_GRACE_S = 2.0  # how long a failed step looks for a peer's loss that explains it
 
     def run_step(self, batch: StepBatch) -> list[dict[str, Any]]:
-        if self.peers is not None:
-            self.peers.check()
-        return super().run_step(batch)
+        if self.peers is None:
+            return super().run_step(batch)
+        self.peers.check()
+        try:
+            return super().run_step(batch)
+        except WorkerStepError:
+            # A collective of a tensor-parallel node fails when a member of its group died;
+            # say that (WorkerLost: the run stops), not the transport's error in the forward.
+            shard = self.plan.node(batch.node).shard
+            self.peers.check(within=self.LOSS_GRACE_S if shard is not None and shard.tp > 1 else 0.0)
+            raise
 
 
 _LIVE: weakref.WeakSet[RemoteWorker] = weakref.WeakSet()
 _OWN_GROUP = False  # True while this module owns the default process group
+_LEAVE_IF_LOST = False  # a launcher's group: not ended after a worker was lost (`own_group`)
+# Set by a launcher that started this process's ranks itself (`mstar_runtime.worker.launch`,
+# rank 0 of a torchrun job): `start_workers` then hands it the plan instead of starting
+# processes, and it returns the workers; None for the one-host launch.
+Launcher = Callable[[Plan, "str | Path", str], dict[int, Any]]
+_LAUNCHER: Launcher | None = None
+
+
+def set_launcher(launcher: Launcher | None) -> None:
+    """Install (or remove, with None) the launcher `start_workers` defers to (see `_LAUNCHER`)."""
+    global _LAUNCHER
+    _LAUNCHER = launcher
+
+
+def own_group() -> None:
+    """A launcher made this process's default group: `shutdown_workers` ends it, unless a
+    worker was lost: a group with a stalled member can take its whole timeout to end, and
+    the launcher's process exits right after (so the group ends with it)."""
+    global _OWN_GROUP, _LEAVE_IF_LOST
+    _OWN_GROUP = dist.is_initialized()
+    _LEAVE_IF_LOST = True
 
 
 @atexit.register
@@ -707,11 +790,24 @@ def start_workers(
     then every process makes the plan's TP groups (`mstar_runtime.ops.tp`). Rank 0's nodes are
     built while the worker processes start, unless the plan has a TP node: its nodes then
     wait for their groups.
-    Any failure stops what was started and raises (WorkerLost names the rank)."""
+    Any failure stops what was started and raises (WorkerLost names the rank).
+
+    Under a launcher (`set_launcher`: a torchrun job, whose ranks torchrun started on their
+    hosts) the launcher makes the workers instead. Without one, a GPU plan over several
+    hosts is refused: this host has the GPUs of one of them."""
     device = device or plan.device
     if device != plan.device:
         raise ValueError(
             f"the plan was loaded for '{plan.device}', not '{device}': load_plan(..., device=...)"
+        )
+    if _LAUNCHER is not None:
+        return _LAUNCHER(plan, weights, device)
+    if len(plan.hosts) > 1 and device == "cuda":
+        raise PlanError(
+            plan.path,
+            f"the plan runs on {len(plan.hosts)} hosts; start it on each of them with torchrun "
+            "(python -m mstar_runtime.worker.launch, docs/distributed.md), or run it on the CPU "
+            "of this one with --device cpu",
         )
     if plan.num_ranks == 1:
         return {0: Worker(plan, 0, plan.torch_device(0), weights)}
@@ -807,6 +903,9 @@ def _join_group(
 def shutdown_workers(workers: Mapping[int, Any]) -> None:
     """Close every worker process, then this process's group. Never raises."""
     global _OWN_GROUP
+    lost = any(isinstance(w, RemoteWorker) and (w.lost is not None or not w._running()) for w in workers.values())
+    if lost and _LEAVE_IF_LOST:
+        _OWN_GROUP = False
     for w in workers.values():
         if isinstance(w, RemoteWorker):
             w.close()

@@ -65,6 +65,7 @@ class FrameReader:
     def __init__(self, fd: int):
         self.fd, self.buf = fd, bytearray()
         self.eof = False  # the pipe ended; what is buffered may still hold whole frames
+        self.error: OSError | None = None  # why it ended, when a socket broke (a reset, a timeout)
 
     def read(self, timeout: float, alive: Any) -> m.Message | None:
         """The next message; None at EOF; TimeoutError after `timeout` seconds (the pipe is
@@ -114,7 +115,12 @@ class FrameReader:
         return m.decode(data)
 
     def _fill(self) -> None:
-        chunk = os.read(self.fd, 1 << 20)
+        try:
+            chunk = os.read(self.fd, 1 << 20)
+        except BlockingIOError:  # a socket that select called readable had nothing after all
+            return
+        except OSError as e:  # a socket reset or timed out by its peer's host: the end, with a reason
+            self.error, chunk = e, b""
         if chunk:
             self.buf += chunk
         else:

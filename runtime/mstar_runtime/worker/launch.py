@@ -161,7 +161,7 @@ def _say(text: str) -> None:
 
 
 # ------------------------------------------------------------------------------- rank 0
-class Conductor:
+class RankZero:
     """Rank 0: `mstar-run`'s workers are the ranks torchrun started (`start`), watched."""
 
     def __init__(self, tr: Torchrun, store: dist.Store, opts: argparse.Namespace, serving: bool):
@@ -295,7 +295,7 @@ class Conductor:
 
 def _conduct(tr: Torchrun, opts: argparse.Namespace, rest: list[str]) -> int:
     store = _store(tr, opts.start_timeout)
-    conductor = Conductor(tr, store, opts, serving="--serve" in rest)
+    conductor = RankZero(tr, store, opts, serving="--serve" in rest)
     remote.set_launcher(conductor.start)
     code: int | str | None = 1
     try:

@@ -16,6 +16,12 @@ allocates pages: the conductor's `BlockManager` does, and every entry arrives wi
    (extra keys are allowed and passed through). Anything else is a `NodeError` naming the
    node and the phase.
 
+Before that, entries of one request whose not-kept query blocks (`keep=False`) meet the same
+content (`KVSlots.content`, the BlockManager's version), node state and inputs are computed
+once: the node sees the first, the others get copies of its outputs and of the state it left
+(`shared_queries` counts them). BAGEL's text-to-image `cfg_img`, a fork of `gen` that
+neither writes again, is such a twin.
+
 Entries with `q_len == 0` (a phase that adds no KV) are part of the batch but not of the
 attention metadata; they must not call `attend`.
 

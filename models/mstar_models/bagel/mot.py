@@ -82,12 +82,12 @@ from mstar_runtime.ops.node import (
     RequestError,
     SeqPlan,
 )
+from mstar_runtime.ops.ports import config_value, max_seq_len, scalar
 from mstar_runtime.ops.readback import Lazy, Readback, upload_tensor
 from mstar_runtime.ops.sampler import SamplingColumns, SamplingParams, sample, sample_columns, sampling_row
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-DEFAULT_MAX_SEQ_LEN = 4096  # the compiler's memory-pass default for `max_seq_len`
 VAE_DOWNSAMPLE = 8  # FLUX VAE: pixels per latent pixel per side
 TIME_MAX_PERIOD = 10000.0  # DiT's timestep embedding
 EXPERTS = ("", "_moe_gen")  # und, gen: the checkpoint's name suffixes
@@ -199,37 +199,6 @@ class Route:
 
 
 # ------------------------------------------------------------------------------- helpers
-def _config(spec: NodeSpec, name: str, default: Any = None) -> Any:
-    """A size or constant: the node's `arch` argument, else the model config, else `default`."""
-    if name in spec.arch_args:
-        return spec.arch_args[name]
-    if name in spec.config:
-        return spec.config[name]
-    if default is None:
-        raise NodeError(f"node '{spec.name}' (MoTLanguageModel): config value '{name}' is missing")
-    return default
-
-
-def max_seq_len(spec: NodeSpec) -> int:
-    """The `max_seq_len` setting, read as the compiler reads it (a positive int, else the default)."""
-    value = spec.settings.get("max_seq_len", DEFAULT_MAX_SEQ_LEN)
-    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-    return value if ok else DEFAULT_MAX_SEQ_LEN
-
-
-def _scalar(entry: Mapping[str, Any], port: str, kind: type) -> Any:
-    """A scalar port's value (a Python number, or a one-element tensor), checked; bools are refused."""
-    value = entry.get(port)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    ok = isinstance(value, int) if kind is int else isinstance(value, int | float)
-    if isinstance(value, bool) or not ok or (kind is float and not math.isfinite(value)):
-        raise RequestError(
-            f"input '{port}' must be {'an integer' if kind is int else 'a finite number'}, got {value!r}", port
-        )
-    return kind(value)
-
-
 def _shape(shapes: Mapping[str, tuple[int, ...]], port: str, ndim: int) -> tuple[int, ...]:
     shape = tuple(int(d) for d in shapes.get(port, ()))
     if len(shape) != ndim:
@@ -287,7 +256,7 @@ class MoTLanguageModel(KVNode):
         if spec.tp_size != 1:
             raise NodeError(f"node '{spec.name}' (MoTLanguageModel) does not shard; place it with tp=1, "
                             f"not {spec.tp_size}")
-        g = lambda name, default=None: _config(spec, name, default)  # noqa: E731 - a local shorthand
+        g = lambda name, *default: config_value(spec, name, *default, owner="MoTLanguageModel")  # noqa: E731
         self.vocab, self.hidden, self.layers = int(g("vocab")), int(g("hidden")), int(g("layers"))
         self.heads, self.kv_heads, self.head_dim = int(g("heads")), int(g("kv_heads")), int(g("head_dim"))
         self.intermediate = int(g("intermediate"))
@@ -376,7 +345,7 @@ class MoTLanguageModel(KVNode):
         elif phase in ("prefill_vit", "prefill_vae", "denoise"):
             port = {"prefill_vit": "vit", "prefill_vae": "clean", "denoise": "latent"}[phase]
             n, width = _shape(shapes, port, 2)
-            want = int(_config(spec, "hidden" if port == "vit" else "patch_dim"))
+            want = int(config_value(spec, "hidden" if port == "vit" else "patch_dim", owner="MoTLanguageModel"))
             if width != want:
                 raise RequestError(f"input '{port}' must be [n, {want}], got [{n}, {width}]", port)
             if n == 0 and phase == "denoise":
@@ -434,7 +403,7 @@ class MoTLanguageModel(KVNode):
     def phase_denoise(self, batch: Batch, attn: AttentionContext) -> Batch:
         blocks = [self._check_latent(entry, seq.start, seq.q_len, "latent") for entry, seq in zip(batch, attn.seqs)]
         live = [i for i, b in enumerate(blocks) if b[0].shape[0]]
-        times = [_scalar(batch[i], "t", float) for i in live]
+        times = [scalar(batch[i], "t", float, finite=True) for i in live]
         dev = self.inv_freq.device
         out: Batch = [{"velocity": torch.zeros(0, self.patch_dim, dtype=torch.float32, device=dev)} for _ in batch]
         if not live:  # every branch is off: nothing to attend, nothing to compute
@@ -510,7 +479,7 @@ class MoTLanguageModel(KVNode):
             if q_len:
                 raise NodeError(f"node '{self.spec.name}': an empty latent got {q_len} KV slots")
             return x, 0, 0
-        height, width = _scalar(entry, "height", int), _scalar(entry, "width", int)
+        height, width = scalar(entry, "height", int), scalar(entry, "width", int)
         h, w = height // self.latent_downsample, width // self.latent_downsample
         if not (1 <= h <= self.max_latent and 1 <= w <= self.max_latent):
             side = self.latent_downsample * self.max_latent
@@ -522,12 +491,12 @@ class MoTLanguageModel(KVNode):
         return upload_tensor(x, self.inv_freq.device), h, w
 
     def _check_start(self, entry: Mapping[str, Any]) -> dict[str, Any]:
-        temperature = _scalar(entry, "temperature", float)
-        max_length = _scalar(entry, "max_length", int)
+        temperature = scalar(entry, "temperature", float, finite=True)
+        max_length = scalar(entry, "max_length", int)
         if max_length < 1:
             raise RequestError(f"max_length must be >= 1, got {max_length}", "max_length")
         seed = entry.get("seed")
-        params = SamplingParams(temperature=temperature, seed=None if seed is None else _scalar(entry, "seed", int))
+        params = SamplingParams(temperature=temperature, seed=None if seed is None else scalar(entry, "seed", int))
         # a fixed seed for the whole reply: the sampler draws fresh randomness for seed=None
         return {"params": params.with_seed(), "max_new": min(max_length, self.max_text_tokens)}
 

@@ -75,6 +75,7 @@ from mstar_runtime.ops.node import (
     RequestError,
     SeqPlan,
 )
+from mstar_runtime.ops.ports import config_value, max_seq_len, scalar
 from mstar_runtime.ops.readback import Lazy, Readback, upload_tensor
 from mstar_runtime.ops.sampler import SamplingParams, sample
 
@@ -88,7 +89,6 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
-DEFAULT_MAX_SEQ_LEN = 4096  # the compiler's memory-pass default for `max_seq_len`
 # reference/models.md 3.3; the walk's config normally supplies these.
 TOKEN_DEFAULTS = {
     "audio_token_offset": 128266,
@@ -197,37 +197,6 @@ class LlamaModel(nn.Module):
 
 
 # ------------------------------------------------------------------------------- helpers
-def _config(spec: NodeSpec, name: str, default: Any = None) -> Any:
-    """A size or constant: the node's `arch` argument, else the model config, else `default`."""
-    if name in spec.arch_args:
-        return spec.arch_args[name]
-    if name in spec.config:
-        return spec.config[name]
-    if default is None:
-        raise NodeError(f"node '{spec.name}' (LlamaBackbone): config value '{name}' is missing")
-    return default
-
-
-def max_seq_len(spec: NodeSpec) -> int:
-    """The `max_seq_len` setting, read as the compiler reads it (a positive int, else the default)."""
-    value = spec.settings.get("max_seq_len", DEFAULT_MAX_SEQ_LEN)
-    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-    return value if ok else DEFAULT_MAX_SEQ_LEN
-
-
-def _scalar(entry: Mapping[str, Any], port: str, kind: type) -> Any:
-    """A scalar port's value (a Python number, or a one-element tensor), checked; bools are refused."""
-    value = entry.get(port)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    ok = isinstance(value, int) if kind is int else isinstance(value, int | float)
-    if isinstance(value, bool) or not ok:
-        raise RequestError(
-            f"input '{port}' must be {'an integer' if kind is int else 'a number'}, got {value!r}", port
-        )
-    return kind(value)
-
-
 def _code_items(codes: torch.Tensor, code: int, i: int) -> torch.Tensor:
     """Entry i's `code` items on the host, a view of the step's codes: [code], or none when
     `code` is -1 (the token was not a code)."""
@@ -256,7 +225,7 @@ class LlamaBackbone(KVNode):
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
-        g = lambda name, default=None: _config(spec, name, default)  # noqa: E731 - a local shorthand
+        g = lambda name, *default: config_value(spec, name, *default, owner="LlamaBackbone")  # noqa: E731
         self.vocab, self.hidden, self.layers = int(g("vocab")), int(g("hidden")), int(g("layers"))
         self.heads, self.kv_heads, self.head_dim = int(g("heads")), int(g("kv_heads")), int(g("head_dim"))
         self.tied = bool(g("tie_embeddings", False))
@@ -510,15 +479,15 @@ class LlamaBackbone(KVNode):
             raise RequestError(
                 f"prompt token ids must lie in [0, {self.vocab}), got [{int(lo)}, {int(hi)}]", "prompt"
             )
-        max_tokens = _scalar(entry, "max_tokens", int)
+        max_tokens = scalar(entry, "max_tokens", int)
         if max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
         seed = entry.get("seed")
         params = SamplingParams(
-            temperature=_scalar(entry, "temperature", float),
-            top_p=_scalar(entry, "top_p", float),
-            repetition_penalty=_scalar(entry, "repetition_penalty", float),
-            seed=None if seed is None else _scalar(entry, "seed", int),
+            temperature=scalar(entry, "temperature", float),
+            top_p=scalar(entry, "top_p", float),
+            repetition_penalty=scalar(entry, "repetition_penalty", float),
+            seed=None if seed is None else scalar(entry, "seed", int),
         )
         return upload_tensor(prompt, self.inv_freq.device), params, max_tokens
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from mstar_runtime.ops.node import NodeError, NodeSpec, RequestError
+from mstar_runtime.ops.ports import config_value
 
 # The runtime passes a stream chunk to its consumer port P as the items tensor `entry[P]` and
 # the number of its leading context items (already seen in an earlier chunk) as
@@ -20,13 +21,7 @@ CONTEXT_SUFFIX = ":context"
 
 def setting(spec: NodeSpec, name: str) -> Any:
     """A size or constant of the node: its `arch` argument if it has one, else the model config."""
-    if name in spec.arch_args:
-        return spec.arch_args[name]
-    if name in spec.config:
-        return spec.config[name]
-    raise NodeError(
-        f"node '{spec.name}': config value '{name}' is missing (neither an arch argument nor config)"
-    )
+    return config_value(spec, name, note=" (neither an arch argument nor config)")
 
 
 def seeded_init_(module: nn.Module, spec: NodeSpec) -> None:

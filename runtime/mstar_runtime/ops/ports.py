@@ -1,0 +1,74 @@
+"""Readers a node uses on its NodeSpec and its batch entries: config values, the `max_seq_len`
+setting as the compiler reads it, and checked scalar ports."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mstar_runtime.ops.node import NodeError, NodeSpec, RequestError
+
+DEFAULT_MAX_SEQ_LEN = 4096  # the compiler's memory-pass default for `max_seq_len`
+MISSING: Any = object()  # `config_value`'s default when a value is required
+
+
+def config_value(
+    spec: NodeSpec,
+    name: str,
+    default: Any = MISSING,
+    *,
+    keys: tuple[str, ...] = (),
+    owner: str = "",
+    note: str = "",
+) -> Any:
+    """A size or constant: the node's `arch` argument `name`, else the model config under `name`
+    or one of `keys` (node-specific spellings), else `default`. Without a default a missing value
+    is a NodeError naming the node, its class `owner` when given, and ending in `note`."""
+    if name in spec.arch_args:
+        return spec.arch_args[name]
+    for key in (*keys, name):
+        if key in spec.config:
+            return spec.config[key]
+    if default is MISSING:
+        where = f"node '{spec.name}' ({owner})" if owner else f"node '{spec.name}'"
+        raise NodeError(f"{where}: config value '{name}' is missing{note}")
+    return default
+
+
+def max_seq_len(spec: NodeSpec) -> int:
+    """The `max_seq_len` setting, read as the compiler reads it (a positive int, else the default)."""
+    value = spec.settings.get("max_seq_len", DEFAULT_MAX_SEQ_LEN)
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if ok else DEFAULT_MAX_SEQ_LEN
+
+
+def scalar(
+    entry: Mapping[str, Any],
+    port: str,
+    kind: type,
+    default: Any = None,
+    *,
+    finite: bool = False,
+    required: bool = False,
+) -> Any:
+    """A scalar port's value (a Python number, or a one-element tensor; a bool or int for `kind`
+    bool), checked as a RequestError naming the port; a bool is refused as a number. `finite`
+    also refuses an infinite or NaN float; `required` refuses an absent (or None) value as
+    missing, where otherwise it fails the type check."""
+    value = entry.get(port, default)
+    if required and value is None:
+        raise RequestError(f"input '{port}' is missing", port)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if kind is bool:
+        if not isinstance(value, bool | int):
+            raise RequestError(f"input '{port}' must be a bool, got {value!r}", port)
+        return bool(value)
+    ok = isinstance(value, int) if kind is int else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok or (finite and kind is float and not math.isfinite(value)):
+        want = "an integer" if kind is int else "a finite number" if finite else "a number"
+        raise RequestError(f"input '{port}' must be {want}, got {value!r}", port)
+    return kind(value)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar_models.qwen3_omni.decoder import Decoder, StackedWeights, seeded_init_
-from mstar_models.qwen3_omni.lm_common import config_value, scalar
+from mstar_models.qwen3_omni.lm_common import attention_sizes, scalar
 from mstar_models.qwen3_omni.moe import DenseMLP
 from mstar_models.qwen3_omni.positions import inv_freq, rope_tables
 from mstar_models.qwen3_omni.tokens import TokenIds
@@ -58,6 +58,7 @@ from mstar_runtime.ops.node import (
     RequestError,
     SeqPlan,
 )
+from mstar_runtime.ops.ports import config_value
 from mstar_runtime.ops.readback import Lazy, Readback, upload
 from mstar_runtime.ops.sampler import SamplingParams, sample
 
@@ -71,14 +72,8 @@ class CodePredictor(KVNode):
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
-        if spec.tp_size != 1:
-            raise NodeError(f"node '{spec.name}' (CodePredictor) does not shard; place it with tp=1")
+        self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim = attention_sizes(spec, "CodePredictor")
         g = lambda name, *default: config_value(spec, name, *default)  # noqa: E731 - a local shorthand
-        self.hidden, self.layers = int(g("hidden")), int(g("layers"))
-        self.heads, self.kv_heads, self.head_dim = int(g("heads")), int(g("kv_heads")), int(g("head_dim"))
-        if self.heads % self.kv_heads or self.head_dim % 2:
-            raise NodeError(f"node '{spec.name}': heads ({self.heads}) must be a multiple of kv_heads "
-                            f"({self.kv_heads}) and head_dim ({self.head_dim}) even")
         self.vocab, self.groups = int(g("vocab")), int(g("code_groups"))
         if self.groups < 2:
             raise NodeError(f"node '{spec.name}': code_groups must be >= 2, got {self.groups}")

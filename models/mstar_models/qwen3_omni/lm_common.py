@@ -1,4 +1,4 @@
-"""Helpers the Qwen3-Omni language-model nodes share: config look-up, input checks, sampling settings."""
+"""Helpers the Qwen3-Omni language-model nodes share: attention sizes, input checks, sampling settings."""
 
 from __future__ import annotations
 
@@ -7,48 +7,30 @@ from typing import Any
 
 import torch
 
+from mstar_runtime.ops import ports
 from mstar_runtime.ops.node import NodeError, NodeSpec, RequestError
+from mstar_runtime.ops.ports import config_value
 from mstar_runtime.ops.sampler import SamplingParams
 
-DEFAULT_MAX_SEQ_LEN = 4096  # the compiler's memory-pass default for `max_seq_len`
-_MISSING = object()
+
+def attention_sizes(spec: NodeSpec, owner: str, shards: str = "does not shard") -> tuple[int, int, int, int, int]:
+    """(hidden, layers, heads, kv_heads, head_dim) of a decoder node `owner` that runs unsharded,
+    checked: tp=1 (`shards` says why not otherwise), heads a multiple of kv_heads, head_dim even."""
+    if spec.tp_size != 1:
+        raise NodeError(f"node '{spec.name}' ({owner}) {shards}; place it with tp=1")
+    hidden, layers = int(config_value(spec, "hidden")), int(config_value(spec, "layers"))
+    heads, kv_heads = int(config_value(spec, "heads")), int(config_value(spec, "kv_heads"))
+    head_dim = int(config_value(spec, "head_dim"))
+    if heads % kv_heads or head_dim % 2:
+        raise NodeError(f"node '{spec.name}': heads ({heads}) must be a multiple of kv_heads "
+                        f"({kv_heads}) and head_dim ({head_dim}) even")
+    return hidden, layers, heads, kv_heads, head_dim
 
 
-def config_value(spec: NodeSpec, name: str, default: Any = _MISSING, *, keys: tuple[str, ...] = ()) -> Any:
-    """A size or constant: the node's `arch` argument `name`, else the model config under `name`
-    or one of `keys` (node-specific spellings, e.g. `talker_experts_per_token`), else `default`."""
-    if name in spec.arch_args:
-        return spec.arch_args[name]
-    for key in (*keys, name):
-        if key in spec.config:
-            return spec.config[key]
-    if default is _MISSING:
-        raise NodeError(f"node '{spec.name}': config value '{name}' is missing")
-    return default
-
-
-def max_seq_len(spec: NodeSpec) -> int:
-    """The `max_seq_len` setting, read as the compiler reads it (a positive int, else the default)."""
-    value = spec.settings.get("max_seq_len", DEFAULT_MAX_SEQ_LEN)
-    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-    return value if ok else DEFAULT_MAX_SEQ_LEN
-
-
-def scalar(entry: Mapping[str, Any], port: str, kind: type, default: Any = _MISSING) -> Any:
-    """A scalar port's value (a Python number or bool, or a one-element tensor), checked."""
-    value = entry.get(port, default)
-    if value is _MISSING or value is None:
-        raise RequestError(f"input '{port}' is missing", port)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if kind is bool:
-        if not isinstance(value, bool | int):
-            raise RequestError(f"input '{port}' must be a bool, got {value!r}", port)
-        return bool(value)
-    ok = isinstance(value, int) if kind is int else isinstance(value, int | float)
-    if isinstance(value, bool) or not ok:
-        raise RequestError(f"input '{port}' must be {'an integer' if kind is int else 'a number'}, got {value!r}", port)
-    return kind(value)
+def scalar(entry: Mapping[str, Any], port: str, kind: type, default: Any = None) -> Any:
+    """A scalar port's value (a Python number or bool, or a one-element tensor), checked; an
+    absent one without a default is missing."""
+    return ports.scalar(entry, port, kind, default, required=True)
 
 
 def sampling_params(entry: Mapping[str, Any], *, greedy: bool = False, repetition: bool = False) -> SamplingParams:

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_models.qwen3_omni.decoder import Decoder, seeded_init_
-from mstar_models.qwen3_omni.lm_common import config_value, max_seq_len, sampling_params, scalar
+from mstar_models.qwen3_omni.lm_common import attention_sizes, sampling_params, scalar
 from mstar_models.qwen3_omni.moe import SparseMoE, Weight
 from mstar_models.qwen3_omni.positions import default_mrope_section, inv_freq, mrope_tables
 from mstar_models.qwen3_omni.tokens import TokenIds
@@ -70,6 +70,7 @@ from mstar_runtime.ops.node import (
     RequestError,
     SeqPlan,
 )
+from mstar_runtime.ops.ports import config_value, max_seq_len
 from mstar_runtime.ops.readback import Lazy, Readback, upload
 from mstar_runtime.ops.sampler import SamplingParams, sample
 
@@ -107,14 +108,8 @@ class TalkerMoE(KVNode):
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
-        if spec.tp_size != 1:
-            raise NodeError(f"node '{spec.name}' (TalkerMoE) does not shard; place it with tp=1")
+        self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim = attention_sizes(spec, "TalkerMoE")
         g = lambda name, *default: config_value(spec, name, *default)  # noqa: E731 - a local shorthand
-        self.hidden, self.layers = int(g("hidden")), int(g("layers"))
-        self.heads, self.kv_heads, self.head_dim = int(g("heads")), int(g("kv_heads")), int(g("head_dim"))
-        if self.heads % self.kv_heads or self.head_dim % 2:
-            raise NodeError(f"node '{spec.name}': heads ({self.heads}) must be a multiple of kv_heads "
-                            f"({self.kv_heads}) and head_dim ({self.head_dim}) even")
         self.vocab, self.thinker_hidden = int(g("codec_vocab")), int(g("thinker_hidden"))
         experts = int(g("experts"))
         top_k = int(g("talker_experts_per_token", min(6, experts)))

@@ -64,15 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar_models.qwen3_omni.decoder import Decoder, seeded_init_
-from mstar_models.qwen3_omni.lm_common import (
-    config_value,
-    grids,
-    max_seq_len,
-    rows,
-    sampling_params,
-    scalar,
-    token_ids,
-)
+from mstar_models.qwen3_omni.lm_common import attention_sizes, grids, rows, sampling_params, scalar, token_ids
 from mstar_models.qwen3_omni.moe import SparseMoE, Weight
 from mstar_models.qwen3_omni.positions import default_mrope_section, inv_freq, mrope_tables, rope_index
 from mstar_models.qwen3_omni.tokens import TokenIds
@@ -87,6 +79,7 @@ from mstar_runtime.ops.node import (
     RequestError,
     SeqPlan,
 )
+from mstar_runtime.ops.ports import config_value, max_seq_len
 from mstar_runtime.ops.readback import Lazy, Readback, upload
 from mstar_runtime.ops.sampler import SamplingColumns, SamplingParams, sample, sample_columns, sampling_row
 
@@ -117,14 +110,10 @@ class ThinkerMoE(KVNode):
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
-        if spec.tp_size != 1:
-            raise NodeError(f"node '{spec.name}' (ThinkerMoE) does not shard yet; place it with tp=1")
+        sizes = attention_sizes(spec, "ThinkerMoE", "does not shard yet")
+        self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim = sizes
         g = lambda name, *default: config_value(spec, name, *default)  # noqa: E731 - a local shorthand
-        self.vocab, self.hidden, self.layers = int(g("vocab")), int(g("hidden")), int(g("layers"))
-        self.heads, self.kv_heads, self.head_dim = int(g("heads")), int(g("kv_heads")), int(g("head_dim"))
-        if self.heads % self.kv_heads or self.head_dim % 2:
-            raise NodeError(f"node '{spec.name}': heads ({self.heads}) must be a multiple of kv_heads "
-                            f"({self.kv_heads}) and head_dim ({self.head_dim}) even")
+        self.vocab = int(g("vocab"))
         self.section = [int(s) for s in g("mrope_section", default_mrope_section(self.head_dim))]
         if len(self.section) != 3 or sum(self.section) != self.head_dim // 2:
             raise NodeError(f"node '{spec.name}': mrope_section {self.section} must be 3 values summing to "

@@ -1,1 +1,2 @@
-"""The surface model code may import: the node contract, fused ops, sampling, readback, TP."""
+"""The surface model code may import: the node contract, reading a NodeSpec and batch entries
+(ports), fused ops, sampling, readback, TP."""

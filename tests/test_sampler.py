@@ -8,10 +8,13 @@ import torch
 from mstar_runtime.ops import sampler
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.ops.sampler import (
+    SamplingColumns,
     SamplingParams,
     SamplingTensors,
     process_logits,
     sample,
+    sample_columns,
+    sampling_row,
     uniform,
     uniforms,
 )
@@ -263,3 +266,59 @@ def test_a_draw_from_a_padded_cdf_is_the_same_draw(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(sampler, "_cumsum", lambda x, blocked=None, padded=False: real_cumsum(x, True, padded))
     assert torch.equal(sampler.pick_from_cdf(scores, u), plain)
     assert bool((plain < 4000).all())
+
+
+# --------------------------------------------------------------------------- cohort columns
+def columns(params: list[SamplingParams], hists: list[torch.Tensor | None], steps: list[int]) -> SamplingColumns:
+    """The cohort's columns of these rows, stacked from `sampling_row` as the cohort does."""
+    rows = [sampling_row(p, s) for p, s in zip(params, steps, strict=True)]
+    stack = {name: torch.stack([r[name] for r in rows]) for name in rows[0]}
+    width = max((h.numel() for h in hists if h is not None), default=0)
+    hist = torch.full((len(params), max(width, 1)), -1, dtype=torch.int64)
+    for b, h in enumerate(hists):
+        if h is not None:
+            hist[b, : h.numel()] = h
+    return SamplingColumns(history=hist, **stack)
+
+
+COLUMN_KS = [0, 1, 2, 5, 20, V - 1, V, V + 50]
+
+
+@pytest.mark.parametrize("round_to", [None, 1.0])  # 1.0: many tied logits, at the k-th value and in top-p
+def test_column_sampler_with_per_row_top_k_equals_sample_row_by_row(round_to: float | None) -> None:
+    g = torch.Generator().manual_seed(11)
+    for trial in range(12):
+        n = 16
+        params = [
+            SamplingParams(
+                temperature=[0.0, 0.4, 1.0, 1.7][int(torch.randint(4, (1,), generator=g))],
+                top_k=COLUMN_KS[int(torch.randint(len(COLUMN_KS), (1,), generator=g))],
+                top_p=[1.0, 0.9, 0.5, 0.1][int(torch.randint(4, (1,), generator=g))],
+                repetition_penalty=[1.0, 1.3, 0.8][int(torch.randint(3, (1,), generator=g))],
+                seed=int(torch.randint(2**62, (1,), generator=g)),
+            )
+            for _ in range(n)
+        ]
+        hists = [history(100 * trial + b) if p.repetition_penalty != 1.0 else None for b, p in enumerate(params)]
+        x = logits(n, seed=trial)
+        if round_to is not None:
+            x = (x / round_to).round() * round_to
+        for step in (0, 1, 7, 1000):
+            steps = [step + b for b in range(n)]
+            got = sample_columns(x, columns(params, hists, steps))
+            want = torch.cat([sample(x[b : b + 1], [params[b]], [hists[b]], [steps[b]]) for b in range(n)])
+            assert torch.equal(got, want), (trial, step, params)
+
+
+def test_column_top_k_is_the_generic_top_k() -> None:
+    """Top-k alone (no top-p, temperature 1, no penalty): the columns keep exactly the generic
+    path's tokens per row, and a k that is off keeps them all."""
+    x = logits(len(COLUMN_KS), seed=3)
+    params = [SamplingParams(top_k=k, seed=k) for k in COLUMN_KS]
+    kept = process_logits(x, params, [None] * len(params)).isfinite()
+    for b, k in enumerate(COLUMN_KS):
+        assert int(kept[b].sum()) == (k if 0 < k < V else V)
+        # every draw of the column sampler lands inside the row's top-k
+        cols = columns([params[b]] * 64, [None] * 64, list(range(64)))
+        assert kept[b][sample_columns(x[b].expand(64, V), cols)].all()
+    assert not sampling_row(SamplingParams(temperature=0.0, top_k=5), 0)["top_k"]  # greedy: off

@@ -257,7 +257,8 @@ def _top_p(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     every = st.num_top_p == st.batch
     sub = x if every else x.index_select(0, st.top_p_rows)
     p = st.top_p if every else st.top_p.index_select(0, st.top_p_rows)
-    sorted_x, order = torch.sort(sub, dim=-1, descending=False)
+    # stable: the column sampler's sort of the unmasked row orders the kept ties the same way
+    sorted_x, order = torch.sort(sub, dim=-1, descending=False, stable=True)
     cum = _cumsum(sorted_x.softmax(dim=-1))
     drop_sorted = cum <= (1 - p)[:, None]
     drop_sorted[:, -1] = False
@@ -333,24 +334,23 @@ class SamplingColumns:
     host fields, so every stage runs for every row and a step is fixed tensor code."""
 
     temperature: torch.Tensor  # f32 [n]; 1 where greedy
+    top_k: torch.Tensor  # i64 [n]; 0 where greedy; k <= 0 or k >= vocab: off
     top_p: torch.Tensor  # f32 [n]; 1 where greedy
     penalty: torch.Tensor  # f32 [n]
     greedy: torch.Tensor  # bool [n]
     seed: torch.Tensor  # i64 [n], the seed's bits
     step: torch.Tensor  # i64 [n]
-    history: torch.Tensor  # i64 [n, L], -1 = no token
+    history: torch.Tensor | None  # i64 [n, L], -1 = no token; None: no row has a penalty
 
 
 def sampling_row(params: SamplingParams, step: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """One request's `SamplingColumns` row, as host tensors by default: the cohort uploads a
-    joining row without waiting for the device. Top-k is not a column: a row with it raises
-    `RequestError`, and the conductor runs that request's loop on the generic path."""
-    if params.top_k:
-        raise RequestError("top_k is not supported on the cohort path", "top_k")
+    joining row without waiting for the device."""
     seed = secrets.randbits(64) if params.seed is None else params.seed
     f = lambda v: torch.tensor(v, dtype=torch.float32, device=device)  # noqa: E731
     i = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-    return {"temperature": f(1.0 if params.greedy else params.temperature), "top_p": f(1.0 if params.greedy else params.top_p),
+    return {"temperature": f(1.0 if params.greedy else params.temperature),
+            "top_k": i(0 if params.greedy else params.top_k), "top_p": f(1.0 if params.greedy else params.top_p),
             "penalty": f(params.repetition_penalty), "greedy": torch.tensor(params.greedy, device=device),
             "seed": i(_signed64(seed)), "step": i(_signed64(step))}
 
@@ -361,14 +361,38 @@ def sample_columns(logits: torch.Tensor, cols: SamplingColumns) -> torch.Tensor:
     device), as fixed whole-batch kernels with no host value (capturable)."""
     n, vocab = logits.shape
     rows = torch.arange(n, device=logits.device)
+    # penalty and temperature through the generic stages; top-k and top-p below, per row
     st = SamplingTensors(
-        temperature=cols.temperature, top_k=torch.zeros(n, dtype=torch.int64, device=logits.device),
-        top_p=cols.top_p, penalty=cols.penalty, seed=cols.seed, step=cols.step, sampled_rows=rows, top_p_rows=rows,
-        history=cols.history, u=uniforms(cols.seed, cols.step), vocab=vocab, any_temperature=True, max_top_k=0,
-        num_sampled=n, num_top_p=n,
+        temperature=cols.temperature, top_k=cols.top_k, top_p=cols.top_p, penalty=cols.penalty, seed=cols.seed,
+        step=cols.step, sampled_rows=rows, top_p_rows=rows, history=cols.history,
+        u=uniforms(cols.seed, cols.step), vocab=vocab, any_temperature=True, max_top_k=0, num_sampled=n,
+        num_top_p=0,
     )
-    scores = process_tensors(logits, st)
+    scores = _top_k_top_p_columns(process_tensors(logits, st), cols.top_k, cols.top_p)
     return torch.where(cols.greedy, scores.argmax(dim=-1), pick_from_cdf(scores, st.u))
+
+
+def _top_k_top_p_columns(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`_top_k` then `_top_p` with a per-row k and p as tensors, from one sort of every row.
+
+    The k-th largest value is the ascending sort's entry V - k (as `torch.topk`'s k-th value:
+    ties count), so a k that varies per row needs no host value. Masking what lies below it
+    keeps the sorted rows sorted (the removed entries are a prefix), so top-p reads the same
+    sorted values and the same (stable) order of the kept ones as `_top_p`'s own sort of the
+    masked row. A row with k off compares against -inf; a row with p = 1 drops only entries
+    of probability 0, which no draw picks."""
+    vocab = x.shape[1]
+    sorted_x, order = torch.sort(x, dim=-1, descending=False, stable=True)
+    on = (k > 0) & (k < vocab)
+    kth = sorted_x.gather(1, (vocab - k).clamp(0, vocab - 1)[:, None])
+    kth = torch.where(on[:, None], kth, float("-inf"))
+    x = x.masked_fill(x < kth, float("-inf"))
+    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+    cum = _cumsum(sorted_x.softmax(dim=-1))
+    drop_sorted = cum <= (1 - p)[:, None]
+    drop_sorted[:, -1] = False
+    drop = drop_sorted.scatter(1, order, drop_sorted)
+    return x.masked_fill(drop, float("-inf"))
 
 
 def pick_from_cdf(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ with no host value: the per-request state the generic path keeps in `attn.states
 `SamplingParams`, `step`, `k`, `max_tokens`, `history`) becomes device columns at join and
 goes back into the state at leave:
 
-  sampling columns  temperature, top_p, penalty, greedy, seed, step (`ops.sampler.SamplingColumns`)
+  sampling columns  temperature, top_k, top_p, penalty, greedy, seed, step (`ops.sampler.SamplingColumns`)
   k                 audio codes emitted so far (the code position of the next one is k % 7)
   max_tokens        tokens the request may generate in all
   history           int64 [max_seq_len + 1]: the token at each KV position, -1 where unknown
@@ -61,7 +61,8 @@ def decode_phase(node: LlamaBackbone) -> CohortPhase:
             vocab = torch.arange(logits.shape[1], device=logits.device)[None, :]
             allowed = ((vocab >= lo[:, None]) & (vocab < lo[:, None] + node.codebook)) | (vocab == node.eos)
             logits = logits.masked_fill(~allowed, float("-inf"))
-        sc = SamplingColumns(c["temperature"], c["top_p"], c["penalty"], c["greedy"], c["seed"], c["step"], c["history"])
+        sc = SamplingColumns(temperature=c["temperature"], top_k=c["top_k"], top_p=c["top_p"], penalty=c["penalty"],
+                             greedy=c["greedy"], seed=c["seed"], step=c["step"], history=c["history"])
         tokens = sample_columns(logits, sc)
         codes = tokens - lo
         is_code = (codes >= 0) & (codes < node.codebook)

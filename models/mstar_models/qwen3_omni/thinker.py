@@ -18,8 +18,7 @@ Prefill (models/qwen3_omni/qwen3_omni.walk, node `thinker`):
 Decode feeds one token at KV index j with position j + delta in all three components.
 Every step returns `token` [1] (on the device, fed back to the next decode), `emitted` (the
 same id as a host item for the text stream, a `readback.Lazy`) and `done`. `decode` is also
-offered as a decode cohort's column step (`cohort_phase`); rows with top-k sampling stay on
-the generic path (the sampler's columns have no top-k).
+offered as a decode cohort's column step (`cohort_phase`), top-k sampling included.
 
 Speech phases also give what the talker reads (`talker.TalkerMoE`):
 - at prefill, the talker's prompt (`_talker_prompt`; HF `generate`'s `_get_talker_user_parts`
@@ -417,10 +416,7 @@ class ThinkerMoE(KVNode):
     def _cohort_join(self, state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
         if "sampling" not in state:
             raise RequestError("decode on a KV context that was never prefilled", "token")
-        params: SamplingParams = state["sampling"]
-        if params.greedy:  # top-k cannot change an argmax; the columns have no top-k
-            params = dataclasses.replace(params, top_k=0)
-        cols = sampling_row(params, state["step"])  # a row with top-k sampling stays generic
+        cols = sampling_row(state["sampling"], state["step"])
         cols.update(max_tokens=torch.tensor(state["max_tokens"]),
                     delta=torch.tensor(float(state["delta"]), dtype=torch.float32))
         return cols
@@ -433,8 +429,8 @@ class ThinkerMoE(KVNode):
         ids = b.inputs["token"].reshape(-1).to(torch.long)
         logits = self._step_logits(ids, b.positions.to(torch.float32) + c["delta"], b.attend)
         # no repetition penalty in the thinker: the sampler skips that stage without a history
-        sc = SamplingColumns(c["temperature"], c["top_p"], c["penalty"], c["greedy"], c["seed"], c["step"],
-                             None)  # type: ignore[arg-type]
+        sc = SamplingColumns(temperature=c["temperature"], top_k=c["top_k"], top_p=c["top_p"], penalty=c["penalty"],
+                             greedy=c["greedy"], seed=c["seed"], step=c["step"], history=None)
         tokens = sample_columns(logits, sc)
         c["step"].add_(1)
         done = (c["step"] >= c["max_tokens"]) | (b.positions + 1 >= self.max_seq_len) | \

@@ -15,8 +15,9 @@ plan's loader; its Code2Wav is re-drawn at scales that keep the audio unclipped
   context covers the receptive field (a copy of the walk with an 8-frame sliding window and
   16 frames of history).
 - A batch of requests equals each request alone, and so does a run with forced preemption;
-  both step paths give the same outputs (the chat decode loop is a cohort; its rows with
-  top-k sampling run on the generic path).
+  both step paths give the same outputs (the chat decode loop is a cohort); chat requests
+  with the walk's default sampling (top-k 20, top-p 0.8) and other top-k settings decode on
+  the cohort path, with no generic decode call, and give the generic path's text.
 """
 
 from __future__ import annotations
@@ -280,7 +281,7 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
                 "talker_max_frames": 6, **GREEDY}),
     ("chat", {"prompt": "greedy", "max_tokens": 9, **GREEDY}),
     ("chat", {"prompt": "sampled", "max_tokens": 9, "temperature": 0.9, "top_k": 0, "seed": 3}),
-    ("chat", {"prompt": "top-k", "max_tokens": 9, "seed": 5}),  # top-k 20: a generic row of the cohort loop
+    ("chat", {"prompt": "top-k", "max_tokens": 9, "seed": 5}),  # the default top-k 20: a cohort row
 ]
 
 
@@ -322,6 +323,41 @@ def test_both_step_paths_give_the_same_outputs(plan_path: Path, checkpoint: Path
             steps = m.conductor.stats["cohort_steps"]
             assert steps > 0 if path == "cohort" else steps == 0
     assert all(same(a, b) for a, b in zip(outs["cohort"], outs["generic"], strict=True))
+
+
+TOP_K_CHATS: list[dict[str, Any]] = [
+    {"prompt": "top-k", "max_tokens": 12, "seed": 5},  # the walk's defaults: top-k 20, top-p 0.8
+    {"prompt": "top-k", "max_tokens": 12, "seed": 6},
+    {"prompt": "a small k", "max_tokens": 12, "temperature": 1.5, "top_k": 3, "top_p": 1.0, "seed": 7},
+    {"prompt": "k of one", "max_tokens": 12, "temperature": 1.0, "top_k": 1, "seed": 8},
+]
+
+
+def test_top_k_chats_decode_on_the_cohort_path(plan_path: Path, checkpoint: Path) -> None:
+    """Top-k rows join the thinker's decode cohort (the generic `phase_decode` never runs
+    there) and give the generic path's text, batched with rows of other k."""
+    texts: dict[str, list[str]] = {}
+    for path in ("cohort", "generic"):
+        with MStar.load(plan_path, weights=checkpoint, step_path=path) as m:
+            thinker = nodes(m)["thinker"]
+            calls: list[int] = []
+            original = thinker.phase_decode
+
+            def counted(batch: list[dict], attn: Any, original: Any = original, calls: list[int] = calls) -> list[dict]:
+                calls.append(len(batch))
+                return original(batch, attn)
+
+            thinker.phase_decode = counted
+            with m._lock:  # admitted together: one cohort of four rows with different k
+                handles = [m.submit("chat", inputs) for inputs in TOP_K_CHATS]
+            texts[path] = [h.result(timeout=120)["text"] for h in handles]
+            steps = m.conductor.stats["cohort_steps"]
+            if path == "cohort":
+                assert steps > 0 and not calls
+            else:
+                assert steps == 0 and calls
+    assert texts["cohort"] == texts["generic"]
+    assert texts["cohort"][0] != texts["cohort"][1] and all(texts["cohort"])  # the seeds matter
 
 
 def test_forced_preemption_gives_the_same_outputs(plan_path: Path, checkpoint: Path, engine: MStar) -> None:

@@ -322,3 +322,40 @@ def test_column_top_k_is_the_generic_top_k() -> None:
         cols = columns([params[b]] * 64, [None] * 64, list(range(64)))
         assert kept[b][sample_columns(x[b].expand(64, V), cols)].all()
     assert not sampling_row(SamplingParams(temperature=0.0, top_k=5), 0)["top_k"]  # greedy: off
+
+
+@pytest.mark.gpu
+def test_column_top_k_in_a_cuda_graph_equals_sample_row_by_row() -> None:
+    """One captured step, replayed with other k, p and steps written into the same columns
+    (k varies per row and between replays): the tokens `sample` gives each row on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev, n, vocab = torch.device("cuda"), 8, 151_936  # a real vocabulary: the blocked scan runs
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(n, vocab, generator=g) * 4).to(dev)
+
+    def settings(r: int) -> list[SamplingParams]:
+        ks = [0, 1, 20, 50, 200, vocab, 7, 20][r:] + [0, 1, 20, 50, 200, vocab, 7, 20][:r]
+        return [SamplingParams(0.7 if b % 3 else 1.3, ks[b], [0.8, 1.0][(b + r) % 2], seed=100 * r + b)
+                for b in range(n)]
+
+    def host_cols(r: int) -> SamplingColumns:
+        return columns(settings(r), [None] * n, [r * 10 + b for b in range(n)])
+
+    cols = SamplingColumns(**{f: (None if t is None else t.to(dev))
+                              for f, t in vars(host_cols(0)).items()})  # type: ignore[arg-type]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sample_columns(x, cols)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sample_columns(x, cols)
+    for r in range(4):
+        for f, t in vars(host_cols(r)).items():
+            getattr(cols, f).copy_(t)
+        graph.replay()
+        params, steps = settings(r), [r * 10 + b for b in range(n)]
+        want = torch.cat([sample(x[b : b + 1], [params[b]], [None], [steps[b]]) for b in range(n)])
+        assert torch.equal(out, want), r

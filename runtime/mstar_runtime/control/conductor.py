@@ -646,7 +646,7 @@ class Conductor:
             self._cohort_seq[cohort.key] = next(self._seq)
         try:
             cohort.join(req, task, y, tag)
-        except RequestError:  # a row the column step cannot take (top-k, say): the generic loop
+        except RequestError:  # a row the column step cannot take (its node's join refused it): the generic loop
             self.ready.append((task, None, None))  # runs it, and reports any real input error itself
 
     def _cohort_resume(self, task: WalkTask, done: CohortExit) -> None:

@@ -421,10 +421,11 @@ def run_requests(plan: str | PathLike[str], requests: str | PathLike[str], out: 
 
 
 def run_server(plan: str | PathLike[str], config: ServeConfig | None = None, *,
-               options: EngineOptions | None = None) -> int:
+               options: EngineOptions | None = None, engine_process: bool = False) -> int:
     """`mstar-run PLAN --serve`: bind the address first (a busy port is one line at once), load
     the plan, serve it until SIGTERM / SIGINT (`serve.server.serve`, on this, the main, thread).
-    `config.weights` is set from `options.weights` (the chat route's tokenizer copy). Exit status."""
+    `config.weights` is set from `options.weights` (the chat route's tokenizer copy).
+    `engine_process`: the engine runs in a child process (`mstar_runtime.engine_process`). Exit status."""
     from dataclasses import replace
 
     from mstar_runtime.serve.server import ListenError, ServeConfig, listen, missing_extra, serve
@@ -440,7 +441,18 @@ def run_server(plan: str | PathLike[str], config: ServeConfig | None = None, *,
         return _error(e)
 
     def load() -> MStar:
-        return start_engine(load_plan(plan, device=options.device), options)
+        if not engine_process:
+            return start_engine(load_plan(plan, device=options.device), options)
+        from dataclasses import asdict
+
+        from mstar_runtime.engine_process import EngineClient, EngineStartError
+
+        loaded = load_plan(plan, device=options.device)  # a bad plan is one line here, before a process starts
+        try:
+            fields = {k: (str(v) if k == "weights" else v) for k, v in asdict(options).items()}
+            return EngineClient.start(loaded, plan, fields)  # type: ignore[return-value]
+        except EngineStartError as e:
+            raise UserError(str(e)) from None
 
     try:
         m = _guard(load)
@@ -486,7 +498,8 @@ def _error(e: BaseException | str) -> int:
 
 
 # ----------------------------------------------------------------------------- the command line
-SERVER_OPTIONS = ("host", "port", "api_key", "access_log", "shutdown_timeout", "request_timeout", "served_model_name")
+SERVER_OPTIONS = ("host", "port", "api_key", "access_log", "shutdown_timeout", "request_timeout", "served_model_name",
+                  "engine_process")
 
 
 def _pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
@@ -558,6 +571,8 @@ def _env(name: str) -> dict[str, Any]:
               help="--serve: fail a request that runs longer than this (finish reason 'timeout').")
 @click.option("--served-model-name", metavar="NAME", **_env("MSTAR_SERVED_MODEL_NAME"),
               help="--serve: the model id clients name (default: the plan's model name).")
+@click.option("--engine-process", is_flag=True, **_env("MSTAR_ENGINE_PROCESS"),
+              help="--serve: run the engine in its own process, so HTTP streaming never holds up its steps.")
 @click.option("--step-path", type=click.Choice(["cohort", "generic"]), default=None,
               help="How marked decode loops run: 'cohort' (device-resident batches, one step for every "
                    "request) or 'generic' (a step call per request); default $MSTAR_STEP_PATH, else cohort.")
@@ -580,7 +595,7 @@ def command(ctx: click.Context, **p: Any) -> int:
     config = ServeConfig(host=p["host"], port=p["port"], shutdown_timeout=p["shutdown_timeout"],
                          model_name=p["served_model_name"], api_key=p["api_key"] or None,
                          access_log=p["access_log"])
-    return run_server(p["plan"], config, options=options)
+    return run_server(p["plan"], config, options=options, engine_process=p["engine_process"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,6 +15,8 @@ Threads. The engine runs on its own thread (`MStar`); the server is one asyncio 
 the main thread, because a multi-rank plan's worker processes die with the thread that
 started them (`remote.start_workers`), and signals are only delivered there. Handlers
 never block: they wait on `RequestHandle.astream/aresult`, which the engine wakes.
+With `--engine-process` the engine runs in a child process and `engine_process.EngineClient`
+stands in for `MStar` (its handles for `RequestHandle`).
 
 Lifecycle (`ServerState`):
 - admission: a generation request is refused with 503 while draining, when the engine or a
@@ -219,7 +221,11 @@ class ServerState:
 
     def _engine_fault(self) -> tuple[str, str] | None:
         """(stable message, details) of a dead engine or worker. Reads MStar's private `_dead`,
-        `_closing` and `_thread`: the API has no public health property (see docs/serving.md)."""
+        `_closing` and `_thread`: the API has no public health property (see docs/serving.md).
+        An engine in its own process (`engine_process.EngineClient`) answers for itself."""
+        own = getattr(self.m, "engine_fault", None)
+        if callable(own):
+            return own()  # type: ignore[no-any-return]
         dead = getattr(self.m, "_dead", None)
         if dead:
             return ENGINE_STOPPED, str(dead)

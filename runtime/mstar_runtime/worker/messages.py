@@ -17,6 +17,11 @@ conductor -> worker: ``StepRequest``, ``ForkKV``, ``CopySlots``, ``DropTag``, ``
 ``Heartbeat``, ``Shutdown``; worker -> conductor: ``WorkerReady`` (once), ``StepResult``,
 ``StepRejected`` (a node's ``RequestError``), ``WorkerError``, ``Heartbeat`` (the echo); over
 a torchrun launch's control connection the worker first sends ``Hello``.
+
+Between the API process and an engine process (``mstar_runtime.engine_process``): API ->
+engine ``EngineSubmit``, ``EngineCancel``, ``EngineAck``, ``EngineStatsRequest``, ``Shutdown``;
+engine -> API ``EngineReady`` (once), ``EngineOutput``, ``EngineFinish``, ``EngineStatsReply``;
+walk values ride as ``Value`` (a scalar, a small tensor, or a ``ShmRef`` to shared memory).
 """
 
 import dataclasses
@@ -282,6 +287,112 @@ class Heartbeat:
     seq: int
 
 
+
+# ------------------------------------------------- the API process <-> the engine process
+# (`mstar_runtime.engine_process`: `mstar-run PLAN --serve --engine-process`)
+@dataclass(frozen=True, slots=True)
+class ShmRef:
+    """A tensor left in a POSIX shared-memory block ``name`` (the reader copies, then unlinks)."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Value:
+    """One walk input or output: a Python scalar, a small tensor inline, or a large one in
+    shared memory (exactly one of them set, or none for an absent value)."""
+
+    scalar: Scalar = None
+    tensor: torch.Tensor | None = None
+    shm: ShmRef | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EngineSubmit:
+    """API -> engine: run a request (inputs already checked against the walk by the API side)."""
+
+    type: ClassVar[str] = "engine_submit"
+    request_id: str
+    walk: str
+    inputs: dict[str, Value]
+    timeout: float | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EngineOutput:
+    """Engine -> API: the ``seq``-th appended output item of a request."""
+
+    type: ClassVar[str] = "engine_output"
+    request_id: str
+    seq: int
+    name: str
+    value: Value
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EngineFinish:
+    """Engine -> API: a request ended (``RequestHandle``'s outcome and final stats)."""
+
+    type: ClassVar[str] = "engine_finish"
+    request_id: str
+    state: str
+    outputs: dict[str, Value]
+    error: str | None
+    field: str | None
+    reason: str | None
+    stats: dict[str, Scalar]
+    walks: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCancel:
+    """API -> engine: cancel a request (its client went away)."""
+
+    type: ClassVar[str] = "engine_cancel"
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineAck:
+    """API -> engine: the API side has read ``consumed`` output items of a request (backpressure)."""
+
+    type: ClassVar[str] = "engine_ack"
+    request_id: str
+    consumed: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatsRequest:
+    """API -> engine: ask for ``MStar.stats()`` and the engine's health."""
+
+    type: ClassVar[str] = "engine_stats_request"
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatsReply:
+    """Engine -> API: ``MStar.stats()`` (its ``requests`` counts apart) and, when the engine
+    cannot serve, the stable message and the details (``fault``, ``fault_detail``)."""
+
+    type: ClassVar[str] = "engine_stats_reply"
+    seq: int
+    stats: dict[str, Scalar]
+    requests: dict[str, int]
+    fault: str | None = None
+    fault_detail: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReady:
+    """Engine -> API, once: the plan is loaded and the engine serves (``error``: it could not start)."""
+
+    type: ClassVar[str] = "engine_ready"
+    pid: int
+    error: str | None = None
+
+
 Message = (
     StepRequest
     | StepResult
@@ -295,6 +406,14 @@ Message = (
     | WorkerError
     | Heartbeat
     | Hello
+    | EngineSubmit
+    | EngineOutput
+    | EngineFinish
+    | EngineCancel
+    | EngineAck
+    | EngineStatsRequest
+    | EngineStatsReply
+    | EngineReady
 )
 
 # The allowlists: the only classes decode will ever instantiate.
@@ -313,9 +432,18 @@ MESSAGE_TYPES: dict[str, type] = {
         WorkerError,
         Heartbeat,
         Hello,
+        EngineSubmit,
+        EngineOutput,
+        EngineFinish,
+        EngineCancel,
+        EngineAck,
+        EngineStatsRequest,
+        EngineStatsReply,
+        EngineReady,
     )
 }
-STRUCT_TYPES: frozenset[type] = frozenset({StepEntry, ResultEntry, TensorMeta, KVSlots, ReadSlots, SlotCopy})
+STRUCT_TYPES: frozenset[type] = frozenset({StepEntry, ResultEntry, TensorMeta, KVSlots, ReadSlots, SlotCopy, ShmRef,
+                                           Value})
 
 
 def _field_types(cls: type) -> dict[str, Any]:

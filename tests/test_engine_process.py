@@ -78,6 +78,18 @@ def both(plan: Path) -> Iterator[tuple[Server, Server]]:
 
 
 def test_values_through_shared_memory() -> None:
+    """In a process of its own: the first SharedMemory starts multiprocessing's resource tracker,
+    a child that would outlive the test in this process (other tests check for leftover children)."""
+    import subprocess
+    import sys
+
+    code = "import sys; sys.path.insert(0, 'tests'); from test_engine_process import _shared_memory_round_trip; " \
+           "_shared_memory_round_trip()"
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+
+
+def _shared_memory_round_trip() -> None:
     small = torch.arange(6, dtype=torch.int32)
     v = m.decode(m.encode(m.EngineOutput("r", 0, "tokens", to_value(small)))).value  # type: ignore[union-attr]
     assert v.shm is None and torch.equal(from_value(v), small)

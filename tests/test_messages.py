@@ -86,6 +86,19 @@ def samples() -> list[Message]:
         WorkerError(rank=0, message="ünïcode ok"),
         Heartbeat(rank=2, seq=2**40),
         Hello(rank=3, pid=4242, host="node-b", node=1, token="0f" * 16),
+        # the API process <-> the engine process (mstar_runtime.engine_process)
+        codec.EngineSubmit("r1", "tts", {"text": codec.Value(scalar="hi"),
+                                         "x": codec.Value(tensor=torch.arange(3, dtype=torch.int32))}, 30.0),
+        codec.EngineOutput("r1", 4, "audio", codec.Value(shm=codec.ShmRef("mstar-1", "float32", [48000]))),
+        codec.EngineFinish("r1", "finished", {"text": codec.Value(scalar="ok")}, None, None, "stop",
+                           {"steps": 12, "ttft_s": 0.25}, ["chat", "t2i"]),
+        codec.EngineCancel("r1"),
+        codec.EngineAck("r1", 64),
+        codec.EngineStatsRequest(seq=3),
+        codec.EngineStatsReply(seq=3, stats={"steps": 5}, requests={"running": 1}, fault="engine lost",
+                               fault_detail="pid 12 exited"),
+        codec.EngineReady(pid=12),
+        codec.EngineReady(pid=13, error="plan does not load"),
     ]
 
 
@@ -127,6 +140,14 @@ def test_allowlist_is_explicit_and_complete() -> None:
         "worker_error",
         "heartbeat",
         "hello",
+        "engine_submit",
+        "engine_output",
+        "engine_finish",
+        "engine_cancel",
+        "engine_ack",
+        "engine_stats_request",
+        "engine_stats_reply",
+        "engine_ready",
     }
     assert {type(m) for m in samples()} == set(MESSAGE_TYPES.values())
 

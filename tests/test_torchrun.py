@@ -341,7 +341,10 @@ def test_killing_the_first_agent_ends_the_other_host(plans: dict[int, Path], tmp
     job, _, pids = _start_served(tmp_path, plans, jobs)
     job.agents[0].kill()  # host 0 with the conductor: gone at once
     assert job.wait(30)[1] not in (None, 0)
-    assert "the conductor's connection ended" in job.log(1)
+    # Two ways host 1 learns it first, by timing: its worker sees the control connection end,
+    # or its agent loses torchrun's store (which lived on host 0) and ends the worker itself.
+    log = job.log(1)
+    assert "the conductor's connection ended" in log or "The connection to the C10d store has failed" in log, log
     job.assert_all_gone()
     assert all(gone(p) for p in pids.values())
 

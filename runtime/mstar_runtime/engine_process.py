@@ -41,7 +41,15 @@ from typing import Any
 
 import torch
 
-from mstar_runtime.api import SHUTDOWN, EngineClosed, MStar, RequestFailed, RequestHandle
+from mstar_runtime.api import (
+    SHUTDOWN,
+    EngineClosed,
+    MStar,
+    RequestFailed,
+    RequestHandle,
+    _call_in_loop,
+    _resolve,
+)
 from mstar_runtime.control.conductor import FAILED, FINISHED, RUNNING, WAITING, check_inputs
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan.loader import Plan
@@ -294,13 +302,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ------------------------------------------------------------------------------- API side
-def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop was closed: nobody is waiting any more
-        pass
-
-
 class ClientHandle:
     """A request running in the engine process; `RequestHandle`'s interface, for the server."""
 
@@ -394,12 +395,7 @@ class ClientHandle:
         if not self._done:
             loop = asyncio.get_running_loop()
             fut: asyncio.Future[None] = loop.create_future()
-
-            def resolve() -> None:
-                if not fut.done():
-                    fut.set_result(None)
-
-            self.add_done_callback(lambda _h: _call_in_loop(loop, resolve))
+            self.add_done_callback(lambda _h: _call_in_loop(loop, _resolve, fut))
             await fut
         return self._outcome()
 

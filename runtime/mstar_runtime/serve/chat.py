@@ -55,7 +55,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -472,6 +472,20 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def _chunker(rid: str, created: int, model: str, include_usage: bool) -> Callable[..., str]:
+    """`chunk(delta, finish=None)`: one `chat.completion.chunk` SSE event of this reply (with
+    `"usage": null` when the client asked for usage, as OpenAI sends it on every chunk)."""
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if include_usage:
+            obj["usage"] = None
+        return _sse(obj)
+
+    return chunk
+
+
 async def _streamed(flight: Flight, reply: Reply, rid: str, model: str, body: ChatCompletionRequest,
                     streaming: Any) -> Any:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -492,12 +506,7 @@ async def _streamed(flight: Flight, reply: Reply, rid: str, model: str, body: Ch
         log.warning("request %s: walk '%s' ended, then the walk it moved on to failed (%s); the reply is "
                     "the walk's text", flight.handle.id, flight.walk, e.message)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-        obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        if include_usage:
-            obj["usage"] = None
-        return _sse(obj)
+    chunk = _chunker(rid, created, model, include_usage)
 
     async def body_stream() -> AsyncIterator[str]:
         try:
@@ -569,12 +578,7 @@ async def _streamed_spoken(flight: Flight, said: SpokenReply, rid: str, model: s
     except ApiError as e:
         return error_response(e)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-        obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        if include_usage:
-            obj["usage"] = None
-        return _sse(obj)
+    chunk = _chunker(rid, created, model, include_usage)
 
     named = False
 

@@ -12,7 +12,7 @@ streams (`hu`, `hg`), each expert runs its GEMMs on its own rows, and only the a
 sees the packed order (q/k/v scattered into it by one index per tensor, the output gathered
 back), with one `attn.attend` call per layer over the whole mixed batch.
 
-Phases (models/bagel/bagel.walk, node `llm`; tags gen, cfg_text, cfg_img):
+Phases (models/bagel/bagel.walk, node `llm`; tags gen, cfg_text, cfg_img, think):
   prefill_text(text: i32[T]) -> ()          causal, und; RoPE positions advance by T
   prefill_vit(vit: [N, hidden]) -> ()       <vs> + N + <ve>, und, one RoPE position, mask full
   prefill_vae(clean: f32[M, P], height, width) -> ()

@@ -38,7 +38,8 @@ sees the cohort as one standing group of its rows (step 4), and a cohort step re
 steps 5-6 for its rows. `path="generic"` (or $MSTAR_STEP_PATH) keeps every loop here.
 
 Requests join and leave between steps (continuous batching); a finished request frees its
-pages at once. A preempted request restarts from scratch later; whatever it already
+pages at once. A kv node's `max_prefill_tokens` setting bounds the new tokens of one of its
+steps (`_token_budget`): the calls past it wait for the next step, the first always runs. A preempted request restarts from scratch later; whatever it already
 streamed is not streamed again (replay is deterministic). `preempt_every=N` forces a
 preemption every N steps, for tests.
 

@@ -241,3 +241,51 @@ def test_backpressure_holds_a_request_at_the_window(plan: Path) -> None:
         assert not held.thread.is_alive()
         assert isinstance(rec2.sent[-1], m.EngineFinish) and rec2.sent[-1].reason == "cancelled"
         assert len(rec2.sent) == WINDOW + 1
+
+
+def _relayed(mstar: object, walk: str, inputs: dict) -> tuple[list[m.Message], dict]:
+    """What the engine side sends for one request (every message through the wire codec), and
+    the request's outputs as the engine process's own handle gives them."""
+    from mstar_runtime.engine_process import _Relay
+
+    rec = _Recorder()
+    relay = _Relay(mstar.submit(walk, inputs), rec)  # type: ignore[attr-defined, arg-type]
+    relay.ack(1 << 62)  # no backpressure here
+    relay.thread.start()
+    relay.thread.join(60)
+    assert not relay.thread.is_alive()
+    return [m.decode(m.encode(x)) for x in rec.sent], relay.handle.result()
+
+
+def test_finish_does_not_send_streamed_outputs_again(plan: Path) -> None:
+    """An appended output crosses the process boundary once, as its `EngineOutput` items:
+    `EngineFinish` names it in `streamed` with an empty placeholder, and the API side's rebuild
+    (`finished_outputs`) gives exactly the engine's result, in its order."""
+    from mstar_runtime.api import MStar
+    from mstar_runtime.engine_process import finished_outputs
+
+    with MStar.load(plan, weights="init") as mstar:
+        sent, want = _relayed(mstar, "slow", {"steps": 40})
+        finish, items = sent[-1], sent[:-1]
+        assert isinstance(finish, m.EngineFinish) and finish.state == "finished"
+        assert finish.streamed == ["xs"] and list(finish.outputs) == list(want)
+        placeholder = finish.outputs["xs"]
+        assert placeholder.tensor is None and placeholder.shm is None and placeholder.scalar is None
+        streamed_bytes = sum(len(m.encode(x)) for x in items)
+        assert want["xs"].numel() * 4 <= streamed_bytes  # the tensor went out as items ...
+        assert len(m.encode(finish)) < 1024  # ... and not again at the end
+        chunks = [(x.name, from_value(x.value)) for x in items]  # type: ignore[union-attr]
+        got = finished_outputs(finish, chunks)
+        assert list(got) == list(want) and torch.equal(got["xs"], want["xs"])
+
+        # chat -> continue: `continue` emits `tokens` again, so the final `tokens` (continue's)
+        # is not the concatenation of the streamed ones (chat's, then continue's): sent whole
+        sent, want = _relayed(mstar, "chat", {"prompt": "hi", "max_new": 2})
+        finish = sent[-1]
+        assert isinstance(finish, m.EngineFinish) and finish.walks == ["chat", "continue"]
+        streamed = [from_value(x.value) for x in sent[:-1] if x.name == "tokens"]  # type: ignore[union-attr]
+        assert sum(t.numel() for t in streamed) > want["tokens"].numel()
+        assert "tokens" not in finish.streamed and finish.outputs["tokens"].tensor is not None
+        got = finished_outputs(finish, [(x.name, from_value(x.value)) for x in sent[:-1]])  # type: ignore[union-attr]
+        assert list(got) == list(want) and all(torch.equal(torch.as_tensor(got[k]), torch.as_tensor(want[k]))
+                                               for k in want)

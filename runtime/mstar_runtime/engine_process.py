@@ -11,7 +11,11 @@ The two processes share a socketpair carrying `worker.wire` frames of the typed 
 `worker.messages` (never pickle): API -> engine `EngineSubmit`, `EngineCancel`, `EngineAck`,
 `EngineStatsRequest`, `Shutdown`; engine -> API `EngineReady` (once), `EngineOutput`,
 `EngineFinish`, `EngineStatsReply`. A tensor of `SHM_BYTES` or more travels through a
-shared-memory block that its reader copies and unlinks; smaller ones ride inline.
+shared-memory block that its reader copies and unlinks; smaller ones ride inline. An appended
+output crosses once: `EngineFinish` names in `streamed` each output that equals the
+concatenation of its streamed `EngineOutput` items, and the API side rebuilds it from the
+items it has (`finished_outputs`, the engine's own `concat`); an output that differs (a walk
+reached by a transition emitted it again) or was never streamed is sent whole.
 
 Backpressure: the engine sends at most `WINDOW` output items of a request beyond what the
 API side has acknowledged (`EngineAck`); a reader that streams acknowledges what it has read,
@@ -51,6 +55,7 @@ from mstar_runtime.api import (
     _resolve,
 )
 from mstar_runtime.control.conductor import FAILED, FINISHED, RUNNING, WAITING, check_inputs
+from mstar_runtime.control.interpreter import concat
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan.loader import Plan
 from mstar_runtime.worker import messages as m
@@ -178,16 +183,42 @@ class _Relay:
             h.result()  # stopped: the request was cancelled, and ends at the engine's next step
         except RequestFailed:
             pass
-        self.sender.send(finish_message(h))
+        self.sender.send(finish_message(h, h._chunks[:sent]))
 
 
-def finish_message(h: RequestHandle) -> m.EngineFinish:
-    """A handle's outcome as `EngineFinish` (the handle has ended)."""
+def finish_message(h: RequestHandle, sent: list[tuple[str, Any]] | None = None) -> m.EngineFinish:
+    """A handle's outcome as `EngineFinish` (the handle has ended). `sent`: the items already
+    sent as `EngineOutput`; an output equal to the concatenation of its items there is named
+    in `streamed` and not sent again (a placeholder keeps its place in the outputs' order)."""
     summary = h.summary()
-    outputs = {k: to_value(v) for k, v in h._outputs.items()} if summary["state"] == FINISHED else {}
+    outputs: dict[str, m.Value] = {}
+    streamed: list[str] = []
+    if summary["state"] == FINISHED:
+        for k, v in h._outputs.items():
+            items = [x for name, x in sent or () if name == k]
+            if items and _same(concat(items), v):
+                outputs[k] = m.Value(scalar=None)
+                streamed.append(k)
+            else:  # set, never streamed, or not what its items add up to (a transition's walk re-emitted it)
+                outputs[k] = to_value(v)
     stats = {k: v for k, v in h.stats.items() if v is None or isinstance(v, bool | int | float | str)}
     return m.EngineFinish(h.id, summary["state"], outputs, summary["error"], summary["field"],
-                          summary["finish_reason"], stats, list(summary["walks"]))
+                          summary["finish_reason"], stats, list(summary["walks"]), streamed)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
+            and a.device == b.device and torch.equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+def finished_outputs(finish: m.EngineFinish, chunks: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The outputs of a finished request, as `RequestHandle.result()` gives them in the engine
+    process: `finish.outputs`, with each output named in `finish.streamed` rebuilt from the
+    `EngineOutput` items received (`chunks`) by the engine's own concatenation."""
+    return {k: concat([x for name, x in chunks if name == k]) if k in finish.streamed else from_value(v)
+            for k, v in finish.outputs.items()}
 
 
 def engine_fault(mstar: MStar) -> tuple[str, str] | None:
@@ -652,7 +683,7 @@ class EngineClient:
                 for v in msg.outputs.values():
                     drop_value(v)
                 return
-            handle._settle(msg, {k: from_value(v) for k, v in msg.outputs.items()})
+            handle._settle(msg, finished_outputs(msg, handle._chunks))
         elif isinstance(msg, m.EngineStatsReply):
             with self._reply_cond:
                 self._last_stats = msg
@@ -678,8 +709,8 @@ class EngineClient:
         self._sock.close()
 
 
-__all__ = ["ClientHandle", "EngineClient", "EngineStartError", "engine_fault", "from_value", "main",
-           "serve_engine", "to_value"]
+__all__ = ["ClientHandle", "EngineClient", "EngineStartError", "engine_fault", "finish_message", "finished_outputs",
+           "from_value", "main", "serve_engine", "to_value"]
 
 
 if __name__ == "__main__":

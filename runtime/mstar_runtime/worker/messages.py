@@ -333,7 +333,10 @@ class EngineOutput:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class EngineFinish:
-    """Engine -> API: a request ended (``RequestHandle``'s outcome and final stats)."""
+    """Engine -> API: a request ended (``RequestHandle``'s outcome and final stats). An output
+    named in ``streamed`` equals the concatenation of its ``EngineOutput`` items, which the API
+    side already has: ``outputs`` holds only a ``Value(scalar=None)`` in its place (keeping the
+    outputs' order), so large outputs (audio) cross once."""
 
     type: ClassVar[str] = "engine_finish"
     request_id: str
@@ -344,6 +347,7 @@ class EngineFinish:
     reason: str | None
     stats: dict[str, Scalar]
     walks: list[str]
+    streamed: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

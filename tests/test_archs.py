@@ -43,9 +43,9 @@ _AUDIO = dict(layers=32, dim=1280, heads=20, ffn=5120, mel_bins=128, conv_dim=48
 _VISION = dict(depth=27, hidden=1152, heads=16, intermediate=4304, patch=16, temporal_patch=2, merge=2,
                positions=2304, deepstack=[8, 16, 24], out_dim=2048)
 _TALKER = dict(layers=20, hidden=1024, heads=16, kv_heads=2, head_dim=128, experts=128, moe_intermediate=384,
-               shared_intermediate=768, codec_vocab=3072, thinker_hidden=2048, projection_intermediate=2048)
-_PREDICTOR = dict(layers=5, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=2048,
-                  code_groups=16)
+               shared_intermediate=768, codec_vocab=3072, thinker_hidden=2048, projection_intermediate=2048,
+               cp_layers=5, cp_hidden=1024, cp_heads=16, cp_kv_heads=8, cp_head_dim=128, cp_intermediate=3072,
+               codebook_size=2048, code_groups=16)
 _CODE2WAV = dict(layers=8, hidden=1024, heads=16, kv_heads=16, head_dim=64, intermediate=3072, codebook_size=2048,
                  quantizers=16, upsampling_ratios=[2, 2], upsample_rates=[8, 5, 4, 3], decoder_dim=1536)
 
@@ -74,9 +74,9 @@ CORPUS: dict[str, dict[str, tuple[str, dict, dict]]] = {
                                                          experts=4, moe_intermediate=32, vocab=512)),
         "talker": ("qwen3_omni_talker", _TALKER, dict(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=16,
                                                       experts=4, moe_intermediate=16, shared_intermediate=32,
-                                                      thinker_hidden=64, projection_intermediate=64)),
-        "code_predictor": ("qwen3_omni_code_predictor", _PREDICTOR, dict(layers=1, hidden=32, heads=4, kv_heads=2,
-                                                                         head_dim=8, intermediate=64, code_groups=4)),
+                                                      thinker_hidden=64, projection_intermediate=64, cp_layers=1,
+                                                      cp_hidden=32, cp_heads=4, cp_kv_heads=2, cp_head_dim=8,
+                                                      cp_intermediate=64, code_groups=4)),
         "code2wav": ("qwen3_omni_code2wav", _CODE2WAV, dict(layers=1, hidden=32, heads=2, kv_heads=2, head_dim=16,
                                                             intermediate=64, quantizers=4, decoder_dim=64)),
     },
@@ -220,7 +220,7 @@ def test_qwen3_omni_matches_the_released_checkpoint():
 def test_kv_geometry_of_kv_nodes():
     expected = {("orpheus", "llm"): (28, 8, 128), ("vjepa2", "predictor"): (24, 16, 64),
                 ("bagel", "llm"): (28, 4, 128), ("qwen3_omni", "thinker"): (48, 4, 128),
-                ("qwen3_omni", "talker"): (20, 2, 128), ("qwen3_omni", "code_predictor"): (5, 8, 128)}
+                ("qwen3_omni", "talker"): (20, 2, 128)}
     for model, nodes in CORPUS.items():
         for node in nodes:
             kv = build(model, node).kv

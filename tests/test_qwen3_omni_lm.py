@@ -20,7 +20,6 @@ import pytest
 import torch
 from qwen3_omni_lm_support import NEWLINE, TINY_IDS, Harness, compile_plan, hf_model, node_spec
 
-from mstar_models.qwen3_omni.code_predictor import CodePredictor
 from mstar_models.qwen3_omni.positions import rope_index
 from mstar_models.qwen3_omni.talker import TalkerMoE
 from mstar_models.qwen3_omni.thinker import ThinkerMoE
@@ -37,11 +36,9 @@ TOK = TokenIds.tiny()
 THINKER = {"prefill": ("token", "done"), "decode": ("token", "done"),
            "prefill_speech": ("token", "done", "item", "states", "mm", "positions"),
            "decode_speech": ("token", "done", "item")}
-TALKER = {"prefill": (), "decode": ("code", "context", "done"), "decode_pad": ("code", "context", "done"),
-          "feed": ()}
-PREDICTOR = {"step": ("code", "inputs"), "finish": ("frame", "feedback")}
+TALKER = {"prefill": (), "frame": ("frame", "done"), "frame_pad": ("frame", "done")}
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
-CLASSES = {"thinker": ThinkerMoE, "talker": TalkerMoE, "code_predictor": CodePredictor}
+CLASSES = {"thinker": ThinkerMoE, "talker": TalkerMoE}
 
 
 # ------------------------------------------------------------------------------ fixtures
@@ -150,10 +147,10 @@ def test_real_size_parameters_are_the_released_checkpoints() -> None:
                                                    experts=128, moe_intermediate=768, vocab=152064)),
         "talker": (archs.qwen3_omni_talker, dict(layers=20, hidden=1024, heads=16, kv_heads=2, head_dim=128,
                                                  experts=128, moe_intermediate=384, shared_intermediate=768,
-                                                 codec_vocab=3072, thinker_hidden=2048, projection_intermediate=2048)),
-        "code_predictor": (archs.qwen3_omni_code_predictor, dict(layers=5, hidden=1024, heads=16, kv_heads=8,
-                                                                 head_dim=128, intermediate=3072, vocab=2048,
-                                                                 code_groups=16)),
+                                                 codec_vocab=3072, thinker_hidden=2048, projection_intermediate=2048,
+                                                 cp_layers=5, cp_hidden=1024, cp_heads=16, cp_kv_heads=8,
+                                                 cp_head_dim=128, cp_intermediate=3072, codebook_size=2048,
+                                                 code_groups=16)),
     }
     for name, (arch, args) in real.items():
         cls = CLASSES[name]
@@ -298,9 +295,8 @@ def test_thinker_batch_equals_each_request_alone(plan: Plan, checkpoint: Path,
 # ------------------------------------------------------------------------------ speech
 def speak(nodes: dict[str, Any], prompts: dict[str, dict[str, Any]], text_tokens: int, frames: int,
           **talker: Any) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
-    """Thinker -> talker -> code predictor for a batch of requests, each step batched across them."""
+    """Thinker -> talker frames (with their residual codes) for a batch of requests, each step batched across them."""
     th, tk = Harness(nodes["thinker"], THINKER, watch=None), Harness(nodes["talker"], TALKER, watch=None)
-    cp = Harness(nodes["code_predictor"], PREDICTOR, watch=None)
     rids = list(prompts)
     pre = th.step("prefill_speech", [(r, {**GREEDY, "max_tokens": text_tokens, **prompts[r]}) for r in rids])
     text = {r: [int(o["token"])] for r, o in zip(rids, pre)}
@@ -320,20 +316,10 @@ def speak(nodes: dict[str, Any], prompts: dict[str, dict[str, Any]], text_tokens
     for f in range(frames):
         texted = [r for r in rids if f < len(items[r])]
         padded = [r for r in rids if f >= len(items[r])]
-        outs = dict(zip(texted, tk.step("decode", [(r, {"text": items[r][f]}) for r in texted]) if texted else []))
-        outs.update(zip(padded, tk.step("decode_pad", [(r, {}) for r in padded]) if padded else []))
-        ctx = {r: outs[r]["context"] for r in rids}
-        residual: dict[str, list[torch.Tensor]] = {r: [] for r in rids}
-        for g in range(3):
-            step = cp.step("step", [(r, {"inputs": ctx[r], "group": g, "do_sample": settings["do_sample"], "seed": 3})
-                                    for r in rids])
-            for r, o in zip(rids, step):
-                residual[r].append(o["code"])
-                ctx[r] = o["inputs"]
-        fin = cp.step("finish", [(r, {"code0": outs[r]["code"], "residual": torch.cat(residual[r])}) for r in rids])
-        for r, o in zip(rids, fin):
-            codes[r].append(o["frame"])
-        tk.step("feed", [(r, {"feedback": o["feedback"]}) for r, o in zip(rids, fin)])
+        outs = dict(zip(texted, tk.step("frame", [(r, {"text": items[r][f]}) for r in texted]) if texted else []))
+        outs.update(zip(padded, tk.step("frame_pad", [(r, {}) for r in padded]) if padded else []))
+        for r in rids:
+            codes[r].append(outs[r]["frame"])
     return text, {r: torch.cat(c).T for r, c in codes.items()}
 
 
@@ -413,12 +399,13 @@ def test_bad_inputs_fail_the_request_with_a_clear_error(plan: Plan, lm_nodes: di
     with pytest.raises(RequestError, match="grid"):
         th.step("prefill", [("g", {**GREEDY, "max_tokens": 4, "ids": chat(("user", [1]), image=6),
                                    "image": encoded["image"], "grid": torch.tensor([[1, 4, 4]])})])
-    cp = Harness(lm_nodes["code_predictor"], PREDICTOR, watch=None)
-    with pytest.raises(RequestError, match="in order"):
-        cp.step("step", [("e", {"inputs": torch.zeros(1, 32), "group": 1, "do_sample": False})])
     tk = Harness(lm_nodes["talker"], TALKER, watch=None)
     with pytest.raises(RequestError, match="speaker"):
         tk.step("prefill", [("f", {"states": torch.zeros(9, 64), "mm": torch.zeros(9, dtype=torch.bool),
                                    "positions": torch.zeros(3, 9), "speaker": "nobody", "do_sample": False,
                                    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0,
                                    "max_frames": 4})])
+    with pytest.raises(RequestError, match="never prefilled"):
+        tk.step("frame_pad", [("h", {})])
+    with pytest.raises(RequestError, match="one item"):
+        tk.step("frame", [("i", {"text": torch.zeros(2, 64)})])

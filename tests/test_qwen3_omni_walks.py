@@ -295,21 +295,21 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def test_a_batch_equals_each_request_alone(engine: MStar) -> None:
     talker = nodes(engine)["talker"]
     sizes: list[int] = []
-    original = talker.phase_decode
+    original = talker.phase_frame
 
     def counted(batch: list[dict], attn: Any) -> list[dict]:
         sizes.append(len(batch))
         return original(batch, attn)
 
-    talker.phase_decode = counted
+    talker.phase_frame = counted
     try:
         # queued while the engine thread waits for its (reentrant) lock: admitted together
         with engine._lock:
             handles = [engine.submit(walk, inputs) for walk, inputs in REQUESTS]
         together = [h.result(timeout=120) for h in handles]
     finally:
-        del talker.phase_decode
-    assert max(sizes) == 2  # the two speech requests' frames ran as one talker step
+        del talker.phase_frame
+    assert max(sizes) == 2  # the two speech requests' text frames ran as one talker step
     alone = [engine.submit(walk, inputs).result(timeout=120) for walk, inputs in REQUESTS]
     assert all(same(a, b) for a, b in zip(together, alone, strict=True))
     assert together[0]["audio_out"].numel() and together[0]["text"] != together[1]["text"]

@@ -2,9 +2,9 @@
 
 Owns one arch per node: `qwen3_omni_thinker` (`thinker.model.*` + `thinker.lm_head`),
 `qwen3_omni_audio` (`thinker.audio_tower.*`), `qwen3_omni_vision` (`thinker.visual.*`),
-`qwen3_omni_talker` (`talker.model.*`, `talker.codec_head`, the two projection MLPs),
-`qwen3_omni_code_predictor` (`talker.code_predictor.*`) and `qwen3_omni_code2wav`
-(`code2wav.*`). MoE experts are listed per expert (`mlp.experts.{e}.gate_proj.weight`), as
+`qwen3_omni_talker` (`talker.model.*`, `talker.codec_head`, the two projection MLPs and the
+code predictor `talker.code_predictor.*`, which the talker node owns: a frame is one call)
+and `qwen3_omni_code2wav` (`code2wav.*`). MoE experts are listed per expert (`mlp.experts.{e}.gate_proj.weight`), as
 the checkpoint stores them; transformers >= 5 fuses them on load, our loader may too.
 
 Every thinker/talker layer is sparse (the released config has decoder_sparse_step 1 and no
@@ -33,8 +33,9 @@ _ATTN = {"layers": INT(), "hidden": INT(), "heads": INT(), "kv_heads": INT(), "h
 
 THINKER_ARGS = {**_ATTN, "experts": INT(), "moe_intermediate": INT(), "vocab": INT()}
 TALKER_ARGS = {**_ATTN, "experts": INT(), "moe_intermediate": INT(), "shared_intermediate": INT(),
-               "codec_vocab": INT(), "thinker_hidden": INT(), "projection_intermediate": INT()}
-PREDICTOR_ARGS = {**_ATTN, "intermediate": INT(), "vocab": INT(), "code_groups": INT(minimum=2)}
+               "codec_vocab": INT(), "thinker_hidden": INT(), "projection_intermediate": INT(),
+               "cp_layers": INT(), "cp_hidden": INT(), "cp_heads": INT(), "cp_kv_heads": INT(), "cp_head_dim": INT(),
+               "cp_intermediate": INT(), "codebook_size": INT(), "code_groups": INT(minimum=2)}
 CODE2WAV_ARGS = {**_ATTN, "intermediate": INT(), "codebook_size": INT(), "quantizers": INT(),
                  "upsampling_ratios": INTS(allow_empty=True), "upsample_rates": INTS(),
                  "decoder_dim": INT()}
@@ -96,29 +97,30 @@ def qwen3_omni_talker(args: Mapping[str, Any], dtype: str) -> ArchSpec:
     for proj in ("text_projection", "hidden_projection"):
         t.linear(f"talker.{proj}.linear_fc1", a["projection_intermediate"], a["thinker_hidden"])
         t.linear(f"talker.{proj}.linear_fc2", h, a["projection_intermediate"])
+    _code_predictor(t, a)
     dims = _dims(a, vocab=a["codec_vocab"], experts=a["experts"], moe_intermediate=a["moe_intermediate"],
                  intermediate=a["shared_intermediate"])
     return t.spec(dims, KVGeometry(a["layers"], a["kv_heads"], a["head_dim"]))
 
 
-def qwen3_omni_code_predictor(args: Mapping[str, Any], dtype: str) -> ArchSpec:
-    a = parse_args("qwen3_omni_code_predictor", args, PREDICTOR_ARGS)
-    gqa_checks(a["heads"], a["kv_heads"])
-    t = Tensors(dtype)
-    h, cp = a["hidden"], "talker.code_predictor"
-    for i in range(a["layers"]):
-        p = f"{cp}.model.layers.{i}"
-        _layer_common(t, p, a)
-        swiglu(t, f"{p}.mlp", h, a["intermediate"])
-    t.norm(f"{cp}.model.norm", h)
-    # code groups 1..G-1 each have an input embedding and an output head
+def _code_predictor(t: Tensors, a: dict[str, Any]) -> None:
+    """The code predictor's tensors (`talker.code_predictor.*`) from the talker's `cp_*` args."""
+    cp = {"hidden": a["cp_hidden"], "heads": a["cp_heads"], "kv_heads": a["cp_kv_heads"], "head_dim": a["cp_head_dim"]}
+    gqa_checks(cp["heads"], cp["kv_heads"])
+    require(cp["hidden"] == a["hidden"], f"cp_hidden ({cp['hidden']}) must equal hidden ({a['hidden']}): the code "
+            "predictor reads the talker's hidden state", "cp_hidden")
+    h, p0 = cp["hidden"], "talker.code_predictor"
+    for i in range(a["cp_layers"]):
+        p = f"{p0}.model.layers.{i}"
+        _layer_common(t, p, cp)
+        swiglu(t, f"{p}.mlp", h, a["cp_intermediate"])
+    t.norm(f"{p0}.model.norm", h)
+    # code groups 1..G-1 each have an input embedding and an output head; the 15 small tables
+    # and heads stay whole on every rank, so no "vocab" dim to divide
     for g in range(a["code_groups"] - 1):
-        t.add(f"{cp}.model.codec_embedding.{g}.weight", (a["vocab"], h))
+        t.add(f"{p0}.model.codec_embedding.{g}.weight", (a["codebook_size"], h))
     for g in range(a["code_groups"] - 1):
-        t.add(f"{cp}.lm_head.{g}.weight", (a["vocab"], h))
-    # the 15 small tables and heads stay whole on every rank, so no "vocab" dim to divide
-    dims = _dims(a, intermediate=a["intermediate"])
-    return t.spec(dims, KVGeometry(a["layers"], a["kv_heads"], a["head_dim"]))
+        t.add(f"{p0}.lm_head.{g}.weight", (a["codebook_size"], h))
 
 
 def _snake_beta(t: Tensors, p: str, c: int) -> None:
@@ -241,6 +243,5 @@ ARCHS = {
     "qwen3_omni_audio": qwen3_omni_audio,
     "qwen3_omni_vision": qwen3_omni_vision,
     "qwen3_omni_talker": qwen3_omni_talker,
-    "qwen3_omni_code_predictor": qwen3_omni_code_predictor,
     "qwen3_omni_code2wav": qwen3_omni_code2wav,
 }

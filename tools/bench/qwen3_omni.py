@@ -314,7 +314,7 @@ def run_requests(plan: Any, worker: Any, device: torch.device, walk: str, inputs
 def run_speech(plan: Any, worker: Any, device: torch.device, batch: int, tokens: int, frames: int, seed: int,
                path: str, c2w: Any, rate: float) -> dict[str, Any]:
     inputs = [speech_inputs(i, tokens, frames, seed) for i in range(batch)]
-    r = run_requests(plan, worker, device, "speech", inputs, path, "talker", ("decode", "decode_pad"))
+    r = run_requests(plan, worker, device, "speech", inputs, path, "talker", ("frame", "frame_pad"))
     reqs, wall, probe = r["reqs"], r["wall"], r["probe"]
     samples = [sum(int(x.numel()) for x in q.outputs.get("audio_out", [])) for q in reqs]
     made = [frames_of(c2w, s) for s in samples]
@@ -383,15 +383,16 @@ def expected_experts(experts: int, top_k: int, tokens: float) -> float:
     return experts * (1.0 - (1.0 - top_k / experts) ** tokens) if tokens > 0 else 0.0
 
 
-def lm_profile(node: Any, rows: tuple[str, ...], once: tuple[str, ...] = ()) -> dict[str, Any]:
+def lm_profile(node: Any, rows: tuple[str, ...], once: tuple[str, ...] = (), skip: str = "//") -> dict[str, Any]:
     """What one step of a decoder node reads: `dense` bytes (every parameter but the experts,
-    the tables named in `rows`, of which a token reads one row, and the tensors named in
-    `once`, read at prefill only), per-layer MoE geometry, and the row bytes of the tables."""
+    the tables named in `rows`, of which a token reads one row, the tensors named in `once`,
+    read at prefill only, and those under `skip`, a submodule counted on its own), per-layer
+    MoE geometry, and the row bytes of the tables."""
     from mstar_models.qwen3_omni.moe import SparseMoE
 
     dense = row = 0
     for name, p in node.named_parameters():
-        if ".experts." in name or any(o in name for o in once):
+        if ".experts." in name or any(o in name for o in once) or name.startswith(skip):
             continue
         if any(r in name for r in rows):
             row += p.shape[-1] * p.element_size()
@@ -415,7 +416,7 @@ def step_bytes(p: Mapping[str, Any], tokens: float, context: float) -> float:
 
 def floor_profile(worker: Any) -> dict[str, Any]:
     e = worker.engines
-    cp = e["code_predictor"].node
+    cp = e["talker"].node.code_predictor
     groups = int(cp.groups) - 1
     head = sum(_nbytes(w.weight) for w in cp.lm_head)
     cp_dense = sum(_nbytes(p) for n, p in cp.named_parameters() if not n.startswith(("lm_head", "model.codec_embedding")))
@@ -424,7 +425,8 @@ def floor_profile(worker: Any) -> dict[str, Any]:
     talker = e["talker"].node
     # the projections run at prefill (hidden_projection for media rows only) and, text_projection, on
     # each text item: a tts_pad frame reuses the projected pad
-    profile = lm_profile(talker, rows=("codec_embedding",), once=("hidden_projection", "text_projection"))
+    profile = lm_profile(talker, rows=("codec_embedding",), once=("hidden_projection", "text_projection"),
+                         skip="code_predictor.")
     profile["text_projection_bytes"] = sum(_nbytes(p) for p in talker.text_projection.parameters())
     return {
         "thinker": lm_profile(e["thinker"].node, rows=("embed_tokens",)),
@@ -859,7 +861,7 @@ def mstar_parity(args: argparse.Namespace, rec: dict[str, Any], save: Callable[[
     inputs = {**speech_inputs(0, args.parity_tokens, args.parity_frames, args.seed), **GREEDY}
     try:
         with _Windows(c2w) as w:
-            r = run_requests(plan, worker, device, "speech", [inputs], args.path, "talker", ("decode",))
+            r = run_requests(plan, worker, device, "speech", [inputs], args.path, "talker", ("frame",))
         return {"text": "".join(r["reqs"][0].outputs.get("text", [])), "codes": w.codes()}
     except Exception as e:  # noqa: BLE001
         log.exception("M* parity run failed")

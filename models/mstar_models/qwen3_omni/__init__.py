@@ -4,8 +4,8 @@
 - AudioEncoder (stateless): log-mel -> thinker-width audio tokens (audio_encoder.py)
 - VisionEncoder (stateless): image patches -> merged tokens and deepstack maps (vision_encoder.py)
 - ThinkerMoE (kv): the MoE text model; text decode, and the talker's inputs in the speech phases (thinker.py)
-- TalkerMoE (kv): the MoE talker, one layer-0 codec code per 80 ms frame (talker.py)
-- CodePredictor (kv): a frame's residual codes, its context kept in node state (code_predictor.py)
+- TalkerMoE (kv): the MoE talker and its code predictor (code_predictor.py): one codec frame of 16
+  codes per 80 ms step, one CUDA graph per batch on a GPU (talker.py)
 - Code2Wav (stateless): codec frames -> 24 kHz audio with the keep-last streaming rule (code2wav.py)
 
 Shared: decoder.py (the QK-norm decoder stack), moe.py (the expert kernels), positions.py
@@ -14,10 +14,9 @@ Shared: decoder.py (the QK-norm decoder stack), moe.py (the expert kernels), pos
 
 from mstar_models.qwen3_omni.audio_encoder import AudioEncoder
 from mstar_models.qwen3_omni.code2wav import Code2Wav
-from mstar_models.qwen3_omni.code_predictor import CodePredictor
 from mstar_models.qwen3_omni.processor import Processor
 from mstar_models.qwen3_omni.talker import TalkerMoE
 from mstar_models.qwen3_omni.thinker import ThinkerMoE
 from mstar_models.qwen3_omni.vision_encoder import VisionEncoder
 
-__all__ = ["AudioEncoder", "Code2Wav", "CodePredictor", "Processor", "TalkerMoE", "ThinkerMoE", "VisionEncoder"]
+__all__ = ["AudioEncoder", "Code2Wav", "Processor", "TalkerMoE", "ThinkerMoE", "VisionEncoder"]

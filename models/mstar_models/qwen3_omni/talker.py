@@ -1,12 +1,14 @@
-"""Qwen3-Omni's talker as a KV node: the 20-layer MoE that turns the thinker's text into layer-0 codec codes.
+"""Qwen3-Omni's talker as a KV node: the 20-layer MoE that turns the thinker's text into codec frames.
 
 The math is transformers 5.24's `Qwen3OmniMoeTalkerForConditionalGeneration` (and the parts of
 `Qwen3OmniMoeForConditionalGeneration.generate` that build its inputs): `decoder.Decoder`
 layers whose MLP is `moe.SparseMoE` with the sigmoid-gated shared expert, interleaved MRoPE,
 `codec_head` over the 3072 codec ids; `text_projection` / `hidden_projection` (2-layer SiLU
-MLPs with bias) take thinker-width rows to talker width. Parameters carry the checkpoint's
-names under `talker.` (`talker.model.codec_embedding.weight`, `talker.model.layers.{i}.*`,
-`talker.model.norm.weight`, `talker.codec_head.weight`, `talker.{text,hidden}_projection.*`).
+MLPs with bias) take thinker-width rows to talker width; the code predictor
+(`code_predictor.CodePredictor`) adds each frame's residual codes. Parameters carry the
+checkpoint's names under `talker.` (`talker.model.codec_embedding.weight`,
+`talker.model.layers.{i}.*`, `talker.model.norm.weight`, `talker.codec_head.weight`,
+`talker.{text,hidden}_projection.*`, `talker.code_predictor.*`).
 
 Phases (models/qwen3_omni/qwen3_omni.walk, node `talker`):
 - `prefill(states, mm, positions, speaker, do_sample, temperature, top_k, top_p,
@@ -15,51 +17,67 @@ Phases (models/qwen3_omni/qwen3_omni.walk, node `talker`):
   `prefill_speech` gives (`thinker.ThinkerMoE._talker_prompt`): the text stream rows are
   `hidden_projection` where `mm`, else `text_projection`; the codec stream adds, on the last
   five rows, `codec_embedding` of [nothink, think_bos, think_eos, speaker, codec_pad] (the
-  first S - 5 rows have none). Row S - 5 is the projected `tts_pad`, kept for `decode_pad`.
-- `decode(text) -> (code, context, done)`: one 80 ms frame. Input = `text_projection(text)`
-  (the thinker's item [1, thinker hidden]) + the codec input: `codec_embedding(codec_bos)` on
-  the first frame (HF's ninth prompt position), then the previous frame's `feedback`. The
-  layer-0 code is sampled from `codec_head` with ids [vocab - 1024, vocab) suppressed except
-  codec eos; repetition penalty over the codes generated so far; top-k / top-p / temperature
-  when `do_sample`, else greedy. `context` [2, hidden] = [the final-normed hidden state,
-  `codec_embedding(code)`]: the code predictor's first two inputs.
-- `decode_pad() -> (code, context, done)`: the same with the projected `tts_pad` as the text.
-- `feed(feedback) -> ()`: the frame's codec-embedding sum (from the code predictor), the next
-  decode's codec input. Adds no KV.
-Positions: `positions` in prefill; decode at KV index j has j + delta in all three
+  first S - 5 rows have none). Row S - 5 is the projected `tts_pad`, kept for `frame_pad`.
+- `frame(text) -> (frame, done)`: one 80 ms frame (`frame_math`). Input =
+  `text_projection(text)` (the thinker's item [1, thinker hidden]) + the codec input:
+  `codec_embedding(codec_bos)` on the first frame (HF's ninth prompt position), then the
+  previous frame's sum of its 16 codec embeddings. The layer-0 code is sampled from
+  `codec_head` with ids [vocab - 1024, vocab) suppressed except codec eos; repetition penalty
+  over the codes generated so far; top-k / top-p / temperature when `do_sample`, else greedy.
+  The code predictor then samples codes 1..15 from [the final-normed hidden state,
+  `codec_embedding(code 0)`] (greedy, or HF's top-k 50 / top-p 0.8 when `do_sample`).
+  `frame` is the frame's codes [1, code_groups], or no row for a codec-eos frame (HF never
+  decodes one).
+- `frame_pad() -> (frame, done)`: the same with the projected `tts_pad` as the text; also a
+  decode cohort's column step (`cohort_phase`).
+A frame is one tensor function with no host read, which the runtime runs through
+`attn.run_graphed` (on a GPU one CUDA graph per batch bucket: the talker step, the 15
+predictor steps and all sampling in one launch) or as a cohort step (likewise captured).
+Positions: `positions` in prefill; a frame at KV index j has j + delta in all three
 components, delta = (last prefill position + 1) - S (the talker's 3-D rule, HF's
 `compute_3d_position_ids`). transformers 5.24 itself fails on a talker prompt with both audio
 and an image or video (its talker config has no `audio_config` for the audio length); the
 thinker computes those positions by the same rules, each audio's length its placeholder count.
 
-`done` is raised on codec eos (lazy) or after `max_frames` frames. Once a frame has sampled
+`done` is raised on codec eos or after `max_frames` frames (lazy). Once a frame has sampled
 codec eos, or `max_frames` frames have run, every later frame of the request returns codec
-eos again (a no-op frame: the code predictor emits no codes for it), decided on the device.
+eos again (a no-op frame without codes), decided on the device.
 
-Per-(request, tag) state: `sampling`, `max_frames`, `frames` (frames decoded), `history`
-(int64 [max_frames] codes so far, -1 beyond; only with a repetition penalty), `finished`
-(bool on the device), `codec` (the next codec input [1, hidden]), `pad` (projected tts_pad
-[1, hidden]), `delta`.
+Seeds: the walk gives the thinker and the talker one `seed`; the talker's draws use
+`derive_seed(seed, 1)` at step = frame index, the predictor's `derive_seed(seed, 2)` at step =
+its draws so far (15 per frame), so no two of the three draw the same numbers.
 
-Config: `talker_experts_per_token` (6 in the release), `talker_norm_topk_prob` (true),
-`rope_theta`, `rms_eps`, `talker_mrope_section`, codec ids and speakers of `tokens.TokenIds`.
-Settings: `max_seq_len`, `moe_kernel`.
+Per-(request, tag) state: `sampling`, `max_frames`, `frames` (frames decoded), `seen` (bool
+[codec vocab] on the device: the codes so far, for the repetition penalty), `finished` (bool
+on the device), `codec` (the next codec input [hidden]), `pad` (projected tts_pad [hidden]),
+`delta`, `seed`, `cp_seed`, `cp_draws`, `cp_greedy`.
+
+Config: `code_groups`, the predictor's `cp_layers`, `cp_hidden` (= the talker's hidden),
+`cp_heads`, `cp_kv_heads`, `cp_head_dim`, `cp_intermediate`, `codebook_size`, `cp_rope_theta`;
+`talker_experts_per_token` (6 in the release), `talker_norm_topk_prob` (true), `rope_theta`,
+`rms_eps`, `talker_mrope_section`, codec ids and speakers of `tokens.TokenIds`. Settings:
+`max_seq_len`, `moe_kernel`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_models.qwen3_omni.code_predictor import CodePredictor
 from mstar_models.qwen3_omni.decoder import Decoder, seeded_init_
 from mstar_models.qwen3_omni.lm_common import attention_sizes, sampling_params, scalar
 from mstar_models.qwen3_omni.moe import SparseMoE, Weight
 from mstar_models.qwen3_omni.positions import default_mrope_section, inv_freq, mrope_tables
 from mstar_models.qwen3_omni.tokens import TokenIds
+from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import (
     AttentionContext,
     Batch,
@@ -72,7 +90,7 @@ from mstar_runtime.ops.node import (
 )
 from mstar_runtime.ops.ports import config_value, max_seq_len
 from mstar_runtime.ops.readback import Lazy, Readback, upload
-from mstar_runtime.ops.sampler import SamplingParams, sample
+from mstar_runtime.ops.sampler import SamplingColumns, SamplingParams, derive_seed, sample_columns, signed64
 
 PROMPT_TAIL = 5  # rows of the talker prefill that carry codec embeddings: nothink .. codec_pad
 
@@ -139,6 +157,16 @@ class TalkerMoE(KVNode):
         proj = int(g("projection_intermediate"))
         self.text_projection = ResizeMLP(self.thinker_hidden, proj, self.hidden, **factory)
         self.hidden_projection = ResizeMLP(self.thinker_hidden, proj, self.hidden, **factory)
+        self.groups = int(g("code_groups"))
+        if self.groups < 2:
+            raise NodeError(f"node '{spec.name}': code_groups must be >= 2, got {self.groups}")
+        self.code_predictor = CodePredictor(
+            int(g("cp_layers")), int(g("cp_hidden")), int(g("cp_heads")), int(g("cp_kv_heads")), int(g("cp_head_dim")),
+            int(g("cp_intermediate")), int(g("codebook_size")), self.groups, eps, float(g("cp_rope_theta", 1e6)),
+            **factory)
+        if self.code_predictor.hidden != self.hidden:
+            raise NodeError(f"node '{spec.name}': cp_hidden ({self.code_predictor.hidden}) must equal the talker's "
+                            f"hidden ({self.hidden}): the predictor reads the talker's hidden state")
         seeded_init_(self, spec.name)
         self.register_buffer("freq", inv_freq(self.head_dim, float(g("rope_theta", 1e6))).to(spec.device),
                              persistent=False)
@@ -165,10 +193,8 @@ class TalkerMoE(KVNode):
                 raise RequestError(f"talker prompt of {shape[0]} rows is longer than max_seq_len "
                                    f"{max_seq_len(spec)}", "states")
             return SeqPlan(q_len=shape[0])
-        if phase in ("decode", "decode_pad"):
+        if phase in ("frame", "frame_pad"):
             return SeqPlan(q_len=1)
-        if phase == "feed":
-            return SeqPlan(q_len=0)
         raise NodeError(f"node '{spec.name}' (TalkerMoE) has no phase '{phase}'")
 
     # ------------------------------------------------------------------ math
@@ -206,17 +232,21 @@ class TalkerMoE(KVNode):
         positions = torch.cat([c[2] for c in checked], dim=1)
         cos, sin = self.tables(positions)
         self.model.forward_layers(h, cos, sin, attn.attend)
-        bos = self.codec_embed(torch.tensor([self.tok.codec_bos_id], device=dev))
+        bos = self.codec_embed(torch.tensor([self.tok.codec_bos_id], device=dev))[0]
         offset = 0
         for (s, _, pos, _, params, max_frames), seq in zip(checked, attn.seqs, strict=True):
             n = s.shape[0]
+            base = secrets.randbits(64) if params.seed is None else params.seed
             seq.state.clear()
             seq.state.update(
                 sampling=params, max_frames=max_frames, frames=0, codec=bos.clone(),
-                pad=text[offset + n - PROMPT_TAIL : offset + n - PROMPT_TAIL + 1],
-                delta=float(pos[0, -1]) + 1 - n, finished=torch.zeros((), dtype=torch.bool, device=dev),
-                history=None if params.repetition_penalty == 1.0 else torch.full(
-                    (max_frames,), -1, dtype=torch.long, device=dev),
+                pad=text[offset + n - PROMPT_TAIL], delta=float(pos[0, -1]) + 1 - n,
+                finished=torch.zeros((), dtype=torch.bool, device=dev),
+                seen=torch.zeros(self.vocab, dtype=torch.bool, device=dev),
+                # the walk gives the thinker, the talker and the predictor one seed: each draws
+                # from its own stream of it, so their (seed, step) draws are not the same numbers
+                seed=signed64(derive_seed(base, 1)), cp_seed=signed64(derive_seed(base, 2)), cp_draws=0,
+                cp_greedy=params.greedy,
             )
             offset += n
         return [{} for _ in batch]
@@ -250,7 +280,7 @@ class TalkerMoE(KVNode):
         return (states.to(device=dev, dtype=dt), mm.to(device=dev, dtype=torch.bool), pos.to(device=dev,
                 dtype=torch.float32), speaker, params, max_frames)
 
-    def phase_decode(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_frame(self, batch: Batch, attn: AttentionContext) -> Batch:
         texts = []
         for entry in batch:
             text = entry.get("text")
@@ -258,61 +288,159 @@ class TalkerMoE(KVNode):
                 raise RequestError(f"text must be one item [1, {self.thinker_hidden}]", "text")
             texts.append(text)
         self._check_prefilled(attn)
-        dt = self.codec_head.weight.dtype
-        text = self.text_projection(torch.cat(texts).to(device=self.freq.device, dtype=dt))
-        return self._frame(text, attn)
+        text = torch.cat(texts).to(device=self.freq.device, dtype=self.codec_head.weight.dtype)
+        return self._frames(text, attn, project=True)
 
-    def phase_decode_pad(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_frame_pad(self, batch: Batch, attn: AttentionContext) -> Batch:
         self._check_prefilled(attn)
-        return self._frame(torch.cat([st["pad"] for st in attn.states]), attn)
-
-    def phase_feed(self, batch: Batch, attn: AttentionContext) -> Batch:
-        self._check_prefilled(attn)
-        for entry in batch:
-            fb = entry.get("feedback")
-            if not isinstance(fb, torch.Tensor) or tuple(fb.shape) != (1, self.hidden):
-                raise RequestError(f"feedback must be [1, {self.hidden}]", "feedback")
-        for entry, st in zip(batch, attn.states):
-            st["codec"] = entry["feedback"].to(device=self.freq.device, dtype=self.codec_head.weight.dtype)
-        return [{} for _ in batch]
+        return self._frames(torch.stack([st["pad"] for st in attn.states]), attn, project=False)
 
     def _check_prefilled(self, attn: AttentionContext) -> None:
         if any("sampling" not in st for st in attn.states):
             raise RequestError("a talker frame on a context that was never prefilled", "text")
 
-    # ------------------------------------------------------------------ one frame
-    def _frame(self, text: torch.Tensor, attn: AttentionContext) -> Batch:
-        states = attn.states
-        dev = self.freq.device
-        h = text + torch.cat([st["codec"] for st in states])
-        pos = upload([s.start + float(s.state["delta"]) for s in attn.seqs], torch.float32, dev)
+    # ------------------------------------------------------------------ one frame, generic path
+    def _frames(self, text: torch.Tensor, attn: AttentionContext, *, project: bool) -> Batch:
+        """One frame for every entry: the per-request state stacked into the frame's columns,
+        `frame_math` through `attn.run_graphed` (one CUDA graph per batch bucket on a GPU), the
+        new state written back as row views (no device read)."""
+        states, seqs, dev = attn.states, attn.seqs, self.freq.device
+        rows = [_host_row(st, seq.start) for st, seq in zip(states, seqs, strict=True)]
+        ints = upload([v for r in rows for v in r[0]], torch.long, dev).view(len(rows), -1)
+        floats = upload([v for r in rows for v in r[1]], torch.float32, dev).view(len(rows), -1)
+        flags = upload([v for r in rows for v in r[2]], torch.bool, dev).view(len(rows), -1)
+        codec = torch.stack([st["codec"] for st in states])
+        seen = torch.stack([st["seen"] for st in states])
+        finished = torch.stack([st["finished"] for st in states])
 
-        def step(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-            cos, sin = self.tables(p[None, :].expand(3, -1))
-            return self.model.forward_layers(x, cos, sin, attn.attend)
+        def fn(text: torch.Tensor, codec: torch.Tensor, seen: torch.Tensor, finished: torch.Tensor,
+               ints: torch.Tensor, floats: torch.Tensor, flags: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            x = self.text_projection(text) if project else text
+            cols = FrameColumns.unpack(ints, floats, flags)
+            out = self.frame_math(x, codec, seen, finished, cols, floats[:, 0], attn.attend)
+            return out.frame, out.feedback, out.seen, out.finished, out.done
 
-        hidden = attn.run_graphed(step, h, pos)
-        histories = [None if st["history"] is None else st["history"][: st["frames"]] for st in states]
-        sampled = sample(self.logits(hidden), [st["sampling"] for st in states], histories,
-                         [st["frames"] for st in states])
-        # a frame past max_frames is a no-op too (the walk may still feed it text items)
-        over = upload([st["frames"] >= st["max_frames"] for st in states], torch.bool, dev)
-        finished = torch.stack([st["finished"] for st in states]) | over
-        eos = self.tok.codec_eos_token_id
-        codes = torch.where(finished, eos, sampled)
-        context = torch.stack([hidden, self.codec_embed(codes)], dim=1)  # [B, 2, hidden]
-        back = Readback(codes)
+        frame, feedback, seen, finished, done = attn.run_graphed(fn, text, codec, seen, finished, ints, floats, flags)
+        back = Readback(torch.stack([frame[:, 0] != self.tok.codec_eos_token_id, done], dim=1))
         out: Batch = []
-        codes32 = codes.to(torch.int32)
         for i, st in enumerate(states):
-            st["finished"] = finished[i] | (codes[i] == eos)
-            if st["history"] is not None and st["frames"] < st["history"].numel():
-                st["history"][st["frames"] : st["frames"] + 1] = codes[i : i + 1]
+            st.update(codec=feedback[i], seen=seen[i], finished=finished[i])
             st["frames"] += 1
-            limit = st["frames"] >= st["max_frames"]
-            out.append({
-                "code": codes32[i : i + 1],
-                "context": context[i],
-                "done": True if limit else Lazy(lambda i=i: back.values()[i] == eos),
-            })
+            st["cp_draws"] += self.groups - 1
+            f = frame[i : i + 1]
+            out.append({"frame": Lazy(lambda f=f, i=i: f if back.values()[i][0] else f[:0]),
+                        "done": Lazy(lambda i=i: bool(back.values()[i][1]))})
         return out
+
+    # ------------------------------------------------------------------ one frame, the math
+    def frame_math(self, text: torch.Tensor, codec: torch.Tensor, seen: torch.Tensor, finished: torch.Tensor,
+                   cols: FrameColumns, positions: torch.Tensor, attend: Any) -> FrameOutputs:
+        """One 80 ms frame of n rows as pure tensor code (no host read; capturable): the talker
+        step on `text + codec` at the MRoPE `positions` [n] (all three components), its layer-0
+        code (suppressed ids, the repetition penalty over the codes in `seen`, the talker's
+        sampling; codec eos once `finished` or at `max_frames`), then the code predictor's
+        residual codes, and the codec-embedding sum that is the next frame's `codec`."""
+        hidden = self.model.forward_layers(text + codec, *self.tables(positions[None, :].expand(3, -1)), attend)
+        logits = self.logits(hidden)
+        pen = cols.sampling.penalty[:, None]
+        logits = torch.where(seen, torch.where(logits < 0, logits * pen, logits / pen), logits)
+        plain = dataclasses.replace(cols.sampling, penalty=torch.ones_like(cols.sampling.penalty))
+        sampled = sample_columns(logits, plain)
+        eos = self.tok.codec_eos_token_id
+        stop = finished | (cols.frames >= cols.max_frames)
+        code0 = torch.where(stop, eos, sampled)
+        first = torch.stack([hidden, self.codec_embed(code0)], dim=1)  # [n, 2, hidden]
+        residual, embeds = self.code_predictor.residual_codes(first, cols.cp_greedy, cols.cp_seed, cols.cp_draws)
+        # HF sums the frame's 16 codec embeddings (code 0 from the talker's table) in one reduction
+        feedback = torch.cat([first[:, 1:], embeds], dim=1).sum(dim=1)
+        ended = stop | (code0 == eos)
+        return FrameOutputs(
+            frame=torch.cat([code0[:, None], residual], dim=1).to(torch.int32), feedback=feedback,
+            seen=seen.scatter(1, code0[:, None], True), finished=ended,
+            done=ended | (cols.frames + 1 >= cols.max_frames))
+
+    # ------------------------------------------------------------------ one frame, decode cohort
+    def cohort_phase(self, phase: str) -> CohortPhase | None:
+        """`frame_pad` as a column step (runtime/mstar_runtime/ops/cohort.py): the tts_pad loop
+        after the text, whose body is that one call, runs as a decode cohort. `frame` is not
+        offered: its loop also runs the thinker, so the compiler never marks it."""
+        if phase != "frame_pad":
+            return None
+        return CohortPhase(join=self._cohort_join, step=self._cohort_step, leave=self._cohort_leave,
+                           max_items={"frame": 1})
+
+    def _cohort_join(self, state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
+        if "sampling" not in state:
+            raise RequestError("a talker frame on a context that was never prefilled", "text")
+        ints, floats, flags = _host_row(state, 0)
+        return {"ints": torch.tensor(ints, dtype=torch.long), "floats": torch.tensor(floats, dtype=torch.float32),
+                "flags": torch.tensor(flags, dtype=torch.bool), "codec": state["codec"], "seen": state["seen"],
+                "finished": state["finished"], "pad": state["pad"]}
+
+    def _cohort_leave(self, state: dict[str, Any], cols: Columns, steps: int) -> None:
+        state.update(codec=cols["codec"], seen=cols["seen"], finished=cols["finished"])
+        state["frames"] += steps
+        state["cp_draws"] += steps * (self.groups - 1)
+
+    def _cohort_step(self, b: CohortStep) -> dict[str, torch.Tensor]:
+        c = b.cols
+        cols = FrameColumns.unpack(c["ints"], c["floats"], c["flags"])
+        positions = b.positions.to(torch.float32) + c["floats"][:, 0]
+        out = self.frame_math(c["pad"], c["codec"], c["seen"], c["finished"], cols, positions, b.attend)
+        c["codec"].copy_(out.feedback)
+        c["seen"].copy_(out.seen)
+        c["finished"].copy_(out.finished)
+        c["ints"][:, _FRAMES].add_(1)
+        c["ints"][:, _CP_DRAWS].add_(self.groups - 1)
+        count = (out.frame[:, 0] != self.tok.codec_eos_token_id).to(torch.long)
+        return {"frame": out.frame[:, None, :], "frame:count": count, "done": out.done}
+
+
+# ------------------------------------------------------------------------------ frame columns
+# The integer, float and flag columns of a frame, one row per request (`_host_row` builds a
+# row from the node state; the cohort keeps them as its columns, the generic path uploads them).
+_FRAMES, _MAX_FRAMES, _TOP_K, _SEED, _CP_SEED, _CP_DRAWS = range(6)
+_DELTA, _TEMPERATURE, _TOP_P, _PENALTY = range(4)
+_GREEDY, _CP_GREEDY = range(2)
+
+
+def _host_row(st: Mapping[str, Any], start: int) -> tuple[list[int], list[float], list[bool]]:
+    """A request's frame columns from its talker state; `start` is its KV length (the generic
+    path's position; a cohort adds its own positions to the delta column instead)."""
+    p: SamplingParams = st["sampling"]
+    ints = [st["frames"], st["max_frames"], 0 if p.greedy else p.top_k, st["seed"], st["cp_seed"], st["cp_draws"]]
+    floats = [start + float(st["delta"]), 1.0 if p.greedy else p.temperature, 1.0 if p.greedy else p.top_p,
+              p.repetition_penalty]
+    return ints, floats, [p.greedy, st["cp_greedy"]]
+
+
+@dataclass(frozen=True)
+class FrameColumns:
+    """A frame's per-row settings as device columns (views of the packed int / float / flag columns)."""
+
+    sampling: SamplingColumns  # the talker's layer-0 draw (its step is the frame index)
+    frames: torch.Tensor  # i64 [n]: frames already decoded
+    max_frames: torch.Tensor  # i64 [n]
+    cp_greedy: torch.Tensor  # bool [n]
+    cp_seed: torch.Tensor  # i64 [n]
+    cp_draws: torch.Tensor  # i64 [n]: the predictor's draws so far (15 per frame)
+
+    @staticmethod
+    def unpack(ints: torch.Tensor, floats: torch.Tensor, flags: torch.Tensor) -> FrameColumns:
+        greedy = flags[:, _GREEDY]
+        # a pad row of a graph bucket is all zeros: temperature 1 keeps its (discarded) draw finite
+        temperature = torch.where(floats[:, _TEMPERATURE] > 0, floats[:, _TEMPERATURE], 1.0)
+        sampling = SamplingColumns(
+            temperature=temperature, top_k=ints[:, _TOP_K], top_p=floats[:, _TOP_P], penalty=floats[:, _PENALTY],
+            greedy=greedy, seed=ints[:, _SEED], step=ints[:, _FRAMES], history=None)
+        return FrameColumns(sampling=sampling, frames=ints[:, _FRAMES], max_frames=ints[:, _MAX_FRAMES],
+                            cp_greedy=flags[:, _CP_GREEDY], cp_seed=ints[:, _CP_SEED], cp_draws=ints[:, _CP_DRAWS])
+
+
+@dataclass(frozen=True)
+class FrameOutputs:
+    frame: torch.Tensor  # i32 [n, code_groups]: code 0, then the residual codes
+    feedback: torch.Tensor  # [n, hidden]: the next frame's codec input
+    seen: torch.Tensor  # bool [n, codec vocab]: the codes decoded so far, this one included
+    finished: torch.Tensor  # bool [n]: codec eos decoded (or max_frames reached)
+    done: torch.Tensor  # bool [n]: no further frame will make codes

@@ -86,7 +86,7 @@ class SamplingParams:
 
 
 # ------------------------------------------------------------------------- batch tensors
-def _signed64(x: int) -> int:
+def signed64(x: int) -> int:
     """The int64 whose two's-complement bits are `x mod 2**64` (how a 64-bit key lives in a tensor)."""
     x &= _M64
     return x - (1 << 64) if x >> 63 else x
@@ -143,12 +143,12 @@ class SamplingTensors:
             ps.append(1.0 if greedy else p.top_p)
             pens.append(p.repetition_penalty)
         raw_seeds = [secrets.randbits(64) if p.seed is None else p.seed for p in params]
-        seeds = [_signed64(x) for x in raw_seeds]
+        seeds = [signed64(x) for x in raw_seeds]
         sampled = [b for b, p in enumerate(params) if not p.greedy]
         # the draws on the host: a few microseconds of Python against ~30 tiny kernels of `uniforms`
         u = upload([uniform(raw_seeds[b], steps[b]) for b in sampled], torch.float64, dev)
         top_p_rows = [b for b, p in enumerate(params) if not p.greedy and p.top_p < 1.0]
-        ints = upload(ks + seeds + [_signed64(s) for s in steps] + sampled + top_p_rows, torch.int64, dev)
+        ints = upload(ks + seeds + [signed64(s) for s in steps] + sampled + top_p_rows, torch.int64, dev)
         floats = upload(temps + ps + pens, torch.float32, dev)
         r, q = len(sampled), len(top_p_rows)
         penalised = [b for b, p in enumerate(params) if p.repetition_penalty != 1.0]
@@ -352,7 +352,7 @@ def sampling_row(params: SamplingParams, step: int, device: torch.device | str =
     return {"temperature": f(1.0 if params.greedy else params.temperature),
             "top_k": i(0 if params.greedy else params.top_k), "top_p": f(1.0 if params.greedy else params.top_p),
             "penalty": f(params.repetition_penalty), "greedy": torch.tensor(params.greedy, device=device),
-            "seed": i(_signed64(seed)), "step": i(_signed64(step))}
+            "seed": i(signed64(seed)), "step": i(signed64(step))}
 
 
 def sample_columns(logits: torch.Tensor, cols: SamplingColumns) -> torch.Tensor:
@@ -418,6 +418,13 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def derive_seed(seed: int, stream: int) -> int:
+    """A seed for stream `stream` of `seed` (64 bits): nodes of one request that share the
+    request's seed draw from different streams of it, so that their draws at the same step are
+    unrelated numbers, as `uniform(seed, step)` of one seed would not be."""
+    return _splitmix64((seed & _M64) ^ _splitmix64(stream & _M64))
+
+
 def uniform(seed: int | None, step: int) -> float:
     """A uniform draw in [0, 1) that is a pure function of (seed, step): a row's only randomness.
 
@@ -428,7 +435,7 @@ def uniform(seed: int | None, step: int) -> float:
     return (key >> 11) * 2.0**-53
 
 
-_GAMMA, _MUL1, _MUL2 = (_signed64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+_GAMMA, _MUL1, _MUL2 = (signed64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
 
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:

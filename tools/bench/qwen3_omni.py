@@ -747,6 +747,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parity-tokens", type=int, default=8)
     ap.add_argument("--parity-frames", type=int, default=16)
     ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--profile-batch", type=int, default=16,
+                    help="on a GPU, one speech run of this batch under torch.profiler (0: none)")
+    ap.add_argument("--profile-frames", type=int, default=48, help="frames per request of the profiled run")
     ap.add_argument("--skip-hf", action="store_true", help="M* only")
     ap.add_argument("--budget-s", type=float, default=None, help="skip transformers runs that would not fit in this")
     ap.add_argument("--seed", type=int, default=1000)
@@ -805,6 +808,8 @@ def main(argv: list[str] | None = None) -> int:
     save()
 
     bench_mstar(args, rec, save, plan, worker, device, batches, chat_batches, modes, fm, bw, lengths, c2w, rate)
+    if args.profile_batch and device.type == "cuda":
+        profile_speech(args, rec, save, plan, worker, device, c2w, rate)
     parity = None if args.skip_parity else mstar_parity(args, rec, save, plan, worker, device, c2w)
     rec["memory"] = gpu_memory(device)
     save()
@@ -812,6 +817,41 @@ def main(argv: list[str] | None = None) -> int:
         bench_hf(args, rec, save, worker, device, prompts, parity, budget, fm, bw, rate)
     summary(rec, save, batches, variant, device, bw_tb, args.out)
     return 0 if rec["mstar"]["speech"] else 1
+
+
+def profile_speech(args: argparse.Namespace, rec: dict[str, Any], save: Callable[[], None], plan: Any,
+                   worker: Any, device: torch.device, c2w: Any, rate: float) -> None:
+    """One speech run of --profile-batch requests under torch.profiler: CUDA-graph launches
+    against talker frame steps (generic `frame` steps and `frame_pad` cohort steps), kernel
+    launches outside graphs, and the device time by kernel (top 12), into rec["profile"]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    b, frames = args.profile_batch, max(args.profile_frames, args.tokens + 1)
+    try:
+        run_speech(plan, worker, device, b, args.tokens, frames, args.seed + 20_000, args.path, c2w, rate)  # warm
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            r = run_speech(plan, worker, device, b, args.tokens, frames, args.seed, args.path, c2w, rate)
+        events = prof.key_averages()
+        count = {e.key: e.count for e in events}
+        kernels = sorted((e for e in events if e.device_type.name == "CUDA"), key=lambda e: -e.device_time_total)
+        steps = {k: v["steps"] for k, v in r["nodes"].items()}
+        talker_steps = steps.get("talker.frame", 0) + steps.get("talker.frame_pad", 0) + \
+            steps.get("talker.frame_pad:cohort", 0)
+        rec["profile"] = {
+            "batch": b, "frames": frames, "wall_s": r["wall_s"], "steps": steps,
+            "talker_frame_steps": talker_steps,
+            "cuda_graph_launches": count.get("cudaGraphLaunch", 0),
+            "kernel_launches_outside_graphs": count.get("cudaLaunchKernel", 0) + count.get("cuLaunchKernel", 0)
+            + count.get("cudaLaunchKernelExC", 0),
+            "top_kernels_ms": [[e.key[:90], e.device_time_total / 1e3, e.count] for e in kernels[:12]],
+        }
+        log.info("profile B=%d: %d talker frame steps, %d CUDA-graph launches in all, %d kernel launches outside "
+                 "graphs", b, talker_steps, rec["profile"]["cuda_graph_launches"],
+                 rec["profile"]["kernel_launches_outside_graphs"])
+    except Exception as e:  # noqa: BLE001
+        log.exception("M* profile failed")
+        rec["errors"].append(f"mstar profile: {type(e).__name__}: {e}")
+    save()
 
 
 def bench_mstar(args: argparse.Namespace, rec: dict[str, Any], save: Callable[[], None], plan: Any, worker: Any,
@@ -859,15 +899,25 @@ def mstar_parity(args: argparse.Namespace, rec: dict[str, Any], save: Callable[[
                  device: torch.device, c2w: Any) -> dict[str, Any] | None:
     """One greedy speech request whose text and codes transformers' run is compared with."""
     inputs = {**speech_inputs(0, args.parity_tokens, args.parity_frames, args.seed), **GREEDY}
+    proc, ids = worker.engines["proc"].node, []
+    detokenize = proc.phase_detokenize
+
+    def recording(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        ids.extend(int(e["token"].reshape(-1)[-1]) for e in batch)  # a chunk's last id is its new one
+        return detokenize(batch)
+
     try:
+        proc.phase_detokenize = recording
         with _Windows(c2w) as w:
             r = run_requests(plan, worker, device, "speech", [inputs], args.path, "talker", ("frame",))
-        return {"text": "".join(r["reqs"][0].outputs.get("text", [])), "codes": w.codes()}
+        return {"text": "".join(r["reqs"][0].outputs.get("text", [])), "codes": w.codes(), "ids": ids}
     except Exception as e:  # noqa: BLE001
         log.exception("M* parity run failed")
         rec["errors"].append(f"mstar parity: {type(e).__name__}: {e}")
         save()
         return None
+    finally:
+        del proc.phase_detokenize
 
 
 def release_mstar(worker: Any, device: torch.device) -> None:
@@ -914,7 +964,11 @@ def bench_hf(args: argparse.Namespace, rec: dict[str, Any], save: Callable[[], N
             ref = h["_codes"]
             n = min(len(codes), len(ref))
             same = next((i for i in range(n) if not torch.equal(codes[i], ref[i])), n)
+            group = None if same == n else int((codes[same] != ref[same]).nonzero()[0])
             rec["parity"] = {
+                "ids_equal": parity["ids"] == [int(i) for i in h["_ids"]][: len(parity["ids"])] and bool(parity["ids"]),
+                "first_mismatch": None if group is None else {"frame": same, "group": group,
+                                                              "mstar": codes[same].tolist(), "hf": ref[same].tolist()},
                 "tokens": args.parity_tokens, "frames": args.parity_frames, "mstar_frames": int(len(codes)),
                 "hf_frames": int(len(ref)), "codes_match_frames": same,
                 "codes_equal": bool(len(codes) == len(ref) and same == n), "hf_text_tokens": len(h["_ids"]),

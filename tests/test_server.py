@@ -52,8 +52,8 @@ def test_chat_completion(client: openai.OpenAI) -> None:
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
     ids = choice.message.content.split(" ")
     assert len(ids) == 6 and all(i.isdigit() for i in ids)  # ids rendered as numbers (no detokenize phase)
-    # the byte-level prompt node: [bos] + 5 bytes
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (6, 6, 12)
+    # the byte-level prompt node: [bos] + the bytes of the family's chat template, "<|user|>hello\n<|assistant|>"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (28, 6, 34)
 
 
 def test_chat_stream_invariants(client: openai.OpenAI) -> None:

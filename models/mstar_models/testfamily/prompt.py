@@ -1,6 +1,15 @@
-"""TinyPrompt: a byte-level tokenizer (stateless, no weights): [bos] + (byte + byte_offset)."""
+"""TinyPrompt: a byte-level tokenizer (stateless, no weights): [bos] + (byte + byte_offset).
+
+Its text is the whole prompt: the chat route renders a conversation with a chat template
+before it reaches `text` (`server_chat_template`; mstar_runtime/serve/chat_template.py), the
+checkpoint's when there is one, else the bundled `chat_template_tiny.json`
+(`<|role|>content` lines, then `<|assistant|>`).
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -14,6 +23,9 @@ def encode_text(text: str, bos: int, byte_offset: int) -> list[int]:
 
 class TinyPrompt(StatelessNode):
     """encode(text: str) -> (tokens: i32[T]), T = 1 + the text's UTF-8 length."""
+
+    server_chat_template: ClassVar[bool] = True  # the module docstring
+    bundled_chat_template: ClassVar[Path] = Path(__file__).resolve().parent / "chat_template_tiny.json"
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)

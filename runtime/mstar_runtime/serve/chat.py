@@ -4,9 +4,14 @@ walk for requests with an image when `chat` takes none (BAGEL: `chat(prompt)` fo
 ["text", "audio"]` by the plan's speech walk when it also writes text (`media.speech_walk`:
 Qwen3-Omni's `speech`), answered in OpenAI's audio-output format (below).
 
-The messages become the walk's text input: a lone message is its text as is; several are
-`role: text` lines ending with `assistant:` (the plan has no chat template of its own);
-system and developer messages go to the walk's `system` input instead, when it has one.
+The messages become the walk's text input. A walk whose prompt node asks for it
+(`server_chat_template`) gets the conversation rendered with the chat template that
+`serve.chat_template` finds (the checkpoint's, else the node's bundled one; a template that
+refuses the messages is a 400 `chat_template_error` naming it). Any other walk (its prompt
+node formats the prompt itself, as Qwen3-Omni's processor and BAGEL's tokenizer do, or no
+template exists) gets plain text: a lone message is its text as is; several are
+`role: text` lines ending with `assistant:`; system and developer messages go to the walk's
+`system` input instead, when it has one.
 Image parts go to the walk's image input when it has one (an `image`, or a uint8 [H, W, 3]
 tensor; one image, as a data: URL; a remote URL is a 400: nothing is fetched); otherwise
 they are a 400 naming the part. An `input_audio` part (a base64 WAV, `media.decode_wav`) goes
@@ -71,6 +76,7 @@ from mstar_runtime.serve.app import (
     start_flight,
     walk_extras,
 )
+from mstar_runtime.serve.chat_template import ChatTemplate, template_for
 from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
 from mstar_runtime.serve.io import b64, decode_image_text, pcm16, wav_header
 from mstar_runtime.serve.media import SpeechWalk, decode_wav, resample, speech_walk, voice_of
@@ -120,13 +126,16 @@ def audio_part(body: ChatCompletionRequest) -> tuple[str, InputAudioPart] | None
     return None
 
 
-def render_prompt(body: ChatCompletionRequest, role: WalkRole) -> tuple[str, str | None, torch.Tensor | None]:
+def render_prompt(body: ChatCompletionRequest, role: WalkRole, template: ChatTemplate | None = None
+                  ) -> tuple[str, str | None, torch.Tensor | None]:
     """The walk's text input, its `system` input (when it has one) and image, from the messages
-    (an `input_audio` part is checked here and decoded by `decode_input_audio`)."""
+    (an `input_audio` part is checked here and decoded by `decode_input_audio`): rendered with
+    `template` when there is one, else by the plain-text rule (module docstring)."""
     target = image_input(role)
     hears = audio_input(role) is not None
     audio_seen = False
-    has_system = "system" in role.inputs and role.inputs["system"]["type"]["kind"] == "str"
+    has_system = template is None and "system" in role.inputs and role.inputs["system"]["type"]["kind"] == "str"
+    conversation: list[dict[str, str]] = []
     image: torch.Tensor | None = None
     texts: list[tuple[str, str]] = []
     system: list[str] = []
@@ -156,10 +165,15 @@ def render_prompt(body: ChatCompletionRequest, role: WalkRole) -> tuple[str, str
                     image = decode_image_text(part.image_url.url)
                 except ValueError as e:
                     raise bad_request(f"image_url: {e}", f"{param}.image_url.url", "invalid_image") from None
-        if has_system and msg.role in ("system", "developer"):
+        if template is not None:
+            turn = {"role": "system" if msg.role == "developer" else msg.role, "content": "".join(pieces)}
+            conversation.append(turn | ({"name": msg.name} if msg.name is not None else {}))
+        elif has_system and msg.role in ("system", "developer"):
             system.append("".join(pieces))  # the walk has its own slot for instructions
         else:
             texts.append((msg.role, "".join(pieces)))
+    if template is not None:
+        return template.render(conversation), None, image
     sys_text = "\n".join(system) if system else None
     if len(texts) == 1:
         return texts[0][1], sys_text, image
@@ -371,6 +385,9 @@ def install(app: FastAPI, state: ServerState) -> None:
         if speech.role.walk not in state.codecs:  # prompt token counts, and the audio input's rate
             state.codecs[speech.role.walk] = TextCodec(state.plan, speech.role.walk, speech.role.text_input,
                                                        state.config.weights)
+    # each served walk's chat template, or None (plain text): found and compiled once, here
+    roles = [r for r in (state.walks.chat, state.walks.understand, speech.role if speech else None) if r is not None]
+    templates = {r.walk: template_for(state.plan, r.walk, r.text_input, state.config.weights) for r in roles}
 
     @app.post("/v1/chat/completions", tags=["openai"], responses=ERROR_RESPONSES,
               summary=f"Chat completions (walk {' / '.join(repr(w) for w in served)}), optionally streamed as SSE")
@@ -380,7 +397,7 @@ def install(app: FastAPI, state: ServerState) -> None:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
         spoken = check_modalities(body, speech)
         role = speech.role if spoken and speech is not None else pick_walk(state, body)
-        prompt, system, image = render_prompt(body, role)
+        prompt, system, image = render_prompt(body, role, templates.get(role.walk))
         inputs: dict[str, Any] = {role.text_input: prompt}
         fields = {role.text_input: "messages"}
         if system is not None:

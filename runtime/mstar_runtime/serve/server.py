@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from mstar_runtime.api import MStar
 from mstar_runtime.plan.loader import Plan
+from mstar_runtime.serve.chat_template import ChatTemplateError
 from mstar_runtime.serve.common import (
     ENGINE_STOPPED,
     SERVER,
@@ -369,7 +370,7 @@ def serve(m: MStar, config: ServeConfig, sock: socket.socket | None = None) -> i
               file=sys.stderr, flush=True)
         server.run(sock)
         return 1 if server.startup_failed else 0
-    except ListenError as e:
+    except (ListenError, ChatTemplateError) as e:  # a checkpoint's chat template that does not compile, too
         print(f"mstar-run: error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -113,6 +113,13 @@ EOF
 #   qwen3    pytest -m gpu on tests/test_qwen3_omni_*.py, then tools/bench/qwen3_omni.py $QWEN3_ARGS
 #            (real size, dummy weights: speech at B = 1, 4, 16, 32, chat, transformers at B = 1 on the
 #            same weights, the HBM floors; into $OUT/qwen3_omni.json)
+#   serve    issue 17 section 0/4: Orpheus (`bench` variant, end check off: 128 tokens per
+#            request) in process (tools/bench/orpheus.py, $OUT/orpheus_inproc.json), then over
+#            HTTP with tools/bench/serve.py at SERVE_CONCURRENCY (default 1,16,64,256) against
+#            `mstar-run --serve`, the engine in the server's process and with --engine-process
+#            ($OUT/serve_inproc.json, serve_engine.json; the servers' logs). The server's
+#            packages (fastapi, uvicorn, pydantic, python-multipart) come from .whl/serve/*.whl
+#            (`pip download` them for cp312 here: the image lacks them).
 #   multigpu on a machine with 2+ GPUs: pytest -m multigpu (unless MULTIGPU_TESTS=0), then Orpheus
 #            for each placement of MULTIGPU_PLACEMENTS (default: tp 1, tp 2 and the split;
 #            orpheus-<placement>.json each)
@@ -186,6 +193,44 @@ if [[ "$STAGES" == *" qwen3 "* ]]; then
   else
     echo "skipped: only $left s left of the 9-minute budget"; STATUS=1
   fi
+fi
+
+if [[ "$STAGES" == *" serve "* ]]; then
+  stage "serve: Orpheus in process, then over HTTP (engine in the server's process, then in its own)"
+  if ls .whl/serve/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/serve/*.whl
+  fi
+  sed -E 's/(end_of_speech *= *)[0-9]+/\12000000000/' models/orpheus/orpheus.walk > /tmp/orpheus_fixed.walk
+  $PY -m mstarc.cli compile /tmp/orpheus_fixed.walk --variant bench -p placements/h200x1.yaml -o /tmp/orpheus.plan \
+    || STATUS=1
+  timeout 150 $PY tools/bench/orpheus.py --skip-hf --paths cohort --batches "${SERVE_BATCHES:-1,16,64}" --tokens 128 \
+    --out "$OUT/orpheus_inproc.json"
+  rc=$?; echo "orpheus in-process exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+  for mode in inproc engine; do
+    flag=""; [ "$mode" = engine ] && flag="--engine-process"
+    left=$(( 560 - ($(date +%s) - START) ))
+    [ $left -gt 60 ] || { echo "serve $mode skipped: only $left s left"; STATUS=1; continue; }
+    # shellcheck disable=SC2086
+    $PY -m mstar_runtime.cli /tmp/orpheus.plan --serve --port 8000 --weights dummy --device cuda --no-access-log \
+      $flag > "$OUT/server_$mode.log" 2>&1 &
+    spid=$!
+    up=0
+    for _ in $(seq 1 120); do
+      if $PY -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health', timeout=1).status_code != 200)" \
+        2>/dev/null; then up=1; break; fi
+      kill -0 $spid 2>/dev/null || break
+      sleep 1
+    done
+    if [ $up -eq 1 ]; then
+      timeout $(( left - 20 )) $PY tools/bench/serve.py --base-url http://127.0.0.1:8000 --model orpheus \
+        --workload speech --concurrency "${SERVE_CONCURRENCY:-1,16,64,256}" --warmup 16 --max-tokens 128 \
+        --scrape-metrics --out "$OUT/serve_$mode.json"
+      rc=$?; echo "serve.py ($mode) exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+    else
+      echo "server ($mode) did not come up; its log:"; tail -n 30 "$OUT/server_$mode.log"; STATUS=1
+    fi
+    kill -TERM $spid 2>/dev/null; wait $spid 2>/dev/null
+  done
 fi
 
 # ---------------------------------------------------------------------------- 4. several GPUs

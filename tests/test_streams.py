@@ -297,3 +297,16 @@ def test_bad_policy_specs(spec: object, message: str) -> None:
     with pytest.raises(ChunkPolicyError) as err:
         policy_from_spec(spec)  # type: ignore[arg-type]
     assert message in str(err.value)
+
+
+@pytest.mark.gpu
+def test_items_from_either_device_land_in_the_ring() -> None:
+    """A generic step pushes its (GPU) outputs, a decode cohort host items from its readback:
+    one stream takes both, in order, on the device of its first push."""
+    buf = StreamBuffer(LeftContextChunkPolicy(2, 1), capacity=8)
+    buf.push(torch.tensor([[0, 0], [1, -1]], dtype=torch.int32, device="cuda"))
+    buf.push(torch.tensor([[2, -2], [3, -3]], dtype=torch.int32))
+    buf.close()
+    chunks = buf.pop_ready()
+    got = torch.cat([c.items[c.context :] for c in chunks])
+    assert got.device.type == "cuda" and got[:, 0].tolist() == [0, 1, 2, 3]

@@ -310,11 +310,14 @@ class StreamBuffer:
             size = self.capacity + self.policy.max_history
             self._ring = torch.empty((size, *items.shape[1:]), dtype=items.dtype, device=items.device)
         ring = self._ring
-        if items.shape[1:] != ring.shape[1:] or items.dtype != ring.dtype or items.device != ring.device:
+        if items.shape[1:] != ring.shape[1:] or items.dtype != ring.dtype:
             raise StreamError(
-                f"stream items are {tuple(ring.shape[1:])} {ring.dtype} on {ring.device}; "
-                f"got {tuple(items.shape[1:])} {items.dtype} on {items.device}"
+                f"stream items are {tuple(ring.shape[1:])} {ring.dtype}; got {tuple(items.shape[1:])} {items.dtype}"
             )
+        if items.device != ring.device:
+            # one producer, two step paths: a generic step pushes its outputs where they are (a
+            # GPU), a decode cohort pushes host items taken from its one readback per step
+            items = items.to(ring.device, non_blocking=ring.device.type == "cuda")
         at = self._pushed % ring.shape[0]
         if at + n <= ring.shape[0]:  # the common case, one slice copy (no index tensor to build)
             ring[at : at + n].copy_(items)

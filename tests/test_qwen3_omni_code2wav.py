@@ -145,6 +145,16 @@ def test_batched_decode_equals_transformers(ours72: Code2Wav, hf72: torch.nn.Mod
         torch.testing.assert_close(pcm, ref, atol=ATOL, rtol=0)
 
 
+def test_windows_split_over_forwards_decode_the_same(plan: Plan, hf72: torch.nn.Module, ours72: Code2Wav,
+                                                    tmp_path: Path) -> None:
+    """`max_windows_per_forward` = 2 decodes 5 windows in 3 forwards: the same samples as one."""
+    windows = [(random_codes(n, seed), ctx) for seed, (n, ctx) in enumerate(((9, 0), (14, 4), (20, 8), (6, 0), (11, 3)))]
+    split = ours_from(plan, hf72, tmp_path / "split", max_windows_per_forward=2)
+    assert split.max_windows == 2 and ours72.max_windows == 8
+    for a, b in zip(decode(split, *windows), decode(ours72, *windows), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
 def test_sliding_window_binds_as_in_transformers(ours8: Code2Wav, hf8: torch.nn.Module) -> None:
     codes = random_codes(30, 7)  # 30 frames > the 8-frame window
     torch.testing.assert_close(decode(ours8, (codes, 0))[0], hf_decode(hf8, codes), atol=ATOL, rtol=0)

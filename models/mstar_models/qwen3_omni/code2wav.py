@@ -25,9 +25,12 @@ The samples kept equal the full decode's exactly once ctx covers the receptive f
 sliding window per pre-transformer layer plus a few frames of convs); with less they are an
 approximation.
 
-Batching. Windows of a batch are right-padded (code 0) to the longest and decoded in one
-forward, each keeping its own samples: everything is causal and the kept samples of a W-frame
-window never read a later frame, so padding changes nothing but float rounding.
+Batching. Windows of a batch are right-padded (code 0) to the longest and decoded in forwards
+of at most `max_windows_per_forward` windows (default 8: the decoder's activations grow with
+the batch), each keeping its own samples: everything is causal and the kept samples of a
+W-frame window never read a later frame, so padding changes nothing but float rounding.
+Codes given on the host are range-checked (a `RequestError`); codes on the device (the
+talker's) are not read back: that would wait for every frame queued behind them.
 
 Names are the checkpoint's under `code2wav.` (the `qwen3_omni_code2wav` arch); SnakeBeta's
 alpha and beta are stored as logarithms, as in the checkpoint.
@@ -48,6 +51,7 @@ from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, Sta
 SLIDING_WINDOW = 72  # released code2wav_config.sliding_window
 ROPE_THETA = 10000.0  # released code2wav_config.rope_parameters.rope_theta
 RMS_EPS = 1e-5  # released code2wav_config.rms_norm_eps
+MAX_WINDOWS = 8  # windows per forward (setting `max_windows_per_forward`)
 LAYER_SCALE = 0.01  # initial LayerScale (the checkpoint overrides it)
 
 
@@ -253,6 +257,9 @@ class Code2Wav(StatelessNode):
         window = int(_setting(spec, "sliding_window", SLIDING_WINDOW))
         theta = float(_setting(spec, "rope_theta", ROPE_THETA))
         eps = float(_setting(spec, "rms_norm_eps", RMS_EPS))
+        self.max_windows = int(spec.settings.get("max_windows_per_forward", MAX_WINDOWS))
+        if self.max_windows < 1:
+            raise NodeError(f"node '{spec.name}': max_windows_per_forward must be >= 1, got {self.max_windows}")
         self.samples_per_frame = math.prod(rates) * math.prod(ratios)
         # each decoder block maps L -> (L - 1) * r: the trim is the same for every window length
         self.trim = self.samples_per_frame - _decoded_length(1, rates, ratios)
@@ -309,7 +316,9 @@ class Code2Wav(StatelessNode):
         codes = torch.zeros(len(windows), self.groups, longest, dtype=torch.long, device=self.device)
         for i, w in enumerate(windows):
             codes[i, :, : w.shape[0]] = w.to(self.device, torch.long).T
-        audio = self(codes).float()
+        # at most `max_windows` windows per forward: the decoder's activations grow with the batch
+        # (at real size ~90 MB per 50-frame window), and the memory pass leaves little beside the KV pools
+        audio = torch.cat([self(part).float() for part in codes.split(self.max_windows)])
         for i, (w, ctx) in enumerate(zip(windows, contexts, strict=True)):
             lo, hi = self.kept_range(w.shape[0], ctx)
             out.append({"pcm": audio[i, lo:hi].contiguous()})
@@ -323,7 +332,9 @@ class Code2Wav(StatelessNode):
         if c.dim() != 2 or c.shape[1] != self.groups:
             raise RequestError(f"codes must be [W, {self.groups}] (frames x code groups), got {list(c.shape)}",
                                "codes")
-        if c.numel():
+        if c.numel() and c.device.type == "cpu":
+            # host codes (a client's) are checked here; codes on the device come from the talker,
+            # in range by construction, and reading them would wait for every queued frame
             lo, hi = int(c.min()), int(c.max())
             if lo < 0 or hi >= self.codebook_size:
                 bad = lo if lo < 0 else hi

@@ -409,3 +409,26 @@ def test_bad_inputs_fail_the_request_with_a_clear_error(plan: Plan, lm_nodes: di
         tk.step("frame_pad", [("h", {})])
     with pytest.raises(RequestError, match="one item"):
         tk.step("frame", [("i", {"text": torch.zeros(2, 64)})])
+
+
+# ------------------------------------------------------------------------------ the predictor's draw
+def test_code_predictor_draw_is_hfs_top_k_top_p_distribution() -> None:
+    """`sample_top_k_top_p` over u on a fine regular grid picks each code with HF's top-k 50 /
+    top-p 0.8 probability (the runtime's reference processing of the whole row, softmaxed),
+    to within the grid step; codes outside the kept set never; greedy rows the argmax."""
+    from mstar_models.qwen3_omni.code_predictor import TOP_K, TOP_P, sample_top_k_top_p
+    from mstar_runtime.ops.sampler import SamplingParams, process_logits
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 2048, generator=gen) * torch.tensor([[0.5], [2.0], [4.0]])
+    ref = process_logits(logits, [SamplingParams(temperature=1.0, top_k=TOP_K, top_p=TOP_P)] * 3,
+                         [None] * 3).softmax(dim=-1)
+    grid = 1 << 14
+    u = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
+    for r in range(3):
+        picked = sample_top_k_top_p(logits[r : r + 1].expand(grid, -1), torch.zeros(grid, dtype=torch.bool), u)
+        freq = torch.bincount(picked, minlength=2048).double() / grid
+        assert set(picked.unique().tolist()) <= set(ref[r].nonzero()[:, 0].tolist())
+        torch.testing.assert_close(freq, ref[r].double(), atol=2.0 / grid, rtol=0)
+    greedy = sample_top_k_top_p(logits, torch.ones(3, dtype=torch.bool), u[:3])
+    assert torch.equal(greedy, logits.argmax(dim=-1))

@@ -17,14 +17,14 @@ Parameters: `model.layers.{i}.*`, `model.norm.weight`, `model.codec_embedding.{g
 `residual_codes` runs a frame for a batch of rows: every row is at the same step of its
 frame, so each of the 15 steps has fixed shapes (2 queries per row, then 1) and the frame's
 K/V is a dense [rows, kv_heads, 16, head_dim] tensor per layer made inside the call: no
-paged KV, nothing kept between frames, no host value read (capturable). Sampling is
-`sample_columns` with HF's code-predictor settings (top-k 50, top-p 0.8 at temperature 1;
-greedy rows take the argmax); row r's draw at step g is `uniform(seed[r], draws[r] + g)`.
+paged KV, nothing kept between frames, no host value read (capturable). Sampling is HF's
+code-predictor distribution (top-k 50, top-p 0.8 at temperature 1; greedy rows take the
+argmax) drawn over `torch.topk`'s 50 values (`sample_top_k_top_p`); row r's draw at step g
+uses `uniform(seed[r], draws[r] + g)`, all 15 computed at the start of the frame.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from torch import nn
 from mstar_models.qwen3_omni.decoder import Decoder, StackedWeights
 from mstar_models.qwen3_omni.moe import DenseMLP
 from mstar_models.qwen3_omni.positions import inv_freq, rope_tables
-from mstar_runtime.ops.sampler import SamplingColumns, sample_columns
+from mstar_runtime.ops.sampler import uniforms
 
 TOP_K, TOP_P = 50, 0.8  # HF's talker passes these to the code predictor's generate when sampling
 
@@ -66,11 +66,9 @@ class CodePredictor(nn.Module):
         values = torch.zeros_like(keys)
         positions = torch.arange(length, device=dev)
         cos_all, sin_all = rope_tables(positions, self.freq, dt)
-        fixed = SamplingColumns(
-            temperature=torch.ones(n, dtype=torch.float32, device=dev),
-            top_k=torch.full((n,), TOP_K, dtype=torch.long, device=dev),
-            top_p=torch.full((n,), TOP_P, dtype=torch.float32, device=dev),
-            penalty=torch.ones(n, dtype=torch.float32, device=dev), greedy=greedy, seed=seed, step=draws, history=None)
+        # every draw of the frame at once: uniforms(seed, draws + g) for the G - 1 steps
+        steps = torch.arange(self.groups - 1, device=dev)
+        u = uniforms(seed[:, None].expand(n, self.groups - 1), draws[:, None] + steps)
         x, codes, embeds = first.reshape(2 * n, self.hidden), [], []
         for g in range(self.groups - 1):
             start, q = (0, 2) if g == 0 else (g + 1, 1)
@@ -79,7 +77,7 @@ class CodePredictor(nn.Module):
             hidden = self.model.forward_layers(x, cos, sin, self._attend(keys, values, start, q, n))
             last = hidden.view(n, q, self.hidden)[:, -1]
             logits = F.linear(last, self.lm_head.stacked[g]).float()
-            code = sample_columns(logits, dataclasses.replace(fixed, step=draws + g))
+            code = sample_top_k_top_p(logits, greedy, u[:, g])
             x = F.embedding(code, self.model.codec_embedding.stacked[g])
             codes.append(code)
             embeds.append(x)
@@ -99,3 +97,26 @@ class CodePredictor(nn.Module):
             return out.transpose(1, 2).reshape(n * q, self.heads, self.head_dim)
 
         return attend
+
+
+def sample_top_k_top_p(logits: torch.Tensor, greedy: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One code per row: the argmax where `greedy`, else a draw from HF's code-predictor
+    distribution (temperature 1, top-k 50, then top-p 0.8: `TopKLogitsWarper` then
+    `TopPLogitsWarper`) by inverse CDF with `u` (float64 [n] in [0, 1)).
+
+    Only the k largest logits can survive top-k, so the draw works on `torch.topk`'s k values
+    (sorted, descending) instead of a sort of the whole vocabulary: the softmax over them is
+    the top-k-masked softmax, and HF's top-p rule (drop the smallest tokens whose ascending
+    cumulative probability is <= 1 - p, keep at least one) keeps, in descending order, every
+    token whose exclusive prefix sum is below p. The same distribution as sorting the whole
+    row, in a handful of kernels (15 draws a frame)."""
+    k = min(TOP_K, logits.shape[-1])
+    values, ids = torch.topk(logits, k, dim=-1)
+    probs = torch.softmax(values, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs
+    probs = probs.masked_fill(before >= TOP_P, 0.0)
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+    # kept tokens are a prefix; u * total may round up to total: then the last kept one
+    pick = torch.minimum(pick, (probs > 0).sum(dim=-1, keepdim=True) - 1)
+    return torch.where(greedy, logits.argmax(dim=-1), ids.gather(1, pick)[:, 0])

@@ -175,17 +175,44 @@ class Expert(nn.Module):
         self.down_proj = Weight(down)
 
 
-class DenseMLP(nn.Module):
-    """A SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`), e.g. the talker's shared expert."""
+class FusedRows(nn.Module):
+    """Weights that one matmul reads together: the child `Weight`s named in `parts` (each the
+    checkpoint's `<part>.weight` [rows_i, cols]) are row slices of one buffer `fused`
+    [sum rows_i, cols], so loading fills the buffer and a step runs one GEMM where it would run
+    several (q/k/v, gate/up: fewer kernel launches per decode step)."""
+
+    def __init__(self, parts: dict[str, int], cols: int, **factory: Any):
+        super().__init__()
+        self._parts = dict(parts)
+        self.register_buffer("fused", torch.empty(sum(parts.values()), cols, **factory), persistent=False)
+        for name, w in zip(parts, self._views(), strict=True):
+            setattr(self, name, Weight(w))
+
+    def _views(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.fused.split(list(self._parts.values())))
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FusedRows:
+        # a conversion gives each parameter storage of its own: point them back into the buffer
+        super()._apply(fn, recurse)
+        for name, w in zip(self._parts, self._views(), strict=True):
+            getattr(self, name).weight.data = w
+        return self
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., cols] -> one output per part, from one matmul."""
+        return tuple(F.linear(x, self.fused).split(list(self._parts.values()), dim=-1))
+
+
+class DenseMLP(FusedRows):
+    """A SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`), e.g. the talker's shared expert;
+    gate and up rows in one fused buffer."""
 
     def __init__(self, hidden: int, intermediate: int, **factory: Any):
-        super().__init__()
-        self.gate_proj = Weight(torch.empty(intermediate, hidden, **factory))
-        self.up_proj = Weight(torch.empty(intermediate, hidden, **factory))
+        super().__init__({"gate_proj": intermediate, "up_proj": intermediate}, hidden, **factory)
         self.down_proj = Weight(torch.empty(hidden, intermediate, **factory))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)
+        gate, up = self.project(x)
         return F.linear(F.silu(gate) * up, self.down_proj.weight)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import jinja2
 
-from mstarc.lower import POLICY_PARAMS
+from mstarc.lower import POLICY_OPTIONAL, POLICY_PARAMS
 
 GIB = 1 << 30
 
@@ -171,7 +171,7 @@ def plan_view(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def _policy(p: dict[str, Any]) -> str:
-    order = POLICY_PARAMS.get(p["kind"], tuple(sorted(k for k in p if k != "kind")))
+    order = POLICY_PARAMS.get(p["kind"], tuple(sorted(k for k in p if k != "kind"))) + POLICY_OPTIONAL.get(p["kind"], ())
     args = ", ".join(f"{k}={p[k]}" for k in order if k in p)
     return f"{p['kind']}({args})"
 

@@ -26,6 +26,8 @@ from mstarc.settings import NODE_SETTINGS, TAG_ARGS, closest, setting_problem
 ENGINES = ("kv", "stateless")
 DTYPES = tuple(I.DTYPE_BYTES)
 POLICY_PARAMS = {"fixed": ("size",), "sliding": ("window", "stride"), "left_context": ("chunk", "left")}
+# optional parameters (after the required ones): left_context's `first`, the first chunk's size
+POLICY_OPTIONAL = {"left_context": ("first",)}
 
 
 def lower(model: ast.Model, variant: str, source: str, weights: Path | None = None,
@@ -299,7 +301,8 @@ class _Lowerer:
             self.sink.error("E044", f"unknown chunk policy '{kind}'", p.name.span,
                             "use fixed(size=K), sliding(window=W, stride=S) or left_context(chunk=C, left=L)")
             return I.ChunkPolicyIR(kind, {}, p.span)
-        names = POLICY_PARAMS[kind]
+        required = POLICY_PARAMS[kind]
+        names = required + POLICY_OPTIONAL.get(kind, ())
         params: dict[str, int] = {}
         for i, arg in enumerate(p.args):
             key = arg.name.name if arg.name else (names[i] if i < len(names) else None)
@@ -319,7 +322,7 @@ class _Lowerer:
                 self.sink.error("E044", f"{kind}() parameter '{key}' must be >= {min_value}, got {v}", arg.span)
                 continue
             params[key] = v
-        missing = [n for n in names if n not in params and not any(
+        missing = [n for n in required if n not in params and not any(
             (a.name and a.name.name == n) or (a.name is None and i < len(names) and names[i] == n)
             for i, a in enumerate(p.args))]
         if missing:

@@ -113,6 +113,17 @@ def test_left_context_qwen_code2wav_shape() -> None:
     assert windows(chunks) == [(0, 25, 0, False), (0, 50, 25, False), (25, 60, 25, True)]
 
 
+def test_left_context_with_a_short_first_chunk() -> None:
+    """`first` = 5: the first window after 5 items (no context), then every 25 with 25 of context."""
+    chunks = run(LeftContextChunkPolicy(25, 25, first=5), [1] * 60)
+    assert windows(chunks) == [(0, 5, 0, False), (0, 30, 5, False), (5, 55, 25, False), (30, 60, 25, True)]
+    policy = policy_from_spec({"kind": "left_context", "chunk": 25, "left": 25, "first": 5})
+    assert policy == LeftContextChunkPolicy(25, 25, 5) and policy.spec()["first"] == 5
+    assert "first" not in LeftContextChunkPolicy(25, 25).spec()  # plans without it stay as they were
+    with pytest.raises(ChunkPolicyError, match="first must be an integer >= 1"):
+        LeftContextChunkPolicy(25, 25, first=0)
+
+
 def test_left_context_longer_than_history() -> None:
     chunks = run(LeftContextChunkPolicy(2, 5), [1] * 5)
     assert windows(chunks) == [(0, 2, 0, False), (0, 4, 2, False), (0, 5, 4, True)]
@@ -229,6 +240,7 @@ def test_backpressure_sliding_memory_is_bounded() -> None:
         SlidingWindowChunkPolicy(4, 1),
         SlidingWindowChunkPolicy(5, 2),
         LeftContextChunkPolicy(3, 2),
+        LeftContextChunkPolicy(3, 2, first=1),
     ],
 )
 def test_full_buffer_keeps_history_later_chunks_need(policy: ChunkPolicy) -> None:

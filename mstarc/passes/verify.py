@@ -164,7 +164,7 @@ def chunk_length(policy: I.ChunkPolicyIR) -> int | None:
     p = policy.params
     try:
         return {"fixed": lambda: p["size"], "sliding": lambda: p["window"],
-                "left_context": lambda: p["chunk"] + p["left"]}[policy.kind]()
+                "left_context": lambda: max(p["chunk"] + p["left"], p.get("first", 0))}[policy.kind]()
     except KeyError:
         return None
 

@@ -7,8 +7,10 @@ A producer appends items (tensors with a leading item dim) to a ``StreamBuffer``
 - ``SlidingWindowChunkPolicy(window, stride)``: once ``window`` items exist, then every
   ``stride`` new items, each chunk the last ``window`` items (Orpheus -> SNAC: windows end
   at item counts 28, 35, 42, ...).
-- ``LeftContextChunkPolicy(chunk, left)``: every ``chunk`` new items, preceded by up to
-  ``left`` earlier items as context (causal smoothing of codec output).
+- ``LeftContextChunkPolicy(chunk, left, first=None)``: every ``chunk`` new items (the first
+  chunk ``first`` new items when given: a short first window for a low time to first
+  audio), preceded by up to ``left`` earlier items as context (causal smoothing of codec
+  output).
 
 ``Chunk.context`` is the number of leading items of a chunk that already appeared in an
 earlier chunk, so the consumer knows which outputs are new.
@@ -176,22 +178,25 @@ class SlidingWindowChunkPolicy(ChunkPolicy):
 class LeftContextChunkPolicy(ChunkPolicy):
     chunk: int
     left: int
+    first: int | None = None  # the first chunk's new items (None: `chunk`), e.g. a short first window
     kind: ClassVar[str] = "left_context"
 
     def __post_init__(self) -> None:
         _positive(self.kind, "chunk", self.chunk)
         _positive(self.kind, "left", self.left, minimum=0)
+        if self.first is not None:
+            _positive(self.kind, "first", self.first)
 
     def _span(self, consumed: int, end: int) -> Span:
         start = max(0, consumed - self.left)
         return Span(start, end, consumed - start)
 
     def next_span(self, consumed: int, available: int) -> Span | None:
-        end = consumed + self.chunk
+        end = self.end_of_next(consumed)
         return self._span(consumed, end) if available >= end else None
 
     def end_of_next(self, consumed: int) -> int:
-        return consumed + self.chunk
+        return consumed + (self.chunk if consumed or self.first is None else self.first)
 
     def final_span(self, consumed: int, available: int) -> Span | None:
         return self._span(consumed, available) if available > consumed else None
@@ -201,14 +206,15 @@ class LeftContextChunkPolicy(ChunkPolicy):
 
     @property
     def min_capacity(self) -> int:
-        return self.chunk
+        return max(self.chunk, self.first or 0)
 
     @property
     def max_history(self) -> int:
         return self.left
 
     def spec(self) -> dict[str, Any]:
-        return {"kind": self.kind, "chunk": self.chunk, "left": self.left}
+        out: dict[str, Any] = {"kind": self.kind, "chunk": self.chunk, "left": self.left}
+        return out if self.first is None else {**out, "first": self.first}
 
 
 POLICIES: dict[str, tuple[type[ChunkPolicy], tuple[str, ...]]] = {
@@ -216,6 +222,7 @@ POLICIES: dict[str, tuple[type[ChunkPolicy], tuple[str, ...]]] = {
     "sliding": (SlidingWindowChunkPolicy, ("window", "stride")),
     "left_context": (LeftContextChunkPolicy, ("chunk", "left")),
 }
+OPTIONAL_PARAMS: dict[str, tuple[str, ...]] = {"left_context": ("first",)}
 
 
 def policy_from_spec(spec: Mapping[str, Any]) -> ChunkPolicy:
@@ -226,15 +233,16 @@ def policy_from_spec(spec: Mapping[str, Any]) -> ChunkPolicy:
     if not isinstance(kind, str) or kind not in POLICIES:
         raise ChunkPolicyError(f"unknown chunk policy kind {kind!r}; supported: {', '.join(POLICIES)}")
     cls, params = POLICIES[kind]
+    optional = OPTIONAL_PARAMS.get(kind, ())
     given = set(spec) - {"kind"}
-    missing, extra = [p for p in params if p not in given], sorted(given - set(params))
+    missing, extra = [p for p in params if p not in given], sorted(given - set(params) - set(optional))
     if missing or extra:
         raise ChunkPolicyError(
-            f"{kind} chunk policy takes ({', '.join(params)})"
+            f"{kind} chunk policy takes ({', '.join(params + optional)})"
             + (f"; missing {', '.join(missing)}" if missing else "")
             + (f"; unexpected {', '.join(map(str, extra))}" if extra else "")
         )
-    return cls(*(spec[p] for p in params))
+    return cls(*(spec[p] for p in params), **{p: spec[p] for p in optional if p in spec})
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -823,7 +823,8 @@ def profile_speech(args: argparse.Namespace, rec: dict[str, Any], save: Callable
                    worker: Any, device: torch.device, c2w: Any, rate: float) -> None:
     """One speech run of --profile-batch requests under torch.profiler: CUDA-graph launches
     against talker frame steps (generic `frame` steps and `frame_pad` cohort steps), kernel
-    launches outside graphs, and the device time by kernel (top 12), into rec["profile"]."""
+    launches outside graphs, the device time by kernel (top 12) and the host self time by op
+    (top 15), into rec["profile"]."""
     from torch.profiler import ProfilerActivity, profile
 
     b, frames = args.profile_batch, max(args.profile_frames, args.tokens + 1)
@@ -844,6 +845,9 @@ def profile_speech(args: argparse.Namespace, rec: dict[str, Any], save: Callable
             "kernel_launches_outside_graphs": count.get("cudaLaunchKernel", 0) + count.get("cuLaunchKernel", 0)
             + count.get("cudaLaunchKernelExC", 0),
             "top_kernels_ms": [[e.key[:90], e.device_time_total / 1e3, e.count] for e in kernels[:12]],
+            # host time by op (self time): where the eager parts (prefills, Code2Wav) spend theirs
+            "top_host_ops_ms": [[e.key[:90], e.self_cpu_time_total / 1e3, e.count] for e in sorted(
+                (e for e in events if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)[:15]],
         }
         log.info("profile B=%d: %d talker frame steps, %d CUDA-graph launches in all, %d kernel launches outside "
                  "graphs", b, talker_steps, rec["profile"]["cuda_graph_launches"],

@@ -117,7 +117,7 @@ EOF
 #            request) in process (tools/bench/orpheus.py, $OUT/orpheus_inproc.json), then over
 #            HTTP with tools/bench/serve.py at SERVE_CONCURRENCY (default 1,16,64,256) against
 #            `mstar-run --serve`, the engine in the server's process and with --engine-process
-#            ($OUT/serve_inproc.json, serve_engine.json; the servers' logs). The server's
+#            ($OUT/serve_inproc.json, serve_engine.json; the servers' log tails in the log). The server's
 #            packages (fastapi, uvicorn, pydantic, python-multipart) come from .whl/serve/*.whl
 #            (`pip download` them for cp312 here: the image lacks them).
 #   multigpu on a machine with 2+ GPUs: pytest -m multigpu (unless MULTIGPU_TESTS=0), then Orpheus
@@ -212,7 +212,7 @@ if [[ "$STAGES" == *" serve "* ]]; then
     [ $left -gt 60 ] || { echo "serve $mode skipped: only $left s left"; STATUS=1; continue; }
     # shellcheck disable=SC2086
     $PY -m mstar_runtime.cli /tmp/orpheus.plan --serve --port 8000 --weights dummy --device cuda --no-access-log \
-      $flag > "$OUT/server_$mode.log" 2>&1 &
+      $flag > "/tmp/server_$mode.log" 2>&1 &
     spid=$!
     up=0
     for _ in $(seq 1 120); do
@@ -227,9 +227,10 @@ if [[ "$STAGES" == *" serve "* ]]; then
         --scrape-metrics --out "$OUT/serve_$mode.json"
       rc=$?; echo "serve.py ($mode) exit code $rc"; [ $rc -eq 0 ] || STATUS=1
     else
-      echo "server ($mode) did not come up; its log:"; tail -n 30 "$OUT/server_$mode.log"; STATUS=1
+      echo "server ($mode) did not come up"; STATUS=1
     fi
     kill -TERM $spid 2>/dev/null; wait $spid 2>/dev/null
+    echo "server ($mode) log, last lines:"; tail -n 15 "/tmp/server_$mode.log"
   done
 fi
 

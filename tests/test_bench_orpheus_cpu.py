@@ -2,8 +2,9 @@
 
 The figures mean nothing on a CPU; what is checked is that the one command the GPU machine
 runs works: the walk compiles with the end check disabled, M* and both HF modes run on the
-same weights at every batch size, on both step paths (cohort and generic), every request
-generates exactly --tokens tokens, and the JSON has every figure the table prints.
+same weights at every batch size, on both step paths (cohort and generic), the in-process
+closed loop runs, every request generates exactly --tokens tokens, and the JSON has every
+figure the table prints.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def test_orpheus_bench_smoke_on_cpu(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "orpheus.json"
     cmd = [sys.executable, str(ROOT / "tools/bench/orpheus.py"), "--device", "cpu", "--variant", "tiny",
-           "--batches", "1,2", "--hf-batches", "1,2", "--tokens", "16", "--out", str(out)]
+           "--batches", "1,2", "--hf-batches", "1,2", "--tokens", "16", "--closed-loop", "2", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -42,3 +43,7 @@ def test_orpheus_bench_smoke_on_cpu(tmp_path: Path) -> None:
             h = rec["hf"][mode][b]
             assert h["generated_tokens"] == 16 * int(b) and h["tokens_per_s"] > 0
         assert rec["speedup_vs_best_hf"][b] > 0
+    # the closed loop: 4 x 2 requests, 2 in flight, each of exactly 16 tokens
+    c = rec["mstar_closed"]["2"]
+    assert c["requests"] == 8 and c["generated_tokens"] == 8 * 16 and c["tokens_per_s"] > 0 and c["vs_lockstep"] > 0
+    assert c["rtf_p50"] > 0 and c["cohort_steps"] > 0  # (16 tokens make no audio window: no TTFA)

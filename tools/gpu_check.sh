@@ -114,7 +114,8 @@ EOF
 #            (real size, dummy weights: speech at B = 1, 4, 16, 32, chat, transformers at B = 1 on the
 #            same weights, the HBM floors; into $OUT/qwen3_omni.json)
 #   serve    issue 17 section 0/4: Orpheus (`bench` variant, end check off: 128 tokens per
-#            request) in process (tools/bench/orpheus.py, $OUT/orpheus_inproc.json), then over
+#            request) in process (tools/bench/orpheus.py: lockstep batches, and a closed loop at
+#            SERVE_CLOSED_LOOP, default 16,64; $OUT/orpheus_inproc.json), then over
 #            HTTP with tools/bench/serve.py at SERVE_CONCURRENCY (default 1,16,64,256) against
 #            `mstar-run --serve`, the engine in the server's process and with --engine-process
 #            ($OUT/serve_inproc.json, serve_engine.json; the servers' log tails in the log). The server's
@@ -203,8 +204,8 @@ if [[ "$STAGES" == *" serve "* ]]; then
   sed -E 's/(end_of_speech *= *)[0-9]+/\12000000000/' models/orpheus/orpheus.walk > /tmp/orpheus_fixed.walk
   $PY -m mstarc.cli compile /tmp/orpheus_fixed.walk --variant bench -p placements/h200x1.yaml -o /tmp/orpheus.plan \
     || STATUS=1
-  timeout 150 $PY tools/bench/orpheus.py --skip-hf --paths cohort --batches "${SERVE_BATCHES:-1,16,64}" --tokens 128 \
-    --out "$OUT/orpheus_inproc.json"
+  timeout 200 $PY tools/bench/orpheus.py --skip-hf --paths cohort --batches "${SERVE_BATCHES:-1,16,64}" --tokens 128 \
+    --closed-loop "${SERVE_CLOSED_LOOP:-16,64}" --out "$OUT/orpheus_inproc.json"
   rc=$?; echo "orpheus in-process exit code $rc"; [ $rc -eq 0 ] || STATUS=1
   for mode in inproc engine; do
     flag=""; [ "$mode" = engine ] && flag="--engine-process"

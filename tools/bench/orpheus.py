@@ -16,6 +16,10 @@ What runs:
   step for all rows; `generic`: a step call per request per step; docs/runtime.md). The
   fixed length comes from `max_tokens` plus an end check that never fires: the walk copy
   compiled here sets `end_of_speech` beyond the vocabulary, so no token can end a request.
+- M* closed loop (`--closed-loop C1,C2`, after the batches): 4 x C requests with C in flight,
+  a new one submitted as one finishes (`run_mstar_closed`): the load `tools/bench/serve.py`
+  puts on a server, in process. Its tokens/s over the lockstep batch's at B = C separates
+  the cost of staggered arrivals from the HTTP server's (BENCHMARKS.md, Orpheus over HTTP).
 - HF (unless `--skip-hf`): `LlamaForCausalLM` built from the same config with the M* node's
   weights copied in by name (a sharded llm's full weights are rebuilt at tp 1 from the same
   seeds), the same prompt token ids (left-padded), the same sampling settings, and
@@ -270,6 +274,53 @@ def run_mstar(plan: Any, workers: dict[int, Any], device: torch.device, batch: i
     }
 
 
+def run_mstar_closed(plan: Any, workers: dict[int, Any], device: torch.device, concurrency: int, total: int,
+                     tokens: int, seed: int, path: str = "cohort") -> dict[str, Any]:
+    """`total` requests in a closed loop of `concurrency` in flight (a new one submitted as one
+    finishes), in process: the load `tools/bench/serve.py` puts on a server, without HTTP.
+    Next to `run_mstar`'s lockstep batch it separates the cost of staggered arrivals (prefills
+    between decode steps, rows joining and leaving, SNAC windows at different steps) from the
+    server's own cost."""
+    from mstar_runtime.control.conductor import RUNNING, WAITING, Conductor
+
+    conductor = Conductor(plan, workers, max_running=concurrency, path=path)
+    first = _FirstAudio(device)
+    reqs: list[Any] = []
+
+    def top_up() -> None:
+        live = sum(r.state in (WAITING, RUNNING) for r in reqs)
+        while live < concurrency and len(reqs) < total:
+            i = len(reqs)
+            reqs.append(conductor.submit("tts", {"text": TEXTS[i % len(TEXTS)], "voice": VOICES[i % len(VOICES)],
+                                                 "max_tokens": tokens, "seed": seed + i, **SAMPLING}, listener=first))
+            live += 1
+
+    sync(device)
+    t0 = time.perf_counter()
+    first.t0 = t0
+    if first.start is not None:
+        first.start.record()
+    top_up()
+    while len(reqs) < total or any(r.state in (WAITING, RUNNING) for r in reqs):
+        conductor.run_until_idle(top_up)
+        top_up()
+    sync(device)
+    wall = time.perf_counter() - t0
+    failed = [f"{r.id}: {r.error}" for r in reqs if r.state != "finished"]
+    if failed:
+        raise RuntimeError("M* requests failed: " + "; ".join(failed[:3]))
+    first_at = first.times()
+    generated = [int(r.outputs["codes"].numel()) for r in reqs]
+    ttfa = [first_at[r.id] - r.stats.submitted_at for r in reqs if r.id in first_at]
+    rtf = [(r.stats.finished_at - r.stats.submitted_at) / (g / TOKENS_PER_SECOND_OF_AUDIO)
+           for r, g in zip(reqs, generated) if g]
+    return {"concurrency": concurrency, "requests": total, "path": path, "wall_s": wall,
+            "generated_tokens": sum(generated), "tokens_per_s": sum(generated) / wall,
+            "ttfa_p50_ms": _ms(percentile(ttfa, 50)), "ttfa_p90_ms": _ms(percentile(ttfa, 90)),
+            "rtf_p50": percentile(rtf, 50), "rtf_p90": percentile(rtf, 90),
+            "conductor_steps": int(conductor.stats["steps"]), "cohort_steps": int(conductor.stats["cohort_steps"])}
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
@@ -392,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-modes", default="dynamic,static", help="comma list of dynamic, static; empty: no HF")
     ap.add_argument("--skip-hf", action="store_true", help="M* only (same as --hf-modes '')")
     ap.add_argument("--budget-s", type=float, default=None, help="skip HF runs that would not fit in this")
+    ap.add_argument("--closed-loop", default="",
+                    help="concurrencies of an in-process closed loop (4 x C requests each, one submitted as one "
+                         "finishes: serve.py's load without HTTP), comma list; empty: none")
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "orpheus.json")
     args = ap.parse_args(argv)
@@ -490,6 +544,20 @@ def bench_mstar(args: argparse.Namespace, rec: dict[str, Any], save: Any, plan: 
         except Exception as e:  # noqa: BLE001 - record and go on to the next figure
             log.exception("M* at batch %d (%s path) failed", b, path)
             rec["errors"].append(f"mstar batch {b} ({path}): {type(e).__name__}: {e}")
+        save()
+    for c in (int(x) for x in args.closed_loop.split(",") if x.strip()):
+        try:
+            run_mstar_closed(plan, workers, device, c, c, min(args.tokens, FIRST_AUDIO_CODES + 8), args.seed + 20_000,
+                             paths[0])  # warm-up
+            r = run_mstar_closed(plan, workers, device, c, 4 * c, args.tokens, args.seed, paths[0])
+            lockstep = rec["mstar"].get(str(c))
+            if lockstep:
+                r["vs_lockstep"] = r["tokens_per_s"] / lockstep["tokens_per_s"]
+            rec.setdefault("mstar_closed", {})[str(c)] = r
+            log.info("closed loop c=%d: %.0f tokens/s, TTFA p50 %.1f ms", c, r["tokens_per_s"], r["ttfa_p50_ms"] or 0)
+        except Exception as e:  # noqa: BLE001
+            log.exception("M* closed loop at %d failed", c)
+            rec["errors"].append(f"mstar closed loop {c}: {type(e).__name__}: {e}")
         save()
     snac = local_node(plan, worker, "snac", device)
     snac_s = {b: time_snac(snac, device, b) for b in batches}
@@ -605,6 +673,11 @@ def summary(args: argparse.Namespace, rec: dict[str, Any], save: Any, batches: l
     print(table(rows, cols))
     for b, s in rec.get("speedup_vs_best_hf", {}).items():
         print(f"B={b}: M* / best HF tokens/s = {s:.2f}x")
+    closed = list(rec.get("mstar_closed", {}).values())
+    if closed:
+        print("\nM* in-process closed loop (4 x C requests, C in flight):")
+        print(table(closed, [("concurrency", "C", 0), ("tokens_per_s", "tok/s", 1), ("vs_lockstep", "/ lockstep", 2),
+                             ("ttfa_p50_ms", "TTFA p50 ms", 1), ("rtf_p50", "RTF p50", 3), ("rtf_p90", "p90", 3)]))
     for err in rec["errors"]:
         print("error:", err)
     save()

@@ -13,9 +13,10 @@ order of the step's one flat byte buffer). Python scalars ride as ``Scalar`` val
 keeps bool, int, float, str and nil apart, so that union decodes without ambiguity.
 
 The conversation between the conductor and a worker process (``remote.py``):
-conductor -> worker: ``StepRequest``, ``ForkKV``, ``CopySlots``, ``DropTag``, ``FreeRequest``,
-``Heartbeat``, ``Shutdown``; worker -> conductor: ``WorkerReady`` (once), ``StepResult``,
-``StepRejected`` (a node's ``RequestError``), ``WorkerError``, ``Heartbeat`` (the echo); over
+conductor -> worker: ``StepRequest``, ``ForkKV``, ``CopySlots``, ``DropTag``, ``ImportKV``,
+``ExportKV``, ``FreeRequest``, ``Heartbeat``, ``Shutdown``; worker -> conductor: ``WorkerReady``
+(once), ``StepResult``, ``StepRejected`` (a node's ``RequestError``), ``WorkerError``,
+``KVExported`` (the answer to ``ExportKV``), ``Heartbeat`` (the echo); over
 a torchrun launch's control connection the worker first sends ``Hello``.
 
 Between the API process and an engine process (``mstar_runtime.engine_process``): API ->
@@ -240,6 +241,51 @@ class DropTag:
     tag: str
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class ImportKV:
+    """Conductor -> worker: KV context ``tag`` of ``request_id`` becomes a copy of one held on
+    another rank (a plan's transfer of kind "kv"): its pages' contents go into ``pages`` (this
+    rank's, in token order; the conductor's BlockManager gave them) and its node state
+    replaces this rank's. ``values``/``inline``/``scalars`` split the values as a step's
+    inputs are: ``kv`` (the pages, ``[layers, len(pages), 2, page_size, kv_heads,
+    head_dim]``), ``has_state``, and ``state:<name>`` per value of the node's
+    ``export_state``. The ``values`` follow the frame over torch.distributed."""
+
+    type: ClassVar[str] = "import_kv"
+    node: str
+    request_id: str
+    tag: str
+    pages: list[int]
+    values: list[TensorMeta]
+    inline: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: dict[str, Scalar] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ExportKV:
+    """Conductor -> worker: send KV context ``tag`` of ``request_id`` (the contents of its
+    ``pages``, in token order, and its node state) to rank 0, which hands it to the rank that
+    needs it; answered by ``KVExported``."""
+
+    type: ClassVar[str] = "export_kv"
+    node: str
+    request_id: str
+    tag: str
+    pages: list[int]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class KVExported:
+    """Worker -> conductor: the answer to ``ExportKV``, its values split as in ``ImportKV``;
+    the ``values`` follow the frame over torch.distributed."""
+
+    type: ClassVar[str] = "kv_exported"
+    rank: int
+    values: list[TensorMeta]
+    inline: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: dict[str, Scalar] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerReady:
     """Worker -> conductor, once: rank ``rank`` (process ``pid``) joined the process group and
@@ -404,6 +450,9 @@ Message = (
     | ForkKV
     | CopySlots
     | DropTag
+    | ImportKV
+    | ExportKV
+    | KVExported
     | FreeRequest
     | Shutdown
     | WorkerReady
@@ -430,6 +479,9 @@ MESSAGE_TYPES: dict[str, type] = {
         ForkKV,
         CopySlots,
         DropTag,
+        ImportKV,
+        ExportKV,
+        KVExported,
         FreeRequest,
         Shutdown,
         WorkerReady,

@@ -50,6 +50,8 @@ discarded speculative decode cannot corrupt it and a fork copies it whole:
   `gen`:         set by `start`: the KV position of its <|im_start|> (`base`; a step's
                  sampler step and token count come from its KV start), `max_new`, the
                  `SamplingParams`; a prefill drops it.
+A context the plan moves to another rank takes its state along (`export_state` gives the
+`SamplingParams` as its fields, `import_state` makes them one again).
 
 Parameter names are the checkpoint's (`language_model.model.*`, `language_model.lm_head`,
 `time_embedder.mlp.{0,2}`, `vae2llm`, `llm2vae`, `latent_pos_embed.pos_embed`), as
@@ -61,6 +63,7 @@ then the model config (`rms_eps`, `rope_theta`, `latent_patch_size`, `max_text_t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -664,6 +667,21 @@ class MoTLanguageModel(KVNode):
             out.append({"token": tok32[i : i + 1], "emitted": torch.tensor([value], dtype=torch.int32),
                         "done": limit or value in ends, "image_start": value == self.vision_start})
         return out
+
+    # ------------------------------------------------------------------ moving a context
+    def export_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The state as flat values for another rank: `gen`'s `SamplingParams` as its fields."""
+        gen = state.get("gen")
+        if gen is not None and isinstance(gen.get("params"), SamplingParams):
+            state = {**state, "gen": {**gen, "params": dataclasses.asdict(gen["params"])}}
+        return super().export_state(state)
+
+    def import_state(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        state = super().import_state(values)
+        params = state.get("gen", {}).get("params")
+        if isinstance(params, dict):
+            state["gen"]["params"] = SamplingParams(**params)
+        return state
 
     # ------------------------------------------------------------------ cohort
     def cohort_phase(self, phase: str) -> CohortPhase | None:

@@ -263,6 +263,47 @@ class KVNode(nn.Module):
         whose step is pure tensor code over all rows (runtime/mstar_runtime/ops/cohort.py)."""
         return None
 
+    def export_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """One KV context's state as flat values that can cross ranks (a context the plan moves
+        to another rank, docs/runtime.md "Multi-rank plans"): `name -> tensor | bool | int |
+        float | str | None`. The default takes such values as they are and nested dicts of them
+        as `outer/inner` names; anything else is a NodeError naming the node and the value:
+        a node that keeps other values overrides this and `import_state`."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, d: Mapping[str, Any]) -> None:
+            for k, v in d.items():
+                name = f"{prefix}{k}"
+                if not isinstance(k, str) or "/" in k or not k:
+                    raise NodeError(f"node '{self.spec.name}': state key {name!r} cannot move to another rank "
+                                    "(keys must be non-empty str without '/')")
+                if isinstance(v, Mapping):
+                    if not v:
+                        raise NodeError(f"node '{self.spec.name}': state value '{name}' is an empty dict, which "
+                                        "cannot move to another rank; override export_state/import_state")
+                    walk(f"{name}/", v)
+                elif v is None or isinstance(v, bool | int | float | str | torch.Tensor):
+                    out[name] = v
+                else:
+                    raise NodeError(f"node '{self.spec.name}' ({type(self).__name__}): state value '{name}' is a "
+                                    f"{type(v).__name__}, which cannot move to another rank; override "
+                                    "export_state/import_state")
+
+        walk("", state)
+        return out
+
+    def import_state(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """The state `export_state` flattened, rebuilt on the receiving rank (`outer/inner`
+        names back into nested dicts)."""
+        out: dict[str, Any] = {}
+        for name, v in values.items():
+            *outer, last = name.split("/")
+            d = out
+            for k in outer:
+                d = d.setdefault(k, {})
+            d[last] = v
+        return out
+
 
 def stack_inputs(batch: Batch, port: str) -> torch.Tensor:
     """Stack one port of every entry along a new batch dim (entries must have equal shapes)."""

@@ -91,6 +91,12 @@ class _Server:
                 self.worker.fork(msg.node, msg.request_id, msg.src_tag, msg.dst_tag, copy)
             elif isinstance(msg, m.CopySlots):
                 self.worker.copy_slots(msg.node, copy_from_wire(msg.copy))
+            elif isinstance(msg, m.ImportKV):
+                received = recv_tensors(msg.values, 0, self.comm, self.device)
+                values = unpack_values(msg.values, received, msg.inline, msg.scalars, self.device)
+                self.worker.import_kv(msg.node, msg.request_id, msg.tag, msg.pages, values)
+            elif isinstance(msg, m.ExportKV):
+                self._export(msg)
             elif isinstance(msg, m.DropTag):
                 self.worker.drop_tag(msg.node, msg.request_id, msg.tag)
                 self.kept.pop((msg.node, msg.request_id, msg.tag), None)
@@ -159,6 +165,22 @@ class _Server:
         self.out.write(FRAME.pack(len(data)) + data)
         self.out.flush()
         send_tensors([t for p in packed for t in p[3]], 0, self.comm)
+
+    def _export(self, msg: m.ExportKV) -> None:
+        """Answer `ExportKV`: the `KVExported` frame, then its values' buffer; a refusal (a node
+        state that cannot travel) is a `WorkerError` without a step, and this worker serves on."""
+        try:
+            values = self.worker.export_kv(msg.node, msg.request_id, msg.tag, msg.pages)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the values exist before the answer (as a step's)
+            metas, inline, scalars, tensors = pack_values(values, INLINE_BYTES, "KV context value")
+            data = m.encode(m.KVExported(self.rank, metas, inline, scalars))
+        except Exception as e:
+            write_frame(self.out, m.WorkerError(self.rank, _error_text(e)))
+            return
+        self.out.write(FRAME.pack(len(data)) + data)
+        self.out.flush()
+        send_tensors(tensors, 0, self.comm)
 
     def _kept_inputs(self, node: str, wire: m.StepEntry, sent: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """The inputs `wire.refs` names, from this rank's own outputs of the request's last

@@ -3,8 +3,8 @@
 Rank 0 runs the conductor and an in-process `Worker`; every other rank is a process started
 with `python -m mstar_runtime.worker.remote` (never multiprocessing: nothing is pickled). The
 conductor talks to it through a `RemoteWorker`, which implements the conductor's
-`WorkerLike` (`run_step`, `fork`, `copy_slots`, `drop_tag`, `free`) plus `submit` (a step
-whose answer is taken later), `heartbeat` and `close`.
+`WorkerLike` (`run_step`, `fork`, `copy_slots`, `drop_tag`, `free`, `export_kv`,
+`import_kv`) plus `submit` (a step whose answer is taken later), `heartbeat` and `close`.
 
 Three modules: this one is the conductor's side (`RemoteWorker`, `StepHandle`,
 `start_workers`, `shutdown_workers`); `wire.py` holds what both sides share (frames, values,
@@ -30,7 +30,12 @@ most `inline_bytes` ride inside the message, Python scalars too. One step:
 
 The frame always goes first, so each side posts its receive knowing the size, and a step
 that fails sends no buffer back. `ForkKV`, `CopySlots`, `DropTag` and `FreeRequest` get no
-answer (the pipe keeps them in order with the steps); `Heartbeat` is echoed.
+answer (the pipe keeps them in order with the steps); `Heartbeat` is echoed. A KV context
+the plan moves between ranks (`Worker.export_kv` / `import_kv`) travels like a step, a step
+in flight on that worker finished first:
+
+    export (rank r -> 0): ExportKV frame; worker: KVExported frame -> dist.send(values)
+    import (rank 0 -> r): ImportKV frame -> dist.send(values); worker: dist.recv, applies it
 
 Asynchronous steps: `submit(batch)` does the conductor's first line and returns a
 `StepHandle`; `handle.ready()` looks at the pipe without waiting and, once the answer frame
@@ -457,6 +462,49 @@ class RemoteWorker:
 
     def copy_slots(self, node: str, copy: SlotCopy) -> None:
         self._post(m.CopySlots(node, copy_to_wire(copy)))
+
+    def import_kv(self, node: str, request_id: str, tag: str, pages: list[int], values: Mapping[str, Any]) -> None:
+        """`Worker.import_kv` on this rank: the `ImportKV` frame, then its values' buffer. A step
+        in flight is finished first (its handle keeps the answer), as for `submit`."""
+        try:
+            metas, inline, scalars, tensors = pack_values(values, self.inline_bytes, "KV context value")
+            data = m.encode(m.ImportKV(node, request_id, tag, list(pages), metas, inline, scalars))
+        except (TypeError, ValueError) as e:  # nothing was sent: the worker is fine
+            raise WorkerStepError(node, "import_kv", f"cannot send to rank {self.rank}: {e}") from e
+        with self._lock:
+            if self.lost is not None:
+                raise WorkerLost(self.rank, self.lost)
+            self._settle()
+            self._take_acks()
+            self._send_bytes(data)
+            try:
+                send_tensors(tensors, self.rank, self.comm)
+            except RuntimeError as e:
+                self._lose(f"did not take KV context {node}@{tag} over torch.distributed ({_first_line(e)})")
+
+    def export_kv(self, node: str, request_id: str, tag: str, pages: list[int]) -> dict[str, Any]:
+        """`Worker.export_kv` on this rank, its values received here (rank 0 passes them on):
+        the `ExportKV` frame, the `KVExported` answer, then its values' buffer. A step in
+        flight is finished first. The worker's refusal (a state that cannot travel) is a
+        `WorkerStepError`; the worker serves on."""
+        doing = f"exporting KV context {node}@{tag}"
+        with self._lock:
+            if self.lost is not None:
+                raise WorkerLost(self.rank, self.lost)
+            self._settle()
+            self._take_acks()
+            self._send_bytes(m.encode(m.ExportKV(node, request_id, tag, list(pages))))
+            msg = self._read(self.answer_timeout, doing)
+            if isinstance(msg, m.WorkerError):
+                text = msg.message.removeprefix(f"node '{node}' phase 'export_kv': ")  # not said twice
+                raise WorkerStepError(node, "export_kv", f"rank {self.rank}: {text}")
+            if not isinstance(msg, m.KVExported):
+                self._lose(f"sent '{msg.type}' while {doing}")
+            try:
+                received = recv_tensors(msg.values, self.rank, self.comm, self.comm)
+            except RuntimeError as e:
+                self._lose(f"did not send KV context {node}@{tag} over torch.distributed ({_first_line(e)})")
+            return unpack_values(msg.values, received, msg.inline, msg.scalars, self.comm)
 
     def drop_tag(self, node: str, request_id: str, tag: str) -> None:
         self._post(m.DropTag(node, request_id, tag))

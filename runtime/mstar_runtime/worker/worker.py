@@ -5,7 +5,8 @@ gives each a `KVCacheEngine` (pages and page size from the plan's memory section
 `StatelessEngine`. A node at tp > 1 holds only this rank's shard and gets its TP group
 from `tp_groups` (node -> torch.distributed group, made by `mstar_runtime.ops.tp.build_groups`
 in every process). The conductor drives it with `run_step(StepBatch)`, plus the KV
-bookkeeping its BlockManagers decide (`fork`, `copy_slots`, `free`), and, for decode
+bookkeeping its BlockManagers decide (`fork`, `copy_slots`, `free`; `export_kv` and
+`import_kv` for a KV context the plan moves between ranks), and, for decode
 cohorts, the `cohort_*` calls: open (the device columns of a marked loop, if its node offers
 a column step), join / leave / move a row, add pages, and step all rows at once
 (engine/cohort_engine.py). Cohorts run on in-process workers only (a worker process has
@@ -262,6 +263,47 @@ class Worker:
         if copy is not None:
             engine.copy_slots(copy)
         engine.fork_state(request_id, src_tag, dst_tag)
+
+    def export_kv(self, node: str, request_id: str, tag: str, pages: list[int]) -> dict[str, Any]:
+        """One KV context as values that can cross ranks (a plan's transfer of kind "kv"): `kv`,
+        the contents of its `pages` (in token order) of every layer; `has_state`; and
+        `state:<name>` per value of the node's `export_state` (a NodeError, naming the node and
+        the value, when the state holds something that cannot travel)."""
+        engine = self._kv(node, "export_kv")
+        self._check_pages(engine, pages, "export_kv")
+        index = torch.tensor(pages, dtype=torch.long, device=engine.pool.device)
+        values: dict[str, Any] = {"kv": engine.pool.data.index_select(1, index)}
+        values["has_state"] = engine.has_state(request_id, tag)
+        if values["has_state"]:
+            exported = engine.node.export_state(engine.state(request_id, tag))
+            values.update({f"state:{k}": v for k, v in exported.items()})
+        return values
+
+    def import_kv(self, node: str, request_id: str, tag: str, pages: list[int], values: Mapping[str, Any]) -> None:
+        """KV context `tag` becomes the one `export_kv` gave on another rank: its pages' contents
+        written into `pages` (this rank's, from the conductor's BlockManager) and its node state
+        in place of this rank's."""
+        engine = self._kv(node, "import_kv")
+        self._check_pages(engine, pages, "import_kv")
+        kv = values.get("kv")
+        pool = engine.pool.data
+        want = (pool.shape[0], len(pages), *pool.shape[2:])
+        if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != want:
+            got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
+            raise WorkerStepError(node, "import_kv", f"KV pages of shape {want} expected, got {got}")
+        if pages:
+            index = torch.tensor(pages, dtype=torch.long, device=pool.device)
+            pool.index_copy_(1, index, kv.to(device=pool.device, dtype=pool.dtype))
+        engine.drop_tag(request_id, tag)
+        if values.get("has_state"):
+            state = {k[len("state:"):]: v for k, v in values.items() if k.startswith("state:")}
+            engine.state(request_id, tag).update(engine.node.import_state(state))
+
+    def _check_pages(self, engine: KVCacheEngine, pages: list[int], what: str) -> None:
+        bad = [p for p in pages if not 0 <= p < engine.num_pages]
+        if bad:
+            raise WorkerStepError(engine.name, what, f"page {bad[0]} is not in rank {self.rank}'s pool of "
+                                  f"{engine.num_pages} pages")
 
     def copy_slots(self, node: str, copy: SlotCopy) -> None:
         """Apply a BlockManager copy-on-write (from `fork` or `truncate`) in the node's pool."""

@@ -6,9 +6,9 @@ The placements mirror the GPU ones of issue 19 (tests/placements/):
   three CFG queries of each denoising step on ranks 0 (@gen), 1 (@cfg_text) and 2 (@cfg_img).
   `chat` and `understand` (rank 0 only) give one rank's text; `t2i` with the image branch off
   gives one rank's image (the text branch's context is forked before anything is written, so
-  no KV pages have to move); `t2i` and `edit` with all three branches need the contexts
-  prefilled on rank 0 to move to ranks 1 and 2, which the runtime does not do yet (xfail,
-  strict: it turns into a failure when it does, so the mark goes).
+  no KV pages have to move); `t2i` and `edit` with all three branches give one rank's images
+  with the contexts prefilled on rank 0 moved to ranks 1 and 2 (the plan's kv transfers:
+  pages and node state, once per request).
 - cpu2_qwen3_split.yaml, as placements/h200x2_split.yaml's stage split: the thinker (with the
   encoders and the processor) on rank 0, the talker (its code predictor inside) and Code2Wav
   on rank 1. Greedy `speech` (text, image and audio inputs) and `chat` batched together give
@@ -34,9 +34,10 @@ from test_multirank import _children
 
 from mstar_runtime.control.conductor import FINISHED, Conductor
 from mstar_runtime.ops.node import NodeError
+from mstar_runtime.ops.sampler import SamplingParams
 from mstar_runtime.plan.loader import load_plan
 from mstar_runtime.worker.remote import RemoteWorker, shutdown_workers, start_workers
-from mstar_runtime.worker.worker import Worker
+from mstar_runtime.worker.worker import Worker, WorkerStepError
 from mstarc.cli import main as mstarc
 
 pytest.importorskip("transformers")
@@ -200,11 +201,42 @@ def test_bagel_cfg3_gives_one_ranks_text_and_text_branch_image(plans: dict[str, 
     assert conductor.stats["remote_steps"] >= 3  # the text branch's denoise ran on rank 1
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the runtime does not move the plan's KV-context transfers (placement.transfers, "
-                          "kind 'kv'): ranks 1 and 2 fork their own empty copy of @gen, so t2i's @cfg_img "
-                          "and edit's @cfg_text / @cfg_img are empty there")
 def test_bagel_cfg3_gives_one_ranks_t2i_and_edit(plans: dict[str, Path]) -> None:
-    one, _, _ = _run(plans["bagel1"], "dummy", BAGEL_CFG)
-    three, _, _ = _run(plans["bagel3"], "dummy", BAGEL_CFG)
+    one, single, _ = _run(plans["bagel1"], "dummy", BAGEL_CFG)
+    three, conductor, _ = _run(plans["bagel3"], "dummy", BAGEL_CFG)
     _close_images(one, three)
+    # t2i: @cfg_text (empty: forked from @gen before the prompt) to rank 1, @cfg_img to rank 2;
+    # edit: @cfg_text and @cfg_img, both prefilled on rank 0 (the plan's kv transfers)
+    assert single.stats["kv_moves"] == 0 and conductor.stats["kv_moves"] == 4
+
+
+def test_a_kv_context_moves_through_a_worker_process_and_back(plans: dict[str, Path]) -> None:
+    """`export_kv` / `import_kv` (the plan's kv transfers) over Gloo, rank 0 -> 1 -> 0, into
+    other pages and another tag: the same page contents, the same node state (the MoT's
+    `SamplingParams` included); a state value that cannot travel is refused, naming it."""
+    plan = load_plan(plans["bagel3"], device="cpu")
+    workers = start_workers(plan, "dummy", "cpu")
+    try:
+        engine = workers[0].engines["llm"]
+        pool = engine.pool.data
+        pool[:, [2, 5]] = torch.randn(pool[:, [2, 5]].shape, generator=torch.Generator().manual_seed(1))
+        state = engine.state("r", "cfg_img")
+        state.update(rope_offset=-7, gen={"base": 3, "max_new": 5, "params": SamplingParams(temperature=0.3, seed=9)})
+        workers[1].import_kv("llm", "r", "cfg_text", [0, 1], workers[0].export_kv("llm", "r", "cfg_img", [2, 5]))
+        back = workers[1].export_kv("llm", "r", "cfg_text", [0, 1])
+        assert torch.equal(back["kv"], pool[:, [2, 5]])
+        workers[0].import_kv("llm", "r", "gen", [7, 8], back)
+        assert torch.equal(pool[:, [7, 8]], pool[:, [2, 5]]) and pool[:, 7].abs().sum() > 0
+        assert engine.state("r", "gen") == state
+        workers[1].import_kv("llm", "r", "cfg_text", [], workers[0].export_kv("llm", "r", "think", []))
+        assert workers[1].export_kv("llm", "r", "cfg_text", [])["has_state"] is False  # no state: none there
+        engine.state("r", "think")["handle"] = object()
+        with pytest.raises(NodeError, match="state value 'handle' is a object, which cannot move to another rank"):
+            workers[0].export_kv("llm", "r", "think", [])
+        # a worker process that cannot export says why and serves on
+        with pytest.raises(WorkerStepError, match="node 'llm' phase 'export_kv': rank 1: page 1000000 is not in rank 1's pool of"):
+            workers[1].export_kv("llm", "r", "cfg_text", [10**6])
+        assert workers[1].heartbeat() > 0 and workers[1].export_kv("llm", "r", "cfg_text", [0])["kv"].shape[1] == 1
+    finally:
+        shutdown_workers(workers)
+    assert _children() == []

@@ -22,8 +22,18 @@ it comes: the worker frees its state after the step, since its pipe is FIFO, and
 later step that could reuse those pages runs on the same, still busy, rank. Local steps run
 synchronously; a tensor-parallel group waits for its leader only (`tp_dispatch.TPDispatch`).
 `stats` counts `remote_steps` (sent without waiting), `overlapped_steps` (started while a
-remote step was in flight) and `remote_wait_seconds` (blocked on an answer with nothing
-else to run).
+remote step was in flight), `remote_wait_seconds` (blocked on an answer with nothing
+else to run) and `kv_moves` (KV contexts copied between ranks, below).
+
+KV contexts that move (the plan's `placement.transfers` of kind "kv": a context written on
+one rank and continued by a step on another, as BAGEL's CFG contexts prefilled on rank 0
+and denoised on ranks 1 and 2): before the consumer step's first reservation on its rank,
+the destination's context of that (node, tag) is replaced by the source's, once per
+request attempt and walk (`_move_in`): pages of the same length in the destination pool
+(a full pool preempts as a fork does), the pages' contents and the node's state for the
+context (`Worker.export_kv` / `import_kv`, through rank 0 when neither end is rank 0). A
+state that cannot travel (`KVNode.export_state` refuses it) fails the request, naming the
+node; a tensor-parallel node's contexts never move (the request fails, saying so).
 
 Overlap lets work on other ranks move ahead of a remote step, so who is batched with whom
 can change with timing (tokens stay the same; floats may differ in the last bits, as with
@@ -101,7 +111,7 @@ from mstar_runtime.control.streams import StreamBuffer, StreamError, policy_from
 from mstar_runtime.control.validate import TORCH_DTYPES, coerce, validate_inputs
 from mstar_runtime.engine.engines import KVSlots, ReadSlots, StepEntry
 from mstar_runtime.kv.block_manager import OutOfPages
-from mstar_runtime.ops.node import KVNode, NodeSpec, RequestError
+from mstar_runtime.ops.node import KVNode, NodeError, NodeSpec, RequestError
 from mstar_runtime.plan.loader import Plan
 from mstar_runtime.worker.remote import EngineStopped, WorkerLost, can_submit
 from mstar_runtime.worker.tp_dispatch import TPDispatch
@@ -202,6 +212,8 @@ class WorkerLike(Protocol):
     def copy_slots(self, node: str, copy: Any) -> None: ...
     def free(self, request_id: str) -> None: ...
     def drop_tag(self, node: str, request_id: str, tag: str) -> None: ...
+    def export_kv(self, node: str, request_id: str, tag: str, pages: list[int]) -> dict[str, Any]: ...
+    def import_kv(self, node: str, request_id: str, tag: str, pages: list[int], values: Mapping[str, Any]) -> None: ...
 
 
 class StepHandleLike(Protocol):
@@ -259,6 +271,7 @@ class Request:
     tasks: set[WalkTask] = field(default_factory=set)
     buffers: dict[str, StreamBuffer] = field(default_factory=dict)
     appended: dict[str, int] = field(default_factory=dict)
+    moved: set[tuple[str, str, str, int]] = field(default_factory=set)  # KV moves done: (walk, step, node@tag, rank)
     # ---- across attempts
     delivered: dict[str, int] = field(default_factory=dict)
     current_walk: str = ""
@@ -364,10 +377,16 @@ class Conductor:
         self.broken: str | None = None  # set when a worker process was lost: the engine has stopped
         self.stalled = False  # the last step found nothing to run but requests waiting on their clients
         self._fed_buffers: dict[int, tuple[Request, InputFeed]] = {}  # id(stream buffer) -> its client feed
+        # the plan's KV-context moves (placement.transfers of kind "kv"):
+        # (walk, consumer step, "node@tag", destination rank) -> source rank
+        self._kv_moves: dict[tuple[str, str, str, int], int] = {}
+        for t in plan.body.get("placement", {}).get("transfers", ()):
+            if t.get("kind") == "kv":
+                self._kv_moves.setdefault((t["walk"], t["consumer_step"], t["value"], t["dst_rank"]), t["src_rank"])
         self.stats: dict[str, float] = {"steps": 0, "batched_entries": 0, "wasted_steps": 0, "preemptions": 0,
                                         "finished": 0, "failed": 0, "cancelled": 0, "step_seconds": 0.0,
                                         "remote_steps": 0, "overlapped_steps": 0, "remote_wait_seconds": 0.0,
-                                        "cohort_steps": 0}
+                                        "cohort_steps": 0, "kv_moves": 0}
 
     # ------------------------------------------------------------------ public
     def submit(self, walk: str, inputs: Mapping[str, Any], *, request_id: str | None = None,
@@ -638,8 +657,12 @@ class Conductor:
         """Make the task a row of its loop's cohort, or resume it at once with None (generic)."""
         cohort = self._cohort_for(y.op)
         req = task.request
-        tag = y.op["body"]["body"][0].get("tag") or "main"
+        call = y.op["body"]["body"][0]
+        tag = call.get("tag") or "main"
         key = (req.id, tag)
+        move = (req.current_walk, str(call.get("id")), f"{call['node']}@{tag}", tuple(call["ranks"])[0])
+        if move in self._kv_moves and move not in req.moved:  # the context comes from another rank first
+            cohort = None
         if cohort is None or not cohort.has_room() or key not in cohort.bm or cohort.bm.seq_len(key) < 1:
             self.ready.append((task, None, None))
             return
@@ -780,24 +803,77 @@ class Conductor:
         """Fork a KV context; when the pool is full, preempt the newest request and retry.
 
         Returns False when `req` itself was preempted or failed (its task is gone)."""
+        return self._or_preempt(req, lambda: self._fork(req, f),
+                                f"forking KV context {f.node}@{f.src} needs a page the pool does not have")
+
+    def _or_preempt(self, req: Request, action: Callable[[], None], why: str,
+                    still: Callable[[], bool] = lambda: True) -> bool:
+        """Run `action`, which takes KV pages; while a pool is full, preempt the newest request
+        and retry. False when `req` itself was preempted or failed, or `still()` turned false
+        while the answers in flight were taken."""
         while True:
             try:
-                self._fork(req, f)
+                action()
                 return True
             except OutOfPages:
                 if self._inflight:  # never preempt a request with a step in flight: take them all first
                     self._quiesce()
-                    if req.state != RUNNING:  # an answer ended or preempted it
+                    if req.state != RUNNING or not still():  # an answer ended or preempted it
                         return False
                     continue
                 victim = self._newest_holding_kv()
                 if victim is None or (victim is req and len(self._kv_holders()) == 1):
-                    self._fail(req, f"forking KV context {f.node}@{f.src} needs a page the pool does not have; "
-                               "the request can never fit")
+                    self._fail(req, f"{why}; the request can never fit")
                     return False
                 self._preempt(victim)
                 if victim is req:
                     return False
+
+    def _move_in(self, node: str, rank: int, call: StepCall) -> bool:
+        """Before the call's first step on `rank`: if the plan moves its KV context there (a
+        transfer of kind "kv" into this step), copy the context from its source rank, once per
+        request and walk. False when the request failed or was preempted meanwhile."""
+        req, tag = call.request, call.tag or "main"
+        key = (req.current_walk, str(call.op.get("id")), f"{node}@{tag}", rank)
+        src = self._kv_moves.get(key)
+        if src is None or key in req.moved:
+            return True
+        info = self.plan.node(node)
+        if info.shard is not None and info.shard.tp > 1:
+            self._fail(req, f"KV context {node}@{tag} would move from rank {src} to rank {rank} (step {key[1]}), "
+                       "and contexts of a tensor-parallel node cannot move between ranks")
+            return False
+        try:
+            ok = self._or_preempt(req, lambda: self._move_kv(req, node, tag, src, rank),
+                                  f"moving KV context {node}@{tag} to rank {rank} needs pages its pool does not have",
+                                  lambda: call in self.pending)
+        except (NodeError, WorkerStepError) as e:
+            self._fail(req, f"moving KV context {node}@{tag} from rank {src} to rank {rank}: {e}")
+            return False
+        except WorkerLost as e:
+            self._stop(e)
+            return False
+        if ok:
+            req.moved.add(key)
+            self.stats["kv_moves"] += 1
+        return ok
+
+    def _move_kv(self, req: Request, node: str, tag: str, src: int, dst: int) -> None:
+        """Rank `dst`'s context `node@tag` of `req` becomes rank `src`'s: the same length in
+        pages of its own pool (whatever it held is replaced), the pages' contents and the node
+        state copied over (through rank 0 when neither end is rank 0). OutOfPages changes
+        nothing but the freed destination."""
+        key = (req.id, tag)
+        sbm, dbm = self.kv.managers[(node, src)], self.kv.managers[(node, dst)]
+        n = sbm.seq_len(key) if key in sbm else 0
+        src_pages = sbm.page_table(key)[: sbm.pages_needed(n)] if n else []
+        if key in dbm:
+            dbm.free(key)
+        if n:
+            dbm.append(key, n)  # raises OutOfPages
+        dst_pages = dbm.page_table(key) if n else []
+        values = self.workers[src].export_kv(node, req.id, tag, src_pages)
+        self.workers[dst].import_kv(node, req.id, tag, dst_pages, values)
 
     def _reserve(self, key: tuple[str, str, tuple[int, ...]], calls: list[StepCall]) -> list[tuple[StepCall, StepEntry]]:
         node, phase, ranks = key
@@ -833,7 +909,10 @@ class Conductor:
     def _reserve_one(self, node: str, phase: str, rank: int, call: StepCall, inputs: dict[str, Any],
                      room: int | None = None) -> Any:
         """The call's KV slots; None when it failed (or lost its request); `_OVER_BUDGET` when
-        its tokens do not fit the `room` left in this step's token budget."""
+        its tokens do not fit the `room` left in this step's token budget. A context the plan
+        moves to `rank` for this call is copied there first (`_move_in`)."""
+        if self._kv_moves and not self._move_in(node, rank, call):
+            return None
         cls, spec = self._kv_class(node)
         shapes = {p: tuple(v.shape) for p, v in inputs.items() if isinstance(v, torch.Tensor)}
         try:
@@ -1060,6 +1139,7 @@ class Conductor:
         for cohort in self.cohorts.values():
             cohort.remove(req)
         self.kv.free_request(req.id)
+        req.moved.clear()  # a new attempt moves its contexts again
         for w in self.workers.values():
             w.free(req.id)
         self.tp.forget(req.id)

@@ -12,6 +12,12 @@ predictor), residual. The parameters carry the checkpoint's names under the stac
 `forward_layers` is pure tensor code whose only attention is `attend`; `after_layer(i, h)`
 lets the caller read or change the residual stream after layer i (the thinker's deepstack
 additions and its hidden-state tap for the talker).
+
+Tensor parallelism (`tp_group`, the thinker's): a stack built with this rank's heads, KV heads
+and expert width holds its shard; the attention output projection (row-parallel) and the MLP
+output (the experts' down projections, cut by intermediate features) are partial sums that are
+all-reduced over the group (`mstar_runtime.ops.tp`), so every rank carries the same full
+residual stream and `after_layer` sees it. With no group (tp 1) the collectives are no-ops.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_models.qwen3_omni.moe import DenseMLP, SparseMoE, Weight
-from mstar_runtime.ops import fused
+from mstar_runtime.ops import fused, tp
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 AfterLayer = Callable[[int, torch.Tensor], torch.Tensor]
@@ -60,7 +66,8 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """`layers.{i}.*` and `norm.weight`; `mlp(i)` builds layer i's MLP."""
+    """`layers.{i}.*` and `norm.weight`; `mlp(i)` builds layer i's MLP. `heads` and `kv_heads`
+    are this rank's; `tp_group` (None at tp 1) sums the row-parallel outputs over the group."""
 
     def __init__(
         self,
@@ -71,10 +78,12 @@ class Decoder(nn.Module):
         head_dim: int,
         eps: float,
         mlp: Callable[[int], SparseMoE | DenseMLP],
+        tp_group: Any = None,
         **factory: Any,
     ):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+        self.tp_group = tp_group
         self.layers = nn.ModuleList(
             DecoderLayer(Attention(hidden, heads, kv_heads, head_dim, eps, **factory), mlp(i), hidden, eps, **factory)
             for i in range(layers)
@@ -100,17 +109,25 @@ class Decoder(nn.Module):
             v = F.linear(x, a.v_proj.weight).view(n, self.kv_heads, hd)
             q, k = fused.rope(q, k, cos, sin)
             o = F.linear(attend(i, q, k, v).reshape(n, self.heads * hd), a.o_proj.weight)
-            h, x = fused.add_rms_norm(h, o, layer.post_attention_layernorm.weight, eps)
-            h = h + layer.mlp(x)
+            # row-parallel outputs are partial sums of every rank: all-reduced (no-ops at tp 1)
+            h, x = fused.add_rms_norm(h, tp.all_reduce(o, self.tp_group), layer.post_attention_layernorm.weight, eps)
+            h = h + tp.all_reduce(layer.mlp(x), self.tp_group)
             if after_layer is not None:
                 h = after_layer(i, h)
         return fused.rms_norm(h, self.norm.weight, eps)
 
 
-def seeded_init_(module: nn.Module, name: str) -> None:
+Split = Callable[[str], tuple[int, int, int] | None]
+
+
+def seeded_init_(module: nn.Module, name: str, split: Split | None = None) -> None:
     """Deterministic weights for the `init` source: N(0, 0.02) matrices, unit norm gains, zero
     biases and gates, from a generator seeded by the node name (`dummy` and checkpoints overwrite
-    them). Per-expert parameters are views, so filling them fills the fused buffers."""
+    them). Per-expert parameters are views, so filling them fills the fused buffers.
+
+    `split(parameter name)` -> (dim, parts, part) for a tensor-parallel shard (None: whole): the
+    full matrix is drawn, in the same order, and this rank keeps its part, so tp N holds the
+    values of tp 1."""
     seed = sum(ord(c) * 31**i for i, c in enumerate(name)) % (2**31)
     gens: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
@@ -123,7 +140,15 @@ def seeded_init_(module: nn.Module, name: str) -> None:
             gen = gens.get(p.device)
             if gen is None:
                 gen = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-            p.normal_(0.0, 0.02, generator=gen)
+            cut = split(pname) if split is not None else None
+            if cut is None:
+                p.normal_(0.0, 0.02, generator=gen)
+                continue
+            dim, parts, part = cut
+            full = list(p.shape)
+            full[dim] *= parts
+            values = torch.empty(full, dtype=p.dtype, device=p.device).normal_(0.0, 0.02, generator=gen)
+            p.copy_(values.narrow(dim, part * p.shape[dim], p.shape[dim]))
 
 
 class StackedWeights(nn.ModuleList):

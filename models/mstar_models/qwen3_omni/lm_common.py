@@ -13,10 +13,13 @@ from mstar_runtime.ops.ports import config_value
 from mstar_runtime.ops.sampler import SamplingParams
 
 
-def attention_sizes(spec: NodeSpec, owner: str, shards: str = "does not shard") -> tuple[int, int, int, int, int]:
-    """(hidden, layers, heads, kv_heads, head_dim) of a decoder node `owner` that runs unsharded,
-    checked: tp=1 (`shards` says why not otherwise), heads a multiple of kv_heads, head_dim even."""
-    if spec.tp_size != 1:
+def attention_sizes(
+    spec: NodeSpec, owner: str, shards: str = "does not shard", *, sharded: bool = False
+) -> tuple[int, int, int, int, int]:
+    """(hidden, layers, heads, kv_heads, head_dim) of a decoder node `owner`, the full (unsharded)
+    sizes, checked: heads a multiple of kv_heads, head_dim even, and tp=1 unless the node is
+    `sharded` (`shards` says why not otherwise)."""
+    if spec.tp_size != 1 and not sharded:
         raise NodeError(f"node '{spec.name}' ({owner}) {shards}; place it with tp=1")
     hidden, layers = int(config_value(spec, "hidden")), int(config_value(spec, "layers"))
     heads, kv_heads = int(config_value(spec, "heads")), int(config_value(spec, "kv_heads"))

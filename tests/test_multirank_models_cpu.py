@@ -13,9 +13,10 @@ The placements mirror the GPU ones of issue 19 (tests/placements/):
   encoders and the processor) on rank 0, the talker (its code predictor inside) and Code2Wav
   on rank 1. Greedy `speech` (text, image and audio inputs) and `chat` batched together give
   exactly one rank's text and audio.
-- cpu2_qwen3_tp2.yaml, as placements/qwen3_omni_tp2.yaml: the thinker at tp 2. ThinkerMoE
-  does not shard yet and refuses the plan with a NodeError; the comparison is xfail (strict)
-  on that error.
+- cpu2_qwen3_tp2.yaml, as placements/qwen3_omni_tp2.yaml: the thinker at tp 2 on ranks 0
+  and 1 (half the heads, expert width and vocab on each), the talker and Code2Wav on rank 1.
+  Greedy `speech` and `chat` batched together (with and without image and audio inputs)
+  give exactly one rank's text and audio.
 
 The Qwen3-Omni weights are transformers' tiny model written by `save_pretrained`, as in
 tests/test_qwen3_omni_walks.py (its Code2Wav at scales that keep the audio unclipped); BAGEL
@@ -176,17 +177,30 @@ def test_qwen3_split_with_image_and_audio_inputs(plans: dict[str, Path], checkpo
     _same_text_and_audio(one, split)
 
 
-@pytest.mark.xfail(raises=NodeError, strict=True,
-                   reason="ThinkerMoE does not shard yet (lm_common.attention_sizes refuses tp != 1)")
 def test_qwen3_thinker_tp2_gives_one_ranks_speech_and_chat(plans: dict[str, Path], checkpoint: Path) -> None:
     one, _, _ = _run(plans["qwen1"], checkpoint, QWEN_REQUESTS)
-    try:
-        tp2, _, _ = _run(plans["qwen_tp2"], checkpoint, QWEN_REQUESTS)
-    except NodeError as e:
-        assert "does not shard yet; place it with tp=1" in str(e)
-        raise
-    finally:
-        assert _children() == []  # a refused plan leaves no worker behind
+    tp2, conductor, workers = _run(plans["qwen_tp2"], checkpoint, QWEN_REQUESTS)
+    assert isinstance(workers[1], RemoteWorker) and sorted(workers[1].nodes) == ["code2wav", "talker", "thinker"]
+    thinker = workers[0].engines["thinker"].node  # rank 0's shard: half the heads, experts and vocab
+    assert (thinker.tp, thinker.local_heads, thinker.local_kv_heads) == (2, thinker.heads // 2, thinker.kv_heads // 2)
+    assert thinker.kv_geometry.kv_heads == load_plan(plans["qwen_tp2"]).node("thinker").shard.kv_heads_per_rank
+    assert thinker.lm_head.weight.shape[0] == thinker.vocab // 2
+    _same_text_and_audio(one, tp2)
+
+
+def test_qwen3_thinker_tp2_init_weights_are_tp1s(plans: dict[str, Path]) -> None:
+    """The `init` source at tp 2: each rank draws every full matrix and keeps its part, so the
+    greedy text is tp 1's (drawing the shards' own shapes would give other weights)."""
+    chat = [("chat", {"prompt": "hello there", "max_tokens": 8, **GREEDY})]
+    one, _, _ = _run(plans["qwen1"], "init", chat)
+    tp2, _, _ = _run(plans["qwen_tp2"], "init", chat)
+    assert one[0]["text"] and one[0]["text"] == tp2[0]["text"], (one[0]["text"], tp2[0]["text"])
+
+
+def test_qwen3_thinker_tp2_with_image_and_audio_inputs(plans: dict[str, Path], checkpoint: Path) -> None:
+    """The encoders' rows, the deepstack additions and the talker's tapped states at tp 2."""
+    one, _, _ = _run(plans["qwen1"], checkpoint, QWEN_MEDIA_REQUESTS)
+    tp2, _, _ = _run(plans["qwen_tp2"], checkpoint, QWEN_MEDIA_REQUESTS)
     _same_text_and_audio(one, tp2)
 
 

@@ -6,6 +6,17 @@ The math is transformers 5.24's `Qwen3OmniMoeThinkerForConditionalGeneration` st
 `thinker.` (`thinker.model.embed_tokens.weight`, `thinker.model.layers.{i}.*`,
 `thinker.model.norm.weight`, `thinker.lm_head.weight`).
 
+Tensor parallelism (the plan's `tp` for the node, Megatron's layout as the compiler's shard-tp
+pass cuts the checkpoint): each rank holds a shard under the same names: q/k/v by heads (KV
+heads split, or, when tp is a multiple of them, the one its query heads read), o_proj by
+input features; every expert's gate/up rows and down columns by `moe_intermediate`, the router
+and the norms whole; the embedding and `lm_head` by vocab rows. The attention output, the MoE
+output of each layer and the embedding lookup are all-reduced over the node's TP group and the
+logits all-gathered (`mstar_runtime.ops.tp`), so every rank carries the same full residual
+stream (the deepstack additions and the talker's tapped states are read from it) and samples
+the same token from the same logits; the conductor keeps rank 0's outputs. At tp 1 none of it
+runs (the collectives are no-ops).
+
 Prefill (models/qwen3_omni/qwen3_omni.walk, node `thinker`):
 - the token embeddings, with the audio encoder's rows (`audio` [Na, hidden]) put at the audio
   placeholder positions and the vision encoder's merged rows (`image` [Nv, hidden]) at the
@@ -18,7 +29,7 @@ Prefill (models/qwen3_omni/qwen3_omni.walk, node `thinker`):
 Decode feeds one token at KV index j with position j + delta in all three components.
 Every step returns `token` [1] (on the device, fed back to the next decode), `emitted` (the
 same id as a host item for the text stream, a `readback.Lazy`) and `done`. `decode` is also
-offered as a decode cohort's column step (`cohort_phase`), top-k sampling included.
+offered as a decode cohort's column step (`cohort_phase`, at tp 1), top-k sampling included.
 
 Speech phases also give what the talker reads (`talker.TalkerMoE`):
 - at prefill, the talker's prompt (`_talker_prompt`; HF `generate`'s `_get_talker_user_parts`
@@ -67,6 +78,7 @@ from mstar_models.qwen3_omni.lm_common import attention_sizes, grids, rows, samp
 from mstar_models.qwen3_omni.moe import SparseMoE, Weight
 from mstar_models.qwen3_omni.positions import default_mrope_section, inv_freq, mrope_tables, rope_index
 from mstar_models.qwen3_omni.tokens import TokenIds
+from mstar_runtime.ops import tp
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import (
     AttentionContext,
@@ -109,10 +121,12 @@ class ThinkerMoE(KVNode):
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
-        sizes = attention_sizes(spec, "ThinkerMoE", "does not shard yet")
+        sizes = attention_sizes(spec, "ThinkerMoE", sharded=True)
         self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim = sizes
         g = lambda name, *default: config_value(spec, name, *default)  # noqa: E731 - a local shorthand
         self.vocab = int(g("vocab"))
+        experts, inter = int(g("experts")), int(g("moe_intermediate"))
+        self._init_tp(spec, inter)
         self.section = [int(s) for s in g("mrope_section", default_mrope_section(self.head_dim))]
         if len(self.section) != 3 or sum(self.section) != self.head_dim // 2:
             raise NodeError(f"node '{spec.name}': mrope_section {self.section} must be 3 values summing to "
@@ -126,26 +140,66 @@ class ThinkerMoE(KVNode):
         self.talker_tok = dataclasses.replace(self.tok, position_id_per_seconds=pps)
         self.max_seq_len = max_seq_len(spec)
         eps = float(g("rms_eps", 1e-6))
-        experts, inter = int(g("experts")), int(g("moe_intermediate"))
         top_k, normalize = int(g("experts_per_token", 8)), bool(g("norm_topk_prob", True))
         kernel = str(spec.settings.get("moe_kernel", "auto"))
         factory: dict[str, Any] = {"dtype": spec.dtype, "device": spec.device}
+        # this rank's shard under tensor parallelism (the same names; the whole model at tp 1)
+        local_inter = inter // self.tp
         self.model = Decoder(
-            self.layers, self.hidden, self.heads, self.kv_heads, self.head_dim, eps,
-            lambda i: SparseMoE(self.hidden, experts, inter, top_k, normalize, kernel=kernel, **factory), **factory,
+            self.layers, self.hidden, self.local_heads, self.local_kv_heads, self.head_dim, eps,
+            lambda i: SparseMoE(self.hidden, experts, local_inter, top_k, normalize, kernel=kernel, **factory),
+            self.tp_group, **factory,
         )
-        self.model.embed_tokens = Weight(torch.empty(self.vocab, self.hidden, **factory))
-        self.lm_head = Weight(torch.empty(self.vocab, self.hidden, **factory))
-        seeded_init_(self, spec.name)
+        self.model.embed_tokens = Weight(torch.empty(self.local_vocab, self.hidden, **factory))
+        self.lm_head = Weight(torch.empty(self.local_vocab, self.hidden, **factory))
+        seeded_init_(self, spec.name, self._split_of)
         # float32 on the CPU, then moved, as HF computes it; not persistent: never a checkpoint tensor
         self.register_buffer("freq", inv_freq(self.head_dim, float(g("rope_theta", 1e6))).to(spec.device),
                              persistent=False)
         self.attention_scale = self.head_dim**-0.5
 
+    def _init_tp(self, spec: NodeSpec, inter: int) -> None:
+        """This rank's share (Megatron's layout, as the compiler's shard-tp pass cuts the
+        checkpoint): query heads and KV heads split (when tp is a multiple of kv_heads each rank
+        keeps the one its query heads read), every expert's intermediate features split, the
+        embedding and the head by vocab rows; the router and the norms whole."""
+        self.tp, self.tp_rank = spec.tp_size, spec.tp_rank
+        self.tp_group = spec.tp_group if spec.tp_size > 1 else None  # None: every collective a no-op
+        ways = self.tp
+        sizes = (("heads", self.heads), ("moe_intermediate", inter), ("vocab", self.vocab))
+        bad = [f"{what} = {size}" for what, size in sizes if size % ways]
+        if self.kv_heads % ways and ways % self.kv_heads:
+            bad.append(f"kv_heads = {self.kv_heads} (nor is tp a multiple of it)")
+        if bad:
+            raise NodeError(f"node '{spec.name}' (ThinkerMoE): tp {ways} does not divide {', '.join(bad)}")
+        if ways > 1 and spec.tp_group is None:
+            raise NodeError(f"node '{spec.name}' (ThinkerMoE): tp {ways} (rank {spec.tp_rank}) needs its TP "
+                            "process group (mstar_runtime.ops.tp.build_groups; remote.start_workers makes them)")
+        self.local_heads = self.heads // ways
+        self.local_kv_heads = max(1, self.kv_heads // ways)
+        self.local_vocab = self.vocab // ways
+        self.vocab_start = self.tp_rank * self.local_vocab  # the first embedding and head row held here
+
+    def _split_of(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, parts, part) of parameter `name` on this rank (None: whole), the layout of
+        `_init_tp` and of the arch's shard roles (the loader slices by the plan's)."""
+        if self.tp == 1:
+            return None
+        module = name.rsplit(".", 2)[-2]
+        if module in ("k_proj", "v_proj"):
+            parts = min(self.tp, self.kv_heads)  # kv_heads parts when the heads are replicated
+            return 0, parts, self.tp_rank * parts // self.tp
+        if module in ("q_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head"):
+            return 0, self.tp, self.tp_rank
+        if module in ("o_proj", "down_proj"):
+            return 1, self.tp, self.tp_rank
+        return None  # the router (`mlp.gate`), the norms
+
     # ------------------------------------------------------------------ contract
     @property
     def kv_geometry(self) -> KVGeometry:
-        return KVGeometry(self.layers, self.kv_heads, self.head_dim)
+        """This rank's KV heads (all of them at tp 1): the engine sizes the node's pool with it."""
+        return KVGeometry(self.layers, self.local_kv_heads, self.head_dim)
 
     @classmethod
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
@@ -175,11 +229,20 @@ class ThinkerMoE(KVNode):
 
     # ------------------------------------------------------------------ math
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.model.embed_tokens.weight)
+        """Token embeddings [N, hidden]; vocab-parallel under TP: each rank looks up the ids in
+        its rows, zeroes the others, and the all-reduce adds one row to zeros (exact)."""
+        if self.tp_group is None:
+            return F.embedding(ids, self.model.embed_tokens.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.local_vocab)
+        h = F.embedding(local.masked_fill(outside, 0), self.model.embed_tokens.weight)
+        return tp.all_reduce(h.masked_fill(outside[:, None], 0.0), self.tp_group)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits (computed in the weights' dtype, as HF does, then widened)."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        """Float32 logits [N, vocab] (computed in the weights' dtype, as HF does, then widened).
+        Under TP each rank computes its vocab rows' logits and the all-gather gives every rank
+        the same full row, so each samples the group's token itself."""
+        return tp.all_gather_last(F.linear(hidden, self.lm_head.weight), self.tp_group, self.tp).float()
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of (t, h, w) positions [3, N]."""
@@ -399,16 +462,18 @@ class ThinkerMoE(KVNode):
         """The talker's text item of each entry: the new token's embedding, or tts_eos's on the last step."""
         tts_eos = self.tok.tts_eos_token_id  # in the vocab: checked by the speech prefill
         last = (tokens == self.tok.im_end_token_id) | upload(limits, torch.bool, tokens.device)
-        eos_row = self.model.embed_tokens.weight[tts_eos][None, :]
-        return torch.where(last[:, None], eos_row, self.embed(tokens))
+        # one lookup (under TP the embedding is split by vocab rows: one all-reduce)
+        return self.embed(torch.where(last, tts_eos, tokens))
 
     # ------------------------------------------------------------------ cohort
     def cohort_phase(self, phase: str) -> CohortPhase | None:
         """`decode` as a column step for decode cohorts (runtime/mstar_runtime/ops/cohort.py): the
         math of `phase_decode` over every row, the state as columns (the sampling settings and
         sampler step, `max_tokens`, the MRoPE `delta`). The speech decode is not offered: its
-        loop also runs the talker, so the compiler never marks it."""
-        if phase != "decode":
+        loop also runs the talker, so the compiler never marks it. Not offered at tp > 1 either
+        (as Orpheus' backbone): a sharded thinker decodes on the generic path, whose steps
+        `TPDispatch` runs on every rank of the group."""
+        if phase != "decode" or self.tp_group is not None:
             return None
         return CohortPhase(join=self._cohort_join, step=self._cohort_step, leave=self._cohort_leave,
                            max_items={"emitted": 1})

@@ -274,43 +274,18 @@ class LlamaBackbone(KVNode):
         self.register_buffer("inv_freq", inv_freq.to(spec.device), persistent=False)
 
     def _init_tp(self, spec: NodeSpec, intermediate: int) -> None:
-        """This rank's share of the node (Megatron's layout, as the compiler's shard-tp pass
-        cuts the checkpoint): q/k/v and gate/up split by output features (heads, intermediate),
-        o_proj and down_proj by input features, then an all-reduce; the embedding (and the
-        head, tied or not) by vocab rows. KV heads split when tp divides them; when tp is a
-        multiple of them each rank keeps the one its query heads read (vLLM's replication)."""
-        self.tp, self.tp_rank = spec.tp_size, spec.tp_rank
-        self.tp_group = spec.tp_group if spec.tp_size > 1 else None  # None: every collective a no-op
-        ways = self.tp
-        sizes = (("heads", self.heads), ("intermediate", intermediate), ("vocab", self.vocab))
-        bad = [f"{what} = {size}" for what, size in sizes if size % ways]
-        if self.kv_heads % ways and ways % self.kv_heads:
-            bad.append(f"kv_heads = {self.kv_heads} (nor is tp a multiple of it)")
-        if bad:
-            raise NodeError(f"node '{spec.name}' (LlamaBackbone): tp {ways} does not divide {', '.join(bad)}")
-        if ways > 1 and spec.tp_group is None:
-            raise NodeError(
-                f"node '{spec.name}' (LlamaBackbone): tp {ways} (rank {spec.tp_rank}) needs its TP "
-                "process group (mstar_runtime.ops.tp.build_groups; remote.start_workers makes them)"
-            )
-        self.local_heads = self.heads // ways
-        self.local_kv_heads = max(1, self.kv_heads // ways)
-        self.vocab_start = self.tp_rank * (self.vocab // ways)  # the first embedding row held here
+        """This rank's share of the node (`tp.MegatronLayout`: q/k/v and gate/up by output
+        features, o_proj and down_proj by input features, then an all-reduce; the embedding and
+        the head, tied or not, by vocab rows; KV heads split or replicated)."""
+        lay = tp.MegatronLayout.of(spec, "LlamaBackbone", self.heads, self.kv_heads, self.vocab,
+                                   ("intermediate", intermediate))
+        self.tp_layout = lay
+        self.tp, self.tp_rank, self.tp_group = lay.tp, lay.rank, lay.group
+        self.local_heads, self.local_kv_heads, self.vocab_start = lay.heads, lay.kv_heads, lay.vocab_start
 
     def _split_of(self, name: str) -> tuple[int, int, int] | None:
-        """(dim, parts, part): how parameter `name` is cut and which part this rank holds;
-        None when whole. The layout of `_init_tp` (the loader checks it against the plan's)."""
-        if self.tp == 1:
-            return None
-        module = name.rsplit(".", 2)[-2]
-        if module in ("k_proj", "v_proj"):
-            parts = min(self.tp, self.kv_heads)  # kv_heads parts when the heads are replicated
-            return 0, parts, self.tp_rank * parts // self.tp
-        if module in ("q_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head"):
-            return 0, self.tp, self.tp_rank
-        if module in ("o_proj", "down_proj"):
-            return 1, self.tp, self.tp_rank
-        return None
+        """(dim, parts, part) of parameter `name` on this rank; None when whole."""
+        return self.tp_layout.split_of(name)
 
     def _init_weights(self) -> None:
         """HF's Llama init (N(0, 0.02) matrices, unit norm gains), seeded by the node name, so the
@@ -438,14 +413,8 @@ class LlamaBackbone(KVNode):
         return x
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [N, hidden]; vocab-parallel under TP: each rank looks up the ids in
-        its rows, zeroes the others, and the all-reduce adds one row to zeros (exact)."""
-        if self.tp_group is None:
-            return self.model.embed_tokens(ids)
-        local = ids - self.vocab_start
-        outside = (local < 0) | (local >= self.model.embed_tokens.num_embeddings)
-        h = self.model.embed_tokens(local.masked_fill(outside, 0))
-        return tp.all_reduce(h.masked_fill(outside[:, None], 0.0), self.tp_group)
+        """Token embeddings [N, hidden]; vocab-parallel under TP (`tp.embed_vocab_parallel`)."""
+        return tp.embed_vocab_parallel(ids, self.model.embed_tokens.weight, self.vocab_start, self.tp_group)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] (computed in the weights' dtype, as HF does, then widened).

@@ -159,41 +159,19 @@ class ThinkerMoE(KVNode):
         self.attention_scale = self.head_dim**-0.5
 
     def _init_tp(self, spec: NodeSpec, inter: int) -> None:
-        """This rank's share (Megatron's layout, as the compiler's shard-tp pass cuts the
-        checkpoint): query heads and KV heads split (when tp is a multiple of kv_heads each rank
-        keeps the one its query heads read), every expert's intermediate features split, the
-        embedding and the head by vocab rows; the router and the norms whole."""
-        self.tp, self.tp_rank = spec.tp_size, spec.tp_rank
-        self.tp_group = spec.tp_group if spec.tp_size > 1 else None  # None: every collective a no-op
-        ways = self.tp
-        sizes = (("heads", self.heads), ("moe_intermediate", inter), ("vocab", self.vocab))
-        bad = [f"{what} = {size}" for what, size in sizes if size % ways]
-        if self.kv_heads % ways and ways % self.kv_heads:
-            bad.append(f"kv_heads = {self.kv_heads} (nor is tp a multiple of it)")
-        if bad:
-            raise NodeError(f"node '{spec.name}' (ThinkerMoE): tp {ways} does not divide {', '.join(bad)}")
-        if ways > 1 and spec.tp_group is None:
-            raise NodeError(f"node '{spec.name}' (ThinkerMoE): tp {ways} (rank {spec.tp_rank}) needs its TP "
-                            "process group (mstar_runtime.ops.tp.build_groups; remote.start_workers makes them)")
-        self.local_heads = self.heads // ways
-        self.local_kv_heads = max(1, self.kv_heads // ways)
-        self.local_vocab = self.vocab // ways
-        self.vocab_start = self.tp_rank * self.local_vocab  # the first embedding and head row held here
+        """This rank's share (`tp.MegatronLayout`: query and KV heads split, or KV heads
+        replicated when tp is a multiple of them; every expert's intermediate features split;
+        the embedding and the head by vocab rows; the router and the norms whole)."""
+        lay = tp.MegatronLayout.of(spec, "ThinkerMoE", self.heads, self.kv_heads, self.vocab,
+                                   ("moe_intermediate", inter))
+        self.tp_layout = lay
+        self.tp, self.tp_rank, self.tp_group = lay.tp, lay.rank, lay.group
+        self.local_heads, self.local_kv_heads = lay.heads, lay.kv_heads
+        self.local_vocab, self.vocab_start = lay.vocab, lay.vocab_start
 
     def _split_of(self, name: str) -> tuple[int, int, int] | None:
-        """(dim, parts, part) of parameter `name` on this rank (None: whole), the layout of
-        `_init_tp` and of the arch's shard roles (the loader slices by the plan's)."""
-        if self.tp == 1:
-            return None
-        module = name.rsplit(".", 2)[-2]
-        if module in ("k_proj", "v_proj"):
-            parts = min(self.tp, self.kv_heads)  # kv_heads parts when the heads are replicated
-            return 0, parts, self.tp_rank * parts // self.tp
-        if module in ("q_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head"):
-            return 0, self.tp, self.tp_rank
-        if module in ("o_proj", "down_proj"):
-            return 1, self.tp, self.tp_rank
-        return None  # the router (`mlp.gate`), the norms
+        """(dim, parts, part) of parameter `name` on this rank (None: whole)."""
+        return self.tp_layout.split_of(name)
 
     # ------------------------------------------------------------------ contract
     @property
@@ -229,14 +207,8 @@ class ThinkerMoE(KVNode):
 
     # ------------------------------------------------------------------ math
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [N, hidden]; vocab-parallel under TP: each rank looks up the ids in
-        its rows, zeroes the others, and the all-reduce adds one row to zeros (exact)."""
-        if self.tp_group is None:
-            return F.embedding(ids, self.model.embed_tokens.weight)
-        local = ids - self.vocab_start
-        outside = (local < 0) | (local >= self.local_vocab)
-        h = F.embedding(local.masked_fill(outside, 0), self.model.embed_tokens.weight)
-        return tp.all_reduce(h.masked_fill(outside[:, None], 0.0), self.tp_group)
+        """Token embeddings [N, hidden]; vocab-parallel under TP (`tp.embed_vocab_parallel`)."""
+        return tp.embed_vocab_parallel(ids, self.model.embed_tokens.weight, self.vocab_start, self.tp_group)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] (computed in the weights' dtype, as HF does, then widened).

@@ -27,7 +27,6 @@ reason "shutdown") or when the socket closes (the API process died: no orphan).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
 import logging
@@ -38,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import Mapping
 from multiprocessing import resource_tracker, shared_memory
 from os import PathLike
 from typing import Any
@@ -49,10 +48,9 @@ from mstar_runtime.api import (
     SHUTDOWN,
     EngineClosed,
     MStar,
+    OutputStream,
     RequestFailed,
     RequestHandle,
-    _call_in_loop,
-    _resolve,
 )
 from mstar_runtime.control.conductor import FAILED, FINISHED, RUNNING, WAITING, check_inputs
 from mstar_runtime.control.interpreter import concat
@@ -333,30 +331,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ------------------------------------------------------------------------------- API side
-class ClientHandle:
-    """A request running in the engine process; `RequestHandle`'s interface, for the server."""
+class ClientHandle(OutputStream):
+    """A request running in the engine process; `RequestHandle`'s interface, for the server.
+    Its streams acknowledge what they read (`_read`), which lets the engine send more."""
 
     def __init__(self, client: EngineClient, request_id: str, walk: str):
+        super().__init__()
         self.id, self.walk = request_id, walk
         self._client = client
-        self._cond = threading.Condition()
-        self._chunks: list[tuple[str, Any]] = []
-        self._watchers: list[Callable[[], None]] = []
-        self._done_callbacks: list[Callable[[ClientHandle], None]] = []
-        self._readers = 0  # streams reading now: they acknowledge what they read
         self._acked = 0
-        self._done = False
         self._finish: m.EngineFinish | None = None
-        self._outputs: dict[str, Any] = {}
         self._submitted_at = time.perf_counter()
         self._first_at: float | None = None
 
     def __repr__(self) -> str:
         return f"ClientHandle(id={self.id!r}, walk={self.walk!r}, state={self.state!r})"
-
-    @property
-    def done(self) -> bool:
-        return self._done
 
     @property
     def state(self) -> str:
@@ -389,91 +378,11 @@ class ClientHandle:
         assert f is not None
         return RequestFailed(self.id, f.error or f"request {f.state}", f.field, f.reason or "error")
 
-    def _outcome(self) -> dict[str, Any]:
-        if self.state != FINISHED:
-            raise self._failure()
-        return dict(self._outputs)
-
-    def result(self, timeout: float | None = None) -> dict[str, Any]:
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._done, timeout):
-                raise TimeoutError(f"request '{self.id}' did not finish within {timeout} s")
-        return self._outcome()
-
-    def stream(self) -> Iterator[tuple[str, Any]]:
-        with self._cond:
-            self._readers += 1
-        try:
-            i = 0
-            while True:
-                with self._cond:
-                    while i >= len(self._chunks) and not self._done:
-                        self._cond.wait()
-                    items, done = self._chunks[i:], self._done
-                for item in items:
-                    yield item
-                    i += 1
-                    self._read(i)
-                if done:
-                    break
-        finally:
-            with self._cond:
-                self._readers -= 1
-        if self.state != FINISHED:
-            raise self._failure()
-
-    async def aresult(self) -> dict[str, Any]:
-        if not self._done:
-            loop = asyncio.get_running_loop()
-            fut: asyncio.Future[None] = loop.create_future()
-            self.add_done_callback(lambda _h: _call_in_loop(loop, _resolve, fut))
-            await fut
-        return self._outcome()
-
-    async def astream(self) -> AsyncIterator[tuple[str, Any]]:
-        loop = asyncio.get_running_loop()
-        changed = asyncio.Event()
-
-        def wake() -> None:
-            _call_in_loop(loop, changed.set)
-
-        with self._cond:
-            self._watchers.append(wake)
-            self._readers += 1
-        try:
-            i = 0
-            while True:
-                changed.clear()
-                with self._cond:
-                    items, done = self._chunks[i:], self._done
-                for item in items:
-                    yield item
-                    i += 1
-                    self._read(i)
-                if done:
-                    break
-                if not items:
-                    await changed.wait()
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if wake in self._watchers:
-                    self._watchers.remove(wake)
-        if self.state != FINISHED:
-            raise self._failure()
-
     def _read(self, i: int) -> None:
         """A reader has read `i` items: acknowledge in steps of a quarter window."""
         if i - self._acked >= WINDOW // 4 and not self._done:
             self._acked = i
             self._client._send(m.EngineAck(self.id, i))
-
-    def add_done_callback(self, fn: Callable[[ClientHandle], None]) -> None:
-        with self._cond:
-            if not self._done:
-                self._done_callbacks.append(fn)
-                return
-        fn(self)
 
     def cancel(self) -> bool:
         if self._done:

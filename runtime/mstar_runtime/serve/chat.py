@@ -60,7 +60,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -503,6 +503,25 @@ def _chunker(rid: str, created: int, model: str, include_usage: bool) -> Callabl
     return chunk
 
 
+def _closing(flight: Flight, chunk: Callable[..., str], failed: RequestFailed | None, finish: str | None,
+             usage: dict[str, Any] | None, ids: tuple[str, int, str]) -> Iterator[str]:
+    """The end of a streamed reply, after its last delta: the chunk with the finish reason (the
+    failure's for a failed request), the usage chunk when the client asked for it (`usage` not
+    None), the error event of a failed request, `[DONE]`. `ids`: (reply id, created, model)."""
+    if failed is None:
+        flight.outcome = "finished"
+        yield chunk({}, finish)
+    else:
+        yield chunk({}, failed.finish_reason)
+    if usage is not None:
+        rid, created, model = ids
+        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [], "usage": usage})
+    if failed is not None:
+        yield _sse(flight.error_for(failed).body())
+    yield "data: [DONE]\n\n"
+
+
 async def _streamed(flight: Flight, reply: Reply, rid: str, model: str, body: ChatCompletionRequest,
                     streaming: Any) -> Any:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -546,16 +565,9 @@ async def _streamed(flight: Flight, reply: Reply, rid: str, model: str, body: Ch
                 tail = reply.end()
                 if tail:
                     yield chunk({"content": tail})
-                flight.outcome = "finished"
-                yield chunk({}, reply.finish)
-            else:
-                yield chunk({}, failed.finish_reason)
-            if include_usage:
-                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": reply.usage()})
-            if failed is not None:
-                yield _sse(flight.error_for(failed).body())
-            yield "data: [DONE]\n\n"
+            for line in _closing(flight, chunk, failed, reply.finish, reply.usage() if include_usage else None,
+                                 (rid, created, model)):
+                yield line
         except ClientGone:  # the client left mid-stream: nobody to tell; the flight cancels the request
             return
         finally:
@@ -623,16 +635,9 @@ async def _streamed_spoken(flight: Flight, said: SpokenReply, rid: str, model: s
                 if tail:
                     yield audio_chunk({"transcript": tail})
                 yield audio_chunk({"expires_at": said.expires_at})
-                flight.outcome = "finished"
-                yield chunk({}, said.finish)
-            else:
-                yield chunk({}, failed.finish_reason)
-            if include_usage:
-                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": said.usage()})
-            if failed is not None:
-                yield _sse(flight.error_for(failed).body())
-            yield "data: [DONE]\n\n"
+            for line in _closing(flight, chunk, failed, said.finish, said.usage() if include_usage else None,
+                                 (rid, created, model)):
+                yield line
         except ClientGone:  # the client left mid-stream: nobody to tell; the flight cancels the request
             return
         finally:

@@ -34,7 +34,7 @@ from torch import nn
 from mstar_models.qwen3_omni.decoder import Decoder, StackedWeights
 from mstar_models.qwen3_omni.moe import DenseMLP
 from mstar_models.qwen3_omni.positions import inv_freq, rope_tables
-from mstar_runtime.ops.sampler import uniforms
+from mstar_runtime.ops.sampler import pick_from_cdf, uniforms
 
 TOP_K, TOP_P = 50, 0.8  # HF's talker passes these to the code predictor's generate when sampling
 
@@ -46,7 +46,7 @@ class CodePredictor(nn.Module):
                  vocab: int, groups: int, eps: float, rope_theta: float, **factory: Any):
         super().__init__()
         self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
-        self.vocab, self.groups = vocab, groups
+        self.groups = groups
         self.model = Decoder(layers, hidden, heads, kv_heads, head_dim, eps,
                              lambda i: DenseMLP(hidden, intermediate, **factory), **factory)
         self.model.codec_embedding = StackedWeights(groups - 1, vocab, hidden, **factory)
@@ -113,10 +113,6 @@ def sample_top_k_top_p(logits: torch.Tensor, greedy: torch.Tensor, u: torch.Tens
     k = min(TOP_K, logits.shape[-1])
     values, ids = torch.topk(logits, k, dim=-1)
     probs = torch.softmax(values, dim=-1)
-    before = torch.cumsum(probs, dim=-1) - probs
-    probs = probs.masked_fill(before >= TOP_P, 0.0)
-    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
-    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
-    # kept tokens are a prefix; u * total may round up to total: then the last kept one
-    pick = torch.minimum(pick, (probs > 0).sum(dim=-1, keepdim=True) - 1)
-    return torch.where(greedy, logits.argmax(dim=-1), ids.gather(1, pick)[:, 0])
+    kept = values.masked_fill(torch.cumsum(probs, dim=-1) - probs >= TOP_P, float("-inf"))
+    pick = pick_from_cdf(kept, u)  # the sampler's inverse-CDF draw, over the k values
+    return torch.where(greedy, logits.argmax(dim=-1), ids.gather(1, pick[:, None])[:, 0])

@@ -7,9 +7,10 @@
     mstarc diff    PLAN_A PLAN_B
     mstarc --version
 
-Exit status: 0 success (and equal plans for diff), 1 a user error (diagnostics on stderr:
-`FILE:LINE:COL: error[CODE]: message`, the source line and a caret) or differing plans,
-2 bad usage, 3 an internal compiler error (which names the pass). Never a traceback for
+Exit status: 0 success, 1 a user error (diagnostics on stderr: `FILE:LINE:COL:
+error[CODE]: message`, the source line and a caret), 2 bad usage, 3 an internal compiler
+error (which names the pass). `diff` exits as diff(1) does: 0 equal plans, 1 different
+plans, 2 trouble (a plan that cannot be read or used, bad usage, an internal error). Never a traceback for
 user input. `--variant`, `-p` and `--weights` also read `MSTAR_VARIANT`, `MSTAR_PLACEMENT`
 and `MSTAR_WEIGHTS`; shell completion: `eval "$(_MSTARC_COMPLETE=bash_source mstarc)"`.
 """
@@ -34,6 +35,7 @@ from mstarc import ir as I
 from mstarc.diagnostics import CompileError, Diagnostic, InternalError, SourceCache, Span, render, render_all
 
 EXIT_OK, EXIT_USER, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_DIFFERENT, EXIT_TROUBLE = 1, 2  # `mstarc diff`, as diff(1): a script tells "differ" from "failed"
 
 
 def _display(path: str) -> str:
@@ -183,7 +185,7 @@ def cmd_diff(args: SimpleNamespace) -> int:
         return EXIT_OK
     print(f"--- {args.plan_a}\n+++ {args.plan_b}")
     print("\n".join(changes))
-    return EXIT_USER
+    return EXIT_DIFFERENT
 
 
 def _model_options(placement_required: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -244,8 +246,8 @@ def _explain(**kw: Any) -> int:
 @click.argument("plan_a", metavar="PLAN_A", type=click.Path(dir_okay=False))
 @click.argument("plan_b", metavar="PLAN_B", type=click.Path(dir_okay=False))
 def _diff(**kw: Any) -> int:
-    """Semantic diff of two plans; exit 1 when they differ."""
-    return _run(cmd_diff, kw)
+    """Semantic diff of two plans; exit 0 equal, 1 different, 2 trouble."""
+    return _run(cmd_diff, kw, trouble=EXIT_TROUBLE)
 
 
 @contextlib.contextmanager
@@ -262,8 +264,9 @@ def _fewer_collections() -> Iterator[None]:
         gc.set_threshold(*before)
 
 
-def _run(fn: Callable[[SimpleNamespace], int], kw: dict[str, Any]) -> int:
-    """Run one subcommand; diagnostics and internal errors become their exit status."""
+def _run(fn: Callable[[SimpleNamespace], int], kw: dict[str, Any], trouble: int | None = None) -> int:
+    """Run one subcommand; diagnostics and internal errors become their exit status (both
+    `trouble` when given: `diff`, whose 1 means "different")."""
     args = SimpleNamespace(**kw)
     sources = SourceCache()
     try:
@@ -272,10 +275,10 @@ def _run(fn: Callable[[SimpleNamespace], int], kw: dict[str, Any]) -> int:
     except CompileError as e:
         errors = [d for d in e.diagnostics if d.severity == "error"]
         print(render_all(e.diagnostics, sources), file=sys.stderr)
-        return EXIT_USER if errors else EXIT_OK
+        return (EXIT_USER if trouble is None else trouble) if errors else EXIT_OK
     except InternalError as e:
         print(f"mstarc: error[E090]: {e}\n(this is a bug in mstarc, not in your input)", file=sys.stderr)
-        return EXIT_INTERNAL
+        return EXIT_INTERNAL if trouble is None else trouble
     except KeyboardInterrupt:
         return 130
 

@@ -2,13 +2,16 @@
 
 The body is plain JSON data in a fixed shape (docs/plan-format.md). Everything in it is
 derived from the `.walk` source, the placement and the checkpoint headers: no timestamps,
-no absolute paths, no host names, so compiling twice gives the same bytes on any machine.
+no paths (only the file names of the `.walk` file and the weights folder), no host names, so
+compiling twice gives the same bytes on any machine and from any working directory.
 Weights are referenced by path and header hash, never embedded.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+from pathlib import PurePath
 from typing import Any
 
 from mstar_runtime.plan import planfile
@@ -23,7 +26,7 @@ def build_plan(model: I.ModelIR, source_sha256: str) -> dict[str, Any]:
     body = {
         "schema": {"major": planfile.SCHEMA_MAJOR, "minor": planfile.SCHEMA_MINOR},
         "compiler": f"mstarc {__version__}",
-        "model": {"name": model.name, "variant": model.variant, "source": model.source,
+        "model": {"name": model.name, "variant": model.variant, "source": portable_name(model.source),
                   "source_sha256": source_sha256, "config": model.config},
         "weights": _weights(model.checkpoint),
         "placement": model.placement.to_json(),
@@ -55,8 +58,17 @@ def requires(model: I.ModelIR) -> list[str]:
     return out
 
 
+def portable_name(path: str | None) -> str | None:
+    """The last component of a file or folder path: what a plan keeps of the `.walk` file and
+    the weights folder. A path relative to the working directory (or an absolute one) would
+    make the plan's bytes depend on where `mstarc` ran (docs/plan-format.md)."""
+    if path is None:
+        return None
+    return PurePath(os.path.abspath(path)).name
+
+
 def _weights(ck: I.CheckpointIR) -> dict[str, Any]:
-    return {"kind": ck.kind, "path": ck.path,
+    return {"kind": ck.kind, "path": portable_name(ck.path),
             "files": [{"name": n, "header_sha256": h, "bytes": s} for n, h, s in ck.files]}
 
 

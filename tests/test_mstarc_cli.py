@@ -99,7 +99,8 @@ def test_corrupt_plan_is_a_clear_error(damage: str, tmp_path: Path, capsys: pyte
     assert main(["explain", str(plan)]) == 1
     err = capsys.readouterr().err
     assert "error[E070]" in err and "Traceback" not in err
-    assert main(["diff", str(plan), str(plan)]) == 1
+    assert main(["diff", str(plan), str(plan)]) == 2  # trouble, not "different" (diff(1)'s codes)
+    assert "error[E070]" in capsys.readouterr().err
 
 
 def test_newer_schema_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -110,6 +111,42 @@ def test_newer_schema_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[s
     capsys.readouterr()
     assert main(["explain", str(plan)]) == 1
     assert "error[E071]" in capsys.readouterr().err
+
+
+def test_diff_exit_codes_are_diffs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """0 equal, 1 different, 2 trouble: a missing plan, an internal error in the comparison."""
+    plan = _compile(tmp_path)
+    assert main(["diff", str(plan), str(tmp_path / "missing.plan")]) == 2
+    assert "error[E004]" in capsys.readouterr().err
+    import mstarc.diff
+
+    def broken(a: object, b: object) -> list[str]:
+        raise ValueError("boom")
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(mstarc.diff, "diff_plans", broken)
+    try:
+        assert main(["diff", str(plan), str(plan)]) == 2
+    finally:
+        mp.undo()
+    assert "error[E090]" in capsys.readouterr().err
+
+
+def test_plans_do_not_depend_on_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """An absolute path from another folder gives the same bytes as a relative one from the root
+    (docs/plan-format.md); the plan keeps only the .walk file's name."""
+    here = _compile(tmp_path).read_bytes()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    out = tmp_path / "abs.plan"
+    assert main(["compile", str(ROOT / ORPHEUS), "--variant", "tiny", "-p", str(ROOT / "placements/cpu.yaml"),
+                 "-o", str(out)]) == 0
+    assert out.read_bytes() == here
+    assert planfile.read(out)["model"]["source"] == "orpheus.walk"
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "plan.bin"), str(out)]) == 0
 
 
 def test_missing_model_file_is_e004(capsys: pytest.CaptureFixture[str]) -> None:

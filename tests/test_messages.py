@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mstar_runtime.engine.engines import KVSlots, ReadSlots
 from mstar_runtime.worker import messages as codec
 from mstar_runtime.worker.messages import (
     MAX_INLINE_TENSOR_BYTES,
@@ -19,7 +20,6 @@ from mstar_runtime.worker.messages import (
     FreeRequest,
     Heartbeat,
     Hello,
-    KVSlots,
     Message,
     MessageError,
     ResultEntry,
@@ -50,7 +50,8 @@ def samples() -> list[Message]:
                     [TensorMeta("hidden", "bfloat16", [1, 4096])],
                     {"ids": torch.tensor([[1, 2, 3]], dtype=torch.int32)},
                     {"max_new": 16, "scale": 2.5, "final": True, "text": "hi", "none": None},
-                    KVSlots(start=3, q_len=2, slots=[3, 4], page_table=[0], mask="full", keep=False),
+                    KVSlots(start=3, q_len=2, slots=[3, 4], page_table=[0], mask="full", keep=False,
+                            reads=(ReadSlots("vlm", "main", 17, [2, 5]), ReadSlots("vlm", "cross", 0, []))),
                 ),
                 StepEntry("req-2", "cfg_text", [], {}),
                 StepEntry("req-3", None, [], kv=KVSlots(0, 1, [16], [1, 7], "block_causal", 4)),
@@ -132,6 +133,18 @@ def test_round_trip(msg: Message) -> None:
     assert same(msg, back)
     assert encode(back) == data  # canonical: field order is the dataclass order
     assert same(decode(bytearray(data)), msg) and same(decode(memoryview(data)), msg)
+
+
+def test_the_wire_carries_the_engines_own_slot_records() -> None:
+    """One declaration: a decoded entry's `kv` is `engines.KVSlots` itself, reads a tuple as
+    the engine declares them, and a fixed-length tuple annotation is refused, not guessed."""
+    msg = samples()[0]
+    kv = decode(encode(msg)).entries[0].kv  # type: ignore[union-attr]
+    assert type(kv) is KVSlots and kv == msg.entries[0].kv  # type: ignore[union-attr]
+    assert type(kv.reads) is tuple and type(kv.reads[0]) is ReadSlots
+    assert codec.KVSlots is KVSlots and codec.ReadSlots is ReadSlots
+    with pytest.raises(MessageError, match=r"only tuple\[X, \.\.\.\]"):
+        codec._convert((1, 2), tuple[int, int], "x", to_wire=True)
 
 
 def test_allowlist_is_explicit_and_complete() -> None:

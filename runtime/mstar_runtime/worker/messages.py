@@ -36,6 +36,8 @@ from typing import Any, ClassVar, get_args, get_origin
 import msgpack
 import torch
 
+from mstar_runtime.engine.engines import KVSlots, ReadSlots
+
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_INLINE_TENSOR_BYTES = 4 << 20
 MAX_TENSOR_DIMS = 8
@@ -87,31 +89,6 @@ class TensorMeta:
 
 
 @dataclass(frozen=True, slots=True)
-class ReadSlots:
-    """A KV context an entry reads besides its own (``engines.ReadSlots`` on the wire)."""
-
-    node: str
-    tag: str
-    kv_len: int
-    page_table: list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class KVSlots:
-    """Where one entry's new tokens go in the worker's KV pool (``engines.KVSlots`` on the wire)."""
-
-    start: int
-    q_len: int
-    slots: list[int]
-    page_table: list[int]
-    mask: str = "causal"
-    block_size: int | None = None
-    keep: bool = True
-    content: int = -1
-    reads: list[ReadSlots] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
 class SlotCopy:
     """A BlockManager copy-on-write: slots ``src_start + i -> dst_start + i`` for i < count."""
 
@@ -122,9 +99,10 @@ class SlotCopy:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class StepEntry:
-    """One request's part of a batched step: which KV context (``tag``; None for a stateless
-    node) and its input values: ``inputs`` arrive over torch.distributed, ``inline`` holds
-    small tensors, ``scalars`` Python values; ``kv`` the slots a KV node writes."""
+    """``engines.StepEntry`` on the wire: the same request id, ``tag`` (the KV context; None
+    for a stateless node) and ``kv`` (the engine's own ``KVSlots``, carried as they are), with
+    its input values split: ``inputs`` arrive over torch.distributed, ``inline`` holds small
+    tensors, ``scalars`` Python values."""
 
     request_id: str
     tag: str | None
@@ -498,6 +476,7 @@ MESSAGE_TYPES: dict[str, type] = {
         EngineReady,
     )
 }
+# KVSlots and ReadSlots are the engine's records (engine/engines.py), declared once there
 STRUCT_TYPES: frozenset[type] = frozenset({StepEntry, ResultEntry, TensorMeta, KVSlots, ReadSlots, SlotCopy, ShmRef,
                                            Value})
 
@@ -612,12 +591,15 @@ def _convert(value: Any, tp: Any, path: str, to_wire: bool) -> Any:
             return _tensor_to_wire(value, path)
         if not to_wire:
             return _tensor_from_wire(value, path)
-    elif origin is list:
-        if isinstance(value, list):
-            (item,) = args
+    elif origin is list or origin is tuple:
+        # a tuple[X, ...] (an engine record's field) travels as a msgpack array, as a list does
+        if isinstance(value, list) or (to_wire and origin is tuple and isinstance(value, tuple)):
+            item = _item_type(tp, origin, args, path)
             if item in _EXACT_ITEMS and all(type(v) is item for v in value):
-                return list(value)  # page tables, slot lists: no per-item walk (or path string)
-            return [_convert(v, item, f"{path}[{i}]", to_wire) for i, v in enumerate(value)]
+                items = list(value)  # page tables, slot lists: no per-item walk (or path string)
+            else:
+                items = [_convert(v, item, f"{path}[{i}]", to_wire) for i, v in enumerate(value)]
+            return tuple(items) if origin is tuple and not to_wire else items
     elif origin is dict:
         if isinstance(value, dict):
             key_tp, val_tp = args
@@ -634,6 +616,15 @@ def _convert(value: Any, tp: Any, path: str, to_wire: bool) -> Any:
     else:
         raise MessageError(f"{path}: unsupported annotation {tp}")
     raise MessageError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__}")
+
+
+def _item_type(tp: Any, origin: Any, args: tuple[Any, ...], path: str) -> Any:
+    """The item annotation of ``list[X]`` or ``tuple[X, ...]``; fixed-length tuples do not travel."""
+    if origin is list:
+        return args[0]
+    if len(args) != 2 or args[1] is not Ellipsis:
+        raise MessageError(f"{path}: unsupported annotation {tp} (only tuple[X, ...])")
+    return args[0]
 
 
 def _convert_primitive_union(value: Any, options: Sequence[Any], path: str) -> Any:
@@ -738,17 +729,20 @@ def _build_fast(tp: Any, to_wire: bool) -> Any:  # noqa: C901 - one branch per a
         if to_wire:
             return lambda v: _tensor_to_wire(v, "") if isinstance(v, torch.Tensor) else _decline(v)
         return lambda v: _tensor_from_wire(v, "")
-    if origin is list:
-        (item,) = args
+    if origin is list or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
+        item = args[0]
         sub = _fast(item, to_wire)
         exact = item in _EXACT_ITEMS
+        # on the wire an array; in Python a list, or a tuple for a tuple[X, ...] field
+        accepted = (list, tuple) if to_wire and origin is tuple else (list,)
+        made = tuple if origin is tuple and not to_wire else list
 
-        def convert_list(value: Any) -> list[Any]:
-            if type(value) is not list:
+        def convert_list(value: Any) -> Any:
+            if type(value) not in accepted:
                 raise _Decline
             if exact and all(type(v) is item for v in value):
-                return list(value)
-            return [sub(v) for v in value]
+                return made(value)
+            return made([sub(v) for v in value])
 
         return convert_list
     if origin is dict:

@@ -35,7 +35,6 @@ from mstar_runtime.worker.wire import (
     ProtocolError,
     comm_device,
     copy_from_wire,
-    kv_from_wire,
     pack_values,
     plan_digest,
     read_frame,
@@ -119,7 +118,7 @@ class _Server:
                 e.request_id,
                 e.tag,
                 unpack_values(e.inputs, [next(received) for _ in e.inputs], e.inline, e.scalars, self.device),
-                kv_from_wire(e.kv),
+                e.kv,
             )
             for e in msg.entries
         ]

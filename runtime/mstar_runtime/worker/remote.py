@@ -117,7 +117,6 @@ from mstar_runtime.worker.wire import (
     ProtocolError,
     comm_device,
     copy_to_wire,
-    kv_to_wire,
     pack_values,
     plan_digest,
     recv_tensors,
@@ -319,7 +318,7 @@ class RemoteWorker:
                 if entry_refs and not self.check_refs:  # a referenced input stays on the worker
                     values = {k: v for k, v in values.items() if k not in entry_refs}
                 metas, inline, scalars, ts = pack_values(values, self.inline_bytes, "input")
-                wire.append(m.StepEntry(e.request_id, e.tag, metas, inline, scalars, kv_to_wire(e.kv), entry_refs))
+                wire.append(m.StepEntry(e.request_id, e.tag, metas, inline, scalars, e.kv, entry_refs))
                 tensors += ts
             request = m.StepRequest(step_id, batch.node, batch.phase, wire, replicated, send_outputs)
             data = m.encode(request)

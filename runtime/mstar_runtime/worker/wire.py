@@ -20,7 +20,6 @@ from typing import IO, Any, BinaryIO
 import torch
 import torch.distributed as dist
 
-from mstar_runtime.engine import engines
 from mstar_runtime.kv.block_manager import SlotCopy
 from mstar_runtime.ops.readback import resolve
 from mstar_runtime.plan.loader import Plan
@@ -201,22 +200,6 @@ def recv_tensors(
         out.append(t.to(device))
         off += n
     return out
-
-
-def kv_to_wire(kv: engines.KVSlots | None) -> m.KVSlots | None:
-    if kv is None:
-        return None
-    reads = [m.ReadSlots(r.node, r.tag, r.kv_len, list(r.page_table)) for r in kv.reads]
-    return m.KVSlots(kv.start, kv.q_len, list(kv.slots), list(kv.page_table), kv.mask, kv.block_size, kv.keep,
-                     kv.content, reads)
-
-
-def kv_from_wire(kv: m.KVSlots | None) -> engines.KVSlots | None:
-    if kv is None:
-        return None
-    reads = tuple(engines.ReadSlots(r.node, r.tag, r.kv_len, r.page_table) for r in kv.reads)
-    return engines.KVSlots(kv.start, kv.q_len, kv.slots, kv.page_table, kv.mask, kv.block_size, kv.keep, kv.content,
-                           reads)
 
 
 def copy_to_wire(copy: SlotCopy) -> m.SlotCopy:

@@ -1,7 +1,8 @@
 """Decode cohorts, the conductor's half: which requests are rows of a marked loop, and its events.
 
-A loop the compiler marks (`cohort` on a `loop` op, docs/plan-format.md) whose node offers a
-column step (`ops.cohort.CohortPhase`) runs here instead of in the interpreter: the
+A loop the compiler marks (`cohort` on a `loop` op, docs/plan-format.md; a fixed `Loop(n)`
+or a dynamic one) whose node offers a column step (`ops.cohort.CohortPhase`) runs here
+instead of in the interpreter: the
 request's walk task stops at the loop (`interpreter.EnterCohort`) and becomes a row of the
 `Cohort` of that loop; its generator resumes only when it leaves. One cohort step is one
 call of the worker (`CohortColumns.step`, runtime/mstar_runtime/engine/cohort_engine.py) for
@@ -14,10 +15,12 @@ rows that have an event -- never Python per row:
 3. take the previous step's outputs (one step late, so the host never waits for the step
    it just launched): items of item ports are appended to host arrays, the last values of
    every port kept for the loop's exit, and events found with vectorised compares:
-   - a row whose `until` flag was raised, or that ran `max` iterations, leaves: its last
-     (wasted, speculative) step is truncated from its KV, its node columns are written
-     back, and its task resumes after the loop with the carried values of its last valid
-     step (as the interpreter's speculative loop gives them);
+   - a row whose `until` flag was raised, or that ran its limit (a fixed loop's count, a
+     dynamic loop's `max`), leaves: its node columns are written back, and its task resumes
+     after the loop with the carried values of its last valid step (as the interpreter's
+     loops give them). A flag's row has run one more (wasted, speculative) step, which is
+     truncated from its KV; a row at its limit runs none: before a launch that would step
+     past a row's limit, the launched step is taken first (its outputs are waited for);
    - a row whose stream has a chunk due, or that has not flushed for `flush_every` steps,
      flushes: its new items are pushed to the stream buffer (as much as it has room for;
      the rest waits) and emitted as one appended value per emit;
@@ -111,6 +114,7 @@ class Cohort:
         self.valid = np.zeros(rows, dtype=np.int64)  # steps whose outputs were applied
         self.since = np.zeros(rows, dtype=np.int64)  # valid steps since the last flush
         self.due = np.full(rows, NEVER, dtype=np.int64)  # stream items at which to flush
+        self.limit = np.full(rows, NEVER, dtype=np.int64)  # iterations it runs at most (count, or max)
         item_ports = sorted({p for _, p in self.emits} | {p for _, p in self.feeds})
         self.item_ports = item_ports
         self.nitems = {p: np.zeros(rows, dtype=np.int64) for p in item_ports}
@@ -149,6 +153,8 @@ class Cohort:
         if pending is not None:
             self._flags.append(m)
         self.lens[row], self.iters[row], self.valid[row], self.since[row] = length, 0, 0, 0
+        limit = enter.count if enter.count is not None else self.max_iters
+        self.limit[row] = NEVER if limit is None else limit
         self.pages[row] = len(self.bm.page_table(key))
         for p in self.item_ports:
             self.nitems[p][row] = self.flushed[p][row] = self.pushed[p][row] = 0
@@ -169,6 +175,13 @@ class Cohort:
         if not self.members:
             self.drain()
             return
+        n = self.n
+        if self._outstanding is not None and bool((self.iters[:n] >= self.limit[:n]).any()):
+            # a row ran its count (or `max`): it leaves once that step is taken, before another,
+            # wasted, step; only rows with a stop flag run speculatively past their end
+            self.drain()
+            if not self.members:
+                return
         if not self._reserve_pages():
             return
         n = self.n
@@ -249,8 +262,7 @@ class Cohort:
             stop = np.zeros(idx.size, dtype=bool)
             if self.until_port is not None:
                 stop |= arrays[self.until_port][idx, 0] != 0
-            if self.max_iters is not None:
-                stop |= self.valid[cur] >= self.max_iters
+            stop |= self.valid[cur] >= self.limit[cur]
             flush = (self.since[cur] >= self.flush_every) | stop
             for p in self.item_ports:
                 flush |= self.nitems[p][cur] >= self.due[cur]
@@ -271,8 +283,8 @@ class Cohort:
             counts = arrays[count_key(p)][idx, 0] if spec.items else np.ones(idx.size, dtype=np.int64)
             width = max(1, int(np.prod(spec.row_shape))) if spec.row_shape else 1
             k_max = vals.shape[1] // width
-            store = self._items(p, width, vals.dtype, k_max)
             base = self.nitems[p][cur]
+            store = self._items(p, width, vals.dtype, int(base.max()) + k_max)
             v3 = vals.reshape(idx.size, k_max, width)
             for k in range(k_max):
                 sel = counts > k
@@ -281,11 +293,16 @@ class Cohort:
         self.valid[cur] += 1
         self.since[cur] += 1
 
-    def _items(self, port: str, width: int, dtype: np.dtype, k_max: int) -> np.ndarray:
-        cap = (self.max_iters or 4096) * max(1, k_max) + 1
+    def _items(self, port: str, width: int, dtype: np.dtype, need: int) -> np.ndarray:
+        """The port's host item store, with room for `need` items a row (it doubles when short:
+        a fixed loop's count has no compile-time bound)."""
         store = self.items.get(port)
-        if store is None:
-            store = self.items[port] = np.zeros((self.rows, cap, width), dtype=dtype)
+        if store is None or store.shape[1] < need:
+            cap = max(need, (self.max_iters or 256) + 1, 2 * (store.shape[1] if store is not None else 0))
+            grown = np.zeros((self.rows, cap, width), dtype=dtype)
+            if store is not None:
+                grown[:, : store.shape[1]] = store
+            store = self.items[port] = grown
         return store
 
     def _tensor(self, port: str, block: np.ndarray) -> torch.Tensor:
@@ -388,7 +405,7 @@ class Cohort:
         if r != last:
             mover = self.members[last]
             self.worker.cohort_move(self.key, last, r)
-            for a in (self.lens, self.pages, self.iters, self.valid, self.since, self.due):
+            for a in (self.lens, self.pages, self.iters, self.valid, self.since, self.due, self.limit):
                 a[r] = a[last]
             for group in (self.nitems, self.flushed, self.pushed):
                 for a in group.values():

@@ -12,7 +12,7 @@ It runs until it needs something from the conductor and yields it:
   A stream whose producer is a walk input (`stream` on the input) is fed by the client
   through the conductor, which also closes it; the main body's end closes only the others.
 - `ForkKV`: copy a KV context of this request to another tag (shared pages).
-- `EnterCohort`: a dynamic loop the compiler marked as a cohort (`op["cohort"]`) asks to run
+- `EnterCohort`: a loop the compiler marked as a cohort (`op["cohort"]`, fixed or dynamic) asks to run
   as a row of the conductor's decode cohort (runtime/mstar_runtime/control/cohort.py);
   resumed with a `CohortExit` when the row leaves the loop, or with `None` when the
   conductor declines (generic path forced, the node offers no column step or refuses the
@@ -101,6 +101,7 @@ class EnterCohort:
     env: Env  # the loop's environment (its `until` flag as bound before the loop, if any)
     frame: Frame  # where the loop's effects go
     inputs: dict[str, Any]  # the call's resolved inputs for the first iteration
+    count: int | None = None  # a fixed loop's trip count (a dynamic loop's bound is its op's `max`)
 
 
 @dataclass(eq=False)
@@ -350,6 +351,10 @@ class Interpreter:
             name = op["count"].get("var")
             limit = f"0..{op['max']}" if op.get("max") is not None else ">= 0"
             raise RequestError(f"'{name}' = {count} is outside {limit} (the bound of loop {op['id']})", name)
+        if op.get("cohort") is not None and count > 0:
+            done = yield from self._enter_cohort(op, env, frame, count)
+            if done:
+                return
         accs = {a["name"]: [] for a in op["acc"]}
         loop_frame = Frame(self.request, parent=frame, accs=accs)
         for i in range(count):
@@ -371,13 +376,8 @@ class Interpreter:
         and one wasted step is counted.
         """
         if op.get("cohort") is not None:
-            call = op["body"]["body"][0]
-            inputs = {port: resolve(self._value(arg, env)) for port, arg in call["args"].items()}
-            done: CohortExit | None = yield EnterCohort(op, env, frame, inputs)
-            if done is not None:  # it ran as a cohort row
-                env.update(done.carry)
-                yield from self._push_held(done.pushes, frame)
-                frame.flush_lane()
+            done = yield from self._enter_cohort(op, env, frame, None)
+            if done:
                 return
         accs = {a["name"]: [] for a in op["acc"]}
         # A flag already bound before the loop (e.g. by a prefill) is checked before the first
@@ -402,6 +402,21 @@ class Interpreter:
             pending = inner[op["until"]]
         frame.flush_lane()
         frame.effect(lambda: env.update({n: concat(v) for n, v in accs.items()}))
+
+    def _enter_cohort(self, op: dict[str, Any], env: Env, frame: Frame,
+                      count: int | None) -> Generator[Any, Any, bool]:
+        """Ask to run a marked loop as a cohort row; True (the generator's value) when it did:
+        its carried values are bound and what it could not push is pushed. False: the
+        conductor declined, and the caller runs the loop itself."""
+        call = op["body"]["body"][0]
+        inputs = {port: resolve(self._value(arg, env)) for port, arg in call["args"].items()}
+        done: CohortExit | None = yield EnterCohort(op, env, frame, inputs, count)
+        if done is None:
+            return False
+        env.update(done.carry)
+        yield from self._push_held(done.pushes, frame)
+        frame.flush_lane()
+        return True
 
     def _push_held(self, pushes: list[tuple[str, torch.Tensor]], frame: Frame) -> Gen:
         """Push what a cohort row could not push while it ran, with backpressure."""

@@ -1,0 +1,130 @@
+"""Loops the cohort path serves beyond a dynamic decode (issue 24, section 1), against the generic path.
+
+- A fixed `Loop(n)` of one call (the compiler marks it as it marks a dynamic loop): every
+  row runs its own count, leaves without a wasted step, and ends with the generic path's
+  tokens, carried flag and stream items.
+
+The walks live here, appended to the test family's model (its nodes, variants and streams),
+so that the corpus of shipped walks keeps its plans. Counted in engine steps, never in seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mstar_runtime.control.conductor import FINISHED, Conductor, Request
+from mstar_runtime.plan.loader import load_plan
+from mstar_runtime.plan.planfile import iter_ops
+from mstar_runtime.worker.worker import Worker
+from mstarc.cli import main as mstarc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FIXED_WALK = """
+  // A fixed number of decode steps whatever `done` says; the loop's last `done` is an output.
+  walk fixed(prompt: str, n: int = 6) -> (tokens: i32[N], audio: f32[S], last_done: bool) {
+    ids = prompt.encode(text = prompt)
+    token, code, done, h = lm.prefill(tokens = ids, max_new = 4) @main
+    emit tokens += token
+    loop n = n max = max_new_tokens carry token, done {
+      token, c, done, hid = lm.decode(token = token) @main
+      emit tokens += token
+    }
+    emit last_done = done
+    on stream lm.code -> codec.block as b {
+      pcm = codec.decode_block(block = b)
+      emit audio += pcm
+    }
+  }
+"""
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _with_walks(walks: str, out: Path, placement: Path = ROOT / "placements/cpu.yaml") -> Path:
+    """The test family's model with `walks` added, compiled to a tiny plan at `out`."""
+    text = (ROOT / "models/testfamily/testfamily.walk").read_text()
+    end = text.rstrip().rfind("}")
+    source = out.with_suffix(".walk")
+    source.write_text(text[:end] + walks + "}\n")
+    assert mstarc(["compile", str(source), "--variant", "tiny", "-p", str(placement), "-o", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def fixed_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _with_walks(FIXED_WALK, tmp_path_factory.mktemp("cohort-fixed") / "fixed.plan")
+
+
+def _engine(plan_path: Path, path: str, **kw: Any) -> Conductor:
+    plan = load_plan(plan_path, device="cpu", kv_pages_cap=kw.pop("cap", None))
+    return Conductor(plan, {0: Worker(plan, 0, "cpu", "init")}, path=path, **kw)
+
+
+def _run(conductor: Conductor, requests: list[tuple[str, dict[str, Any]]]) -> list[Request]:
+    handles = [conductor.submit(walk, dict(inputs)) for walk, inputs in requests]
+    conductor.run_until_idle()
+    return handles
+
+
+def _same(got: Request, want: Request) -> None:
+    assert (got.state, got.error) == (want.state, want.error)
+    assert set(got.outputs) == set(want.outputs)
+    for name, x in got.outputs.items():
+        y = want.outputs[name]
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape, name
+            if x.is_floating_point():
+                torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5, msg=name)
+            else:
+                assert torch.equal(x, y), name
+        else:
+            assert type(x) is type(y) and x == y, (name, x, y)
+
+
+def _marked(conductor: Conductor, walk: str) -> set[str]:
+    return {op["id"] for op in iter_ops(conductor.plan.walk(walk)["program"])
+            if op.get("op") == "loop" and op.get("cohort") is not None}
+
+
+# ---------------------------------------------------------------------------- fixed Loop(n)
+COUNTS = [0, 1, 2, 5, 9, 17, 32]  # 32: the loop's max (max_new_tokens)
+
+
+def test_a_fixed_loop_runs_as_a_cohort_with_each_rows_own_count(fixed_plan: Path) -> None:
+    requests = [("fixed", {"prompt": f"fixed {i}", "n": n}) for i, n in enumerate(COUNTS)]
+    cohort, generic = _engine(fixed_plan, "cohort"), _engine(fixed_plan, "generic")
+    got, want = _run(cohort, requests), _run(generic, requests)
+    (loop,) = _marked(cohort, "fixed")
+    (co,) = [c for key, c in cohort.cohorts.items() if key[3] == loop]
+    assert co.stats["joins"] == len(COUNTS) - 1  # n = 0 runs no iteration, so joins nothing
+    assert co.stats["row_steps"] == sum(COUNTS) > co.stats["steps"]  # rows shared steps, none wasted
+    assert co.stats["wasted_steps"] == 0 and generic.stats["cohort_steps"] == 0
+    hop = int(cohort.plan.node_spec("codec").config["hop"])
+    for c, g, n in zip(got, want, COUNTS):
+        assert c.state == FINISHED, c.error
+        _same(c, g)
+        assert c.outputs["tokens"].shape == (n + 1,) and c.outputs["audio"].shape == ((n + 1) * hop,)
+        assert c.stats.wasted_steps == g.stats.wasted_steps == 0
+        assert c.stats.steps == g.stats.steps
+
+
+def test_a_fixed_loop_survives_preemption_and_a_small_pool(fixed_plan: Path) -> None:
+    requests = [("fixed", {"prompt": f"squeeze {i}", "n": n}) for i, n in enumerate([7, 12, 20, 32, 3])]
+    want = _run(_engine(fixed_plan, "generic"), requests)
+    for kw in ({"preempt_every": 4}, {"cap": 6}):
+        conductor = _engine(fixed_plan, "cohort", **kw)
+        got = _run(conductor, requests)
+        assert conductor.stats["preemptions"] > 0 and conductor.stats["cohort_steps"] > 0, kw
+        for c, g in zip(got, want):
+            assert c.state == FINISHED, c.error
+            _same(c, g)
+
+
+def test_a_fixed_loop_count_out_of_range_names_its_input(fixed_plan: Path) -> None:
+    (h,) = _run(_engine(fixed_plan, "cohort"), [("fixed", {"prompt": "too many", "n": 33})])
+    assert h.state == "failed" and h.error_field == "n" and "outside 0..32" in (h.error or "")

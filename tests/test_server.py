@@ -256,6 +256,24 @@ def test_models_health_metrics_openapi(server: Server) -> None:
         assert route in paths, route
 
 
+def test_a_chat_cut_at_max_tokens_reaches_the_latency_histograms(client: openai.OpenAI, server: Server) -> None:
+    """The route stops a reply at max_tokens and cancels the rest of the walk: the request is
+    `finished`, and its duration is observed although the engine has not ended it yet."""
+    finished = 'walk="chat",outcome="finished"'
+    before = (metric(server.base, "mstar_requests_total", finished),
+              metric(server.base, "mstar_request_duration_seconds_count", 'walk="chat"'))
+    for stream in (False, True):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "cut"}],
+                                           max_tokens=3, stream=stream)
+        if stream:
+            assert [c.choices[0].finish_reason for c in r if c.choices and c.choices[0].finish_reason] == ["length"]
+        else:
+            assert r.choices[0].finish_reason == "length"
+    after = (metric(server.base, "mstar_requests_total", finished),
+             metric(server.base, "mstar_request_duration_seconds_count", 'walk="chat"'))
+    assert after == (before[0] + 2, before[1] + 2)
+
+
 def test_routes_follow_the_plan(tmp_path: Path) -> None:
     """A plan without tts / t2i / edit walks has no such routes (404, not 501)."""
     plain = compile_plan(tmp_path, extra=())

@@ -22,6 +22,7 @@ series to vLLM's names.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -199,8 +200,10 @@ class Metrics:
         self.preemptions.labels(m, w).inc(st.get("preemptions") or 0)
         if outcome != "finished":
             return  # latencies of requests that did not finish would only blur the histograms
-        if st.get("total_s") is not None:
-            self.duration.labels(m, w).observe(st["total_s"])
+        # A route that ended the request on purpose (a reply cut at max_tokens) has cancelled
+        # the rest of the walk, which the engine has not ended yet: the request ends now.
+        total = st["total_s"] if st.get("total_s") is not None else time.perf_counter() - flight.t0
+        self.duration.labels(m, w).observe(total)
         if st.get("ttft_s") is not None:
             self.ttfo.labels(m, w).observe(st["ttft_s"])
         if flight.route == "chat" and flight.first_at:
@@ -217,10 +220,10 @@ class Metrics:
         audio_first = [t for name, t in flight.first_at.items() if is_audio_name(name)]
         if audio_first:
             self.ttfa.labels(m, w).observe(min(audio_first))
-        if flight.audio_samples and st.get("total_s") is not None:
+        if flight.audio_samples:
             seconds = flight.audio_samples / self.sample_rate
             self.audio_seconds.labels(m, w).inc(seconds)
-            self.rtf.labels(m, w).observe(st["total_s"] / seconds)
+            self.rtf.labels(m, w).observe(total / seconds)
 
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
         """(body, Content-Type) of one scrape, in the format the Accept header asks for."""

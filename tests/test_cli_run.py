@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import stat
 import subprocess
 import sys
 import wave
@@ -298,6 +299,21 @@ def test_a_3d_uint8_tensor_is_a_png_and_1d_float_audio_defaults_to_24k(tmp_path:
                                                    "audio": torch.zeros(10), "x": torch.zeros(10)}, {})
     assert [p.name for p in paths] == ["r.audio.wav", "r.frame.png", "r.x.safetensors", "r.json"]
     assert read_wav(paths[0])[0].framerate == 24000
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_output_file_has_the_same_mode_under_the_umask(tmp_path: Path, umask: int) -> None:
+    """A `.safetensors` output is not private while the WAV, PNG and JSON beside it are not."""
+    program = {"walk": "w", "outputs": []}
+    values = {"audio": torch.zeros(10), "frame": torch.zeros(4, 4, 3, dtype=torch.uint8), "x": torch.zeros(3),
+              "text": "hi", "ids": torch.arange(3)}
+    old = os.umask(umask)
+    try:
+        paths = write_outputs(tmp_path, "r", program, values, {})
+    finally:
+        os.umask(old)
+    assert {p.suffix for p in paths} == {".wav", ".png", ".safetensors", ".txt", ".json"}
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in paths} == {p.name: 0o666 & ~umask for p in paths}
 
 
 # ----------------------------------------------------------------------------- click: what operators expect

@@ -84,9 +84,11 @@ def write_png(path: Path, image: torch.Tensor) -> None:
 
 
 def write_safetensors(path: Path, name: str, tensor: torch.Tensor) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    save_file({name: tensor.detach().to("cpu").contiguous()}, str(path))
+    # Written by Python as the other kinds are: safetensors' own save_file creates its file
+    # mode 0600 whatever the umask, so a latent would be private where the WAV beside it is not.
+    path.write_bytes(save({name: tensor.detach().to("cpu").contiguous()}))
 
 
 def jsonable(value: Any) -> Any:

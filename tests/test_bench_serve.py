@@ -98,6 +98,12 @@ def bagel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield s
 
 
+@pytest.fixture(scope="module")
+def qwen3_omni(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serving(_compiled(ROOT / "models/qwen3_omni/qwen3_omni.walk", tmp_path_factory.mktemp("qwen3_omni"))) as s:
+        yield s
+
+
 # ------------------------------------------------------------------------------ helpers
 def run_main(tmp_path: Path, base: str, *args: str) -> tuple[int, dict[str, Any]]:
     out = tmp_path / f"serve-{time.monotonic_ns()}.json"
@@ -253,6 +259,19 @@ def test_speech_on_orpheus_counts_the_streamed_audio(orpheus: Server, tmp_path: 
         assert r.stall >= 0 and r.chunks >= 1
         got[stream] = r.audio_bytes
     assert got["audio"] == got["sse"] == got["none"] > 0
+
+
+def test_speech_takes_its_voice_from_the_served_model(qwen3_omni: Server, orpheus: Server, tmp_path: Path) -> None:
+    """Without --voice the run sends the served model's default_voice (GET /v1/models):
+    Qwen3-Omni's speaker `ethan` (Orpheus' `tara` is a 400 there), Orpheus' `tara`."""
+    rc, rec = run_main(tmp_path, qwen3_omni.base, "--workload", "speech", "--num-requests", "1",
+                       "--speech-length-field", "", "--extra-body", '{"talker_max_frames": 2}')
+    assert rc == 0 and rec["settings"]["voice"] == "ethan", rec["runs"][0]["errors"]
+    assert rec["runs"][0]["ok"] == 1
+    assert bench.served_voice(asyncio.run(bench.served_models(orpheus.base, None, False)), "orpheus") == "tara"
+    rc, rec = run_main(tmp_path, qwen3_omni.base, "--workload", "speech", "--num-requests", "1", "--voice", "tara",
+                       "--speech-length-field", "", "--extra-body", '{"talker_max_frames": 2}')
+    assert rc == 1 and rec["settings"]["voice"] == "tara" and rec["runs"][0]["failed"] == 1  # an unknown speaker
 
 
 def test_speech_pcm_rate_comes_from_the_response(tf: Server, tmp_path: Path) -> None:

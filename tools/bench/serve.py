@@ -11,7 +11,8 @@ measures our server, vLLM, SGLang or the M* reference's: nothing here imports th
 
 Workloads (`--workload`, a comma list; `speech=3,chat=1` mixes them by weight, each request
 drawn with the run's seed):
-- `speech`: `POST /v1/audio/speech` (`model`, `input`, `voice`, `response_format` wav or pcm,
+- `speech`: `POST /v1/audio/speech` (`model`, `input`, `voice` (`--voice`, else the served
+  model's `default_voice` from `GET /v1/models`, else none), `response_format` wav or pcm,
   `stream_format` audio or sse, or not streamed: `--speech-stream none`), the length in
   `--speech-length-field` (default `max_tokens`) = `--max-tokens`. Per request: TTFA, the
   time from sending the request to the first audio byte (past the WAV header: its `data`
@@ -198,7 +199,7 @@ class Settings:
     timeout_s: float = 600.0
     endpoints: dict[str, str] = field(default_factory=lambda: dict(ENDPOINTS))
     extra_body: dict[str, Any] = field(default_factory=dict)
-    voice: str = "tara"
+    voice: str | None = None  # None: the served model's default_voice (GET /v1/models), else none sent
     speech_format: str = "wav"  # wav | pcm
     speech_stream: str = "audio"  # audio | sse | none
     speech_length_field: str = "max_tokens"  # "" sends no length
@@ -375,8 +376,9 @@ def stream_error(obj: Any) -> tuple[str, str] | None:
 async def speech(client: httpx.AsyncClient, s: Settings, job: Job) -> Result:
     res = Result("speech", start=time.perf_counter())
     p = job.prompt
-    body: dict[str, Any] = {"model": s.model, "input": p.text, "voice": s.voice,
-                            "response_format": s.speech_format}
+    body: dict[str, Any] = {"model": s.model, "input": p.text, "response_format": s.speech_format}
+    if s.voice is not None:
+        body["voice"] = s.voice
     if s.speech_stream != "none":
         body["stream_format"] = s.speech_stream
     length = p.max_tokens if p.max_tokens is not None else s.max_tokens
@@ -883,7 +885,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--extra-body", type=json.loads, default={}, help="a JSON object merged into every body")
     for w in WORKLOADS:
         ap.add_argument(f"--{w}-endpoint", default=ENDPOINTS[w], help=f"default {ENDPOINTS[w]}")
-    ap.add_argument("--voice", default="tara")
+    ap.add_argument("--voice", default=None,
+                    help="the speech voice (default: the served model's default_voice from GET /v1/models)")
     ap.add_argument("--speech-format", choices=["wav", "pcm"], default="wav")
     ap.add_argument("--speech-stream", choices=["audio", "sse", "none"], default="audio",
                     help="stream_format sent (none: the whole file, not streamed)")
@@ -916,19 +919,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-async def served_models(base_url: str, api_key: str | None, trust_env: bool) -> list[str]:
+async def served_models(base_url: str, api_key: str | None, trust_env: bool) -> list[dict[str, Any]]:
+    """The entries of GET /v1/models that have an id (none when the server does not answer)."""
     async with http_client(base_url, api_key, 1, trust_env, 30.0) as client:
         try:
             r = await client.get("/v1/models")
-            return [m["id"] for m in r.json().get("data", [])] if r.status_code == 200 else []
+            data = r.json().get("data", []) if r.status_code == 200 else []
+            return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
             return []
+
+
+def served_voice(entries: Sequence[dict[str, Any]], model: str) -> str | None:
+    """The `default_voice` an M* server gives `model` in /v1/models (another server: None)."""
+    voice = next((m.get("default_voice") for m in entries if m["id"] == model), None)
+    return voice if isinstance(voice, str) else None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     base_url = args.base_url.rstrip("/").removesuffix("/v1")
-    models = asyncio.run(served_models(base_url, args.api_key, args.trust_env))
+    entries = asyncio.run(served_models(base_url, args.api_key, args.trust_env))
+    models = [m["id"] for m in entries]
     model = args.model or (models[0] if models else None)
     if model is None:
         print(f"serve.py: error: {base_url}/v1/models names no model (is the server up?); pass --model",
@@ -940,7 +952,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(
         model=model, max_tokens=args.max_tokens, timeout_s=args.timeout,
         endpoints={w: getattr(args, f"{w}_endpoint") for w in WORKLOADS}, extra_body=args.extra_body,
-        voice=args.voice, speech_format=args.speech_format, speech_stream=args.speech_stream,
+        voice=args.voice if args.voice is not None else served_voice(entries, model), speech_format=args.speech_format, speech_stream=args.speech_stream,
         speech_length_field=args.speech_length_field, sample_rate=args.sample_rate,
         include_usage=not args.no_usage, ignore_eos=args.ignore_eos, temperature=args.temperature,
         chat_image=image, image_size=args.image_size, images_n=args.images_n)

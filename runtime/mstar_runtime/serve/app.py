@@ -191,12 +191,17 @@ def install(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
         return {"status": "ok"}
 
+    from mstar_runtime.serve.media import default_voice  # media imports this module
+
+    voice = default_voice(state)
+
     @app.get("/v1/models", tags=["openai"], summary="The served model (one), with the plan's walks")
     async def models() -> Any:
         return {"object": "list", "data": [{
             "id": state.model_id, "object": "model", "created": state.created, "owned_by": "mstar",
             "walks": list(state.walks.all),
             "variant": state.plan.variant,
+            "default_voice": voice,
         }]}
 
     @app.get("/v1/models/{model}", tags=["openai"], summary="One served model", responses=ERROR_RESPONSES)

@@ -114,6 +114,17 @@ def speech_walk(state: ServerState) -> SpeechWalk | None:
                       "instructions" if _is_str(role.inputs.get("instructions")) else None)
 
 
+def default_voice(state: ServerState) -> str | None:
+    """The voice a speech request without one gets (its walk's default), for `/v1/models`:
+    what a client may send when it knows nothing of the model (Orpheus `tara`, Qwen3-Omni
+    `ethan`). None when the plan has no speech walk or its voice input has no default."""
+    speech = speech_walk(state)
+    if speech is None or speech.voice is None:
+        return None
+    default = speech.role.inputs[speech.voice].get("default")
+    return default if isinstance(default, str) else None
+
+
 def _is_str(p: Mapping[str, Any] | None) -> bool:
     return p is not None and p["type"]["kind"] == "str"
 

@@ -164,6 +164,8 @@ def test_speech_sse(server: Server) -> None:
     assert [e["type"] for e in events][-1] == "speech.audio.done"
     assert all(e["type"] == "speech.audio.delta" for e in events[:-1]) and len(events) > 1
     assert sum(len(base64.b64decode(e["audio"])) for e in events[:-1]) > 0
+    # the byte-level prompt node: [bos] + the input's bytes in; the family's tts emits no tokens out
+    assert events[-1]["usage"] == {"input_tokens": 11, "output_tokens": 0, "total_tokens": 11}
 
 
 @pytest.mark.parametrize(("body", "param"), [

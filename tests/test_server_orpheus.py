@@ -58,3 +58,32 @@ def test_orpheus_speech_with_the_openai_client(server: Server) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.audio.speech.create(model=model, voice="tara", input="x", extra_body={"temperature": "hot"})
     assert info.value.body["param"] == "temperature"
+
+
+def test_speech_sse_usage_counts_the_prompt_and_the_codes(server: Server) -> None:
+    """`speech.audio.done` reports the prompt's tokens in and the audio codes the backbone
+    generated out (the same seeded request on the native route gives the codes), not 0 and
+    the number of audio chunks."""
+    import json
+    import urllib.request
+
+    from mstar_models.orpheus.prompt import BUNDLED_TOKENIZER, PREFIX, SUFFIX, load_tokenizer
+    from test_server_support import post
+
+    text, seed = "Hello from M star.", 1
+    body = {"model": "orpheus", "input": text, "voice": "leah", "stream_format": "sse", "response_format": "pcm",
+            "max_tokens": 60, "seed": seed}
+    req = urllib.request.Request(server.base + "/v1/audio/speech", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:  # noqa: S310
+        events = [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done" and len(events) > 2
+    usage = events[-1]["usage"]
+    status, raw = post(server.base + "/v1/walks/tts", {"inputs": {"text": text, "voice": "leah", "max_tokens": 60,
+                                                                 "seed": seed}, "stream": False})
+    assert status == 200, raw
+    codes = json.loads(raw)["outputs"]["codes"]
+    ids = load_tokenizer(BUNDLED_TOKENIZER).encode(f"leah: {text}").ids
+    prompt = len(PREFIX) + len(ids) + (0 if ids and ids[0] == 128000 else 1) + len(SUFFIX)  # BOS added if missing
+    assert usage == {"input_tokens": prompt, "output_tokens": len(codes), "total_tokens": prompt + len(codes)}
+    assert len(codes) != len(events) - 1  # codes, not audio chunks

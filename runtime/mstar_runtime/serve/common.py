@@ -163,6 +163,7 @@ class Flight:
         self.tokens = 0  # completion tokens, counted by the chat route
         self.prompt_tokens = 0
         self.token_gaps: list[float] = []  # seconds between consecutive items of a token or text output
+        self.token_counts: dict[str, int] = {}  # output name -> tokens received (ids, or one per text piece)
         self._last_token_at: dict[str, float] = {}  # output name -> perf_counter of its latest item
         self.first_token_s: float | None = None  # seconds from submit to the first / latest token or text item
         self.last_token_s: float | None = None
@@ -286,6 +287,7 @@ class Flight:
         if is_audio_name(name):
             self.audio_samples += audio_samples(value)
         elif is_token_item(value):  # inter-token latency: the gap since this output's previous item
+            self.token_counts[name] = self.token_counts.get(name, 0) + (1 if isinstance(value, str) else value.numel())
             last = self._last_token_at.get(name)
             if last is not None:
                 self.token_gaps.append(now - last)

@@ -15,7 +15,8 @@ int64, and a token count above the plan's limit is a 400, not clamped). The audi
 `pcm`. Without `stream` the response is the whole file (exact WAV sizes). With `stream:
 true` (or `stream_format: "audio"`) chunks are sent as the walk decodes them (a WAV header
 of unknown length first); with `stream_format: "sse"`, OpenAI's `speech.audio.delta`
-events carry base64 chunks and `speech.audio.done` ends the stream. Streams start once the
+events carry base64 chunks and `speech.audio.done` ends the stream, with the usage of
+`SpeechUsage` (the prompt's tokens in, the tokens the walk emitted out). Streams start once the
 first chunk exists (or the walk ended), so early failures are still 4xx. A raw stream that
 fails later (a shutdown abort, a lost worker) has no way to say so inside the audio: it
 ends cleanly, shorter (the chunked body is terminated, so clients read a complete but
@@ -33,13 +34,14 @@ phase's taps normalised to unit sum (so a constant stays constant). A data size 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 import struct
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from mstar_runtime.serve.server import ServerState, WalkRole
+    from mstar_runtime.serve.text import TextCodec
 
 MEDIA = {"wav": "audio/wav", "pcm": "audio/pcm"}
 log = logging.getLogger("mstar_runtime.serve.server")
@@ -178,8 +181,15 @@ def speech_inputs(state: ServerState, speech: SpeechWalk,
 def _install_speech(app: FastAPI, state: ServerState, speech_walk: SpeechWalk) -> None:
     from fastapi.responses import Response, StreamingResponse
 
+    from mstar_runtime.serve.text import TextCodec
+
     role = speech_walk.role
     rate = state.sample_rate
+    if role.walk not in state.codecs:  # the SSE usage's input_tokens
+        state.codecs[role.walk] = TextCodec(state.plan, role.walk, role.text_input, state.config.weights)
+    outputs = state.plan.walk(role.walk)["outputs"]
+    usage = SpeechUsage(state.codecs[role.walk], tuple(
+        o["name"] for o in outputs if o["name"] != role.output and _is_stream(o, ("str", "i32", "i64"))))
     audio_responses = {**ERROR_RESPONSES, 200: {"description": "audio (wav or pcm), or SSE events",
                                                "content": {"audio/wav": {}, "audio/pcm": {}, "text/event-stream": {}}}}
 
@@ -188,6 +198,9 @@ def _install_speech(app: FastAPI, state: ServerState, speech_walk: SpeechWalk) -
     async def speech(body: SpeechRequest, request: Request) -> Any:
         check_model(state, body.model)
         inputs, fields = speech_inputs(state, speech_walk, body)
+        sse = None
+        if body.stream_format == "sse":  # counted off the event loop: the prompt node tokenizes
+            sse = replace(usage, prompt=await asyncio.to_thread(usage.codec.count, inputs))
         flight = await start_flight(state, request, "speech", role.walk, inputs, fields, "input")
         fmt = body.response_format
         if not body.stream and body.stream_format is None:
@@ -202,7 +215,7 @@ def _install_speech(app: FastAPI, state: ServerState, speech_walk: SpeechWalk) -
             data = b"".join(chunks)
             payload = wav_header(rate, len(data)) + data if fmt == "wav" else data
             return Response(payload, media_type=MEDIA[fmt])
-        return await _stream_speech(flight, role, fmt, rate, body.stream_format == "sse", StreamingResponse)
+        return await _stream_speech(flight, role, fmt, rate, sse, StreamingResponse)
 
 
 async def _audio(flight: Flight, output: str) -> AsyncIterator[tuple[str, Any]]:
@@ -212,7 +225,24 @@ async def _audio(flight: Flight, output: str) -> AsyncIterator[tuple[str, Any]]:
                 yield name, value
 
 
-async def _stream_speech(flight: Flight, role: WalkRole, fmt: str, rate: int, sse: bool, streaming: Any) -> Any:
+@dataclass(frozen=True)
+class SpeechUsage:
+    """The `usage` of an SSE stream's `speech.audio.done`: `input_tokens` the prompt node's
+    count of the walk's prompt (`TextCodec.count`, taken before the stream starts),
+    `output_tokens` the tokens of the walk's token outputs the stream received (Orpheus: its
+    audio codes; Qwen3-Omni: the spoken text's tokens; 0 for a walk that emits none)."""
+
+    codec: TextCodec
+    outputs: tuple[str, ...]
+    prompt: int = 0
+
+    def of(self, flight: Flight) -> dict[str, int]:
+        generated = sum(flight.token_counts.get(name, 0) for name in self.outputs)
+        return {"input_tokens": self.prompt, "output_tokens": generated, "total_tokens": self.prompt + generated}
+
+
+async def _stream_speech(flight: Flight, role: WalkRole, fmt: str, rate: int, sse: SpeechUsage | None,
+                         streaming: Any) -> Any:
     events = _audio(flight, role.output)
     flight.begin()
     first: list[bytes] = []
@@ -268,9 +298,8 @@ async def _stream_speech(flight: Flight, role: WalkRole, fmt: str, rate: int, ss
                 yield _sse({"type": "error", **flight.error_for(e).body()})
                 return
             flight.outcome = "finished"
-            tokens = flight.items.get(role.output, 0)
-            yield _sse({"type": "speech.audio.done",
-                        "usage": {"input_tokens": 0, "output_tokens": tokens, "total_tokens": tokens}})
+            assert sse is not None  # events_sse serves SSE streams only
+            yield _sse({"type": "speech.audio.done", "usage": sse.of(flight)})
         except ClientGone:  # the client left mid-stream: nobody to tell; the flight cancels the request
             return
         finally:
@@ -278,7 +307,7 @@ async def _stream_speech(flight: Flight, role: WalkRole, fmt: str, rate: int, ss
             flight.finish()
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Sample-Rate": str(rate)}
-    if sse:
+    if sse is not None:
         return streaming(events_sse(), media_type="text/event-stream", headers=headers)
     return streaming(raw(), media_type=MEDIA[fmt], headers=headers)
 

@@ -67,8 +67,9 @@ def test_speech_sse_usage_counts_the_prompt_and_the_codes(server: Server) -> Non
     import json
     import urllib.request
 
-    from mstar_models.orpheus.prompt import BUNDLED_TOKENIZER, PREFIX, SUFFIX, load_tokenizer
     from test_server_support import post
+
+    from mstar_models.orpheus.prompt import BUNDLED_TOKENIZER, PREFIX, SUFFIX, load_tokenizer
 
     text, seed = "Hello from M star.", 1
     body = {"model": "orpheus", "input": text, "voice": "leah", "stream_format": "sse", "response_format": "pcm",

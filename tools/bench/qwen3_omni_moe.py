@@ -3,7 +3,7 @@
     python tools/bench/qwen3_omni_moe.py --device cpu --sizes tiny medium --out /tmp/moe.json
     python tools/bench/qwen3_omni_moe.py --device cuda --dtype bf16 --sizes thinker talker --graphs
 
-One `SparseMoE` block (models/mstar_models/qwen3_omni/moe.py) with random weights, timed per
+One `SparseMoE` block (models/mstar_models/layers/moe.py) with random weights, timed per
 kernel (`grouped`, `padded`, `loop`) at each token count (`--tokens`: decode batches and a
 prefill chunk): the router plus the experts, over `--repeats` calls after a warm-up (the
 median of CUDA-event times on a GPU, the minimum wall time on the CPU). The outputs of the three kernels are checked against each other

@@ -56,15 +56,17 @@ generated token but end_of_speech is a valid code. Never set it for real checkpo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from mstar_runtime.ops import fused, tp
+from mstar_models.layers.decoder import Decoder
+from mstar_models.layers.embedding import LMHead, VocabEmbedding, lm_logits
+from mstar_models.layers.init import seeded_init_
+from mstar_models.layers.mlp import GatedMLP
+from mstar_models.layers.rotary import llama3_inv_freq, rope_tables
+from mstar_runtime.ops import tp
 from mstar_runtime.ops.node import (
     AttentionContext,
     Batch,
@@ -81,14 +83,6 @@ from mstar_runtime.ops.sampler import SamplingParams, sample
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-# Llama 3.x RoPE scaling (HF `rope_type: llama3`); the walk does not carry these because every
-# Llama-3.2 checkpoint (Orpheus' included) uses exactly them.
-LLAMA3_ROPE = {
-    "factor": 32.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
 # reference/models.md 3.3; the walk's config normally supplies these.
 TOKEN_DEFAULTS = {
     "audio_token_offset": 128266,
@@ -98,125 +92,11 @@ TOKEN_DEFAULTS = {
 }
 
 
-def llama3_inv_freq(
-    head_dim: int,
-    theta: float,
-    factor: float = LLAMA3_ROPE["factor"],
-    low_freq_factor: float = LLAMA3_ROPE["low_freq_factor"],
-    high_freq_factor: float = LLAMA3_ROPE["high_freq_factor"],
-    original_max_position_embeddings: int = int(LLAMA3_ROPE["original_max_position_embeddings"]),
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim / 2], float32: HF's `_compute_llama3_parameters`, op for op
-    (long wavelengths divided by `factor`, short ones kept, a smooth blend in between)."""
-    inv_freq = 1.0 / (
-        theta
-        ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / head_dim)
-    )
-    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
-    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
-        high_freq_factor - low_freq_factor
-    )
-    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, inv_freq_llama)
-
-
-# --------------------------------------------------------------------------------- modules
-# The modules hold the parameters under the checkpoint's names; the math is `forward_hidden`'s
-# (fused ops, one GEMM for q/k/v and one for gate/up), so they have no forward of their own.
-class RMSNorm(nn.Module):
-    """HF's LlamaRMSNorm's gain (`fused.rms_norm` applies it: float32 normalise, cast back, scale)."""
-
-    def __init__(self, dim: int, eps: float, **factory: Any):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, **factory))
-        self.eps = eps
-
-
-class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, **factory: Any):
-        super().__init__()
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False, **factory)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False, **factory)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False, **factory)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False, **factory)
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, **factory: Any):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, **factory)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False, **factory)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False, **factory)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(
-        self,
-        hidden: int,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-        intermediate: int,
-        eps: float,
-        **factory: Any,
-    ):
-        super().__init__()
-        self.self_attn = Attention(hidden, heads, kv_heads, head_dim, **factory)
-        self.mlp = MLP(hidden, intermediate, **factory)
-        self.input_layernorm = RMSNorm(hidden, eps, **factory)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, **factory)
-
-
-class LlamaModel(nn.Module):
-    """`model.*` of the checkpoint."""
-
-    def __init__(
-        self,
-        vocab: int,
-        hidden: int,
-        layers: int,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-        intermediate: int,
-        eps: float,
-        **factory: Any,
-    ):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, hidden, **factory)
-        self.layers = nn.ModuleList(
-            DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, **factory)
-            for _ in range(layers)
-        )
-        self.norm = RMSNorm(hidden, eps, **factory)
-
-
 # ------------------------------------------------------------------------------- helpers
 def _code_items(codes: torch.Tensor, code: int, i: int) -> torch.Tensor:
     """Entry i's `code` items on the host, a view of the step's codes: [code], or none when
     `code` is -1 (the token was not a code)."""
     return codes[i : i + 1] if code >= 0 else codes[i:i]
-
-
-def _one_storage(*linears: nn.Linear) -> torch.Tensor:
-    """One [sum of out, in] weight whose row blocks become the linears' weights (views: names,
-    loading and sharding unchanged), so one GEMM computes all their outputs. At decode batch
-    sizes a GEMM is a weight read plus a fixed cost, and on an H200 the q/k/v and gate/up
-    GEMMs of a 3B Llama ran as separate split-K kernels well above the read floor."""
-    first = linears[0].weight
-    fused = torch.empty(sum(lin.weight.shape[0] for lin in linears), first.shape[1], dtype=first.dtype,
-                        device=first.device)
-    at = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight = nn.Parameter(fused[at : at + rows])
-        at += rows
-    return fused
 
 
 # ---------------------------------------------------------------------------------- node
@@ -249,25 +129,19 @@ class LlamaBackbone(KVNode):
         # must not pay for torch's default init only to be overwritten by the loader.
         # Under tensor parallelism the modules have this rank's sizes (the same names).
         self.eps = float(g("rms_eps", 1e-5))
+        group, local_inter, factory = self.tp_group, intermediate // self.tp, {"dtype": spec.dtype}
         with torch.device("meta"):
-            self.model = LlamaModel(
-                self.vocab // self.tp,
-                self.hidden,
-                self.layers,
-                self.local_heads,
-                self.local_kv_heads,
-                self.head_dim,
-                intermediate // self.tp,
-                self.eps,
-                dtype=spec.dtype,
-            )
+            embed = VocabEmbedding(self.vocab // self.tp, self.hidden, self.vocab_start, group, **factory)
+            self.model = Decoder(self.layers, self.hidden, self.local_heads, self.local_kv_heads, self.head_dim,
+                                 self.eps, lambda i: GatedMLP(self.hidden, local_inter, group, **factory),
+                                 group=group, embed=embed, **factory)
             if not self.tied:
-                self.lm_head = nn.Linear(self.hidden, self.vocab // self.tp, bias=False, dtype=spec.dtype)
+                self.lm_head = LMHead(self.vocab // self.tp, self.hidden, group, self.tp, **factory)
         self.to_empty(device=spec.device)
-        self._qkv = [_one_storage(x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj) for x in self.model.layers]
-        self._gate_up = [_one_storage(x.mlp.gate_proj, x.mlp.up_proj) for x in self.model.layers]
-        self._qkv_split = [self.local_heads * self.head_dim] + [self.local_kv_heads * self.head_dim] * 2
-        self._init_weights()
+        # HF's Llama init (N(0, 0.02) matrices, unit norm gains), seeded by the node name, so the
+        # `init` weights source is deterministic; a sharded rank keeps its slice of each full
+        # matrix: tp N holds the values of tp 1
+        seeded_init_(self, spec.name, self.tp_layout.split_of)
         # float32 whatever the weights' dtype, computed on the CPU and then moved, as HF does (a
         # GPU pow can differ in the last bit); not persistent: the loader never looks for it
         inv_freq = llama3_inv_freq(self.head_dim, float(g("rope_theta", 500000.0)))
@@ -282,31 +156,6 @@ class LlamaBackbone(KVNode):
         self.tp_layout = lay
         self.tp, self.tp_rank, self.tp_group = lay.tp, lay.rank, lay.group
         self.local_heads, self.local_kv_heads, self.vocab_start = lay.heads, lay.kv_heads, lay.vocab_start
-
-    def _split_of(self, name: str) -> tuple[int, int, int] | None:
-        """(dim, parts, part) of parameter `name` on this rank; None when whole."""
-        return self.tp_layout.split_of(name)
-
-    def _init_weights(self) -> None:
-        """HF's Llama init (N(0, 0.02) matrices, unit norm gains), seeded by the node name, so the
-        `init` weights source is deterministic; `dummy` and checkpoints overwrite it. A sharded
-        rank draws each full matrix, in the same order, and keeps its slice: tp N holds the
-        values of tp 1."""
-        seed = sum(ord(c) * 31**i for i, c in enumerate(self.spec.name)) % (2**31)
-        gen = torch.Generator(device=self.spec.device).manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                split = self._split_of(name)
-                if p.dim() < 2:  # every 1-D parameter is an RMSNorm gain
-                    p.fill_(1.0)
-                elif split is None:
-                    p.normal_(0.0, 0.02, generator=gen)
-                else:
-                    dim, parts, part = split
-                    full = list(p.shape)
-                    full[dim] *= parts
-                    values = torch.empty(full, dtype=p.dtype, device=p.device).normal_(0.0, 0.02, generator=gen)
-                    p.copy_(values.narrow(dim, part * p.shape[dim], p.shape[dim]))
 
     # ------------------------------------------------------------------ contract
     @property
@@ -382,46 +231,21 @@ class LlamaBackbone(KVNode):
     def forward_hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Packed token ids [N] at absolute `positions` [N] -> final-normed hidden states [N, hidden].
 
-        Pure tensor code whose only attention is `attend` (so an engine may capture it in a CUDA graph).
-        Under tensor parallelism it also runs the group's all-reduces (a no-op call at tp 1),
-        and every rank of the group ends with the same hidden states."""
-        h = self._embed(ids)
-        n = h.shape[0]
+        Pure tensor code whose only attention is `attend` (so an engine may capture it in a CUDA
+        graph): the layer library's decoder stack (`mstar_models.layers.decoder`, fused q/k/v and
+        gate/up GEMMs, each residual add fused with the next norm). Under tensor parallelism the
+        layers run the group's all-reduces, and every rank ends with the same hidden states."""
+        h = self.model.embed_tokens(ids)
         # HF's LlamaRotaryEmbedding: angles in float32, cos/sin cast to the activation dtype
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
-        layers = self.model.layers
-        # the fused ops (runtime/mstar_runtime/ops/fused.py) are HF's math: one kernel each on a GPU; a residual add
-        # is fused with the norm that follows it (the last one with the final norm)
-        x = fused.rms_norm(h, layers[0].input_layernorm.weight, self.eps)
-        for i, layer in enumerate(layers):
-            a, mlp = layer.self_attn, layer.mlp
-            # q, k and v (gate and up below) in one GEMM over their shared storage (`_one_storage`)
-            q, k, v = F.linear(x, self._qkv[i]).split(self._qkv_split, dim=-1)
-            q, k = fused.rope(q.view(n, self.local_heads, self.head_dim), k.view(n, self.local_kv_heads, self.head_dim),
-                              cos, sin)
-            v = v.reshape(n, self.local_kv_heads, self.head_dim)
-            o = a.o_proj(attend(i, q, k, v).reshape(n, self.local_heads * self.head_dim))
-            # row-parallel layers end in partial sums of every rank: all-reduced (a no-op at tp 1)
-            h, x = fused.add_rms_norm(h, tp.all_reduce(o, self.tp_group), layer.post_attention_layernorm.weight,
-                                      self.eps)
-            gate, up = F.linear(x, self._gate_up[i]).chunk(2, dim=-1)
-            m = mlp.down_proj(fused.silu_mul(gate, up))
-            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            h, x = fused.add_rms_norm(h, tp.all_reduce(m, self.tp_group), norm.weight, self.eps)
-        return x
-
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [N, hidden]; vocab-parallel under TP (`tp.embed_vocab_parallel`)."""
-        return tp.embed_vocab_parallel(ids, self.model.embed_tokens.weight, self.vocab_start, self.tp_group)
+        cos, sin = rope_tables(positions, self.inv_freq, h.dtype)
+        return self.model.forward_layers(h, cos, sin, attend)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] (computed in the weights' dtype, as HF does, then widened).
-        Under TP each rank computes its vocab rows' logits and the all-gather gives every rank
-        the same full row, so each can sample the group's token itself."""
-        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return tp.all_gather_last(F.linear(hidden, weight), self.tp_group, self.tp).float()
+        """Float32 logits [N, vocab] (computed in the weights' dtype, as HF does, then widened),
+        the same full row on every rank of the TP group, so each samples the group's token."""
+        if not self.tied:
+            return self.lm_head(hidden)
+        return lm_logits(hidden, self.model.embed_tokens.weight, self.tp_group, self.tp)
 
     # ------------------------------------------------------------------ sampling
     def _check_prefill(

@@ -8,8 +8,9 @@
   codes per 80 ms step, one CUDA graph per batch on a GPU (talker.py)
 - Code2Wav (stateless): codec frames -> 24 kHz audio with the keep-last streaming rule (code2wav.py)
 
-Shared: decoder.py (the QK-norm decoder stack), moe.py (the expert kernels), positions.py
-(interleaved MRoPE and `rope_index`), tokens.py (special ids), lm_common.py (input checks).
+Shared: positions.py (`rope_index`'s 3-D positions), tokens.py (special ids), lm_common.py
+(input checks). The decoder stack, the MoE block, M-RoPE and the norms are the layer library's
+(`mstar_models.layers`); moe.py keeps the MoE block's old import path.
 """
 
 from mstar_models.qwen3_omni.audio_encoder import AudioEncoder

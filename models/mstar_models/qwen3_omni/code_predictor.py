@@ -9,7 +9,7 @@ The math is transformers 5.24's `Qwen3OmniMoeTalkerCodePredictorModelForConditio
 as the talker's `prepare_inputs_for_generation` runs it once per frame: a fresh context, a
 2-row prefill [the talker's final-normed hidden state, `codec_embedding(code0)`] whose last row
 gives code 1 through `lm_head[0]`, then single-row steps: step g feeds
-`codec_embedding[g - 1](code g)` and `lm_head[g]` gives code g + 1. Layers are `decoder.Decoder`
+`codec_embedding[g - 1](code g)` and `lm_head[g]` gives code g + 1. Layers are `layers.decoder.Decoder`
 with a dense SwiGLU MLP, QK-norm and 1-D RoPE (positions 0 .. 15 within the frame).
 Parameters: `model.layers.{i}.*`, `model.norm.weight`, `model.codec_embedding.{g}.weight`,
 `lm_head.{g}.weight` (g < code_groups - 1), the tables and heads views of two stacked buffers.
@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_models.qwen3_omni.decoder import Decoder, StackedWeights
-from mstar_models.qwen3_omni.moe import DenseMLP
-from mstar_models.qwen3_omni.positions import inv_freq, rope_tables
+from mstar_models.layers.decoder import Decoder
+from mstar_models.layers.linear import StackedWeights
+from mstar_models.layers.mlp import GatedMLP
+from mstar_models.layers.rotary import inv_freq, rope_tables
 from mstar_runtime.ops.sampler import pick_from_cdf, uniforms
 
 TOP_K, TOP_P = 50, 0.8  # HF's talker passes these to the code predictor's generate when sampling
@@ -48,7 +49,7 @@ class CodePredictor(nn.Module):
         self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
         self.groups = groups
         self.model = Decoder(layers, hidden, heads, kv_heads, head_dim, eps,
-                             lambda i: DenseMLP(hidden, intermediate, **factory), **factory)
+                             lambda i: GatedMLP(hidden, intermediate, **factory), qk_norm=True, **factory)
         self.model.codec_embedding = StackedWeights(groups - 1, vocab, hidden, **factory)
         self.lm_head = StackedWeights(groups - 1, vocab, hidden, **factory)
         self.register_buffer("freq", inv_freq(head_dim, rope_theta).to(factory.get("device")), persistent=False)

@@ -19,10 +19,8 @@ Positions are float32, as there (a video's seconds per patch may be fractional).
 audio's token count is the number of its placeholders (the processor writes as many as the
 encoder gives, `_get_feat_extract_output_lengths` there), unless `audio_lengths` says.
 
-`mrope_tables` turns (t, h, w) positions into cos/sin with interleaved MRoPE: of the
-head_dim / 2 frequency slots, slot j takes its angle from h when j = 1 mod 3 and j < 3 * s_h,
-from w when j = 2 mod 3 and j < 3 * s_w, from t otherwise (sections (s_t, s_h, s_w), e.g.
-[24, 20, 20]). `rope_tables` is the 1-D form (the code predictor).
+`mstar_models.layers.rotary.mrope_tables` turns these (t, h, w) positions into cos/sin with
+interleaved MRoPE (its `rope_tables` is the 1-D form the code predictor uses).
 """
 
 from __future__ import annotations
@@ -43,30 +41,6 @@ def default_mrope_section(head_dim: int) -> list[int]:
     half = head_dim // 2
     hw = half * 5 // 16
     return [half - 2 * hw, hw, hw]
-
-
-def inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], float32 on the CPU (transformers' default RoPE, op for op)."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-
-
-def mrope_tables(
-    positions: torch.Tensor, freq: torch.Tensor, section: Sequence[int], dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [N, 1, head_dim] in `dtype` for (t, h, w) positions [3, N] (interleaved MRoPE)."""
-    angles = positions[..., None].float() * freq.to(positions.device)[None, None, :]  # [3, N, D/2]
-    mixed = angles[0].clone()
-    for axis, offset in ((1, 1), (2, 2)):
-        mixed[:, offset : section[axis] * 3 : 3] = angles[axis, :, offset : section[axis] * 3 : 3]
-    emb = torch.cat((mixed, mixed), dim=-1)[:, None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rope_tables(positions: torch.Tensor, freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [N, 1, head_dim] in `dtype` of 1-D positions [N]."""
-    angles = positions[:, None].float() * freq.to(positions.device)[None, :]
-    emb = torch.cat((angles, angles), dim=-1)[:, None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def _vision(start: torch.Tensor, t_index: torch.Tensor, grid: Grid, merge: int) -> torch.Tensor:

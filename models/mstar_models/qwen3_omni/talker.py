@@ -1,8 +1,8 @@
 """Qwen3-Omni's talker as a KV node: the 20-layer MoE that turns the thinker's text into codec frames.
 
 The math is transformers 5.24's `Qwen3OmniMoeTalkerForConditionalGeneration` (and the parts of
-`Qwen3OmniMoeForConditionalGeneration.generate` that build its inputs): `decoder.Decoder`
-layers whose MLP is `moe.SparseMoE` with the sigmoid-gated shared expert, interleaved MRoPE,
+`Qwen3OmniMoeForConditionalGeneration.generate` that build its inputs): `layers.decoder.Decoder`
+layers whose MLP is `layers.moe.SparseMoE` with the sigmoid-gated shared expert, interleaved MRoPE,
 `codec_head` over the 3072 codec ids; `text_projection` / `hidden_projection` (2-layer SiLU
 MLPs with bias) take thinker-width rows to talker width; the code predictor
 (`code_predictor.CodePredictor`) adds each frame's residual codes. Parameters carry the
@@ -71,11 +71,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_models.layers.decoder import Decoder
+from mstar_models.layers.embedding import VocabEmbedding, lm_logits
+from mstar_models.layers.init import seeded_init_
+from mstar_models.layers.linear import Weight
+from mstar_models.layers.moe import SparseMoE
+from mstar_models.layers.rotary import inv_freq, mrope_tables
 from mstar_models.qwen3_omni.code_predictor import CodePredictor
-from mstar_models.qwen3_omni.decoder import Decoder, seeded_init_
 from mstar_models.qwen3_omni.lm_common import attention_sizes, sampling_params, scalar
-from mstar_models.qwen3_omni.moe import SparseMoE, Weight
-from mstar_models.qwen3_omni.positions import default_mrope_section, inv_freq, mrope_tables
+from mstar_models.qwen3_omni.positions import default_mrope_section
 from mstar_models.qwen3_omni.tokens import TokenIds
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import (
@@ -95,25 +99,13 @@ from mstar_runtime.ops.sampler import SamplingColumns, SamplingParams, derive_se
 PROMPT_TAIL = 5  # rows of the talker prefill that carry codec embeddings: nothink .. codec_pad
 
 
-class Linear(nn.Module):
-    """`weight` and `bias` of a linear layer, under the checkpoint's names."""
-
-    def __init__(self, out_features: int, in_features: int, **factory: Any):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, **factory), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
 class ResizeMLP(nn.Module):
     """`text_projection` / `hidden_projection`: thinker width -> talker width (SiLU between)."""
 
     def __init__(self, in_dim: int, inter: int, out_dim: int, **factory: Any):
         super().__init__()
-        self.linear_fc1 = Linear(inter, in_dim, **factory)
-        self.linear_fc2 = Linear(out_dim, inter, **factory)
+        self.linear_fc1 = Weight.empty(inter, in_dim, bias=True, **factory)
+        self.linear_fc2 = Weight.empty(out_dim, inter, bias=True, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.silu(self.linear_fc1(x)))
@@ -150,10 +142,10 @@ class TalkerMoE(KVNode):
         self.model = Decoder(
             self.layers, self.hidden, self.heads, self.kv_heads, self.head_dim, eps,
             lambda i: SparseMoE(self.hidden, experts, inter, top_k, normalize, shared, kernel=kernel, **factory),
-            **factory,
+            qk_norm=True, **factory,
         )
-        self.model.codec_embedding = Weight(torch.empty(self.vocab, self.hidden, **factory))
-        self.codec_head = Weight(torch.empty(self.vocab, self.hidden, **factory))
+        self.model.codec_embedding = VocabEmbedding(self.vocab, self.hidden, **factory)
+        self.codec_head = Weight.empty(self.vocab, self.hidden, **factory)
         proj = int(g("projection_intermediate"))
         self.text_projection = ResizeMLP(self.thinker_hidden, proj, self.hidden, **factory)
         self.hidden_projection = ResizeMLP(self.thinker_hidden, proj, self.hidden, **factory)
@@ -202,11 +194,11 @@ class TalkerMoE(KVNode):
         return mrope_tables(positions, self.freq, self.section, self.codec_head.weight.dtype)
 
     def codec_embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.model.codec_embedding.weight)
+        return self.model.codec_embedding(ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 codec logits, the suppressed ids at -inf."""
-        out = F.linear(hidden, self.codec_head.weight).float()
+        out = lm_logits(hidden, self.codec_head.weight)
         return out.masked_fill(~self.allowed, float("-inf"))
 
     def project(self, states: torch.Tensor, mm: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Qwen3-Omni's thinker as a KV node: the 48-layer MoE text model with its encoders' outputs, lm_head, sampling.
 
 The math is transformers 5.24's `Qwen3OmniMoeThinkerForConditionalGeneration` step for step
-(`decoder.Decoder` layers with `moe.SparseMoE` MLPs, interleaved MRoPE from
+(`layers.decoder.Decoder` with QK-norm and `layers.moe.SparseMoE` MLPs, interleaved MRoPE from
 `positions.rope_index`, untied `lm_head`). Parameters carry the checkpoint's names under
 `thinker.` (`thinker.model.embed_tokens.weight`, `thinker.model.layers.{i}.*`,
 `thinker.model.norm.weight`, `thinker.lm_head.weight`).
@@ -71,12 +71,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 
-from mstar_models.qwen3_omni.decoder import Decoder, seeded_init_
+from mstar_models.layers.decoder import Decoder
+from mstar_models.layers.embedding import LMHead, VocabEmbedding
+from mstar_models.layers.init import seeded_init_
+from mstar_models.layers.moe import SparseMoE
+from mstar_models.layers.rotary import inv_freq, mrope_tables
 from mstar_models.qwen3_omni.lm_common import attention_sizes, grids, rows, sampling_params, scalar, token_ids
-from mstar_models.qwen3_omni.moe import SparseMoE, Weight
-from mstar_models.qwen3_omni.positions import default_mrope_section, inv_freq, mrope_tables, rope_index
+from mstar_models.qwen3_omni.positions import default_mrope_section, rope_index
 from mstar_models.qwen3_omni.tokens import TokenIds
 from mstar_runtime.ops import tp
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
@@ -147,11 +149,13 @@ class ThinkerMoE(KVNode):
         local_inter = inter // self.tp
         self.model = Decoder(
             self.layers, self.hidden, self.local_heads, self.local_kv_heads, self.head_dim, eps,
-            lambda i: SparseMoE(self.hidden, experts, local_inter, top_k, normalize, kernel=kernel, **factory),
-            self.tp_group, **factory,
+            lambda i: SparseMoE(self.hidden, experts, local_inter, top_k, normalize, kernel=kernel,
+                                group=self.tp_group, **factory),
+            qk_norm=True, group=self.tp_group, **factory,
         )
-        self.model.embed_tokens = Weight(torch.empty(self.local_vocab, self.hidden, **factory))
-        self.lm_head = Weight(torch.empty(self.local_vocab, self.hidden, **factory))
+        self.model.embed_tokens = VocabEmbedding(self.local_vocab, self.hidden, self.vocab_start, self.tp_group,
+                                                 **factory)
+        self.lm_head = LMHead(self.local_vocab, self.hidden, self.tp_group, self.tp, **factory)
         seeded_init_(self, spec.name, self._split_of)
         # float32 on the CPU, then moved, as HF computes it; not persistent: never a checkpoint tensor
         self.register_buffer("freq", inv_freq(self.head_dim, float(g("rope_theta", 1e6))).to(spec.device),
@@ -207,14 +211,12 @@ class ThinkerMoE(KVNode):
 
     # ------------------------------------------------------------------ math
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [N, hidden]; vocab-parallel under TP (`tp.embed_vocab_parallel`)."""
-        return tp.embed_vocab_parallel(ids, self.model.embed_tokens.weight, self.vocab_start, self.tp_group)
+        """Token embeddings [N, hidden] (vocab-parallel under TP)."""
+        return self.model.embed_tokens(ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] (computed in the weights' dtype, as HF does, then widened).
-        Under TP each rank computes its vocab rows' logits and the all-gather gives every rank
-        the same full row, so each samples the group's token itself."""
-        return tp.all_gather_last(F.linear(hidden, self.lm_head.weight), self.tp_group, self.tp).float()
+        """Float32 logits [N, vocab], the same full row on every rank of the TP group."""
+        return self.lm_head(hidden)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of (t, h, w) positions [3, N]."""

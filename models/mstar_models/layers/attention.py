@@ -1,0 +1,57 @@
+"""Grouped-query attention over the runtime's paged KV: fused q/k/v, optional QK-norm and bias, RoPE, row-parallel output.
+
+`Attention` holds `q_proj`, `k_proj`, `v_proj` (row views of one fused buffer: one GEMM),
+`o_proj` and, with `qk_norm`, `q_norm` / `k_norm` (an RMSNorm of each head over head_dim,
+before RoPE, as Qwen3 and BAGEL do), under the checkpoint's names. The attention itself is
+the caller's `attend(layer, q, k, v)`: the runtime's `AttentionContext.attend` (FlashInfer
+over the paged pool on a GPU, the PyTorch paged path on the CPU), a cohort step's, or a
+dense one (Qwen3-Omni's code predictor), so the module is pure tensor code a CUDA graph can
+capture.
+
+Tensor parallelism: built with this rank's heads and KV heads (`tp.MegatronLayout`), q/k/v
+are column-parallel and `o_proj` row-parallel (all-reduced over `group`; None at tp 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mstar_models.layers.linear import FusedRows, RowParallel
+from mstar_models.layers.norm import RMSNorm
+from mstar_models.layers.rotary import apply_rope
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Attention(FusedRows):
+    """`self_attn` of one decoder layer; `heads` and `kv_heads` are this rank's."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, *, eps: float = 1e-6,
+                 qk_norm: bool = False, bias: bool = False, group: Any = None, **factory: Any):
+        super().__init__({"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim},
+                         hidden, bias=bias, **factory)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.o_proj = RowParallel(hidden, heads * head_dim, group, **factory)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps, **factory)
+            self.k_norm = RMSNorm(head_dim, eps, **factory)
+        self.qk_norm = qk_norm
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [N, hidden] -> q [N, heads, hd], k and v [N, kv_heads, hd]: QK-normed, then rotated."""
+        n, hd = x.shape[0], self.head_dim
+        q, k, v = self.project(x)
+        q, k = q.view(n, self.heads, hd), k.view(n, self.kv_heads, hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, k, cos, sin)
+        return q, k, v.view(n, self.kv_heads, hd)
+
+    def forward(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """x [N, hidden] with RoPE tables [N, 1, head_dim] -> the layer's attention output [N, hidden]
+        (summed over the TP group)."""
+        q, k, v = self.qkv(x, cos, sin)
+        return self.o_proj(attend(layer, q, k, v).reshape(x.shape[0], self.heads * self.head_dim))

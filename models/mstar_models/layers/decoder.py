@@ -1,0 +1,81 @@
+"""The pre-norm decoder stack of Llama, Qwen3 and their kin: attention and an MLP per layer, residuals, a final norm.
+
+One layer is `x = norm(h); h += attn(x); x = norm(h); h += mlp(x)` (transformers'
+`LlamaDecoderLayer`, `Qwen3DecoderLayer`, `Qwen3OmniMoeThinkerTextDecoderLayer`): the
+attention is `attention.Attention` (QK-norm or not), the MLP whatever the caller builds per
+layer (`mlp.GatedMLP`, `moe.SparseMoE`). The parameters carry the checkpoint's names under
+the stack's prefix (`layers.{i}.self_attn.q_proj.weight`, `layers.{i}.mlp.*`,
+`layers.{i}.input_layernorm.weight`, `norm.weight`).
+
+`forward_layers` is pure tensor code whose only attention is `attend`, so an engine may
+capture it in a CUDA graph. Each residual add is fused with the norm after it
+(`fused.add_rms_norm`: one kernel on a GPU; the last with the final norm).
+`after_layer(i, h)` lets the caller read or change the residual stream after layer i
+(Qwen3-Omni's deepstack additions and its hidden-state tap for the talker); then that add
+and the next norm run apart.
+
+Tensor parallelism lives in the layers: built with this rank's heads, KV heads and MLP width,
+the row-parallel outputs are all-reduced there, so every rank carries the same full residual
+stream and `after_layer` sees it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mstar_models.layers.attention import Attend, Attention
+from mstar_models.layers.norm import RMSNorm
+from mstar_runtime.ops import fused
+
+AfterLayer = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attention: Attention, mlp: nn.Module, hidden: int, eps: float, **factory: Any):
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden, eps, **factory)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, **factory)
+
+
+class Decoder(nn.Module):
+    """`layers.{i}.*` and `norm.weight`; `mlp(i)` builds layer i's MLP. `heads` and `kv_heads`
+    are this rank's; `group` (None at tp 1) sums the row-parallel outputs over the TP group.
+    `embed`, when given, is registered first as `embed_tokens` (Llama's parameter order, which
+    a seeded init follows)."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float,
+                 mlp: Callable[[int], nn.Module], *, qk_norm: bool = False, group: Any = None,
+                 embed: nn.Module | None = None, **factory: Any):
+        super().__init__()
+        self.eps = eps
+        if embed is not None:
+            self.embed_tokens = embed
+        self.layers = nn.ModuleList(
+            DecoderLayer(Attention(hidden, heads, kv_heads, head_dim, eps=eps, qk_norm=qk_norm, group=group,
+                                   **factory), mlp(i), hidden, eps, **factory)
+            for i in range(layers)
+        )
+        self.norm = RMSNorm(hidden, eps, **factory)
+
+    def forward_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+                       after_layer: AfterLayer | None = None) -> torch.Tensor:
+        """Packed rows h [N, hidden] with their RoPE tables [N, 1, head_dim] -> final-normed [N, hidden]."""
+        eps, layers = self.eps, self.layers
+        x = fused.rms_norm(h, layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(layers):
+            o = layer.self_attn(i, x, cos, sin, attend)
+            h, x = fused.add_rms_norm(h, o, layer.post_attention_layernorm.weight, eps)
+            m = layer.mlp(x)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            if after_layer is None:
+                h, x = fused.add_rms_norm(h, m, norm.weight, eps)
+            else:
+                h = after_layer(i, h + m)
+                x = fused.rms_norm(h, norm.weight, eps)
+        return x

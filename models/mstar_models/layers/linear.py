@@ -1,0 +1,109 @@
+"""Linear weights under the checkpoint's names: one weight, several fused into one GEMM, stacked tables, row-parallel.
+
+Every class here holds its parameters under the names a checkpoint stores (`<name>.weight`,
+`<name>.bias`), so `mstar_runtime.weights` loads a Hugging Face folder without a rename map:
+where several checkpoint tensors are read by one matmul (q/k/v, gate/up), they are row views
+of one fused buffer, the assembly happens at load by filling the views in place, and the
+names do not change.
+
+Tensor parallelism (nano-vllm's vocabulary; the cuts are `mstar_runtime.ops.tp.MegatronLayout`'s,
+and the loader narrows each checkpoint tensor to this rank's part by the plan's shard specs):
+- column-parallel: a `FusedRows` or `Weight` built with this rank's output rows; its outputs
+  are this rank's features and need no collective;
+- row-parallel: `RowParallel`, built with this rank's input columns; its output is a partial
+  sum, all-reduced over the node's TP group (a no-op at tp 1, where the group is None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar_runtime.ops import tp
+
+
+class Weight(nn.Module):
+    """A module holding one `weight` parameter (and `bias` when given), forward `F.linear`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @staticmethod
+    def empty(rows: int, cols: int, bias: bool = False, **factory: Any) -> Weight:
+        """A [rows, cols] weight (and [rows] bias) with uninitialised storage."""
+        return Weight(torch.empty(rows, cols, **factory), torch.empty(rows, **factory) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallel(Weight):
+    """`o_proj` / `down_proj`: this rank's input columns; the output summed over `group`."""
+
+    def __init__(self, rows: int, cols: int, group: Any = None, **factory: Any):
+        super().__init__(torch.empty(rows, cols, **factory))
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tp.all_reduce(F.linear(x, self.weight), self.group)
+
+
+class FusedRows(nn.Module):
+    """Weights one matmul reads together: the children named in `parts` (each the checkpoint's
+    `<part>.weight` [rows_i, cols], and `<part>.bias` with `bias`) are row slices of one buffer
+    `fused` [sum rows_i, cols], so loading fills the buffer and a step runs one GEMM where it
+    would run several (q/k/v, gate/up). At decode batch sizes a GEMM is a weight read plus a
+    fixed cost, so fewer, larger GEMMs are faster (on an H200 the q/k/v and gate/up GEMMs of a
+    3B Llama ran as separate split-K kernels well above the read floor)."""
+
+    def __init__(self, parts: dict[str, int], cols: int, bias: bool = False, **factory: Any):
+        super().__init__()
+        self._parts = dict(parts)
+        self.sizes = list(parts.values())
+        self.register_buffer("fused", torch.empty(sum(self.sizes), cols, **factory), persistent=False)
+        self.register_buffer("fused_bias", torch.empty(sum(self.sizes), **factory) if bias else None,
+                             persistent=False)
+        for name, (w, b) in zip(parts, self._views(), strict=True):
+            setattr(self, name, Weight(w, b))
+
+    def _views(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        ws = self.fused.split(self.sizes)
+        bs = self.fused_bias.split(self.sizes) if self.fused_bias is not None else [None] * len(ws)
+        return list(zip(ws, bs, strict=True))
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FusedRows:
+        # a conversion (.to, .to_empty) gives each parameter storage of its own: point them back
+        super()._apply(fn, recurse)
+        for name, (w, b) in zip(self._parts, self._views(), strict=True):
+            part = getattr(self, name)
+            part.weight.data = w
+            if b is not None:
+                part.bias.data = b
+        return self
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., cols] -> one output per part, from one matmul."""
+        return tuple(F.linear(x, self.fused, self.fused_bias).split(self.sizes, dim=-1))
+
+
+class StackedWeights(nn.ModuleList):
+    """`{g}.weight` for g < n, each a view of one [n, rows, cols] buffer `stacked`, so a batch can
+    gather every entry's table or head with one index (Qwen3-Omni's code predictor's 15
+    embeddings and heads)."""
+
+    def __init__(self, n: int, rows: int, cols: int, **factory: Any):
+        stacked = torch.empty(n, rows, cols, **factory)
+        super().__init__(Weight(stacked[g]) for g in range(n))
+        self.register_buffer("stacked", stacked, persistent=False)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> StackedWeights:
+        super()._apply(fn, recurse)
+        for g, w in enumerate(self):
+            w.weight.data = self.stacked[g]
+        return self

@@ -1,0 +1,89 @@
+"""Rotary position embeddings: frequencies (default, llama3-scaled), cos/sin tables (1-D, Qwen3-Omni's M-RoPE), the rotations.
+
+Frequencies are float32 and computed on the CPU, as transformers does (a GPU pow can differ
+in the last bit), then moved by the caller. Tables are [N, 1, head_dim]: the angles in
+float32, cos and sin cast to the activations' dtype, the head_dim / 2 angles written twice
+(transformers' rotate-half pairing: dim i turns with dim i + head_dim / 2), so that
+`apply_rope` (= `mstar_runtime.ops.fused.rope`, HF's `apply_rotary_pos_emb` in the activation
+dtype) rotates q [N, H, D] and k [N, Hkv, D] in one kernel.
+
+M-RoPE (Qwen3-Omni's interleaved multimodal RoPE): positions are (t, h, w) triples [3, N];
+of the head_dim / 2 frequency slots, slot j takes its angle from h when j = 1 mod 3 and
+j < 3 * s_h, from w when j = 2 mod 3 and j < 3 * s_w, from t otherwise (sections
+(s_t, s_h, s_w), e.g. [24, 20, 20]).
+
+Interleaved pairing (V-JEPA 2's `rotate_queries_or_keys`): dim 2k turns with dim 2k + 1
+(`rotate_pairs`), with cos/sin tables whose layout the model builds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from mstar_runtime.ops import fused
+
+# Llama 3.x RoPE scaling (HF `rope_type: llama3`): every Llama-3.2 checkpoint uses exactly these.
+LLAMA3_ROPE = {
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+apply_rope = fused.rope
+
+
+def inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], float32 on the CPU (transformers' default RoPE, op for op)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+
+
+def llama3_inv_freq(
+    head_dim: int,
+    theta: float,
+    factor: float = LLAMA3_ROPE["factor"],
+    low_freq_factor: float = LLAMA3_ROPE["low_freq_factor"],
+    high_freq_factor: float = LLAMA3_ROPE["high_freq_factor"],
+    original_max_position_embeddings: int = int(LLAMA3_ROPE["original_max_position_embeddings"]),
+) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], float32: HF's `_compute_llama3_parameters`, op for op
+    (long wavelengths divided by `factor`, short ones kept, a smooth blend in between)."""
+    freq = inv_freq(head_dim, theta)
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / freq
+    freq_llama = torch.where(wavelen > low_freq_wavelen, freq / factor, freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * freq_llama / factor + smooth * freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, freq_llama)
+
+
+def _tables(angles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    emb = torch.cat((angles, angles), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rope_tables(positions: torch.Tensor, freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [N, 1, head_dim] in `dtype` of 1-D positions [N] (rotate-half pairing)."""
+    return _tables(positions[:, None].float() * freq.to(positions.device)[None, :], dtype)
+
+
+def mrope_tables(
+    positions: torch.Tensor, freq: torch.Tensor, section: Sequence[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [N, 1, head_dim] in `dtype` for (t, h, w) positions [3, N] (interleaved M-RoPE)."""
+    angles = positions[..., None].float() * freq.to(positions.device)[None, None, :]  # [3, N, D/2]
+    mixed = angles[0].clone()
+    for axis, offset in ((1, 1), (2, 2)):
+        mixed[:, offset : section[axis] * 3 : 3] = angles[axis, :, offset : section[axis] * 3 : 3]
+    return _tables(mixed, dtype)
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """The interleaved rotation partner of x [..., D]: (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)

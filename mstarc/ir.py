@@ -16,6 +16,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+# one dtype table, the plan records' (re-exported: the passes read I.DTYPE_BYTES)
+from mstar_runtime.plan.records import DTYPE_BYTES  # noqa: F401
 from mstarc.diagnostics import Span
 
 if TYPE_CHECKING:
@@ -25,7 +27,6 @@ if TYPE_CHECKING:
 ConfigValue = int | float | str | bool | list
 
 SCALAR_KINDS = ("str", "int", "float", "bool", "image")
-DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4, "i64": 8, "u8": 1, "bool": 1}
 
 _NO_SPAN = Span.unknown()
 

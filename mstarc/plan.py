@@ -75,11 +75,11 @@ def _weights(ck: I.CheckpointIR) -> dict[str, Any]:
 def _node(model: I.ModelIR, node: I.NodeIR) -> dict[str, Any]:
     arch = None
     if node.arch is not None:
-        tensors = [[t.name, list(t.shape), t.dtype, t.shard] for t in node.arch.tensors]
+        tensors = [t.to_json() for t in node.arch.tensors]
         digest = hashlib.sha256(planfile.dump_body({"t": tensors})).hexdigest()
         kv = node.arch.kv
         arch = {"name": node.arch_name, "args": node.arch_args, "dims": dict(sorted(node.arch.dims.items())),
-                "kv": {"layers": kv.layers, "kv_heads": kv.kv_heads, "head_dim": kv.head_dim} if kv else None,
+                "kv": kv.to_json() if kv else None,
                 "params": node.arch.param_count(), "bytes": node.arch.bytes(),
                 "tensors_sha256": digest, "tensors": tensors}
     shard = model.sharding.get(node.name)

@@ -284,3 +284,52 @@ def test_plan_larger_than_host_memory_is_refused(
 def test_unknown_device_and_bad_cap(plans: dict[str, Path]) -> None:
     assert "unknown device 'tpu'" in load_error(plans["orpheus"], device="tpu")
     assert "kv_pages_cap must be >= 1" in load_error(plans["orpheus"], kv_pages_cap=0)
+
+
+def test_the_loader_reads_back_the_compilers_own_plan_records(tmp_path: Path) -> None:
+    """One declaration (runtime/mstar_runtime/plan/records.py): the loaded plan holds the
+    compiler's ShardSpec, TensorSpec and KVGeometry classes, equal to what the passes made;
+    `tp` is in the plan once per node (its `shard`), no longer also in `placement.nodes`."""
+    from types import SimpleNamespace
+
+    from mstar_runtime.plan import records
+    from mstarc import pipeline
+    from mstarc.archs import KVGeometry, TensorSpec
+    from mstarc.cli import _frontend
+    from mstarc.passes.shard_tp import ShardSpec
+    from mstarc.plan import build_plan
+
+    assert (ShardSpec, TensorSpec, KVGeometry) == (records.ShardSpec, records.TensorSpec, records.KVGeometry)
+    args = SimpleNamespace(model=str(ROOT / "models/orpheus/orpheus.walk"), variant="tiny", weights=None,
+                           placement=str(ROOT / "tests/placements/cpu2_tp2.yaml"))
+    model, digest, spec = _frontend(args)
+    model = pipeline.run(model, spec)
+    body = build_plan(model, digest)
+    planfile.write(tmp_path / "tp2.plan", body)
+    plan = load_plan(tmp_path / "tp2.plan", device="cpu")
+    assert model.sharding["llm"].tp == 2 and model.sharding["llm"].collectives  # really sharded
+    for name, node in plan.nodes.items():
+        assert node.shard == model.sharding[name], name  # every field, collectives included
+        assert node.arch is None or node.arch.tensors == model.nodes[name].arch.tensors
+        assert node.arch is None or node.arch.kv == model.nodes[name].arch.kv
+
+    def tp_keys(obj: Any, path: str = "") -> list[str]:
+        if isinstance(obj, dict):
+            return [p for k, v in obj.items() for p in ([f"{path}.{k}"] if k == "tp" else []) + tp_keys(v, f"{path}.{k}")]
+        return [p for i, v in enumerate(obj) for p in tp_keys(v, f"{path}[{i}]")] if isinstance(obj, list) else []
+
+    assert sorted(tp_keys(body)) == sorted(f".nodes.{n}.shard.tp" for n in body["nodes"])
+    assert "nodes" not in body["placement"]
+
+
+@pytest.mark.parametrize(("op", "key"), [("seq", "body"), ("parallel", "branches")])
+def test_a_program_list_that_is_null_is_a_plan_error(plans: dict[str, Path], tmp_path: Path, op: str,
+                                                      key: str) -> None:
+    """A `seq` without its `body` list (or a `parallel` without `branches`) was accepted by
+    the invariants and then broke the walk over the program with a TypeError."""
+    def edit(body: dict) -> None:
+        program = body["walks"][next(iter(body["walks"]))]["program"]
+        program["body"].append({"op": op, key: None})
+
+    msg = load_error(rewrite(plans["testfamily"], tmp_path / "null.plan", edit))
+    assert f"a '{op}' op's '{key}' should be a list" in msg

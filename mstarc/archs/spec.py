@@ -8,13 +8,13 @@ compiler must not need torch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# Bytes per element of every dtype a weight can have (the .walk language's tensor dtypes).
-DTYPE_BYTES: Mapping[str, int] = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4, "i64": 8, "u8": 1, "bool": 1}
+# The records the plan carries to the runtime's loader, declared once (runtime/mstar_runtime/plan/records.py)
+from mstar_runtime.plan.records import DTYPE_BYTES, KVGeometry, TensorSpec  # noqa: F401 - re-exported
+
 # Weights are floating point; the integer dtypes only exist for ports.
 WEIGHT_DTYPES = ("bf16", "f16", "f32")
 # Tensor-parallel roles. "col": split dim 0 (q/k/v, gate/up, and the bias of such a layer);
@@ -32,34 +32,6 @@ class ArchError(Exception):
     def __init__(self, message: str, arg: str | None = None):
         super().__init__(message)
         self.arg = arg
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str  # the official checkpoint's tensor name, exactly
-    shape: tuple[int, ...]
-    dtype: str  # "bf16" | "f32" | ...
-    shard: str = "replicate"  # one of SHARD_ROLES
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * DTYPE_BYTES[self.dtype]
-
-
-@dataclass(frozen=True)
-class KVGeometry:
-    """Per-token KV cache shape of a kv node: 2 (K and V) x layers x kv_heads x head_dim."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-
-    def bytes_per_token(self, dtype: str) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * DTYPE_BYTES[dtype]
 
 
 @dataclass(frozen=True)

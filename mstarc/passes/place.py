@@ -140,7 +140,6 @@ class PlacementIR:
             "page_size": self.page_size,
             "max_batch": self.max_batch,
             "ranks": [r.to_json() for r in self.ranks],
-            "nodes": {n: {"ranks": list(self.node_ranks[n]), "tp": self.node_tp[n]} for n in sorted(self.node_ranks)},
             "call_ranks": {s: list(r) for s, r in sorted(self.call_ranks.items())},
             "resident": [{"rank": r, "nodes": list(ns)} for r, ns in sorted(self.resident.items())],
             "transfers": [t.to_json() for t in self.transfers],

@@ -26,9 +26,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from dataclasses import dataclass
 from typing import Any
 
+from mstar_runtime.plan.records import Collective, ShardSpec, TensorSplit
 from mstarc import ir as I
 from mstarc.archs import TensorSpec
 from mstarc.diagnostics import DiagnosticSink, Span
@@ -38,50 +38,6 @@ SHARD_KINDS = ("col", "row", "vocab", "expert", "replicate")
 _DIVIDED_DIMS = ("heads", "intermediate", "moe_intermediate", "vocab")
 _KV_PROJ = re.compile(r"(^|[._])(k|v|key|value|wk|wv)(_proj)?([._]|$)")
 _EMBED = re.compile(r"embed|wte|tok_emb")
-
-
-@dataclass(frozen=True)
-class TensorSplit:
-    kind: str  # one of SHARD_KINDS
-    dim: int | None  # the dimension that is cut; None: whole on every rank
-    parts: int  # equal slices the tensor is cut into; a rank holds one (1 when whole)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "dim": self.dim, "parts": self.parts}
-
-
-@dataclass(frozen=True)
-class Collective:
-    op: str  # "all_reduce" | "all_gather"
-    after: str  # module name pattern, layer/expert numbers as '*', e.g. "model.layers.*.mlp.down_proj"
-    count: int  # how many times one forward pass runs it
-
-    def to_json(self) -> dict[str, Any]:
-        return {"op": self.op, "after": self.after, "count": self.count}
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    node: str
-    tp: int
-    ranks: tuple[int, ...]  # the node's ranks from the placement (its TP groups, in order)
-    heads_per_rank: int | None
-    kv_heads_per_rank: int | None
-    kv_replicas: int  # ranks holding each KV head (1 unless tp is a multiple of kv_heads)
-    splits: dict[str, TensorSplit]  # tensor name -> how it is cut
-    collectives: tuple[Collective, ...]  # empty at tp 1
-    bytes_per_rank: int  # from the arch's shapes/dtypes (memory re-sizes from a checkpoint)
-
-    @property
-    def groups(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(self.ranks[i:i + self.tp] for i in range(0, len(self.ranks), self.tp))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"tp": self.tp, "ranks": list(self.ranks), "heads_per_rank": self.heads_per_rank,
-                "kv_heads_per_rank": self.kv_heads_per_rank, "kv_replicas": self.kv_replicas,
-                "bytes_per_rank": self.bytes_per_rank,
-                "splits": {n: s.to_json() for n, s in sorted(self.splits.items())},
-                "collectives": [c.to_json() for c in self.collectives]}
 
 
 def sharding_to_json(sharding: dict[str, ShardSpec]) -> dict[str, Any]:

@@ -44,6 +44,7 @@ import torch
 from mstar_runtime.ops.node import NodeSpec, RequestError
 from mstar_runtime.plan import planfile
 from mstar_runtime.plan.planfile import iter_ops  # noqa: F401 - re-exported: the loader's callers use it
+from mstar_runtime.plan.records import Collective, KVGeometry, ShardSpec, TensorSpec, TensorSplit
 
 NODE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
     {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
@@ -89,53 +90,14 @@ class RankSpec(_RawView):
     raw: Mapping[str, Any] = field(repr=False)
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """One weight tensor of a node's arch, by its checkpoint name, at full (unsharded) shape."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    shard: str | None
-
-
-@dataclass(frozen=True)
-class KVShape:
-    """KV geometry of the whole node (all heads); a rank holds `Shard.kv_heads_per_rank`."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-
-
 @dataclass(frozen=True, eq=False)
 class ArchSpec(_RawView):
     name: str
     args: Mapping[str, Any]
     dims: Mapping[str, Any]
-    kv: KVShape | None
+    kv: KVGeometry | None
     tensors: tuple[TensorSpec, ...]
     raw: Mapping[str, Any] = field(repr=False)
-
-
-@dataclass(frozen=True)
-class TensorSplit:
-    kind: str  # col | row | vocab | expert | replicate
-    dim: int | None
-    parts: int
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    tp: int
-    ranks: tuple[int, ...]  # the node's TP groups, in order
-    kv_heads_per_rank: int | None
-    splits: Mapping[str, TensorSplit]
-
-    def group_of(self, rank: int) -> tuple[int, int]:
-        """(tp_rank, tp_size) of `rank` inside its TP group."""
-        i = self.ranks.index(rank)
-        return i % self.tp, self.tp
 
 
 @dataclass(frozen=True)
@@ -538,13 +500,13 @@ def _parse_node(r: _Reader, name: str, d: Any) -> PlanNode:
                 and isinstance(t[1], list)
                 and all(isinstance(x, int) and not isinstance(x, bool) for x in t[1])
                 and isinstance(t[2], str)
-                and (t[3] is None or isinstance(t[3], str))
+                and isinstance(t[3], str)
             ):
                 raise r.fail(f"{aw}.tensors[{i}] should be [name, shape, dtype, shard]")
             tensors.append(TensorSpec(t[0], tuple(t[1]), t[2], t[3]))
         kv_shape = None
         if kv is not None:
-            kv_shape = KVShape(
+            kv_shape = KVGeometry(
                 r.get(kv, "layers", "int", f"{aw}.kv"),
                 r.get(kv, "kv_heads", "int", f"{aw}.kv"),
                 r.get(kv, "head_dim", "int", f"{aw}.kv"),
@@ -557,23 +519,8 @@ def _parse_node(r: _Reader, name: str, d: Any) -> PlanNode:
             tuple(tensors),
             a,
         )
-    shard = None
     s = r.get(d, "shard", "dict", where, optional=True)
-    if s is not None:
-        sw = f"{where}.shard"
-        splits = {}
-        for tname, sp in r.get(s, "splits", "dict", sw).items():
-            splits[tname] = TensorSplit(
-                r.get(sp, "kind", "str", f"{sw}.splits.{tname}"),
-                r.get(sp, "dim", "int", f"{sw}.splits.{tname}", optional=True),
-                r.get(sp, "parts", "int", f"{sw}.splits.{tname}"),
-            )
-        shard = ShardSpec(
-            r.get(s, "tp", "int", sw),
-            r.ints(s, "ranks", sw),
-            r.get(s, "kv_heads_per_rank", "int", sw, optional=True),
-            MappingProxyType(splits),
-        )
+    shard = _parse_shard(r, name, s, r.ints(d, "ranks", where), f"{where}.shard") if s is not None else None
     return PlanNode(
         name,
         engine,
@@ -587,6 +534,33 @@ def _parse_node(r: _Reader, name: str, d: Any) -> PlanNode:
         shard,
         d,
         MappingProxyType(tag_max_len),
+    )
+
+
+def _parse_shard(r: _Reader, node: str, s: Any, ranks: tuple[int, ...], where: str) -> ShardSpec:
+    """The node's `shard`; its ranks are the node's own (the plan's copy in `shard` is not read)."""
+    splits = {}
+    for tname, sp in r.get(s, "splits", "dict", where).items():
+        splits[tname] = TensorSplit(
+            r.get(sp, "kind", "str", f"{where}.splits.{tname}"),
+            r.get(sp, "dim", "int", f"{where}.splits.{tname}", optional=True),
+            r.get(sp, "parts", "int", f"{where}.splits.{tname}"),
+        )
+    collectives = tuple(
+        Collective(r.get(c, "op", "str", f"{where}.collectives[{i}]"), r.get(c, "after", "str", f"{where}.collectives[{i}]"),
+                   r.get(c, "count", "int", f"{where}.collectives[{i}]"))
+        for i, c in enumerate(r.get(s, "collectives", "list", where))
+    )
+    return ShardSpec(
+        node,
+        r.get(s, "tp", "int", where),
+        ranks,
+        r.get(s, "heads_per_rank", "int", where, optional=True),
+        r.get(s, "kv_heads_per_rank", "int", where, optional=True),
+        r.get(s, "kv_replicas", "int", where),
+        MappingProxyType(splits),
+        collectives,
+        r.get(s, "bytes_per_rank", "int", where),
     )
 
 
@@ -703,6 +677,10 @@ class _Invariants:
             return
         yield region
         children: list[Any] = []
+        listed = {"seq": "body", "parallel": "branches"}.get(kind)
+        if listed is not None and not isinstance(region.get(listed), list):
+            # a missing or null list would pass here and break every later walk over the program
+            self.add(f"walk '{walk}': a '{kind}' op's '{listed}' should be a list")
         if kind == "seq":
             children = _opt(region, "body", list) or []
         elif kind == "parallel":

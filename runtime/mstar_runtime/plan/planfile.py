@@ -29,7 +29,7 @@ from typing import Any
 MAGIC = b"MSTARPLN"
 CONTAINER_VERSION = 1
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 1  # 1.1: `cohort` on every loop op
+SCHEMA_MINOR = 2  # 1.1: `cohort` on every loop op; 1.2: no `placement.nodes` (each node's `ranks` and `shard.tp` say it)
 MAX_BODY_BYTES = 64 << 20  # a plan references weights and never embeds them: 64 MiB is ample
 _HEADER = struct.Struct("<8sHHQ32s")
 HEADER_BYTES = _HEADER.size

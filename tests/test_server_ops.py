@@ -141,10 +141,11 @@ def test_access_log_has_a_line_per_request(server: Server) -> None:
 
 
 # ----------------------------------------------------------------------------- --api-key
-def test_api_key_guards_every_route_but_health(secured: Server) -> None:
+def test_api_key_guards_every_route_but_health_and_the_description(secured: Server) -> None:
     base = secured.base
     assert get(base + "/health") == (200, b'{"status":"ok"}')  # probes carry no key
-    for path in ("/v1/models", "/metrics", "/openapi.json", "/v1/walks", "/nope"):
+    assert get(base + "/openapi.json")[0] == 200  # the API's description is no secret
+    for path in ("/v1/models", "/metrics", "/v1/walks", "/nope"):
         for key, why in ((None, "needs an API key"), ("wrong", "incorrect API key")):
             status, headers, raw = request(base + path, key=key)
             assert status == 401, (path, key)

@@ -80,29 +80,49 @@ def error_response(e: ApiError) -> Any:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
 
 
+# pydantic's names for the members of a union in an error's location: not request fields
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "bytes", "dict", "list"})
+
+
+def _union_tag(part: str) -> bool:
+    return part in _UNION_TAGS or "[" in part or part.startswith(("function-", "constrained-"))
+
+
 def param_of(loc: tuple[Any, ...] | list[Any]) -> str | None:
-    """A pydantic error location as a request field: ("body", "messages", 0, "content") -> messages[0].content."""
+    """A pydantic error location as a request field: ("body", "messages", 0, "content") -> messages[0].content.
+    Union-member tags are dropped (`str`, `list[...]`), and so is the tag value that follows a
+    discriminated union's (`tagged-union[...]`, then the member's `type`); a field whose name
+    merely starts like a tag (`stream`, `stream_options`, `integer`) stays."""
     parts = list(loc)
     if parts and parts[0] in ("body", "query", "path", "header", "form"):
         parts = parts[1:]
     out = ""
+    tag_next = False  # the next name is a discriminated union's tag value
     for p in parts:
         if isinstance(p, int):
             out += f"[{p}]"
-        elif str(p).startswith(("function-", "tagged-union", "literal[", "list[", "str", "int", "float", "bool")):
-            continue  # pydantic's union-member tags, not fields
+        elif _union_tag(str(p)):
+            tag_next = tag_next or "tagged-union[" in str(p)
+        elif tag_next:
+            tag_next = False
         else:
             out += f".{p}" if out else str(p)
     return out or None
 
 
 def validation_error(errors: list[Mapping[str, Any]]) -> ApiError:
-    first = errors[0] if errors else {"msg": "invalid request", "loc": (), "type": "invalid"}
+    """The 400 for pydantic's errors: the one at the most specific field (a union's members
+    each report; the deepest is the one the client meant), the first among equals."""
+    first = max(errors, key=lambda e: len(param_of(e.get("loc", ())) or ""),
+                default={"msg": "invalid request", "loc": (), "type": "invalid"})
     kind = str(first.get("type", "invalid"))
     if kind == "json_invalid":
         return bad_request(f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
                            None, "invalid_json")
     param = param_of(first.get("loc", ()))
+    if kind == "string_unicode":  # pydantic-core's words for a lone surrogate, in a value or a key
+        return bad_request(f"{param or 'a key of the body'}: the text holds a lone surrogate: it is not valid "
+                           "Unicode", param)
     if param is None:  # the body as a whole: no field to name
         if kind == "missing":
             return bad_request("a request body is required (a JSON object)", None, "invalid_body")
@@ -173,15 +193,11 @@ def install(app: FastAPI, state: ServerState) -> None:
         return error_response(ApiError(e.status_code, message, type=kind, code=code,
                                        headers=dict(e.headers or {})))
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, e: Exception) -> Any:
-        log.exception("%s %s failed", request.method, request.url.path)
-        return error_response(ApiError(500, f"internal server error ({type(e).__name__})", type=SERVER,
-                                       code="internal_error"))
-
+    # no handler for Exception: Starlette's would log the traceback twice and drop the
+    # connection; `_Frame` answers an uncaught exception itself (logged once, a plain 500)
     app.add_middleware(_Frame, state=state)
 
-    @app.get("/health", tags=["server"], summary="200 while serving; 503 while draining or when the engine is dead",
+    @app.api_route("/health", methods=["GET", "HEAD"], tags=["server"], summary="200 while serving; 503 while draining or when the engine is dead",
              responses={503: {"description": "draining or unhealthy"}})
     async def health() -> Any:
         if state.draining:
@@ -219,9 +235,13 @@ def install(app: FastAPI, state: ServerState) -> None:
 
 
 class _Frame:
-    """Pure ASGI middleware around every HTTP request: the API key (401 without it, on every
-    route but `/health`), oversized bodies (413, refused before they are read), the response
-    count by route template and status for `/metrics`, and the access log line."""
+    """Pure ASGI middleware around every HTTP request: the API key (401 without it, except on
+    `UNAUTHENTICATED` paths), request framing (400 for both Content-Length and
+    Transfer-Encoding, which proxies may read differently), oversized bodies (413: refused
+    before they are read when Content-Length says so, else a chunked body is read up to the
+    limit before the app sees it), uncaught exceptions (logged once; a 500 without their
+    details, and the connection stays usable), the response count by route template and
+    status for `/metrics`, and the access log line."""
 
     def __init__(self, app: Any, state: ServerState):
         self.app, self.state = app, state
@@ -244,10 +264,19 @@ class _Frame:
         try:
             headers = dict(scope.get("headers") or [])
             refusal = self._refusal(scope, headers)
+            if refusal is None and b"content-length" not in headers and b"transfer-encoding" in headers:
+                receive, refusal = await self._buffered(receive)
             if refusal is not None:
                 await error_response(refusal)(scope, receive, counting_send)
                 return
-            await self.app(scope, receive, counting_send)
+            try:
+                await self.app(scope, receive, counting_send)
+            except Exception:
+                log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+                if status[0]:  # the response had started: nothing more can be said on it
+                    return
+                await error_response(ApiError(500, "internal server error (the server log has the details)",
+                                              type=SERVER, code="internal_error"))(scope, receive, counting_send)
             route = getattr(scope.get("route"), "path", None) or "other"
         finally:
             self.state.metrics.response(route, status[0] or 500)
@@ -255,20 +284,51 @@ class _Frame:
                 access_line(scope, status[0] or 500, sent[0], time.perf_counter() - t0)
 
     def _refusal(self, scope: Mapping[str, Any], headers: Mapping[bytes, bytes]) -> ApiError | None:
-        """The 401 or 413 that answers this request before the app sees it, or None."""
+        """The 401, 400 or 413 that answers this request before the app sees it, or None."""
         digest = self.state.api_key_digest
         if digest is not None and scope.get("path") not in UNAUTHENTICATED:
             problem = check_api_key(headers.get(b"authorization"), digest)
             if problem is not None:
                 return ApiError(401, problem, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         length = headers.get(b"content-length")
-        limit = self.state.config.max_body_bytes
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            return ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+        if length is not None and b"transfer-encoding" in headers:
+            return bad_request("the request has both Content-Length and Transfer-Encoding headers; send one "
+                               "(RFC 9112, section 6.3)", None, "invalid_framing")
+        if length is not None and (not length.isdigit() or int(length) > self.state.config.max_body_bytes):
+            return self._too_large()
         return None
 
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the request body is larger than {self.state.config.max_body_bytes} bytes",
+                        code="body_too_large")
 
-UNAUTHENTICATED = frozenset({"/health"})  # a load balancer's or orchestrator's probe carries no key
+    async def _buffered(self, receive: Any) -> tuple[Any, ApiError | None]:
+        """Read a body of unknown length (chunked) up to the limit: (a receive that replays it
+        and then waits on the connection, None), or the 413 once it passes the limit."""
+        limit, chunks, size = self.state.config.max_body_bytes, [], 0
+        while True:
+            message = await receive()
+            if message.get("type") != "http.request":  # the client left: replay the disconnect
+                chunks = [message]
+                break
+            size += len(message.get("body", b""))
+            if size > limit:
+                return receive, self._too_large()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                chunks = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+                break
+        pending = list(chunks)
+
+        async def replay() -> Mapping[str, Any]:
+            return pending.pop() if pending else await receive()
+
+        return replay, None
+
+
+# a load balancer's or orchestrator's probe carries no key, and the API's description is no
+# secret (vLLM guards only /v1/*; here /metrics, which shows the traffic, wants the key too)
+UNAUTHENTICATED = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 access_log = logging.getLogger("mstar_runtime.serve.access")
 
 

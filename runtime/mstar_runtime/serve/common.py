@@ -60,7 +60,14 @@ class ApiError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """The OpenAI error body; text the client sent that is not valid Unicode (a lone
+        surrogate in an unknown key it echoes) is escaped, so the body can always be encoded."""
+        return {"error": {"message": _printable(self.message), "type": self.type,
+                          "param": None if self.param is None else _printable(self.param), "code": self.code}}
+
+
+def _printable(text: str) -> str:
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ClientGone(Exception):

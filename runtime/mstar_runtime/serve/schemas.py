@@ -17,7 +17,16 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 try:
-    from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+    from pydantic import (
+        AfterValidator,
+        BaseModel,
+        ConfigDict,
+        Field,
+        StrictBool,
+        StrictFloat,
+        StrictInt,
+        StrictStr,
+    )
 except ImportError:  # pragma: no cover - the `serve` extra is not installed; serving says what to install
     BaseModel = object  # type: ignore[assignment,misc]
 
@@ -26,6 +35,9 @@ except ImportError:  # pragma: no cover - the `serve` extra is not installed; se
 
     def Field(default: Any = None, **kw: Any) -> Any:  # noqa: N802
         return default
+
+    def AfterValidator(f: Any) -> Any:  # noqa: N802
+        return f
 
     StrictBool, StrictFloat, StrictInt, StrictStr = bool, float, int, str  # type: ignore[misc]
 
@@ -38,6 +50,24 @@ MAX_STR = 1 << 20  # characters of a str walk input
 
 Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+# the integer and float ranges of tensor element types: a value outside would wrap or overflow
+INT_RANGES = {"u8": (0, 255), "i32": (-(2**31), 2**31 - 1), "i64": (INT64_MIN, INT64_MAX)}
+FLOAT_MAX = {"f16": 65504.0, "bf16": 3.3895313892515355e38, "f32": 3.4028234663852886e38}
+
+
+def valid_unicode(text: str) -> str:
+    """`text` if it is valid Unicode; JSON's \\ud800-style escapes can spell a lone surrogate,
+    which no tokenizer or encoder takes (UTF-8 has no form for it)."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the text holds a lone surrogate (U+{ord(text[e.start]):04X}) at character "
+                             f"{e.start}: it is not valid Unicode") from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(valid_unicode)]
 
 
 def input_annotation(t: Mapping[str, Any]) -> Any:
@@ -47,7 +77,7 @@ def input_annotation(t: Mapping[str, Any]) -> Any:
     as base64 text (decoded by the route)."""
     kind = t["kind"]
     if kind == "str":
-        return Annotated[StrictStr, Field(max_length=MAX_STR)]
+        return Annotated[Text, Field(max_length=MAX_STR)]
     if kind == "int":
         return Int64
     if kind == "float":
@@ -55,8 +85,16 @@ def input_annotation(t: Mapping[str, Any]) -> Any:
     if kind == "bool":
         return StrictBool
     if kind == "image":
-        return Annotated[StrictStr, Field(description="base64 PNG/JPEG, or a data:image/...;base64, URL")]
-    elem: Any = {"bool": StrictBool, "i32": Int64, "i64": Int64, "u8": Int64}.get(t.get("dtype", ""), Finite)
+        return Annotated[Text, Field(description="base64 PNG/JPEG, or a data:image/...;base64, URL")]
+    dtype = t.get("dtype", "")
+    if dtype in INT_RANGES:
+        lo, hi = INT_RANGES[dtype]
+        elem: Any = Annotated[StrictInt, Field(ge=lo, le=hi)]
+    elif dtype == "bool":
+        elem = StrictBool
+    else:
+        most = FLOAT_MAX.get(dtype)
+        elem = Finite if most is None else Annotated[StrictFloat, Field(ge=-most, le=most, allow_inf_nan=False)]
     for _ in t.get("dims", []):
         elem = list[elem]
     return elem
@@ -79,13 +117,13 @@ class _Strict(BaseModel):
 
 # ----------------------------------------------------------------------------- chat
 class ImageUrl(_Strict):
-    url: StrictStr = Field(description="a data: URL (data:image/png;base64,...); remote URLs are not fetched")
+    url: Text = Field(description="a data: URL (data:image/png;base64,...); remote URLs are not fetched")
     detail: Literal["auto", "low", "high"] | None = None
 
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ImagePart(_Strict):
@@ -94,7 +132,7 @@ class ImagePart(_Strict):
 
 
 class InputAudio(_Strict):
-    data: StrictStr = Field(description="base64 file bytes")
+    data: Text = Field(description="base64 file bytes")
     format: Literal["wav", "mp3"] = Field(description="wav (PCM or float, any rate: resampled); mp3 is a 400")
 
 
@@ -108,9 +146,9 @@ class ChatMessage(BaseModel):
     # whole assistant messages back as history
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[Annotated[TextPart | ImagePart | InputAudioPart, Field(discriminator="type")]] | None \
+    content: Text | list[Annotated[TextPart | ImagePart | InputAudioPart, Field(discriminator="type")]] | None \
         = None
-    name: StrictStr | None = None
+    name: Text | None = None
 
 
 class StreamOptions(_Strict):
@@ -122,16 +160,16 @@ class ResponseFormat(_Strict):
 
 
 class VoiceRef(_Strict):
-    id: StrictStr
+    id: Text
 
 
 class ChatAudio(_Strict):
-    voice: StrictStr | VoiceRef = Field(description="the walk's voice (Qwen3-Omni: its speaker)")
+    voice: Text | VoiceRef = Field(description="the walk's voice (Qwen3-Omni: its speaker)")
     format: Literal["wav", "pcm16"] = Field(description="16-bit mono; a stream is pcm16 only (as OpenAI's)")
 
 
 class ChatCompletionRequest(_Body):
-    model: StrictStr = Field(description="the served model id (GET /v1/models)")
+    model: Text = Field(description="the served model id (GET /v1/models)")
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -143,21 +181,22 @@ class ChatCompletionRequest(_Body):
     seed: Int64 | None = None
     frequency_penalty: Annotated[StrictFloat, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
     presence_penalty: Annotated[StrictFloat, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
-    stop: None = Field(None, description="stop sequences are not supported")
+    stop: Text | list[Text] | None = Field(None, description="stop sequences are not supported: a 400 unless "
+                                                            "empty (serve.chat)")
     logprobs: Literal[False] | None = Field(None, description="log-probabilities are not served")
     modalities: list[Literal["text", "audio"]] | None = Field(
         None, description='["text"], or ["text", "audio"] where the plan has a speech walk (serve.chat)')
     audio: ChatAudio | None = Field(None, description="with modalities ['text', 'audio']: the voice and format")
     response_format: ResponseFormat | None = None
-    user: StrictStr | None = None
+    user: Text | None = None
 
 
 # ----------------------------------------------------------------------------- speech
 class SpeechRequest(_Body):
-    model: StrictStr = Field(description="the served model id (GET /v1/models)")
-    input: StrictStr = Field(min_length=1, max_length=MAX_INPUT_CHARS, description="the text to speak")
-    voice: StrictStr | VoiceRef | None = Field(None, description="passed to the walk's `voice` input, if it has one")
-    instructions: StrictStr | None = Field(None, description="only if the walk has an `instructions` input")
+    model: Text = Field(description="the served model id (GET /v1/models)")
+    input: Text = Field(min_length=1, max_length=MAX_INPUT_CHARS, description="the text to speak")
+    voice: Text | VoiceRef | None = Field(None, description="passed to the walk's `voice` input, if it has one")
+    instructions: Text | None = Field(None, description="only if the walk has an `instructions` input")
     response_format: Literal["wav", "pcm"] = Field(
         "wav", description="wav: 16-bit mono WAV; pcm: raw 16-bit little-endian mono samples")
     speed: Annotated[StrictFloat, Field(ge=0.25, le=4.0, allow_inf_nan=False)] = Field(
@@ -169,17 +208,17 @@ class SpeechRequest(_Body):
 
 # ----------------------------------------------------------------------------- images
 class ImageGenerationRequest(_Body):
-    model: StrictStr = Field(description="the served model id (GET /v1/models)")
-    prompt: StrictStr = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    model: Text = Field(description="the served model id (GET /v1/models)")
+    prompt: Text = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     n: Annotated[StrictInt, Field(ge=1, le=10)] = 1
-    size: Annotated[StrictStr, Field(pattern=SIZE_PATTERN)] | None = Field(
+    size: Annotated[Text, Field(pattern=SIZE_PATTERN)] | None = Field(
         None, description="WxH (or auto); the walk's width/height, within the plan's latent grid (serve.images)")
     response_format: Literal["b64_json", "url"] | None = Field(
         None, description="images are returned inline only: 'url' is a 400 (there is no file host)")
     output_format: Literal["png"] | None = None
-    quality: StrictStr | None = None
-    style: StrictStr | None = None
-    user: StrictStr | None = None
+    quality: Text | None = None
+    style: Text | None = None
+    user: Text | None = None
 
 
 # ----------------------------------------------------------------------------- native

@@ -371,6 +371,8 @@ def decode_wav(data: bytes) -> tuple[torch.Tensor, int]:
         scale = {"u1": 128.0, "<i2": 2.0**15, "<i4": 2.0**31}.get(kind)
         samples = (arr - 128.0) / 128.0 if kind == "u1" else arr / scale if scale else arr
     mono = samples.reshape(-1, channels).mean(axis=1)
+    if mono.size == 0:
+        raise ValueError("the WAV holds no samples")
     if not np.isfinite(mono).all():
         raise ValueError("the WAV holds NaN or infinite samples")
     return torch.from_numpy(np.clip(mono, -1.0, 1.0).astype(np.float32)), int(rate)
@@ -378,28 +380,45 @@ def decode_wav(data: bytes) -> tuple[torch.Tensor, int]:
 
 def resample(x: torch.Tensor, orig: int, new: int) -> torch.Tensor:
     """1-D samples at `orig` Hz as samples at `new` Hz (module docstring): ceil(len * new / orig)
-    of them, output sample m at input time m * orig / new."""
+    of them, output sample m at input time m * orig / new. Memory is the input, the output and
+    one block of BLOCK_ENTRIES taps, whatever the two rates (a rational up / down filter bank
+    would hold up x down taps: 5 GB for 44,101 Hz to 16 kHz)."""
     if orig == new or x.numel() == 0:
         return x
     g = math.gcd(orig, new)
     up, down = new // g, orig // g
-    # output m = k * up + i sits at input index k * down + f_i, f_i = i * down / up in [0, down):
-    # phase i of `up` is a strided convolution whose taps over input offsets -width .. width + down - 1
-    # are the windowed sinc centred on f_i (zero beyond `width` of it)
     cutoff = ROLLOFF * min(1.0, up / down) / 2  # cycles per input sample
     width = math.ceil(ZERO_CROSSINGS / (2 * cutoff))
-    t = torch.arange(-width, width + down, dtype=torch.float64)[None, :] \
-        - (torch.arange(up, dtype=torch.float64) * down / up)[:, None]
+    span = 2 * width + 2  # input offsets -width .. width + 1 around an output's input index
+    n_out = -(-x.numel() * up // down)
+    padded = torch.nn.functional.pad(x.to(torch.float32), (width, width + 2))  # input n is padded[n + width]
+    out = torch.empty(n_out, dtype=torch.float32)
+    # output m = k * up + i (phase i) sits at input index k * down + (i * down) // up plus the
+    # fraction ((i * down) % up) / up: one phase's outputs are a strided window of the input
+    # times that phase's taps; the taps are computed for a block of phases at a time
+    block = max(1, BLOCK_ENTRIES // span)
+    for first in range(0, min(up, n_out), block):
+        phases = torch.arange(first, min(first + block, up, n_out), dtype=torch.int64)
+        taps = _taps(phases * down % up, up, width, cutoff).to(torch.float32)  # float32: several times faster
+        for i, w in zip(phases.tolist(), taps, strict=True):
+            count = -(-(n_out - i) // up)
+            start = i * down // up
+            windows = padded[start:start + (count - 1) * down + span].unfold(0, span, down)  # [count, span], a view
+            out[i::up] = windows @ w
+    return out
+
+
+BLOCK_ENTRIES = 1 << 20  # taps the resampler holds at once (8 MB in float64)
+
+
+def _taps(numer: torch.Tensor, up: int, width: int, cutoff: float) -> torch.Tensor:
+    """The Kaiser-windowed sinc of output samples whose input time is an input index plus
+    numer / up: [n, 2 * width + 2] weights over offsets -width .. width + 1 from that index
+    (zero beyond `width` of the time), each row normalised to unit sum."""
+    t = torch.arange(-width, width + 2, dtype=torch.float64)[None, :] - (numer.to(torch.float64) / up)[:, None]
     window = torch.special.i0(KAISER_BETA * (1 - (t / width) ** 2).clamp(min=0).sqrt())
     taps = torch.where(t.abs() <= width, 2 * cutoff * torch.sinc(2 * cutoff * t) * window, 0.0)
-    taps = taps / taps.sum(dim=1, keepdim=True)
-    n_out = -(-x.numel() * up // down)
-    k_out = -(-n_out // up)
-    right = max(0, (k_out - 1) * down + taps.shape[1] - width - x.numel())
-    padded = torch.nn.functional.pad(x.to(torch.float32)[None, None], (width, right))
-    weight = taps.to(torch.float32)[:, None, :]  # float32: float64 convolutions are 20x slower on the CPU
-    out = torch.nn.functional.conv1d(padded, weight, stride=down)[0, :, :k_out]  # [up, k]
-    return out.T.reshape(-1)[:n_out].to(torch.float32)
+    return taps / taps.sum(dim=1, keepdim=True)
 
 
 __all__ = ["READ_ALOUD", "SPEECH_WALKS", "SpeechWalk", "decode_wav", "install", "resample", "speech_inputs",

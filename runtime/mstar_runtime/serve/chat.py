@@ -74,13 +74,14 @@ from mstar_runtime.serve.app import (
     check_token_limit,
     error_response,
     start_flight,
+    token_limit,
     walk_extras,
 )
 from mstar_runtime.serve.chat_template import ChatTemplate, template_for
 from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
 from mstar_runtime.serve.io import b64, decode_image_text, pcm16, wav_header
 from mstar_runtime.serve.media import SpeechWalk, decode_wav, resample, speech_walk, voice_of
-from mstar_runtime.serve.schemas import ChatCompletionRequest, InputAudioPart
+from mstar_runtime.serve.schemas import MAX_STR, ChatCompletionRequest, InputAudioPart
 from mstar_runtime.serve.text import TextCodec, TextStream
 
 try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
@@ -139,14 +140,18 @@ def render_prompt(body: ChatCompletionRequest, role: WalkRole, template: ChatTem
     image: torch.Tensor | None = None
     texts: list[tuple[str, str]] = []
     system: list[str] = []
+    chars = 0
     for i, msg in enumerate(body.messages):
         parts = msg.content if isinstance(msg.content, list) else [msg.content or ""]
         pieces: list[str] = []
         for j, part in enumerate(parts):
-            if isinstance(part, str):
-                pieces.append(part)
-            elif part.type == "text":
-                pieces.append(part.text)
+            text = part if isinstance(part, str) else part.text if part.type == "text" else None
+            if text is not None:
+                chars += len(text)
+                if chars > MAX_STR:  # the native route's bound of a text input
+                    raise bad_request(f"the messages hold more than {MAX_STR} characters of text", "messages",
+                                      "too_long")
+                pieces.append(text)
             elif part.type == "input_audio":
                 param = f"messages[{i}].content[{j}]"
                 if not hears:
@@ -235,6 +240,7 @@ class Reply:
 
     def __init__(self, state: ServerState, flight: Flight, role: WalkRole, limit: int | None):
         self.flight, self.role, self.limit = flight, role, limit
+        self.bound = token_limit(state)  # the plan's: a walk that decoded this many was cut, not stopped
         codec = state.codecs.get(role.walk)
         self.text = TextStream(codec) if codec is not None else None
         self.finish: str | None = None
@@ -262,9 +268,20 @@ class Reply:
     def end(self) -> str:
         """Text held back until the end; sets the natural finish reason."""
         tail = self.text.flush() if self.text is not None and self.finish is None else ""
-        self.finish = self.finish or "stop"
+        self.finish = self.finish or ("length" if self.cut(None) else "stop")
         self.parts.append(tail)
         return tail
+
+    def cut(self, limit: int | None) -> bool:
+        """Whether the reply ended at `limit` tokens, or its walk ran into the plan's bound
+        (finish reason "length"): as many tokens as the decode loop's bound allows, and no
+        transition after it (a walk whose model stopped hands on, as chat -> continue does;
+        past a transition the tokens of two walks add up, so the bound says nothing)."""
+        if limit is not None and self.flight.tokens >= limit:
+            return True
+        if self.bound is None or self.flight.tokens < self.bound:
+            return False
+        return self.flight.handle.summary()["walks"] == [self.role.walk]
 
     def usage(self) -> dict[str, int]:
         p, c = self.flight.prompt_tokens, self.flight.tokens
@@ -301,8 +318,7 @@ class SpokenReply:
         """The transcript's held-back tail; sets the finish reason ("length" when the text
         reached max_tokens)."""
         tail = self.text.end()
-        hit = self.limit is not None and self.flight.tokens >= self.limit
-        self.finish = "length" if hit else "stop"
+        self.finish = "length" if self.text.cut(self.limit) else "stop"
         return tail
 
     def audio(self) -> dict[str, Any]:
@@ -395,9 +411,13 @@ def install(app: FastAPI, state: ServerState) -> None:
         check_model(state, body.model)
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        if body.stop:  # OpenAI's and vLLM's clients send null or [] when they mean none
+            raise bad_request("stop sequences are not supported by this server; leave 'stop' out", "stop",
+                              "unsupported")
         spoken = check_modalities(body, speech)
         role = speech.role if spoken and speech is not None else pick_walk(state, body)
-        prompt, system, image = render_prompt(body, role, templates.get(role.walk))
+        # a template over a long conversation, and an image part's decoding: off the event loop
+        prompt, system, image = await asyncio.to_thread(render_prompt, body, role, templates.get(role.walk))
         inputs: dict[str, Any] = {role.text_input: prompt}
         fields = {role.text_input: "messages"}
         if system is not None:
@@ -428,12 +448,8 @@ def install(app: FastAPI, state: ServerState) -> None:
         inputs.update(extra)
         fields.update({k: k for k in extra})  # a node that rejects one blames it, not `messages`
         codec = state.codecs.get(role.walk)
-        if codec is None:
-            prompt_tokens = 0
-        elif image is None and heard is None:
-            prompt_tokens = codec.count(inputs)
-        else:  # the prompt node computes the media's features too: off the event loop
-            prompt_tokens = await asyncio.to_thread(codec.count, inputs)
+        # tokenizing a long prompt (and the media's features) takes a while: off the event loop
+        prompt_tokens = 0 if codec is None else await asyncio.to_thread(codec.count, inputs)
         flight = await start_flight(state, request, "chat", role.walk, inputs, fields, "messages")
         flight.prompt_tokens = prompt_tokens
         rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -150,6 +150,14 @@ def coerce_items(walk: str, name: str, t: Mapping[str, Any], value: Any) -> torc
     return coerce(walk, name, {**t, "dims": ["items", *dims[1:]]}, value)
 
 
+def port_input(call: StepCall, port: str | None) -> str | None:
+    """The walk variable a node's refused port was given, so that the error names what the
+    caller sent (`talker.prefill(max_frames = talker_max_frames)` refusing `max_frames` is a
+    bad `talker_max_frames`); the port itself when its argument is no variable."""
+    arg = call.op.get("args", {}).get(port) if port is not None else None
+    return arg["var"] if isinstance(arg, Mapping) and isinstance(arg.get("var"), str) else port
+
+
 def check_inputs(walk: str, program: Mapping[str, Any], inputs: Mapping[str, Any], *,
                  streaming: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor | None]]:
     """`validate_inputs` for a walk that may have streamed inputs: (the other inputs, typed and
@@ -918,7 +926,7 @@ class Conductor:
         try:
             plan = cls.kv_plan(phase, shapes, spec)
         except RequestError as e:
-            self._fail(call.request, str(e), e.field)
+            self._fail(call.request, str(e), port_input(call, e.field))
             return None
         if room is not None and plan.q_len > room:
             return _OVER_BUDGET
@@ -1074,7 +1082,7 @@ class Conductor:
             return
         if len(entries) == 1:
             call = entries[0][0]
-            self._fail(call.request, str(error), error.field)
+            self._fail(call.request, str(error), port_input(call, error.field))
             return
         for call, _ in entries:
             self.pending[call] = None

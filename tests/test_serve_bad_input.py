@@ -15,7 +15,7 @@ never a 5xx or a logged traceback; what a request can make the server hold is bo
   text is bounded like a native text input; tokenizing happens off the event loop.
 
 In process (the ASGI app, driven directly where framing matters): the test family plus
-`tts`, `t2i`, `edit`.
+`tts`, `t2i`, `edit`, `renamed`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ LIMIT = 33  # the test family (tiny): max_new_tokens 32, plus the prefill's toke
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from mstar_runtime.api import MStar
 
-    plan = compile_plan(tmp_path_factory.mktemp("bad_input"), extra=("tts", "t2i", "edit"))
+    plan = compile_plan(tmp_path_factory.mktemp("bad_input"), extra=("tts", "t2i", "edit", "renamed"))
     m = MStar.load(plan, weights="init")
     try:
         yield m
@@ -142,6 +142,12 @@ def test_an_uncaught_exception_is_a_plain_500_logged_once(engine: Any, caplog: p
     tracebacks = [rec for rec in caplog.records if rec.exc_info]
     assert len(tracebacks) == 1 and "GET /boom failed" in tracebacks[0].getMessage()
     assert call(app, "/health", method="GET").status_code == 200
+
+
+def test_a_node_refusing_a_port_names_the_input_it_was_given(app: Any) -> None:
+    """`renamed` passes `budget` to the port `max_new`, which refuses 0."""
+    err = error(call(app, "/v1/walks/renamed", {"inputs": {"prompt": "x", "budget": 0}, "stream": False}))
+    assert err["param"] == "inputs.budget" and "max_new" in err["message"], err
 
 
 # ----------------------------------------------------------------------------- framing

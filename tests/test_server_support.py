@@ -7,6 +7,8 @@ latent as an image; `edit` takes an image input), and `slow` (holds a KV context
 streams one latent per flow step, `steps` steps: about 1 ms each on CPU). `tts_long` is a
 second `tts` walk (so it replaces `tts`, never beside it) that streams one 32-sample audio
 chunk per flow step for `steps` steps: a speech stream that runs as long as a test needs.
+`renamed` passes its input `budget` to the port `max_new`, so a node's refusal of the port
+must be reported as the input.
 """
 
 from __future__ import annotations
@@ -78,6 +80,13 @@ EXTRA_WALKS: dict[str, str] = {
       x = flow.step(x = x, v_cond = v, v_uncond = v, dt = dt, scale = 1.0)
       emit xs += x
     }
+  }
+""",
+    "renamed": """
+  walk renamed(prompt: str, budget: int = 4) -> (tokens: i32[N]) {
+    ids = prompt.encode(text = prompt)
+    token, code, done, h = lm.prefill(tokens = ids, max_new = budget) @main
+    emit tokens += token
   }
 """,
     "tts_long": """

@@ -29,6 +29,7 @@ from typing import Any
 
 import click
 
+from mstar_runtime import untrusted
 from mstar_runtime.cli_support import CONTEXT_SETTINGS, run_command, version_option
 from mstar_runtime.plan import planfile
 from mstarc import ir as I
@@ -146,9 +147,6 @@ def cmd_compile(args: SimpleNamespace) -> int:
 def _read_plan(path: str) -> dict:
     try:
         return planfile.read(path)
-    except RecursionError:  # JSON nested deeper than Python reads: not a plan mstarc wrote
-        raise CompileError([Diagnostic("E070", "plan body nests too deeply: the file is corrupt", Span(path, 0, 0))]) \
-            from None
     except planfile.PlanFileError as e:
         if e.kind == "io":
             raise CompileError([Diagnostic("E004", e.message, Span(path, 0, 0))]) from None
@@ -183,8 +181,8 @@ def cmd_diff(args: SimpleNamespace) -> int:
     if not changes:
         print("plans are equal")
         return EXIT_OK
-    print(f"--- {args.plan_a}\n+++ {args.plan_b}")
-    print("\n".join(changes))
+    print(untrusted.printable(f"--- {args.plan_a}\n+++ {args.plan_b}"))
+    print(untrusted.printable("\n".join(changes)))
     return EXIT_DIFFERENT
 
 

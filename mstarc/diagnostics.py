@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from mstar_runtime import untrusted
 
 # code -> short title. Stable: never renumber; retire a code rather than reuse it.
 CODES: dict[str, str] = {
@@ -158,6 +159,14 @@ class DiagnosticSink:
             raise CompileError(self.diagnostics)
 
 
+def source_lines(text: str) -> list[str]:
+    """The lines of a source as the parser counts them: split at newlines only (`splitlines`
+    would also split at U+2028, a form feed or a vertical tab, which a comment may hold, and
+    so shift every later line a diagnostic shows)."""
+    lines = text.split("\n")
+    return lines[:-1] if lines[-1] == "" else lines
+
+
 class SourceCache:
     """Source text by file name, so a diagnostic can echo its line; reads files lazily."""
 
@@ -167,16 +176,16 @@ class SourceCache:
         self._text: dict[str, list[str]] = {}
 
     def add(self, file: str, text: str) -> None:
-        self._text[file] = text.splitlines()
+        self._text[file] = source_lines(text)
 
     def line(self, file: str, line: int) -> str | None:
         if file not in self._text:
-            try:
-                with Path(file).open("rb") as f:  # at most what a source may hold (mstarc/limits.py)
-                    data = f.read(self.MAX_BYTES)
-            except OSError:
+            try:  # at most what a source may hold (mstarc/limits.py), a regular file only
+                data = untrusted.read_file(file, self.MAX_BYTES)
+            except (OSError, untrusted.FileTooLarge):
                 return None
-            self.add(file, data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n"))
+            text = data.decode("utf-8", errors="replace").removeprefix("\ufeff")
+            self.add(file, text.replace("\r\n", "\n").replace("\r", "\n"))
         lines = self._text[file]
         return lines[line - 1] if 1 <= line <= len(lines) else None
 
@@ -192,8 +201,10 @@ MAX_SHOWN_LINE = 200  # longer source lines are shown as a window around the spa
 
 
 def render(diag: Diagnostic, sources: SourceCache) -> str:
-    """`file:line:col: error[CODE]: message`, the source line, a caret under the span, the hint."""
-    out = [diag.header()]
+    """`file:line:col: error[CODE]: message`, the source line, a caret under the span, the hint.
+    Everything from the input is printed through `untrusted.printable`: a control character
+    in a comment or a string shows as `\\x1b`, and the caret stays under its span."""
+    out = [untrusted.printable(diag.header())]
     text = sources.line(diag.span.file, diag.span.line) if diag.span.line > 0 else None
     if text is not None:
         gutter = f"{diag.span.line:>4} | "
@@ -208,11 +219,14 @@ def render(diag: Diagnostic, sources: SourceCache) -> str:
             text = lead + cut + ("..." if first + MAX_SHOWN_LINE < len(text) else "")
             start = start - first + len(lead)
             width = min(width, MAX_SHOWN_LINE)
-        out.append(gutter + text.expandtabs(4))
         width = max(1, min(width, len(text) - start + 1))
-        out.append(" " * (len(gutter) - 2) + "| " + " " * (start - 1) + "^" * width)
+        # columns count characters of the source; the caret is placed in the printed text
+        shown = [untrusted.printable(part.expandtabs(4)) for part in
+                 (text[:start - 1], text[start - 1:start - 1 + width], text[start - 1 + width:])]
+        out.append(gutter + "".join(shown))
+        out.append(" " * (len(gutter) - 2) + "| " + " " * len(shown[0]) + "^" * max(1, len(shown[1])))
     if diag.hint:
-        out.append(f"  = hint: {diag.hint}")
+        out.append(untrusted.printable(f"  = hint: {diag.hint}"))
     return "\n".join(out)
 
 

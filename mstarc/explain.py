@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 
+from mstar_runtime import untrusted
 from mstarc.lower import POLICY_OPTIONAL, POLICY_PARAMS
 
 GIB = 1 << 30
@@ -189,7 +190,9 @@ def _env() -> jinja2.Environment:
 
 
 def explain(plan: dict[str, Any], fmt: str = "text") -> str:
+    """The plan in `fmt`; a string of the plan that would act on a terminal (an escape
+    sequence in a name) is escaped (`untrusted.printable`; JSON escapes it itself)."""
     if fmt == "json":
         return json.dumps(plan, indent=2, sort_keys=True) + "\n"
     template = {"text": "explain.txt.j2", "markdown": "explain.md.j2", "dot": "explain.dot.j2"}[fmt]
-    return _env().get_template(template).render(v=plan_view(plan))
+    return untrusted.printable(_env().get_template(template).render(v=plan_view(plan)))

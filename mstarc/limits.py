@@ -15,10 +15,10 @@ then UTF-8 decoding; too large is E006 naming the file and the cap.
 from __future__ import annotations
 
 import math
-import os
 import re
 from pathlib import Path
 
+from mstar_runtime import untrusted
 from mstarc.diagnostics import CompileError, Diagnostic, Span
 
 KIB = 1 << 10
@@ -50,22 +50,20 @@ def too_large(file: str, size: int, cap: int, what: str = "bytes") -> CompileErr
 
 
 def read_bytes_capped(path: str | Path, file: str, cap: int) -> bytes:
-    """The bytes of `path`, at most `cap`; E006 when larger. OSError passes through (the
-    caller reports it as E004 or its own code)."""
-    with Path(path).open("rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > cap:
-            raise too_large(file, size, cap)
-        data = f.read(cap + 1)  # a file that grew, or a pipe, is still cut off at the cap
-    if len(data) > cap:
-        raise too_large(file, len(data), cap)
-    return data
+    """The bytes of the regular file `path`, at most `cap`; E006 when larger. OSError passes
+    through (the caller reports it as E004 or its own code), also for a named pipe or a
+    device, which are refused without blocking (`mstar_runtime.untrusted.read_file`)."""
+    try:
+        return untrusted.read_file(path, cap)
+    except untrusted.FileTooLarge as e:
+        raise too_large(file, e.size, cap) from None
 
 
 def decode_text(data: bytes) -> str:
-    """UTF-8 text with universal newlines, as `Path.read_text` gives it (UnicodeDecodeError
-    passes through)."""
-    return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    """UTF-8 text with universal newlines, as `Path.read_text` gives it, without a leading
+    byte-order mark (editors on Windows write one; columns count from after it).
+    UnicodeDecodeError passes through."""
+    return data.decode("utf-8").removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
 
 
 def read_text_capped(path: str | Path, file: str, cap: int) -> str:

@@ -22,7 +22,7 @@ import lark
 from lark import Token, Tree
 
 from mstarc import ast, limits
-from mstarc.diagnostics import CompileError, Diagnostic, Span
+from mstarc.diagnostics import CompileError, Diagnostic, Span, source_lines
 
 GRAMMAR_PATH = Path(__file__).resolve().parent / "grammar" / "walk.lark"
 
@@ -87,7 +87,7 @@ def parse(text: str, file: str) -> ast.Model:
             accepts = set(e.expected)
         expected = _describe_expected(parser, accepts or set(e.expected))
         if e.token.type == "$END":
-            lines = text.splitlines() or [""]
+            lines = source_lines(text) or [""]
             span = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 2)
             diag = Diagnostic("E003", f"unexpected end of file; expected {expected}", span,
                               "a block or a call is not closed")
@@ -101,7 +101,7 @@ def parse(text: str, file: str) -> ast.Model:
         char = text[e.pos_in_stream] if 0 <= e.pos_in_stream < len(text) else "?"
         raise CompileError([Diagnostic("E002", f"unexpected character {char!r}", span)]) from None
     except lark.exceptions.UnexpectedEOF as e:  # pragma: no cover - LALR reports $END as a token
-        lines = text.splitlines() or [""]
+        lines = source_lines(text) or [""]
         span = Span(file, len(lines), len(lines[-1]) + 1)
         raise CompileError([Diagnostic("E003", f"unexpected end of file; expected {e.expected}", span)]) from None
     except lark.exceptions.LarkError as e:  # pragma: no cover - defensive: never leak Lark

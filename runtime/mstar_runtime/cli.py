@@ -38,6 +38,7 @@ import click
 import torch
 from tqdm import tqdm
 
+from mstar_runtime import untrusted
 from mstar_runtime.api import MStar, RequestFailed, RequestHandle
 from mstar_runtime.cli_support import CONTEXT_SETTINGS, run_command, version_option
 from mstar_runtime.control.validate import TORCH_DTYPES, validate_inputs
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from mstar_runtime.serve.server import ServeConfig
 
 PROG = "mstar-run"
+MAX_TENSOR_JSON_DEPTH = 64  # a tensor written as JSON nests once per dimension; torch takes at most 64
 
 
 class UserError(Exception):
@@ -125,10 +127,11 @@ def parse_text(walk: str, name: str, t: Mapping[str, Any], text: str) -> Any:
     if text.startswith("@"):
         return _read_safetensors(walk, name, text)
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
+        data = untrusted.loads_json(text, MAX_TENSOR_JSON_DEPTH)
+    except ValueError as e:  # malformed, or nested deeper than any tensor
+        reason = f" ({e})" if isinstance(e, untrusted.JSONTooDeep) else ""
         raise _bad(walk, name, f"expected a JSON list or @file.safetensors for a {t['dtype']} tensor, "
-                               f"got '{text[:60]}'") from None
+                               f"got '{text[:60]}'{reason}") from None
     try:
         return torch.tensor(data, dtype=TORCH_DTYPES[t["dtype"]])
     except (TypeError, ValueError, RuntimeError) as e:
@@ -218,9 +221,11 @@ def parse_line(plan: Plan, line: int, text: str) -> BatchLine:
     """A batch line as a request; any problem becomes the line's `error`, never an exception."""
     fallback = f"line-{line}"
     try:
-        obj = json.loads(text)
+        obj = untrusted.loads_json(text)
     except json.JSONDecodeError as e:
         return BatchLine(line, fallback, error=RequestError(f"malformed JSON: {e.msg} (column {e.colno})"))
+    except untrusted.JSONTooDeep as e:
+        return BatchLine(line, fallback, error=RequestError(f"malformed JSON: {e}"))
     if not isinstance(obj, dict):
         return BatchLine(line, fallback, error=RequestError(f"expected a JSON object, got {type(obj).__name__}"))
     rid = obj.get("id", fallback)

@@ -26,6 +26,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from mstar_runtime import untrusted
+
 MAGIC = b"MSTARPLN"
 CONTAINER_VERSION = 1
 SCHEMA_MAJOR = 1
@@ -76,7 +78,9 @@ def decode(data: bytes, path: str = "<plan>") -> dict[str, Any]:
     if hashlib.sha256(raw).digest() != digest:
         raise PlanFileError(path, "plan checksum mismatch: the file is corrupt")
     try:
-        body = json.loads(raw.decode("utf-8"))
+        body = untrusted.loads_json(raw.decode("utf-8"))
+    except untrusted.JSONTooDeep as e:  # deeper than any plan mstarc writes
+        raise PlanFileError(path, f"plan body: {e}; the file is corrupt") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise PlanFileError(path, f"plan body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
@@ -92,12 +96,12 @@ def decode(data: bytes, path: str = "<plan>") -> dict[str, Any]:
 
 
 def read(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
+    """A plan file's body: a regular file of at most the size cap (never blocks on a named
+    pipe, never reads a device without end), decoded and checked by `decode`."""
     try:
-        size = p.stat().st_size
-        if size > MAX_BODY_BYTES + HEADER_BYTES:
-            raise PlanFileError(str(path), f"file is {size} bytes, over the plan size cap", "size")
-        data = p.read_bytes()
+        data = untrusted.read_file(path, MAX_BODY_BYTES + HEADER_BYTES)
+    except untrusted.FileTooLarge as e:
+        raise PlanFileError(str(path), f"file is {e.size} bytes, over the plan size cap", "size") from None
     except OSError as e:
         raise PlanFileError(str(path), f"cannot read plan: {e.strerror or e}", "io") from None
     return decode(data, str(path))

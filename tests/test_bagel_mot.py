@@ -36,7 +36,7 @@ from mstar_runtime.kv.attention import paged_attention
 from mstar_runtime.kv.block_manager import BlockManager
 from mstar_runtime.ops.node import NodeError, NodeSpec, RequestError
 from mstar_runtime.ops.readback import Lazy, resolve
-from mstar_runtime.ops.sampler import sample
+from mstar_runtime.sampling import sample
 
 transformers = pytest.importorskip("transformers")
 

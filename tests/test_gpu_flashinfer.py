@@ -20,7 +20,7 @@ import torch
 
 from mstar_runtime.kv.attention import AttentionMetadata, KVPool, paged_attention
 from mstar_runtime.kv.block_manager import BlockManager
-from mstar_runtime.ops.sampler import SamplingParams, SamplingTensors, sample, sample_tensors, uniforms
+from mstar_runtime.sampling import SamplingParams, columns_of, sample, sample_columns, uniforms
 
 pytestmark = pytest.mark.gpu
 
@@ -155,15 +155,15 @@ def test_sampler_on_gpu_matches_cpu_and_never_syncs(cuda: torch.device, rng: ran
     hists = [torch.randint(0, vocab, (rng.randrange(0, 400),)) for _ in range(b)]
     steps = [rng.randrange(0, 5000) for _ in range(b)]
     cpu = sample(logits, params, hists, steps)
-    st = SamplingTensors.build(params, [h.to(cuda) for h in hists], steps, vocab, cuda)
-    assert torch.equal(uniforms(st.seed, st.step).cpu(), uniforms(st.seed.cpu(), st.step.cpu()))
+    cols = columns_of(params, [h.to(cuda) for h in hists], steps, cuda)
+    assert torch.equal(uniforms(cols.seed, cols.step).cpu(), uniforms(cols.seed.cpu(), cols.step.cpu()))
     gl = logits.to(cuda)
-    sample_tensors(gl, st)
+    sample_columns(gl, cols)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        st = SamplingTensors.build(params, [h.to(cuda, non_blocking=True) for h in hists], steps, vocab, cuda)
-        gpu = sample_tensors(gl, st)
+        cols = columns_of(params, [h.to(cuda, non_blocking=True) for h in hists], steps, cuda)
+        gpu = sample_columns(gl, cols)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     same = (gpu.cpu() == cpu).float().mean()

@@ -33,8 +33,8 @@ from mstar_runtime.engine.engines import KVCacheEngine, KVSlots, StepEntry
 from mstar_runtime.kv.block_manager import BlockManager
 from mstar_runtime.ops.node import KVGeometry, NodeError, RequestError, SeqPlan
 from mstar_runtime.ops.readback import resolve
-from mstar_runtime.ops.sampler import SamplingParams, process_logits, sample
 from mstar_runtime.plan.loader import Plan, load_plan
+from mstar_runtime.sampling import SamplingParams, process_logits, sample
 from mstar_runtime.weights import WeightsError, build_node, load_weights
 
 transformers = pytest.importorskip("transformers")

@@ -417,7 +417,7 @@ def test_code_predictor_draw_is_hfs_top_k_top_p_distribution() -> None:
     top-p 0.8 probability (the runtime's reference processing of the whole row, softmaxed),
     to within the grid step; codes outside the kept set never; greedy rows the argmax."""
     from mstar_models.qwen3_omni.code_predictor import TOP_K, TOP_P, sample_top_k_top_p
-    from mstar_runtime.ops.sampler import SamplingParams, process_logits
+    from mstar_runtime.sampling import SamplingParams, process_logits
 
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(3, 2048, generator=gen) * torch.tensor([[0.5], [2.0], [4.0]])

@@ -5,12 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar_runtime.ops import sampler
 from mstar_runtime.ops.node import RequestError
-from mstar_runtime.ops.sampler import (
+from mstar_runtime.sampling import (
     SamplingColumns,
     SamplingParams,
-    SamplingTensors,
     process_logits,
     sample,
     sample_columns,
@@ -18,6 +16,8 @@ from mstar_runtime.ops.sampler import (
     uniform,
     uniforms,
 )
+from mstar_runtime.sampling import columns as sampling_columns
+from mstar_runtime.sampling import stage as sampler
 
 V = 97
 
@@ -143,7 +143,6 @@ def test_uniform_draws_are_a_pure_function_of_seed_and_step() -> None:
 
 
 def test_zero_probability_tokens_are_never_drawn_even_at_the_edge(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mstar_runtime.ops import sampler
 
     x = torch.full((1, V), float("-inf"))
     x[0, 10], x[0, 20] = 0.0, 0.0
@@ -189,8 +188,8 @@ def test_tensor_uniforms_are_the_host_bits() -> None:
     seeds = [0, 1, 42, 2**63 - 1, 2**63, 2**64 - 1, 2**70 + 42, -1, -(2**63), 12345678901234567]
     steps = [0, 1, 7, 2**31, 2**62 + 3, 2**64 - 2]
     pairs = [(s, t) for s in seeds for t in steps]
-    st = SamplingTensors.build([SamplingParams(seed=s) for s, _ in pairs], [None] * len(pairs),
-                               [t for _, t in pairs], V, "cpu")
+    st = sampling_columns.columns_of([SamplingParams(seed=s) for s, _ in pairs], [None] * len(pairs),
+                                  [t for _, t in pairs], "cpu")
     got = uniforms(st.seed, st.step).tolist()
     assert got == [uniform(s, t) for s, t in pairs]
 
@@ -223,11 +222,9 @@ def test_repeated_calls_give_identical_tokens() -> None:
 
 def test_device_joined_histories_equal_host_padded() -> None:
     """The path for histories that live on the device (one cat + one gather) pads exactly as the host path."""
-    from mstar_runtime.ops.sampler import _join_histories, _pad_histories
-
     hs = [history(b, n=3 + 4 * b) for b in range(5)]
-    host = _pad_histories(hs, [0, 2, 3, 4], 5, torch.device("cpu"))
-    joined = _join_histories({b: hs[b] for b in (0, 2, 3, 4)}, 5, host.shape[1], torch.device("cpu"))
+    host = sampling_columns.pad_histories(hs, [0, 2, 3, 4], 5, torch.device("cpu"))
+    joined = sampling_columns.join_histories({b: hs[b] for b in (0, 2, 3, 4)}, 5, host.shape[1], torch.device("cpu"))
     assert torch.equal(host, joined) and bool((host[1] == -1).all())
 
 

@@ -33,7 +33,7 @@ h_idx * max_latent_size + w_idx with h = height // 16, w = width // 16 (M must b
 The timestep embedding is DiT's: 256 frequencies in [cos, sin] order, max_period 1e4, of
 the raw t in [0, 1] (not scaled by 1000), then mlp.0, SiLU, mlp.2.
 
-Generation: greedy at temperature 0, else sampling through `mstar_runtime.ops.sampler`
+Generation: greedy at temperature 0, else sampling through `mstar_runtime.sampling`
 seeded by the optional `seed` input of `start` (a random seed drawn once at `start`
 otherwise), draw k of a reply at sampler step k. `done` on <|im_end|>, on <|vision_start|>
 (then `image_start` is true: the model asks for an image), when min(max_length,
@@ -87,7 +87,7 @@ from mstar_runtime.ops.node import (
 )
 from mstar_runtime.ops.ports import config_value, max_seq_len, scalar
 from mstar_runtime.ops.readback import Lazy, Readback, upload_tensor
-from mstar_runtime.ops.sampler import SamplingColumns, SamplingParams, sample, sample_columns, sampling_row
+from mstar_runtime.sampling import SamplingColumns, SamplingParams, sample, sample_columns, sampling_row
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -79,7 +79,7 @@ from mstar_runtime.ops.node import (
 )
 from mstar_runtime.ops.ports import config_value, max_seq_len, scalar
 from mstar_runtime.ops.readback import Lazy, Readback, upload_tensor
-from mstar_runtime.ops.sampler import SamplingParams, sample
+from mstar_runtime.sampling import SamplingParams, sample
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -5,7 +5,7 @@ with no host value: the per-request state the generic path keeps in `attn.states
 `SamplingParams`, `step`, `k`, `max_tokens`, `history`) becomes device columns at join and
 goes back into the state at leave:
 
-  sampling columns  temperature, top_k, top_p, penalty, greedy, seed, step (`ops.sampler.SamplingColumns`)
+  sampling columns  temperature, top_k, top_p, penalty, greedy, seed, step (`sampling.SamplingColumns`)
   k                 audio codes emitted so far (the code position of the next one is k % 7)
   max_tokens        tokens the request may generate in all
   history           int64 [max_seq_len + 1]: the token at each KV position, -1 where unknown
@@ -23,7 +23,7 @@ import torch
 
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import RequestError
-from mstar_runtime.ops.sampler import SamplingColumns, sample_columns, sampling_row
+from mstar_runtime.sampling import SamplingColumns, sample_columns, sampling_row
 
 if TYPE_CHECKING:
     from mstar_models.orpheus.backbone import LlamaBackbone

@@ -35,7 +35,7 @@ from mstar_models.layers.decoder import Decoder
 from mstar_models.layers.linear import StackedWeights
 from mstar_models.layers.mlp import GatedMLP
 from mstar_models.layers.rotary import inv_freq, rope_tables
-from mstar_runtime.ops.sampler import pick_from_cdf, uniforms
+from mstar_runtime.sampling import pick_from_cdf, uniforms
 
 TOP_K, TOP_P = 50, 0.8  # HF's talker passes these to the code predictor's generate when sampling
 

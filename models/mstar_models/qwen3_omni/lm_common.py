@@ -10,7 +10,7 @@ import torch
 from mstar_runtime.ops import ports
 from mstar_runtime.ops.node import NodeError, NodeSpec, RequestError
 from mstar_runtime.ops.ports import config_value
-from mstar_runtime.ops.sampler import SamplingParams
+from mstar_runtime.sampling import SamplingParams
 
 
 def attention_sizes(

@@ -94,7 +94,7 @@ from mstar_runtime.ops.node import (
 )
 from mstar_runtime.ops.ports import config_value, max_seq_len
 from mstar_runtime.ops.readback import Lazy, Readback, upload
-from mstar_runtime.ops.sampler import SamplingColumns, SamplingParams, derive_seed, sample_columns, signed64
+from mstar_runtime.sampling import SamplingColumns, SamplingParams, derive_seed, sample_columns, signed64
 
 PROMPT_TAIL = 5  # rows of the talker prefill that carry codec embeddings: nothink .. codec_pad
 

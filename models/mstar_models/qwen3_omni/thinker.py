@@ -94,7 +94,7 @@ from mstar_runtime.ops.node import (
 )
 from mstar_runtime.ops.ports import config_value, max_seq_len
 from mstar_runtime.ops.readback import Lazy, Readback, upload
-from mstar_runtime.ops.sampler import SamplingColumns, SamplingParams, sample, sample_columns, sampling_row
+from mstar_runtime.sampling import SamplingColumns, SamplingParams, sample, sample_columns, sampling_row
 
 PREFILLS = ("prefill", "prefill_speech")
 DECODES = ("decode", "decode_speech")

@@ -1,0 +1,161 @@
+"""The sampling stage: logits [n, V] and the rows' `SamplingColumns` -> one token id per row.
+
+Row b's token depends only on its own logits, its settings and `(seed[b], step[b])`, never on
+the rest of the batch, so a request gives the same tokens alone or batched, and again when it
+is recomputed after preemption. Every stage runs for every row as whole-batch kernels with no
+host value (so a captured step can hold it): repetition penalty, temperature, top-k, top-p,
+then the draw; a greedy row takes the argmax after the penalty.
+
+Processing follows Hugging Face's processors in `generate`'s order: repetition penalty (over
+the tokens in the row's history: positive logits divided by the penalty, negative ones
+multiplied; ids outside the vocabulary ignored), then temperature, top-k (ties at the k-th
+value stay), top-p (ascending stable sort, drop the prefix whose cumulative probability is
+<= 1 - top_p, keep the most likely token).
+
+The draw is inverse-CDF with one uniform number per row, `seeds.uniforms(seed, step)`: the
+token is the first, in vocabulary order, whose cumulative probability (float64, over the
+processed distribution) exceeds it. (Gumbel-max with a hash per vocabulary entry gives the
+same distribution and the same independence, but pays ~20 integer kernels over n x V per
+step; one uniform per row pays one.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mstar_runtime.sampling.columns import SamplingColumns, columns_of
+from mstar_runtime.sampling.params import SamplingParams
+from mstar_runtime.sampling.seeds import uniforms
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[torch.Tensor | None],
+    steps: Sequence[int],
+) -> torch.Tensor:
+    """One token id per row (int64 [B], on the logits' device) for per-row Python settings:
+    `sample_columns` over the batch's `columns` (a one-off call, e.g. a prefill's first token)."""
+    _check_shapes(logits, params, histories)
+    if len(steps) != len(params):
+        raise ValueError(f"need one step per row, got {len(steps)} for {len(params)} rows")
+    return sample_columns(logits, columns_of(params, histories, steps, logits.device))
+
+
+def process_logits(
+    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[torch.Tensor | None]
+) -> torch.Tensor:
+    """Float32 logits after repetition penalty, temperature, top-k and top-p (removed = -inf):
+    the distribution `sample` draws from. Greedy rows get only the repetition penalty."""
+    _check_shapes(logits, params, histories)
+    cols = columns_of(params, histories, [0] * len(params), logits.device)
+    return _top_k_top_p(_penalised(logits, cols), cols.top_k, cols.top_p)
+
+
+def _check_shapes(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  histories: Sequence[torch.Tensor | None]) -> None:
+    if logits.dim() != 2 or len(params) != logits.shape[0] or len(histories) != logits.shape[0]:
+        raise ValueError(
+            f"need logits [B, V] and B params and histories; got {tuple(logits.shape)}, "
+            f"{len(params)} params, {len(histories)} histories"
+        )
+
+
+def sample_columns(logits: torch.Tensor, cols: SamplingColumns) -> torch.Tensor:
+    """The stage: one token id per row (int64 [n]) from the rows' device columns."""
+    scores = _top_k_top_p(_penalised(logits, cols), cols.top_k, cols.top_p)
+    return torch.where(cols.greedy, scores.argmax(dim=-1), pick_from_cdf(scores, uniforms(cols.seed, cols.step)))
+
+
+# ------------------------------------------------------------------------------ processing
+def _penalised(logits: torch.Tensor, cols: SamplingColumns) -> torch.Tensor:
+    """Float32 logits after the repetition penalty and the temperature (a new tensor)."""
+    b, vocab = logits.shape
+    # One spare element after the rows: the repetition penalty sends padding and ids outside
+    # the vocabulary there, so one scatter serves every row without a per-row filter.
+    flat = torch.empty(b * vocab + 1, dtype=torch.float32, device=logits.device)
+    x = flat[: b * vocab].view(b, vocab)
+    x.copy_(logits)
+    if cols.history is not None:
+        _repetition_penalty(flat, cols.history, cols.penalty, b, vocab)
+    return x.div_(cols.temperature[:, None])
+
+
+def _repetition_penalty(flat: torch.Tensor, hist: torch.Tensor, penalty: torch.Tensor, b: int, vocab: int) -> None:
+    """HF's RepetitionPenaltyLogitsProcessor on every row at once: gather, penalise, scatter.
+
+    A repeated id scatters the same value several times, which is harmless; padding (-1),
+    out-of-vocabulary ids and rows whose penalty is 1 all land on the spare element."""
+    rows = torch.arange(b, device=hist.device)[:, None]
+    valid = (hist >= 0) & (hist < vocab) & (penalty != 1.0)[:, None]
+    idx = torch.where(valid, hist + rows * vocab, b * vocab)
+    score = flat[idx]
+    pen = penalty[:, None]
+    flat[idx] = torch.where(score < 0, score * pen, score / pen)
+
+
+def _top_k_top_p(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """HF's top-k then top-p with a per-row k and p as tensors, from one sort of every row.
+
+    The k-th largest value is the ascending sort's entry V - k (as `torch.topk`'s k-th value:
+    ties count), so a k that varies per row needs no host value. Masking what lies below it
+    keeps the sorted rows sorted (the removed entries are a prefix), so top-p reads the same
+    sorted values and the same (stable) order of the kept ones as a sort of the masked row.
+    A row with k off compares against -inf; a row with p = 1 drops only entries of
+    probability 0, which no draw picks."""
+    vocab = x.shape[1]
+    sorted_x, order = torch.sort(x, dim=-1, descending=False, stable=True)
+    on = (k > 0) & (k < vocab)
+    kth = sorted_x.gather(1, (vocab - k).clamp(0, vocab - 1)[:, None])
+    kth = torch.where(on[:, None], kth, float("-inf"))
+    x = x.masked_fill(x < kth, float("-inf"))
+    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+    cum = _cumsum(sorted_x.softmax(dim=-1))
+    drop_sorted = cum <= (1 - p)[:, None]
+    drop_sorted[:, -1] = False
+    drop = drop_sorted.scatter(1, order, drop_sorted)
+    return x.masked_fill(drop, float("-inf"))
+
+
+# ------------------------------------------------------------------------------ the draw
+_SCAN_BLOCK = 1024
+
+
+def _cumsum(x: torch.Tensor, blocked: bool | None = None, padded: bool = False) -> torch.Tensor:
+    """`x.cumsum(-1)` of a [R, V] tensor. On a GPU a long row is scanned in blocks: a scan inside
+    each block of 1,024, then a scan of the block totals added back. torch's scan of a few very
+    long rows keeps most of the GPU idle (200-265 us for [16, 156940] on an H200, twice per
+    sampled step). The sums are rounded in a different order than a sequential scan, as in any
+    parallel scan, so a draw that lands within rounding distance of a token boundary may pick
+    its neighbour (the GPU-vs-CPU sampler test allows for that); on the CPU the plain scan runs.
+    `padded`: a blocked result may keep its zero-padded tail (each padded column repeats the
+    row's total), contiguous, for a caller that searches it."""
+    rows, v = x.shape
+    if blocked is None:
+        blocked = x.device.type == "cuda"
+    if not blocked or v < 4 * _SCAN_BLOCK:
+        return x.cumsum(dim=-1)
+    nb = -(-v // _SCAN_BLOCK)
+    blocks = F.pad(x, (0, nb * _SCAN_BLOCK - v)).view(rows, nb, _SCAN_BLOCK).cumsum(dim=-1)
+    totals = blocks[:, :, -1]
+    before = totals.cumsum(dim=-1) - totals  # exclusive: what the blocks before each one hold
+    out = (blocks + before[:, :, None]).view(rows, nb * _SCAN_BLOCK)
+    return out if padded else out[:, :v]
+
+
+def pick_from_cdf(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw per row: the first token whose cumulative probability exceeds u * total.
+
+    scores [R, V] (removed = -inf), u float64 [R] in [0, 1)."""
+    # float64 CDF: exact enough that a 150k-token vocabulary loses no probability mass.
+    # padded (on a GPU): the tail repeats the total, which changes neither the search nor `last`,
+    # and a contiguous CDF spares searchsorted a copy of it
+    cdf = _cumsum(torch.softmax(scores, dim=-1).to(torch.float64), padded=True)
+    total = cdf[:, -1:]
+    picked = torch.searchsorted(cdf, u[:, None] * total, right=True)
+    # u * total may round up to total: then take the last token with probability > 0.
+    last = (cdf < total).sum(dim=-1, keepdim=True)
+    return torch.minimum(picked, last).squeeze(1)

@@ -32,8 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_models.testfamily.common import setting
-from mstar_models.testfamily.lm import LlamaModel, RMSNorm, SelfAttention, apply_rope, rope_tables
+from mstar_models.layers.attention import Attention
+from mstar_models.layers.linear import Weight
+from mstar_models.layers.norm import RMSNorm
+from mstar_models.testfamily.common import seeded_init_, setting
+from mstar_models.testfamily.lm import apply_rope, llama_model, rope_tables
 from mstar_runtime.ops.node import (
     AttentionContext,
     Batch,
@@ -83,8 +86,10 @@ class Encoder(StatelessNode):
         self.frame = frame_samples(spec)
         self.frontend = nn.Conv1d(1, mel_bins, self.frame, stride=self.frame, bias=False)
         self.proj_in = nn.Linear(mel_bins, s.hidden)
-        self.model = LlamaModel(s.vocab, s.hidden, s.layers, s.heads, s.kv_heads, s.head_dim, s.intermediate, RMS_EPS)
-        self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
+        self.model = llama_model(s.vocab, s.hidden, s.layers, s.heads, s.kv_heads, s.head_dim, s.intermediate,
+                                 RMS_EPS)
+        self.lm_head = Weight.empty(s.vocab, s.hidden)
+        seeded_init_(self, spec)
         self.to(device=spec.device, dtype=spec.dtype)
 
     def frames_of(self, n: int) -> int:
@@ -143,11 +148,13 @@ class Decoder(KVNode):
         self.sizes = s = _Sizes(spec)
         self.max_text = int(spec.settings.get("max_seq_len", 0)) or None
         self.sot, self.eot = s.vocab - 1, s.vocab - 2
-        self.model = LlamaModel(s.vocab, s.hidden, s.layers, s.heads, s.kv_heads, s.head_dim, s.intermediate, RMS_EPS)
+        self.model = llama_model(s.vocab, s.hidden, s.layers, s.heads, s.kv_heads, s.head_dim, s.intermediate,
+                                 RMS_EPS)
         for layer in self.model.layers:  # Whisper's cross-attention block, beside each self-attention
-            layer.encoder_attn = SelfAttention(s.hidden, s.heads, s.kv_heads, s.head_dim)
+            layer.encoder_attn = Attention(s.hidden, s.heads, s.kv_heads, s.head_dim)
             layer.encoder_attn_layer_norm = RMSNorm(s.hidden, RMS_EPS)
-        self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
+        self.lm_head = Weight.empty(s.vocab, s.hidden)
+        seeded_init_(self, spec)
         self.to(device=spec.device, dtype=spec.dtype)
 
     @property

@@ -36,9 +36,10 @@ LLAMA3_ROPE = {
 apply_rope = fused.rope
 
 
-def inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], float32 on the CPU (transformers' default RoPE, op for op)."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+def inv_freq(head_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], float32 (transformers' default RoPE, op for op), on the
+    CPU unless `device` says (the test family's tiny models compute them where they run)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
 
 
 def llama3_inv_freq(

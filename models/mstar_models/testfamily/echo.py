@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import torch
 
 from mstar_models.testfamily.common import as_int, seeded_init_, setting
-from mstar_models.testfamily.lm import LlamaModel, TinyLM
+from mstar_models.testfamily.lm import TinyLM, llama_model
 from mstar_runtime.ops.cohort import Attend, CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import (
     AttentionContext,
@@ -56,8 +56,8 @@ class EchoLM(KVNode):
         if self.heads != 1 or self.kv_heads != 1 or self.hidden != self.head_dim:
             raise NodeError(f"node '{spec.name}' (EchoLM): needs heads = kv_heads = 1 and hidden = head_dim")
         self.max_seq_len = int(spec.settings.get("max_seq_len", DEFAULT_MAX_SEQ_LEN))
-        self.model = LlamaModel(self.vocab, self.hidden, self.layers, 1, 1, self.head_dim,
-                                int(g("intermediate")), 1e-6)
+        self.model = llama_model(self.vocab, self.hidden, self.layers, 1, 1, self.head_dim,
+                                 int(g("intermediate")), 1e-6)
         seeded_init_(self, spec)
         self.to(device=spec.device, dtype=spec.dtype)
 

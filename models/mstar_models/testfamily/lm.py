@@ -21,6 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_models.layers import rotary
+from mstar_models.layers.decoder import Decoder
+from mstar_models.layers.embedding import VocabEmbedding
+from mstar_models.layers.linear import Weight
+from mstar_models.layers.mlp import GatedMLP
 from mstar_models.testfamily.common import as_int, seeded_init_, setting
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import (
@@ -38,76 +43,22 @@ from mstar_runtime.ops.readback import Lazy, Readback
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-class SelfAttention(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int):
-        super().__init__()
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float):
-        super().__init__()
-        self.self_attn = SelfAttention(hidden, heads, kv_heads, head_dim)
-        self.mlp = SwiGLU(hidden, intermediate)
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-
-
-class LlamaModel(nn.Module):
-    def __init__(
-        self,
-        vocab: int,
-        hidden: int,
-        layers: int,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-        intermediate: int,
-        eps: float,
-    ):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(
-            DecoderLayer(hidden, heads, kv_heads, head_dim, intermediate, eps) for _ in range(layers)
-        )
-        self.norm = RMSNorm(hidden, eps)
+def llama_model(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                intermediate: int, eps: float) -> Decoder:
+    """`model.*` of a Llama checkpoint on the layer library (`embed_tokens`, `layers.{i}.*`, `norm`),
+    uninitialised: the node fills it (`common.seeded_init_`)."""
+    return Decoder(layers, hidden, heads, kv_heads, head_dim, eps, lambda i: GatedMLP(hidden, intermediate),
+                   embed=VocabEmbedding(vocab, hidden))
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [N, 1, head_dim] of absolute positions (HF's rotate-half pairing: i with i + D/2)."""
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
-    )
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
-    return emb.cos(), emb.sin()
+    """cos/sin [N, 1, head_dim] (float32) of absolute positions (HF's rotate-half pairing: i with i + D/2)."""
+    return rotary.rope_tables(positions, rotary.inv_freq(head_dim, theta, positions.device), torch.float32)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., H, D] rotated in float32 (rotate-half), back in x's dtype: the test family's own
+    nodes that attend densely (the ASR encoder) rotate one tensor at a time."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -141,7 +92,7 @@ class TinyLM(KVNode):
             raise NodeError(
                 f"node '{spec.name}': heads must be a multiple of kv_heads; hidden and head_dim even"
             )
-        self.model = LlamaModel(
+        self.model = llama_model(
             self.vocab,
             self.hidden,
             self.layers,
@@ -153,7 +104,7 @@ class TinyLM(KVNode):
         )
         self.tied = bool(g("tie_embeddings"))
         if not self.tied:
-            self.lm_head = nn.Linear(self.hidden, self.vocab, bias=False)
+            self.lm_head = Weight.empty(self.vocab, self.hidden)
         self.flow_in = nn.Linear(self.latent_dim, self.hidden)
         self.flow_time = nn.Linear(self.hidden, self.hidden)
         self.flow_out = nn.Linear(self.hidden, self.latent_dim)
@@ -257,17 +208,8 @@ class TinyLM(KVNode):
     # ------------------------------------------------------------------ math
     def forward_hidden(self, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Packed rows h [N, hidden] at absolute `positions` [N] -> final-normed hidden [N, hidden]."""
-        n = h.shape[0]
         cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
-        for i, layer in enumerate(self.model.layers):
-            a = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = apply_rope(a.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
-            k = apply_rope(a.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
-            v = a.v_proj(x).view(n, self.kv_heads, self.head_dim)
-            h = h + a.o_proj(attend(i, q, k, v).reshape(n, self.heads * self.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(h)
+        return self.model.forward_layers(h, cos.to(h.dtype), sin.to(h.dtype), attend)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_models.testfamily.common import as_int, setting
-from mstar_models.testfamily.lm import LlamaModel, apply_rope, rope_tables
+from mstar_models.layers.linear import Weight
+from mstar_models.testfamily.common import as_int, seeded_init_, setting
+from mstar_models.testfamily.lm import llama_model, rope_tables
 from mstar_runtime.ops.node import (
     AttentionContext,
     Batch,
@@ -66,9 +67,9 @@ class _Llama(KVNode):
         self.heads, self.kv_heads, self.head_dim = g("heads"), g("kv_heads"), g("head_dim")
         if self.heads % self.kv_heads or self.head_dim % 2:
             raise NodeError(f"node '{spec.name}': heads must be a multiple of kv_heads, head_dim even")
-        self.model = LlamaModel(self.vocab, self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim,
-                                g("intermediate"), RMS_EPS)
-        self.lm_head = nn.Linear(self.hidden, self.vocab, bias=False)
+        self.model = llama_model(self.vocab, self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim,
+                                 g("intermediate"), RMS_EPS)
+        self.lm_head = Weight.empty(self.vocab, self.hidden)
 
     @property
     def kv_geometry(self) -> KVGeometry:
@@ -76,17 +77,8 @@ class _Llama(KVNode):
 
     def forward_hidden(self, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Packed rows h [N, hidden] at absolute `positions` [N] -> final-normed hidden [N, hidden]."""
-        n = h.shape[0]
         cos, sin = rope_tables(positions, self.head_dim, ROPE_THETA)
-        for i, layer in enumerate(self.model.layers):
-            a = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = apply_rope(a.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
-            k = apply_rope(a.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
-            v = a.v_proj(x).view(n, self.kv_heads, self.head_dim)
-            h = h + a.o_proj(attend(i, q, k, v).reshape(n, self.heads * self.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(h)
+        return self.model.forward_layers(h, cos.to(h.dtype), sin.to(h.dtype), attend)
 
 
 class Backbone(_Llama):
@@ -96,6 +88,7 @@ class Backbone(_Llama):
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
         self.max_prefix = int(spec.settings.get("max_seq_len", 0)) or None
+        seeded_init_(self, spec)
         self.to(device=spec.device, dtype=spec.dtype)
 
     @classmethod
@@ -132,6 +125,7 @@ class ActionExpert(_Llama):
                             f"({self.action_dim}); the embedding and head are the action projections")
         self.action_time_mlp_in = nn.Linear(2 * self.hidden, self.hidden)
         self.action_time_mlp_out = nn.Linear(self.hidden, self.hidden)
+        seeded_init_(self, spec)
         self.to(device=spec.device, dtype=spec.dtype)
 
     @classmethod

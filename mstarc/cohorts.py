@@ -40,7 +40,10 @@ def _analyse(loop: Mapping[str, Any]) -> tuple[Mark | None, str | None]:
     if loop.get("index") is not None:
         return None, f"it binds an index ({loop['index']})"
     body = loop.get("body") or {}
-    items = body.get("body") if body.get("op") == "seq" else None
+    ops = (body.get("body") if body.get("op") == "seq" else None) or []
+    # value transfers that `schedule` placed before the call (a carried value first bound elsewhere)
+    lead = next((i for i, item in enumerate(ops) if item.get("op") != "transfer"), len(ops))
+    transfers, items = ops[:lead], ops[lead:]
     if not items or items[0].get("op") != "call":
         first = items[0].get("op") if items else "nothing"
         return None, f"its body does not start with a call (it starts with {first})"
@@ -61,6 +64,10 @@ def _analyse(loop: Mapping[str, Any]) -> tuple[Mark | None, str | None]:
         emits.append([item["output"], results[value["var"]]])
     if len(call["ranks"]) != 1:
         return None, f"{call['id']} runs on {len(call['ranks'])} ranks"
+    args = {operand["var"] for operand in call["args"].values() if "var" in operand}
+    for t in transfers:
+        if t.get("value") not in args or t.get("dst") != call["ranks"][0]:
+            return None, f"its body moves {t.get('value')} to rank {t.get('dst')}, not an argument of {call['id']} there"
     if call.get("reads"):
         return None, f"{call['id']} reads other KV contexts"
     carry = set(loop.get("carry") or ())

@@ -6,6 +6,9 @@
 
 The walks live here, appended to the test family's model (its nodes, variants and streams),
 so that the corpus of shipped walks keeps its plans. Counted in engine steps, never in seconds.
+- A loop on another rank than the prefill that wrote its context (the plan's kv transfer,
+  as BAGEL's CFG contexts under cfg3): the context is moved to the loop's rank, then the
+  row joins that rank's cohort (in-process workers), with one rank's tokens.
 """
 
 from __future__ import annotations
@@ -40,6 +43,44 @@ FIXED_WALK = """
       emit audio += pcm
     }
   }
+"""
+
+MOVED_WALK = """
+  // The decode loops run in a branch the placement maps to rank 1; the prefill stays on rank 0.
+  walk moved(prompt: str, max_new: int = 8, n: int = 5) -> (tokens: i32[N], more: i32[M]) {
+    ids = prompt.encode(text = prompt)
+    token, code, done, h = lm.prefill(tokens = ids, max_new = max_new) @main
+    emit tokens += token
+    parallel {
+      branch dec {
+        dynamic_loop max = max_new_tokens until done carry token, done {
+          token, c, done, hid = lm.decode(token = token) @main
+          emit tokens += token
+        }
+        loop n = n max = max_new_tokens carry token {
+          token, c2, d2, hid2 = lm.decode(token = token) @main
+          emit more += token
+        }
+      }
+      branch other { other_ids = prompt.encode(text = prompt) }
+    }
+  }
+"""
+
+MOVED_PLACEMENT = """
+placement: cpu2_moved
+devices: {count: 2, type: cpu, name: cpu, memory_gib: 4}
+kv_memory_fraction: 0.5
+page_size: 16
+max_batch: 8
+default_rank: 0
+models:
+  testfamily:
+    nodes:
+      lm: {ranks: [0, 1], tp: 1}
+    walks:
+      moved:
+        branches: {dec: 1}
 """
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -128,3 +169,38 @@ def test_a_fixed_loop_survives_preemption_and_a_small_pool(fixed_plan: Path) -> 
 def test_a_fixed_loop_count_out_of_range_names_its_input(fixed_plan: Path) -> None:
     (h,) = _run(_engine(fixed_plan, "cohort"), [("fixed", {"prompt": "too many", "n": 33})])
     assert h.state == "failed" and h.error_field == "n" and "outside 0..32" in (h.error or "")
+
+
+# ---------------------------------------------------------------------------- a context moved first
+@pytest.fixture(scope="module")
+def moved_plans(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    out = tmp_path_factory.mktemp("cohort-moved")
+    placement = out / "cpu2_moved.yaml"
+    placement.write_text(MOVED_PLACEMENT)
+    return {1: _with_walks(MOVED_WALK, out / "moved1.plan"), 2: _with_walks(MOVED_WALK, out / "moved2.plan", placement)}
+
+
+MOVED = [("moved", {"prompt": f"move me {i}", "max_new": m, "n": n}) for i, (m, n) in enumerate([(3, 2), (8, 5), (1, 7)])]
+
+
+def test_a_loop_whose_context_moved_joins_the_cohort_of_its_rank(moved_plans: dict[int, Path]) -> None:
+    """The plan moves lm@main from rank 0 into both loops' calls (the first loop might, for all
+    the compiler knows, not have written it): it moves once, before the first loop; the second
+    loop continues rank 1's copy (the one its last write went to), on either path."""
+    want = _run(_engine(moved_plans[1], "generic"), MOVED)
+    plan = load_plan(moved_plans[2], device="cpu")
+    consumers = {t["consumer_step"] for t in plan.body["placement"]["transfers"] if t.get("kind") == "kv"}
+    assert len(consumers) == 2
+    for path, every in (("cohort", None), ("cohort", 4), ("generic", None)):
+        conductor = Conductor(plan, {r: Worker(plan, r, "cpu", "init") for r in (0, 1)}, path=path,
+                              preempt_every=every)
+        got = _run(conductor, MOVED)
+        loops = _marked(conductor, "moved")
+        assert len(loops) == 2  # a transfer into the loop's call keeps its mark
+        on_one = {key[3] for key, c in conductor.cohorts.items() if key[2] == (1,) and c.stats["joins"]}
+        assert on_one == (loops if path == "cohort" else set())  # both loops ran as rank 1's cohorts
+        attempts = len(MOVED) + conductor.stats["preemptions"]
+        assert len(MOVED) <= conductor.stats["kv_moves"] <= attempts  # once per request attempt
+        for c, g in zip(got, want):
+            assert c.state == FINISHED, c.error
+            _same(c, g)

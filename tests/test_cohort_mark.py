@@ -196,9 +196,27 @@ def test_each_rule_unmarks(hand: dict[str, dict[str, Any]]) -> None:
         "emit tokens is not a result of plain.s2"
     assert broken(lambda lp, c: lp["body"]["body"].insert(0, {"op": "transfer", "value": "token",
                                                              "src": 0, "dst": 1})) == \
-        "its body does not start with a call (it starts with transfer)"
+        "its body moves token to rank 1, not an argument of plain.s2 there"
+    assert broken(lambda lp, c: lp["body"]["body"].insert(0, {"op": "transfer", "value": "hidden",
+                                                             "src": 1, "dst": 0})) == \
+        "its body moves hidden to rank 0, not an argument of plain.s2 there"
+    assert broken(lambda lp, c: lp["body"]["body"].insert(1, {"op": "transfer", "value": "token",
+                                                             "src": 1, "dst": 0})) == \
+        "its body has a transfer op besides the call and its emits"
+    assert broken(lambda lp, c: lp["body"].update(body=[{"op": "transfer", "value": "token", "src": 1,
+                                                         "dst": 0}])) == \
+        "its body does not start with a call (it starts with nothing)"
     assert broken(lambda lp, c: c.update(feeds=[{"stream": "s", "port": "nope", "var": "x"}])) == \
         "plain.s2 feeds nope, which is not one of its results"
+
+
+def test_a_transfer_into_the_call_keeps_the_mark(hand: dict[str, dict[str, Any]]) -> None:
+    """A carried argument first bound on another rank is moved to the call's rank before the
+    call (schedule puts the transfer in the body): the loop is still a cohort, the same one."""
+    loop = copy.deepcopy(hand["cohort"])
+    call = loop["body"]["body"][0]
+    loop["body"]["body"].insert(0, {"op": "transfer", "value": "token", "src": 1, "dst": call["ranks"][0]})
+    assert why_not(loop) is None and cohort_mark(loop) == hand["cohort"]["cohort"]
 
 
 # -------------------------------------------------------------------------------- the loader

@@ -22,9 +22,10 @@ Ensures:  every region's body is emitted in a topological order of the graph's d
           emitted op): null, or `{call, fed, invariant, emits}` when the loop is a
           steady-state cohort. The rule, all of which must hold:
             - its `acc` is empty and its `index` is null;
-            - its body is a `seq` whose first op is one `call`, and every other op is an
-              `emit` of mode `append` whose value is a var bound by that call (no
-              transfer, loop, parallel, fork, acc or second call);
+            - its body is a `seq` of value transfers into the call (a var it takes, to its
+              rank: a carried value first bound on another rank), then one `call`, then
+              only `emit`s of mode `append` whose value is a var bound by that call (no
+              other transfer, no loop, parallel, fork, acc or second call);
             - the call runs on one rank;
             - every argument of the call is a const, or a result of that call named in
               the loop's `carry` (fed back), or a var bound nowhere in the body (invariant);

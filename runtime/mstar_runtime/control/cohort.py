@@ -52,6 +52,7 @@ from mstar_runtime.control.validate import TORCH_DTYPES
 from mstar_runtime.engine.cohort_engine import CohortResult, CohortShape
 from mstar_runtime.kv.block_manager import BlockManager
 from mstar_runtime.ops.cohort import count_key
+from mstar_runtime.plan.planfile import cohort_call
 
 if TYPE_CHECKING:
     from mstar_runtime.control.conductor import Request
@@ -97,7 +98,7 @@ class Cohort:
         self.preempt = preempt  # frees pages (preempting the newest request); False if it cannot
         self.fail = fail  # fails one request (its row goes with it)
         mark = op["cohort"]
-        call = op["body"]["body"][0]
+        call = cohort_call(op)
         self.port_of = {name: port for port, name in call["results"]}  # result var -> port
         self.shape = cohort_shape(op, ports)
         self.emits: list[tuple[str, str]] = [tuple(e) for e in mark["emits"]]  # (output, port)
@@ -420,7 +421,7 @@ class Cohort:
 
 def cohort_shape(op: dict[str, Any], ports: dict[str, PortSpec]) -> CohortShape:
     """What the worker's columns need to know of a marked loop's call (from its `cohort` mark)."""
-    mark, call = op["cohort"], op["body"]["body"][0]
+    mark, call = op["cohort"], cohort_call(op)
     return CohortShape(call["phase"], tuple(tuple(f) for f in mark["fed"]), tuple(mark["invariant"]), tuple(ports))
 
 

@@ -27,9 +27,12 @@ else to run) and `kv_moves` (KV contexts copied between ranks, below).
 
 KV contexts that move (the plan's `placement.transfers` of kind "kv": a context written on
 one rank and continued by a step on another, as BAGEL's CFG contexts prefilled on rank 0
-and denoised on ranks 1 and 2): before the consumer step's first reservation on its rank,
-the destination's context of that (node, tag) is replaced by the source's, once per
-request attempt and walk (`_move_in`): pages of the same length in the destination pool
+and denoised on ranks 1 and 2): before the consumer step's first reservation on its rank
+(or before its loop's row joins that rank's cohort), the destination's context of that
+(node, tag) is replaced by the source's, once per request attempt and walk (`_move_in`).
+The source is the rank the context's last write went to (`Request.homes`; the plan names
+each rank that may have written it last): a context last written on the destination
+itself, by an earlier loop there, does not move. A move copies pages of the same length in the destination pool
 (a full pool preempts as a fork does), the pages' contents and the node's state for the
 context (`Worker.export_kv` / `import_kv`, through rank 0 when neither end is rank 0). A
 state that cannot travel (`KVNode.export_state` refuses it) fails the request, naming the
@@ -113,6 +116,7 @@ from mstar_runtime.engine.engines import KVSlots, ReadSlots, StepEntry
 from mstar_runtime.kv.block_manager import OutOfPages
 from mstar_runtime.ops.node import KVNode, NodeError, NodeSpec, RequestError
 from mstar_runtime.plan.loader import Plan
+from mstar_runtime.plan.planfile import cohort_call
 from mstar_runtime.worker.remote import EngineStopped, WorkerLost, can_submit
 from mstar_runtime.worker.tp_dispatch import TPDispatch
 from mstar_runtime.worker.worker import StepBatch, WorkerStepError
@@ -280,6 +284,7 @@ class Request:
     buffers: dict[str, StreamBuffer] = field(default_factory=dict)
     appended: dict[str, int] = field(default_factory=dict)
     moved: set[tuple[str, str, str, int]] = field(default_factory=set)  # KV moves done: (walk, step, node@tag, rank)
+    homes: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, tag) -> the rank that last wrote it
     # ---- across attempts
     delivered: dict[str, int] = field(default_factory=dict)
     current_walk: str = ""
@@ -635,7 +640,7 @@ class Conductor:
     def _cohort_for(self, op: dict[str, Any]) -> Cohort | None:
         """The cohort of a marked loop, made on first use; None where the loop stays generic
         (generic path forced, several ranks, a worker process, a node without a column step)."""
-        call = op["body"]["body"][0]
+        call = cohort_call(op)
         node, phase, ranks = call["node"], call["phase"], tuple(call["ranks"])
         key: CohortKey = (node, phase, ranks, op["id"])
         cohort = self.cohorts.get(key)
@@ -665,12 +670,14 @@ class Conductor:
         """Make the task a row of its loop's cohort, or resume it at once with None (generic)."""
         cohort = self._cohort_for(y.op)
         req = task.request
-        call = y.op["body"]["body"][0]
+        call = cohort_call(y.op)
         tag = call.get("tag") or "main"
         key = (req.id, tag)
-        move = (req.current_walk, str(call.get("id")), f"{call['node']}@{tag}", tuple(call["ranks"])[0])
-        if move in self._kv_moves and move not in req.moved:  # the context comes from another rank first
-            cohort = None
+        # a context the plan moves to the loop's rank is copied there first, as before a generic step
+        if (cohort is not None and self._kv_moves
+                and not self._move_in(req, call["node"], tag, str(call.get("id")), tuple(call["ranks"])[0],
+                                      lambda: not req.done and task in req.tasks)):
+            return  # the request failed or was preempted meanwhile: its task is gone
         if cohort is None or not cohort.has_room() or key not in cohort.bm or cohort.bm.seq_len(key) < 1:
             self.ready.append((task, None, None))
             return
@@ -678,6 +685,7 @@ class Conductor:
             self._cohort_seq[cohort.key] = next(self._seq)
         try:
             cohort.join(req, task, y, tag)
+            req.homes[(call["node"], tag)] = cohort.key[2][0]
         except RequestError:  # a row the column step cannot take (its node's join refused it): the generic loop
             self.ready.append((task, None, None))  # runs it, and reports any real input error itself
 
@@ -794,8 +802,10 @@ class Conductor:
         return self._kv_classes[node], self._kv_specs[node]
 
     def _truncate(self, node: str, key: tuple[str, str], length: int) -> None:
-        for (n, rank), _ in list(self.kv.managers.items()):
-            if n == node:
+        """Cut the context `key` of `node` to `length` tokens on every rank that holds more: a
+        context moved to another rank (a kv transfer) leaves its shorter source copy behind."""
+        for (n, rank), bm in list(self.kv.managers.items()):
+            if n == node and key in bm and bm.seq_len(key) > length:
                 copy = self.kv.truncate((n, rank), key, length)
                 if copy is not None:
                     self.workers[rank].copy_slots(node, copy)
@@ -806,6 +816,11 @@ class Conductor:
                 continue
             copy = self.kv.fork((n, rank), (req.id, f.src), (req.id, f.dst))
             self.workers[rank].fork(f.node, req.id, f.src, f.dst, copy)
+        home = req.homes.get((f.node, f.src))  # a fork copies on every rank: the copy of the last write leads
+        if home is None:
+            req.homes.pop((f.node, f.dst), None)
+        else:
+            req.homes[(f.node, f.dst)] = home
 
     def _fork_or_preempt(self, req: Request, f: ForkKV) -> bool:
         """Fork a KV context; when the pool is full, preempt the newest request and retry.
@@ -837,14 +852,20 @@ class Conductor:
                 if victim is req:
                     return False
 
-    def _move_in(self, node: str, rank: int, call: StepCall) -> bool:
-        """Before the call's first step on `rank`: if the plan moves its KV context there (a
-        transfer of kind "kv" into this step), copy the context from its source rank, once per
-        request and walk. False when the request failed or was preempted meanwhile."""
-        req, tag = call.request, call.tag or "main"
-        key = (req.current_walk, str(call.op.get("id")), f"{node}@{tag}", rank)
+    def _move_in(self, req: Request, node: str, tag: str, step: str, rank: int, still: Callable[[], bool]) -> bool:
+        """Before the first step `step` (a call's id) of `req` on `rank`: if the plan moves its KV
+        context `node@tag` there (a transfer of kind "kv" into this step), copy the context from
+        its source rank, once per request and walk. False when the request failed or was
+        preempted meanwhile, or `still()` turned false while answers in flight were taken."""
+        key = (req.current_walk, step, f"{node}@{tag}", rank)
         src = self._kv_moves.get(key)
         if src is None or key in req.moved:
+            return True
+        # the plan names every rank that may have written the context last (a loop that ran
+        # no iteration, say); the copy to take is the one its last write went to
+        src = req.homes.get((node, tag), src)
+        if src == rank:  # written here last (an earlier loop on this rank): nothing to move
+            req.moved.add(key)
             return True
         info = self.plan.node(node)
         if info.shard is not None and info.shard.tp > 1:
@@ -854,7 +875,7 @@ class Conductor:
         try:
             ok = self._or_preempt(req, lambda: self._move_kv(req, node, tag, src, rank),
                                   f"moving KV context {node}@{tag} to rank {rank} needs pages its pool does not have",
-                                  lambda: call in self.pending)
+                                  still)
         except (NodeError, WorkerStepError) as e:
             self._fail(req, f"moving KV context {node}@{tag} from rank {src} to rank {rank}: {e}")
             return False
@@ -863,6 +884,7 @@ class Conductor:
             return False
         if ok:
             req.moved.add(key)
+            req.homes[(node, tag)] = rank
             self.stats["kv_moves"] += 1
         return ok
 
@@ -919,7 +941,8 @@ class Conductor:
         """The call's KV slots; None when it failed (or lost its request); `_OVER_BUDGET` when
         its tokens do not fit the `room` left in this step's token budget. A context the plan
         moves to `rank` for this call is copied there first (`_move_in`)."""
-        if self._kv_moves and not self._move_in(node, rank, call):
+        if self._kv_moves and not self._move_in(call.request, node, call.tag or "main", str(call.op.get("id")), rank,
+                                                lambda: call in self.pending):
             return None
         cls, spec = self._kv_class(node)
         shapes = {p: tuple(v.shape) for p, v in inputs.items() if isinstance(v, torch.Tensor)}
@@ -958,6 +981,7 @@ class Conductor:
                     return None
                 continue
             call.frame.log_kv(node, key, kv.start)
+            call.request.homes[(node, key[1])] = rank
             reads = call.op.get("reads")
             if reads:
                 kv = dataclasses.replace(kv, reads=self._read_slots(rank, call.request.id, reads))
@@ -1124,6 +1148,7 @@ class Conductor:
                 if (node, tag) not in kept:
                     bm.free((req.id, tag))
                     self.workers[rank].drop_tag(node, req.id, tag)
+                    req.homes.pop((node, tag), None)
                     self.tp.forget(req.id, node, tag)
         program = self.plan.walk(t["dst"])
         carried = {**req.current_inputs, **{k: v for k, v in req.outputs.items() if not isinstance(v, list)}}
@@ -1148,6 +1173,7 @@ class Conductor:
             cohort.remove(req)
         self.kv.free_request(req.id)
         req.moved.clear()  # a new attempt moves its contexts again
+        req.homes.clear()
         for w in self.workers.values():
             w.free(req.id)
         self.tp.forget(req.id)

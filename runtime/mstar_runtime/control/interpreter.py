@@ -43,7 +43,7 @@ import torch
 from mstar_runtime.control.streams import Chunk, StreamBuffer
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.ops.readback import is_lazy, resolve
-from mstar_runtime.plan.planfile import iter_ops
+from mstar_runtime.plan.planfile import cohort_call, iter_ops
 
 if TYPE_CHECKING:
     from mstar_runtime.control.conductor import Request
@@ -408,7 +408,7 @@ class Interpreter:
         """Ask to run a marked loop as a cohort row; True (the generator's value) when it did:
         its carried values are bound and what it could not push is pushed. False: the
         conductor declined, and the caller runs the loop itself."""
-        call = op["body"]["body"][0]
+        call = cohort_call(op)
         inputs = {port: resolve(self._value(arg, env)) for port, arg in call["args"].items()}
         done: CohortExit | None = yield EnterCohort(op, env, frame, inputs, count)
         if done is None:

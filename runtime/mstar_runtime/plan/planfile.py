@@ -125,3 +125,10 @@ def iter_ops(region: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
             yield from iter_ops(branch["body"])
     elif op in ("loop", "on_stream"):
         yield from iter_ops(region["body"])
+
+
+def cohort_call(loop: Mapping[str, Any]) -> dict[str, Any]:
+    """The call a loop's (non-null) `cohort` mark names: the one call of its body, which may
+    start with value transfers into it (docs/plan-format.md, "Cohort loops")."""
+    call_id = loop["cohort"]["call"]
+    return next(op for op in loop["body"]["body"] if op.get("op") == "call" and op.get("id") == call_id)

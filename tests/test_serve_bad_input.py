@@ -309,3 +309,52 @@ def test_prompts_are_tokenized_off_the_event_loop(engine: Any, monkeypatch: pyte
     assert seen and all(t is not threading.main_thread() for t in seen)
 
 
+
+
+# ----------------------------------------------------------------------------- refused before queueing
+def _requests_total(app: Any, walk: str) -> dict[str, float]:
+    text = call(app, "/metrics", method="GET").text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("mstar_requests_total{") and f'walk="{walk}"' in line:
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            out[outcome] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_a_400_from_a_node_counts_as_rejected(engine: Any) -> None:
+    app = make_app(engine)
+    err = error(call(app, "/v1/chat/completions", {"model": MODEL, "messages": HI, "max_new": 0}))
+    assert err["param"] == "max_new", err
+    counts = _requests_total(app, "chat")
+    assert counts.get("rejected") == 1 and not counts.get("failed"), counts
+
+
+@pytest.fixture(scope="module")
+def orpheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from mstar_runtime.api import MStar
+    from mstarc.cli import main as mstarc
+
+    plan = tmp_path_factory.mktemp("orpheus") / "orpheus-tiny.plan"
+    assert mstarc(["compile", str(ROOT / "models/orpheus/orpheus.walk"), "--variant", "tiny", "-p",
+                   str(ROOT / "placements/cpu.yaml"), "-o", str(plan)]) == 0
+    m = MStar.load(plan, weights="init")
+    try:
+        yield m
+    finally:
+        done = threading.Event()
+        threading.Thread(target=lambda: (m.close(), done.set()), daemon=True).start()
+        assert done.wait(30)
+
+
+def test_an_unknown_voice_is_refused_before_it_is_queued(orpheus: Any) -> None:
+    """The prompt node's copy in the server refuses it: no request reaches the engine (where it
+    would wait behind every queued request to be refused), and it counts as rejected."""
+    app = make_app(orpheus)
+    before = orpheus.stats()["requests"]["submitted"]
+    for path, body, param in (("/v1/audio/speech", {"model": "orpheus", "input": "hi", "voice": "nobody"}, "voice"),
+                              ("/v1/walks/tts", {"inputs": {"text": "hi", "voice": "nobody"}}, "inputs.voice")):
+        err = error(call(app, path, body))
+        assert err["param"] == param and "unknown voice" in err["message"], err
+    assert orpheus.stats()["requests"]["submitted"] == before
+    assert _requests_total(app, "tts") == {"rejected": 2}

@@ -22,6 +22,7 @@ field and the limit.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -29,6 +30,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from mstar_runtime.api import RequestHandle
+from mstar_runtime.ops.node import RequestError
 from mstar_runtime.serve.bounds import check_bounds
 from mstar_runtime.serve.common import (
     INVALID,
@@ -455,12 +457,20 @@ def check_inputs(state: ServerState, walk: str, inputs: Mapping[str, Any], field
 
 async def start_flight(state: ServerState, request: Request, route: str, walk: str, inputs: Mapping[str, Any],
                        fields: Mapping[str, str], primary: str | None, timeout: float | None = None) -> Flight:
-    """Check, admit and submit one request; the `Flight` to run it under (`async with`)."""
+    """Check, admit and submit one request; the `Flight` to run it under (`async with`), with
+    its prompt's token count. A value the walk's prompt node refuses (an unknown voice) is
+    the 400 it would be after running, but at once rather than behind the engine's queue."""
+    codec = state.codecs.get(walk)
     try:
         check_inputs(state, walk, inputs, fields)
+        # the prompt node tokenizes: off the event loop (a long prompt takes a while)
+        prompt_tokens = 0 if codec is None else await asyncio.to_thread(codec.count, inputs)
     except ApiError:
         state.metrics.rejected(walk)
         raise
+    except RequestError as e:
+        state.metrics.rejected(walk)
+        raise bad_request(str(e), fields.get(e.field or "", primary)) from None
     state.admit(walk)
     t0 = time.perf_counter()
     try:
@@ -470,6 +480,7 @@ async def start_flight(state: ServerState, request: Request, route: str, walk: s
         raise submit_error(e, fields, state.engine_problem()) from None
     flight = Flight(state, handle, route, request.receive, fields, primary, t0)
     flight.client_timeout = timeout is not None
+    flight.prompt_tokens = prompt_tokens
     return flight
 
 

@@ -447,11 +447,7 @@ def install(app: FastAPI, state: ServerState) -> None:
         extra = walk_extras(state, role.walk, body.model_extra, set(inputs))
         inputs.update(extra)
         fields.update({k: k for k in extra})  # a node that rejects one blames it, not `messages`
-        codec = state.codecs.get(role.walk)
-        # tokenizing a long prompt (and the media's features) takes a while: off the event loop
-        prompt_tokens = 0 if codec is None else await asyncio.to_thread(codec.count, inputs)
         flight = await start_flight(state, request, "chat", role.walk, inputs, fields, "messages")
-        flight.prompt_tokens = prompt_tokens
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if spoken and speech is not None and body.audio is not None:
             created = int(time.time())

@@ -204,6 +204,8 @@ class Flight:
         summary = self.handle.summary()
         if summary["finish_reason"] in ("timeout", "shutdown"):
             return str(summary["finish_reason"])
+        if summary["state"] == "failed" and summary.get("field") is not None:
+            return "rejected"  # a node refused the client's input: a 400, as those refused before running
         return str(summary["state"])
 
     def error_for(self, e: RequestFailed) -> ApiError:

@@ -34,7 +34,6 @@ phase's taps normalised to unit sum (so a constant stays constant). A data size 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
@@ -61,7 +60,6 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from mstar_runtime.serve.server import ServerState, WalkRole
-    from mstar_runtime.serve.text import TextCodec
 
 MEDIA = {"wav": "audio/wav", "pcm": "audio/pcm"}
 log = logging.getLogger("mstar_runtime.serve.server")
@@ -185,10 +183,10 @@ def _install_speech(app: FastAPI, state: ServerState, speech_walk: SpeechWalk) -
 
     role = speech_walk.role
     rate = state.sample_rate
-    if role.walk not in state.codecs:  # the SSE usage's input_tokens
+    if role.walk not in state.codecs:  # the SSE usage's input_tokens; the voice checked before queueing
         state.codecs[role.walk] = TextCodec(state.plan, role.walk, role.text_input, state.config.weights)
     outputs = state.plan.walk(role.walk)["outputs"]
-    usage = SpeechUsage(state.codecs[role.walk], tuple(
+    usage = SpeechUsage(tuple(
         o["name"] for o in outputs if o["name"] != role.output and _is_stream(o, ("str", "i32", "i64"))))
     audio_responses = {**ERROR_RESPONSES, 200: {"description": "audio (wav or pcm), or SSE events",
                                                "content": {"audio/wav": {}, "audio/pcm": {}, "text/event-stream": {}}}}
@@ -198,10 +196,8 @@ def _install_speech(app: FastAPI, state: ServerState, speech_walk: SpeechWalk) -
     async def speech(body: SpeechRequest, request: Request) -> Any:
         check_model(state, body.model)
         inputs, fields = speech_inputs(state, speech_walk, body)
-        sse = None
-        if body.stream_format == "sse":  # counted off the event loop: the prompt node tokenizes
-            sse = replace(usage, prompt=await asyncio.to_thread(usage.codec.count, inputs))
         flight = await start_flight(state, request, "speech", role.walk, inputs, fields, "input")
+        sse = replace(usage, prompt=flight.prompt_tokens) if body.stream_format == "sse" else None
         fmt = body.response_format
         if not body.stream and body.stream_format is None:
             async with flight:
@@ -228,11 +224,10 @@ async def _audio(flight: Flight, output: str) -> AsyncIterator[tuple[str, Any]]:
 @dataclass(frozen=True)
 class SpeechUsage:
     """The `usage` of an SSE stream's `speech.audio.done`: `input_tokens` the prompt node's
-    count of the walk's prompt (`TextCodec.count`, taken before the stream starts),
+    count of the walk's prompt (`TextCodec.count`, taken by `app.start_flight`),
     `output_tokens` the tokens of the walk's token outputs the stream received (Orpheus: its
     audio codes; Qwen3-Omni: the spoken text's tokens; 0 for a walk that emits none)."""
 
-    codec: TextCodec
     outputs: tuple[str, ...]
     prompt: int = 0
 

@@ -6,7 +6,8 @@ node whose phase first takes the walk's text input, e.g. the test family's
 copy of that node in the server process (weights loaded from the same source, so a
 checkpoint's tokenizer is the one used) and calls it directly:
 
-- `count(inputs)`: the prompt's token count, for `usage.prompt_tokens`;
+- `count(inputs)`: the prompt's token count, for `usage.prompt_tokens`; a value the node
+  refuses (an unknown voice) is a `RequestError` here, before the request is queued;
 - `render(ids)`: the text of the token ids generated so far. When the node has a
   detokenize-like phase (`detokenize`, `decode_text`, `detok`, `untokenize`: token ids in,
   a string out), that phase decodes them, and a streamed delta is the new suffix of the
@@ -39,6 +40,8 @@ from typing import Any
 
 import torch
 
+from mstar_runtime.control.validate import validate_inputs
+from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan.loader import Plan
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,7 @@ class TextCodec:
         self.tokenizer: Any = None  # a tokenizers.Tokenizer equal to the detokenize phase (streams with it)
         self.skip_special = True  # whether the phase drops special tokens, as the probe found
         self._lock = threading.Lock()
+        self.walk, self.program = walk, plan.walk(walk)
         call = _first_call_on(plan.walk(walk), text_input)
         if call is None:
             return
@@ -116,14 +120,24 @@ class TextCodec:
         return node
 
     def count(self, inputs: Mapping[str, Any]) -> int:
-        """Prompt tokens of a request (0 when the walk's prompt node could not be copied)."""
+        """Prompt tokens of a request (0 when the walk's prompt node could not be copied).
+        Raises the node's `RequestError`, naming the walk input, when it refuses the request's
+        values (an unknown voice): the walk would fail the same way, but only after waiting its
+        turn behind the engine's queue. The node sees the inputs typed and defaulted as the
+        engine passes them; inputs the engine itself would refuse are left to it."""
         if self.node is None or self.encode_phase is None:
             return 0
-        entry = {port: inputs[var] for port, var in self.encode_args.items() if var in inputs}
+        try:
+            values = validate_inputs(self.walk, self.program, inputs)
+        except RequestError:  # `MStar.submit` refuses it, naming the field
+            return 0
+        entry = {port: values[var] for port, var in self.encode_args.items()}
         try:
             with self._lock:
                 out = self.node.run(self.encode_phase, [entry])[0]
-        except Exception:  # the walk itself will report a bad prompt, naming the field
+        except RequestError as e:
+            raise RequestError(str(e), self.encode_args.get(e.field or "", e.field)) from None
+        except Exception:  # anything else is the walk's to report
             return 0
         tensors = [v for v in out.values() if isinstance(v, torch.Tensor)]
         return int(tensors[0].numel()) if tensors else 0

@@ -128,6 +128,30 @@ def test_build_batch_equals_transformers(ours: Processor, monkeypatch: pytest.Mo
         check(out, reference(proc, ours, *case))
 
 
+def test_detokenize_drops_every_added_token(ours: Processor, tmp_path: Path) -> None:
+    """Qwen's tokenizer marks `<tool_call>`, `<|fim_pad|>`, `<|repo_name|>`, `<think>`, ... non-special;
+    the reply's text drops them as it drops `<|im_end|>`, whole and streamed, with the bundled
+    tokenizer and with a checkpoint's own `tokenizer.json`; encoding a prompt is unchanged."""
+    text = "Hi wörld"
+    plain = ["<tool_call>", "<|fim_pad|>", "<|repo_name|>", "<think>", "<tool_response>"]
+    for node in (ours, _with_checkpoint_tokenizer(ours, tmp_path)):
+        ids = [node.tokenizer.token_to_id(t) for t in plain]
+        body = node.tokenizer.encode(text, add_special_tokens=False).ids
+        seq = [ids[0], *body[:3], *ids[1:3], *body[3:], *ids[3:], TINY_IDS.im_end]
+        assert node.run("detokenize", [{"token": torch.tensor(seq, dtype=torch.int32)}])[0]["piece"] == text
+        streamed = [{"token": torch.tensor(seq[max(0, i - 4): i + 1], dtype=torch.int32), "token:context": min(i, 4)}
+                    for i in range(len(seq))]
+        assert "".join(o["piece"] for o in node.run("detokenize", streamed)) == text
+    assert ours.tokenizer.encode("a<|fim_pad|>b").ids == bundled_hf_tokenizer()("a<|fim_pad|>b")["input_ids"]
+
+
+def _with_checkpoint_tokenizer(ours: Processor, folder: Path) -> Processor:
+    node = Processor(ours.spec)
+    (folder / "tokenizer.json").write_text(BUNDLED_TOKENIZER.read_text(encoding="utf-8"), encoding="utf-8")
+    node.on_weights(str(folder))
+    return node
+
+
 def test_mel_filters_equal_transformers() -> None:
     from transformers.audio_utils import mel_filter_bank
 

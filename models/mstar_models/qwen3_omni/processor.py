@@ -28,7 +28,8 @@ transformers' class defaults (OpenAI CLIP mean / std; min / max pixels 3136 / 12
 the Qwen-Omni preprocessor configs [unverified for Qwen3-Omni]) and the model config (patch,
 merge, temporal patch, mel bins). Node settings of the same names override both.
 
-Detokenize: ids -> text with special tokens dropped. A stream chunk (`token:context` given:
+Detokenize: ids -> text with special tokens dropped: every added token (`controls_special`,
+also those Qwen's tokenizer marks non-special, such as `<|fim_pad|>` and `<tool_call>`). A stream chunk (`token:context` given:
 the walk's left_context(1, 4) stream of generated ids) returns the text its new id adds,
 decode(all) minus decode(history); a character that byte-level BPE split over several ids
 is held back until its last id, so the pieces join to one decode of the reply (an incomplete
@@ -284,6 +285,19 @@ def _read_tokenizer(path: Path) -> Tokenizer:
         raise NodeError(f"cannot read tokenizer '{path}': {e}") from None
 
 
+def controls_special(tok: Tokenizer) -> Tokenizer:
+    """`tok` with every added token marked special, so that decoding with special tokens
+    skipped drops them all. Qwen's tokenizer marks 12 of its 33 added tokens non-special
+    (`<tool_call>`, `<|fim_pad|>`, `<|repo_name|>`, `<think>`, ...), which transformers'
+    decode(skip_special_tokens=True) then prints; none is text a reply means to say (the
+    served walks take no tools and do not think), and a tiny model prints them at random.
+    Encoding is unchanged: added tokens are split off the input either way."""
+    plain = [t for t in tok.get_added_tokens_decoder().values() if not t.special]
+    tok.add_special_tokens([AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
+                                       normalized=t.normalized, special=True) for t in plain])
+    return tok
+
+
 def bundled_tokenizer(vocab: int, ids: TokenIds | None = None) -> Tokenizer:
     """tokenizer_tiny.json, relabelled to Qwen's ids when `token_ids(vocab)` is the real table, then to
     `ids` (a token whose id another one takes swaps ids with it, so the vocabulary stays one-to-one)."""
@@ -413,7 +427,7 @@ class Processor(StatelessNode):
             raise NodeError(f"node '{spec.name}': {e}") from None
         self.vocab = vocab
         self.n_window = int(spec.config.get("audio_n_window", N_WINDOW))
-        self.tokenizer = bundled_tokenizer(vocab, self.ids)
+        self.tokenizer = controls_special(bundled_tokenizer(vocab, self.ids))
         self._added: dict[int, AddedToken] = {}
         self._added_of: Tokenizer | None = None  # the tokenizer `_added` was read from
         self.template_source = BUNDLED_TEMPLATE
@@ -450,7 +464,7 @@ class Processor(StatelessNode):
             if got != want:
                 raise NodeError(f"node '{self.spec.name}': the tokenizer in '{folder}' has {name!r} at id {got}; "
                                 f"the model's other nodes use {want} (vocab {self.vocab})")
-        self.tokenizer = tok
+        self.tokenizer = controls_special(tok)
 
     # ---- build
     def messages(self, prompt: str, system: str, audio: bool, image: bool) -> list[dict[str, Any]]:

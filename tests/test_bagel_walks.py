@@ -198,3 +198,31 @@ def test_mstar_run_writes_png_and_text_for_every_walk(plan_path: Path, tmp_path:
     assert Image.open(out / "paint.image.png").size[0] > 0
     for name in ("look.text.txt", "talk.text.txt", "plan.text.txt"):
         assert (out / name).is_file()
+
+
+def test_the_tiny_variant_runs_its_own_defaults(plan_path: Path, tmp_path: Path) -> None:
+    """`mstar-run PLAN --walk t2i --input prompt=x` on the tiny plan: its defaults are the
+    variant's (64 x 64, 9 timesteps: its largest image and its loop's 8 steps), not the real
+    model's 1024 x 1024 and 50, which it cannot run."""
+    from PIL import Image
+
+    from tests.test_cli_run import mstar_run
+
+    p = mstar_run(str(plan_path), "--walk", "t2i", "--input", "prompt=x", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert Image.open(tmp_path / "t2i.image.png").size == (64, 64)
+
+
+def test_every_input_out_of_bounds_is_in_one_error(engine: MStar) -> None:
+    from mstar_runtime.ops.node import RequestError
+
+    with pytest.raises(RequestError) as info:
+        engine.submit("t2i", {"prompt": "x", "height": 1024, "num_timesteps": 50, "cfg_text_scale": -1.0,
+                              "cfg_renorm_type": "sideways"})
+    message = str(info.value)
+    assert info.value.field == "height" and message.startswith("walk 't2i': height: 64x1024 (width x height)")
+    for says in ("multiple of 16 from 16 to 64 px", "num_timesteps must be from 2 to 9", "got 50",
+                 "cfg_text_scale must be 0 <= cfg_text_scale <= 100, got -1", "cfg_renorm_type must be one of"):
+        assert says in message, says
+    with pytest.raises(RequestError, match="width and height: 1024x1024"):  # both sides, one problem
+        engine.submit("think", {"prompt": "x", "height": 1024, "width": 1024})

@@ -36,7 +36,7 @@ from test_server_support import ROOT, Server, metric, post, serving  # noqa: E40
 WALK = ROOT / "models/bagel/bagel.walk"
 MODEL = "bagel"
 MAX_SIDE = 64  # tiny: max_latent_size 4 latent tokens of 16 px (VAE x8, latent patch 2)
-STEPS = {"num_timesteps": 3}  # the walk's default 50 is beyond the tiny plan's loop bound (8 steps)
+STEPS = {"num_timesteps": 3}  # fewer than the tiny variant's default 9: quicker
 
 
 def _bagel_plan(out: Path) -> Path:
@@ -107,8 +107,8 @@ def ask(question: str, image: bytes, mime: str = "image/png") -> list[dict]:
 def test_limits_come_from_the_plan(tmp_path: Path, variant: str, placement: str, grid: tuple, timesteps: int,
                                    tokens: int) -> None:
     """What the routes refuse is read from the compiled plan's config, whichever variant (no nodes needed)."""
+    from mstar_runtime.control.bounds import ImageGrid, image_grid, max_timesteps
     from mstar_runtime.plan import planfile
-    from mstar_runtime.serve.bounds import ImageGrid, image_grid, max_timesteps
     from mstarc.cli import main as mstarc
 
     plan = tmp_path / f"bagel-{variant}.plan"
@@ -128,7 +128,6 @@ def test_sizes_the_plan_cannot_hold_name_the_limit(client: openai.OpenAI, size: 
 
 
 @pytest.mark.parametrize(("extra", "param", "says"), [
-    ({}, "num_timesteps", "from 2 to 9"),  # the walk's default (50): the plan runs at most 8 steps
     ({"num_timesteps": 10}, "num_timesteps", "from 2 to 9"),
     ({"num_timesteps": 1}, "num_timesteps", "from 2 to 9"),
     ({"num_timesteps": "three"}, "num_timesteps", "integer"),
@@ -162,10 +161,12 @@ def test_generation_request_fields(client: openai.OpenAI) -> None:
 
 
 def test_native_route_checks_the_same_bounds(server: Server) -> None:
-    # the walk's defaults (1024 x 1024, 50 timesteps) are more than the tiny plan holds
-    status, raw = post(server.base + "/v1/walks/t2i", {"inputs": {"prompt": "x"}, "stream": False})
+    # the real model's 1024 x 1024 and 50 timesteps are more than the tiny plan holds: one 400 says both
+    status, raw = post(server.base + "/v1/walks/t2i", {"inputs": {"prompt": "x", "height": 1024, "width": 1024,
+                                                                  "num_timesteps": 50}, "stream": False})
     err = json.loads(raw)["error"]
-    assert status == 400 and err["param"] == "inputs.width" and "the walk's default" in err["message"], err
+    assert status == 400 and (err["param"], err["code"]) == ("inputs.width", "unsupported_size"), err
+    assert err["message"].startswith("inputs.width and inputs.height: 1024x1024") and "from 2 to 9" in err["message"]
     status, raw = post(server.base + "/v1/walks/t2i", {"inputs": {"prompt": "x", "height": 32, "width": 32,
                                                                   "num_timesteps": 12}})
     assert status == 400 and json.loads(raw)["error"]["param"] == "inputs.num_timesteps"

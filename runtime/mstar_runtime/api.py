@@ -512,7 +512,7 @@ class MStar:
         now; `EngineClosed` after `close()`. `streaming`: the walk's streamed inputs that
         `inputs` leaves out are sent through the handle (`feed`, `close_input`)."""
         program = self.plan.walk(walk)  # UnknownWalk, a RequestError naming the field 'walk'
-        plain, whole = check_inputs(walk, program, inputs or {}, streaming=streaming)
+        plain, whole = check_inputs(walk, program, inputs or {}, streaming=streaming, config=self.plan.config)
         values = {**plain, **{k: v for k, v in whole.items() if v is not None}}
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise RequestError("request_id must be a non-empty string", "request_id")

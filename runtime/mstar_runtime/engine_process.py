@@ -477,7 +477,7 @@ class EngineClient:
     def submit(self, walk: str, inputs: Mapping[str, Any] | None = None, *, request_id: str | None = None,
                timeout: float | None = None) -> ClientHandle:
         program = self.plan.walk(walk)
-        plain, whole = check_inputs(walk, program, inputs or {}, streaming=False)
+        plain, whole = check_inputs(walk, program, inputs or {}, streaming=False, config=self.plan.config)
         values = {**plain, **{k: v for k, v in whole.items() if v is not None}}
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise RequestError("request_id must be a non-empty string", "request_id")

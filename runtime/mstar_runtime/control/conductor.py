@@ -91,6 +91,7 @@ from typing import Any, Protocol
 
 import torch
 
+from mstar_runtime.control.bounds import check_bounds
 from mstar_runtime.control.cohort import Cohort, CohortKey, cohort_shape, port_specs
 from mstar_runtime.control.interpreter import (
     CohortExit,
@@ -163,16 +164,24 @@ def port_input(call: StepCall, port: str | None) -> str | None:
 
 
 def check_inputs(walk: str, program: Mapping[str, Any], inputs: Mapping[str, Any], *,
-                 streaming: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor | None]]:
+                 streaming: bool = False, config: Mapping[str, Any] | None = None,
+                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor | None]]:
     """`validate_inputs` for a walk that may have streamed inputs: (the other inputs, typed and
     defaulted; streamed input -> its whole value, or None when the client feeds it). A
-    streamed input may be left out only when `streaming`."""
+    streamed input may be left out only when `streaming`. With the plan's `config`, also
+    the bounds of image-generation inputs (`bounds.check_bounds`: every one out of bounds,
+    in one error)."""
     streamed = stream_inputs(program)
     if not streamed:
-        return validate_inputs(walk, program, inputs), {}
+        values = validate_inputs(walk, program, inputs)
+        if config is not None:
+            check_bounds(walk, config, program, {k: values[k] for k in inputs if k in values})
+        return values, {}
     declared = {p["name"]: p for p in program["inputs"]}
     plain = {**program, "inputs": [p for p in program["inputs"] if p["name"] not in streamed]}
     values = validate_inputs(walk, plain, {k: v for k, v in inputs.items() if k not in streamed})
+    if config is not None:
+        check_bounds(walk, config, plain, {k: values[k] for k in inputs if k in values})
     whole: dict[str, torch.Tensor | None] = {}
     for name in streamed:
         value = inputs.get(name)

@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from mstar_runtime.api import RequestHandle
+from mstar_runtime.control.bounds import out_of_bounds
 from mstar_runtime.ops.node import RequestError
-from mstar_runtime.serve.bounds import check_bounds
 from mstar_runtime.serve.common import (
     INVALID,
     NOT_FOUND,
@@ -435,7 +435,7 @@ def check_inputs(state: ServerState, walk: str, inputs: Mapping[str, Any], field
     """The route-independent checks of walk inputs the engine would not report by field:
     integers outside 64 bits (also those the server derives, such as image i's seed + i),
     loop counts outside their loop's bound, token counts above the plan's limit, and the
-    bounds of image-generation inputs (`bounds.check_bounds`: sizes, flow steps, CFG)."""
+    bounds of image-generation inputs (`control.bounds`: sizes, flow steps, CFG), all at once."""
     program = state.plan.walk(walk)
     for p in program["inputs"]:
         value = inputs.get(p["name"])
@@ -452,7 +452,12 @@ def check_inputs(state: ServerState, walk: str, inputs: Mapping[str, Any], field
     for name in MAX_TOKEN_INPUTS:
         if name in inputs and name in state.input_types[walk]:
             check_token_limit(state, fields.get(name, name), inputs[name])
-    check_bounds(state.plan.config, program, inputs, fields)
+    found = out_of_bounds(state.plan.config, program, inputs)
+    if found:  # all of them in one 400, named by the request's fields; `param` is the first's
+        def field(name: str) -> str:
+            return fields.get(name, name)
+
+        raise bad_request("; ".join(p.render(field) for p in found), field(found[0].names[0]), found[0].code)
 
 
 async def start_flight(state: ServerState, request: Request, route: str, walk: str, inputs: Mapping[str, Any],

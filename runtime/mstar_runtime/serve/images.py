@@ -18,7 +18,7 @@ a silently different image.
 
 Walk inputs. Extra body keys that are inputs of the walk pass through (`extra_body`:
 `seed`, `num_timesteps`, `cfg_text_scale`, ...), typed and bounded as on every route
-(`app.walk_extras`, `app.check_inputs`, `bounds.check_bounds`). `cfg_interval: [start,
+(`app.walk_extras`, `app.check_inputs`, `control.bounds`). `cfg_interval: [start,
 end]` (the official BAGEL argument) is the walk's `cfg_interval_start` / `cfg_interval_end`.
 
 Edits take a multipart form as the openai client sends it: one `image` file (or `image[]`;
@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import torch
 
 from mstar_runtime.api import RequestFailed
+from mstar_runtime.control.bounds import image_grid
 from mstar_runtime.serve.app import ERROR_RESPONSES, check_model, error_response, start_flight, walk_extras
-from mstar_runtime.serve.bounds import image_grid
 from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
 from mstar_runtime.serve.io import b64, decode_image, png_bytes
 from mstar_runtime.serve.schemas import (
@@ -102,7 +102,7 @@ def size_inputs(state: ServerState, role: WalkRole, size: str | None) -> dict[st
 
 
 def interval_alias(role: WalkRole, extra: dict[str, Any]) -> dict[str, Any]:
-    """`cfg_interval: [start, end]` as the walk's two interval inputs (checked by `bounds`)."""
+    """`cfg_interval: [start, end]` as the walk's two interval inputs (checked by `control.bounds`)."""
     if "cfg_interval" not in extra:
         return extra
     out = dict(extra)

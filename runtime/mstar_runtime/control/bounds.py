@@ -1,13 +1,14 @@
-"""Bounds of image-generation walk inputs, checked by the server before a request reaches
-the engine, on every route alike (`app.check_inputs`).
+"""Bounds of image-generation walk inputs, checked before a request is queued: by
+`conductor.check_inputs` for the CLI and the Python API (a `RequestError`), and by the
+server on every route alike (`app.check_inputs`, a 400 naming the request's field).
 
 The engine would report these late, or not by field: a latent-diffusion walk fails deep in
 a node (or in the interpreter, naming an internal loop count) when asked for an image its
 latent position table cannot hold, or for more flow steps than its loop's bound. Each rule
 applies to a walk only when the walk has an input of that name and type, and reads the
 walk's *effective* values (its defaults where the request gave none), so that a default
-the plan cannot honour (BAGEL's 1024 x 1024 on the tiny variant) is a 400 that says what
-to send, not an engine failure.
+the plan cannot honour is reported as such, with what to send. Every input out of bounds
+is reported at once (`out_of_bounds` lists them; one error says them all), not the first.
 
 - `height` and `width` (ints), when the plan's config has the latent geometry
   (`max_latent_size`, `latent_patch_size`, `vae_ch_mult`): each side a multiple of the
@@ -24,11 +25,11 @@ to send, not an engine failure.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mstar_runtime.serve.common import bad_request
+from mstar_runtime.ops.node import RequestError
 
 RENORM_TYPES = ("global", "channel", "text_channel")
 MAX_SCALE = 100.0
@@ -60,8 +61,27 @@ class ImageGrid:
                 f"(this plan's max_latent_size is {self.max_latent} latent tokens of {self.multiple} px)")
 
 
+@dataclass(frozen=True)
+class OutOfBounds:
+    """One input (or two: a size's sides) out of bounds. `says` follows the inputs' names in
+    the message (`render`), so that each caller names them its own way (the server by the
+    request's fields); `code` is the server's error code."""
+
+    names: tuple[str, ...]
+    says: str
+    code: str = "out_of_range"
+
+    def render(self, field: Callable[[str], str] = str) -> str:
+        named = list(dict.fromkeys(field(n) for n in self.names))  # width and height may share a field (size)
+        return " and ".join(named) + self.says
+
+
 def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def image_grid(config: Mapping[str, Any]) -> ImageGrid | None:
@@ -78,10 +98,12 @@ def max_timesteps(config: Mapping[str, Any]) -> int | None:
     return bound + 1 if _int(bound) and bound >= 1 else None
 
 
-def check_bounds(config: Mapping[str, Any], program: Mapping[str, Any], inputs: Mapping[str, Any],
-                 fields: Mapping[str, str]) -> None:
-    """Raise the 400 for the first input of a walk outside its bounds (module docstring)."""
+def out_of_bounds(config: Mapping[str, Any], program: Mapping[str, Any],
+                  inputs: Mapping[str, Any]) -> list[OutOfBounds]:
+    """Every input of a walk outside its bounds (module docstring), in the walk's terms.
+    `inputs` are those the request gave; the others are the walk's defaults."""
     declared = {p["name"]: p for p in program["inputs"]}
+    found: list[OutOfBounds] = []
 
     def value(name: str, kind: str) -> tuple[Any, bool]:
         """(effective value, whether it is the walk's default), or (None, False)."""
@@ -92,45 +114,50 @@ def check_bounds(config: Mapping[str, Any], program: Mapping[str, Any], inputs: 
             return inputs[name], False
         return p["default"], True
 
-    def param(name: str) -> str:
-        return fields.get(name, name)
-
     def default_note(is_default: bool, what: str) -> str:
         return f" ({what} is the walk's default; send one this plan can run)" if is_default else ""
 
     grid = image_grid(config)
     (h, h_default), (w, w_default) = value("height", "int"), value("width", "int")
     if grid is not None and _int(h) and _int(w):
-        for name, side, is_default in (("width", w, w_default), ("height", h, h_default)):
-            if not grid.fits(side):
-                p = param(name)
-                shown = f"{w}x{h}" if p == param("width") == param("height") else f"{name} {side}"
-                raise bad_request(f"{p}: {shown} is not a size this plan generates: {grid.rule()}"
-                                  f"{default_note(is_default, shown)}", p, "unsupported_size")
+        bad = [name for name, side in (("width", w), ("height", h)) if not grid.fits(side)]
+        if bad:
+            shown = f"{w}x{h} (width x height)"
+            found.append(OutOfBounds(tuple(bad), f": {shown} is not a size this plan generates: {grid.rule()}"
+                                     f"{default_note(w_default and h_default, shown)}", "unsupported_size"))
 
     n, n_default = value("num_timesteps", "int")
     most = max_timesteps(config)
     if _int(n) and most is not None and not 2 <= n <= most:
-        raise bad_request(f"{param('num_timesteps')} must be from 2 to {most} (this plan's denoise loop runs at most "
-                          f"{most - 1} steps, one fewer than the timesteps), got {n}"
-                          f"{default_note(n_default, str(n))}", param("num_timesteps"), "out_of_range")
+        found.append(OutOfBounds(("num_timesteps",), f" must be from 2 to {most} (this plan's denoise loop runs at "
+                                 f"most {most - 1} steps, one fewer than the timesteps), got {n}"
+                                 f"{default_note(n_default, str(n))}"))
 
     for name, (lo, lo_ok, hi) in FLOAT_BOUNDS.items():
         v, is_default = value(name, "float")
-        if isinstance(v, int | float) and not isinstance(v, bool) and not ((lo <= v if lo_ok else lo < v) and v <= hi):
+        if _number(v) and not ((lo <= v if lo_ok else lo < v) and v <= hi):
             low = f"{lo:g} <= " if lo_ok else f"{lo:g} < "
-            raise bad_request(f"{param(name)} must be {low}{name} <= {hi:g}, got {v:g}"
-                              f"{default_note(is_default, f'{v:g}')}", param(name), "out_of_range")
+            found.append(OutOfBounds((name,), f" must be {low}{name} <= {hi:g}, got {v:g}"
+                                     f"{default_note(is_default, f'{v:g}')}"))
     start, start_default = value("cfg_interval_start", "float")
     end, _ = value("cfg_interval_end", "float")
-    if isinstance(start, int | float) and isinstance(end, int | float) and start > end:
-        p = param("cfg_interval_end" if start_default else "cfg_interval_start")  # the one the client sent
-        raise bad_request(f"{p}: the CFG interval must have start <= end, got [{start:g}, {end:g}]", p, "out_of_range")
+    if _number(start) and _number(end) and start > end:
+        name = "cfg_interval_end" if start_default else "cfg_interval_start"  # the one the client sent
+        found.append(OutOfBounds((name,), f": the CFG interval must have start <= end, got [{start:g}, {end:g}]"))
 
     kind, kind_default = value("cfg_renorm_type", "str")
     if isinstance(kind, str) and kind not in RENORM_TYPES:
-        raise bad_request(f"{param('cfg_renorm_type')} must be one of {', '.join(RENORM_TYPES)}, got {kind!r}"
-                          f"{default_note(kind_default, repr(kind))}", param("cfg_renorm_type"))
+        found.append(OutOfBounds(("cfg_renorm_type",), f" must be one of {', '.join(RENORM_TYPES)}, got {kind!r}"
+                                 f"{default_note(kind_default, repr(kind))}", "invalid_value"))
+    return found
 
 
-__all__ = ["FLOAT_BOUNDS", "RENORM_TYPES", "ImageGrid", "check_bounds", "image_grid", "max_timesteps"]
+def check_bounds(walk: str, config: Mapping[str, Any], program: Mapping[str, Any], inputs: Mapping[str, Any]) -> None:
+    """Raise one `RequestError` that says every input out of bounds (naming the first)."""
+    found = out_of_bounds(config, program, inputs)
+    if found:
+        raise RequestError(f"walk '{walk}': " + "; ".join(p.render() for p in found), found[0].names[0])
+
+
+__all__ = ["FLOAT_BOUNDS", "RENORM_TYPES", "ImageGrid", "OutOfBounds", "check_bounds", "image_grid", "max_timesteps",
+           "out_of_bounds"]

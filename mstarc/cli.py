@@ -31,7 +31,7 @@ import click
 
 from mstar_runtime import untrusted
 from mstar_runtime.cli_support import CONTEXT_SETTINGS, run_command, version_option
-from mstar_runtime.plan import planfile
+from mstar_runtime.plan import check, planfile
 from mstarc import ir as I
 from mstarc.diagnostics import CompileError, Diagnostic, InternalError, SourceCache, Span, render, render_all
 
@@ -130,6 +130,9 @@ def cmd_compile(args: SimpleNamespace) -> int:
     _warn(model)
     with _phase("plan"):
         body = build_plan(model, digest)
+        problems = check.check_body(body)  # the schema the runtime's loader checks
+        if problems:
+            raise InternalError("plan", f"the plan body breaks the plan schema: {'; '.join(problems[:5])}")
     try:
         size = planfile.write(args.output, body)
     except planfile.PlanFileError as e:
@@ -145,13 +148,20 @@ def cmd_compile(args: SimpleNamespace) -> int:
 
 
 def _read_plan(path: str) -> dict:
+    """A plan's body, checked against the plan schema as the runtime's loader checks it: a
+    body edited and re-checksummed is E070 (each problem, naming its field), not E090."""
     try:
-        return planfile.read(path)
+        body = planfile.read(path)
     except planfile.PlanFileError as e:
         if e.kind == "io":
             raise CompileError([Diagnostic("E004", e.message, Span(path, 0, 0))]) from None
         code = {"version": "E071", "size": "E072"}.get(e.kind, "E070")
         raise CompileError([Diagnostic(code, e.message, Span(path, 0, 0))]) from None
+    problems = check.check_body(body)
+    if problems:
+        raise CompileError([Diagnostic("E070", f"invalid plan: {p}", Span(path, 0, 0),
+                                       "the plan was changed after mstarc wrote it; recompile it") for p in problems])
+    return body
 
 
 def cmd_explain(args: SimpleNamespace) -> int:

@@ -252,10 +252,11 @@ def test_loader_keeps_a_valid_mark(orpheus: Path) -> None:
      "walk 'tts' loop 'tts.l1': its cohort emits output 'pcm', which llm.decode does not produce"),
     (lambda lp: lp["cohort"].update(emits=[["kodes", "code"]]),
      "walk 'tts' loop 'tts.l1': its cohort emits 'kodes', which is not an output of the walk"),
+    # the shape of a mark is the plan schema's (plan/check.py), which names the field's path
     (lambda lp: lp["cohort"].update(fed="token"),
-     "walk 'tts' loop 'tts.l1': cohort.fed should be a list of [input port, output port] pairs"),
+     "walks.tts.program.body[3].cohort.fed should be a list, got a string"),
     (lambda lp: lp.update(cohort=["tts.s3"]),
-     "walk 'tts' loop 'tts.l1' has a cohort mark that is neither an object nor null"),
+     "walks.tts.program.body[3].cohort should be an object, got a list"),
 ])
 def test_loader_rejects_a_corrupted_mark(orpheus: Path, tmp_path: Path, edit: Any, message: str) -> None:
     bad = rewrite(orpheus, tmp_path / "bad.plan", edit)

@@ -153,12 +153,12 @@ def test_malformed_bodies_name_the_field(plans: dict[str, Path], tmp_path: Path)
         del b["nodes"]["llm"]["engine"]
 
     msg = load_error(rewrite(plans["orpheus"], tmp_path / "a.plan", no_engine))
-    assert "malformed plan: nodes.llm has no 'engine'" in msg
+    assert "invalid plan: nodes.llm has no 'engine'" in msg
 
     def bad_pages(b: dict) -> None:
         b["memory"]["ranks"][0]["kv"][0]["pages"] = "many"
 
-    assert "memory.ranks[0].kv[0].pages should be int" in load_error(
+    assert "memory.ranks[0].kv[0].pages should be an integer, got a string" in load_error(
         rewrite(plans["orpheus"], tmp_path / "b.plan", bad_pages)
     )
 
@@ -332,4 +332,4 @@ def test_a_program_list_that_is_null_is_a_plan_error(plans: dict[str, Path], tmp
         program["body"].append({"op": op, key: None})
 
     msg = load_error(rewrite(plans["testfamily"], tmp_path / "null.plan", edit))
-    assert f"a '{op}' op's '{key}' should be a list" in msg
+    assert f".{key} should be a list, got null" in msg

@@ -71,15 +71,20 @@ class JSONTooDeep(ValueError):
 
 
 def loads_json(text: str | bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """`json.loads`, refusing text nested deeper than `max_depth` (`JSONTooDeep`, a ValueError;
-    `json.JSONDecodeError` for malformed text, as `json.loads` raises)."""
+    """`json.loads` of standard JSON, refusing text nested deeper than `max_depth`
+    (`JSONTooDeep`, a ValueError) and `NaN`/`Infinity` (a ValueError; `json.JSONDecodeError`
+    for malformed text, as `json.loads` raises)."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_no_constant)
     except RecursionError:
         raise JSONTooDeep(max_depth) from None
     if nesting_exceeds(value, max_depth):
         raise JSONTooDeep(max_depth)
     return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # Python's reader takes NaN and Infinity; JSON has neither
 
 
 def nesting_exceeds(value: Any, max_depth: int) -> bool:

@@ -6,8 +6,10 @@
    `planfile.read` (its `PlanFileError` becomes a `PlanError`), then the plan's `requires`:
    every feature it names must be one this runtime implements (`SUPPORTED_FEATURES`;
    docs/plan-format.md, "Required features"), else a `PlanError` naming the feature;
-2. the body's shape: every field the runtime reads is present with the right JSON type
-   (a malformed body is a `PlanError` naming the field, never a `KeyError`);
+2. the body's schema (`plan/check.py`, shared with `mstarc`): every value's type and range
+   and the references between sections the compiler guarantees (a loop bound below zero, a
+   stream of capacity 0, a `max_batch` of 0, an emit to an undeclared output, a KV pool
+   larger than its rank: a `PlanError` naming the field, never a `KeyError`);
 3. invariants across sections: every `call` of every walk program names an existing node
    and phase, a KV tag of that node, ranks in range on which the node is resident; every
    `on_stream` names a stream of the plan; every kv node has KV geometry and pages on each
@@ -42,7 +44,7 @@ from typing import Any
 import torch
 
 from mstar_runtime.ops.node import NodeSpec, RequestError
-from mstar_runtime.plan import planfile
+from mstar_runtime.plan import check, planfile
 from mstar_runtime.plan.planfile import iter_ops  # noqa: F401 - re-exported: the loader's callers use it
 from mstar_runtime.plan.records import Collective, KVGeometry, ShardSpec, TensorSpec, TensorSplit
 
@@ -841,54 +843,36 @@ class _Invariants:
                          f"the walk that starts at that input")
 
     def cohort(self, walk: str, program: Mapping[str, Any], op: Mapping[str, Any]) -> None:
-        """A non-null cohort mark names a call of the loop's own body and ports of its phase."""
+        """A non-null cohort mark names a call of the loop's own body and ports of its phase
+        (its shape is the schema's, checked before)."""
         mark = op.get("cohort")
         if mark is None:
             return  # not a cohort, or a plan from before schema 1.1
-        where = f"walk '{walk}' loop '{_opt(op, 'id', str) or '?'}'"
-        if not isinstance(mark, dict):
-            self.add(f"{where} has a cohort mark that is neither an object nor null")
-            return
-        body = op.get("body")
-        items = (_opt(body, "body", list) if isinstance(body, dict) else None) or []
-        call_id = mark.get("call")
-        call = next(
-            (c for c in items if isinstance(c, dict) and c.get("op") == "call" and c.get("id") == call_id), None
-        )
+        where = f"walk '{walk}' loop '{op['id']}'"
+        items = op["body"]["body"] if op["body"]["op"] == "seq" else []
+        call = next((c for c in items if c["op"] == "call" and c["id"] == mark["call"]), None)
         if call is None:
-            self.add(f"{where}: its cohort names call {str(call_id)[:40]!r}, which is not a call of the loop's body")
+            self.add(f"{where}: its cohort names call {mark['call'][:40]!r}, which is not a call of the loop's body")
             return
-        node = self.nodes.get(_opt(call, "node", str) or "")
-        phase = node.phases.get(_opt(call, "phase", str) or "") if node is not None else None
+        node = self.nodes.get(call["node"])
+        phase = node.phases.get(call["phase"]) if node is not None else None
         if node is None or phase is None:
             return  # the call's own check reports it
         fn = f"{node.name}.{phase.name}"
-        fed = mark.get("fed")
-        if not isinstance(fed, list) or not all(_str_pair(x) for x in fed):
-            self.add(f"{where}: cohort.fed should be a list of [input port, output port] pairs")
-        else:
-            for dst, src in fed:
-                if dst not in phase.inputs:
-                    self.add(f"{where}: its cohort feeds input '{dst}', which {fn} does not take")
-                if src not in phase.outputs:
-                    self.add(f"{where}: its cohort feeds back output '{src}', which {fn} does not produce")
-        invariant = mark.get("invariant")
-        if not isinstance(invariant, list) or not all(isinstance(x, str) for x in invariant):
-            self.add(f"{where}: cohort.invariant should be a list of input ports")
-        else:
-            for port in invariant:
-                if port not in phase.inputs:
-                    self.add(f"{where}: its cohort holds input '{port}' invariant, which {fn} does not take")
-        emits = mark.get("emits")
-        if not isinstance(emits, list) or not all(_str_pair(x) for x in emits):
-            self.add(f"{where}: cohort.emits should be a list of [walk output, output port] pairs")
-        else:
-            outputs = [o.get("name") for o in program["outputs"]]
-            for out, port in emits:
-                if out not in outputs:
-                    self.add(f"{where}: its cohort emits '{out}', which is not an output of the walk")
-                if port not in phase.outputs:
-                    self.add(f"{where}: its cohort emits output '{port}', which {fn} does not produce")
+        for dst, src in mark["fed"]:
+            if dst not in phase.inputs:
+                self.add(f"{where}: its cohort feeds input '{dst}', which {fn} does not take")
+            if src not in phase.outputs:
+                self.add(f"{where}: its cohort feeds back output '{src}', which {fn} does not produce")
+        for port in mark["invariant"]:
+            if port not in phase.inputs:
+                self.add(f"{where}: its cohort holds input '{port}' invariant, which {fn} does not take")
+        outputs = [o["name"] for o in program["outputs"]]
+        for out, port in mark["emits"]:
+            if out not in outputs:
+                self.add(f"{where}: its cohort emits '{out}', which is not an output of the walk")
+            if port not in phase.outputs:
+                self.add(f"{where}: its cohort emits output '{port}', which {fn} does not produce")
 
     def transition(self, t: TransitionSpec) -> None:
         for w in (t.src, t.dst):
@@ -903,10 +887,6 @@ class _Invariants:
                     f"transition {t.src} -> {t.dst} keeps {k.node}@{k.tag} as @{k.as_tag}; "
                     f"tags: {', '.join(node.tags)}"
                 )
-
-
-def _str_pair(x: Any) -> bool:
-    return isinstance(x, list) and len(x) == 2 and all(isinstance(v, str) for v in x)
 
 
 def _null_cohorts(walks: Mapping[str, Any]) -> None:
@@ -934,18 +914,22 @@ def load_plan(
     if kv_pages_cap is not None and kv_pages_cap < 1:
         raise PlanError(where, f"kv_pages_cap must be >= 1, got {kv_pages_cap}")
     _check_requires(where, body)
+    _raise_problems(where, check.check_body(body))
     parts = _parse_body(where, body)
-    problems = _Invariants(parts).run()
-    if problems:
-        shown = problems[:_MAX_PROBLEMS]
-        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
-        head = (
-            shown[0] if len(problems) == 1 else f"{len(problems)} problems:\n  " + "\n  ".join(shown) + more
-        )
-        raise PlanError(where, f"invalid plan: {head}", tuple(problems))
+    _raise_problems(where, _Invariants(parts).run())
     _null_cohorts(parts["walks"])
     resolved = _hardware_fit(where, parts, device, kv_pages_cap)
     return Plan(path=where, device=resolved, kv_pages_cap=kv_pages_cap, body=body, **parts)
+
+
+def _raise_problems(path: str, problems: list[str]) -> None:
+    """A PlanError listing the problems (the first `_MAX_PROBLEMS`), if there are any."""
+    if not problems:
+        return
+    shown = problems[:_MAX_PROBLEMS]
+    more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+    head = shown[0] if len(problems) == 1 else f"{len(problems)} problems:\n  " + "\n  ".join(shown) + more
+    raise PlanError(path, f"invalid plan: {head}", tuple(problems))
 
 
 # Plan features beyond schema 1.1 this runtime implements (docs/plan-format.md, "Required

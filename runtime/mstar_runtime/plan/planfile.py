@@ -87,7 +87,7 @@ def decode(data: bytes, path: str = "<plan>") -> dict[str, Any]:
         raise PlanFileError(path, "plan body is not a JSON object")
     schema = body.get("schema")
     major = schema.get("major") if isinstance(schema, dict) else None
-    if not isinstance(major, int):
+    if isinstance(major, bool) or not isinstance(major, int):  # `true` is not version 1
         raise PlanFileError(path, "plan body has no schema version")
     if major != SCHEMA_MAJOR:
         raise PlanFileError(path, f"plan schema version {major}.x is not supported (this runtime reads "

@@ -62,8 +62,6 @@ def _analyse(loop: Mapping[str, Any]) -> tuple[Mark | None, str | None]:
         if "var" not in value or value["var"] not in results:
             return None, f"emit {item['output']} is not a result of {call['id']}"
         emits.append([item["output"], results[value["var"]]])
-    if len(call["ranks"]) != 1:
-        return None, f"{call['id']} runs on {len(call['ranks'])} ranks"
     args = {operand["var"] for operand in call["args"].values() if "var" in operand}
     for t in transfers:
         if t.get("value") not in args or t.get("dst") != call["ranks"][0]:

@@ -186,7 +186,9 @@ def test_each_rule_unmarks(hand: dict[str, dict[str, Any]]) -> None:
         return why_not(loop)
 
     assert broken(lambda lp, c: lp.update(index="i")) == "it binds an index (i)"
-    assert broken(lambda lp, c: c.update(ranks=[0, 1])) == "plain.s2 runs on 2 ranks"
+    tp = copy.deepcopy(base)
+    tp["body"]["body"][0].update(ranks=[0, 1])  # a tensor-parallel group: every rank runs the column step
+    assert cohort_mark(tp) == base["cohort"] and why_not(tp) is None
     assert broken(lambda lp, c: lp.update(carry=["done"])) == \
         "argument token=token is rebound in the body but not carried"
     assert broken(lambda lp, c: lp.update(until="stop")) == "its flag stop is not a result of plain.s2"

@@ -85,20 +85,18 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 
 
 @pytest.fixture(scope="module")
-def reference(plans: dict[int, Path]) -> dict[tuple[str, int | None], list[dict[str, Any]]]:
-    """One rank's outputs of REQUESTS on each step path, as they run (None) and with a
+def reference(plans: dict[int, Path]) -> dict[int | None, list[dict[str, Any]]]:
+    """One rank's outputs of REQUESTS on the cohort path, as they run (None) and with a
     preemption every 7 steps (preemption changes who is batched with whom, so the float bits
-    are compared like for like). A marked loop of a node in a worker process runs on the
-    generic path (cohorts run in-process), so a plan whose LM is on rank 1 compares with the
-    generic reference and one whose LM is on rank 0 with the cohort one."""
+    are compared like for like). A marked loop runs as a cohort wherever its node is (in a
+    worker process its cohort calls are messages), so every plan compares with the cohort one."""
     plan = load_plan(plans[1], device="cpu")
     worker = Worker(plan, 0, "cpu", "dummy")
-    out: dict[tuple[str, int | None], list[dict[str, Any]]] = {}
-    for path in ("cohort", "generic"):
-        for every in (None, 7):
-            handles = _run(Conductor(plan, {0: worker}, preempt_every=every, path=path), REQUESTS)
-            assert all(h.state == FINISHED for h in handles), [h.error for h in handles]
-            out[(path, every)] = [h.outputs for h in handles]
+    out: dict[int | None, list[dict[str, Any]]] = {}
+    for every in (None, 7):
+        handles = _run(Conductor(plan, {0: worker}, preempt_every=every, path="cohort"), REQUESTS)
+        assert all(h.state == FINISHED for h in handles), [h.error for h in handles]
+        out[every] = [h.outputs for h in handles]
     return out
 
 
@@ -166,23 +164,22 @@ def _engine(path: Path, **kw: Any) -> Iterator[tuple[Conductor, dict[int, Any]]]
 # ------------------------------------------------------------------------ equal outputs
 @pytest.mark.parametrize("world,inline_bytes", [(2, 0), (3, 64)], ids=["2ranks-all-over-gloo", "3ranks"])
 def test_outputs_equal_one_rank(
-    plans: dict[int, Path], reference: dict[tuple[str, int | None], list[dict[str, Any]]], world: int,
+    plans: dict[int, Path], reference: dict[int | None, list[dict[str, Any]]], world: int,
     inline_bytes: int,
 ) -> None:
     with _engine(plans[world], inline_bytes=inline_bytes) as (conductor, workers):
         assert sorted(workers) == list(range(world))
-        path = "cohort" if conductor.plan.node("lm").ranks[0] == 0 else "generic"
         assert all(isinstance(workers[r], RemoteWorker) for r in range(1, world))
         # overlap=False: the steps of one rank in its order, so the same batches and float bits
         # (with overlap, work on rank 0 moves ahead of remote steps; tests/test_split.py)
         handles = _run(Conductor(conductor.plan, workers, overlap=False), REQUESTS)
-        for h, ref in zip(handles, reference[(path, None)]):
+        for h, ref in zip(handles, reference[None]):
             assert h.state == FINISHED, h.error
             _same(ref, h.outputs)
         assert handles[4].walks_done == ["chat", "continue"]
         # Preempted and recomputed requests (their remote KV states freed) still agree.
         again = _run(Conductor(conductor.plan, workers, preempt_every=7, overlap=False), REQUESTS)
-        for h, ref in zip(again, reference[(path, 7)]):
+        for h, ref in zip(again, reference[7]):
             assert h.state == FINISHED, h.error
             _same(ref, h.outputs)
         assert sum(h.stats.preemptions for h in again) > 0
@@ -281,6 +278,34 @@ def test_killing_a_worker_ends_the_run(plans: dict[int, Path]) -> None:
         with pytest.raises(WorkerLost, match=r"worker rank 1 lost: .*did not answer within 1 s.*killed here"):
             workers[1].heartbeat(timeout=1.0)
         assert workers[1].proc.returncode == -signal.SIGKILL
+    assert _gone(victim)
+
+
+def test_a_worker_killed_mid_cohort_fails_its_rows_and_stops_the_run(plans: dict[int, Path]) -> None:
+    """cpu2 puts the LM on rank 1: its marked loops are a cohort in that worker process. Killed
+    while the cohort has rows, the run stops with WorkerLost (every request fails naming it),
+    as a generic step on a dead worker does, and nothing hangs."""
+    requests = [("generate_fixed", {"prompt": f"row {i}", "max_new": 40}) for i in range(3)]
+    with _engine(plans[2]) as (conductor, workers):
+        victim = workers[1].pid
+        rows_at_kill: list[int] = []
+
+        def on_step() -> None:
+            if not rows_at_kill and conductor.stats["cohort_steps"] >= 4:
+                rows_at_kill.append(sum(c.n for c in conductor.cohorts.values()))
+                os.kill(victim, signal.SIGKILL)
+
+        t0 = time.monotonic()
+        handles = _run(conductor, requests, on_step)
+        assert time.monotonic() - t0 < 30
+        assert rows_at_kill and rows_at_kill[0] > 0  # killed mid-cohort
+        assert all(h.state == FAILED for h in handles), [h.state for h in handles]
+        for h in handles:
+            assert "worker rank 1 lost" in h.error and "SIGKILL" in h.error, h.error
+        assert conductor.broken is not None and "worker rank 1 lost" in conductor.broken
+        assert all(c.n == 0 for c in conductor.cohorts.values())
+        with pytest.raises(EngineStopped):
+            conductor.submit("generate_fixed", {"prompt": "after"})
     assert _gone(victim)
 
 

@@ -245,8 +245,8 @@ def test_one_shot_on_two_hosts_writes_what_one_process_writes(plans: dict[int, P
     jobs.append(job)
     assert job.wait(START_S) == [0, 0], f"{job.log(0)[-3000:]}\n---\n{job.log(1)[-3000:]}"
     job.assert_all_gone()
-    # the LM is on rank 1, in a worker process: its loop runs on the generic path
-    (expected,) = reference(plans[1], [("generate", inputs)], "generic")
+    # the LM is on rank 1, in a worker process (on the other host): its loop is a cohort there
+    (expected,) = reference(plans[1], [("generate", inputs)], "cohort")
     plan = load_plan(plans[1], device="cpu")
     written = write_outputs(tmp_path / "ref", "generate", plan.walk("generate"), expected, plan.config)
     files = [p.name for p in written if p.name != "generate.json"]  # the record has timings

@@ -44,7 +44,7 @@ def jobs() -> Iterator[list[Job]]:
 
 @pytest.mark.parametrize("world,nprocs,step_path", [
     (2, (1, 1), "cohort"),  # the backbone on rank 0: its decode loop is a cohort, as on one rank
-    (3, (2, 1), "generic"),  # at tensor parallelism the loop stays on the generic path
+    (3, (2, 1), "cohort"),  # at tensor parallelism every rank of the group runs the cohort step
 ])
 def test_orpheus_on_two_hosts_speaks_as_one_rank(plans: dict[int, Path], tmp_path: Path, jobs: list[Job],
                                                  world: int, nprocs: tuple[int, int], step_path: str) -> None:

@@ -200,20 +200,23 @@ def _assert_same(tp1: list[dict[str, Any]], tp2: list[dict[str, Any]]) -> None:
 def test_greedy_tts_at_tp2_equals_tp1(plans: dict[int, Path]) -> None:
     (tp1, _), (tp2, conductor) = _tts(plans[1], "cpu"), _tts(plans[2], "cpu")
     _assert_same(tp1, tp2)
-    # every decode's fed-back token stayed on rank 1: each code but a request's first (from
-    # its prefill) came from a decode, whose `token` input was a reference
+    # every decode ran as a cohort step on both ranks (tp_dispatch.TPCohort): each code but a
+    # request's first (from its prefill) came from a row of one, whose fed-back token never
+    # left its rank's columns (check_refs: rank 1 answered each step in full, equal to rank 0's)
     decodes = sum(int(o["codes"].numel()) - 1 for o in tp2)
-    assert conductor.tp.refs_sent >= decodes
+    (cohort,) = conductor.cohorts.values()
+    assert cohort.key[2] == (0, 1) and cohort.stats["row_steps"] >= decodes
 
 
 def test_sampled_tts_at_tp2_keeps_the_ranks_in_step(plans: dict[int, Path]) -> None:
     """Sampling (temperature, top-p, repetition penalty): rank 1 draws with the same seeds from
-    the same gathered logits, so its own token, which it feeds back instead of receiving
-    rank 0's, is rank 0's token (check_refs makes rank 1 compare them at every step)."""
+    the same gathered logits, so its own token, which it feeds back into its own cohort columns
+    instead of receiving rank 0's, is rank 0's token (check_refs makes rank 1 answer every
+    cohort step in full, compared with rank 0's outputs)."""
     sampled = [dict(r, temperature=0.8, top_p=0.9, repetition_penalty=1.2) for r in REQUESTS]
     outputs, conductor = _tts(plans[2], "cpu", requests=sampled)
     assert all(o["codes"].numel() >= 28 for o in outputs)
-    assert conductor.tp.refs_sent > 0
+    assert conductor.stats["cohort_steps"] > 0 and conductor.broken is None
 
 
 @pytest.mark.gpu

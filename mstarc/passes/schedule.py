@@ -26,7 +26,8 @@ Ensures:  every region's body is emitted in a topological order of the graph's d
               rank: a carried value first bound on another rank), then one `call`, then
               only `emit`s of mode `append` whose value is a var bound by that call (no
               other transfer, no loop, parallel, fork, acc or second call);
-            - the call runs on one rank;
+            - (the call may run on one rank or on the ranks of its node's
+              tensor-parallel group: every rank of the group runs the column step);
             - every argument of the call is a const, or a result of that call named in
               the loop's `carry` (fed back), or a var bound nowhere in the body (invariant);
             - a dynamic loop's `until` is a result of that call;

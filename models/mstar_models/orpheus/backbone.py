@@ -180,8 +180,9 @@ class LlamaBackbone(KVNode):
         raise NodeError(f"node '{spec.name}' (LlamaBackbone) has no phase '{phase}'")
 
     def cohort_phase(self, phase: str) -> Any:
-        """`decode` as a column step for decode cohorts (models/mstar_models/orpheus/cohort.py), at tp 1."""
-        if phase != "decode" or self.tp_group is not None:
+        """`decode` as a column step for decode cohorts (models/mstar_models/orpheus/cohort.py); under
+        TP every rank of the group runs it (its all-reduces and the gathered logits inside)."""
+        if phase != "decode":
             return None
         from mstar_models.orpheus.cohort import decode_phase
 

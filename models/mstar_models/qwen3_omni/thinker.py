@@ -444,10 +444,10 @@ class ThinkerMoE(KVNode):
         """`decode` as a column step for decode cohorts (runtime/mstar_runtime/ops/cohort.py): the
         math of `phase_decode` over every row, the state as columns (the sampling settings and
         sampler step, `max_tokens`, the MRoPE `delta`). The speech decode is not offered: its
-        loop also runs the talker, so the compiler never marks it. Not offered at tp > 1 either
-        (as Orpheus' backbone): a sharded thinker decodes on the generic path, whose steps
-        `TPDispatch` runs on every rank of the group."""
-        if phase != "decode" or self.tp_group is not None:
+        loop also runs the talker, so the compiler never marks it. At tp > 1 every rank of the
+        group runs the step (`tp_dispatch.TPCohort`): the embedding's and layers' all-reduces
+        and the gathered logits are inside it, so every rank samples the same token."""
+        if phase != "decode":
             return None
         return CohortPhase(join=self._cohort_join, step=self._cohort_step, leave=self._cohort_leave,
                            max_items={"emitted": 1})

@@ -253,9 +253,11 @@ class Cohort:
 
     # ------------------------------------------------------------------ outputs and events
     def _take(self, result: CohortResult, rows_at_launch: np.ndarray, snapshot: list[Member]) -> None:
+        alive = rows_at_launch >= 0
+        if not alive.any():  # every row of that step is gone: its outputs (or its failure) concern no one
+            return
         arrays = result.arrays()
         leaving: list[Member] = []
-        alive = rows_at_launch >= 0
         idx = np.nonzero(alive)[0]
         cur = rows_at_launch[idx]
         if idx.size:

@@ -48,7 +48,9 @@ A loop the compiler marked as a cohort (`cohort` on the loop op) runs, where its
 a column step, as a decode cohort (control/cohort.py, docs/runtime.md "Decode cohorts"): the
 task yields `EnterCohort`, becomes a row, and is resumed only when it leaves; the scheduler
 sees the cohort as one standing group of its rows (step 4), and a cohort step replaces
-steps 5-6 for its rows. `path="generic"` (or $MSTAR_STEP_PATH) keeps every loop here.
+steps 5-6 for its rows. The node may be in a worker process (its cohort calls are messages,
+worker/remote_cohort.py) or at tp > 1 (every rank of its group runs each call,
+`tp_dispatch.TPCohort`). `path="generic"` (or $MSTAR_STEP_PATH) keeps every loop here.
 
 Requests join and leave between steps (continuous batching); a finished request frees its
 pages at once. A kv node's `max_prefill_tokens` setting bounds the new tokens of one of its
@@ -119,7 +121,7 @@ from mstar_runtime.ops.node import KVNode, NodeError, NodeSpec, RequestError
 from mstar_runtime.plan.loader import Plan
 from mstar_runtime.plan.planfile import cohort_call
 from mstar_runtime.worker.remote import EngineStopped, WorkerLost, can_submit
-from mstar_runtime.worker.tp_dispatch import TPDispatch
+from mstar_runtime.worker.tp_dispatch import TPCohort, TPDispatch
 from mstar_runtime.worker.worker import StepBatch, WorkerStepError
 
 WAITING, RUNNING, FINISHED, FAILED, CANCELLED = "waiting", "running", "finished", "failed", "cancelled"
@@ -648,17 +650,22 @@ class Conductor:
     # ------------------------------------------------------------------ cohorts
     def _cohort_for(self, op: dict[str, Any]) -> Cohort | None:
         """The cohort of a marked loop, made on first use; None where the loop stays generic
-        (generic path forced, several ranks, a worker process, a node without a column step)."""
+        (generic path forced, a node without a column step). Raises `WorkerStepError` and
+        `WorkerLost` from opening its columns on a worker process."""
         call = cohort_call(op)
         node, phase, ranks = call["node"], call["phase"], tuple(call["ranks"])
         key: CohortKey = (node, phase, ranks, op["id"])
         cohort = self.cohorts.get(key)
         if cohort is not None or key in self._no_cohort:
             return cohort
-        worker = self.workers.get(ranks[0])
+        # one rank's worker (in process or a worker process), or a TP group's fan-out
+        # one rank's worker (in process or a worker process), or a TP group's fan-out, whose
+        # members are worker processes
+        group = len(ranks) > 1 and all(can_submit(self.workers[r]) for r in ranks[1:])
+        worker = TPCohort(self.tp, ranks) if group else self.workers.get(ranks[0])
         info = self.plan.node(node)
         # a call that reads other contexts has no column step (the compiler marks no such loop)
-        if (self.path != "cohort" or len(ranks) != 1 or info.engine != "kv" or call.get("reads")
+        if (self.path != "cohort" or info.engine != "kv" or call.get("reads") or (len(ranks) > 1 and not group)
                 or not hasattr(worker, "cohort_open")):
             self._no_cohort.add(key)
             return None
@@ -677,6 +684,15 @@ class Conductor:
 
     def _enter_cohort(self, task: WalkTask, y: EnterCohort) -> None:
         """Make the task a row of its loop's cohort, or resume it at once with None (generic)."""
+        req = task.request
+        try:
+            self._join_cohort(task, y)
+        except WorkerStepError as e:  # a worker process failed the open or the join: this request fails
+            self._fail(req, str(e))
+        except WorkerLost as e:
+            self._stop(e)
+
+    def _join_cohort(self, task: WalkTask, y: EnterCohort) -> None:
         cohort = self._cohort_for(y.op)
         req = task.request
         call = cohort_call(y.op)
@@ -733,6 +749,9 @@ class Conductor:
         except WorkerStepError as e:
             for m in list(cohort.members):
                 self._fail(m.request, str(e))
+            return
+        except WorkerLost as e:  # a worker process died mid-cohort (or a TP member diverged)
+            self._stop(e)
             return
         self._cohort_fresh.add(key)
         self.stats["step_seconds"] += time.perf_counter() - t0

@@ -23,7 +23,7 @@ touch only the scratch page; elsewhere it runs eagerly over exactly n rows with
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -50,15 +50,22 @@ class CohortShape:
 
 @dataclass
 class CohortResult:
-    """One step's outputs as packed readbacks; `arrays()` gives port -> numpy `[n, width]`."""
+    """One step's outputs as packed readbacks; `arrays()` gives port -> numpy `[n, width]`.
+
+    A step that ran in a worker process comes back later: `fetch` then gives its result (the
+    answer's readback, received on first use; runtime/mstar_runtime/worker/remote_cohort.py)."""
 
     n: int
     layout: list[tuple[str, bool, int]]  # (key, is float, width), in packing order
     ints: Readback | None
     floats: Readback | None
     index: int = 0  # the cohort's step index (set by the conductor's Cohort)
+    fetch: Callable[[], CohortResult] | None = None
 
     def arrays(self) -> dict[str, np.ndarray]:
+        if self.fetch is not None:
+            got, self.fetch = self.fetch(), None
+            self.layout, self.ints, self.floats = got.layout, got.ints, got.floats
         out: dict[str, np.ndarray] = {}
         packed = {False: self.ints, True: self.floats}
         at = {False: 0, True: 0}

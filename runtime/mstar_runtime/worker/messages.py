@@ -17,7 +17,10 @@ conductor -> worker: ``StepRequest``, ``ForkKV``, ``CopySlots``, ``DropTag``, ``
 ``ExportKV``, ``FreeRequest``, ``Heartbeat``, ``Shutdown``; worker -> conductor: ``WorkerReady``
 (once), ``StepResult``, ``StepRejected`` (a node's ``RequestError``), ``WorkerError``,
 ``KVExported`` (the answer to ``ExportKV``), ``Heartbeat`` (the echo); over
-a torchrun launch's control connection the worker first sends ``Hello``.
+a torchrun launch's control connection the worker first sends ``Hello``. Decode cohorts
+(a marked loop of a node on this worker): conductor -> worker ``CohortOpen`` and ``CohortJoin``
+(answered by ``CohortReply``), ``CohortStep`` (answered by ``CohortStepped``, the step's packed
+readback), ``CohortLeave``, ``CohortMove``, ``CohortShrink``, ``CohortAddPages`` (no answer).
 
 Between the API process and an engine process (``mstar_runtime.engine_process``): API ->
 engine ``EngineSubmit``, ``EngineCancel``, ``EngineAck``, ``EngineStatsRequest``, ``Shutdown``;
@@ -312,6 +315,140 @@ class Heartbeat:
 
 
 
+# ------------------------------------------------------------------- decode cohorts
+# A marked loop of a node in a worker process (or at tp > 1, on every rank of its group) runs
+# as a decode cohort there: the conductor's `control/cohort.py` owns membership and events, the
+# worker the device columns (`engine/cohort_engine.py`). `cohort` is the id the conductor gave
+# the cohort on this worker in `CohortOpen`.
+@dataclass(frozen=True, slots=True)
+class PackedPort:
+    """One output of a cohort step in its packed readback: ``width`` columns of the int64
+    (``is_float`` False) or float32 block, in packing order."""
+
+    key: str
+    is_float: bool
+    width: int
+
+
+@dataclass(frozen=True, slots=True)
+class CohortOpen:
+    """Conductor -> worker: make the device columns of cohort ``cohort`` (``node``'s
+    ``phase``, the loop's fed and invariant ports, the phase's outputs), answered by
+    ``CohortReply`` (``ok`` False: the node offers no column step for the phase)."""
+
+    type: ClassVar[str] = "cohort_open"
+    step_id: int
+    cohort: int
+    node: str
+    phase: str
+    fed: list[list[str]]  # [input port, output port that feeds it]
+    invariant: list[str]
+    outputs: list[str]
+    rows: int
+    max_pages: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CohortJoin:
+    """Conductor -> worker: request ``request_id``'s context ``tag`` becomes row ``row``
+    (its page table, its KV length, its fed ``fed:<port>`` and invariant ``inv:<port>``
+    inputs, split as a step's inputs: ``values`` follow the frame over torch.distributed);
+    answered by ``CohortReply``, or ``StepRejected`` when the node's join refuses the row."""
+
+    type: ClassVar[str] = "cohort_join"
+    step_id: int
+    cohort: int
+    row: int
+    request_id: str
+    tag: str
+    pages: list[int]
+    length: int
+    values: list[TensorMeta]
+    inline: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: dict[str, Scalar] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CohortReply:
+    """Worker -> conductor: ``CohortOpen`` or ``CohortJoin`` ``step_id`` done (``ok``: opened)."""
+
+    type: ClassVar[str] = "cohort_reply"
+    step_id: int
+    rank: int
+    ok: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class CohortLeave:
+    """Conductor -> worker: row ``row`` left after ``steps`` steps: its columns go back into
+    the node state of ``request_id``'s context ``tag``. No answer."""
+
+    type: ClassVar[str] = "cohort_leave"
+    cohort: int
+    row: int
+    request_id: str
+    tag: str
+    steps: int
+
+
+@dataclass(frozen=True, slots=True)
+class CohortMove:
+    """Conductor -> worker: row ``src``'s whole state moves to row ``dst``. No answer."""
+
+    type: ClassVar[str] = "cohort_move"
+    cohort: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class CohortShrink:
+    """Conductor -> worker: the cohort has ``n`` rows now. No answer."""
+
+    type: ClassVar[str] = "cohort_shrink"
+    cohort: int
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class CohortAddPages:
+    """Conductor -> worker: row ``rows[i]`` gets page ``pages[i]`` at table column ``cols[i]``. No answer."""
+
+    type: ClassVar[str] = "cohort_add_pages"
+    cohort: int
+    rows: list[int]
+    cols: list[int]
+    pages: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class CohortStep:
+    """Conductor -> worker: one step of rows 0..n-1, answered by ``CohortStepped``;
+    ``send_outputs`` False (a TP member): an acknowledgement as soon as it is launched."""
+
+    type: ClassVar[str] = "cohort_step"
+    step_id: int
+    cohort: int
+    n: int
+    send_outputs: bool = True
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CohortStepped:
+    """Worker -> conductor: cohort step ``step_id`` ran on ``rank``: its packed readback
+    (``ints`` and ``floats`` in ``values``/``inline``, ``layout`` their ports; all empty for
+    an acknowledgement); the ``values`` follow the frame over torch.distributed."""
+
+    type: ClassVar[str] = "cohort_stepped"
+    step_id: int
+    rank: int
+    layout: list[PackedPort]
+    values: list[TensorMeta]
+    inline: dict[str, torch.Tensor] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+    waited_s: float = 0.0
+
+
 # ------------------------------------------------- the API process <-> the engine process
 # (`mstar_runtime.engine_process`: `mstar-run PLAN --serve --engine-process`)
 @dataclass(frozen=True, slots=True)
@@ -437,6 +574,15 @@ Message = (
     | WorkerError
     | Heartbeat
     | Hello
+    | CohortOpen
+    | CohortJoin
+    | CohortReply
+    | CohortLeave
+    | CohortMove
+    | CohortShrink
+    | CohortAddPages
+    | CohortStep
+    | CohortStepped
     | EngineSubmit
     | EngineOutput
     | EngineFinish
@@ -466,6 +612,15 @@ MESSAGE_TYPES: dict[str, type] = {
         WorkerError,
         Heartbeat,
         Hello,
+        CohortOpen,
+        CohortJoin,
+        CohortReply,
+        CohortLeave,
+        CohortMove,
+        CohortShrink,
+        CohortAddPages,
+        CohortStep,
+        CohortStepped,
         EngineSubmit,
         EngineOutput,
         EngineFinish,
@@ -478,7 +633,7 @@ MESSAGE_TYPES: dict[str, type] = {
 }
 # KVSlots and ReadSlots are the engine's records (engine/engines.py), declared once there
 STRUCT_TYPES: frozenset[type] = frozenset({StepEntry, ResultEntry, TensorMeta, KVSlots, ReadSlots, SlotCopy, ShmRef,
-                                           Value})
+                                           Value, PackedPort})
 
 
 def _field_types(cls: type) -> dict[str, Any]:

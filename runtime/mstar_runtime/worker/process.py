@@ -21,10 +21,12 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import IO, Any, BinaryIO
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from mstar_runtime.engine import engines
+from mstar_runtime.engine.cohort_engine import CohortShape
 from mstar_runtime.ops import tp
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan.loader import load_plan
@@ -32,12 +34,14 @@ from mstar_runtime.worker import messages as m
 from mstar_runtime.worker.wire import (
     FRAME,
     INLINE_BYTES,
+    READBACK_INLINE_BYTES,
     ProtocolError,
     comm_device,
     copy_from_wire,
     pack_values,
     plan_digest,
     read_frame,
+    readback_values,
     recv_tensors,
     send_tensors,
     unpack_values,
@@ -48,6 +52,8 @@ from mstar_runtime.worker.worker import StepBatch, Worker, WorkerStepError
 log = logging.getLogger(__name__)
 
 ANSWER_TIMEOUT_S = 300.0  # a step that takes longer than this means a hung worker
+COHORT_MESSAGES = (m.CohortOpen, m.CohortJoin, m.CohortStep, m.CohortLeave, m.CohortMove, m.CohortShrink,
+                   m.CohortAddPages)
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
@@ -105,6 +111,8 @@ class _Server:
                     del self.kept[key]
             elif isinstance(msg, m.Heartbeat):
                 write_frame(self.out, m.Heartbeat(self.rank, msg.seq))
+            elif isinstance(msg, COHORT_MESSAGES):
+                self._cohort(msg)
             else:
                 raise ProtocolError(f"a worker does not take '{msg.type}' messages")
 
@@ -164,6 +172,68 @@ class _Server:
         self.out.write(FRAME.pack(len(data)) + data)
         self.out.flush()
         send_tensors([t for p in packed for t in p[3]], 0, self.comm)
+
+    # ------------------------------------------------------------------ decode cohorts
+    def _cohort(self, msg: Any) -> None:
+        """A decode cohort's message (runtime/mstar_runtime/worker/remote_cohort.py): open and
+        join are answered (`CohortReply`), a step by its readback; the rest are not."""
+        w, cid = self.worker, msg.cohort
+        if isinstance(msg, m.CohortStep):
+            self._cohort_step(msg)
+        elif isinstance(msg, m.CohortOpen):
+            shape = CohortShape(msg.phase, tuple((a, b) for a, b in msg.fed), tuple(msg.invariant), tuple(msg.outputs))
+            self._reply(msg.step_id, "",
+                        lambda: w.cohort_open(cid, msg.node, shape, msg.rows, msg.max_pages))
+        elif isinstance(msg, m.CohortJoin):
+            received = recv_tensors(msg.values, 0, self.comm, self.device)  # first: the buffer was sent
+            values = unpack_values(msg.values, received, msg.inline, msg.scalars, self.device)
+            fed = {k.removeprefix("fed:"): v for k, v in values.items() if k.startswith("fed:")}
+            inv = {k.removeprefix("inv:"): v for k, v in values.items() if k.startswith("inv:")}
+            self._reply(msg.step_id, msg.request_id,
+                        lambda: w.cohort_join(cid, msg.row, msg.request_id, msg.tag, fed, inv, msg.pages, msg.length))
+        elif isinstance(msg, m.CohortLeave):
+            w.cohort_leave(cid, msg.row, msg.request_id, msg.tag, msg.steps)
+        elif isinstance(msg, m.CohortMove):
+            w.cohort_move(cid, msg.src, msg.dst)
+        elif isinstance(msg, m.CohortShrink):
+            w.cohort_shrink(cid, msg.n)
+        else:
+            w.cohort_add_pages(cid, np.array(msg.rows, dtype=np.int64), np.array(msg.cols, dtype=np.int64),
+                               np.array(msg.pages, dtype=np.int64))
+
+    def _reply(self, step_id: int, request_id: str, call: Any) -> None:
+        """Run an answered cohort call: `CohortReply` (ok: what it returned, None counting as
+        True), `StepRejected` for a node's RequestError, `WorkerError` for anything else."""
+        try:
+            ok = call()
+        except RequestError as e:
+            write_frame(self.out, m.StepRejected(step_id, self.rank, str(e), e.field, [request_id]))
+            return
+        except Exception as e:
+            write_frame(self.out, m.WorkerError(self.rank, _error_text(e), step_id))
+            return
+        write_frame(self.out, m.CohortReply(step_id, self.rank, ok is not False))
+
+    def _cohort_step(self, msg: m.CohortStep) -> None:
+        t0 = time.perf_counter()
+        tensors: list[torch.Tensor] = []
+        try:
+            result = self.worker.cohort_step(msg.cohort, msg.n)
+            layout: list[m.PackedPort] = []
+            metas: list[m.TensorMeta] = []
+            inline: dict[str, torch.Tensor] = {}
+            if msg.send_outputs:  # a TP member's acknowledgement waits for nothing
+                layout, values = readback_values(result)
+                metas, inline, _, tensors = pack_values(values, READBACK_INLINE_BYTES, "cohort readback")
+            data = m.encode(m.CohortStepped(msg.step_id, self.rank, layout, metas, inline,
+                                            time.perf_counter() - t0, self.waited))
+        except Exception as e:
+            write_frame(self.out, m.WorkerError(self.rank, _error_text(e), msg.step_id))
+            return
+        self.waited = 0.0
+        self.out.write(FRAME.pack(len(data)) + data)
+        self.out.flush()
+        send_tensors(tensors, 0, self.comm)
 
     def _export(self, msg: m.ExportKV) -> None:
         """Answer `ExportKV`: the `KVExported` frame, then its values' buffer; a refusal (a node

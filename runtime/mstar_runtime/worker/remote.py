@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import logging
 import os
 import signal
@@ -110,6 +111,7 @@ from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan.loader import Plan, PlanError
 from mstar_runtime.worker import messages as m
 from mstar_runtime.worker.process import ANSWER_TIMEOUT_S, end_group, worker_main
+from mstar_runtime.worker.remote_cohort import RemoteCohorts
 from mstar_runtime.worker.wire import (
     FRAME,
     INLINE_BYTES,
@@ -156,8 +158,9 @@ def _how_it_ended(proc: subprocess.Popen[bytes]) -> str:
     return f"exited with code {code}"
 
 
-class RemoteWorker:
-    """The conductor's proxy of one worker process (see the module docstring)."""
+class RemoteWorker(RemoteCohorts):
+    """The conductor's proxy of one worker process (see the module docstring; its decode
+    cohort calls, `cohort_*`, in runtime/mstar_runtime/worker/remote_cohort.py)."""
 
     died = "died"  # what a `WorkerLost` says of a worker found gone between steps
     channel = "control pipe"  # what carries the frames, in messages
@@ -199,6 +202,7 @@ class RemoteWorker:
         self._step_ids = iter(range(1, 1 << 62))
         self._seq = 0
         self._kept_any = False  # a replicated step ran: the worker keeps per-request outputs
+        self._cohort_ids, self._cohort_names = {}, {}
         # send the values of `refs` inputs too, for the worker to compare with its own (tests)
         self.check_refs = False
 
@@ -305,10 +309,7 @@ class RemoteWorker:
         self, batch: StepBatch, refs: Sequence[Mapping[str, str]] | None, replicated: bool, send_outputs: bool
     ) -> StepHandle:
         """`submit`'s work once the worker is ready for it. Lock held."""
-        if self.lost is not None:
-            raise WorkerLost(self.rank, self.lost)
-        if self.peers is not None:
-            self.peers.check()
+        self._check_alive()
         step_id = next(self._step_ids)
         try:
             wire, tensors = [], []
@@ -331,12 +332,59 @@ class RemoteWorker:
             send_tensors(tensors, self.rank, self.comm)
         except RuntimeError as e:
             self._lose(f"did not take the inputs of {batch.node}.{batch.phase} over torch.distributed ({_first_line(e)})")
-        handle = StepHandle(self, batch, step_id, time.monotonic() + self.answer_timeout, send_outputs)
+        return self._register(batch, step_id, send_outputs)
+
+    def _check_alive(self) -> None:
+        """WorkerLost for this worker, or any of its peers, found gone. Lock held."""
+        if self.lost is not None:
+            raise WorkerLost(self.rank, self.lost)
+        if self.peers is not None:
+            self.peers.check()
+
+    def _register(self, batch: StepBatch, step_id: int, send_outputs: bool, cohort: int | None = None) -> StepHandle:
+        """The handle of a step just sent: in flight, or one more acknowledgement due. Lock held."""
+        handle = StepHandle(self, batch, step_id, time.monotonic() + self.answer_timeout, send_outputs, cohort)
         if send_outputs:
             self._inflight = handle
         else:
             self._acks.append(handle)
         return handle
+
+    def _ask(self, msg: m.CohortOpen | m.CohortJoin, node: str, what: str,
+             tensors: Sequence[Any]) -> m.CohortReply:
+        """Send a cohort message that is answered at once (its values' buffer after it) and wait
+        for its `CohortReply`; a step in flight is finished first. Raises `RequestError` (the
+        node refused a row), `WorkerStepError` (the worker failed the call; it serves on),
+        `WorkerLost`."""
+        with self._lock:
+            self._check_alive()
+            self._settle()
+            self._take_acks()
+            step_id = next(self._step_ids)
+            self._send_bytes(m.encode(dataclasses.replace(msg, step_id=step_id)))
+            try:
+                send_tensors(tensors, self.rank, self.comm)
+            except RuntimeError as e:
+                self._lose(f"did not take the inputs of {node} {what} over torch.distributed ({_first_line(e)})")
+            doing = f"running {node} {what}"
+            while True:
+                reply = self._read(self.answer_timeout, doing)
+                if not isinstance(reply, m.Heartbeat):  # a late echo of a heartbeat that timed out
+                    break
+            if isinstance(reply, m.WorkerError) and reply.step_id is None:
+                self._lose("failed", reply.message)
+            if getattr(reply, "step_id", None) != step_id:
+                self._lose(f"answered step {getattr(reply, 'step_id', None)} with '{reply.type}' while {doing}")
+            if isinstance(reply, m.StepRejected):
+                err = RequestError(reply.message, reply.field)
+                err.request_ids = list(reply.request_ids)  # type: ignore[attr-defined]
+                raise err
+            if isinstance(reply, m.WorkerError):
+                text = _strip_head(reply.message, StepBatch(node, what, []))
+                raise WorkerStepError(node, what, f"on rank {self.rank}: {text}")
+            if not isinstance(reply, m.CohortReply):
+                self._lose(f"sent '{reply.type}' while {doing}")
+            return reply
 
     def _settle(self) -> None:
         """Finish the step in flight, if any, waiting for its answer. Lock held."""
@@ -436,7 +484,13 @@ class RemoteWorker:
             raise WorkerStepError(
                 batch.node, batch.phase, f"on rank {self.rank}: {_strip_head(msg.message, batch)}"
             )
-        assert isinstance(msg, m.StepResult)
+        if handle.cohort is not None:
+            if not isinstance(msg, m.CohortStepped):
+                self._lose(f"answered cohort step {step_id} with '{msg.type}'")
+            handle.elapsed_s, handle.waited_s = msg.elapsed_s, msg.waited_s
+            return self._cohort_outputs(handle, msg)  # type: ignore[return-value]
+        if not isinstance(msg, m.StepResult):
+            self._lose(f"answered step {step_id} with '{msg.type}'")
         handle.elapsed_s, handle.waited_s = msg.elapsed_s, msg.waited_s
         if not handle.send_outputs:
             if msg.entries:
@@ -684,9 +738,11 @@ def can_submit(worker: Any) -> bool:
 class StepHandle:
     """A step sent by `RemoteWorker.submit`: its answer, once taken (module docstring)."""
 
-    def __init__(self, worker: RemoteWorker, batch: StepBatch, step_id: int, deadline: float, send_outputs: bool = True):
+    def __init__(self, worker: RemoteWorker, batch: StepBatch, step_id: int, deadline: float, send_outputs: bool = True,
+                 cohort: int | None = None):
         self.worker, self.batch, self.step_id = worker, batch, step_id
         self.send_outputs = send_outputs
+        self.cohort = cohort  # a cohort step's rows (its result is a CohortResult), or None
         self.elapsed_s = 0.0  # the worker's own time for the step, from its answer
         self.waited_s = 0.0  # and its time reading messages before it (StepResult.waited_s)
         self.deadline = deadline  # time.monotonic() by which the answer is due

@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from mstar_runtime.engine.engines import StepEntry
@@ -131,3 +132,82 @@ class TPDispatch:
             ) from e
         self.member_step_s += h.elapsed_s
         self.member_read_s += h.waited_s
+
+
+class TPCohort:
+    """A decode cohort of a tensor-parallel node (control/cohort.py drives it as one worker):
+    every `cohort_*` call goes to every rank of the group, in the same order, so each rank's
+    columns hold the same rows; each rank's step runs its shard, whose collectives join the
+    group, and every rank samples the same tokens (the logits are gathered), which it feeds
+    back into its own columns. The leader's readback is the step's result; the members'
+    steps are acknowledged as soon as they are launched and checked like `TPDispatch.run`'s
+    (a member that failed one has diverged: `WorkerLost`).
+
+    A join's values (the prefill's fed-back outputs, the loop-invariant inputs) go to each
+    rank (a worker process receives them over the wire, torch.distributed for large ones);
+    what differs per rank (the shard's own node state) each rank's join reads itself. The
+    members get each call first (their frames are in the pipe before the leader's step
+    enters a collective). A worker in this process can only be the group's leader."""
+
+    def __init__(self, dispatch: TPDispatch, ranks: tuple[int, ...]):
+        self.dispatch, self.ranks = dispatch, ranks
+        self.leader = dispatch.workers[ranks[0]]
+        self.members = [dispatch.workers[r] for r in ranks[1:]]
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(w, method)(*args) for w in (*self.members, self.leader)]
+
+    def cohort_open(self, key: Any, node: str, shape: Any, rows: int, max_pages: int) -> bool:
+        return all(self._all("cohort_open", key, node, shape, rows, max_pages))
+
+    def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: Mapping[str, Any],
+                    invariant: Mapping[str, Any], pages: list[int], length: int) -> None:
+        """Every rank joins the row; the first refusal (a `RequestError`, the same on every
+        rank: the state it reads is the group's) is raised once all have been asked, so no
+        rank is left with an answer unread."""
+        errors = []
+        for w in (*self.members, self.leader):
+            try:
+                w.cohort_join(key, row, request_id, tag, fed, invariant, pages, length)
+            except (RequestError, WorkerStepError) as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def cohort_leave(self, key: Any, row: int, request_id: str, tag: str, steps: int) -> None:
+        self._all("cohort_leave", key, row, request_id, tag, steps)
+
+    def cohort_move(self, key: Any, src: int, dst: int) -> None:
+        self._all("cohort_move", key, src, dst)
+
+    def cohort_shrink(self, key: Any, n: int) -> None:
+        self._all("cohort_shrink", key, n)
+
+    def cohort_add_pages(self, key: Any, rows: Any, cols: Any, pages: Any) -> None:
+        self._all("cohort_add_pages", key, rows, cols, pages)
+
+    def cohort_step(self, key: Any, n: int) -> Any:
+        """The step on every rank (members first, acknowledged only); the leader's result.
+        With `check_refs` set on a member (tests), it answers in full and its outputs must
+        equal the leader's (the same tokens sampled, so the same values fed back)."""
+        t0 = time.perf_counter()
+        self.dispatch._check(self.ranks)
+        checked = [bool(getattr(w, "check_refs", False)) for w in self.members]
+        handles = [(r, w.cohort_submit(key, n, send_outputs=check))
+                   for r, w, check in zip(self.ranks[1:], self.members, checked)]
+        self.dispatch.member_wait_s += time.perf_counter() - t0
+        result = self.leader.cohort_step(key, n)
+        for (r, h), check in zip(handles, checked):
+            if check:
+                self._compare(r, h.result(), result)
+            else:
+                self.dispatch._acks.setdefault(r, deque()).append(h)
+        return result
+
+    def _compare(self, rank: int, mine: Any, leader: Any) -> None:
+        ours, theirs = mine.arrays(), leader.arrays()
+        for k, a in theirs.items():
+            if k not in ours or not np.array_equal(ours[k], a):
+                raise WorkerLost(rank, f"its cohort step's '{k}' differs from the leader's "
+                                 f"({ours.get(k)} here, {a} there): the ranks of a tensor-parallel group "
+                                 "must compute the same outputs")

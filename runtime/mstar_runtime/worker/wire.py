@@ -17,9 +17,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, BinaryIO
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from mstar_runtime.engine.cohort_engine import CohortResult
 from mstar_runtime.kv.block_manager import SlotCopy
 from mstar_runtime.ops.readback import resolve
 from mstar_runtime.plan.loader import Plan
@@ -27,6 +29,9 @@ from mstar_runtime.plan.planfile import dump_body
 from mstar_runtime.worker import messages as m
 
 INLINE_BYTES = 64  # token ids and flags ride in the message; activations over torch.distributed
+# a cohort step's packed readback rides in its answer up to this size (the conductor reads it
+# on the host anyway); a larger one (hidden states of a big batch) goes over torch.distributed
+READBACK_INLINE_BYTES = m.MAX_INLINE_TENSOR_BYTES
 FRAME = struct.Struct(">I")
 POLL_S = 0.25  # how often a wait for an answer also checks that the process is alive
 
@@ -213,6 +218,16 @@ def copy_from_wire(copy: m.SlotCopy) -> SlotCopy:
     return SlotCopy(
         range(copy.src_start, copy.src_start + copy.count), range(copy.dst_start, copy.dst_start + copy.count)
     )
+
+
+def readback_values(result: CohortResult) -> tuple[list[m.PackedPort], dict[str, torch.Tensor]]:
+    """A cohort step's packed readback as an answer's layout and values (`ints`, `floats`), on
+    the host: waits for the readback's copy only (never for later work)."""
+    values = {}
+    for name, rb in (("ints", result.ints), ("floats", result.floats)):
+        if rb is not None:
+            values[name] = torch.from_numpy(np.ascontiguousarray(rb.array()))
+    return [m.PackedPort(k, f, w) for k, f, w in result.layout], values
 
 
 def plan_digest(plan: Plan) -> str:

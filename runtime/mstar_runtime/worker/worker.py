@@ -9,8 +9,10 @@ bookkeeping its BlockManagers decide (`fork`, `copy_slots`, `free`; `export_kv` 
 `import_kv` for a KV context the plan moves between ranks), and, for decode
 cohorts, the `cohort_*` calls: open (the device columns of a marked loop, if its node offers
 a column step), join / leave / move a row, add pages, and step all rows at once
-(engine/cohort_engine.py). Cohorts run on in-process workers only (a worker process has
-no cohort messages yet: a loop on a rank > 0 stays on the generic path).
+(engine/cohort_engine.py). A worker process serves the same calls as messages
+(worker/process.py; the conductor's side in worker/remote_cohort.py), and a tensor-parallel
+node's cohort makes them on every rank of its group (`tp_dispatch.TPCohort`); `key` is
+whatever the caller names the cohort by (the conductor's key here, an id from the wire there).
 
 Errors of a step surface in two kinds, so the conductor knows whom to fail:
 - `RequestError` (a node rejected an input) propagates unchanged, with `request_ids` (the
@@ -237,15 +239,19 @@ class Worker:
         return out
 
     def release_graphs(self) -> None:
-        """Drop the KV nodes' captured decode graphs (the ones that can hold TP collectives),
-        once their work is done; see `GraphRunner.release`."""
+        """Drop the KV nodes' captured decode graphs and the cohorts' (the ones that can hold
+        TP collectives), once their work is done; see `GraphRunner.release`. Later cohort
+        steps run eagerly."""
         runners = [r for e in self.engines.values() if isinstance(e, KVCacheEngine) for r in e.graph_runners.values()]
-        if not runners:
+        cohorts = [c for c in self._cohorts.values() if c.graphs is not None]
+        if not runners and not cohorts:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for r in runners:
             r.release()
+        for c in cohorts:
+            c.graphs = None
         gc.collect()  # the graphs' last references may sit in frozen or cyclic garbage
 
     # ------------------------------------------------------------------ KV bookkeeping

@@ -1,0 +1,123 @@
+"""Decode cohorts in a worker process, the conductor's side: `RemoteWorker`'s `cohort_*` calls.
+
+The conductor's `control/cohort.py` drives a cohort through the calls of an in-process
+`Worker` (open, join, leave, move, shrink, add pages, step); `RemoteCohorts` gives a
+`RemoteWorker` the same calls as typed messages (`messages.py`, "decode cohorts"), so a
+marked loop of a node in a worker process runs as a cohort there (the worker process's
+`Worker` holds the columns and runs the step, runtime/mstar_runtime/worker/process.py):
+
+    open:   CohortOpen frame -> CohortReply (ok: the node offers a column step)
+    join:   CohortJoin frame -> dist.send(values) ; worker: CohortReply, or StepRejected
+    step:   CohortStep frame ; worker: CohortStepped frame (the packed readback inline,
+            or over torch.distributed when it is over the inline limit)
+    leave, move, shrink, add pages: one frame each, no answer
+
+A step goes out like any step (`submit`'s rules: at most one full step in flight, messages
+posted meanwhile held until its answer is in); its `CohortResult` fetches the answer when
+the conductor reads it, one step late. A join and an open wait for their answer (a step in
+flight is finished first): a join that the node refuses is a `RequestError`, as in process.
+A TP member's step (`send_outputs=False`, runtime/mstar_runtime/worker/tp_dispatch.py) is
+acknowledged as soon as it is launched. Failures are a step's: `WorkerStepError` for a
+cohort call the worker failed (it serves on), `WorkerLost` for a worker that is gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mstar_runtime.engine.cohort_engine import CohortResult, CohortShape
+from mstar_runtime.ops.readback import Readback
+from mstar_runtime.worker import messages as m
+from mstar_runtime.worker.wire import pack_values, recv_tensors, unpack_values
+from mstar_runtime.worker.worker import StepBatch, WorkerStepError
+
+if TYPE_CHECKING:
+    from mstar_runtime.worker.remote import StepHandle
+
+
+class RemoteCohorts:
+    """The `cohort_*` calls of a `RemoteWorker` (a mixin over its conversation: `_ask`,
+    `_post`, `_lock`, `_settle`, `_take_acks`, `_register`, `_lose`; see the module docstring)."""
+
+    _cohort_ids: dict[Any, int]  # the conductor's cohort key -> its id on this worker
+    _cohort_names: dict[int, tuple[str, str]]  # id -> (node, phase), for messages
+
+    def cohort_open(self, key: Any, node: str, shape: CohortShape, rows: int, max_pages: int) -> bool:
+        """`Worker.cohort_open` in the worker process; the same key always gets the same id,
+        so a later conductor of the same plan finds the columns (and graphs) it made."""
+        cid = self._cohort_ids.setdefault(key, len(self._cohort_ids) + 1)
+        self._cohort_names[cid] = (node, shape.phase)
+        msg = m.CohortOpen(0, cid, node, shape.phase, [list(f) for f in shape.fed], list(shape.invariant),
+                           list(shape.outputs), rows, max_pages)
+        reply = self._ask(msg, node, "cohort_open", [])
+        return reply.ok
+
+    def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: Mapping[str, Any],
+                    invariant: Mapping[str, Any], pages: list[int], length: int) -> None:
+        cid = self._cohort_ids[key]
+        node, phase = self._cohort_names[cid]
+        values = {**{f"fed:{k}": v for k, v in fed.items()}, **{f"inv:{k}": v for k, v in invariant.items()}}
+        try:
+            metas, inline, scalars, tensors = pack_values(values, self.inline_bytes, "cohort input")
+            msg = m.CohortJoin(0, cid, row, request_id, tag, list(pages), length, metas, inline, scalars)
+            m.encode(msg)  # a value that cannot travel fails this join here, before anything is sent
+        except (TypeError, ValueError) as e:  # MessageError is a ValueError
+            raise WorkerStepError(node, f"{phase} (cohort join)", f"cannot send to rank {self.rank}: {e}") from e
+        self._ask(msg, node, f"{phase} (cohort join)", tensors)
+
+    def cohort_leave(self, key: Any, row: int, request_id: str, tag: str, steps: int) -> None:
+        self._post(m.CohortLeave(self._cohort_ids[key], row, request_id, tag, steps))
+
+    def cohort_move(self, key: Any, src: int, dst: int) -> None:
+        self._post(m.CohortMove(self._cohort_ids[key], src, dst))
+
+    def cohort_shrink(self, key: Any, n: int) -> None:
+        self._post(m.CohortShrink(self._cohort_ids[key], n))
+
+    def cohort_add_pages(self, key: Any, rows: Any, cols: Any, pages: Any) -> None:
+        if len(rows):  # most steps start no page: nothing to say
+            self._post(m.CohortAddPages(self._cohort_ids[key], [int(r) for r in rows], [int(c) for c in cols],
+                                        [int(p) for p in pages]))
+
+    def cohort_step(self, key: Any, n: int) -> CohortResult:
+        """One step of rows 0..n-1, sent without waiting; its result fetches the answer."""
+        handle = self.cohort_submit(key, n)
+        return CohortResult(n, [], None, None, fetch=handle.result)
+
+    def cohort_submit(self, key: Any, n: int, *, send_outputs: bool = True) -> StepHandle:
+        """Send one cohort step; the handle's result is its `CohortResult` (an empty one for
+        an acknowledgement, `send_outputs=False`)."""
+        cid = self._cohort_ids[key]
+        node, phase = self._cohort_names[cid]
+        with self._lock:
+            self._settle()
+            if send_outputs:
+                self._take_acks()
+            self._check_alive()
+            step_id = next(self._step_ids)
+            self._send_bytes(m.encode(m.CohortStep(step_id, cid, n, send_outputs)))
+            return self._register(StepBatch(node, f"{phase} (cohort)", []), step_id, send_outputs,
+                                  cohort=n)
+
+    def _cohort_outputs(self, handle: StepHandle, msg: m.CohortStepped) -> CohortResult:
+        """The packed readback of a cohort step's answer (lock held), received if it did not ride inline."""
+        n = handle.cohort or 0
+        if not handle.send_outputs:  # an acknowledgement: nothing to read
+            return CohortResult(n, [], None, None)
+        try:
+            received = recv_tensors(msg.values, self.rank, self.comm, self.comm)
+        except RuntimeError as e:
+            self._lose(f"did not send the readback of a {handle.batch.node} cohort step over torch.distributed ({e})")
+        values = unpack_values(msg.values, received, msg.inline, {}, torch.device("cpu"))
+        layout = [(p.key, p.is_float, p.width) for p in msg.layout]
+        ints, floats = (values.get(k) for k in ("ints", "floats"))
+        for name, block, is_float in (("ints", ints, False), ("floats", floats, True)):
+            width = sum(w for _, f, w in layout if f == is_float)
+            shape = tuple(block.shape) if block is not None else (n, 0)
+            if (width > 0) != (block is not None) or shape != (n, width):
+                self._lose(f"answered a {n}-row cohort step with {name} of shape {shape} for {width} columns")
+        return CohortResult(n, layout, Readback(ints.cpu()) if ints is not None else None,
+                            Readback(floats.cpu()) if floats is not None else None)

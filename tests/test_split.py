@@ -378,6 +378,31 @@ def test_split_on_two_gpus_gives_the_codes_and_audio_of_one(tmp_path: Path) -> N
         _close({k: v.cpu() for k, v in a.outputs.items()}, {k: v.cpu() for k, v in b.outputs.items()})
 
 
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_cohort_in_a_worker_process_on_a_gpu_gives_the_codes_of_one(tmp_path: Path) -> None:
+    """tests/placements/gpu2_llm_rank1.yaml: the backbone's decode loop is a cohort in the
+    worker process on GPU 1 (its steps graphed per bucket there, the readback coming back in
+    each answer); the codes are those of one GPU, the audio too (to rounding)."""
+    orpheus = "models/orpheus/orpheus.walk"
+    outputs = []
+    for name, placement in (("one", "placements/h200x1.yaml"), ("rank1", "tests/placements/gpu2_llm_rank1.yaml")):
+        plan = load_plan(_compile(tmp_path / f"{name}.plan", orpheus, placement), device="cuda", kv_pages_cap=256)
+        workers = start_workers(plan, "dummy", "cuda")
+        try:
+            conductor = Conductor(plan, workers)
+            outputs.append(_run(conductor, REQUESTS))
+        finally:
+            shutdown_workers(workers)
+        assert all(h.state == FINISHED for h in outputs[-1]), [h.error for h in outputs[-1]]
+    assert conductor.stats["cohort_steps"] > 0
+    assert [c.key[2] for c in conductor.cohorts.values()] == [(1,)]
+    for a, b in zip(*outputs, strict=True):
+        assert a.outputs["codes"].numel() >= 28
+        _close({k: v.cpu() for k, v in a.outputs.items()}, {k: v.cpu() for k, v in b.outputs.items()})
+
+
 # ------------------------------------------------------------------------- the protocol
 def test_submit_poll_heartbeat_and_held_messages(plans: dict[str, Path]) -> None:
     codes = [torch.randint(0, 4096, (28,), dtype=torch.int32, generator=torch.Generator().manual_seed(s))

@@ -242,6 +242,40 @@ def test_remote_errors_fail_only_their_requests(plans: dict[int, Path]) -> None:
         assert h.state == FAILED and "corrupt message" in h.error and conductor.broken is not None
 
 
+class _CorruptJoin:
+    """Rank 1's proxy, but a chosen request joins its cohort with an out-of-vocabulary fed
+    token: the LM's embedding raises an IndexError inside the worker process's cohort step."""
+
+    def __init__(self, inner: RemoteWorker, request_id: str):
+        self.inner, self.request_id = inner, request_id
+
+    def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: dict[str, Any], *rest: Any) -> None:
+        if request_id == self.request_id:
+            fed = {k: torch.full_like(torch.as_tensor(v), 10**6) for k, v in fed.items()}
+        self.inner.cohort_join(key, row, request_id, tag, fed, *rest)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_cohort_step_that_fails_in_a_worker_process_fails_its_rows_and_the_worker_serves_on(
+    plans: dict[int, Path],
+) -> None:
+    with _engine(plans[2]) as (conductor, workers):
+        plan = conductor.plan
+        bad = Conductor(plan, {0: workers[0], 1: _CorruptJoin(workers[1], "req-0")})
+        handles = _run(bad, [("generate_fixed", {"prompt": "boom", "max_new": 20})])
+        assert handles[0].state == FAILED
+        err = handles[0].error
+        assert "on rank 1: IndexError" in err and "worker traceback:" in err, err
+        assert bad.broken is None and workers[1].alive() and bad.stats["cohort_steps"] > 0
+        # the worker serves on: the next cohort on it (a later conductor reuses its columns) runs
+        requests = [("generate_fixed", {"prompt": "after", "max_new": 9})]
+        (h,) = _run(Conductor(plan, workers, overlap=False), requests)
+        assert h.state == FINISHED, h.error
+        _same(_one_rank(plans, requests)[0].outputs, h.outputs)
+
+
 # ------------------------------------------------------------------------- dying workers
 @pytest.mark.both_paths
 def test_killing_a_worker_ends_the_run(plans: dict[int, Path]) -> None:

@@ -162,12 +162,16 @@ def _close_images(one: list[dict[str, Any]], many: list[dict[str, Any]]) -> None
 
 # ------------------------------------------------------------------------------ Qwen3-Omni
 def test_qwen3_split_gives_one_ranks_speech_and_chat(plans: dict[str, Path], checkpoint: Path) -> None:
-    one, _, _ = _run(plans["qwen1"], checkpoint, QWEN_REQUESTS)
+    one, alone, _ = _run(plans["qwen1"], checkpoint, QWEN_REQUESTS)
     split, conductor, workers = _run(plans["qwen_split"], checkpoint, QWEN_REQUESTS)
     assert isinstance(workers[1], RemoteWorker) and sorted(workers[1].nodes) == ["code2wav", "talker"]
     assert "thinker" in workers[0].engines and "talker" not in workers[0].engines
     _same_text_and_audio(one, split)
-    assert conductor.stats["remote_steps"] >= FRAMES  # every talker frame ran on rank 1
+    # the talker's loop is a cohort in the worker process (rank 1), stepping as on one rank
+    talker = {c.key[2]: c.stats["row_steps"] for cd in (alone, conductor) for c in cd.cohorts.values()
+              if c.key[0] == "talker"}
+    assert set(talker) == {(0,), (1,)} and talker[(1,)] == talker[(0,)] > 0, talker
+    assert conductor.stats["remote_steps"] + talker[(1,)] >= FRAMES  # every talker frame ran on rank 1
 
 
 def test_qwen3_split_with_image_and_audio_inputs(plans: dict[str, Path], checkpoint: Path) -> None:

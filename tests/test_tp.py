@@ -206,6 +206,9 @@ def test_greedy_tts_at_tp2_equals_tp1(plans: dict[int, Path]) -> None:
     decodes = sum(int(o["codes"].numel()) - 1 for o in tp2)
     (cohort,) = conductor.cohorts.values()
     assert cohort.key[2] == (0, 1) and cohort.stats["row_steps"] >= decodes
+    # each row's first fed token (its prefill's) joined rank 1's columns as a reference to
+    # rank 1's own copy (check_refs: sent too, and compared there)
+    assert conductor.tp.refs_sent >= len(REQUESTS)
 
 
 def test_sampled_tts_at_tp2_keeps_the_ranks_in_step(plans: dict[int, Path]) -> None:

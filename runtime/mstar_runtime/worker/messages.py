@@ -352,8 +352,10 @@ class CohortOpen:
 class CohortJoin:
     """Conductor -> worker: request ``request_id``'s context ``tag`` becomes row ``row``
     (its page table, its KV length, its fed ``fed:<port>`` and invariant ``inv:<port>``
-    inputs, split as a step's inputs: ``values`` follow the frame over torch.distributed);
-    answered by ``CohortReply``, or ``StepRejected`` when the node's join refuses the row."""
+    inputs, split as a step's inputs: ``values`` follow the frame over torch.distributed;
+    ``refs`` as a ``StepEntry``'s: inputs this worker kept from the request's last replicated
+    step, a TP member's own copy); answered by ``CohortReply``, or ``StepRejected`` when the
+    node's join refuses the row."""
 
     type: ClassVar[str] = "cohort_join"
     step_id: int
@@ -366,6 +368,7 @@ class CohortJoin:
     values: list[TensorMeta]
     inline: dict[str, torch.Tensor] = field(default_factory=dict)
     scalars: dict[str, Scalar] = field(default_factory=dict)
+    refs: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

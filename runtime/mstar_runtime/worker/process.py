@@ -80,6 +80,7 @@ class _Server:
         self.shut_down = False  # `serve` ended on a Shutdown (not at the end of its input)
         # (node, request_id, tag) -> tensor outputs of its last replicated (TP) step
         self.kept: dict[tuple[str, str, str | None], dict[str, torch.Tensor]] = {}
+        self.cohort_nodes: dict[int, str] = {}  # cohort id -> its node (for a join's refs)
 
     def serve(self, inp: BinaryIO) -> int:
         while True:
@@ -182,11 +183,14 @@ class _Server:
             self._cohort_step(msg)
         elif isinstance(msg, m.CohortOpen):
             shape = CohortShape(msg.phase, tuple((a, b) for a, b in msg.fed), tuple(msg.invariant), tuple(msg.outputs))
+            self.cohort_nodes[cid] = msg.node
             self._reply(msg.step_id, "",
                         lambda: w.cohort_open(cid, msg.node, shape, msg.rows, msg.max_pages))
         elif isinstance(msg, m.CohortJoin):
             received = recv_tensors(msg.values, 0, self.comm, self.device)  # first: the buffer was sent
             values = unpack_values(msg.values, received, msg.inline, msg.scalars, self.device)
+            if msg.refs:
+                values.update(self._kept_inputs(self.cohort_nodes.get(cid, "?"), msg, values))
             fed = {k.removeprefix("fed:"): v for k, v in values.items() if k.startswith("fed:")}
             inv = {k.removeprefix("inv:"): v for k, v in values.items() if k.startswith("inv:")}
             self._reply(msg.step_id, msg.request_id,
@@ -251,7 +255,7 @@ class _Server:
         self.out.flush()
         send_tensors(tensors, 0, self.comm)
 
-    def _kept_inputs(self, node: str, wire: m.StepEntry, sent: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    def _kept_inputs(self, node: str, wire: m.StepEntry | m.CohortJoin, sent: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """The inputs `wire.refs` names, from this rank's own outputs of the request's last
         replicated step. A value sent as well (the conductor's `check_refs`) must be equal."""
         kept = self.kept.get((node, wire.request_id, wire.tag), {})

@@ -56,13 +56,19 @@ class RemoteCohorts:
         return reply.ok
 
     def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: Mapping[str, Any],
-                    invariant: Mapping[str, Any], pages: list[int], length: int) -> None:
+                    invariant: Mapping[str, Any], pages: list[int], length: int,
+                    refs: Mapping[str, str] | None = None) -> None:
+        """`refs` (a TP member's): `fed:<port>` -> the output of the request's last replicated
+        step this worker kept, which stands in for the value (sent too with `check_refs`)."""
         cid = self._cohort_ids[key]
         node, phase = self._cohort_names[cid]
         values = {**{f"fed:{k}": v for k, v in fed.items()}, **{f"inv:{k}": v for k, v in invariant.items()}}
+        refs = dict(refs or {})
+        if refs and not self.check_refs:  # a referenced value stays on the worker (no read of the leader's device)
+            values = {k: v for k, v in values.items() if k not in refs}
         try:
             metas, inline, scalars, tensors = pack_values(values, self.inline_bytes, "cohort input")
-            msg = m.CohortJoin(0, cid, row, request_id, tag, list(pages), length, metas, inline, scalars)
+            msg = m.CohortJoin(0, cid, row, request_id, tag, list(pages), length, metas, inline, scalars, refs)
             m.encode(msg)  # a value that cannot travel fails this join here, before anything is sent
         except (TypeError, ValueError) as e:  # MessageError is a ValueError
             raise WorkerStepError(node, f"{phase} (cohort join)", f"cannot send to rank {self.rank}: {e}") from e
@@ -99,7 +105,7 @@ class RemoteCohorts:
             self._check_alive()
             step_id = next(self._step_ids)
             self._send_bytes(m.encode(m.CohortStep(step_id, cid, n, send_outputs)))
-            return self._register(StepBatch(node, f"{phase} (cohort)", []), step_id, send_outputs,
+            return self._register(StepBatch(node, phase, []), step_id, send_outputs,
                                   cohort=n)
 
     def _cohort_outputs(self, handle: StepHandle, msg: m.CohortStepped) -> CohortResult:

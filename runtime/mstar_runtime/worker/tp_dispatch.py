@@ -164,11 +164,19 @@ class TPCohort:
                     invariant: Mapping[str, Any], pages: list[int], length: int) -> None:
         """Every rank joins the row; the first refusal (a `RequestError`, the same on every
         rank: the state it reads is the group's) is raised once all have been asked, so no
-        rank is left with an answer unread."""
+        rank is left with an answer unread. A fed value that is an output of the request's
+        last step of the node (its prefill's token) is a reference for the members, as in
+        `TPDispatch.run`: each uses its own copy, and the leader's device is not read."""
+        latest = self.dispatch._latest.get((key[0], request_id, tag)) or {}
+        refs = {f"fed:{port}": out for port, v in fed.items() for out, lv in latest.items() if lv is v}
+        self.dispatch.refs_sent += len(refs) * len(self.members)
         errors = []
         for w in (*self.members, self.leader):
             try:
-                w.cohort_join(key, row, request_id, tag, fed, invariant, pages, length)
+                if w is self.leader:
+                    w.cohort_join(key, row, request_id, tag, fed, invariant, pages, length)
+                else:
+                    w.cohort_join(key, row, request_id, tag, fed, invariant, pages, length, refs)
             except (RequestError, WorkerStepError) as e:
                 errors.append(e)
         if errors:

@@ -204,3 +204,23 @@ def test_a_loop_whose_context_moved_joins_the_cohort_of_its_rank(moved_plans: di
         for c, g in zip(got, want):
             assert c.state == FINISHED, c.error
             _same(c, g)
+
+
+# ---------------------------------------------------------------------------- block rows
+def test_block_attention_of_cohort_rows_is_paged_attention_with_a_full_mask() -> None:
+    """`decode_attention` with `tokens` > 1 (a row adds a block that sees its whole context and
+    itself) computes what `paged_attention` computes for those entries with mask "full"."""
+    from mstar_runtime.kv.attention import AttentionMetadata, KVPool, paged_attention
+    from mstar_runtime.kv.block_table import decode_attention
+
+    torch.manual_seed(0)
+    ps, q_len, heads, kv_heads, dim = 4, 6, 4, 2, 8
+    pool = KVPool(1, 32, ps, kv_heads, dim)
+    pool.data.normal_()
+    tables = [[3, 7, 1, 9], [2, 5, 11, 0], [4, 6, 8, 10]]
+    kv_lens = [13, 6, 16]  # each row's context after its block of q_len tokens
+    q = torch.randn(len(tables) * q_len, heads, dim)
+    table = torch.tensor(tables, dtype=torch.int32)
+    got = decode_attention(q, pool, 0, table, torch.tensor(kv_lens), max(kv_lens), None, q_len)
+    want = paged_attention(q, pool, 0, AttentionMetadata.build([q_len] * 3, kv_lens, tables, "full"))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -39,7 +39,7 @@ row could not push when it leaves is handed to its task, which pushes it with ba
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +52,7 @@ from mstar_runtime.control.validate import TORCH_DTYPES
 from mstar_runtime.engine.cohort_engine import CohortResult, CohortShape
 from mstar_runtime.kv.block_manager import BlockManager
 from mstar_runtime.ops.cohort import count_key
+from mstar_runtime.ops.node import RequestError, SeqPlan
 from mstar_runtime.plan.planfile import cohort_call
 
 if TYPE_CHECKING:
@@ -92,8 +93,11 @@ class Cohort:
     def __init__(self, key: CohortKey, op: dict[str, Any], ports: dict[str, PortSpec], worker: Any,
                  bm: BlockManager, rows: int, max_len: int, max_pages: int, *,
                  preempt: Callable[[Cohort], bool], fail: Callable[[Request, str], None],
+                 kv_plan: Callable[[Mapping[str, Any]], SeqPlan] = lambda inputs: SeqPlan(1),
                  flush_every: int = FLUSH_EVERY):
         self.key, self.op, self.ports, self.worker, self.bm = key, op, ports, worker, bm
+        self.kv_plan = kv_plan  # the call's inputs -> how a step uses the row's context (its node's kv_plan)
+        self.tokens: int | None = None  # KV tokens a row adds per step (the first row's kv_plan says)
         self.rows, self.max_len, self.max_pages, self.flush_every = rows, max_len, max_pages, flush_every
         self.preempt = preempt  # frees pages (preempting the newest request); False if it cannot
         self.fail = fail  # fails one request (its row goes with it)
@@ -139,22 +143,30 @@ class Cohort:
         return self.n < self.rows
 
     def join(self, request: Request, task: WalkTask, enter: EnterCohort, state_tag: str) -> None:
-        """Add a request as the last row (its KV context must hold at least one token)."""
+        """Add a request as the last row (its KV context must hold at least one token).
+        RequestError declines it (nothing changes): a step of it would not add the cohort's
+        tokens and keep them, or its node's join refuses it."""
         key = (request.id, state_tag)
         row = self.n
         length = self.bm.seq_len(key)
+        plan = self.kv_plan(enter.inputs)
+        if not plan.keep or plan.q_len < 1 or plan.q_len != (self.tokens or plan.q_len):
+            raise RequestError(f"a step of {plan.q_len} tokens ({'kept' if plan.keep else 'not kept'}) in a cohort "
+                               f"of {self.tokens or plan.q_len}-token steps")
+        limit = enter.count if enter.count is not None else self.max_iters
         pending = enter.env.get(self.op["until"]) if self.until_port is not None else None
         m = Member(request, task, enter, key, row, length, pending)
         fed = {in_port: enter.inputs[in_port] for in_port, _ in self.shape.fed}
         inv = {port: enter.inputs[port] for port in self.shape.invariant}
-        self.worker.cohort_join(self.key, row, request.id, state_tag, fed, inv, self.bm.page_table(key), length)
+        self.worker.cohort_join(self.key, row, request.id, state_tag, fed, inv, self.bm.page_table(key), length,
+                                steps=limit, tokens=plan.q_len)
+        self.tokens = plan.q_len
         self.members.append(m)
         self._by_request[request.id] = m
         self._joined.append(m)
         if pending is not None:
             self._flags.append(m)
         self.lens[row], self.iters[row], self.valid[row], self.since[row] = length, 0, 0, 0
-        limit = enter.count if enter.count is not None else self.max_iters
         self.limit[row] = NEVER if limit is None else limit
         self.pages[row] = len(self.bm.page_table(key))
         for p in self.item_ports:
@@ -188,7 +200,7 @@ class Cohort:
         n = self.n
         result = self.worker.cohort_step(self.key, n)
         result.index = self.step_index
-        self.lens[:n] += 1
+        self.lens[:n] += self.tokens or 1
         self.iters[:n] += 1
         self.stats["steps"] += 1
         self.stats["row_steps"] += n
@@ -217,22 +229,26 @@ class Cohort:
             self._take(*prev)
 
     def _reserve_pages(self) -> bool:
-        """A page for every row whose next token starts one; False when no row is left to step."""
-        ps = self.bm.page_size
+        """The pages every row's next step writes into (one where its next token starts a page;
+        as many as its block spans); False when no row is left to step."""
+        ps, q = self.bm.page_size, self.tokens or 1
         while self.members:
             n = self.n
-            need = np.nonzero(self.lens[:n] >= self.pages[:n] * ps)[0].tolist()
+            short = -(-(self.lens[:n] + q) // ps) - self.pages[:n]  # pages the next step still needs
             rows, cols, pages = [], [], []
             blocked: Member | None = None  # the first row that could not get its page
-            for r in need:
+            for r in np.nonzero(short > 0)[0].tolist():
                 m = self.members[r]
-                if self.pages[r] >= self.max_pages or self.bm.free_pages == 0:
-                    blocked = m
+                for _ in range(int(short[r])):
+                    if self.pages[r] >= self.max_pages or self.bm.free_pages == 0:
+                        blocked = m
+                        break
+                    pages.append(self.bm.add_page(m.key))
+                    cols.append(int(self.pages[r]))
+                    rows.append(r)
+                    self.pages[r] += 1
+                if blocked is not None:
                     break
-                pages.append(self.bm.add_page(m.key))
-                cols.append(int(self.pages[r]))
-                rows.append(r)
-                self.pages[r] += 1
             self.worker.cohort_add_pages(self.key, np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64),
                                          np.array(pages, dtype=np.int64))
             if blocked is None:
@@ -360,7 +376,7 @@ class Cohort:
         self.stats["wasted_steps"] += wasted
         m.request.stats.steps += int(self.iters[r])
         self.bm.set_length(m.key, int(self.lens[r]))
-        self.bm.truncate(m.key, m.join_len + valid)  # the speculative steps after the last valid one
+        self.bm.truncate(m.key, m.join_len + valid * (self.tokens or 1))  # the speculative step after the last valid one
         self.worker.cohort_leave(self.key, r, m.key[0], m.key[1], int(self.iters[r]))
         carry = {}
         if valid:

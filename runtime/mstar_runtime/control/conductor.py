@@ -117,7 +117,7 @@ from mstar_runtime.control.streams import StreamBuffer, StreamError, policy_from
 from mstar_runtime.control.validate import TORCH_DTYPES, coerce, validate_inputs
 from mstar_runtime.engine.engines import KVSlots, ReadSlots, StepEntry
 from mstar_runtime.kv.block_manager import OutOfPages
-from mstar_runtime.ops.node import KVNode, NodeError, NodeSpec, RequestError
+from mstar_runtime.ops.node import KVNode, NodeError, NodeSpec, RequestError, SeqPlan
 from mstar_runtime.plan.loader import Plan
 from mstar_runtime.plan.planfile import cohort_call
 from mstar_runtime.worker.remote import EngineStopped, WorkerLost, can_submit
@@ -678,8 +678,14 @@ class Conductor:
         if not worker.cohort_open(key, node, shape, rows, max_pages):
             self._no_cohort.add(key)
             return None
+        cls, spec = self._kv_class(node)
+
+        def kv_plan(inputs: Mapping[str, Any]) -> SeqPlan:
+            return cls.kv_plan(phase, {p: tuple(v.shape) for p, v in inputs.items() if isinstance(v, torch.Tensor)},
+                               spec)
+
         cohort = self.cohorts[key] = Cohort(key, op, ports, worker, bm, rows, max_len, max_pages,
-                                            preempt=self._cohort_preempt, fail=self._fail)
+                                            preempt=self._cohort_preempt, fail=self._fail, kv_plan=kv_plan)
         return cohort  # its step order is set when its first row joins (_enter_cohort)
 
     def _enter_cohort(self, task: WalkTask, y: EnterCohort) -> None:

@@ -11,8 +11,8 @@ to `rows` requests of one marked loop:
 - the loop-invariant inputs and the node's own columns (`CohortPhase.join`).
 
 A step (`step(n)`) runs the node's `CohortPhase.step` over rows 0..n-1 (the conductor keeps
-rows dense): positions are the lengths, each row's new K/V goes to the slot its table
-gives, attention is one call for all rows. On a GPU with FlashInfer and a scratch page
+rows dense): positions are the lengths, each row's new K/V (one token, or the phase's block
+of `tokens`) goes to the slots its table gives, attention is one call for all rows. On a GPU with FlashInfer and a scratch page
 (`CohortGraphs`), the whole step -- forward, sampling, stop flags, the fed-back copy, the
 K/V append, the length update -- is one CUDA graph per batch bucket, padded with rows that
 touch only the scratch page; elsewhere it runs eagerly over exactly n rows with
@@ -34,7 +34,7 @@ import torch
 from mstar_runtime.kv.attention import AttentionMetadata, KVPool, paged_attention
 from mstar_runtime.kv.block_table import BlockTable, decode_attention, pinned
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, count_key
-from mstar_runtime.ops.node import NodeError
+from mstar_runtime.ops.node import NodeError, RequestError
 from mstar_runtime.ops.readback import Readback
 
 
@@ -96,6 +96,7 @@ class CohortColumns:
                  device: torch.device, *, scale: float | None, node: str = "?", q_heads: int = 0,
                  graphs: CohortGraphs | None = None, eager_attention: Any = None):
         self.pool, self.cphase, self.shape, self.rows = pool, phase, shape, rows
+        self.tokens = phase.tokens  # KV tokens a row adds per step
         self.device, self.scale, self.node, self.q_heads = device, scale, node, q_heads
         self.graphs = graphs  # capture and replay per batch bucket (a GPU with FlashInfer), or None: eager
         self.eager_attention = eager_attention  # a FlashInferCohortDecode for eager GPU steps, or None
@@ -109,7 +110,7 @@ class CohortColumns:
         self.n = 0
         self.n_dev = torch.zeros((), dtype=torch.long, device=device)  # active rows, for padded (graphed) steps
         self._keys: list[str] | None = None
-        self._arange = torch.arange(rows, device=device)
+        self._arange = torch.arange(max(rows, self.tokens), device=device)
 
     # ------------------------------------------------------------------ rows
     @staticmethod
@@ -126,8 +127,18 @@ class CohortColumns:
         col[row].copy_(t, non_blocking=True)
 
     def join(self, row: int, state: dict[str, Any], fed: Mapping[str, Any], invariant: Mapping[str, Any],
-             pages: list[int], length: int) -> None:
-        """Write a joining request's table, length, fed and invariant inputs and node columns at `row`."""
+             pages: list[int], length: int, steps: int | None = None, tokens: int = 1) -> None:
+        """Write a joining request's table, length, fed and invariant inputs and node columns at
+        `row`; RequestError (nothing written) when a step of it adds other than the phase's
+        `tokens` (the conductor reserves pages for `tokens`), or its loop's `steps` are more
+        than the phase's `limit` lets it run."""
+        if tokens != self.tokens:
+            raise RequestError(f"node '{self.node}': a row of {tokens}-token steps, phase '{self.shape.phase}' "
+                               f"adds {self.tokens} a step")
+        if self.cphase.limit is not None and steps is not None:
+            room = self.cphase.limit(state, invariant)
+            if steps > room:
+                raise RequestError(f"node '{self.node}': a row of {steps} steps, its context has room for {room}")
         self.table.set_row(row, pages)
         self.host_lens[row] = length
         self.lens[row].fill_(length)
@@ -168,12 +179,12 @@ class CohortColumns:
         if bucket is None:
             fi = self.eager_attention
             if fi is not None:
-                fi.plan(*self.table.flashinfer_arrays(self.host_lens[:n] + 1, self.pool.page_size))
+                fi.plan(*self.table.flashinfer_arrays(self.host_lens[:n] + self.tokens, self.pool.page_size))
             packed = self._body(n, n, eager=True, attention=fi)
         else:
             self.n_dev.fill_(n)
             packed = graphs.replay(self, bucket, n)
-        self.host_lens[:n] += 1
+        self.host_lens[:n] += self.tokens
         layout, ints, floats = packed
         return CohortResult(n, layout, Readback(ints[:n]) if ints is not None else None,
                             Readback(floats[:n]) if floats is not None else None)
@@ -181,25 +192,27 @@ class CohortColumns:
     def _body(self, rows: int, n: int, *, eager: bool, attention: Any = None) -> tuple[list, Any, Any]:
         """The step over `rows` rows (n of them real; the rest are pad rows that write and read
         only the scratch page): pure tensor code when not `eager`, so that it can be captured."""
-        pool, ps = self.pool, self.pool.page_size
+        pool, ps, q_len = self.pool, self.pool.page_size, self.tokens
         positions = self.lens[:rows]
         ar = self._arange[:rows]
-        page = self.table.device[ar, (positions // ps).clamp(max=self.table.max_pages - 1)].long()
-        slots = page * ps + positions % ps
+        at = positions[:, None] + self._arange[None, :q_len] if q_len > 1 else positions[:, None]  # [rows, Q]
+        page = self.table.device[ar[:, None], (at // ps).clamp(max=self.table.max_pages - 1)].long()
+        slots = page * ps + at % ps
         if not eager:
             active = ar < self.n_dev
             assert self.graphs is not None
-            slots = torch.where(active, slots, self.graphs.scratch_page * ps)
+            slots = torch.where(active[:, None], slots, self.graphs.scratch_page * ps + self._arange[:q_len] % ps)
+        slots = slots.reshape(-1)  # row r's block at r*Q .. r*Q+Q-1
         table, scale = self.table.device, self.scale
         if eager:
-            kv_lens = positions + 1
-            max_len = int(self.host_lens[:n].max()) + 1
+            kv_lens = positions + q_len
+            max_len = int(self.host_lens[:n].max()) + q_len
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pool.write(layer, k, v, slots)
             if attention is not None:
                 return attention.run(q, layer)
-            return decode_attention(q, pool, layer, table, kv_lens, max_len, scale)
+            return decode_attention(q, pool, layer, table, kv_lens, max_len, scale, q_len)
 
         inputs = {port: buf[:rows] for port, buf in self.fed.items()}
         inputs.update({port: col[:rows] for port, col in self.inv.items()})
@@ -212,9 +225,9 @@ class CohortColumns:
                 dst = self.fed[in_port][:rows]
                 dst.copy_(out[out_port].reshape(dst.shape))
             if eager:
-                self.lens[:rows] += 1
+                self.lens[:rows] += q_len
             else:
-                self.lens[:rows] += active.long()
+                self.lens[:rows] += active.long() * q_len
             return _pack(out, keys, rows)
 
     def _check(self, out: Mapping[str, torch.Tensor]) -> list[str]:
@@ -230,19 +243,22 @@ class CohortColumns:
 
 
 class ReferenceCohortDecode:
-    """A bucket's attention from the same planned host arrays as FlashInfer's graph decode,
-    computed by `paged_attention` (the CPU tests of the padded step; never captured)."""
+    """A bucket's attention from the same planned host arrays as FlashInfer's graph decode
+    (or, for blocks of `tokens`, its graph prefill), computed by `paged_attention` (the CPU
+    tests of the padded step; never captured)."""
 
-    def __init__(self, pool: KVPool, scale: float | None):
-        self.pool, self.scale = pool, scale
+    def __init__(self, pool: KVPool, scale: float | None, tokens: int = 1):
+        self.pool, self.scale, self.tokens = pool, scale, tokens
         self.meta: AttentionMetadata | None = None
 
     def plan(self, step: Any, q_heads: int) -> None:
         indptr, indices, last = step.indptr.tolist(), step.indices.tolist(), step.last_page_len.tolist()
-        ps = self.pool.page_size
+        ps, q = self.pool.page_size, self.tokens
+        if q > 1:
+            assert step.qo_indptr.tolist() == list(range(0, q * len(last) + 1, q)), "Q queries per row"
         tables = [indices[a:b] for a, b in zip(indptr, indptr[1:])]
-        self.meta = AttentionMetadata.build([1] * len(tables), [(len(t) - 1) * ps + x for t, x in zip(tables, last)],
-                                            tables)
+        self.meta = AttentionMetadata.build([q] * len(tables), [(len(t) - 1) * ps + x for t, x in zip(tables, last)],
+                                            tables, "full" if q > 1 else "causal")
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         assert self.meta is not None, "plan() before run()"
@@ -274,16 +290,19 @@ class CohortGraphs:
         return self.buckets[i] if i < len(self.buckets) else None
 
     def _plan(self, cols: CohortColumns, attention: Any, bucket: int, n: int) -> None:
-        ps = cols.pool.page_size
-        indptr, indices, last = cols.table.flashinfer_arrays(cols.host_lens[:n] + 1, ps)
-        pad = bucket - n
-        indptr = np.concatenate([indptr, indptr[-1] + np.arange(1, pad + 1, dtype=np.int32)])
-        indices = np.concatenate([indices, np.full(pad, self.scratch_page, dtype=np.int32)])
-        last = np.concatenate([last, np.ones(pad, dtype=np.int32)])
-        host = pinned(np.concatenate([indptr, indices, last]).astype(np.int32))
-        m = indices.shape[0]
-        step = SimpleNamespace(indptr=host[: bucket + 1], indices=host[bucket + 1 : bucket + 1 + m],
-                               last_page_len=host[bucket + 1 + m :])
+        """Plan the bucket's attention: rows 0..n-1 from the table's host mirror, the pad rows
+        over Q tokens of the scratch page (as `graphs.pad_step` pads a fixed-block step)."""
+        ps, q = cols.pool.page_size, cols.tokens
+        indptr, indices, last = cols.table.flashinfer_arrays(cols.host_lens[:n] + q, ps)
+        pad, pad_pages = bucket - n, -(-q // ps)
+        indptr = np.concatenate([indptr, indptr[-1] + pad_pages * np.arange(1, pad + 1, dtype=np.int32)])
+        indices = np.concatenate([indices, np.full(pad * pad_pages, self.scratch_page, dtype=np.int32)])
+        last = np.concatenate([last, np.full(pad, q - (pad_pages - 1) * ps, dtype=np.int32)])
+        qo = np.arange(0, (bucket + 1) * q, q, dtype=np.int32)
+        host = pinned(np.concatenate([qo, indptr, indices, last]).astype(np.int32))
+        a, m = bucket + 1, indices.shape[0]
+        step = SimpleNamespace(qo_indptr=host[:a], indptr=host[a : 2 * a], indices=host[2 * a : 2 * a + m],
+                               last_page_len=host[2 * a + m :])
         attention.plan(step, cols.q_heads)
 
     def _capture(self, cols: CohortColumns) -> None:
@@ -294,7 +313,7 @@ class CohortGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         for b in sorted(self.buckets, reverse=True):
-            attention = self.make_attention(b, b * cols.table.max_pages)
+            attention = self.make_attention(b, b * max(cols.table.max_pages, -(-cols.tokens // cols.pool.page_size)))
             self._plan(cols, attention, b, 0)
             with torch.cuda.stream(side):
                 for _ in range(2):  # lazy inits (cuBLAS, FlashInfer JIT) must not happen inside the capture
@@ -311,7 +330,8 @@ class CohortGraphs:
         if not self.capture:
             attention = self._eager.get(bucket)
             if attention is None:
-                attention = self._eager[bucket] = self.make_attention(bucket, bucket * cols.table.max_pages)
+                attention = self._eager[bucket] = self.make_attention(
+                    bucket, bucket * max(cols.table.max_pages, -(-cols.tokens // cols.pool.page_size)))
             self._plan(cols, attention, bucket, n)
             self.replays += 1
             return cols._body(bucket, n, eager=False, attention=attention)

@@ -8,7 +8,7 @@ a table is written only when a row joins, moves or gains a page, never per step.
 themselves still come from the conductor's `BlockManager`.
 
 Per step the attention needs, for the n active rows with context lengths `kv_lens`:
-- on the CPU, `decode_attention`: one query per row over its paged context, gathered
+- on the CPU, `decode_attention`: one query (or a block of them) per row over its paged context, gathered
   through the device table for all rows at once (no Python per row). It computes the same
   function as `attention.paged_attention` for single-token decodes (tests compare);
 - on a GPU, FlashInfer's paged decode, whose plan takes host indptr / indices /
@@ -78,15 +78,18 @@ def pinned(a: np.ndarray) -> torch.Tensor:
 
 def decode_attention(
     q: torch.Tensor, pool: KVPool, layer: int, table: torch.Tensor, kv_lens: torch.Tensor, max_len: int,
-    scale: float | None = None,
+    scale: float | None = None, tokens: int = 1,
 ) -> torch.Tensor:
-    """Single-token queries q `[n, heads, D]` over each row's first `kv_lens[i]` tokens.
+    """Queries q `[n * tokens, heads, D]`, `tokens` per row, each over its row's first
+    `kv_lens[i]` tokens (a decode with 1; a block that sees its whole context and itself,
+    with no causal mask inside it, with more).
 
     `table` `[n, >= ceil(max_len / page_size)]` holds the rows' pages; `max_len` (a host int,
     the largest of `kv_lens`) sizes the gather. The new tokens' K/V must already be in the
     pool. Half-precision inputs are computed in float32, as `paged_attention` does.
     """
-    n, heads, dim = q.shape
+    rows, heads, dim = q.shape
+    n = rows // tokens
     kv_heads, ps = pool.kv_heads, pool.page_size
     if heads % kv_heads or dim != pool.head_dim:
         raise AttentionError(f"q has {heads} heads of dim {dim}; pool has {kv_heads} KV heads of dim {pool.head_dim}")
@@ -97,13 +100,13 @@ def decode_attention(
     k = pool.data[layer, :, 0][pages].reshape(n, n_pages * ps, kv_heads, dim).to(compute)
     v = pool.data[layer, :, 1][pages].reshape(n, n_pages * ps, kv_heads, dim).to(compute)
     group = heads // kv_heads
-    qg = q.to(compute).reshape(n, kv_heads, group, dim)
-    scores = torch.einsum("nhgd,nlhd->nhgl", qg, k).mul_(scale)
+    qg = q.to(compute).reshape(n, tokens, kv_heads, group, dim)
+    scores = torch.einsum("nthgd,nlhd->nthgl", qg, k).mul_(scale)
     valid = torch.arange(n_pages * ps, device=q.device)[None, :] < kv_lens[:, None]  # [n, L]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    scores.masked_fill_(~valid[:, None, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("nhgl,nlhd->nhgd", probs, v)
-    return out.reshape(n, heads, dim).to(q.dtype)
+    out = torch.einsum("nthgl,nlhd->nthgd", probs, v)
+    return out.reshape(rows, heads, dim).to(q.dtype)
 
 
 __all__ = ["BlockTable", "decode_attention", "pinned"]

@@ -351,22 +351,33 @@ class FlashInferGraphDecode:
 class FlashInferCohortDecode:
     """Decode attention of a cohort's rows (engine/cohort_engine.py): its own paged-decode
     wrapper on the backend's workspace, planned every step from the block table's host
-    arrays (no per-entry metadata), then run per layer."""
+    arrays (no per-entry metadata), then run per layer. Rows that add a block of `tokens`
+    (> 1) get a paged prefill wrapper instead (FA2, as the backend's eager prefill), planned
+    non-causal: a block sees its whole context and itself."""
 
-    def __init__(self, backend: FlashInferBackend, pool: KVPool, scale: float | None, q_heads: int):
-        self.pool, self.q_heads = pool, q_heads
+    def __init__(self, backend: FlashInferBackend, pool: KVPool, scale: float | None, q_heads: int, tokens: int = 1):
+        self.pool, self.q_heads, self.tokens = pool, q_heads, tokens
         self.scale = scale if scale is not None else 1.0 / math.sqrt(pool.head_dim)
-        self.wrapper = backend.fi.BatchDecodeWithPagedKVCacheWrapper(backend.workspace, "NHD", use_tensor_cores=True)
+        if tokens > 1:
+            self.wrapper = backend.fi.BatchPrefillWithPagedKVCacheWrapper(backend.workspace, "NHD", backend="fa2")
+        else:
+            self.wrapper = backend.fi.BatchDecodeWithPagedKVCacheWrapper(backend.workspace, "NHD",
+                                                                          use_tensor_cores=True)
         self.fence = _PlanFence(pool.device)
 
     def plan(self, indptr: Any, indices: Any, last: Any) -> None:
-        p = self.pool
+        p, q = self.pool, self.tokens
         self.fence.wait()  # the wrapper's pinned plan buffer: its previous upload must have run
-        host = pinned(np.concatenate([indptr, indices, last]).astype(np.int32))
         n, m = indptr.shape[0] - 1, indices.shape[0]
-        self.wrapper.plan(host[: n + 1], host[n + 1 : n + 1 + m], host[n + 1 + m :], self.q_heads, p.kv_heads,
-                          p.head_dim, p.page_size, q_data_type=p.dtype, kv_data_type=p.dtype, sm_scale=self.scale,
-                          non_blocking=True)
+        qo = np.arange(0, (n + 1) * q, q, dtype=np.int32) if q > 1 else np.zeros(0, dtype=np.int32)
+        host = pinned(np.concatenate([qo, indptr, indices, last]).astype(np.int32))
+        a = qo.shape[0]
+        kv = (host[a : a + n + 1], host[a + n + 1 : a + n + 1 + m], host[a + n + 1 + m :])
+        common = {"q_data_type": p.dtype, "kv_data_type": p.dtype, "sm_scale": self.scale, "non_blocking": True}
+        if q > 1:
+            self.wrapper.plan(host[:a], *kv, self.q_heads, p.kv_heads, p.head_dim, p.page_size, causal=False, **common)
+        else:
+            self.wrapper.plan(*kv, self.q_heads, p.kv_heads, p.head_dim, p.page_size, **common)
         self.fence.record()
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:

@@ -8,7 +8,9 @@ drives it; runtime/mstar_runtime/engine/cohort_engine.py owns the columns). A no
 phase this way through `KVNode.cohort_phase(phase)`; one that does not keeps the generic,
 list-of-dicts call (`KVNode.run`), which stays for everything else.
 
-The contract, for a phase whose every entry adds one KV token (a decode):
+The contract, for a phase whose every entry adds one KV token (a decode), or a fixed block
+of `tokens` (Q) tokens whose queries see the row's whole context and the whole block (no
+causal mask inside it: V-JEPA's frame block, `CohortPhase.tokens`):
 
 - `join(state, inputs) -> columns`: called once when a request enters the loop, with the
   request's per-(request, tag) node state (`attn.states[i]` of the generic path, written by
@@ -18,11 +20,14 @@ The contract, for a phase whose every entry adds one KV token (a decode):
 - `step(batch: CohortStep) -> outputs`: pure tensor code over `batch.n` rows: no host reads,
   no Python per row (so the engine can capture it in a CUDA graph). It reads the fed inputs
   (`batch.inputs[port]`, `[n, ...]`), may update its columns in place (`batch.cols[name]`,
-  `[n, ...]` views), attends through `batch.attend(layer, q, k, v)` (one query per row at
-  `batch.positions`), and returns every output port of the phase as a `[n, ...]` tensor. An
+  `[n, ...]` views), attends through `batch.attend(layer, q, k, v)` (Q queries per row, row
+  r's at rows r*Q .. r*Q+Q-1 of `q` `[n*Q, heads, D]`, at positions `batch.positions[r] + j`),
+  and returns every output port of the phase as a `[n, ...]` tensor. An
   output whose type has a symbolic first dim (an item list such as Orpheus' 0-or-1-item
   `code`) is returned as `port` `[n, K]` (K = `max_items`) and `port:count` `[n]` (int: how
   many of the K are items). A bool port is `[n]`.
+- `limit(state, inputs) -> int` (optional): how many steps the row can run at most; a row
+  whose loop asks for more (a fixed loop's count, else its `max`) is declined at join.
 - `leave(state, columns, steps)`: called when the request leaves the loop, with its row's
   columns and the number of steps it ran (speculative ones included, as the generic path
   runs them too), to write them back into the node state (so a later generic call continues
@@ -48,7 +53,7 @@ class CohortStep:
     n: int
     inputs: Mapping[str, torch.Tensor]  # fed-back and loop-invariant input ports
     cols: Mapping[str, torch.Tensor]  # the node's own columns (views: update in place)
-    positions: torch.Tensor  # int64 [n]: the absolute position of each row's new token
+    positions: torch.Tensor  # int64 [n]: the absolute position of each row's (first) new token
     attend: Attend  # writes the rows' new K/V and attends over each row's context
     device: torch.device
 
@@ -61,6 +66,11 @@ class CohortPhase:
     step: Callable[[CohortStep], dict[str, torch.Tensor]]
     leave: Callable[[dict[str, Any], Columns, int], None]
     max_items: Mapping[str, int] = field(default_factory=dict)  # item-list output port -> K
+    tokens: int = 1  # KV tokens each row adds per step (> 1: a block that sees itself whole)
+    # the most steps a joining row can run, from its node state and invariant inputs (a node's
+    # position bound, say), or None: unbounded. A loop that would run more is declined at join
+    # (RequestError), so that the generic path reports the step that fails.
+    limit: Callable[[dict[str, Any], Mapping[str, Any]], int] | None = None
 
 
 def count_key(port: str) -> str:

@@ -52,6 +52,7 @@ from mstar_runtime.kv.block_manager import SlotCopy
 from mstar_runtime.kv.flashinfer_backend import (
     FlashInferBackend,
     FlashInferCohortDecode,
+    graph_prefill,
     select_backend,
     unsupported,
 )
@@ -194,10 +195,11 @@ class Worker:
         heads = int(engine.node.spec.arch_args.get("heads", 0)) // max(engine.node.spec.tp_size, 1)
         graphs = eager = None
         if isinstance(engine.backend, FlashInferBackend) and unsupported(engine.pool) is None:
-            eager = FlashInferCohortDecode(engine.backend, engine.pool, engine.scale, heads)
+            eager = FlashInferCohortDecode(engine.backend, engine.pool, engine.scale, heads, cphase.tokens)
             runner = engine.graph_runners.get(shape.phase)
             has_scratch = engine.pool.num_pages > engine.num_pages  # pad rows need the scratch page
-            decoder = engine.backend.graph_decoder(engine.pool, engine.scale)
+            decoder = (engine.backend.graph_decoder(engine.pool, engine.scale) if cphase.tokens == 1
+                       else graph_prefill(engine.backend, engine.pool, engine.scale, cphase.tokens))
             if runner is not None and has_scratch and decoder is not None and os.environ.get(COHORT_GRAPHS_ENV, "1") != "0":
                 graphs = CohortGraphs([b for b in runner.buckets if b <= rows] or [rows], engine.num_pages, decoder)
         self._cohorts[key] = CohortColumns(engine.pool, cphase, shape, rows, max_pages, self.device,
@@ -207,9 +209,10 @@ class Worker:
         return True
 
     def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: Mapping[str, Any],
-                    invariant: Mapping[str, Any], pages: list[int], length: int) -> None:
+                    invariant: Mapping[str, Any], pages: list[int], length: int, steps: int | None = None,
+                    tokens: int = 1) -> None:
         state = self._cohort_engine[key].state(request_id, tag)
-        self._cohorts[key].join(row, state, fed, invariant, pages, length)
+        self._cohorts[key].join(row, state, fed, invariant, pages, length, steps, tokens)
 
     def cohort_leave(self, key: Any, row: int, request_id: str, tag: str, steps: int) -> None:
         self._cohorts[key].leave(row, self._cohort_engine[key].state(request_id, tag), steps)

@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 
+from mstar_runtime.plan.check import MAX_CHUNK_ITEMS, POLICY_OPTIONAL, POLICY_PARAMS, policy_param_min
 from mstarc import archs, ast, graph
 from mstarc import ir as I
 from mstarc.config import CheckpointConfig, EvalError, ValueBudget, evaluate, resolve_variant
@@ -25,9 +26,6 @@ from mstarc.settings import NODE_SETTINGS, TAG_ARGS, closest, setting_problem
 
 ENGINES = ("kv", "stateless")
 DTYPES = tuple(I.DTYPE_BYTES)
-POLICY_PARAMS = {"fixed": ("size",), "sliding": ("window", "stride"), "left_context": ("chunk", "left")}
-# optional parameters (after the required ones): left_context's `first`, the first chunk's size
-POLICY_OPTIONAL = {"left_context": ("first",)}
 
 
 def lower(model: ast.Model, variant: str, source: str, weights: Path | None = None,
@@ -317,9 +315,10 @@ class _Lowerer:
             v = self.int_value(arg.value, f"{kind}() parameter '{key}'")
             if v is None:
                 continue
-            min_value = 0 if key == "left" else 1
-            if v < min_value:
-                self.sink.error("E044", f"{kind}() parameter '{key}' must be >= {min_value}, got {v}", arg.span)
+            min_value = policy_param_min(key)
+            if not min_value <= v <= MAX_CHUNK_ITEMS:  # the plan schema's range (plan/check.py)
+                self.sink.error("E044", f"{kind}() parameter '{key}' must be in {min_value}..{MAX_CHUNK_ITEMS}, "
+                                f"got {v}", arg.span)
                 continue
             params[key] = v
         missing = [n for n in required if n not in params and not any(

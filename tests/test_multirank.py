@@ -249,10 +249,11 @@ class _CorruptJoin:
     def __init__(self, inner: RemoteWorker, request_id: str):
         self.inner, self.request_id = inner, request_id
 
-    def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: dict[str, Any], *rest: Any) -> None:
+    def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: dict[str, Any], *rest: Any,
+                    **kw: Any) -> None:
         if request_id == self.request_id:
             fed = {k: torch.full_like(torch.as_tensor(v), 10**6) for k, v in fed.items()}
-        self.inner.cohort_join(key, row, request_id, tag, fed, *rest)
+        self.inner.cohort_join(key, row, request_id, tag, fed, *rest, **kw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

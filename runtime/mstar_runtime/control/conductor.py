@@ -160,9 +160,11 @@ def coerce_items(walk: str, name: str, t: Mapping[str, Any], value: Any) -> torc
 def port_input(call: StepCall, port: str | None) -> str | None:
     """The walk variable a node's refused port was given, so that the error names what the
     caller sent (`talker.prefill(max_frames = talker_max_frames)` refusing `max_frames` is a
-    bad `talker_max_frames`); the port itself when its argument is no variable."""
+    bad `talker_max_frames`); the port itself when its argument is no input of the walk (a
+    value an earlier step made names no request field)."""
     arg = call.op.get("args", {}).get(port) if port is not None else None
-    return arg["var"] if isinstance(arg, Mapping) and isinstance(arg.get("var"), str) else port
+    var = arg.get("var") if isinstance(arg, Mapping) else None
+    return var if isinstance(var, str) and var in call.request.current_inputs else port
 
 
 def check_inputs(walk: str, program: Mapping[str, Any], inputs: Mapping[str, Any], *,

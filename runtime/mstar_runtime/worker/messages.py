@@ -354,8 +354,9 @@ class CohortJoin:
     (its page table, its KV length, its fed ``fed:<port>`` and invariant ``inv:<port>``
     inputs, split as a step's inputs: ``values`` follow the frame over torch.distributed;
     ``refs`` as a ``StepEntry``'s: inputs this worker kept from the request's last replicated
-    step, a TP member's own copy); answered by ``CohortReply``, or ``StepRejected`` when the
-    node's join refuses the row."""
+    step, a TP member's own copy); ``steps`` the most steps the row may take (None: the
+    cohort's bound), ``tokens`` the tokens each of its steps adds; answered by
+    ``CohortReply``, or ``StepRejected`` when the node's join refuses the row."""
 
     type: ClassVar[str] = "cohort_join"
     step_id: int
@@ -369,6 +370,8 @@ class CohortJoin:
     inline: dict[str, torch.Tensor] = field(default_factory=dict)
     scalars: dict[str, Scalar] = field(default_factory=dict)
     refs: dict[str, str] = field(default_factory=dict)
+    steps: int | None = None
+    tokens: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -194,7 +194,8 @@ class _Server:
             fed = {k.removeprefix("fed:"): v for k, v in values.items() if k.startswith("fed:")}
             inv = {k.removeprefix("inv:"): v for k, v in values.items() if k.startswith("inv:")}
             self._reply(msg.step_id, msg.request_id,
-                        lambda: w.cohort_join(cid, msg.row, msg.request_id, msg.tag, fed, inv, msg.pages, msg.length))
+                        lambda: w.cohort_join(cid, msg.row, msg.request_id, msg.tag, fed, inv, msg.pages, msg.length,
+                                                      msg.steps, msg.tokens))
         elif isinstance(msg, m.CohortLeave):
             w.cohort_leave(cid, msg.row, msg.request_id, msg.tag, msg.steps)
         elif isinstance(msg, m.CohortMove):

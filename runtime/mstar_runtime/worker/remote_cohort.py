@@ -56,8 +56,8 @@ class RemoteCohorts:
         return reply.ok
 
     def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: Mapping[str, Any],
-                    invariant: Mapping[str, Any], pages: list[int], length: int,
-                    refs: Mapping[str, str] | None = None) -> None:
+                    invariant: Mapping[str, Any], pages: list[int], length: int, steps: int | None = None,
+                    tokens: int = 1, refs: Mapping[str, str] | None = None) -> None:
         """`refs` (a TP member's): `fed:<port>` -> the output of the request's last replicated
         step this worker kept, which stands in for the value (sent too with `check_refs`)."""
         cid = self._cohort_ids[key]
@@ -68,7 +68,8 @@ class RemoteCohorts:
             values = {k: v for k, v in values.items() if k not in refs}
         try:
             metas, inline, scalars, tensors = pack_values(values, self.inline_bytes, "cohort input")
-            msg = m.CohortJoin(0, cid, row, request_id, tag, list(pages), length, metas, inline, scalars, refs)
+            msg = m.CohortJoin(0, cid, row, request_id, tag, list(pages), length, metas, inline, scalars, refs,
+                               steps, tokens)
             m.encode(msg)  # a value that cannot travel fails this join here, before anything is sent
         except (TypeError, ValueError) as e:  # MessageError is a ValueError
             raise WorkerStepError(node, f"{phase} (cohort join)", f"cannot send to rank {self.rank}: {e}") from e

@@ -161,7 +161,8 @@ class TPCohort:
         return all(self._all("cohort_open", key, node, shape, rows, max_pages))
 
     def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: Mapping[str, Any],
-                    invariant: Mapping[str, Any], pages: list[int], length: int) -> None:
+                    invariant: Mapping[str, Any], pages: list[int], length: int, steps: int | None = None,
+                    tokens: int = 1) -> None:
         """Every rank joins the row; the first refusal (a `RequestError`, the same on every
         rank: the state it reads is the group's) is raised once all have been asked, so no
         rank is left with an answer unread. A fed value that is an output of the request's
@@ -174,9 +175,9 @@ class TPCohort:
         for w in (*self.members, self.leader):
             try:
                 if w is self.leader:
-                    w.cohort_join(key, row, request_id, tag, fed, invariant, pages, length)
+                    w.cohort_join(key, row, request_id, tag, fed, invariant, pages, length, steps, tokens)
                 else:
-                    w.cohort_join(key, row, request_id, tag, fed, invariant, pages, length, refs)
+                    w.cohort_join(key, row, request_id, tag, fed, invariant, pages, length, steps, tokens, refs)
             except (RequestError, WorkerStepError) as e:
                 errors.append(e)
         if errors:

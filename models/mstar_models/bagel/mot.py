@@ -65,14 +65,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from mstar_models.layers import rotary
+from mstar_models.layers.attention import Attend, Attention
+from mstar_models.layers.embedding import LMHead, VocabEmbedding, lm_logits
+from mstar_models.layers.init import seeded_init_
+from mstar_models.layers.mlp import GatedMLP
+from mstar_models.layers.norm import RMSNorm
 from mstar_runtime.ops import fused
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import (
@@ -89,8 +94,6 @@ from mstar_runtime.ops.ports import config_value, max_seq_len, scalar
 from mstar_runtime.ops.readback import Lazy, Readback, upload_tensor
 from mstar_runtime.sampling import SamplingColumns, SamplingParams, sample, sample_columns, sampling_row
 
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
 VAE_DOWNSAMPLE = 8  # FLUX VAE: pixels per latent pixel per side
 TIME_MAX_PERIOD = 10000.0  # DiT's timestep embedding
 EXPERTS = ("", "_moe_gen")  # und, gen: the checkpoint's name suffixes
@@ -98,65 +101,40 @@ SPECIAL_IDS = ("bos_id", "eos_id", "vision_start_id", "vision_end_id")
 
 
 # --------------------------------------------------------------------------------- modules
-# They hold the parameters under the checkpoint's names; the math is `forward`'s (fused q/k/v
-# and gate/up GEMMs over shared storage), so they have no forward of their own.
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, **factory: Any):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, **factory))
-
-
-class MoTAttention(nn.Module):
-    """q/k/v (with bias), o (without) and the QK-norms, once per expert (`q_proj`, `q_proj_moe_gen`, ...)."""
-
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool, **factory: Any):
-        super().__init__()
-        for sfx in EXPERTS:
-            setattr(self, f"q_proj{sfx}", nn.Linear(hidden, heads * head_dim, bias=True, **factory))
-            setattr(self, f"k_proj{sfx}", nn.Linear(hidden, kv_heads * head_dim, bias=True, **factory))
-            setattr(self, f"v_proj{sfx}", nn.Linear(hidden, kv_heads * head_dim, bias=True, **factory))
-            setattr(self, f"o_proj{sfx}", nn.Linear(heads * head_dim, hidden, bias=False, **factory))
-            if qk_norm:
-                setattr(self, f"q_norm{sfx}", RMSNorm(head_dim, **factory))
-                setattr(self, f"k_norm{sfx}", RMSNorm(head_dim, **factory))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, **factory: Any):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, **factory)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False, **factory)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False, **factory)
-
-
+# The layer library's modules under the checkpoint's names; `forward` wires them for two
+# experts (fused q/k/v and gate/up GEMMs over shared storage, per expert).
 class MoTLayer(nn.Module):
+    """One layer: `self_attn` holding both experts' projections (`q_proj`, `q_proj_moe_gen`, ...),
+    `mlp` / `mlp_moe_gen`, and each expert's two norms."""
+
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, qk_norm: bool,
-                 **factory: Any):
+                 eps: float, **factory: Any):
         super().__init__()
-        self.self_attn = MoTAttention(hidden, heads, kv_heads, head_dim, qk_norm, **factory)
-        self.mlp = MLP(hidden, intermediate, **factory)
-        self.mlp_moe_gen = MLP(hidden, intermediate, **factory)
+        self.self_attn = Attention(hidden, heads, kv_heads, head_dim, eps=eps, qk_norm=qk_norm, bias=True,
+                                   experts=EXPERTS, **factory)
+        self.mlp = GatedMLP(hidden, intermediate, **factory)
+        self.mlp_moe_gen = GatedMLP(hidden, intermediate, **factory)
         for sfx in EXPERTS:
-            setattr(self, f"input_layernorm{sfx}", RMSNorm(hidden, **factory))
-            setattr(self, f"post_attention_layernorm{sfx}", RMSNorm(hidden, **factory))
+            setattr(self, f"input_layernorm{sfx}", RMSNorm(hidden, eps, **factory))
+            setattr(self, f"post_attention_layernorm{sfx}", RMSNorm(hidden, eps, **factory))
 
 
 class MoTModel(nn.Module):
     """`language_model.model.*` of the checkpoint."""
 
     def __init__(self, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int, qk_norm: bool, **factory: Any):
+                 intermediate: int, qk_norm: bool, eps: float, **factory: Any):
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, hidden, **factory)
+        self.embed_tokens = VocabEmbedding(vocab, hidden, **factory)
         self.layers = nn.ModuleList(
-            MoTLayer(hidden, heads, kv_heads, head_dim, intermediate, qk_norm, **factory) for _ in range(layers)
+            MoTLayer(hidden, heads, kv_heads, head_dim, intermediate, qk_norm, eps, **factory) for _ in range(layers)
         )
-        self.norm = RMSNorm(hidden, **factory)
-        self.norm_moe_gen = RMSNorm(hidden, **factory)
+        self.norm = RMSNorm(hidden, eps, **factory)
+        self.norm_moe_gen = RMSNorm(hidden, eps, **factory)
 
 
 class LanguageModel(nn.Module):
-    def __init__(self, model: MoTModel, lm_head: nn.Linear | None):
+    def __init__(self, model: MoTModel, lm_head: LMHead | None):
         super().__init__()
         self.model = model
         if lm_head is not None:
@@ -179,17 +157,19 @@ class PositionTable(nn.Module):
 
 @dataclass(frozen=True)
 class Expert:
-    """One expert's tensors of one layer, as `forward` reads them (views of the parameters)."""
+    """One expert of one layer as `forward` runs it: `key` is its checkpoint suffix into the
+    layer's two-expert attention."""
 
-    qkv_w: torch.Tensor  # [q + k + v rows, hidden]: the three projections' shared storage
-    qkv_b: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    o_w: torch.Tensor
+    attn: Attention
+    key: str
     in_norm: torch.Tensor
     post_norm: torch.Tensor
-    gate_up_w: torch.Tensor  # [2 * intermediate, hidden]: gate and up in one storage
-    down_w: torch.Tensor
+    mlp: GatedMLP
+
+    @property
+    def qkv_w(self) -> torch.Tensor:
+        """[q + k + v rows, hidden]: the three projections' shared storage (one GEMM)."""
+        return self.attn.fused_weight(self.key)
 
 
 @dataclass(frozen=True)
@@ -207,23 +187,6 @@ def _shape(shapes: Mapping[str, tuple[int, ...]], port: str, ndim: int) -> tuple
     if len(shape) != ndim:
         raise RequestError(f"input '{port}' must have {ndim} dim(s), got shape {shape}", port)
     return shape
-
-
-def _fuse(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One [sum of out, in] weight (and bias) whose row blocks become the linears' parameters
-    (views: names, loading and init unchanged), so one GEMM computes all their outputs."""
-    first = linears[0].weight
-    rows = sum(lin.weight.shape[0] for lin in linears)
-    weight = torch.empty(rows, first.shape[1], dtype=first.dtype, device=first.device)
-    bias = None if linears[0].bias is None else torch.empty(rows, dtype=first.dtype, device=first.device)
-    at = 0
-    for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight = nn.Parameter(weight[at : at + n])
-        if bias is not None:
-            lin.bias = nn.Parameter(bias[at : at + n])
-        at += n
-    return weight, bias
 
 
 def sincos_2d(hidden: int, side: int) -> torch.Tensor:
@@ -283,8 +246,8 @@ class MoTLanguageModel(KVNode):
         factory = {"dtype": spec.dtype}
         with torch.device("meta"):
             model = MoTModel(self.vocab, self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim,
-                             self.intermediate, self.qk_norm, **factory)
-            head = None if self.tied else nn.Linear(self.hidden, self.vocab, bias=False, **factory)
+                             self.intermediate, self.qk_norm, self.eps, **factory)
+            head = None if self.tied else LMHead(self.vocab, self.hidden, **factory)
             self.language_model = LanguageModel(model, head)
             self.time_embedder = TimestepEmbedder(self.timestep_dim, self.hidden, **factory)
             self.vae2llm = nn.Linear(self.patch_dim, self.hidden, **factory)
@@ -295,41 +258,22 @@ class MoTLanguageModel(KVNode):
         self._init_weights()
         # float32 whatever the weights' dtype, computed on the CPU and then moved, as HF does;
         # not persistent: the loader never looks for it
-        inv_freq = 1.0 / rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
-        self.register_buffer("inv_freq", inv_freq.to(spec.device), persistent=False)
+        self.register_buffer("inv_freq", rotary.inv_freq(self.head_dim, rope_theta).to(spec.device),
+                             persistent=False)
         self.lazy_outputs = spec.device.type == "cuda"
         self._latent_index: dict[tuple[int, int], torch.Tensor] = {}  # (h, w) -> table rows (host)
 
     def _expert(self, layer: MoTLayer, sfx: str) -> Expert:
-        a = layer.self_attn
-        qkv_w, qkv_b = _fuse([getattr(a, f"{p}_proj{sfx}") for p in "qkv"])
-        mlp = layer.mlp if not sfx else layer.mlp_moe_gen
-        gate_up_w, _ = _fuse([mlp.gate_proj, mlp.up_proj])
-        assert qkv_b is not None
-        return Expert(
-            qkv_w=qkv_w, qkv_b=qkv_b,
-            q_norm=getattr(a, f"q_norm{sfx}").weight if self.qk_norm else None,
-            k_norm=getattr(a, f"k_norm{sfx}").weight if self.qk_norm else None,
-            o_w=getattr(a, f"o_proj{sfx}").weight,
-            in_norm=getattr(layer, f"input_layernorm{sfx}").weight,
-            post_norm=getattr(layer, f"post_attention_layernorm{sfx}").weight,
-            gate_up_w=gate_up_w, down_w=mlp.down_proj.weight,
-        )
+        return Expert(attn=layer.self_attn, key=sfx, in_norm=getattr(layer, f"input_layernorm{sfx}").weight,
+                      post_norm=getattr(layer, f"post_attention_layernorm{sfx}").weight,
+                      mlp=layer.mlp_moe_gen if sfx else layer.mlp)
 
     def _init_weights(self) -> None:
-        """Deterministic weights for the `init` source, seeded by the node name: N(0, 0.02)
-        matrices, unit norm gains, zero biases, the sin-cos latent table; `dummy` and
-        checkpoints overwrite them."""
-        seed = sum(ord(c) * 31**i for i, c in enumerate(self.spec.name)) % (2**31)
-        gen = torch.Generator(device=self.spec.device).manual_seed(seed)
+        """Deterministic weights for the `init` source (`layers.init.seeded_init_`, seeded by the
+        node name), then the sin-cos latent table; `dummy` and checkpoints overwrite them."""
+        seeded_init_(self, self.spec.name)
         with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name == "latent_pos_embed.pos_embed":
-                    p.copy_(sincos_2d(self.hidden, self.max_latent))
-                elif p.dim() >= 2:
-                    p.normal_(0.0, 0.02, generator=gen)
-                else:
-                    p.fill_(1.0 if "norm" in name else 0.0)
+            self.latent_pos_embed.pos_embed.copy_(sincos_2d(self.hidden, self.max_latent))
 
     # ------------------------------------------------------------------ contract
     @property
@@ -554,28 +498,14 @@ class MoTLanguageModel(KVNode):
 
     # ------------------------------------------------------------------ math
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [N, 1, head_dim] of RoPE positions: angles in float32, cast to the activations' dtype (HF)."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    def _qkv(self, e: Expert, x: torch.Tensor, cos: torch.Tensor,
-             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n, hd = x.shape[0], self.head_dim
-        q, k, v = F.linear(x, e.qkv_w, e.qkv_b).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], -1)
-        q, k = q.view(n, self.heads, hd), k.view(n, self.kv_heads, hd)
-        if e.q_norm is not None and e.k_norm is not None:  # QK-norm before RoPE
-            q, k = fused.rms_norm(q, e.q_norm, self.eps), fused.rms_norm(k, e.k_norm, self.eps)
-        q, k = fused.rope(q, k, cos, sin)
-        return q, k, v.reshape(n, self.kv_heads, hd)
+        return rotary.rope_tables(positions, self.inv_freq, dtype)
 
     def _mlp(self, e: Expert, h: torch.Tensor, o: torch.Tensor,
              next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rest of a layer for one expert's rows: o_proj, residual, post norm, SwiGLU, residual,
         and the next norm (of the next layer, or the final one) fused with the last add."""
-        h, x = fused.add_rms_norm(h, F.linear(o, e.o_w), e.post_norm, self.eps)
-        gate, up = F.linear(x, e.gate_up_w).chunk(2, dim=-1)
-        return fused.add_rms_norm(h, F.linear(fused.silu_mul(gate, up), e.down_w), next_norm, self.eps)
+        h, x = fused.add_rms_norm(h, e.attn.out(o, e.key), e.post_norm, self.eps)
+        return fused.add_rms_norm(h, e.mlp(x), next_norm, self.eps)
 
     def forward(
         self,
@@ -604,9 +534,9 @@ class MoTLanguageModel(KVNode):
             xg = fused.rms_norm(hg, self.experts[0][1].in_norm, self.eps)
         last = len(self.experts) - 1
         for i, (und, gen) in enumerate(self.experts):
-            q, k, v = self._qkv(und, xu, cos_u, sin_u) if nu else (None, None, None)
+            q, k, v = und.attn.qkv(xu, cos_u, sin_u, und.key) if nu else (None, None, None)
             if hg is not None:
-                qg, kg, vg = self._qkv(gen, xg, cos_g, sin_g)
+                qg, kg, vg = gen.attn.qkv(xg, cos_g, sin_g, gen.key)
                 if nu:
                     q, k, v = (torch.cat([a, b]).index_select(0, route.inv) for a, b in ((q, qg), (k, kg), (v, vg)))
                 else:
@@ -627,8 +557,8 @@ class MoTLanguageModel(KVNode):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] (computed in the weights' dtype, then widened)."""
-        weight = self.language_model.model.embed_tokens.weight if self.tied else self.language_model.lm_head.weight
-        return F.linear(hidden, weight).float()
+        lm = self.language_model
+        return lm_logits(hidden, lm.model.embed_tokens.weight) if self.tied else lm.lm_head(hidden)
 
     def _step_logits(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Logits [B, vocab] of one und token per row (start and decode): pure tensor code."""

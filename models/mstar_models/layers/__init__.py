@@ -2,10 +2,11 @@
 
   norm       RMSNorm (Llama's float32 normalise then gain; Gemma's 1 + w; QK-norm over head_dim)
   linear     a checkpoint weight, several fused into one GEMM (q/k/v, gate/up) under their
-             own names, stacked tables, the row-parallel linear of tensor parallelism
+             own names (one or more groups a module), stacked tables, the row-parallel linear
   rotary     RoPE frequencies (default, llama3), cos/sin tables (1-D, Qwen3-Omni's M-RoPE),
              the rotate-half and interleaved rotations
-  attention  GQA attention over the runtime's paged KV (fused q/k/v, QK-norm, row-parallel o_proj)
+  attention  GQA attention over the runtime's paged KV (fused q/k/v, QK-norm, row-parallel o_proj;
+             one set of projections per expert for BAGEL's Mixture-of-Transformers)
   mlp        the gated MLP (gate and up fused, row-parallel down) and the GELU MLP of ViTs
   moe        the sparse MoE block (top-k router, grouped-GEMM experts, a gated shared expert)
   embedding  vocab-parallel token embedding and LM head

@@ -10,11 +10,16 @@ capture.
 
 Tensor parallelism: built with this rank's heads and KV heads (`tp.MegatronLayout`), q/k/v
 are column-parallel and `o_proj` row-parallel (all-reduced over `group`; None at tp 1).
+
+Experts (Mixture-of-Transformers, BAGEL): `experts` lists name suffixes, one full set of
+projections and QK-norms per suffix (`q_proj`, ..., `q_proj_moe_gen`, ...), each expert's
+q/k/v one fused GEMM. The caller runs `qkv(..., expert)` on each expert's rows, attends over
+all of them at once, and `out(o, expert)` on each expert's rows of the result.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,28 +35,35 @@ class Attention(FusedRows):
     """`self_attn` of one decoder layer; `heads` and `kv_heads` are this rank's."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, *, eps: float = 1e-6,
-                 qk_norm: bool = False, bias: bool = False, group: Any = None, **factory: Any):
-        super().__init__({"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim},
-                         hidden, bias=bias, **factory)
+                 qk_norm: bool = False, bias: bool = False, group: Any = None, experts: Sequence[str] = ("",),
+                 **factory: Any):
+        super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.o_proj = RowParallel(hidden, heads * head_dim, group, **factory)
-        if qk_norm:
-            self.q_norm = RMSNorm(head_dim, eps, **factory)
-            self.k_norm = RMSNorm(head_dim, eps, **factory)
+        for sfx in experts:  # per expert: q/k/v, o, the norms (the checkpoint's order)
+            self.fuse(sfx, {f"q_proj{sfx}": heads * head_dim, f"k_proj{sfx}": kv_heads * head_dim,
+                            f"v_proj{sfx}": kv_heads * head_dim}, hidden, bias, **factory)
+            setattr(self, f"o_proj{sfx}", RowParallel(hidden, heads * head_dim, group, **factory))
+            if qk_norm:
+                setattr(self, f"q_norm{sfx}", RMSNorm(head_dim, eps, **factory))
+                setattr(self, f"k_norm{sfx}", RMSNorm(head_dim, eps, **factory))
         self.qk_norm = qk_norm
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, expert: str = "") -> tuple[torch.Tensor, ...]:
         """x [N, hidden] -> q [N, heads, hd], k and v [N, kv_heads, hd]: QK-normed, then rotated."""
         n, hd = x.shape[0], self.head_dim
-        q, k, v = self.project(x)
+        q, k, v = self.project(x, expert)
         q, k = q.view(n, self.heads, hd), k.view(n, self.kv_heads, hd)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = getattr(self, f"q_norm{expert}")(q), getattr(self, f"k_norm{expert}")(k)
         q, k = apply_rope(q, k, cos, sin)
         return q, k, v.view(n, self.kv_heads, hd)
+
+    def out(self, o: torch.Tensor, expert: str = "") -> torch.Tensor:
+        """The attention's output rows o [N, heads, hd] (or [N, heads * hd]) -> o_proj [N, hidden]
+        (summed over the TP group)."""
+        return getattr(self, f"o_proj{expert}")(o.reshape(o.shape[0], self.heads * self.head_dim))
 
     def forward(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         """x [N, hidden] with RoPE tables [N, 1, head_dim] -> the layer's attention output [N, hidden]
         (summed over the TP group)."""
-        q, k, v = self.qkv(x, cos, sin)
-        return self.o_proj(attend(layer, q, k, v).reshape(x.shape[0], self.heads * self.head_dim))
+        return self.out(attend(layer, *self.qkv(x, cos, sin)))

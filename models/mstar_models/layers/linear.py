@@ -60,36 +60,58 @@ class FusedRows(nn.Module):
     `fused` [sum rows_i, cols], so loading fills the buffer and a step runs one GEMM where it
     would run several (q/k/v, gate/up). At decode batch sizes a GEMM is a weight read plus a
     fixed cost, so fewer, larger GEMMs are faster (on an H200 the q/k/v and gate/up GEMMs of a
-    3B Llama ran as separate split-K kernels well above the read floor)."""
+    3B Llama ran as separate split-K kernels well above the read floor).
 
-    def __init__(self, parts: dict[str, int], cols: int, bias: bool = False, **factory: Any):
+    A module may hold several such groups side by side (`fuse(key, ...)`: buffers `fused{key}`
+    and `fused{key}_bias`), for checkpoints that keep two sets of projections under one
+    module (BAGEL's `q_proj` and `q_proj_moe_gen`); `parts=None` starts with none."""
+
+    def __init__(self, parts: dict[str, int] | None = None, cols: int = 0, bias: bool = False, **factory: Any):
         super().__init__()
-        self._parts = dict(parts)
-        self.sizes = list(parts.values())
-        self.register_buffer("fused", torch.empty(sum(self.sizes), cols, **factory), persistent=False)
-        self.register_buffer("fused_bias", torch.empty(sum(self.sizes), **factory) if bias else None,
-                             persistent=False)
-        for name, (w, b) in zip(parts, self._views(), strict=True):
+        self._groups: dict[str, list[str]] = {}
+        self._sizes: dict[str, list[int]] = {}
+        if parts is not None:
+            self.fuse("", parts, cols, bias, **factory)
+
+    @property
+    def sizes(self) -> list[int]:
+        """Rows of each part of the default group."""
+        return self._sizes[""]
+
+    def fuse(self, key: str, parts: dict[str, int], cols: int, bias: bool = False, **factory: Any) -> None:
+        """Add the group `key`: children `parts` as row views of the buffer `fused{key}`."""
+        self._groups[key], self._sizes[key] = list(parts), list(parts.values())
+        rows = sum(parts.values())
+        self.register_buffer(f"fused{key}", torch.empty(rows, cols, **factory), persistent=False)
+        self.register_buffer(f"fused{key}_bias", torch.empty(rows, **factory) if bias else None, persistent=False)
+        for name, (w, b) in zip(parts, self._views(key), strict=True):
             setattr(self, name, Weight(w, b))
 
-    def _views(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        ws = self.fused.split(self.sizes)
-        bs = self.fused_bias.split(self.sizes) if self.fused_bias is not None else [None] * len(ws)
+    def fused_weight(self, key: str = "") -> torch.Tensor:
+        """The [sum rows_i, cols] storage of group `key`."""
+        return getattr(self, f"fused{key}")
+
+    def _views(self, key: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        ws = self.fused_weight(key).split(self._sizes[key])
+        fb = getattr(self, f"fused{key}_bias")
+        bs = fb.split(self._sizes[key]) if fb is not None else [None] * len(ws)
         return list(zip(ws, bs, strict=True))
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FusedRows:
         # a conversion (.to, .to_empty) gives each parameter storage of its own: point them back
         super()._apply(fn, recurse)
-        for name, (w, b) in zip(self._parts, self._views(), strict=True):
-            part = getattr(self, name)
-            part.weight.data = w
-            if b is not None:
-                part.bias.data = b
+        for key, names in self._groups.items():
+            for name, (w, b) in zip(names, self._views(key), strict=True):
+                part = getattr(self, name)
+                part.weight.data = w
+                if b is not None:
+                    part.bias.data = b
         return self
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [..., cols] -> one output per part, from one matmul."""
-        return tuple(F.linear(x, self.fused, self.fused_bias).split(self.sizes, dim=-1))
+    def project(self, x: torch.Tensor, key: str = "") -> tuple[torch.Tensor, ...]:
+        """x [..., cols] -> one output per part of group `key`, from one matmul."""
+        return tuple(F.linear(x, self.fused_weight(key), getattr(self, f"fused{key}_bias"))
+                     .split(self._sizes[key], dim=-1))
 
 
 class StackedWeights(nn.ModuleList):

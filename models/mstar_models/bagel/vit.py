@@ -20,7 +20,8 @@ flash kernel on a GPU in bf16), so no image attends to another and none pays for
 
 Module names are the checkpoint's (`vit_model.vision_model.*`, `connector.*`,
 `vit_pos_embed.pos_embed`; the `bagel_vit` arch lists them), so `ema.safetensors` loads
-without renaming. `vit_pos_embed.pos_embed` is a buffer holding the official 2-D sin-cos
+without renaming. The layers are the layer library's where they apply: q/k/v as one fused
+GEMM (`FusedRows`), the MLPs and the connector `Mlp`, the `init` source's seeded weights. `vit_pos_embed.pos_embed` is a buffer holding the official 2-D sin-cos
 table (`get_2d_sincos_pos_embed`: the first half of the channels encodes w, the second h,
 [sin | cos] within each half): the checkpoint's copy overwrites it, and `dummy` weights,
 which draw parameters only, keep the real table.
@@ -35,6 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_models.bagel.transforms import ImageTransform, check_image, normalize_pixels
+from mstar_models.layers.init import seeded_init_
+from mstar_models.layers.linear import FusedRows
+from mstar_models.layers.mlp import Mlp
 from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
 from mstar_runtime.ops.readback import upload_tensor
 
@@ -59,19 +63,18 @@ def sincos_table(side: int, dim: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ modules
-class _Attention(nn.Module):
+class _Attention(FusedRows):
+    """`q_proj`, `k_proj`, `v_proj` (row views of one fused buffer: one GEMM) and `out_proj`."""
+
     def __init__(self, dim: int, heads: int, device: torch.device, dtype: torch.dtype):
-        super().__init__()
+        super().__init__({"q_proj": dim, "k_proj": dim, "v_proj": dim}, dim, bias=True, device=device, dtype=dtype)
         self.heads, self.head_dim = heads, dim // heads
-        self.q_proj = nn.Linear(dim, dim, device=device, dtype=dtype)
-        self.k_proj = nn.Linear(dim, dim, device=device, dtype=dtype)
-        self.v_proj = nn.Linear(dim, dim, device=device, dtype=dtype)
         self.out_proj = nn.Linear(dim, dim, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, groups: list[TokenGroup]) -> torch.Tensor:
         """x [N, dim] packed tokens -> [N, dim]; each image attends to its own tokens only."""
         shape = (-1, self.heads, self.head_dim)
-        q, k, v = (p(x).view(shape) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (t.view(shape) for t in self.project(x))
         outs = []
         for g in groups:
             rows = slice(g.start, g.start + g.images * g.tokens)
@@ -82,23 +85,13 @@ class _Attention(nn.Module):
         return self.out_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
-class _Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int, device: torch.device, dtype: torch.dtype):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden, device=device, dtype=dtype)
-        self.fc2 = nn.Linear(hidden, dim, device=device, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))  # gelu_pytorch_tanh
-
-
 class _EncoderLayer(nn.Module):
     def __init__(self, dim: int, heads: int, mlp: int, device: torch.device, dtype: torch.dtype):
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(dim, eps=LN_EPS, device=device, dtype=dtype)
         self.self_attn = _Attention(dim, heads, device, dtype)
         self.layer_norm2 = nn.LayerNorm(dim, eps=LN_EPS, device=device, dtype=dtype)
-        self.mlp = _Mlp(dim, mlp, device, dtype)
+        self.mlp = Mlp(dim, mlp, "tanh", device=device, dtype=dtype)  # gelu_pytorch_tanh
 
     def forward(self, x: torch.Tensor, groups: list[TokenGroup]) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x), groups)
@@ -133,16 +126,6 @@ class _VisionModel(nn.Module):
     def __init__(self, vision_model: _VisionTransformer):
         super().__init__()
         self.vision_model = vision_model
-
-
-class _Connector(nn.Module):
-    def __init__(self, dim: int, llm_hidden: int, device: torch.device, dtype: torch.dtype):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, llm_hidden, device=device, dtype=dtype)
-        self.fc2 = nn.Linear(llm_hidden, llm_hidden, device=device, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
 class _PositionTable(nn.Module):
@@ -195,8 +178,9 @@ class SiglipNaViT(StatelessNode):
         dev, dt = spec.device, spec.dtype
         self.vit_model = _VisionModel(_VisionTransformer(
             layers, dim, heads, mlp, 3 * self.patch**2, self.side**2, dev, dt))
-        self.connector = _Connector(dim, self.llm_hidden, dev, dt)
+        self.connector = Mlp(dim, self.llm_hidden, "tanh", out=self.llm_hidden, device=dev, dtype=dt)
         self.vit_pos_embed = _PositionTable(self.side, self.llm_hidden, dev, dt)
+        seeded_init_(self, spec.name)  # the `init` source's weights (the sin-cos buffer is kept)
 
     # ------------------------------------------------------------------ host side
     def pack(self, images: list[torch.Tensor]) -> Packed:

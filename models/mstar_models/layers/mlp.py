@@ -6,7 +6,8 @@ this rank's intermediate features, and the output is all-reduced over `group` (N
 SiLU(gate) * up is `mstar_runtime.ops.fused.silu_mul` (one kernel on a GPU).
 
 `Mlp` is `fc1`, GELU (exact, or tanh-approximated as SigLIP's `gelu_pytorch_tanh`), `fc2`,
-both with bias: the MLP of the timm / SigLIP / Whisper-style encoder blocks.
+both with bias: the MLP of the timm / SigLIP / Whisper-style encoder blocks (V-JEPA 2's,
+BAGEL's SigLIP) and of BAGEL's ViT-to-LLM connector (`out`: fc2's width when not `dim`).
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ class GatedMLP(FusedRows):
 
 
 class Mlp(nn.Module):
-    """fc2(gelu(fc1 x)); `approximate` is F.gelu's ("none" or "tanh")."""
+    """fc2(gelu(fc1 x)): dim -> hidden -> out (dim unless given); `approximate` is F.gelu's ("none" or "tanh")."""
 
-    def __init__(self, dim: int, hidden: int, approximate: str = "none", **factory: Any):
+    def __init__(self, dim: int, hidden: int, approximate: str = "none", out: int | None = None, **factory: Any):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden, **factory)
-        self.fc2 = nn.Linear(hidden, dim, **factory)
+        self.fc2 = nn.Linear(hidden, dim if out is None else out, **factory)
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -117,7 +117,7 @@ def _flow(model: I.ModelIR) -> nx.MultiDiGraph:
     ids: dict[int, str] = {}  # id(region object) -> its vertex: emits and accs compare equal by value
     for walk in model.walks.values():
         _Structure(g, walk, ids).run()
-    # KV contexts a transition keeps (chat -> t2i keep llm@gen) enter the target walk where
+    # KV contexts a transition keeps (chat -> draw keep llm@gen) enter the target walk where
     # the source walk left them: one transition deep, from each walk's own final state.
     runs = {w: _Dataflow(model, walk, ids, g).run({}) for w, walk in model.walks.items()}
     into: dict[str, list[I.TransitionIR]] = {}

@@ -31,7 +31,7 @@ x_1 (what the velocities moved): max |diff| <= 2e-5 x max |displacement| (measur
 wrong routing, mask or position by more. Tokens must be equal: M* streams up to max_length of
 them, the official generate_text returns max_length - 1 (its first slot is the start token).
 M* also stops on <|vision_start|> (the model asking for an image; the chat walk then
-continues as t2i), where the official decode goes on: the prompts here were chosen so that
+continues as draw), where the official decode goes on: the prompts here were chosen so that
 neither reply holds one, and a test failing on it says so.
 """
 

@@ -280,9 +280,9 @@ def test_chat_without_an_image(client: openai.OpenAI, server: Server) -> None:
 
 
 def test_a_reply_that_opens_an_image_is_still_a_reply(client: openai.OpenAI, server: Server) -> None:
-    """A chat reply that ends in <|vision_start|> moves on to `t2i` (the walk's transition),
-    with t2i's defaults, which the tiny plan cannot hold: the request fails after the reply
-    is complete. The chat route answers the reply (finish reason "stop"), not that failure."""
+    """A chat reply that ends in <|vision_start|> moves on to `draw` (the walk's transition),
+    with draw's defaults: the request goes on after the reply is complete. The chat route
+    answers the reply (finish reason "stop"), whatever that walk does."""
     for prompt in ("hi", "draw a cat", "a", "b c d", "an image please"):
         status, raw = post(server.base + "/v1/walks/chat", {"inputs": {"prompt": prompt}, "stream": False})
         if status != 200 or json.loads(raw)["outputs"].get("image_start") is True:

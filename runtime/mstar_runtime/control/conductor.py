@@ -1187,7 +1187,12 @@ class Conductor:
                     req.homes.pop((node, tag), None)
                     self.tp.forget(req.id, node, tag)
         program = self.plan.walk(t["dst"])
-        carried = {**req.current_inputs, **{k: v for k, v in req.outputs.items() if not isinstance(v, list)}}
+        # An appended output is handed on whole (BAGEL's draw takes chat's reply `text`); the
+        # request's result keeps its items, joined when the request ends.
+        whole = {out["name"]: (concat(v) if (v := req.outputs.get(out["name"])) else _empty(out["type"]))
+                 for out in self.plan.walk(t["src"])["outputs"] if out["mode"] == "append"}
+        carried = {**req.current_inputs,
+                   **{k: v for k, v in req.outputs.items() if not isinstance(v, list)}, **whole}
         inputs = validate_inputs(t["dst"], program, {p["name"]: carried[p["name"]] for p in program["inputs"]
                                                      if p["name"] in carried})
         req.current_walk, req.current_inputs = t["dst"], inputs

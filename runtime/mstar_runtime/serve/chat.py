@@ -33,7 +33,7 @@ chunk per text piece, then one chunk with the finish reason, then (with
 response starts only once the first token exists, so a request that fails before that
 still gets its 4xx; a failure later ends the stream with a chunk whose finish reason is the
 engine's (`error`, `timeout`, `shutdown`) and an `error` event. A failure that comes after
-the served walk ended, in the walk a transition moved on to (BAGEL's chat -> t2i for a
+the served walk ended, in the walk a transition moved on to (BAGEL's chat -> draw for a
 reply that opens an image), is not the reply's: the reply ends there ("stop") and the
 failure is logged.
 
@@ -487,7 +487,7 @@ async def _whole(flight: Flight, reply: Reply, rid: str, model: str) -> Any:
 
 def after_the_reply(flight: Flight, e: RequestFailed) -> bool:
     """Whether `e` came after the served walk had ended: the walk moved on through a transition
-    (BAGEL's chat -> t2i, for a reply that opens an image) and that walk failed. The reply is
+    (BAGEL's chat -> draw, for a reply that opens an image) and that walk failed. The reply is
     then complete; the failure is logged, not answered. Cancellations, timeouts and shutdowns
     are the request's, whenever they happen."""
     if e.finish_reason != "error" or flight.walk not in flight.handle.summary()["walks"]:

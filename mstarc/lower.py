@@ -17,7 +17,13 @@ import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 
-from mstar_runtime.plan.check import MAX_CHUNK_ITEMS, POLICY_OPTIONAL, POLICY_PARAMS, policy_param_min
+from mstar_runtime.plan.check import (
+    MAX_CHUNK_ITEMS,
+    MAX_LOOP_BOUND,
+    POLICY_OPTIONAL,
+    POLICY_PARAMS,
+    policy_param_min,
+)
 from mstarc import archs, ast, graph
 from mstarc import ir as I
 from mstarc.config import CheckpointConfig, EvalError, ValueBudget, evaluate, resolve_variant
@@ -153,8 +159,7 @@ class _Lowerer:
                 continue
             phases[ph.name.name] = I.PhaseIR(ph.name.name, tuple(i.name for i in ph.inputs),
                                              tuple(o.name for o in ph.outputs), ph.span,
-                                             tuple(I.ReadIR(r.node.name, r.tag.name if r.tag else None, r.span)
-                                                   for r in ph.reads))
+                                             self.reads(n.name.name, ph))
         settings = self.settings(n)
         tags, tag_max_len = self.tags(n, engine)
         dtype = settings.get("dtype", self.config.get("dtype", "bf16"))
@@ -168,6 +173,21 @@ class _Lowerer:
         impl_settings = self.impl_args(n, settings)
         return I.NodeIR(n.name.name, engine, impl, ins, outs, phases, tags, settings,
                         arch_name, arch_args, spec, str(dtype), n.span, tag_max_len, impl_settings)
+
+    def reads(self, node: str, ph: ast.Phase) -> tuple[I.ReadIR, ...]:
+        """A phase's `reads` list, each context once: a second `reads vlm, vlm` is E010. (Two
+        entries that name the same context only through the call's tag, `reads vlm@main, vlm`,
+        are found at the call that gives the tag: verify's `call_reads`.)"""
+        out: list[I.ReadIR] = []
+        for r in ph.reads:
+            read = I.ReadIR(r.node.name, r.tag.name if r.tag else None, r.span)
+            if any((o.node, o.tag) == (read.node, read.tag) for o in out):
+                shown = read.node + (f"@{read.tag}" if read.tag else "")
+                self.sink.error("E010", f"phase '{node}.{ph.name.name}' reads {shown} twice", r.span,
+                                "list each context once")
+                continue
+            out.append(read)
+        return tuple(out)
 
     def settings(self, n: ast.Node) -> dict[str, I.ConfigValue]:
         """The node body's settings: each one the compiler or the runtime reads (mstarc/settings.py)."""
@@ -228,6 +248,7 @@ class _Lowerer:
                 self.sink.error("E010", f"tag '{t.name}' is listed twice", t.span)
         bounds: dict[str, int] = {}
         for t, args in zip(n.tags.names, n.tags.args or ((),) * len(n.tags.names)):
+            given: set[str] = set()
             for a in args:
                 key = a.name.name if a.name is not None else None
                 spec = TAG_ARGS.get(key or "")
@@ -236,6 +257,10 @@ class _Lowerer:
                     self.sink.error("E026", f"tag '{t.name}' has no setting {what}", a.span,
                                     f"a tag takes {', '.join(f'{k} = N' for k in TAG_ARGS)}")
                     continue
+                if key in given:  # `cross(max_len = 8, max_len = 9)`: which one was meant?
+                    self.sink.error("E010", f"setting '{key}' of tag '{t.name}' is given twice", a.name.span)
+                    continue
+                given.add(key)
                 v = self.value(a.value)
                 problem = setting_problem(spec, v) if v is not None else None
                 if problem is not None:
@@ -435,6 +460,9 @@ class _WalkLowerer:
             spans[key] = st.span
             if key == "n" and not dynamic:
                 count = self.operand(st.value)
+                if isinstance(count, I.Const) and isinstance(count.value, int) and count.value > MAX_LOOP_BOUND:
+                    self.p.sink.error("E040", f"loop count {count.value} is over the bound of {MAX_LOOP_BOUND} "
+                                      "iterations", st.value.span, "a loop runs at most that many times")
             elif key == "max":
                 if _mentions(st.value, self.scope):
                     self.p.sink.error("E040", f"{s.kind} max must be a config value (a static bound), not a walk value",
@@ -444,6 +472,10 @@ class _WalkLowerer:
                     if max_ is not None and max_ < 0:
                         self.p.sink.error("E040", f"{s.kind} max must be a non-negative integer, got {max_}",
                                           st.value.span, "max is the most iterations the loop may run")
+                        max_ = None
+                    elif max_ is not None and max_ > MAX_LOOP_BOUND:  # the plan schema's range (plan/check.py)
+                        self.p.sink.error("E040", f"{s.kind} max {max_} is over the bound of {MAX_LOOP_BOUND} "
+                                          "iterations", st.value.span, "max is the most iterations the loop may run")
                         max_ = None
             else:
                 allowed = "max=" if dynamic else "n= and max="

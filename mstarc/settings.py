@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from mstar_runtime.plan.check import MAX_STREAM_ITEMS
 from mstarc import ir as I
 
 
@@ -21,6 +22,7 @@ from mstarc import ir as I
 class SettingSpec:
     kind: str  # "positive_int" | "bool" | "str" | "dtype"
     reader: str  # who reads it (docs/walk-language.md lists the same)
+    hi: int | None = None  # the largest value of a positive_int the plan can hold (plan/check.py)
 
 
 NODE_SETTINGS: dict[str, SettingSpec] = {
@@ -29,7 +31,7 @@ NODE_SETTINGS: dict[str, SettingSpec] = {
     "max_prefill_tokens": SettingSpec("positive_int", "memory, the runtime's conductor"),
     "cuda_graphs": SettingSpec("bool", "cuda-graphs, memory"),
     "graph_max_tokens": SettingSpec("positive_int", "cuda-graphs, memory (the plan's buckets)"),
-    "stream_capacity": SettingSpec("positive_int", "streams"),
+    "stream_capacity": SettingSpec("positive_int", "streams", hi=MAX_STREAM_ITEMS),
     "max_batch": SettingSpec("positive_int", "the runtime's conductor"),
     "checkpoint_subdir": SettingSpec("str", "the runtime's weight loader"),
 }
@@ -46,7 +48,11 @@ def setting_problem(spec: SettingSpec, value: I.ConfigValue) -> str | None:
           "bool": lambda v: isinstance(v, bool),
           "str": lambda v: isinstance(v, str),
           "dtype": lambda v: v in I.DTYPE_BYTES}[spec.kind](value)
-    return None if ok else f"must be {_KIND_WORDS[spec.kind]}"
+    if not ok:
+        return f"must be {_KIND_WORDS[spec.kind]}"
+    if spec.hi is not None and isinstance(value, int) and value > spec.hi:
+        return f"must be at most {spec.hi} (the plan's bound)"
+    return None
 
 
 def closest(name: str, known: list[str]) -> str | None:

@@ -102,6 +102,10 @@ def _check_read(model: I.ModelIR, node: I.NodeIR, ph: I.PhaseIR, r: I.ReadIR, si
                    "dtype must agree")
 
 
+def _read_text(r: I.ReadIR) -> str:
+    return r.node + (f"@{r.tag}" if r.tag is not None else "")
+
+
 def _kv_layout(node: I.NodeIR) -> tuple[int, int, int, str] | None:
     kv = node.arch.kv if node.arch is not None else None
     return (kv.layers, kv.kv_heads, kv.head_dim, node.dtype) if kv is not None else None
@@ -321,10 +325,18 @@ class _WalkChecker:
         if node.engine != "kv":
             return
         tag = node.tag_of(c.tag)
+        seen: dict[str, I.ReadIR] = {}
         for r in phase.reads:
             owner = self.m.nodes.get(r.node)
             if owner is None or owner.engine != "kv":
                 continue  # reported with the phase
+            key = r.resolve(tag)
+            if key in seen:  # `reads vlm@main, vlm` called @main: one context listed twice
+                self.sink.error("E010", f"'{c.node}.{c.phase}' @{tag} reads {key} twice (`reads "
+                                f"{_read_text(seen[key])}, {_read_text(r)}`)", c.tag_span,
+                                f"list {key} once in the phase's reads")
+                continue
+            seen[key] = r
             if r.tag is None and tag not in owner.tags:
                 self.sink.error("E016", f"'{c.node}.{c.phase}' @{tag} reads {r.node}@{tag}, but '{r.node}' has no "
                                 f"KV tag '{tag}'", c.tag_span, _known("tags", owner.tags))
@@ -369,14 +381,15 @@ class _WalkChecker:
             self.sink.error("E040", "loop has no bound", lp.span, "add n=N: a Loop has a fixed trip count")
         elif isinstance(lp.count, I.Var):
             info = self.use(lp.count, env)
-            if info is not None and info.type != INT:
+            if info is not None and info.type not in (INT, ANY):
                 self.sink.error("E040", f"loop count '{lp.count.name}' is {info.type}, not int", lp.count.span)
             elif info is not None and lp.max is None:
                 self.sink.error("E040", f"loop count '{lp.count.name}' comes from the request but the loop has no max",
                                 lp.count.span, "add max=N so that the loop stays bounded")
         elif isinstance(lp.count, I.Const) and (isinstance(lp.count.value, bool) or not isinstance(lp.count.value, int)
                                                  or lp.count.value < 0):
-            self.sink.error("E040", f"loop count must be a non-negative integer, got {lp.count.value!r}", lp.count.span)
+            self.sink.error("E040", f"loop count must be a non-negative integer, got {_shown(lp.count.value)}",
+                            lp.count.span)
         for name in lp.carry:
             if name not in env:
                 self.sink.error("E034", f"carried value '{name}' is not bound before the {kind}", lp.span)
@@ -480,7 +493,9 @@ def _shown(value: I.ConfigValue) -> str:
 
 
 def _is_bool(t: I.ValueType) -> bool:
-    return t.kind == "bool" or (t.kind == "tensor" and t.dtype == "bool")
+    """A flag's type; ANY (a value whose producer was already reported) passes, so one error
+    is not reported twice."""
+    return t == ANY or t.kind == "bool" or (t.kind == "tensor" and t.dtype == "bool")
 
 
 def _default_fits(value: I.ConfigValue, t: I.ValueType) -> bool:
@@ -627,7 +642,11 @@ def _check_stream_cycles(model: I.ModelIR, flow: nx.MultiDiGraph, sink: Diagnost
 
 def _check_reads_written(model: I.ModelIR, flow: nx.MultiDiGraph, sink: DiagnosticSink) -> None:
     """Every context a step reads is written by a step before it (or kept by a transition):
-    a read with no `read` edge into the call would attend to nothing."""
+    a read with no `read` edge into the call would attend to nothing. A write counts only
+    when it is sure to come first: not a later step of the reader's own loop body (its
+    `read` edge is a back edge, so the first iteration would attend to nothing), and not a
+    step inside an `on stream` block that does not hold the reader (the block runs beside
+    the rest of the walk, so the read may come before any chunk arrived)."""
     for v, d in flow.nodes(data=True):
         if d["kind"] != "call":
             continue
@@ -636,7 +655,10 @@ def _check_reads_written(model: I.ModelIR, flow: nx.MultiDiGraph, sink: Diagnost
         phase = node.phases.get(c.phase) if node is not None else None
         if phase is None or not phase.reads or node.engine != "kv":
             continue
-        got = {k for _, _, k in flow.in_edges(v, keys=True)}
+        writes: dict[str, list[tuple[str, bool]]] = {}  # read key -> (writer vertex, back) of its edges
+        for u, _, k, e in flow.in_edges(v, keys=True, data=True):
+            if k.startswith("read:"):
+                writes.setdefault(k, []).append((flow.nodes[u]["origin"], bool(e.get("back"))))
         own = node.tag_of(c.tag)
         for r in phase.reads:
             key = r.resolve(own)
@@ -644,10 +666,51 @@ def _check_reads_written(model: I.ModelIR, flow: nx.MultiDiGraph, sink: Diagnost
             if owner is None or owner.engine != "kv" or key.split("@", 1)[1] not in owner.tags \
                     or key == f"{c.node}@{own}":
                 continue  # reported as E012, E039 or E016
-            if f"read:{key}" not in got:
+            found = writes.get(f"read:{key}", [])
+            if not found:
                 sink.error("E039", f"'{c.node}.{c.phase}' reads {key}, which no step of walk '{d['walk']}' writes "
                            "before it", c.span, f"call {r.node} on that tag first (a prefill), or keep the context "
                            "from another walk with a transition")
+                continue
+            beside = [w for w, back in found if not back and not _ordered_before(flow, w, v)]
+            if any(not back and _ordered_before(flow, w, v) for w, back in found):
+                continue
+            if beside:
+                sink.error("E039", f"'{c.node}.{c.phase}' reads {key}, which only an `on stream` block writes "
+                           f"before it; the block runs beside the rest of walk '{d['walk']}', so the read may come "
+                           "before the context holds anything", c.span,
+                           f"write {key} in the main body before the read, or read it inside that block")
+            else:
+                sink.error("E039", f"'{c.node}.{c.phase}' reads {key}, which only a later step of its loop body "
+                           "writes: the first iteration would read an empty context", c.span,
+                           f"write {key} before the loop, or move the write before the read in the body")
+
+
+def _ordered_before(flow: nx.MultiDiGraph, writer: str, reader: str) -> bool:
+    """A (non-back) write reaches the reader in order: it is in another walk (a context a
+    transition kept), or not inside an `on stream` block, or inside a block that also
+    holds the reader (the block's steps run in order for each chunk)."""
+    if writer not in flow or flow.nodes[writer]["walk"] != flow.nodes[reader]["walk"]:
+        return True
+    block = _enclosing_block(flow, writer)
+    if block is None:
+        return True
+    up = flow.nodes[reader].get("parent")
+    while up is not None:
+        if up == block:
+            return True
+        up = flow.nodes[up]["parent"]
+    return False
+
+
+def _enclosing_block(flow: nx.MultiDiGraph, vid: str) -> str | None:
+    """The innermost `on stream` block holding statement `vid`, or None."""
+    up = flow.nodes[vid].get("parent")
+    while up is not None:
+        if flow.nodes[up]["kind"] == "on_stream":
+            return up
+        up = flow.nodes[up]["parent"]
+    return None
 
 
 def _in_block(flow: nx.MultiDiGraph, vid: str) -> bool:

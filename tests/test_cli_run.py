@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
 import stat
 import subprocess
 import sys
+import threading
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from mstar_runtime import cli
 from mstar_runtime.api import MStar
 from mstar_runtime.cli import main, parse_text
 from mstar_runtime.ops.node import RequestError
@@ -415,3 +418,77 @@ def test_example_orpheus_requests_file(tmp_path: Path) -> None:
     for rid in ("tara", "leo", "mia"):
         params, pcm = read_wav(tmp_path / f"{rid}.audio.wav")
         assert params.framerate == 24000 and pcm.numel() > 0
+
+
+# ----------------------------------------------------------------------------- batch file reading
+class _Recording(io.BytesIO):
+    """A file that remembers the longest piece any one read returned."""
+
+    longest = 0
+
+    def readline(self, size: int | None = -1) -> bytes:  # type: ignore[override]
+        got = super().readline(size)
+        self.longest = max(self.longest, len(got))
+        return got
+
+    def read(self, size: int | None = -1) -> bytes:
+        got = super().read(size)
+        self.longest = max(self.longest, len(got))
+        return got
+
+
+def test_request_lines_reads_one_bounded_line_at_a_time() -> None:
+    good = b'{"walk": "chat", "inputs": {"prompt": "a\\u2028b"}}'
+    raw = b"\n".join([good, b"", b"x" * 5_000, b"   ", b"\xff\xfe", good.replace(b"\\u2028", "\u2028".encode()),
+                      b"y" * 100]) + b"\r\n"
+    f = _Recording(raw)
+    got = list(cli.request_lines(f, max_bytes=100))
+    assert f.longest <= 102  # never the whole file, nor the long line
+    numbers = [n for n, _ in got]
+    assert numbers == [1, 3, 5, 6, 7]  # blank lines are skipped, but counted
+    assert got[0][1] == good.decode()
+    assert isinstance(got[1][1], RequestError) and "longer than 100 bytes, the limit for one" in str(got[1][1])
+    assert isinstance(got[2][1], RequestError) and "not UTF-8 (byte 1)" in str(got[2][1])
+    assert got[3][1] == good.decode().replace("\\u2028", "\u2028")  # a U+2028 does not end a line
+    assert got[4][1] == "y" * 100  # exactly at the limit, before its "\r\n"
+
+
+def test_a_long_or_undecodable_batch_line_fails_alone(testfamily_plan: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    ok = [json.dumps({"id": f"c{i}", "walk": "chat", "inputs": {"prompt": f"hi {i}", "max_new": 2}}).encode()
+          for i in range(2)]
+    long = json.dumps({"id": "long", "walk": "chat", "inputs": {"prompt": "z" * 400, "max_new": 2}}).encode()
+    requests = tmp_path / "r.jsonl"
+    requests.write_bytes(b"\n".join([ok[0], long, b"\xc3(", ok[1]]) + b"\n")
+    monkeypatch.setattr(cli, "MAX_BATCH_LINE_BYTES", 200)
+    assert main([str(testfamily_plan), "--requests", str(requests), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert (summary["requests"], summary["finished"], summary["failed"]) == (4, 2, 2)
+    failures = {f["line"]: f["error"] for f in summary["failures"]}
+    assert len(long) > 200
+    assert failures == {2: "the line is longer than 200 bytes, the limit for one request",
+                        3: "the line is not UTF-8 (byte 1)"}
+    assert "line 2 (id 'line-2'): the line is" in err and "Traceback" not in err
+    assert json.loads((tmp_path / "o" / "line-2.json").read_text())["state"] == "failed"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_a_batch_from_a_pipe(testfamily_plan: Path, tmp_path: Path) -> None:
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    lines = "".join(json.dumps({"walk": "chat", "inputs": {"prompt": f"hi {i}", "max_new": 2}}) + "\n" for i in range(3))
+    writer = threading.Thread(target=pipe.write_text, args=(lines,), daemon=True)
+    writer.start()
+    assert main([str(testfamily_plan), "--requests", str(pipe), "--out", str(tmp_path / "o")]) == 0
+    writer.join(30)
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["finished"] == 3
+
+
+def test_open_requests_refuses_what_has_no_lines_to_end(tmp_path: Path) -> None:
+    with pytest.raises(cli.UserError, match="cannot read requests file .*: Is a directory"):
+        cli.open_requests(str(tmp_path))
+    if Path("/dev/zero").exists():  # endless: each line would be read past forever
+        with pytest.raises(cli.UserError, match="'/dev/zero': not a regular file or a pipe"):
+            cli.open_requests("/dev/zero")

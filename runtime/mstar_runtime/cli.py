@@ -9,7 +9,8 @@ PNG, text, JSON, safetensors, plus `<id>.json`). Batch reads one JSON object per
 `{"id": optional, "walk": "...", "inputs": {...}}`, and runs them all concurrently through
 one engine, so the conductor batches their steps; a malformed line or a bad request fails
 that request only (reported with its line number, and an `<id>.json` record), never the
-batch. A summary (throughput, steps, mean batch size, wasted speculative steps,
+batch. The file is read a line at a time (`request_lines`; a line over 64 MiB fails alone),
+so a batch of any length takes the memory of the requests in flight only. A summary (throughput, steps, mean batch size, wasted speculative steps,
 preemptions) ends the run and is saved as `summary.json`. Serve: docs/serving.md.
 
 Each mode is a plain function too, for callers without a command line (a launcher):
@@ -25,14 +26,16 @@ traceback for a user error); 2 for bad usage; 3 for an internal error (`cli_supp
 from __future__ import annotations
 
 import json
+import os
 import queue
+import stat
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import click
 import torch
@@ -249,22 +252,70 @@ def parse_line(plan: Plan, line: int, text: str) -> BatchLine:
     return item
 
 
-def read_lines(path: str) -> list[tuple[int, str]]:
-    """(line number, text) of every non-blank line."""
+MAX_BATCH_LINE_BYTES = 64 << 20  # one request a line, bounded like a request body of the server
+
+
+def open_requests(path: str) -> BinaryIO:
+    """The batch file, opened for reading: a regular file or a pipe (`--requests /dev/stdin`),
+    not a directory or a device, which has no lines to end. Raises `UserError`."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        f = open(path, "rb")  # noqa: SIM115 - returned open; the caller closes it
     except FileNotFoundError:
         raise UserError(f"requests file '{path}' does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read requests file '{path}': {e}") from None
-    return [(n, t) for n, t in enumerate(text.splitlines(), 1) if t.strip()]
+    except OSError as e:
+        raise UserError(f"cannot read requests file '{path}': {e.strerror or e}") from None
+    mode = os.fstat(f.fileno()).st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or f.isatty()):
+        f.close()
+        raise UserError(f"cannot read requests file '{path}': not a regular file or a pipe")
+    return f
+
+
+def request_lines(f: BinaryIO, max_bytes: int = MAX_BATCH_LINE_BYTES) -> Iterator[tuple[int, str | RequestError]]:
+    """(line number, text) of every non-blank line of `f`, read one line at a time, so a batch
+    of any length holds one line in memory. A line over `max_bytes` bytes (its "\n" or "\r\n"
+    not counted) is read past in pieces of that size and comes as a `RequestError` instead of
+    its text, as does a line that is not UTF-8. Lines end at a newline only (a U+2028 in a
+    JSON string is text)."""
+    number = 0
+    while True:
+        chunk = f.readline(max_bytes + 2)  # the line and its "\r\n"
+        if not chunk:
+            return
+        number += 1
+        ended = chunk.endswith(b"\n")
+        body = chunk[:-1] if ended else chunk
+        if ended and body.endswith(b"\r"):
+            body = body[:-1]
+        if len(body) > max_bytes:
+            while not ended:  # the rest of the line, read past in pieces of the same bound
+                part = f.readline(max_bytes + 2)
+                ended = not part or part.endswith(b"\n")
+            yield number, RequestError(f"the line is longer than {max_bytes} bytes, the limit for one request")
+            continue
+        if not body.strip():
+            continue
+        try:
+            yield number, body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield number, RequestError(f"the line is not UTF-8 (byte {e.start + 1})")
+
+
+def count_requests(f: BinaryIO, max_bytes: int = MAX_BATCH_LINE_BYTES) -> int | None:
+    """How many requests (non-blank lines) a batch file holds, for the progress bar, read line by
+    line and rewound; None for a pipe, which can be read only once."""
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        return None
+    n = sum(1 for _ in request_lines(f, max_bytes))
+    f.seek(0)
+    return n
 
 
 class BatchRun:
     """Submits a batch file's requests (at most `window` in flight), collects them as they
     end, writes their files, keeps the counts."""
 
-    def __init__(self, m: MStar, out: Path, total: int):
+    def __init__(self, m: MStar, out: Path, total: int | None):
         self.m, self.out = m, out
         self.done: queue.Queue[RequestHandle] = queue.Queue()  # filled by done callbacks (engine thread)
         self.line_of: dict[str, int] = {}
@@ -334,29 +385,37 @@ class BatchRun:
 
 def batch(m: MStar, requests: str | PathLike[str], out: str | PathLike[str]) -> int:
     """Run every request of the JSONL file `requests` concurrently, writing their files and
-    `summary.json` to `out`. Exit status: 0 when all finished, 1 when any failed; a file that
-    cannot be read raises `UserError`."""
+    `summary.json` to `out`. The file is read a line at a time as requests are submitted (at
+    most `BatchRun.window` in flight), each line at most `MAX_BATCH_LINE_BYTES`. Exit status: 0
+    when all finished, 1 when any failed (a line too long or not UTF-8 fails alone); a file
+    that cannot be opened raises `UserError`."""
     out = Path(out)
-    lines = read_lines(str(requests))
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    run = BatchRun(m, out, len(lines))
-    seen: dict[str, int] = {}
-    try:
-        for number, text in lines:
-            run.submit(parse_line(m.plan, number, text), seen)
-        while run.in_flight:
-            run.collect(block=True)
-    finally:
-        run.bar.close()
+    with open_requests(str(requests)) as f:
+        limit = MAX_BATCH_LINE_BYTES  # read here, so that a test can lower it
+        total = count_requests(f, limit)
+        out.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        run = BatchRun(m, out, total)
+        seen: dict[str, int] = {}
+        count = 0
+        try:
+            for number, text in request_lines(f, limit):
+                count += 1
+                item = (BatchLine(number, f"line-{number}", error=text) if isinstance(text, RequestError)
+                        else parse_line(m.plan, number, text))
+                run.submit(item, seen)
+            while run.in_flight:
+                run.collect(block=True)
+        finally:
+            run.bar.close()
     wall = time.perf_counter() - t0
     st = m.stats()
     summary = {
-        "requests": len(lines),
+        "requests": count,
         "finished": run.finished,
         "failed": len(run.failures),
         "wall_s": round(wall, 3),
-        "requests_per_s": round(len(lines) / wall, 2) if wall > 0 else 0.0,
+        "requests_per_s": round(count / wall, 2) if wall > 0 else 0.0,
         "steps": int(st["steps"]),
         "mean_batch": round(st["mean_batch"], 2),
         "wasted_steps": int(st["wasted_steps"]),
@@ -608,9 +667,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(command, PROG, argv)
 
 
-__all__ = ["BatchLine", "BatchRun", "EngineOptions", "UserError", "batch", "cli_inputs", "command", "main",
-           "one_shot", "parse_json_value", "parse_line", "parse_text", "read_lines", "run_requests", "run_server",
-           "run_walk", "split_pairs", "start_engine"]
+__all__ = ["MAX_BATCH_LINE_BYTES", "BatchLine", "BatchRun", "EngineOptions", "UserError", "batch", "cli_inputs",
+           "command", "count_requests", "main", "one_shot", "open_requests", "parse_json_value", "parse_line",
+           "parse_text", "request_lines", "run_requests", "run_server", "run_walk", "split_pairs", "start_engine"]
 
 
 if __name__ == "__main__":

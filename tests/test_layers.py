@@ -89,6 +89,28 @@ def test_fused_rows_are_the_parts_through_loading_and_conversion() -> None:
     assert s.stacked[1].eq(7.0).all()
 
 
+def test_fused_rows_with_some_biases_add_none_to_the_others() -> None:
+    # Whisper's q/k/v: q and v have a bias, k has none (and no `k_proj.bias` in the checkpoint)
+    m = FusedRows({"q_proj": 2, "k_proj": 2, "v_proj": 2}, 3, bias=("q_proj", "v_proj"))
+    assert [k for k, _ in m.named_parameters()] == ["q_proj.weight", "q_proj.bias", "k_proj.weight",
+                                                    "v_proj.weight", "v_proj.bias"]
+    with torch.device("meta"):
+        m = FusedRows({"q_proj": 2, "k_proj": 2, "v_proj": 2}, 3, bias=("q_proj", "v_proj"))
+    m = m.to_empty(device="cpu")  # undefined storage: the bias-less slice must still add nothing
+    with torch.no_grad():
+        for part in (m.q_proj, m.k_proj, m.v_proj):
+            part.weight.copy_(torch.eye(2, 3))
+        m.q_proj.bias.fill_(1.0)
+        m.v_proj.bias.fill_(2.0)
+    x = torch.randn(4, 3)
+    q, k, v = m.project(x)
+    torch.testing.assert_close(q, x[:, :2] + 1)
+    torch.testing.assert_close(k, x[:, :2])
+    torch.testing.assert_close(v, x[:, :2] + 2)
+    with pytest.raises(ValueError, match="o_proj"):
+        FusedRows({"q_proj": 2}, 3, bias=("o_proj",))
+
+
 def test_rotate_pairs_turns_dim_2k_with_2k_plus_1() -> None:
     x = torch.tensor([1.0, 2.0, 3.0, 4.0])
     assert rotate_pairs(x).tolist() == [-2.0, 1.0, -4.0, 3.0]

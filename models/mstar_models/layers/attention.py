@@ -8,7 +8,10 @@ over the paged pool on a GPU, the PyTorch paged path on the CPU), a cohort step'
 dense one (Qwen3-Omni's code predictor), so the module is pure tensor code a CUDA graph can
 capture.
 
-Tensor parallelism: built with this rank's heads and KV heads (`tp.MegatronLayout`), q/k/v
+`MultiHeadAttention` is the rotary-free kind with biases (Whisper): q/k/v fused, `out_proj`,
+and the queries or the keys and values alone for a cross-attention.
+
+Tensor parallelism (`Attention`): built with this rank's heads and KV heads (`tp.MegatronLayout`), q/k/v
 are column-parallel and `o_proj` row-parallel (all-reduced over `group`; None at tp 1).
 
 Experts (Mixture-of-Transformers, BAGEL): `experts` lists name suffixes, one full set of
@@ -23,6 +26,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from mstar_models.layers.linear import FusedRows, RowParallel
 from mstar_models.layers.norm import RMSNorm
@@ -67,3 +72,33 @@ class Attention(FusedRows):
         """x [N, hidden] with RoPE tables [N, 1, head_dim] -> the layer's attention output [N, hidden]
         (summed over the TP group)."""
         return self.out(attend(layer, *self.qkv(x, cos, sin)))
+
+
+class MultiHeadAttention(FusedRows):
+    """Multi-head attention without rotary positions (Whisper's encoder, decoder and cross-attention):
+    `q_proj`, `k_proj`, `v_proj` (one fused GEMM; the biases of the parts named in `bias`) and
+    `out_proj` with a bias, under the checkpoint's names. The attention itself is the caller's."""
+
+    def __init__(self, hidden: int, heads: int, *, bias: tuple[str, ...] = ("q_proj", "k_proj", "v_proj"),
+                 **factory: Any):
+        super().__init__({"q_proj": hidden, "k_proj": hidden, "v_proj": hidden}, hidden, bias=bias, **factory)
+        self.heads, self.head_dim = heads, hidden // heads
+        self.out_proj = nn.Linear(hidden, hidden, **factory)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., hidden] -> q, k, v [..., heads, head_dim]."""
+        shape = (*x.shape[:-1], self.heads, self.head_dim)
+        q, k, v = self.project(x)
+        return q.view(shape), k.view(shape), v.view(shape)
+
+    def q(self, x: torch.Tensor) -> torch.Tensor:
+        """The queries alone (a cross-attention step, whose keys and values were stored before)."""
+        return self.q_proj(x).view(*x.shape[:-1], self.heads, self.head_dim)
+
+    def kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values alone, from one GEMM over the k/v rows of the fused weight."""
+        rows = self.sizes[0]
+        fb = self.fused_bias
+        k, v = F.linear(x, self.fused_weight()[rows:], None if fb is None else fb[rows:]).split(self.sizes[1:], dim=-1)
+        shape = (*x.shape[:-1], self.heads, self.head_dim)
+        return k.reshape(shape), v.reshape(shape)

@@ -16,7 +16,7 @@ and the loader narrows each checkpoint tensor to this rank's part by the plan's 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -57,7 +57,8 @@ class RowParallel(Weight):
 class FusedRows(nn.Module):
     """Weights one matmul reads together: the children named in `parts` (each the checkpoint's
     `<part>.weight` [rows_i, cols], and `<part>.bias` with `bias`) are row slices of one buffer
-    `fused` [sum rows_i, cols], so loading fills the buffer and a step runs one GEMM where it
+    `fused` [sum rows_i, cols] (the biases of `bias`, all parts or the ones named, likewise
+    slices of `fused_bias`), so loading fills the buffer and a step runs one GEMM where it
     would run several (q/k/v, gate/up). At decode batch sizes a GEMM is a weight read plus a
     fixed cost, so fewer, larger GEMMs are faster (on an H200 the q/k/v and gate/up GEMMs of a
     3B Llama ran as separate split-K kernels well above the read floor).
@@ -66,10 +67,12 @@ class FusedRows(nn.Module):
     and `fused{key}_bias`), for checkpoints that keep two sets of projections under one
     module (BAGEL's `q_proj` and `q_proj_moe_gen`); `parts=None` starts with none."""
 
-    def __init__(self, parts: dict[str, int] | None = None, cols: int = 0, bias: bool = False, **factory: Any):
+    def __init__(self, parts: dict[str, int] | None = None, cols: int = 0, bias: bool | Collection[str] = False,
+                 **factory: Any):
         super().__init__()
         self._groups: dict[str, list[str]] = {}
         self._sizes: dict[str, list[int]] = {}
+        self._biased: dict[str, set[str]] = {}
         if parts is not None:
             self.fuse("", parts, cols, bias, **factory)
 
@@ -78,12 +81,18 @@ class FusedRows(nn.Module):
         """Rows of each part of the default group."""
         return self._sizes[""]
 
-    def fuse(self, key: str, parts: dict[str, int], cols: int, bias: bool = False, **factory: Any) -> None:
-        """Add the group `key`: children `parts` as row views of the buffer `fused{key}`."""
-        self._groups[key], self._sizes[key] = list(parts), list(parts.values())
+    def fuse(self, key: str, parts: dict[str, int], cols: int, bias: bool | Collection[str] = False,
+             **factory: Any) -> None:
+        """Add the group `key`: children `parts` as row views of the buffer `fused{key}`. `bias`
+        True gives every part a bias; a collection of part names only those (Whisper's k_proj has
+        none): the others' slices of the fused bias stay zero, so one GEMM still serves them all."""
+        biased = set(parts) if bias is True else set(bias or ())
+        if biased - set(parts):
+            raise ValueError(f"bias names parts that are not fused here: {sorted(biased - set(parts))}")
+        self._groups[key], self._sizes[key], self._biased[key] = list(parts), list(parts.values()), biased
         rows = sum(parts.values())
         self.register_buffer(f"fused{key}", torch.empty(rows, cols, **factory), persistent=False)
-        self.register_buffer(f"fused{key}_bias", torch.empty(rows, **factory) if bias else None, persistent=False)
+        self.register_buffer(f"fused{key}_bias", torch.zeros(rows, **factory) if biased else None, persistent=False)
         for name, (w, b) in zip(parts, self._views(key), strict=True):
             setattr(self, name, Weight(w, b))
 
@@ -95,7 +104,8 @@ class FusedRows(nn.Module):
         ws = self.fused_weight(key).split(self._sizes[key])
         fb = getattr(self, f"fused{key}_bias")
         bs = fb.split(self._sizes[key]) if fb is not None else [None] * len(ws)
-        return list(zip(ws, bs, strict=True))
+        biased = self._biased[key]
+        return [(w, b if name in biased else None) for name, w, b in zip(self._groups[key], ws, bs, strict=True)]
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FusedRows:
         # a conversion (.to, .to_empty) gives each parameter storage of its own: point them back
@@ -106,6 +116,13 @@ class FusedRows(nn.Module):
                 part.weight.data = w
                 if b is not None:
                     part.bias.data = b
+            fb = getattr(self, f"fused{key}_bias")
+            if fb is not None and len(self._biased[key]) < len(names):
+                # .to_empty leaves the bias-less parts' slices undefined: they must add nothing
+                with torch.no_grad():
+                    for name, b in zip(names, fb.split(self._sizes[key]), strict=True):
+                        if name not in self._biased[key]:
+                            b.zero_()
         return self
 
     def project(self, x: torch.Tensor, key: str = "") -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,119 @@
+"""Whisper's prompt and transcript as stateless nodes (tokenizer work, no weights).
+
+`Prompt.build(language, task, timestamps, prompt) -> (head, language, tail)`: the decoder
+prompt of transformers' `generate` split around the language token, which the decoder's
+`detect` phase fills in when none is given:
+
+    head = [<|startofprev|>, prompt tokens...] (only with a prompt) + [<|startoftranscript|>]
+    language = [the language's token], or [-1]: detect it
+    tail = [<|transcribe|> or <|translate|>] + [<|notimestamps|>] (only without timestamps)
+
+The prompt text is tokenized as transformers' `get_prompt_ids` does (" " + text.strip(),
+no special tokens) and keeps its last `max_text // 2 - 1` tokens (223), as openai-whisper
+does with the previous text. `language` is a code ("en"), a name ("english", any case) or
+"" (detect).
+
+`Transcript.finish(tokens, last, lang, duration) -> (text, language, segments)`: the
+generated tokens (those the loop fed back, then the `last`) as text (special tokens and timestamps dropped), the language's code, and the
+segments (tokens.segments) as a JSON list of {start, end, text, tokens}.
+
+Tokenizer: tokens.py (the checkpoint's `tokenizer.json`, else the byte-level fallback).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from mstar_models.whisper.tokens import (
+    LANGUAGE_BY_NAME,
+    LANGUAGE_CODES,
+    Layout,
+    byte_tokenizer,
+    checkpoint_tokenizer,
+    layout_of,
+    segments,
+    segments_json,
+)
+from mstar_runtime.ops.node import Batch, NodeSpec, RequestError, StatelessNode
+
+TASKS = ("transcribe", "translate")
+
+
+class _Tokenized(StatelessNode):
+    def __init__(self, spec: NodeSpec):
+        super().__init__(spec)
+        self.layout: Layout = layout_of(spec)
+        self.tokenizer: Tokenizer = byte_tokenizer(self.layout)
+        self.max_text = int(spec.config.get("target_positions", 448))
+
+    def on_weights(self, source: str) -> None:
+        """Called by the weights loader with the plan's weights source: use the checkpoint's tokenizer."""
+        tok = checkpoint_tokenizer(source)
+        if tok is not None:
+            self.tokenizer = tok
+
+
+def language_code(value: Any, layout: Layout) -> str:
+    """A request's language as a code of this vocabulary ("" for detect); a RequestError otherwise."""
+    if not isinstance(value, str):
+        raise RequestError(f"language must be a string, got {type(value).__name__}", "language")
+    lang = value.strip().lower()
+    if not lang:
+        return ""
+    code = LANGUAGE_BY_NAME.get(lang, lang)
+    if code not in LANGUAGE_CODES[: layout.languages]:
+        raise RequestError(f"unknown language {value!r}: give an ISO-639-1 code such as 'en' or a name such as "
+                           "'english', or leave it empty to detect it", "language")
+    return code
+
+
+class Prompt(_Tokenized):
+    """build(language: str, task: str, timestamps: bool, prompt: str) -> (head, language, tail)."""
+
+    def phase_build(self, batch: Batch) -> Batch:
+        lay = self.layout
+        out: Batch = []
+        for entry in batch:
+            code = language_code(entry.get("language", ""), lay)
+            task = entry.get("task")
+            if task not in TASKS:
+                raise RequestError(f"task must be one of {', '.join(TASKS)}, got {task!r}", "task")
+            timestamps = entry.get("timestamps")
+            if not isinstance(timestamps, bool):
+                raise RequestError(f"timestamps must be a bool, got {type(timestamps).__name__}", "timestamps")
+            text = entry.get("prompt", "")
+            if not isinstance(text, str):
+                raise RequestError(f"prompt must be a string, got {type(text).__name__}", "prompt")
+            head = [lay.sot]
+            if text.strip():
+                ids = self.tokenizer.encode(" " + text.strip(), add_special_tokens=False).ids
+                head = [lay.startofprev, *ids[-(self.max_text // 2 - 1):], lay.sot]
+            tail = [lay.task_token(task)] + ([] if timestamps else [lay.notimestamps])
+            # host tensors: the decoder checks them on the host and uploads them without a wait
+            out.append({"head": torch.tensor(head, dtype=torch.int32),
+                        "language": torch.tensor([lay.language_token(code) if code else -1], dtype=torch.int32),
+                        "tail": torch.tensor(tail, dtype=torch.int32)})
+        return out
+
+
+class Transcript(_Tokenized):
+    """finish(tokens: i32[N], last: i32[1], lang: i32[1], duration: float) -> (text, language, segments)."""
+
+    def phase_finish(self, batch: Batch) -> Batch:
+        out: Batch = []
+        for entry in batch:
+            parts = [entry.get("tokens"), entry.get("last")]
+            for port, t in zip(("tokens", "last"), parts):
+                if not isinstance(t, torch.Tensor) or t.dim() != 1:
+                    raise RequestError(f"{port} must be a 1-D tensor of token ids", port)
+            ids = [int(t) for p in parts for t in p.tolist()]
+            lang = entry.get("lang")
+            code = self.layout.language_of(int(lang.reshape(-1)[0])) if isinstance(lang, torch.Tensor) else ""
+            duration = float(entry.get("duration", 0.0))
+            text = self.tokenizer.decode([t for t in ids if t < self.layout.eot], skip_special_tokens=True)
+            out.append({"text": text, "language": code,
+                        "segments": segments_json(segments(ids, self.layout, self.tokenizer, duration))})
+        return out

@@ -65,14 +65,10 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def testfamily_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The test family's tiny plan on placements/cpu.yaml, compiled once per session."""
-    from mstarc.cli import main as mstarc
+    from support import compile_model
 
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path_factory.getbasetemp() / "testfamily-tiny.plan"
-    if not out.exists():
-        assert mstarc(["compile", str(root / "models/testfamily/testfamily.walk"), "--variant", "tiny",
-                       "-p", str(root / "placements/cpu.yaml"), "-o", str(out)]) == 0
-    return out
+    return out if out.exists() else compile_model(out, "testfamily")
 
 
 @pytest.fixture(scope="module")

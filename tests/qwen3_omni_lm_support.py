@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from support import compile_walk
 
 from mstar_models.qwen3_omni.tokens import SPEAKERS, TokenIds
 from mstar_runtime.engine.engines import KVCacheEngine, KVSlots, StepEntry
@@ -27,11 +28,7 @@ NEWLINE = 10  # any ordinary id: the "\n" after the role
 
 
 def compile_plan(out: Path) -> Plan:
-    from mstarc.cli import main
-
-    args = ["compile", str(WALK), "--variant", "tiny", "-p", str(ROOT / "placements/cpu.yaml"), "-o", str(out)]
-    assert main(args) == 0
-    return load_plan(out)
+    return load_plan(compile_walk(out, WALK))
 
 
 def hf_config() -> Any:

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file
+from support import compile_model
 
 from mstar_models.bagel import vae
 from mstar_models.bagel.transforms import ImageTransform
@@ -373,13 +374,7 @@ def test_decoder_rejects_bad_requests(nodes: tuple[FluxVaeEncoder, FluxVaeDecode
 # ---------------------------------------------------------------------------- weights
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
-    from mstarc.cli import main
-
-    out = tmp_path_factory.mktemp("plan") / "bagel-tiny.plan"
-    args = ["compile", str(ROOT / "models/bagel/bagel.walk"), "--variant", "tiny",
-            "-p", str(ROOT / "placements/cpu.yaml"), "-o", str(out)]
-    assert main(args) == 0
-    return load_plan(out)
+    return load_plan(compile_model(tmp_path_factory.mktemp("plan") / "bagel-tiny.plan", "bagel"))
 
 
 def test_loader_reads_the_bfl_safetensors(tmp_path: Path, plan: Plan,

@@ -29,6 +29,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import save_file
+from support import compile_model
 
 from mstar_models.bagel.transforms import ImageTransform, check_image, normalize_pixels
 from mstar_models.bagel.vit import SiglipNaViT, sincos_table
@@ -132,12 +133,7 @@ RTOL, ATOL = 1e-5, 1e-5  # float32; the two sides differ only in summation order
 
 
 def compile_tiny(out: Path) -> Path:
-    from mstarc.cli import main
-
-    args = ["compile", str(ROOT / "models/bagel/bagel.walk"), "--variant", "tiny",
-            "-p", str(ROOT / "placements/cpu.yaml"), "-o", str(out)]
-    assert main(args) == 0
-    return out
+    return compile_model(out, "bagel")
 
 
 @pytest.fixture(scope="module")

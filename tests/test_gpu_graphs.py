@@ -23,10 +23,11 @@ from typing import Any
 
 import pytest
 import torch
+from support import KVDriver
 
 from mstar_models.testfamily import TinyLM
 from mstar_models.testfamily.family import CONFIGS, node_spec
-from mstar_runtime.engine.engines import KVCacheEngine, KVSlots, StepEntry
+from mstar_runtime.engine.engines import KVCacheEngine, StepEntry
 from mstar_runtime.kv.attention import paged_attention
 from mstar_runtime.kv.block_manager import BlockManager
 from mstar_runtime.ops.node import AttentionContext, Batch
@@ -48,20 +49,6 @@ class GraphedTinyLM(TinyLM):
         return self._next_tokens(hidden, attn)
 
 
-class Driver:
-    def __init__(self, engine: KVCacheEngine):
-        self.engine, self.blocks = engine, BlockManager(PAGES, PAGE)
-
-    def step(self, phase: str, items: list[tuple[str, dict, int]]) -> list[dict]:
-        entries = []
-        for rid, inputs, q_len in items:
-            key = (rid, "main")
-            start = self.blocks.seq_len(key) if key in self.blocks else 0
-            slots = self.blocks.append(key, q_len)
-            entries.append(StepEntry(rid, None, inputs, KVSlots(start, q_len, slots, self.blocks.page_table(key))))
-        return self.engine.run(phase, entries)
-
-
 @pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-core-decode", "cuda-core-decode"])
 def test_graph_replays_equal_eager_and_reference(cuda: torch.device, tensor_cores: bool) -> None:
     from mstar_runtime.kv.flashinfer_backend import FlashInferBackend
@@ -79,7 +66,7 @@ def test_graph_replays_equal_eager_and_reference(cuda: torch.device, tensor_core
     }
     runner = engines["graphs"].graph_runners["decode"]
     assert runner.capture
-    drivers = {name: Driver(e) for name, e in engines.items()}
+    drivers = {name: KVDriver(e, PAGES, PAGE) for name, e in engines.items()}
     g = torch.Generator().manual_seed(7)
     n = 20
     prompts = [torch.randint(16, 272, (int(torch.randint(1, 200, (1,), generator=g)),), generator=g).to(cuda)

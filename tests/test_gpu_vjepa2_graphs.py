@@ -26,9 +26,10 @@ from typing import Any
 
 import pytest
 import torch
+from support import KVDriver
 
 from mstar_models.vjepa2.predictor import ACPredictor
-from mstar_runtime.engine.engines import KVCacheEngine, KVSlots, StepEntry
+from mstar_runtime.engine.engines import KVCacheEngine
 from mstar_runtime.kv.attention import AttentionMetadata, KVPool, paged_attention
 from mstar_runtime.kv.block_manager import BlockManager
 from mstar_runtime.ops.node import AttentionContext, NodeSpec
@@ -129,36 +130,20 @@ def _predictor(device: torch.device, row_attention: str = "auto") -> ACPredictor
     return node
 
 
-class Driver:
-    def __init__(self, engine: KVCacheEngine):
-        self.engine, self.blocks = engine, BlockManager(PAGES, PAGE)
-
-    def step(self, phase: str, items: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-        entries = []
-        for rid, inputs in items:
-            plan = ACPredictor.kv_plan(phase, {k: tuple(v.shape) for k, v in inputs.items()}, self.engine.node.spec)
-            key = (rid, "main")
-            start = self.blocks.seq_len(key) if key in self.blocks else 0
-            slots = self.blocks.append(key, plan.q_len)
-            kv = KVSlots(start, plan.q_len, slots, self.blocks.page_table(key), plan.mask, plan.block_size)
-            entries.append(StepEntry(rid, None, inputs, kv))
-        return self.engine.run(phase, entries)
-
-
 @pytest.fixture
-def engines(cuda: torch.device) -> dict[str, Driver]:
+def engines(cuda: torch.device) -> dict[str, KVDriver]:
     from mstar_runtime.kv.flashinfer_backend import FlashInferBackend
 
     ref_node, fi_node = _predictor(cuda, "reference"), _predictor(cuda)
     fi_node.load_state_dict(ref_node.state_dict())
     return {
-        "reference": Driver(KVCacheEngine(ref_node, PAGES, PAGE, torch.bfloat16, cuda,
-                                          attention_backend=paged_attention, output_ports=PORTS)),
-        "eager": Driver(KVCacheEngine(fi_node, PAGES, PAGE, torch.bfloat16, cuda,
-                                      attention_backend=FlashInferBackend(cuda), output_ports=PORTS)),
-        "graphs": Driver(KVCacheEngine(fi_node, PAGES, PAGE, torch.bfloat16, cuda,
-                                       attention_backend=FlashInferBackend(cuda), output_ports=PORTS,
-                                       graphs={"step": BUCKETS})),
+        "reference": KVDriver(KVCacheEngine(ref_node, PAGES, PAGE, torch.bfloat16, cuda,
+                                            attention_backend=paged_attention, output_ports=PORTS), PAGES, PAGE),
+        "eager": KVDriver(KVCacheEngine(fi_node, PAGES, PAGE, torch.bfloat16, cuda,
+                                        attention_backend=FlashInferBackend(cuda), output_ports=PORTS), PAGES, PAGE),
+        "graphs": KVDriver(KVCacheEngine(fi_node, PAGES, PAGE, torch.bfloat16, cuda,
+                                         attention_backend=FlashInferBackend(cuda), output_ports=PORTS,
+                                         graphs={"step": BUCKETS}), PAGES, PAGE),
     }
 
 
@@ -170,7 +155,7 @@ def _inputs(cuda: torch.device, g: torch.Generator, frames: int, rows: int, hori
             "actions": actions.to(cuda)}
 
 
-def test_rollout_step_graphs_equal_eager_flashinfer_and_the_reference(engines: dict[str, Driver],
+def test_rollout_step_graphs_equal_eager_flashinfer_and_the_reference(engines: dict[str, KVDriver],
                                                                       cuda: torch.device) -> None:
     runner = engines["graphs"].engine.graph_runners["step"]
     assert runner.capture and runner.tokens == PER and runner.buckets == list(BUCKETS)
@@ -206,7 +191,7 @@ def test_rollout_step_graphs_equal_eager_flashinfer_and_the_reference(engines: d
     assert _rel(a, b) < 2e-2
 
 
-def test_a_graphed_engine_step_never_syncs(engines: dict[str, Driver], cuda: torch.device) -> None:
+def test_a_graphed_engine_step_never_syncs(engines: dict[str, KVDriver], cuda: torch.device) -> None:
     """The whole graphed step: engine bookkeeping, the node's host code (inputs already on the
     device, as carried outputs are), padding, plan and replay, under torch's sync debug mode."""
     d = engines["graphs"]
@@ -230,7 +215,7 @@ def test_a_graphed_engine_step_never_syncs(engines: dict[str, Driver], cuda: tor
         assert torch.isfinite(torch.cat([o["frame"] for o in carry.values()]).float()).all()
 
 
-def test_cem_rows_on_flashinfer_equal_the_reference(engines: dict[str, Driver], cuda: torch.device) -> None:
+def test_cem_rows_on_flashinfer_equal_the_reference(engines: dict[str, KVDriver], cuda: torch.device) -> None:
     from mstar_runtime.kv.flashinfer_backend import FlashInferRowPrefill
 
     g = torch.Generator().manual_seed(14)

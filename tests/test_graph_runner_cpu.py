@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 import torch
+from support import KVDriver
 
 from mstar_models.testfamily import TinyLM
 from mstar_models.testfamily.family import CONFIGS, node_spec
-from mstar_runtime.engine.engines import KVCacheEngine, KVSlots, StepEntry
+from mstar_runtime.engine.engines import KVCacheEngine
 from mstar_runtime.engine.graphs import GraphRunner, ReferenceBucketDecode, graph_buckets, pad_decode
 from mstar_runtime.kv import flashinfer_backend as fib
 from mstar_runtime.kv.attention import (
@@ -57,32 +58,15 @@ def tiny_lm(cls: type[TinyLM]) -> TinyLM:
     return cls(node_spec("lm", CONFIGS["tiny"])).eval()
 
 
-class Driver:
-    """An engine plus the BlockManager that a conductor would run beside it."""
-
-    def __init__(self, engine: KVCacheEngine):
-        self.engine = engine
-        self.blocks = BlockManager(PAGES, PAGE)
-
-    def step(self, phase: str, items: list[tuple[str, dict[str, Any], int]]) -> list[dict[str, Any]]:
-        entries = []
-        for rid, inputs, q_len in items:
-            key = (rid, "main")
-            start = self.blocks.seq_len(key) if key in self.blocks else 0
-            slots = self.blocks.append(key, q_len)
-            entries.append(StepEntry(rid, None, inputs, KVSlots(start, q_len, slots, self.blocks.page_table(key))))
-        return self.engine.run(phase, entries)
-
-
 @pytest.fixture
-def drivers() -> tuple[Driver, Driver]:
+def drivers() -> tuple[KVDriver, KVDriver]:
     plain = tiny_lm(TinyLM)
     graphed = tiny_lm(GraphedTinyLM)
     graphed.load_state_dict(plain.state_dict())  # weights are seeded by class name: copy them
     a = KVCacheEngine(plain, PAGES, PAGE, torch.float32, "cpu", output_ports=PORTS)
     b = KVCacheEngine(graphed, PAGES, PAGE, torch.float32, "cpu", output_ports=PORTS,
                       graphs={"decode": BUCKETS}, capture_graphs=False)
-    return Driver(a), Driver(b)
+    return KVDriver(a, PAGES, PAGE), KVDriver(b, PAGES, PAGE)
 
 
 def test_buckets_and_acceptance() -> None:
@@ -124,7 +108,7 @@ def test_graph_buckets_from_plan_entries() -> None:
     assert graph_buckets(entries, "llm", 2) == {}
 
 
-def test_padded_decode_equals_the_unpadded_run(drivers: tuple[Driver, Driver]) -> None:
+def test_padded_decode_equals_the_unpadded_run(drivers: tuple[KVDriver, KVDriver]) -> None:
     plain, graphed = drivers
     runner = graphed.engine.graph_runners["decode"]
     assert graphed.engine.pool.num_pages == PAGES + 1 and graphed.engine.num_pages == PAGES
@@ -152,7 +136,7 @@ def test_padded_decode_equals_the_unpadded_run(drivers: tuple[Driver, Driver]) -
     assert graphed.engine.pool.data[:, PAGES].abs().sum() > 0  # ... and they did write it
 
 
-def test_run_graphed_checks_its_inputs(drivers: tuple[Driver, Driver]) -> None:
+def test_run_graphed_checks_its_inputs(drivers: tuple[KVDriver, KVDriver]) -> None:
     _, graphed = drivers
     pool = graphed.engine.pool
     runner = graphed.engine.graph_runners["decode"]

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 from qwen3_omni_lm_support import hf_model
+from support import compile_walk
 from test_multirank import _children
 
 from mstar_runtime.control.conductor import FINISHED, Conductor
@@ -39,7 +40,6 @@ from mstar_runtime.plan.loader import load_plan
 from mstar_runtime.sampling import SamplingParams
 from mstar_runtime.worker.remote import RemoteWorker, shutdown_workers, start_workers
 from mstar_runtime.worker.worker import Worker, WorkerStepError
-from mstarc.cli import main as mstarc
 
 pytest.importorskip("transformers")
 from tests.test_qwen3_omni_code2wav import _randomize as unclipped_code2wav_  # noqa: E402
@@ -87,22 +87,16 @@ BAGEL_NO_MOVE: list[tuple[str, dict[str, Any]]] = [
 PIXEL_TOL = 1
 
 
-def _compile(out: Path, walk: str, placement: str) -> Path:
-    assert mstarc(["compile", str(ROOT / walk), "--variant", "tiny", "-p", str(ROOT / placement),
-                   "-o", str(out)]) == 0
-    return out
-
-
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("multirank_models")
     bagel, qwen = "models/bagel/bagel.walk", "models/qwen3_omni/qwen3_omni.walk"
     return {
-        "bagel1": _compile(out / "bagel1.plan", bagel, "placements/cpu.yaml"),
-        "bagel3": _compile(out / "bagel3.plan", bagel, "tests/placements/cpu3_bagel_cfg3.yaml"),
-        "qwen1": _compile(out / "qwen1.plan", qwen, "placements/cpu.yaml"),
-        "qwen_split": _compile(out / "qwen_split.plan", qwen, "tests/placements/cpu2_qwen3_split.yaml"),
-        "qwen_tp2": _compile(out / "qwen_tp2.plan", qwen, "tests/placements/cpu2_qwen3_tp2.yaml"),
+        "bagel1": compile_walk(out / "bagel1.plan", bagel, "placements/cpu.yaml"),
+        "bagel3": compile_walk(out / "bagel3.plan", bagel, "tests/placements/cpu3_bagel_cfg3.yaml"),
+        "qwen1": compile_walk(out / "qwen1.plan", qwen, "placements/cpu.yaml"),
+        "qwen_split": compile_walk(out / "qwen_split.plan", qwen, "tests/placements/cpu2_qwen3_split.yaml"),
+        "qwen_tp2": compile_walk(out / "qwen_tp2.plan", qwen, "tests/placements/cpu2_qwen3_tp2.yaml"),
     }
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support import compile_walk
 
 from mstar_models.orpheus import LlamaBackbone, PromptBuilder
 from mstar_models.orpheus.backbone import llama3_inv_freq
@@ -62,20 +63,7 @@ ORPHEUS = {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3}  # orphe
 def compile_plan(
     out: Path, variant: str = "tiny", placement: str = "cpu", weights: Path | None = None
 ) -> Path:
-    from mstarc.cli import main
-
-    args = [
-        "compile",
-        str(WALK),
-        "--variant",
-        variant,
-        "-p",
-        str(ROOT / f"placements/{placement}.yaml"),
-        "-o",
-        str(out),
-    ]
-    assert main(args + (["--weights", str(weights)] if weights else [])) == 0
-    return out
+    return compile_walk(out, WALK, f"placements/{placement}.yaml", variant=variant, weights=weights)
 
 
 def hf_config(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> Any:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support import capture, compile_model
 
 from mstar_models.orpheus.snac_decoder import (
     SnacDecoder,
@@ -314,13 +315,7 @@ def _write_official(folder: Path, model: torch.nn.Module, cfg: dict[str, Any]) -
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
-    from mstarc.cli import main
-
-    out = tmp_path_factory.mktemp("plan") / "orpheus-tiny.plan"
-    args = ["compile", str(ROOT / "models/orpheus/orpheus.walk"), "--variant", "tiny",
-            "-p", str(ROOT / "placements/cpu.yaml"), "-o", str(out)]
-    assert main(args) == 0
-    return load_plan(out)
+    return load_plan(compile_model(tmp_path_factory.mktemp("plan") / "orpheus-tiny.plan", "orpheus"))
 
 
 def plan_node(plan: Plan) -> SnacDecoder:
@@ -442,13 +437,6 @@ def test_real_size_bf16_matches_fp32_on_gpu() -> None:
     # the forward is capturable (fixed shapes, no host syncs): replay == eager
     static_w, static_k = windows.clone(), keys.clone()
     with torch.inference_mode():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            bf16(static_w, static_k)  # warm-up outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = bf16(static_w, static_k)
+        graph, static_out = capture(bf16, static_w, static_k)
         graph.replay()
         torch.testing.assert_close(static_out, got, rtol=0, atol=0)

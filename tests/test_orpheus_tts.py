@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import compile_model
 
 from mstar_runtime.api import MStar
-from mstarc.cli import main as mstarc
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, OMP_NUM_THREADS="1")  # a shared 2-core box: threaded torch only thrashes
@@ -27,10 +27,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")  # a shared 2-core box: threaded tor
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("orpheus") / "orpheus-tiny.plan"
-    assert mstarc(["compile", str(ROOT / "models/orpheus/orpheus.walk"), "--variant", "tiny",
-                   "-p", str(ROOT / "placements/cpu.yaml"), "-o", str(out)]) == 0
-    return out
+    return compile_model(tmp_path_factory.mktemp("orpheus") / "orpheus-tiny.plan", "orpheus")
 
 
 def _windows(n_codes: int) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from support import compile_model
 
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan import loader as plan_module
@@ -19,20 +20,7 @@ MODELS = ("orpheus", "bagel", "vjepa2", "qwen3_omni", "testfamily")
 
 
 def compile_plan(out: Path, model: str = "orpheus", placement: str = "cpu", variant: str = "tiny") -> Path:
-    from mstarc.cli import main
-
-    args = [
-        "compile",
-        str(ROOT / f"models/{model}/{model}.walk"),
-        "--variant",
-        variant,
-        "-p",
-        str(ROOT / f"placements/{placement}.yaml"),
-        "-o",
-        str(out),
-    ]
-    assert main(args) == 0
-    return out
+    return compile_model(out, model, f"placements/{placement}.yaml", variant=variant)
 
 
 @pytest.fixture(scope="module")

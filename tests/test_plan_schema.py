@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import compile_model
 
 from mstar_runtime.plan import planfile
 from mstar_runtime.plan.check import check_body
@@ -21,10 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("schema") / "tf.plan"
-    assert main(["compile", str(ROOT / "models/testfamily/testfamily.walk"), "--variant", "tiny",
-                 "-p", str(ROOT / "placements/cpu.yaml"), "-o", str(out)]) == 0
-    return out
+    return compile_model(tmp_path_factory.mktemp("schema") / "tf.plan", "testfamily")
 
 
 def _first(body: dict, kind: str, pred: Callable[[dict], bool] = lambda op: True) -> dict:

@@ -30,9 +30,9 @@ from mstar_runtime.control.streams import LeftContextChunkPolicy, StreamBuffer
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan.loader import Plan, load_plan
 from mstar_runtime.weights import WeightsError, load_weights
-from mstarc.cli import main as mstarc
 
 transformers = pytest.importorskip("transformers")
+from support import compile_model  # noqa: E402
 from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as hf_config  # noqa: E402
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf_model  # noqa: E402
 
@@ -89,11 +89,7 @@ def hf_decode(model: torch.nn.Module, codes: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
-    out = tmp_path_factory.mktemp("qwen3_omni") / "tiny.plan"
-    args = ["compile", str(ROOT / "models/qwen3_omni/qwen3_omni.walk"), "--variant", "tiny",
-            "-p", str(ROOT / "placements/cpu.yaml"), "-o", str(out)]
-    assert mstarc(args) == 0
-    return load_plan(out, device="cpu")
+    return load_plan(compile_model(tmp_path_factory.mktemp("qwen3_omni") / "tiny.plan", "qwen3_omni"), device="cpu")
 
 
 def ours_from(plan: Plan, ref: torch.nn.Module, folder: Path, **settings: Any) -> Code2Wav:
@@ -252,10 +248,8 @@ def test_real_size_code2wav_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> 
     transformers', and 25-frame chunks with 25 frames of left context tile it (keep-last)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    out = tmp_path_factory.mktemp("qwen3_omni_real") / "real.plan"
-    assert mstarc(["compile", str(ROOT / "models/qwen3_omni/qwen3_omni.walk"), "--variant", "real",
-                   "-p", str(ROOT / "placements/h200x1.yaml"), "-o", str(out)]) == 0
-    plan = load_plan(out)
+    plan = load_plan(compile_model(tmp_path_factory.mktemp("qwen3_omni_real") / "real.plan", "qwen3_omni",
+                                   "placements/h200x1.yaml", variant="real"))
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -25,9 +25,9 @@ from mstar_models.qwen3_omni.vision_encoder import VisionEncoder
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan.loader import Plan, load_plan
 from mstar_runtime.weights import load_weights
-from mstarc.cli import main as mstarc
 
 transformers = pytest.importorskip("transformers")
+from support import compile_model, saved_checkpoint  # noqa: E402
 from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as hf_config  # noqa: E402
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf_model  # noqa: E402
 
@@ -79,18 +79,12 @@ def hf() -> Any:
 
 @pytest.fixture(scope="module")
 def checkpoint(hf: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("qwen3_omni_ckpt")
-    hf.save_pretrained(folder)
-    return folder
+    return saved_checkpoint(hf, tmp_path_factory, "qwen3_omni_ckpt")
 
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
-    out = tmp_path_factory.mktemp("qwen3_omni") / "tiny.plan"
-    args = ["compile", str(ROOT / "models/qwen3_omni/qwen3_omni.walk"), "--variant", "tiny",
-            "-p", str(ROOT / "placements/cpu.yaml"), "-o", str(out)]
-    assert mstarc(args) == 0
-    return load_plan(out, device="cpu")
+    return load_plan(compile_model(tmp_path_factory.mktemp("qwen3_omni") / "tiny.plan", "qwen3_omni"), device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -206,10 +200,8 @@ def test_real_size_encoders_equal_transformers_on_gpu(tmp_path_factory: pytest.T
     transformers' default init, and the bf16 node close to the fp32 reference."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    out = tmp_path_factory.mktemp("qwen3_omni_real") / "real.plan"
-    assert mstarc(["compile", str(ROOT / "models/qwen3_omni/qwen3_omni.walk"), "--variant", "real",
-                   "-p", str(ROOT / "placements/h200x1.yaml"), "-o", str(out)]) == 0
-    plan = load_plan(out)
+    plan = load_plan(compile_model(tmp_path_factory.mktemp("qwen3_omni_real") / "real.plan", "qwen3_omni",
+                                   "placements/h200x1.yaml", variant="real"))
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

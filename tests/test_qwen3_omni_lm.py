@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from qwen3_omni_lm_support import NEWLINE, TINY_IDS, Harness, compile_plan, hf_model, node_spec
+from support import saved_checkpoint
 
 from mstar_models.qwen3_omni.positions import rope_index
 from mstar_models.qwen3_omni.talker import TalkerMoE
@@ -49,9 +50,7 @@ def hf() -> Any:
 
 @pytest.fixture(scope="module")
 def checkpoint(hf: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("qwen3_omni_ckpt")
-    hf.save_pretrained(out)
-    return out
+    return saved_checkpoint(hf, tmp_path_factory, "qwen3_omni_ckpt")
 
 
 @pytest.fixture(scope="module")

@@ -30,9 +30,9 @@ from mstar_models.qwen3_omni.processor import (
 )
 from mstar_runtime.ops.node import NodeError, RequestError
 from mstar_runtime.plan.loader import Plan, load_plan
-from mstarc.cli import main as mstarc
 
 transformers = pytest.importorskip("transformers")
+from support import compile_model  # noqa: E402
 from transformers import PreTrainedTokenizerFast, WhisperFeatureExtractor  # noqa: E402
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer  # noqa: E402
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
@@ -49,11 +49,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory: pytest.TempPathFactory) -> Plan:
-    out = tmp_path_factory.mktemp("qwen3_omni") / "tiny.plan"
-    args = ["compile", str(ROOT / "models/qwen3_omni/qwen3_omni.walk"), "--variant", "tiny",
-            "-p", str(ROOT / "placements/cpu.yaml"), "-o", str(out)]
-    assert mstarc(args) == 0
-    return load_plan(out, device="cpu")
+    return load_plan(compile_model(tmp_path_factory.mktemp("qwen3_omni") / "tiny.plan", "qwen3_omni"), device="cpu")
 
 
 @pytest.fixture(scope="module")

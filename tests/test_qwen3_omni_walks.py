@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import torch
 from qwen3_omni_lm_support import TINY_IDS, hf_model
+from support import saved_checkpoint
 
 from mstar_runtime.api import MStar, RequestFailed
 from mstar_runtime.ops.node import RequestError
@@ -64,9 +65,7 @@ def hf() -> Any:
 
 @pytest.fixture(scope="module")
 def checkpoint(hf: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("qwen3_omni_ckpt")
-    hf.save_pretrained(out)
-    return out
+    return saved_checkpoint(hf, tmp_path_factory, "qwen3_omni_ckpt")
 
 
 @pytest.fixture(scope="module")

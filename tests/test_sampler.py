@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import capture
 
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.sampling import (
@@ -341,14 +342,7 @@ def test_column_top_k_in_a_cuda_graph_equals_sample_row_by_row() -> None:
 
     cols = SamplingColumns(**{f: (None if t is None else t.to(dev))
                               for f, t in vars(host_cols(0)).items()})  # type: ignore[arg-type]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        sample_columns(x, cols)  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = sample_columns(x, cols)
+    graph, out = capture(sample_columns, x, cols)
     for r in range(4):
         for f, t in vars(host_cols(r)).items():
             getattr(cols, f).copy_(t)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from sampling_reference import reference_sample, reference_scores
+from support import capture
 
 from mstar_runtime.sampling import SamplingColumns, SamplingParams, columns_of, sample_columns
 
@@ -129,14 +130,7 @@ def test_orpheus_vocabulary_on_the_gpu_eager_and_captured(kind: str) -> None:
 
     check(x, cols_of(0), max_ambiguous=0.15)
     cols = cols_of(0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        sample_columns(x, cols)  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = sample_columns(x, cols)
+    graph, out = capture(sample_columns, x, cols)
     for r in range(1, 4):
         fresh = cols_of(r)
         for f, t in vars(fresh).items():

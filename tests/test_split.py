@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 import torch
+from support import compile_walk
 from test_multirank import REQUESTS as TF_REQUESTS
 from test_multirank import _children, _gone, _run
 
@@ -49,7 +50,6 @@ from mstar_runtime.worker.remote import (
     start_workers,
 )
 from mstar_runtime.worker.worker import StepBatch, Worker, WorkerStepError
-from mstarc.cli import main as mstarc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,22 +67,16 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _compile(out: Path, walk: str, placement: str) -> Path:
-    assert mstarc(["compile", str(ROOT / walk), "--variant", "tiny", "-p", str(ROOT / placement),
-                   "-o", str(out)]) == 0
-    return out
-
-
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("split")
     orpheus, tf = "models/orpheus/orpheus.walk", "models/testfamily/testfamily.walk"
     return {
-        "one": _compile(out / "orpheus1.plan", orpheus, "placements/cpu.yaml"),
-        "split": _compile(out / "orpheus-split.plan", orpheus, "tests/placements/cpu2_split.yaml"),
-        "tf1": _compile(out / "tf1.plan", tf, "placements/cpu.yaml"),
-        "tf2": _compile(out / "tf2.plan", tf, "tests/placements/cpu2.yaml"),
-        "tf3": _compile(out / "tf3.plan", tf, "tests/placements/cpu3.yaml"),
+        "one": compile_walk(out / "orpheus1.plan", orpheus, "placements/cpu.yaml"),
+        "split": compile_walk(out / "orpheus-split.plan", orpheus, "tests/placements/cpu2_split.yaml"),
+        "tf1": compile_walk(out / "tf1.plan", tf, "placements/cpu.yaml"),
+        "tf2": compile_walk(out / "tf2.plan", tf, "tests/placements/cpu2.yaml"),
+        "tf3": compile_walk(out / "tf3.plan", tf, "tests/placements/cpu3.yaml"),
     }
 
 
@@ -364,7 +358,7 @@ def test_split_on_two_gpus_gives_the_codes_and_audio_of_one(tmp_path: Path) -> N
     orpheus = "models/orpheus/orpheus.walk"
     outputs = []
     for name, placement in (("one", "placements/h200x1.yaml"), ("split", "placements/h200x2_split.yaml")):
-        plan = load_plan(_compile(tmp_path / f"{name}.plan", orpheus, placement), device="cuda", kv_pages_cap=256)
+        plan = load_plan(compile_walk(tmp_path / f"{name}.plan", orpheus, placement), device="cuda", kv_pages_cap=256)
         workers = start_workers(plan, "dummy", "cuda")
         try:
             conductor = Conductor(plan, workers)
@@ -388,7 +382,7 @@ def test_a_cohort_in_a_worker_process_on_a_gpu_gives_the_codes_of_one(tmp_path: 
     orpheus = "models/orpheus/orpheus.walk"
     outputs = []
     for name, placement in (("one", "placements/h200x1.yaml"), ("rank1", "tests/placements/gpu2_llm_rank1.yaml")):
-        plan = load_plan(_compile(tmp_path / f"{name}.plan", orpheus, placement), device="cuda", kv_pages_cap=256)
+        plan = load_plan(compile_walk(tmp_path / f"{name}.plan", orpheus, placement), device="cuda", kv_pages_cap=256)
         workers = start_workers(plan, "dummy", "cuda")
         try:
             conductor = Conductor(plan, workers)

@@ -28,9 +28,10 @@ from typing import Any
 
 import pytest
 import torch
+from support import KVDriver
 
 from mstar_models.vjepa2.predictor import ACPredictor, RowEntry, row_attention_reference, row_layout
-from mstar_runtime.engine.engines import KVCacheEngine, KVSlots, StepEntry
+from mstar_runtime.engine.engines import KVCacheEngine
 from mstar_runtime.engine.graphs import (
     DEFAULT_MAX_GRAPH_TOKENS,
     GraphRunner,
@@ -69,25 +70,6 @@ def predictor(seed: int = 2, max_steps: int = 8) -> ACPredictor:
             gain = 1.0 if "norm" in name and name.endswith("weight") else 0.0
             p.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 0.05) + gain)
     return node
-
-
-class Driver:
-    """An engine plus the BlockManager a conductor would run beside it, slots from `kv_plan`."""
-
-    def __init__(self, engine: KVCacheEngine):
-        self.engine, self.blocks = engine, BlockManager(PAGES, PAGE)
-        self.node: ACPredictor = engine.node  # type: ignore[assignment]
-
-    def step(self, phase: str, items: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-        entries = []
-        for rid, inputs in items:
-            plan = ACPredictor.kv_plan(phase, {k: tuple(v.shape) for k, v in inputs.items()}, self.node.spec)
-            key = (rid, "main")
-            start = self.blocks.seq_len(key) if key in self.blocks else 0
-            slots = self.blocks.append(key, plan.q_len)
-            kv = KVSlots(start, plan.q_len, slots, self.blocks.page_table(key), plan.mask, plan.block_size)
-            entries.append(StepEntry(rid, None, inputs, kv))
-        return self.engine.run(phase, entries)
 
 
 def _context(g: torch.Generator, frames: int) -> dict[str, torch.Tensor]:
@@ -156,15 +138,15 @@ def test_fixed_block_acceptance_and_token_cap() -> None:
 
 # ------------------------------------------------------------------------------ the node, padded
 @pytest.fixture
-def drivers() -> tuple[Driver, Driver]:
+def drivers() -> tuple[KVDriver, KVDriver]:
     plain, graphed = predictor(), predictor()
     a = KVCacheEngine(plain, PAGES, PAGE, torch.float32, "cpu", output_ports=PORTS)
     b = KVCacheEngine(graphed, PAGES, PAGE, torch.float32, "cpu", output_ports=PORTS,
                       graphs={"step": BUCKETS}, capture_graphs=False)
-    return Driver(a), Driver(b)
+    return KVDriver(a, PAGES, PAGE), KVDriver(b, PAGES, PAGE)
 
 
-def test_padded_rollout_steps_equal_the_unpadded_eager_steps(drivers: tuple[Driver, Driver]) -> None:
+def test_padded_rollout_steps_equal_the_unpadded_eager_steps(drivers: tuple[KVDriver, KVDriver]) -> None:
     plain, graphed = drivers
     runner = graphed.engine.graph_runners["step"]
     assert runner.tokens == PER and runner.buckets == list(BUCKETS) and not runner.capture
@@ -201,7 +183,7 @@ def test_padded_rollout_steps_equal_the_unpadded_eager_steps(drivers: tuple[Driv
     assert graphed.engine.pool.data[:, PAGES].abs().sum() > 0  # ... and they did write it
 
 
-def test_a_multi_row_entry_runs_eagerly_beside_single_rows(drivers: tuple[Driver, Driver]) -> None:
+def test_a_multi_row_entry_runs_eagerly_beside_single_rows(drivers: tuple[KVDriver, KVDriver]) -> None:
     """A CEM-like entry (3 trajectories sharing a context) in the same step as a single one:
     the runner declines the batch; the rows attend per row, the single one through the same split."""
     plain, graphed = drivers
@@ -366,7 +348,7 @@ def test_cem_rows_through_flashinfer_equal_the_reference(fake_flashinfer: types.
     for kind in ("auto", "reference"):
         node = predictor(seed=7)
         node.row_attention = kind
-        engines[kind] = Driver(KVCacheEngine(node, PAGES, PAGE, torch.float32, "cpu", output_ports=PORTS))
+        engines[kind] = KVDriver(KVCacheEngine(node, PAGES, PAGE, torch.float32, "cpu", output_ports=PORTS), PAGES, PAGE)
     g = torch.Generator().manual_seed(8)
     ctx = _context(g, 2)
     hist = torch.randn(1, 1, 7, generator=g)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from support import compile_model
 
 from mstar_runtime.ops.node import KVNode, NodeError
 from mstar_runtime.plan.loader import Plan, PlanError, load_plan, planfile
@@ -19,20 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def compile_plan(
     out: Path, model: str = "testfamily", placement: str = "cpu", weights: Path | None = None
 ) -> Path:
-    from mstarc.cli import main
-
-    args = [
-        "compile",
-        str(ROOT / f"models/{model}/{model}.walk"),
-        "--variant",
-        "tiny",
-        "-p",
-        str(ROOT / f"placements/{placement}.yaml"),
-        "-o",
-        str(out),
-    ]
-    assert main(args + (["--weights", str(weights)] if weights else [])) == 0
-    return out
+    return compile_model(out, model, f"placements/{placement}.yaml", weights=weights)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,83 @@
+"""Helpers the test files share instead of each holding a copy: compiling the corpus' walks,
+a transformers model saved as a checkpoint folder, a CUDA-graph capture, a KV engine driven
+with a BlockManager as the conductor drives it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mstar_runtime.engine.engines import KVCacheEngine, KVSlots, StepEntry
+from mstar_runtime.kv.block_manager import BlockManager
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def compile_walk(out: Path, walk: str | Path, placement: str | Path = "placements/cpu.yaml", *,
+                 variant: str | None = "tiny", weights: Path | None = None) -> Path:
+    """`mstarc compile WALK --variant VARIANT -p PLACEMENT -o OUT [--weights W]`, asserting that it
+    succeeds; relative paths are the repository root's, `variant=None` is the walk's default. Returns `out`."""
+    from mstarc.cli import main
+
+    args = ["compile", str(ROOT / walk), *(["--variant", variant] if variant is not None else []),
+            "-p", str(ROOT / placement), "-o", str(out), *(["--weights", str(weights)] if weights else [])]
+    assert main(args) == 0, f"mstarc {' '.join(args)} failed"
+    return out
+
+
+def compile_model(out: Path, model: str, placement: str | Path = "placements/cpu.yaml", *,
+                  variant: str | None = "tiny", weights: Path | None = None) -> Path:
+    """`compile_walk` of models/<model>/<model>.walk."""
+    return compile_walk(out, f"models/{model}/{model}.walk", placement, variant=variant, weights=weights)
+
+
+def saved_checkpoint(model: Any, tmp_path_factory: pytest.TempPathFactory, name: str = "ckpt") -> Path:
+    """A fresh folder holding `model.save_pretrained` (a transformers model as its checkpoint)."""
+    out = tmp_path_factory.mktemp(name)
+    model.save_pretrained(out)
+    return out
+
+
+def capture(fn: Callable[..., Any], *args: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """A CUDA graph of `fn(*args)` and its static output: one warm-up call on a side stream first
+    (lazy initialisation must not be captured), then the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*args)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*args)
+    return graph, out
+
+
+class KVDriver:
+    """An engine plus the BlockManager a conductor would run beside it: one `main` KV context
+    per request id, slots reserved as the conductor reserves them."""
+
+    def __init__(self, engine: KVCacheEngine, pages: int, page: int):
+        self.engine, self.blocks = engine, BlockManager(pages, page)
+        self.node = engine.node
+
+    def step(self, phase: str, items: list[tuple[str, dict[str, Any]]] | list[tuple[str, dict[str, Any], int]]
+             ) -> list[dict[str, Any]]:
+        """Run `phase` over (request id, inputs[, q_len]) items; without a q_len the node's
+        `kv_plan` for the inputs' shapes gives it, its mask and its block size."""
+        entries = []
+        for rid, inputs, *q in items:
+            if q:
+                q_len, mask, block = q[0], "causal", None
+            else:
+                plan = type(self.node).kv_plan(phase, {k: tuple(v.shape) for k, v in inputs.items()}, self.node.spec)
+                q_len, mask, block = plan.q_len, plan.mask, plan.block_size
+            key = (rid, "main")
+            start = self.blocks.seq_len(key) if key in self.blocks else 0
+            slots = self.blocks.append(key, q_len)
+            entries.append(StepEntry(rid, None, inputs, KVSlots(start, q_len, slots, self.blocks.page_table(key),
+                                                                mask, block)))
+        return self.engine.run(phase, entries)

@@ -2,11 +2,9 @@
 
 A batch of generated inputs, each far larger or deeper than a real model (but under the
 1 MB size cap): every one must compile or fail with coded diagnostics, never a traceback
-or an internal error, within a bound per input measured in units of this machine's speed
-(`BOUND_UNITS` times the time the compiler takes on a 150-node walk, measured in the same
-test), so a slow or busy machine moves the bound with it while a blow-up in the input's size
-still fails. Each runs in process under a SIGALRM watchdog, so a stall fails the test
-instead of hanging it. Also: the size caps of every file the compiler reads,
+or an internal error, within a wall-clock bound per input that is generous for a slow
+2-core CI machine (`BOUND_S`). Each runs in process under a SIGALRM watchdog, so a stall
+fails the test instead of hanging it. Also: the size caps of every file the compiler reads,
 and the limits of mstarc/limits.py, each with its diagnostic.
 
 `python tests/test_robustness.py` prints the time of every case.
@@ -30,8 +28,7 @@ from mstarc import limits
 from mstarc.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
-# per input: this many times the compile of `many_nodes(150)` (the 1,500-node case takes ~20)
-BOUND_UNITS = 60
+BOUND_S = 5.0  # per input, wall clock
 WATCHDOG_S = 30  # a case still running after this has stalled: fail instead of hanging
 
 
@@ -377,32 +374,25 @@ def explain_times(plan: Path) -> dict[str, float]:
     return times
 
 
-def speed_unit(tmp: Path) -> float:
-    """Seconds this machine takes to compile a 150-node walk (the best of three): the unit of
-    the per-input bound."""
-    case = Case("unit", lambda: many_nodes(150), lambda: H200)
-    return min(run_case(case, tmp)[2] for _ in range(3))
-
-
 def test_generated_inputs_fail_cleanly_and_fast(tmp_path: Path) -> None:
-    """Every generated input compiles or fails with its codes, within BOUND_UNITS of this
-    machine's speed unit, never with a traceback (an exception would fail the test) or an
-    internal error (exit 3)."""
+    """Every generated input compiles or fails with its codes, within BOUND_S, never with a
+    traceback (an exception would fail the test) or an internal error (exit 3)."""
     slow, wrong = [], []
-    bound = BOUND_UNITS * speed_unit(tmp_path)
+    total = time.perf_counter()
     for case in CASES:
         code, err, seconds, size = run_case(case, tmp_path)
         assert size <= limits.MAX_WALK_BYTES + 64, f"{case.name}: {size} bytes is not an input under the cap"
         got = sorted({line.split("error[", 1)[1][:4] for line in err.splitlines() if "error[" in line})
-        if seconds > bound:
+        if seconds > BOUND_S:
             slow.append(f"{case.name}: {seconds:.1f} s")
         if code == 3 or "Traceback" in err or got != sorted(case.codes) or code != (1 if case.codes else 0):
             wrong.append(f"{case.name}: exit {code}, codes {got}, expected {sorted(case.codes)}\n{err[-2000:]}")
         elif code == 0 and case.placement is not None:  # the plan explains within the bound too
             slow += [f"{case.name} explain --format {fmt}: {t:.1f} s"
-                     for fmt, t in explain_times(tmp_path / f"{case.name}.plan").items() if t > bound]
+                     for fmt, t in explain_times(tmp_path / f"{case.name}.plan").items() if t > BOUND_S]
     assert not wrong, "\n".join(wrong)
-    assert not slow, f"inputs over the {bound:.1f} s bound ({BOUND_UNITS} units): {', '.join(slow)}"
+    assert not slow, f"inputs over the {BOUND_S} s bound: {', '.join(slow)}"
+    assert time.perf_counter() - total < 120
 
 
 # ---- at the limits, everything works --------------------------------------------------------
@@ -575,8 +565,6 @@ if __name__ == "__main__":  # timings of every case
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        unit = speed_unit(Path(d))
-        print(f"unit (many_nodes(150)): {unit:.3f} s; bound {BOUND_UNITS * unit:.1f} s")
         for case in CASES:
             code, err, seconds, size = run_case(case, Path(d))
             codes = sorted({line.split("error[", 1)[1][:4] for line in err.splitlines() if "error[" in line})

@@ -8,12 +8,12 @@ divide, and the KV geometry of kv nodes. Pure Python, no torch: the compiler com
 sizes for a 35B model without weights on disk.
 
 One module per family: `llama` (Orpheus), `snac`, `vjepa2`, `bagel` + `flux_vae`,
-`qwen3_omni`, `whisper`. Shared argument checking and tensor building live in `_common`.
+`qwen3_omni`, `whisper`, `pi05`. Shared argument checking and tensor building live in `_common`.
 """
 
 from __future__ import annotations
 
-from mstarc.archs import bagel, flux_vae, llama, qwen3_omni, snac, vjepa2, whisper
+from mstarc.archs import bagel, flux_vae, llama, pi05, qwen3_omni, snac, vjepa2, whisper
 from mstarc.archs.spec import (
     DTYPE_BYTES,
     SHARD_ROLES,
@@ -33,7 +33,7 @@ __all__ = [
 
 def _build_registry() -> dict[str, ArchFn]:
     registry: dict[str, ArchFn] = {}
-    for family in (llama, snac, vjepa2, bagel, flux_vae, qwen3_omni, whisper):
+    for family in (llama, snac, vjepa2, bagel, flux_vae, qwen3_omni, whisper, pi05):
         for name, fn in family.ARCHS.items():
             assert name not in registry, f"arch {name} is defined twice"
             registry[name] = fn

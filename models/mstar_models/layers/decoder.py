@@ -9,7 +9,8 @@ the stack's prefix (`layers.{i}.self_attn.q_proj.weight`, `layers.{i}.mlp.*`,
 
 `forward_layers` is pure tensor code whose only attention is `attend`, so an engine may
 capture it in a CUDA graph. Each residual add is fused with the norm after it
-(`fused.add_rms_norm`: one kernel on a GPU; the last with the final norm).
+(`fused.add_rms_norm`: one kernel on a GPU; the last with the final norm). With
+`unit_offset` (Gemma) every norm is `norm.gemma_rms_norm` (gain 1 + w) after a plain add.
 `after_layer(i, h)` lets the caller read or change the residual stream after layer i
 (Qwen3-Omni's deepstack additions and its hidden-state tap for the talker); then that add
 and the next norm run apart.
@@ -35,38 +36,41 @@ AfterLayer = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, attention: Attention, mlp: nn.Module, hidden: int, eps: float, **factory: Any):
+    def __init__(self, attention: Attention, mlp: nn.Module, hidden: int, eps: float, *, unit_offset: bool = False,
+                 **factory: Any):
         super().__init__()
         self.self_attn = attention
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden, eps, **factory)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, **factory)
+        self.input_layernorm = RMSNorm(hidden, eps, unit_offset=unit_offset, **factory)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, unit_offset=unit_offset, **factory)
 
 
 class Decoder(nn.Module):
     """`layers.{i}.*` and `norm.weight`; `mlp(i)` builds layer i's MLP. `heads` and `kv_heads`
     are this rank's; `group` (None at tp 1) sums the row-parallel outputs over the TP group.
     `embed`, when given, is registered first as `embed_tokens` (Llama's parameter order, which
-    a seeded init follows)."""
+    a seeded init follows). `unit_offset`: Gemma's `1 + w` norms."""
 
     def __init__(self, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float,
                  mlp: Callable[[int], nn.Module], *, qk_norm: bool = False, group: Any = None,
-                 embed: nn.Module | None = None, **factory: Any):
+                 embed: nn.Module | None = None, unit_offset: bool = False, **factory: Any):
         super().__init__()
-        self.eps = eps
+        self.eps, self.unit_offset = eps, unit_offset
         if embed is not None:
             self.embed_tokens = embed
         self.layers = nn.ModuleList(
             DecoderLayer(Attention(hidden, heads, kv_heads, head_dim, eps=eps, qk_norm=qk_norm, group=group,
-                                   **factory), mlp(i), hidden, eps, **factory)
+                                   **factory), mlp(i), hidden, eps, unit_offset=unit_offset, **factory)
             for i in range(layers)
         )
-        self.norm = RMSNorm(hidden, eps, **factory)
+        self.norm = RMSNorm(hidden, eps, unit_offset=unit_offset, **factory)
 
     def forward_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                        after_layer: AfterLayer | None = None) -> torch.Tensor:
         """Packed rows h [N, hidden] with their RoPE tables [N, 1, head_dim] -> final-normed [N, hidden]."""
         eps, layers = self.eps, self.layers
+        if self.unit_offset:
+            return self._forward_unit_offset(h, cos, sin, attend, after_layer)
         x = fused.rms_norm(h, layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(layers):
             o = layer.self_attn(i, x, cos, sin, attend)
@@ -79,3 +83,13 @@ class Decoder(nn.Module):
                 h = after_layer(i, h + m)
                 x = fused.rms_norm(h, norm.weight, eps)
         return x
+
+    def _forward_unit_offset(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+                             after_layer: AfterLayer | None) -> torch.Tensor:
+        """`forward_layers` with Gemma's norms (transformers' GemmaDecoderLayer: add, then norm)."""
+        for i, layer in enumerate(self.layers):
+            h = h + layer.self_attn(i, layer.input_layernorm(h), cos, sin, attend)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if after_layer is not None:
+                h = after_layer(i, h)
+        return self.norm(h)

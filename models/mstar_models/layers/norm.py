@@ -10,6 +10,11 @@ the gain and eps from the module.
 `unit_offset=True` is Gemma's variant (transformers' GemmaRMSNorm): the gain is stored as
 w and applied as 1 + w, and the whole product is taken in float32 before the cast back,
 not after it as Llama does.
+
+`AdaptiveRMSNorm` is π0.5's action-expert norm (openpi's adaRMS): no gain of its own; a
+`dense` layer [3 * dim, cond_dim] with bias maps a condition row (the flow time's embedding)
+to (scale, shift, gate), the float32-normalised input becomes `x * (1 + scale) + shift`, and
+the gate scales the residual branch the norm feeds (`h + gate * branch`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mstar_runtime.ops import fused
@@ -42,3 +48,22 @@ class RMSNorm(nn.Module):
         if self.unit_offset:
             return gemma_rms_norm(x, self.weight, self.eps)
         return fused.rms_norm(x, self.weight, self.eps)
+
+
+class AdaptiveRMSNorm(nn.Module):
+    """`dense.weight` [3 * dim, cond_dim], `dense.bias` [3 * dim]: see the module docstring."""
+
+    def __init__(self, dim: int, cond_dim: int, eps: float, **factory: Any):
+        super().__init__()
+        self.dense = nn.Linear(cond_dim, 3 * dim, **factory)
+        self.eps = eps
+
+    def modulation(self, cond: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(scale, shift, gate), each [..., dim], of condition rows [..., cond_dim]."""
+        return tuple(F.linear(cond, self.dense.weight, self.dense.bias).chunk(3, dim=-1))
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] normalised in float32, then `* (1 + scale) + shift`, in x's dtype."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + scale.float()) + shift.float()).to(x.dtype)

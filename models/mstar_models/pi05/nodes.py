@@ -1,0 +1,303 @@
+"""π0.5's Gemma VLM, its action expert and the flow-matching sampler (LeRobot's `PI05Pytorch`).
+
+- `GemmaVLM` (kv): `prefill(images, prompt) -> ()`. The prefix is every camera's 256 tokens
+  (the vision node's, unscaled) then the prompt's token embeddings times sqrt(width), at
+  positions 0 .. P-1, attending bidirectionally within the prefix (`mask="full"`: the
+  reference's prefix attention mask is all zeros, one block). Its K/V, per layer, is the
+  context the expert reads. Gemma 2B's layers: `1 + w` RMSNorms, GQA with one KV head,
+  RoPE (theta 10,000), GeGLU MLP with tanh-GELU (the layer library's `Decoder`,
+  `unit_offset`). Nothing reads the VLM's output, so no final norm or head runs.
+- `ActionExpert` (kv): `denoise(x, t) -> (v)`, reading `vlm`. The chunk x [50, 32] becomes 50
+  tokens (`action_in_proj`); the flow time becomes the condition
+  `silu(time_mlp_out(silu(time_mlp_in(sincos(t)))))` (periods 4e-3 .. 4, sin then cos);
+  each of the 18 layers is Gemma-300M-shaped with adaptive norms
+  (`layers.AdaptiveRMSNorm`): `h += gate_1 * attn(norm_1(h))`, `h += gate_2 * mlp(norm_2(h))`,
+  where layer l's 50 queries attend in one softmax over the VLM's layer-l prefix K/V and
+  over the chunk's own K/V (bidirectional within the chunk, kept nowhere: `keep=False`), at
+  positions P .. P+49. The final adaptive norm, then `action_out_proj` in float32, gives v.
+- `Flow` (stateless): `init(seed) -> (x)` N(0, 1) noise from the request's seed (a CPU
+  generator: the same noise on every device), `start(noise) -> (x)` given noise (checked:
+  [horizon, action_dim], finite), `time(index) -> (t)` with t_i = 1 + i dt and
+  dt = -1 / steps, `step(x, v) -> (x)` with x + dt v (the reference's Euler update, op for
+  op), `finish(x, dims) -> (actions, dims)`.
+
+Precision: the four projections of the expert (`action_in_proj`, `action_out_proj`,
+`time_mlp_in`, `time_mlp_out`) sit outside the reference's `PaliGemmaWithExpertModel`, which
+is what its bfloat16 setting converts, so they hold and compute float32 here too; the
+condition is cast to the node dtype before the adaptive norms' dense layers.
+
+Checkpoint names (`mstarc/archs/pi05.py`): the VLM under `paligemma_with_expert.paligemma.model.`
+(its `checkpoint_prefix`); the expert's layers and final norm under
+`paligemma_with_expert.gemma_expert.model.`, its projections at the top level (`rename`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar_models.layers import rotary
+from mstar_models.layers.attention import Attend, Attention
+from mstar_models.layers.decoder import Decoder
+from mstar_models.layers.embedding import VocabEmbedding
+from mstar_models.layers.init import seeded_init_
+from mstar_models.layers.mlp import GatedMLP
+from mstar_models.layers.norm import AdaptiveRMSNorm
+from mstar_runtime.ops.node import (
+    AttentionContext,
+    Batch,
+    KVGeometry,
+    KVNode,
+    NodeError,
+    NodeSpec,
+    RequestError,
+    SeqPlan,
+    StatelessNode,
+)
+
+ROPE_THETA = 10000.0  # Gemma's
+RMS_EPS = 1e-6
+MIN_PERIOD, MAX_PERIOD = 4e-3, 4.0  # PI05Config.min_period / max_period
+EXPERT_PREFIX = "paligemma_with_expert.gemma_expert.model."
+
+
+def _int(spec: NodeSpec, name: str) -> int:
+    value = spec.arch_args.get(name, spec.settings.get(name, spec.config.get(name)))
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise NodeError(f"node '{spec.name}': needs an integer '{name}' (arch argument, setting or config), "
+                        f"got {value!r}")
+    return value
+
+
+def time_features(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sin-cos features [B, dim] (float32) of flow times t [B]: sin then cos of t * 2 pi / period for
+    dim / 2 periods spaced geometrically from 4e-3 to 4, computed in float64 as the reference does."""
+    fraction = torch.linspace(0.0, 1.0, dim // 2, dtype=torch.float64, device=t.device)
+    period = MIN_PERIOD * (MAX_PERIOD / MIN_PERIOD) ** fraction
+    angles = (1.0 / period * 2 * math.pi)[None, :] * t.to(torch.float64)[:, None]
+    return torch.cat([angles.sin(), angles.cos()], dim=1).to(torch.float32)
+
+
+class _Gemma(KVNode):
+    """The Gemma attention layout both KV nodes share (the expert reads the VLM's pages layer by layer)."""
+
+    def __init__(self, spec: NodeSpec):
+        super().__init__(spec)
+        if spec.tp_size != 1:
+            raise NodeError(f"node '{spec.name}' ({type(self).__name__}) does not shard; place it with tp=1")
+        self.hidden, self.depth = _int(spec, "hidden"), _int(spec, "layers")
+        self.heads, self.kv_heads, self.head_dim = _int(spec, "heads"), _int(spec, "kv_heads"), _int(spec, "head_dim")
+        self.intermediate = _int(spec, "intermediate")
+        if self.heads % self.kv_heads or self.head_dim % 2:
+            raise NodeError(f"node '{spec.name}': heads must be a multiple of kv_heads, head_dim even")
+        self.factory = {"device": spec.device, "dtype": spec.dtype}
+
+    @property
+    def kv_geometry(self) -> KVGeometry:
+        return KVGeometry(self.depth, self.kv_heads, self.head_dim)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary.rope_tables(positions, rotary.inv_freq(self.head_dim, ROPE_THETA), dtype)
+
+
+class GemmaVLM(_Gemma):
+    """prefill(images: [N, tokens, width], prompt: i32[T]) -> (): the prefix K/V (see the module docstring)."""
+
+    checkpoint_prefix: ClassVar[str] = "paligemma_with_expert.paligemma.model."
+
+    def __init__(self, spec: NodeSpec):
+        super().__init__(spec)
+        self.vocab = _int(spec, "vocab")
+        self.max_prefix = int(spec.settings.get("max_seq_len", 0)) or None
+        self.language_model = Decoder(
+            self.depth, self.hidden, self.heads, self.kv_heads, self.head_dim, RMS_EPS,
+            lambda i: GatedMLP(self.hidden, self.intermediate, activation="gelu_tanh", **self.factory),
+            embed=VocabEmbedding(self.vocab, self.hidden, **self.factory), unit_offset=True, **self.factory)
+        seeded_init_(self, spec.name)
+
+    @classmethod
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+        if phase != "prefill":
+            raise NodeError(f"node '{spec.name}' (GemmaVLM) has no phase '{phase}'")
+        images, prompt = tuple(shapes.get("images", ())), tuple(shapes.get("prompt", ()))
+        if len(images) != 3 or images[0] < 1:
+            raise RequestError(f"images must be [cameras, tokens, width] features, got shape {images}", "images")
+        if len(prompt) != 1 or prompt[0] < 1:
+            raise RequestError(f"prompt must be a 1-D, non-empty token list, got shape {prompt}", "prompt")
+        return SeqPlan(q_len=images[0] * images[1] + prompt[0], mask="full")
+
+    def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
+        rows = []
+        for entry, seq in zip(batch, attn.seqs, strict=True):
+            images, tokens = entry["images"], entry["prompt"]
+            if images.dim() != 3 or images.shape[-1] != self.hidden:
+                raise RequestError(f"images must be [cameras, tokens, {self.hidden}], got {tuple(images.shape)}",
+                                   "images")
+            if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab:
+                raise RequestError(f"prompt token ids must lie in [0, {self.vocab})", "prompt")
+            if seq.start != 0:
+                raise RequestError("the VLM's context already holds a prefix: one prefill per request", "prompt")
+            if self.max_prefix is not None and seq.q_len > self.max_prefix:
+                raise RequestError(f"a prefix of {seq.q_len} tokens is longer than max_seq_len {self.max_prefix} "
+                                   f"of node '{self.spec.name}'", "prompt")
+            rows.append((images, tokens))
+        h = self.prefix_embeddings(rows)
+        cos, sin = self.rope(attn.positions(), h.dtype)
+        self.language_model.forward_layers(h, cos, sin, attn.attend)
+        return [{} for _ in batch]
+
+    def prefix_embeddings(self, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Packed prefix rows [sum P, width]: each entry's image tokens, then its prompt embeddings * sqrt(width)."""
+        dev, dtype = self.spec.device, self.spec.dtype
+        ids = torch.cat([tokens.reshape(-1) for _, tokens in rows]).to(dev).long()
+        text = self.language_model.embed_tokens(ids) * math.sqrt(self.hidden)
+        parts, at = [], 0
+        for images, tokens in rows:
+            parts.append(images.reshape(-1, self.hidden).to(dev, dtype))
+            parts.append(text[at:at + tokens.numel()])
+            at += tokens.numel()
+        return torch.cat(parts)
+
+
+class _ExpertLayer(nn.Module):
+    def __init__(self, attention: Attention, mlp: nn.Module, hidden: int, **factory: Any):
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = mlp
+        self.input_layernorm = AdaptiveRMSNorm(hidden, hidden, RMS_EPS, **factory)
+        self.post_attention_layernorm = AdaptiveRMSNorm(hidden, hidden, RMS_EPS, **factory)
+
+
+class ActionExpert(_Gemma):
+    """denoise(x: f32[horizon, action_dim], t: f32[1]) -> (v: f32[horizon, action_dim]), over the
+    prefix the VLM wrote (the phase's first read, `reads vlm`)."""
+
+    def __init__(self, spec: NodeSpec):
+        super().__init__(spec)
+        self.horizon, self.action_dim = _int(spec, "horizon"), _int(spec, "action_dim")
+        h, f = self.hidden, self.factory
+        self.layers = nn.ModuleList(
+            _ExpertLayer(Attention(h, self.heads, self.kv_heads, self.head_dim, eps=RMS_EPS, **f),
+                         GatedMLP(h, self.intermediate, activation="gelu_tanh", **f), h, **f)
+            for _ in range(self.depth))
+        self.norm = AdaptiveRMSNorm(h, h, RMS_EPS, **f)
+        f32 = {"device": spec.device, "dtype": torch.float32}
+        self.action_in_proj = nn.Linear(self.action_dim, h, **f32)
+        self.action_out_proj = nn.Linear(h, self.action_dim, **f32)
+        self.time_mlp_in = nn.Linear(h, h, **f32)
+        self.time_mlp_out = nn.Linear(h, h, **f32)
+        seeded_init_(self, spec.name)
+
+    def rename(self, name: str) -> str:
+        """The checkpoint name of a module tensor (see the module docstring)."""
+        return EXPERT_PREFIX + name if name.startswith(("layers.", "norm.")) else name
+
+    @classmethod
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+        if phase != "denoise":
+            raise NodeError(f"node '{spec.name}' (ActionExpert) has no phase '{phase}'")
+        shape = tuple(shapes.get("x", ()))
+        if len(shape) != 2 or shape[0] < 1:
+            raise RequestError(f"x must be [horizon, action_dim], got shape {shape}", "x")
+        return SeqPlan(q_len=shape[0], mask="full", keep=False)
+
+    def condition(self, t: torch.Tensor) -> torch.Tensor:
+        """The adaptive norms' condition rows [B, hidden] (float32) of flow times t [B]."""
+        c = F.silu(self.time_mlp_in(time_features(t, self.hidden)))
+        return F.silu(self.time_mlp_out(c))
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Velocities [B, L, A] (float32) of chunks x [B, L, A] at times t [B]; the tokens at `positions` [B * L]."""
+        b, n = x.shape[0], x.shape[1]
+        dtype = self.spec.dtype
+        cond = self.condition(t).to(dtype)
+        h = self.action_in_proj(x.float()).to(dtype).reshape(b * n, self.hidden)
+        cos, sin = self.rope(positions, dtype)
+
+        def rows(m: torch.Tensor) -> torch.Tensor:  # one modulation row per request -> one per token
+            return m.repeat_interleave(n, dim=0)
+
+        for i, layer in enumerate(self.layers):
+            scale, shift, gate = (rows(m) for m in layer.input_layernorm.modulation(cond))
+            a = layer.self_attn(i, layer.input_layernorm(h, scale, shift), cos, sin, attend)
+            h = h + a * gate
+            scale, shift, gate = (rows(m) for m in layer.post_attention_layernorm.modulation(cond))
+            h = h + layer.mlp(layer.post_attention_layernorm(h, scale, shift)) * gate
+        scale, shift, _ = (rows(m) for m in self.norm.modulation(cond))
+        out = self.norm(h, scale, shift)
+        return self.action_out_proj(out.float()).reshape(b, n, self.action_dim)
+
+    def phase_denoise(self, batch: Batch, attn: AttentionContext) -> Batch:
+        for entry in batch:
+            if tuple(entry["x"].shape) != (self.horizon, self.action_dim):
+                raise RequestError(f"x must be [{self.horizon}, {self.action_dim}], got {tuple(entry['x'].shape)}", "x")
+            if entry["t"].numel() != 1:
+                raise RequestError(f"t must hold one flow time, got shape {tuple(entry['t'].shape)}", "t")
+        dev = self.spec.device
+        x = torch.stack([entry["x"] for entry in batch]).to(dev)
+        t = torch.cat([entry["t"].reshape(1) for entry in batch]).to(dev)
+        # the action tokens follow the prefix: positions P .. P + L - 1
+        positions = torch.tensor([s.read_lens[0] + i for s in attn.seqs for i in range(s.q_len)], device=dev)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return attn.attend(layer, q, k, v, over=(0,))
+
+        v = self.velocity(x, t, positions, attend)
+        return [{"v": row} for row in v.unbind(0)]
+
+
+class Flow(StatelessNode):
+    """init(seed: int) -> (x); start(noise) -> (x); time(index: int) -> (t: f32[1]); step(x, v) -> (x);
+    finish(x, dims: int) -> (actions, dims). x, v, noise, actions: f32[horizon, action_dim]."""
+
+    def __init__(self, spec: NodeSpec):
+        super().__init__(spec)
+        self.shape = (_int(spec, "horizon"), _int(spec, "action_dim"))
+        self.steps = _int(spec, "flow_steps")
+        self.dt = -1.0 / self.steps
+
+    def phase_init(self, batch: Batch) -> Batch:
+        out = []
+        for entry in batch:
+            seed = entry["seed"]
+            if isinstance(seed, torch.Tensor) and seed.numel() == 1:
+                seed = seed.item()
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+                raise RequestError(f"seed must be an integer in [0, 2^63), got {seed!r}", "seed")
+            gen = torch.Generator().manual_seed(seed)
+            out.append({"x": torch.randn(self.shape, generator=gen, dtype=torch.float32).to(self.spec.device)})
+        return out
+
+    def phase_start(self, batch: Batch) -> Batch:
+        out = []
+        for entry in batch:
+            noise = entry["noise"]
+            if not isinstance(noise, torch.Tensor) or tuple(noise.shape) != self.shape:
+                got = tuple(noise.shape) if isinstance(noise, torch.Tensor) else type(noise).__name__
+                raise RequestError(f"noise must be f32[{self.shape[0]}, {self.shape[1]}], got {got}", "noise")
+            if not bool(torch.isfinite(noise).all()):
+                raise RequestError("noise holds NaN or infinite values", "noise")
+            out.append({"x": noise.to(self.spec.device, torch.float32)})
+        return out
+
+    def phase_time(self, batch: Batch) -> Batch:
+        out: Batch = []
+        for entry in batch:
+            i = entry["index"]
+            if not isinstance(i, int) or not 0 <= i < self.steps:
+                raise RequestError(f"index must lie in [0, {self.steps}), got {i!r}", "index")
+            out.append({"t": torch.tensor([1.0 + i * self.dt], dtype=torch.float32, device=self.spec.device)})
+        return out
+
+    def phase_step(self, batch: Batch) -> Batch:
+        x = torch.stack([entry["x"] for entry in batch]).float()
+        v = torch.stack([entry["v"] for entry in batch]).to(x.device, torch.float32)
+        return [{"x": row} for row in (x + self.dt * v).unbind(0)]
+
+    def phase_finish(self, batch: Batch) -> Batch:
+        return [{"actions": entry["x"], "dims": entry["dims"]} for entry in batch]

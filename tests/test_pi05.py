@@ -1,0 +1,254 @@
+"""π0.5 (models/pi05/pi05.walk, models/mstar_models/pi05) on CPU at the tiny size, against the
+reference of tests/pi05_reference.py (LeRobot's PI05Pytorch assembled from transformers'
+PaliGemma and Gemma with openpi's adaptive norm) on the same weights and noise:
+
+- the architectures' parameter counts equal the reference's modules' (real size, on the meta device);
+- the prompt text and its 256-bin state discretisation;
+- prefix K/V (every layer) and one velocity within 1e-5, node by node;
+- the walk's action chunk (two cameras of three, the third masked out in the reference; the
+  prompt padded to max_prompt there) within fp32 tolerance, batched across requests;
+- bad input is a RequestFailed naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mstar_models.pi05.prompt import Prompt, discretize, prompt_text
+from mstar_runtime.api import MStar, RequestFailed
+from mstar_runtime.plan.loader import load_plan
+from mstar_runtime.weights import build_node, load_weights
+from mstarc.archs import get_arch
+from mstarc.cli import main as mstarc
+from tests.pi05_reference import REAL, TINY, PI05Reference, pixels
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+WALK = ROOT / "models/pi05/pi05.walk"
+CAMERAS, MAX_PROMPT, OUT_DIM = 3, 96, 7  # the tiny variant's
+
+
+def _arch_args(s: object) -> dict[str, dict[str, int]]:
+    return {
+        "pi05_siglip": dict(hidden=s.vis_hidden, layers=s.vis_layers, heads=s.vis_heads, intermediate=s.vis_mlp,
+                            patch=s.patch, image=s.img, projection=s.width),
+        "pi05_gemma": dict(layers=s.layers, hidden=s.width, heads=s.heads, kv_heads=s.kv_heads,
+                           head_dim=s.head_dim, intermediate=s.mlp, vocab=s.vocab),
+        "pi05_expert": dict(layers=s.layers, hidden=s.expert_width, heads=s.heads, kv_heads=s.kv_heads,
+                            head_dim=s.head_dim, intermediate=s.expert_mlp, action_dim=s.action_dim),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference() -> PI05Reference:
+    torch.manual_seed(0)
+    ref = PI05Reference(TINY).eval()
+    ref.randomize_(1234)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def checkpoint(reference: PI05Reference, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pi05_ckpt")
+    save_file(reference.checkpoint(), str(d / "model.safetensors"))
+    return d
+
+
+@pytest.fixture(scope="module")
+def plan(checkpoint: Path) -> Path:
+    out = checkpoint.parent / "pi05.plan"
+    assert mstarc(["compile", str(WALK), "--variant", "tiny", "-p", str(ROOT / "placements/cpu.yaml"),
+                   "--weights", str(checkpoint), "-o", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(plan: Path, checkpoint: Path) -> Iterator[MStar]:
+    with MStar.load(plan, weights=str(checkpoint)) as m:
+        yield m
+
+
+def _node(plan: Path, checkpoint: Path, name: str) -> torch.nn.Module:
+    p = load_plan(plan)
+    module = build_node(p, name, 0, "cpu")
+    load_weights(module, p, name, checkpoint)
+    return module
+
+
+def _inputs(seed: int, cameras: int) -> tuple[torch.Tensor, str, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (cameras, TINY.img, TINY.img, 3), generator=g, dtype=torch.uint8)
+    state = torch.rand(5, generator=g) * 2 - 1
+    noise = torch.randn(TINY.horizon, TINY.action_dim, generator=g)
+    return images, f"pick_up the block {seed}\n", state, noise
+
+
+def _prompt_ids(instruction: str, state: torch.Tensor) -> list[int]:
+    padded = np.zeros(TINY.action_dim, dtype=np.float32)
+    padded[: state.numel()] = state.numpy()
+    return [2] + [3 + b for b in prompt_text(instruction, padded).encode()]
+
+
+def _reference_batch(images: torch.Tensor, ids: list[int]) -> tuple[list, list, torch.Tensor, torch.Tensor]:
+    """LeRobot's model inputs for one request: every camera slot (the missing ones an all -1 image
+    with mask false) and the prompt right-padded to max_prompt with its mask."""
+    cams = [pixels(images[i : i + 1]) for i in range(images.shape[0])]
+    masks = [torch.ones(1, dtype=torch.bool) for _ in cams]
+    while len(cams) < CAMERAS:
+        cams.append(-torch.ones_like(cams[0]))
+        masks.append(torch.zeros(1, dtype=torch.bool))
+    tokens = torch.zeros(1, MAX_PROMPT, dtype=torch.long)
+    tokens[0, : len(ids)] = torch.tensor(ids)
+    mask = torch.zeros(1, MAX_PROMPT, dtype=torch.bool)
+    mask[0, : len(ids)] = True
+    return cams, masks, tokens, mask
+
+
+# ------------------------------------------------------------------------------ architecture
+def test_parameter_counts_equal_the_reference_modules() -> None:
+    """Real size, on the meta device: the vision tower (SigLIP + projector), the VLM (Gemma 2B with
+    its embeddings and final norm) and the expert (adaptive norms and the four projections included)."""
+    with torch.device("meta"):
+        ref = PI05Reference(REAL)
+    named = {n: p.numel() for n, p in ref.named_parameters()}
+    pal = "paligemma_with_expert.paligemma.model."
+    vision = sum(v for n, v in named.items() if n.startswith((pal + "vision_tower", pal + "multi_modal_projector")))
+    vlm = sum(v for n, v in named.items() if n.startswith(pal + "language_model"))
+    expert = sum(v for n, v in named.items() if not n.startswith("paligemma_with_expert.paligemma")
+                 and "lm_head" not in n)
+    args = _arch_args(REAL)
+    counts = {name: get_arch(name)(a, "bf16").param_count() for name, a in args.items()}
+    assert counts == {"pi05_siglip": vision, "pi05_gemma": vlm, "pi05_expert": expert}
+    spec = get_arch("pi05_expert")(args["pi05_expert"], "bf16")
+    dense = sum(t.numel for t in spec.tensors if ".dense." in t.name)
+    assert 0.25 < dense / spec.param_count() < 0.30  # the adaptive norms: the share an earlier count missed
+
+
+def test_arch_names_are_the_reference_state_dict(reference: PI05Reference) -> None:
+    names = set(reference.checkpoint())
+    arch = set()
+    for name, a in _arch_args(TINY).items():
+        arch |= {t.name for t in get_arch(name)(a, "f32").tensors}
+    assert arch == names
+
+
+# ------------------------------------------------------------------------------ prompt
+def test_prompt_text_discretises_the_state_into_256_bins() -> None:
+    state = np.array([-1.0, 0.0, 0.999, 1.0, -1.5, 2 / 256 - 1, 0.0, 0.0], dtype=np.float32)
+    assert discretize(state).tolist() == [0, 128, 255, 255, -1, 1, 128, 128]
+    assert prompt_text("  pick_up\nthe cube ", state) == "Task: pick up the cube, State: 0 128 255 255 -1 1 128 128;\nAction: "
+
+
+# ------------------------------------------------------------------------------ nodes
+def test_prefix_kv_and_one_velocity_equal_the_reference(reference: PI05Reference, plan: Path,
+                                                        checkpoint: Path) -> None:
+    images, instruction, state, noise = _inputs(7, 2)
+    ids = _prompt_ids(instruction, state)
+    vision, vlm, expert = (_node(plan, checkpoint, n) for n in ("vision", "vlm", "expert"))
+    cams, masks, tokens, mask = _reference_batch(images, ids)
+    with torch.no_grad():
+        embs, pad = reference.embed_prefix(cams, masks, tokens, mask)
+        ref_kv = reference.prefix_kv(embs, pad)
+        feats = vision.encode(images)
+        h = vlm.prefix_embeddings([(feats, torch.tensor(ids))])
+        torch.testing.assert_close(h, embs[0][pad[0]], atol=1e-5, rtol=1e-5)
+        n = h.shape[0]
+        ours: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def dense(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            ours.append((k, v))
+            rep = q.shape[1] // k.shape[1]
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), k.repeat_interleave(rep, 1).transpose(0, 1),
+                v.repeat_interleave(rep, 1).transpose(0, 1)).transpose(0, 1)
+
+        cos, sin = vlm.rope(torch.arange(n), h.dtype)
+        vlm.language_model.forward_layers(h, cos, sin, dense)
+        assert len(ours) == TINY.layers
+        for (k, v), (rk, rv) in zip(ours, ref_kv, strict=True):
+            torch.testing.assert_close(k, rk[0].transpose(0, 1)[pad[0]], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v, rv[0].transpose(0, 1)[pad[0]], atol=1e-5, rtol=1e-5)
+
+        t = torch.tensor([0.7])
+        ref_v = reference.velocity(ref_kv, pad, noise[None], t)
+
+        def over_prefix(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            pk, pv = ours[layer]
+            kk, vv = torch.cat([pk, k]), torch.cat([pv, v])
+            rep = q.shape[1] // kk.shape[1]
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), kk.repeat_interleave(rep, 1).transpose(0, 1),
+                vv.repeat_interleave(rep, 1).transpose(0, 1)).transpose(0, 1)
+
+        got = expert.velocity(noise[None], t, torch.arange(n, n + TINY.horizon), over_prefix)
+    torch.testing.assert_close(got, ref_v, atol=1e-5, rtol=1e-5)
+    assert float(ref_v.abs().mean()) > 1e-2  # the velocity is not a trivial zero
+
+
+# ------------------------------------------------------------------------------ walk
+def test_action_chunks_equal_the_reference(engine: MStar, reference: PI05Reference) -> None:
+    """Three requests with 1, 2 and 3 cameras, batched: each chunk equals LeRobot's sample_actions
+    on the same noise (missing cameras masked, the prompt padded)."""
+    requests = [_inputs(seed, cams) for seed, cams in ((1, 1), (2, 2), (3, 3))]
+    handles = [engine.submit("act_noise", {"images": im, "instruction": ins, "state": st, "noise": nz})
+               for im, ins, st, nz in requests]
+    for h, (images, instruction, state, noise) in zip(handles, requests, strict=True):
+        out = h.result(timeout=120)
+        assert out["dims"] == OUT_DIM
+        cams, masks, tokens, mask = _reference_batch(images, _prompt_ids(instruction, state))
+        expect = reference.sample_actions(cams, masks, tokens, mask, noise[None])[0]
+        torch.testing.assert_close(out["actions"], expect, atol=1e-5, rtol=1e-5)  # measured: 2.4e-7
+        assert not torch.allclose(out["actions"], noise, atol=1e-2)
+
+
+def test_seeded_noise_is_the_request_seed(engine: MStar) -> None:
+    images, instruction, state, _ = _inputs(4, 2)
+    noise = torch.randn(TINY.horizon, TINY.action_dim, generator=torch.Generator().manual_seed(11))
+    seeded = engine.generate("act", images=images, instruction=instruction, state=state, seed=11)["actions"]
+    given = engine.generate("act_noise", images=images, instruction=instruction, state=state, noise=noise)["actions"]
+    torch.testing.assert_close(seeded, given, atol=0, rtol=0)
+    other = engine.generate("act", images=images, instruction=instruction, state=state, seed=12)["actions"]
+    assert not torch.allclose(seeded, other)
+
+
+# ------------------------------------------------------------------------------ bad input
+GOOD = _inputs(5, 2)
+
+
+@pytest.mark.parametrize("change,field,words", [
+    ({"images": torch.zeros(2, 12, 16, 3, dtype=torch.uint8)}, "images", "16 x 16"),
+    ({"images": torch.zeros(2, 16, 16, 4, dtype=torch.uint8)}, "images", "3 channels"),
+    ({"images": torch.zeros(4, 16, 16, 3, dtype=torch.uint8)}, "images", "1 to 3 cameras"),
+    ({"state": torch.zeros(TINY.action_dim + 1)}, "state", "at most 8"),
+    ({"state": torch.tensor([0.0, float("nan")])}, "state", "NaN or infinite"),
+    ({"state": torch.tensor([float("inf")])}, "state", "NaN or infinite"),
+    ({"instruction": "  \n "}, "instruction", "empty"),
+    ({"instruction": "x" * 200}, "instruction", "at most 96"),
+    ({"noise": torch.full((TINY.horizon, TINY.action_dim), float("nan"))}, "noise", "NaN or infinite"),
+])
+def test_bad_input_names_the_field(engine: MStar, change: dict, field: str, words: str) -> None:
+    images, instruction, state, noise = GOOD
+    inputs = {"images": images, "instruction": instruction, "state": state, "noise": noise} | change
+    with pytest.raises(RequestFailed) as e:
+        engine.generate("act_noise", **inputs)
+    assert e.value.field == field, e.value.message
+    assert words in e.value.message
+    # the engine serves the next request
+    assert engine.generate("act_noise", images=images, instruction=instruction, state=state,
+                           noise=noise)["actions"].shape == (TINY.horizon, TINY.action_dim)
+
+
+def test_prompt_node_refuses_a_vocabulary_too_small_for_its_byte_tokenizer() -> None:
+    from mstar_runtime.ops.node import NodeError, NodeSpec
+
+    spec = NodeSpec("prompt", "stateless", {"action_dim": 8, "max_prompt": 96, "vocab": 200}, {}, {},
+                    torch.float32, torch.device("cpu"))
+    with pytest.raises(NodeError, match="at least 259"):
+        Prompt(spec)

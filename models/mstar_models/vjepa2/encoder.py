@@ -97,6 +97,9 @@ class VitEncoder(StatelessNode):
             f = entry["frames"]
             if f.dim() != 4 or f.shape[-1] != 3 or f.dtype != torch.uint8:
                 raise RequestError(f"frames must be u8 [N, H, W, 3], got {f.dtype} {list(f.shape)}", "frames")
+            if f.shape[0] == 0 or f.shape[1] == 0 or f.shape[2] == 0:  # resizing an empty frame fails
+                raise RequestError(f"frames must hold at least one frame of at least 1 x 1 px, got shape "
+                                   f"{list(f.shape)}", "frames")
         counts = [int(e["frames"].shape[0]) for e in batch]
         sizes = {tuple(e["frames"].shape[1:3]) for e in batch if e["frames"].shape[0]}
         if len(sizes) <= 1:  # one forward for the whole batch (the common case: same camera)

@@ -1,6 +1,6 @@
-"""Bounds of image-generation walk inputs, checked before a request is queued: by
-`conductor.check_inputs` for the CLI and the Python API (a `RequestError`), and by the
-server on every route alike (`app.check_inputs`, a 400 naming the request's field).
+"""Bounds of image-generation, world-model and speech walk inputs, checked before a request
+is queued: by `conductor.check_inputs` for the CLI and the Python API (a `RequestError`), and
+by the server on every route alike (`app.check_inputs`, a 400 naming the request's field).
 
 The engine would report these late, or not by field: a latent-diffusion walk fails deep in
 a node (or in the interpreter, naming an internal loop count) when asked for an image its
@@ -21,6 +21,19 @@ is reported at once (`out_of_bounds` lists them; one error says them all), not t
   `cfg_interval_start` <= `cfg_interval_end`, both in [0, 1]; `cfg_renorm_min` in [0, 1]
   (the lower clamp of a norm ratio whose upper clamp is 1); `cfg_renorm_type` one of
   `global`, `channel`, `text_channel`; `timestep_shift` in (0, 100].
+
+Work sizes of world-model walks (V-JEPA 2), each when the plan's config has its bound, so
+that no request asks a node for more rows or frames than the plan was built for (a CEM
+`samples` of 10^9 once allocated past 24 GB inside one node call, which a disconnect cannot
+interrupt):
+- `samples` (int, the CEM's trajectories per iteration: rows of one predictor step): from 2
+  to the config's `max_samples`; `topk` (int) from 1 to the effective `samples`;
+- `actions` (a tensor [B, A, dim], B trajectories of a rollout): B at most `max_samples`;
+- `frames` (a tensor [N, H, W, 3] to encode): N at most the config's `max_frames`.
+
+Frames of speech (Qwen3-Omni): `talker_max_frames` (int) from 1 to the config's
+`max_talker_frames`, the bound of the walk's frame loop (a larger value was cut there
+silently).
 """
 
 from __future__ import annotations
@@ -98,6 +111,46 @@ def max_timesteps(config: Mapping[str, Any]) -> int | None:
     return bound + 1 if _int(bound) and bound >= 1 else None
 
 
+def _leading(value: Any) -> int | None:
+    """The length of a tensor's first dimension, given as a tensor or as nested lists (the
+    server checks its JSON before it becomes a tensor), or None for anything else."""
+    if isinstance(value, list):
+        return len(value)
+    shape = getattr(value, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) >= 1 else None
+
+
+def _work_sizes(config: Mapping[str, Any], value: Callable[[str, str], tuple[Any, bool]],
+                note: Callable[[bool, str], str]) -> list[OutOfBounds]:
+    """The world-model and speech work sizes out of bounds (module docstring)."""
+    found: list[OutOfBounds] = []
+    most = config.get("max_samples")
+    samples, samples_default = value("samples", "int")
+    if _int(most) and _int(samples) and not 2 <= samples <= most:
+        found.append(OutOfBounds(("samples",), f" must be from 2 to {most} (this plan's max_samples: trajectories "
+                                 f"per CEM iteration), got {samples}{note(samples_default, str(samples))}"))
+    topk, topk_default = value("topk", "int")
+    if _int(topk) and _int(samples) and not 1 <= topk <= max(samples, 1):
+        found.append(OutOfBounds(("topk",), f" must be from 1 to samples ({samples}), got {topk}"
+                                 f"{note(topk_default, str(topk))}"))
+    rows = _leading(value("actions", "tensor")[0])
+    if _int(most) and rows is not None and rows > most:
+        found.append(OutOfBounds(("actions",), f" holds {rows} trajectories; this plan rolls out at most {most} "
+                                 "per request (its max_samples)"))
+    frames = _leading(value("frames", "tensor")[0])
+    most_frames = config.get("max_frames")
+    if _int(most_frames) and frames is not None and frames > most_frames:
+        found.append(OutOfBounds(("frames",), f" holds {frames} frames; this plan encodes at most {most_frames} per "
+                                 "request (its max_frames)"))
+    talker, talker_default = value("talker_max_frames", "int")
+    most_talker = config.get("max_talker_frames")
+    if _int(most_talker) and _int(talker) and not 1 <= talker <= most_talker:
+        found.append(OutOfBounds(("talker_max_frames",), f" must be from 1 to {most_talker} (this plan's "
+                                 f"max_talker_frames, the bound of its frame loop), got {talker}"
+                                 f"{note(talker_default, str(talker))}"))
+    return found
+
+
 def out_of_bounds(config: Mapping[str, Any], program: Mapping[str, Any],
                   inputs: Mapping[str, Any]) -> list[OutOfBounds]:
     """Every input of a walk outside its bounds (module docstring), in the walk's terms.
@@ -149,6 +202,7 @@ def out_of_bounds(config: Mapping[str, Any], program: Mapping[str, Any],
     if isinstance(kind, str) and kind not in RENORM_TYPES:
         found.append(OutOfBounds(("cfg_renorm_type",), f" must be one of {', '.join(RENORM_TYPES)}, got {kind!r}"
                                  f"{default_note(kind_default, repr(kind))}", "invalid_value"))
+    found.extend(_work_sizes(config, value, default_note))
     return found
 
 

@@ -87,7 +87,9 @@ _UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "bytes", "dict",
 
 
 def _union_tag(part: str) -> bool:
-    return part in _UNION_TAGS or "[" in part or part.startswith(("function-", "constrained-"))
+    # `list[int]` is a tag; a form field named `image[]` (a repeated field) is not
+    return (part in _UNION_TAGS or ("[" in part and not part.endswith("[]"))
+            or part.startswith(("function-", "constrained-")))
 
 
 def param_of(loc: tuple[Any, ...] | list[Any]) -> str | None:
@@ -138,6 +140,10 @@ def validation_error(errors: list[Mapping[str, Any]]) -> ApiError:
     if kind == "missing":
         return bad_request(f"'{param}' is required", param, "missing")
     message = str(first.get("msg", "invalid value"))
+    if kind == "value_error" and "Expected UploadFile" in message:  # FastAPI's words for a text field in a file's place
+        name = param.split("[", 1)[0]  # `image[][0]`: the form field is `image`
+        return bad_request(f"{name}: expected a file (a file part of the multipart form, with a filename), got a "
+                           "text field", name, "invalid_image")
     return bad_request(f"{param}: {message}", param)
 
 
@@ -365,10 +371,11 @@ def check_model(state: ServerState, model: str) -> None:
                        type=NOT_FOUND, param="model", code="model_not_found")
 
 
-def walk_extras(state: ServerState, walk: str, extra: Mapping[str, Any] | None, taken: set[str]) -> dict[str, Any]:
+async def walk_extras(state: ServerState, walk: str, extra: Mapping[str, Any] | None,
+                      taken: set[str]) -> dict[str, Any]:
     """A body's extra keys as walk inputs (the openai client's `extra_body`), typed exactly as
     the native route types them (`schemas.input_annotation`: int64, finite floats, strict
-    types, images as base64); other keys are a 400 naming them."""
+    types, images as base64, decoded off the event loop); other keys are a 400 naming them."""
     from pydantic import ValidationError
 
     adapters = state.input_types[walk]
@@ -383,18 +390,22 @@ def walk_extras(state: ServerState, walk: str, extra: Mapping[str, Any] | None, 
         except ValidationError as e:
             errors = [{**err, "loc": ("body", key, *err.get("loc", ()))} for err in e.errors(include_url=False)]
             raise validation_error(errors) from None
-    return decode_images(state.plan.walk(walk), out, {k: k for k in out})
+    return await decode_images(state.plan.walk(walk), out, {k: k for k in out})
 
 
-def decode_images(program: Mapping[str, Any], values: Mapping[str, Any], fields: Mapping[str, str]) -> dict[str, Any]:
-    """Image inputs given as base64 text (or a data: URL) as the walk's RGB uint8 tensors."""
+async def decode_images(program: Mapping[str, Any], values: Mapping[str, Any],
+                        fields: Mapping[str, str]) -> dict[str, Any]:
+    """Image inputs given as base64 text (or a data: URL) as the walk's RGB uint8 tensors.
+    Decoding runs off the event loop (a large PNG takes seconds; `/health` and the other
+    requests must not wait for it); its pixel count is bounded before it is decoded
+    (`io.decode_image`)."""
     kinds = {p["name"]: p["type"]["kind"] for p in program["inputs"]}
     out = dict(values)
     for name, value in values.items():
         if kinds.get(name) == "image" and isinstance(value, str):
             param = fields.get(name, name)
             try:
-                out[name] = decode_image_text(value)
+                out[name] = await asyncio.to_thread(decode_image_text, value)
             except ValueError as e:
                 raise bad_request(f"{param}: {e}", param, "invalid_image") from None
     return out

@@ -24,7 +24,9 @@ without an image with a 400 naming `messages`. `max_tokens`
 / `max_length` input and is also enforced here:
 a walk whose transitions decode on (the test family's chat -> continue) is cut at that
 many tokens, with finish reason "length". Sampling fields (`temperature`, `top_p`, `seed`,
-penalties) go to walk inputs of the same name; a walk without them samples its own way.
+penalties) go to walk inputs of the same name; one the walk does not take is a 400
+`unsupported` naming it (the reply would not be sampled as asked), except a penalty of 0,
+OpenAI's default, which asks for nothing.
 Token ids become text through `server_text` (see there for the rendering rule).
 
 Streaming follows OpenAI's chunk format: the first chunk's delta carries the role, then one
@@ -96,6 +98,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mstar_runtime.serve.server")
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty")
+# OpenAI's defaults that mean "no penalty": what clients send when they set nothing
+NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0}
 DEFAULT_INPUT_RATE = 16000  # an audio input's rate when its prompt node names none (Whisper-style encoders')
 
 
@@ -442,9 +446,13 @@ def install(app: FastAPI, state: ServerState) -> None:
             inputs[target], fields[target] = limit, limit_param
         for f in SAMPLING_FIELDS:
             value = getattr(body, f)
-            if value is not None and f in role.inputs:
-                inputs[f], fields[f] = value, f
-        extra = walk_extras(state, role.walk, body.model_extra, set(inputs))
+            if value is None or (f in NEUTRAL and value == NEUTRAL[f]):
+                continue
+            if f not in role.inputs:  # a reply sampled otherwise than asked would look like an answer to it
+                raise bad_request(f"{f}: walk '{role.walk}' does not take {f} (it samples its own way); leave "
+                                  f"{f} out", f, "unsupported")
+            inputs[f], fields[f] = value, f
+        extra = await walk_extras(state, role.walk, body.model_extra, set(inputs))
         inputs.update(extra)
         fields.update({k: k for k in extra})  # a node that rejects one blames it, not `messages`
         flight = await start_flight(state, request, "chat", role.walk, inputs, fields, "messages")

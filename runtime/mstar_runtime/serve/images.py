@@ -197,7 +197,7 @@ def _install_generations(app: FastAPI, state: ServerState, role: WalkRole) -> No
         if body.response_format == "url":
             raise bad_request(NO_URL, "response_format", "unsupported")
         raw = dict(body.model_extra or {})
-        extra = walk_extras(state, role.walk, interval_alias(role, raw), {role.text_input, "width", "height"})
+        extra = await walk_extras(state, role.walk, interval_alias(role, raw), {role.text_input, "width", "height"})
         fields = extra_fields(extra, raw)
         seed = extra.pop("seed", None)
         per = image_requests(state, role, body.prompt, body.size, body.n, extra, fields, seed)
@@ -243,7 +243,7 @@ def _install_edits(app: FastAPI, state: ServerState, role: WalkRole) -> None:
                 raw[name] = [_form_value(declared, v) for v in values]
             else:
                 raw[name] = _form_value(declared, values[0])
-        extra = walk_extras(state, role.walk, interval_alias(role, raw),
+        extra = await walk_extras(state, role.walk, interval_alias(role, raw),
                             {role.text_input, image_input, "width", "height", "seed"})
         fields = extra_fields(extra, raw)
         extra[image_input], fields[image_input] = picture, "image"
@@ -276,8 +276,8 @@ def _form_value(declared: Mapping[str, Any] | None, text: str) -> Any:
 
 async def _read_image(upload: Any, param: str) -> torch.Tensor:
     data = await upload.read()
-    try:
-        return decode_image(data)
+    try:  # off the event loop: a large image takes seconds to decode
+        return await asyncio.to_thread(decode_image, data)
     except ValueError as e:
         raise bad_request(f"{param}: {e}", param, "invalid_image") from None
 

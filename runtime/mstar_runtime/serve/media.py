@@ -150,8 +150,8 @@ def voice_of(voice: Any) -> str | None:
     return voice.id if voice is not None and not isinstance(voice, str) else voice
 
 
-def speech_inputs(state: ServerState, speech: SpeechWalk,
-                  body: SpeechRequest) -> tuple[dict[str, Any], dict[str, str]]:
+async def speech_inputs(state: ServerState, speech: SpeechWalk,
+                        body: SpeechRequest) -> tuple[dict[str, Any], dict[str, str]]:
     role = speech.role
     if not body.input.strip():
         raise bad_request("input is blank; give the text to speak", "input")
@@ -170,7 +170,7 @@ def speech_inputs(state: ServerState, speech: SpeechWalk,
     if told and speech.instructions is not None:
         inputs[speech.instructions] = "\n\n".join(told)
         fields[speech.instructions] = "instructions"
-    extra = walk_extras(state, role.walk, body.model_extra, set(inputs))
+    extra = await walk_extras(state, role.walk, body.model_extra, set(inputs))
     inputs.update(extra)
     fields.update({k: k for k in extra})
     return inputs, fields
@@ -195,7 +195,7 @@ def _install_speech(app: FastAPI, state: ServerState, speech_walk: SpeechWalk) -
               summary=f"Text to speech (walk '{role.walk}'): wav or pcm, whole or streamed")
     async def speech(body: SpeechRequest, request: Request) -> Any:
         check_model(state, body.model)
-        inputs, fields = speech_inputs(state, speech_walk, body)
+        inputs, fields = await speech_inputs(state, speech_walk, body)
         flight = await start_flight(state, request, "speech", role.walk, inputs, fields, "input")
         sse = replace(usage, prompt=flight.prompt_tokens) if body.stream_format == "sse" else None
         fmt = body.response_format

@@ -116,7 +116,7 @@ def _install_walk(app: FastAPI, state: ServerState, walk: str, streaming: Any) -
 
     async def run_walk(body: Any, request: Request) -> Any:
         raw = body.inputs.model_dump(exclude_unset=True)
-        inputs = decode_images(program, raw, fields)
+        inputs = await decode_images(program, raw, fields)
         flight = await start_flight(state, request, "walk", walk, inputs, fields, primary, timeout=body.timeout)
         if not body.stream:
             return await _whole(flight, wire)

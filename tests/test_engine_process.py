@@ -2,7 +2,8 @@
 
 The same seeded requests give the same bytes in process and with the engine in a child
 process (the test family's routes, Orpheus tiny's speech); a client that hangs up cancels its
-request in the engine; a killed engine process gives 503s and leaves no orphan; SIGTERM
+request in the engine; a killed engine process gives 503s that say so (not "the engine thread
+stopped") and leaves no orphan; a value the wire cannot carry is the request's error; SIGTERM
 drains; large tensors pass through shared memory and the reader unlinks the block.
 """
 
@@ -146,11 +147,35 @@ def test_killed_engine_gives_503_and_no_orphan(plan: Path) -> None:
         assert lines[-1]["type"] == "error" and lines[-1]["error"]["code"] == "engine_unavailable"
         assert str(engine) not in json.dumps(lines[-1])  # the pid is for the log
         status, raw = get(base + "/health")
-        assert status == 503 and json.loads(raw)["status"] == "unhealthy"
+        health = json.loads(raw)
+        assert status == 503 and health["status"] == "unhealthy"
+        # a process, not the in-process engine thread, stopped: say which
+        assert health["error"] == "the engine process stopped", health
         status, raw = post(base + "/v1/walks/chat", {"inputs": {"prompt": "x"}})
-        assert status == 503 and json.loads(raw)["error"]["code"] == "engine_unavailable"
+        err = json.loads(raw)["error"]
+        assert status == 503 and err["code"] == "engine_unavailable" and "engine process stopped" in err["message"]
+        assert "thread" not in err["message"], err
         assert server.terminate(30) == 0
     assert not _alive(engine)
+
+
+def test_a_value_the_wire_cannot_carry_is_the_requests_error(plan: Path) -> None:
+    """Text that is not valid Unicode cannot be written as msgpack: a RequestError naming the
+    input (a 400), where it once was taken for a dead pipe (a 503 "the engine is closed")."""
+    from mstar_runtime.engine_process import EngineClient
+    from mstar_runtime.ops.node import RequestError
+    from mstar_runtime.plan.loader import load_plan
+
+    client = EngineClient.start(load_plan(plan), plan, {"weights": "init"})
+    try:
+        with pytest.raises(RequestError, match="cannot be sent to the engine process") as info:
+            client.submit("chat", {"prompt": "a\ud800b"})
+        assert info.value.field == "prompt"
+        assert client.engine_fault() is None
+        out = client.submit("chat", {"prompt": "x", "max_new": 2}).result()  # the engine still serves
+        assert out["tokens"].numel() >= 1
+    finally:
+        client.close()
 
 
 def test_engine_exits_with_its_api_process(plan: Path) -> None:

@@ -57,7 +57,7 @@ from mstar_runtime.control.interpreter import concat
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan.loader import Plan
 from mstar_runtime.worker import messages as m
-from mstar_runtime.worker.wire import ProtocolError, read_frame, write_frame
+from mstar_runtime.worker.wire import ProtocolError, read_frame, write_encoded, write_frame
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +217,15 @@ def finished_outputs(finish: m.EngineFinish, chunks: list[tuple[str, Any]]) -> d
     `EngineOutput` items received (`chunks`) by the engine's own concatenation."""
     return {k: concat([x for name, x in chunks if name == k]) if k in finish.streamed else from_value(v)
             for k, v in finish.outputs.items()}
+
+
+def _encodes(v: m.Value) -> bool:
+    """Whether one value encodes on its own (to name the input an EngineSubmit failed on)."""
+    try:
+        m.encode(m.EngineSubmit("r", "w", {"v": v}, None))
+    except Exception:  # noqa: BLE001 - any refusal of the encoder
+        return False
+    return True
 
 
 def engine_fault(mstar: MStar) -> tuple[str, str] | None:
@@ -495,11 +504,32 @@ class EngineClient:
                 raise RequestError(f"request id '{rid}' is already in use", "request_id")
             handle = ClientHandle(self, rid, walk)
             self._live[rid] = handle
-        if not self._send(m.EngineSubmit(rid, walk, {k: to_value(v) for k, v in values.items()}, timeout)):
+        try:
+            data = self._encode_submit(rid, walk, values, timeout)
+        except RequestError:
+            with self._lock:
+                self._live.pop(rid, None)
+            raise
+        if not self._send_encoded(data):
             with self._lock:
                 self._live.pop(rid, None)
             raise EngineClosed(self._dead or ENGINE_STOPPED)
         return handle
+
+    def _encode_submit(self, rid: str, walk: str, values: Mapping[str, Any], timeout: float | None) -> bytes:
+        """The EngineSubmit frame's bytes. A value the wire cannot carry (text that is not valid
+        Unicode, which msgpack cannot write as UTF-8) is a RequestError naming its input: the
+        client's fault, not a dead engine (encoding and writing used to share one except)."""
+        wired = {k: to_value(v) for k, v in values.items()}
+        try:
+            return m.encode(m.EngineSubmit(rid, walk, wired, timeout))
+        except Exception as e:  # noqa: BLE001 - whatever the encoder refuses, it is this request's value
+            for v in wired.values():
+                drop_value(v)
+            bad = next((k for k, v in wired.items() if not _encodes(v)), None)
+            where = f"input '{bad}'" if bad is not None else "its inputs"
+            raise RequestError(f"walk '{walk}', {where}: the value cannot be sent to the engine process "
+                               f"({type(e).__name__})", bad) from None
 
     def stats(self, timeout: float = 2.0) -> dict[str, Any]:
         """The engine's `MStar.stats()`, asked for now (the last answer if it does not come)."""
@@ -512,8 +542,9 @@ class EngineClient:
         return {**r.stats, "requests": dict(r.requests)}
 
     def engine_fault(self) -> tuple[str, str] | None:
-        """(stable message, details) when the engine cannot serve: its process died, or it reported a fault."""
-        from mstar_runtime.serve.common import ENGINE_STOPPED as STOPPED
+        """(stable message, details) when the engine cannot serve: its process died (said as
+        such, not as the in-process engine thread), or it reported a fault of its own."""
+        from mstar_runtime.serve.common import ENGINE_PROCESS_STOPPED as STOPPED
 
         if self._dead is not None and not self._closing:
             return STOPPED, self._dead
@@ -546,11 +577,16 @@ class EngineClient:
 
     # ---- plumbing
     def _send(self, msg: m.Message) -> bool:
+        return self._send_encoded(m.encode(msg))
+
+    def _send_encoded(self, data: bytes) -> bool:
+        """Write one encoded frame; False when the engine process is gone (the reader fails
+        what is live). Only the write is guarded here: an encoding error is no dead pipe."""
         with self._write:
             try:
-                write_frame(self._out, msg)
+                write_encoded(self._out, data)
                 return True
-            except (OSError, ValueError):  # the engine process is gone; the reader fails what is live
+            except (OSError, ValueError):  # ValueError: the socket's file was closed
                 return False
 
     def _read_loop(self) -> None:

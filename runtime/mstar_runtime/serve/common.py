@@ -6,7 +6,7 @@ request field at fault in the route's own vocabulary (`messages`, `input`, `inpu
 not the walk's port names. `submit_error` maps what `MStar.submit` raises and
 `failure_error` what a request that already ran ended with (`RequestFailed`). What is not
 the client's business stays in the server log: a dead engine or a lost worker reaches
-clients as one stable message (`ENGINE_STOPPED`, `WORKER_LOST`), never with the worker's
+clients as one stable message (`ENGINE_STOPPED`, `ENGINE_PROCESS_STOPPED`, `WORKER_LOST`), never with the worker's
 pid, exit status and stderr or the transport's source paths, peer addresses and ports; an
 internal error (a node bug) as a message naming only the request id.
 
@@ -43,6 +43,7 @@ T = TypeVar("T")
 
 # what clients are told about a dead engine or worker (`ServerState.engine_problem`)
 ENGINE_STOPPED = "the engine thread stopped"
+ENGINE_PROCESS_STOPPED = "the engine process stopped"  # --engine-process: the child process died
 WORKER_LOST = "a worker process was lost"
 
 log = logging.getLogger("mstar_runtime.serve.server")
@@ -306,5 +307,5 @@ class Flight:
             self.last_token_s = now - self.t0
 
 
-__all__ = ["ENGINE_STOPPED", "WORKER_LOST", "ApiError", "ClientGone", "Flight", "api_key_digest", "bad_request",
+__all__ = ["ENGINE_PROCESS_STOPPED", "ENGINE_STOPPED", "WORKER_LOST", "ApiError", "ClientGone", "Flight", "api_key_digest", "bad_request",
            "engine_unavailable", "failure_error", "is_token_item", "submit_error"]

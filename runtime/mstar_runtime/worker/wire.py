@@ -42,7 +42,12 @@ class ProtocolError(Exception):
 
 # ------------------------------------------------------------------------------- frames
 def write_frame(out: IO[bytes], msg: m.Message) -> None:
-    data = m.encode(msg)
+    write_encoded(out, m.encode(msg))
+
+
+def write_encoded(out: IO[bytes], data: bytes) -> None:
+    """Write one frame of a message already encoded (`messages.encode`): a caller that must
+    tell an unencodable message from a broken stream encodes first, then writes."""
     out.write(FRAME.pack(len(data)) + data)
     out.flush()
 

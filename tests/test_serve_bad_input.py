@@ -358,3 +358,192 @@ def test_an_unknown_voice_is_refused_before_it_is_queued(orpheus: Any) -> None:
         assert err["param"] == param and "unknown voice" in err["message"], err
     assert orpheus.stats()["requests"]["submitted"] == before
     assert _requests_total(app, "tts") == {"rejected": 2}
+
+
+# ----------------------------------------------------------------------------- sampling fields
+@pytest.mark.parametrize(("field", "value"), [("temperature", 0.5), ("top_p", 0.5), ("seed", 3),
+                                              ("presence_penalty", 0.5), ("frequency_penalty", -1.0)])
+def test_a_sampling_field_the_walk_does_not_take_is_refused(app: Any, field: str, value: Any) -> None:
+    """The test family's `chat` is greedy: a reply sampled otherwise than asked is no answer."""
+    err = error(call(app, "/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 2, field: value}))
+    assert (err["param"], err["code"]) == (field, "unsupported") and "'chat'" in err["message"], err
+
+
+def test_a_penalty_of_zero_asks_for_nothing(app: Any) -> None:
+    r = call(app, "/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 2,
+                                           "presence_penalty": 0.0, "frequency_penalty": 0.0})
+    assert r.status_code == 200, r.text
+
+
+# ----------------------------------------------------------------------------- images in
+def _png(side: int) -> bytes:
+    import io as stdio
+
+    from PIL import Image
+
+    buf = stdio.BytesIO()
+    Image.new("RGB", (side, side), (9, 8, 7)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _multipart(fields: list[tuple[str, str | bytes]]) -> tuple[bytes, str]:
+    """A multipart form: text fields for str values, file parts (image/png) for bytes."""
+    boundary = "mstar-test-boundary"
+    out = b""
+    for name, value in fields:
+        if isinstance(value, bytes):
+            out += (f"--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"; filename=\"a.png\"\r\n"
+                    "Content-Type: image/png\r\n\r\n").encode() + value + b"\r\n"
+        else:
+            out += f"--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n".encode()
+    return out + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+@pytest.mark.parametrize("name", ["image", "image[]"])
+def test_an_edit_image_sent_as_text_is_a_400_naming_it(app: Any, name: str) -> None:
+    body, kind = _multipart([("model", MODEL), ("prompt", "x"), (name, "aGk=")])
+    r = call(app, "/v1/images/edits", content=body, headers={"Content-Type": kind})
+    assert r.status_code == 400, r.text
+    err = error(r)
+    assert err["param"] == "image" and "file" in err["message"], err
+    assert "UploadFile" not in err["message"] and "class" not in err["message"], err
+
+
+def test_images_are_decoded_off_the_event_loop(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import base64
+
+    from mstar_runtime.serve import app as server_app
+    from mstar_runtime.serve import images as server_images
+
+    app = make_app(engine)
+    seen: list[threading.Thread] = []
+
+    def spy(decode: Any) -> Any:
+        return lambda data: (seen.append(threading.current_thread()), decode(data))[1]
+
+    monkeypatch.setattr(server_app, "decode_image_text", spy(server_app.decode_image_text))
+    monkeypatch.setattr(server_images, "decode_image", spy(server_images.decode_image))
+    png = _png(8)
+    r = call(app, "/v1/walks/edit", {"inputs": {"prompt": "x", "image": base64.b64encode(png).decode()},
+                                     "stream": False})
+    assert r.status_code == 200, r.text
+    body, kind = _multipart([("model", MODEL), ("prompt", "x"), ("image", png)])
+    r = call(app, "/v1/images/edits", content=body, headers={"Content-Type": kind})
+    assert r.status_code == 200, r.text
+    assert len(seen) == 2 and all(t is not threading.main_thread() for t in seen), seen
+
+
+def test_an_image_over_the_pixel_bound_is_refused_before_it_is_decoded(app: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import base64
+
+    from mstar_runtime.serve import io as server_io
+
+    monkeypatch.setattr(server_io, "MAX_IMAGE_PIXELS", 63)  # an 8 x 8 PNG is then too large
+    decoded: list[int] = []
+    from PIL import Image
+
+    convert = Image.Image.convert
+    monkeypatch.setattr(Image.Image, "convert", lambda self, *a, **k: (decoded.append(1), convert(self, *a, **k))[1])
+    r = call(app, "/v1/walks/edit", {"inputs": {"prompt": "x", "image": base64.b64encode(_png(8)).decode()},
+                                     "stream": False})
+    err = error(r)
+    assert (err["param"], err["code"]) == ("inputs.image", "invalid_image") and "63 pixels" in err["message"], err
+    assert not decoded
+
+
+# ----------------------------------------------------------------------------- work sizes (plan bounds)
+def _model_engine(tmp: Any, model: str) -> Iterator[Any]:
+    from mstar_runtime.api import MStar
+    from mstarc.cli import main as mstarc
+
+    plan = tmp / f"{model}-tiny.plan"
+    assert mstarc(["compile", str(ROOT / f"models/{model}/{model}.walk"), "--variant", "tiny", "-p",
+                   str(ROOT / "placements/cpu.yaml"), "-o", str(plan)]) == 0
+    m = MStar.load(plan, weights="init")
+    try:
+        yield m
+    finally:
+        done = threading.Event()
+        threading.Thread(target=lambda: (m.close(), done.set()), daemon=True).start()
+        assert done.wait(30)
+
+
+@pytest.fixture(scope="module")
+def vjepa2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    yield from _model_engine(tmp_path_factory.mktemp("vjepa2"), "vjepa2")
+
+
+FRAME = [[[[0, 0, 0]] * 32] * 32]  # one 32 x 32 black frame
+STATE = [[0.0] * 7]
+
+
+@pytest.mark.parametrize(("inputs", "param", "says"), [
+    # 10^9 once allocated past 24 GB in one node call; values here stay harmless should the bound regress
+    ({"samples": 513}, "inputs.samples", "from 2 to 512"),
+    ({"samples": 600}, "inputs.samples", "max_samples"),
+    ({"samples": 1}, "inputs.samples", "from 2 to 512"),
+    ({"samples": 4, "topk": 5}, "inputs.topk", "from 1 to samples (4)"),
+    ({"topk": 0}, "inputs.topk", "from 1 to samples (8)"),
+])
+def test_cem_work_sizes_are_refused_before_they_are_queued(vjepa2: Any, inputs: dict, param: str,
+                                                          says: str) -> None:
+    app = make_app(vjepa2)
+    before = vjepa2.stats()["requests"]["submitted"]
+    err = error(call(app, "/v1/walks/plan", {"inputs": {"frame": FRAME, "goal": FRAME, "state": STATE, **inputs},
+                                            "stream": False}))
+    assert (err["param"], err["code"]) == (param, "out_of_range") and says in err["message"], err
+    assert vjepa2.stats()["requests"]["submitted"] == before
+    assert _requests_total(app, "plan") == {"rejected": 1}
+
+
+def test_the_python_api_refuses_cem_work_sizes_at_submit(vjepa2: Any) -> None:
+    from mstar_runtime.ops.node import RequestError
+
+    frame = torch.zeros(1, 32, 32, 3, dtype=torch.uint8)
+    with pytest.raises(RequestError, match="samples must be from 2 to 512") as info:
+        vjepa2.submit("plan", {"frame": frame, "goal": frame, "state": torch.zeros(1, 7), "samples": 513})
+    assert info.value.field == "samples"
+
+
+def test_rollout_trajectories_and_encode_frames_are_bounded(vjepa2: Any) -> None:
+    app = make_app(vjepa2)
+    context = [[[0.0] * 64] * 4]
+    err = error(call(app, "/v1/walks/rollout", {"inputs": {"context": context, "states": STATE,
+                                                          "actions": [[[0.0] * 7] * 3] * 513}, "stream": False}))
+    assert err["param"] == "inputs.actions" and "513 trajectories" in err["message"] and "512" in err["message"], err
+    frames = [[[[0, 0, 0]]]] * 1025  # 1 x 1 px frames: a small body, many latents
+    err = error(call(app, "/v1/walks/encode", {"inputs": {"frames": frames}, "stream": False}))
+    assert err["param"] == "inputs.frames" and "1025 frames" in err["message"] and "1024" in err["message"], err
+
+
+@pytest.mark.parametrize(("walk", "inputs", "param"), [
+    ("encode", {"frames": []}, "inputs.frames"),  # no frames: `[]` is the empty tensor [0, 0, 0, 3]
+    ("plan", {"frame": [], "goal": FRAME, "state": STATE}, "inputs.frame"),  # an empty image: [1, 0, 0, 3]
+])
+def test_no_frames_to_encode_is_a_400(vjepa2: Any, walk: str, inputs: dict, param: str) -> None:
+    err = error(call(make_app(vjepa2), f"/v1/walks/{walk}", {"inputs": inputs, "stream": False}))
+    assert err["param"] == param and "at least one frame" in err["message"], err
+
+
+@pytest.fixture(scope="module")
+def qwen3_omni(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    yield from _model_engine(tmp_path_factory.mktemp("qwen3_omni"), "qwen3_omni")
+
+
+@pytest.mark.parametrize("frames", [-1, 0, 65, 10**12])
+def test_talker_max_frames_outside_the_frame_loop_is_a_400_naming_it(qwen3_omni: Any, frames: int) -> None:
+    """10^12 was cut silently at the loop's 64 (tiny); -1 was the node's words against `messages`."""
+    app = make_app(qwen3_omni)
+    body = {"model": "qwen3_omni", "messages": HI, "max_tokens": 2, "modalities": ["text", "audio"],
+            "audio": {"voice": "ethan", "format": "wav"}, "talker_max_frames": frames}
+    err = error(call(app, "/v1/chat/completions", body))
+    assert (err["param"], err["code"]) == ("talker_max_frames", "out_of_range"), err
+    assert "from 1 to 64" in err["message"], err
+    err = error(call(app, "/v1/walks/speech", {"inputs": {"prompt": "hi", "talker_max_frames": frames}}))
+    assert err["param"] == "inputs.talker_max_frames" and "from 1 to 64" in err["message"], err
+
+
+def test_the_talkers_default_is_the_variants_frame_bound(qwen3_omni: Any) -> None:
+    (default,) = [p["default"] for p in qwen3_omni.plan.walk("speech")["inputs"] if p["name"] == "talker_max_frames"]
+    assert default == qwen3_omni.plan.config["max_talker_frames"] == 64

@@ -19,7 +19,9 @@ from pathlib import Path
 
 from mstar_runtime.plan.check import (
     MAX_CHUNK_ITEMS,
+    MAX_KV_DIM,
     MAX_LOOP_BOUND,
+    NODE_DTYPES,
     POLICY_OPTIONAL,
     POLICY_PARAMS,
     policy_param_min,
@@ -163,8 +165,10 @@ class _Lowerer:
         settings = self.settings(n)
         tags, tag_max_len = self.tags(n, engine)
         dtype = settings.get("dtype", self.config.get("dtype", "bf16"))
-        if dtype not in DTYPES:
-            self.sink.error("E031", f"node dtype must be one of {', '.join(DTYPES)}, not {dtype!r}", n.span)
+        if dtype not in NODE_DTYPES:  # the runtime computes in a float dtype (plan/check.py)
+            where = next((s.value.span for s in n.settings if s.name.name == "dtype"), n.span)
+            self.sink.error("E031", f"node dtype must be one of {', '.join(NODE_DTYPES)}, not {dtype!r}", where,
+                            "the node's compute and weights dtype; ports take any dtype (`in ids : i32[T]`)")
             dtype = "bf16"
         for extra in n.extra_archs:
             self.sink.error("E010", f"node '{n.name.name}' has more than one arch", extra.span)
@@ -295,6 +299,11 @@ class _Lowerer:
             span = spans.get(e.arg or "", a.span)
             self.sink.error("E023", f"arch '{a.name.name}': {e}", span)
             return a.name.name, args, None
+        kv = spec.kv
+        if kv is not None and max(kv.layers, kv.kv_heads, kv.head_dim) > MAX_KV_DIM:  # the plan schema's range
+            self.sink.error("E023", f"arch '{a.name.name}': a KV geometry of {kv.layers} layers x {kv.kv_heads} KV "
+                            f"heads x {kv.head_dim} is over the bound of {MAX_KV_DIM} in a dimension", a.span)
+            return a.name.name, args, None
         return a.name.name, args, spec
 
     # ---- edges
@@ -352,6 +361,10 @@ class _Lowerer:
         if missing:
             self.sink.error("E044", f"{kind}() is missing {', '.join(missing)}", p.span,
                             f"{kind} takes ({', '.join(names)})")
+        if kind == "left_context" and {"chunk", "left"} <= params.keys() \
+                and params["chunk"] + params["left"] > MAX_CHUNK_ITEMS:  # a chunk's items (plan/check.py)
+            self.sink.error("E044", f"left_context() chunk + left is {params['chunk'] + params['left']} items, over "
+                            f"the bound of {MAX_CHUNK_ITEMS} for one chunk", p.span)
         if kind == "sliding" and {"window", "stride"} <= params.keys() and params["stride"] > params["window"]:
             self.sink.error("E044", f"sliding() stride {params['stride']} is larger than its window {params['window']}",
                             p.span, "items between windows would never reach the consumer")

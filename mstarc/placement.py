@@ -503,6 +503,15 @@ class _Reader:
         if "hbm_tb_s" in d:
             hbm = self.number(d["hbm_tb_s"][1], f"'hbm_tb_s' of {what}", "E055", MAX_HBM_TB_S)
             ok = ok and hbm is not None
+        # the plan holds whole bytes and bytes/s, at least 1 (plan/check.py): 1e-300 GiB is no memory
+        if memory is not None and round(memory * GIB) < 1:
+            self.sink.error("E055", f"'memory_gib' of {what} is {_short(memory)}, less than one byte",
+                            self.span(d["memory_gib"][1]))
+            memory = None
+        if hbm is not None and round(hbm * TB) < 1:
+            self.sink.error("E055", f"'hbm_tb_s' of {what} is {_short(hbm)}, less than one byte per second",
+                            self.span(d["hbm_tb_s"][1]))
+            ok = False
         if not ok or name is None or memory is None:
             return None
         return (span, dtype, name, int(round(memory * GIB)), None if hbm is None else int(round(hbm * TB)))

@@ -245,6 +245,17 @@ p.yaml:1:18: error[E055]: 'devices.count' must be at least 1, got 0
      |                  ^"""
 
 
+def test_memory_and_bandwidth_below_one_byte() -> None:
+    """The plan holds whole bytes, at least one (its schema): 1e-300 GiB is no memory, not 0 bytes."""
+    assert errors("devices: {count: 1, type: cuda, memory_gib: 1.0e-300, hbm_tb_s: 1.0e-15}\n") == """\
+p.yaml:1:45: error[E055]: 'memory_gib' of the devices is 1e-300, less than one byte
+   1 | devices: {count: 1, type: cuda, memory_gib: 1.0e-300, hbm_tb_s: 1.0e-15}
+     |                                             ^^^^^^^^
+p.yaml:1:64: error[E055]: 'hbm_tb_s' of 'devices' is 1e-13, less than one byte per second
+   1 | devices: {count: 1, type: cuda, memory_gib: 1.0e-300, hbm_tb_s: 1.0e-15}
+     |                                                                 ^^^^^^^"""
+
+
 def test_unreadable_file(tmp_path: Path) -> None:
     with pytest.raises(CompileError) as info:
         load_placement(tmp_path / "nope.yaml", "nope.yaml")

@@ -33,6 +33,8 @@ MAX_KV_PAGES = 1 << 32  # pages of one KV pool: 2^32 pages of one token is far p
 MAX_CHUNK_ITEMS = 1 << 20  # items of one chunk of a chunk policy (a policy parameter)
 MAX_STREAM_ITEMS = 1 << 24  # items a stream buffer holds (its capacity)
 MAX_LOOP_BOUND = 1 << 31  # iterations of one loop
+MAX_KV_DIM = 1 << 20  # layers, KV heads or head dim of a KV geometry
+NODE_DTYPES = ("bf16", "f16", "f32")  # a node's compute and weights dtype (the loader's NODE_DTYPES)
 # chunk policies: required parameters, optional ones, the smallest value of each
 POLICY_PARAMS: Mapping[str, tuple[str, ...]] = {"fixed": ("size",), "sliding": ("window", "stride"),
                                                  "left_context": ("chunk", "left")}
@@ -270,15 +272,15 @@ OP = Tagged("op", _ops)
 PORT_IN = Obj({"name": NAME, "type": TYPE}, {"default": AnyJSON(), "stream": Opt(NAME)})
 PORT_OUT = Obj({"name": NAME, "type": TYPE, "mode": Str(("append", "set"))})
 NODE = Obj({
-    "engine": Str(("kv", "stateless")), "impl": NAME, "dtype": Str(("bf16", "f16", "f32")), "tags": List(NAME),
+    "engine": Str(("kv", "stateless")), "impl": NAME, "dtype": Str(NODE_DTYPES), "tags": List(NAME),
     "settings": Map(AnyJSON()), "inputs": Map(TYPE), "outputs": Map(TYPE),
     "phases": Map(Obj({"inputs": List(NAME), "outputs": List(NAME)},
                       {"reads": List(Obj({"node": NAME, "tag": Opt(NAME)}))})),
     "ranks": RANKS,
     "arch": Opt(Obj({"name": NAME, "args": Map(AnyJSON()), "dims": Map(AnyJSON()), "params": Int(), "bytes": Int(),
                      "tensors": List(Tuple((NAME, List(Int()), NAME, Opt(NAME))))},
-                    {"kv": Opt(Obj({"layers": Int(1, 1 << 20), "kv_heads": Int(1, 1 << 20),
-                                    "head_dim": Int(1, 1 << 20)}))})),
+                    {"kv": Opt(Obj({"layers": Int(1, MAX_KV_DIM), "kv_heads": Int(1, MAX_KV_DIM),
+                                    "head_dim": Int(1, MAX_KV_DIM)}))})),
     "shard": Opt(Obj({"tp": Int(1, MAX_DEVICES), "ranks": RANKS,
                       "splits": Map(Obj({"kind": Str(("col", "row", "vocab", "expert", "replicate")),
                                          "dim": Opt(Int(0, 64)), "parts": Int(1, MAX_DEVICES)}))},

@@ -251,7 +251,7 @@ def test_memory_and_bandwidth_below_one_byte() -> None:
 p.yaml:1:45: error[E055]: 'memory_gib' of the devices is 1e-300, less than one byte
    1 | devices: {count: 1, type: cuda, memory_gib: 1.0e-300, hbm_tb_s: 1.0e-15}
      |                                             ^^^^^^^^
-p.yaml:1:64: error[E055]: 'hbm_tb_s' of 'devices' is 1e-13, less than one byte per second
+p.yaml:1:65: error[E055]: 'hbm_tb_s' of the devices is 1e-15, less than one byte per second
    1 | devices: {count: 1, type: cuda, memory_gib: 1.0e-300, hbm_tb_s: 1.0e-15}
      |                                                                 ^^^^^^^"""
 

@@ -437,9 +437,9 @@ def test_an_image_over_the_pixel_bound_is_refused_before_it_is_decoded(app: Any,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     import base64
 
-    from mstar_runtime.serve import io as server_io
+    from mstar_runtime import media
 
-    monkeypatch.setattr(server_io, "MAX_IMAGE_PIXELS", 63)  # an 8 x 8 PNG is then too large
+    monkeypatch.setattr(media, "MAX_IMAGE_PIXELS", 63)  # an 8 x 8 PNG is then too large (media.decode_image)
     decoded: list[int] = []
     from PIL import Image
 

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from mstar_runtime import media
 from mstar_runtime.control.conductor import (
     CANCELLED,
     FAILED,
@@ -451,9 +452,12 @@ class MStar:
 
     def __init__(self, plan: Plan, workers: Mapping[int, WorkerLike], *, shutdown: Callable[[], None] | None = None,
                  max_running: int | None = None, preempt_every: int | None = None,
-                 request_timeout: float | None = None, step_path: str | None = None):
-        """`step_path`: "cohort" or "generic" (docs/runtime.md, "Decode cohorts"); None: $MSTAR_STEP_PATH, else cohort."""
+                 request_timeout: float | None = None, step_path: str | None = None,
+                 weights: str | PathLike[str] = "dummy"):
+        """`step_path`: "cohort" or "generic" (docs/runtime.md, "Decode cohorts"); None: $MSTAR_STEP_PATH, else cohort.
+        `weights`: what the workers loaded, for the rate an audio file is resampled to (`input_rate`)."""
         self.plan = plan
+        self._rates = media.InputRates(plan, weights)
         self._conductor = Conductor(plan, workers, max_running=max_running, preempt_every=preempt_every,
                                     request_timeout=request_timeout, path=step_path)
         self._shutdown = shutdown
@@ -489,7 +493,7 @@ class MStar:
         workers, shutdown = start_workers(plan, weights)
         try:
             return cls(plan, workers, shutdown=shutdown, max_running=max_running, preempt_every=preempt_every,
-                       request_timeout=request_timeout, step_path=step_path)
+                       request_timeout=request_timeout, step_path=step_path, weights=weights)
         except BaseException:
             shutdown()
             raise
@@ -510,9 +514,15 @@ class MStar:
                timeout: float | None = None, streaming: bool = False) -> RequestHandle:
         """Queue a request. Raises `RequestError` (naming the field) for bad input, here and
         now; `EngineClosed` after `close()`. `streaming`: the walk's streamed inputs that
-        `inputs` leaves out are sent through the handle (`feed`, `close_input`)."""
+        `inputs` leaves out are sent through the handle (`feed`, `close_input`).
+
+        Images and audio may be given as a caller has them (`mstar_runtime.media`): a PIL
+        image, a numpy array or a file path (`str` or `Path`: PNG, JPEG, ..., a WAV file,
+        resampled to the walk's rate, or a `.safetensors` file) where the walk takes an image
+        or a tensor."""
         program = self.plan.walk(walk)  # UnknownWalk, a RequestError naming the field 'walk'
-        plain, whole = check_inputs(walk, program, inputs or {}, streaming=streaming, config=self.plan.config)
+        inputs = media.to_walk_values(walk, program, inputs or {}, lambda name: self.input_rate(walk, name))
+        plain, whole = check_inputs(walk, program, inputs, streaming=streaming, config=self.plan.config)
         values = {**plain, **{k: v for k, v in whole.items() if v is not None}}
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise RequestError("request_id must be a non-empty string", "request_id")
@@ -529,6 +539,11 @@ class MStar:
             self._inbox.append(("submit", handle, ()))
             self._lock.notify()
         return handle
+
+    def input_rate(self, walk: str, name: str) -> int:
+        """The sample rate walk input `name` reads audio at (`media.input_rate`), which a WAV
+        file given for it is resampled to."""
+        return self._rates(walk, name)
 
     def generate(self, walk: str, /, **inputs: Any) -> dict[str, Any]:
         """Submit and wait: `m.generate("generate", prompt="hi", max_new=8)`."""

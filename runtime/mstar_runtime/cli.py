@@ -41,7 +41,7 @@ import click
 import torch
 from tqdm import tqdm
 
-from mstar_runtime import untrusted
+from mstar_runtime import media, untrusted
 from mstar_runtime.api import MStar, RequestFailed, RequestHandle
 from mstar_runtime.cli_support import CONTEXT_SETTINGS, run_command, version_option
 from mstar_runtime.control.validate import TORCH_DTYPES, validate_inputs
@@ -65,38 +65,9 @@ def _bad(walk: str, name: str, message: str) -> RequestError:
     return RequestError(f"walk '{walk}', input '{name}': {message}", name)
 
 
-def _read_image(walk: str, name: str, ref: str) -> torch.Tensor:
-    from PIL import Image, UnidentifiedImageError
-
-    path = Path(ref.removeprefix("@"))
-    try:
-        with Image.open(path) as img:
-            rgb = img.convert("RGB")
-    except FileNotFoundError:
-        raise _bad(walk, name, f"image file '{path}' does not exist") from None
-    except (UnidentifiedImageError, OSError) as e:
-        raise _bad(walk, name, f"cannot read image '{path}': {e}") from None
-    import numpy as np
-
-    return torch.from_numpy(np.array(rgb, dtype=np.uint8))
-
-
-def _read_safetensors(walk: str, name: str, ref: str) -> torch.Tensor:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    path = Path(ref.removeprefix("@"))
-    try:
-        tensors = load_file(str(path))
-    except FileNotFoundError:
-        raise _bad(walk, name, f"tensor file '{path}' does not exist") from None
-    except (SafetensorError, OSError, ValueError) as e:
-        raise _bad(walk, name, f"cannot read '{path}' as safetensors: {e}") from None
-    if name in tensors:
-        return tensors[name]
-    if len(tensors) == 1:
-        return next(iter(tensors.values()))
-    raise _bad(walk, name, f"'{path}' holds {len(tensors)} tensors and none is named '{name}'")
+def no_rate() -> int:
+    """The audio rate of a caller that knows no plan's: the default one."""
+    return media.DEFAULT_INPUT_RATE
 
 
 def _parse_bool(walk: str, name: str, text: str) -> bool:
@@ -108,8 +79,11 @@ def _parse_bool(walk: str, name: str, text: str) -> bool:
     raise _bad(walk, name, f"expected true or false, got '{text}'")
 
 
-def parse_text(walk: str, name: str, t: Mapping[str, Any], text: str) -> Any:
-    """A `--input` value parsed by the input's declared type (validation comes after)."""
+def parse_text(walk: str, name: str, t: Mapping[str, Any], text: str, rate: Callable[[], int] = no_rate) -> Any:
+    """A `--input` value parsed by the input's declared type (validation comes after). An image
+    input's text is a file (`@photo.png`, the `@` optional); a tensor's is `@FILE` (an image,
+    a WAV file, a safetensors file: `media.read_input_file`, which calls `rate()` for a WAV
+    file's target rate) or a JSON list."""
     kind = t["kind"]
     if kind == "str":
         return text
@@ -126,14 +100,14 @@ def parse_text(walk: str, name: str, t: Mapping[str, Any], text: str) -> Any:
     if kind == "bool":
         return _parse_bool(walk, name, text)
     if kind == "image":
-        return _read_image(walk, name, text)
+        return media.read_input_file(walk, name, t, text.removeprefix("@"), rate)
     if text.startswith("@"):
-        return _read_safetensors(walk, name, text)
+        return media.read_input_file(walk, name, t, text[1:], rate)
     try:
         data = untrusted.loads_json(text, MAX_TENSOR_JSON_DEPTH)
     except ValueError as e:  # malformed, or nested deeper than any tensor
         reason = f" ({e})" if isinstance(e, untrusted.JSONTooDeep) else ""
-        raise _bad(walk, name, f"expected a JSON list or @file.safetensors for a {t['dtype']} tensor, "
+        raise _bad(walk, name, f"expected a JSON list or @FILE (safetensors, image, WAV) for a {t['dtype']} tensor, "
                                f"got '{text[:60]}'{reason}") from None
     try:
         return torch.tensor(data, dtype=TORCH_DTYPES[t["dtype"]])
@@ -141,11 +115,12 @@ def parse_text(walk: str, name: str, t: Mapping[str, Any], text: str) -> Any:
         raise _bad(walk, name, f"not a {t['dtype']} tensor: {e}") from None
 
 
-def parse_json_value(walk: str, name: str, t: Mapping[str, Any] | None, value: Any) -> Any:
+def parse_json_value(walk: str, name: str, t: Mapping[str, Any] | None, value: Any,
+                     rate: Callable[[], int] = no_rate) -> Any:
     """A batch line's input: JSON values pass through (the walk's types check them); a string
     for an image or tensor input is a file reference, read as `--input` would."""
     if t is not None and t["kind"] in ("image", "tensor") and isinstance(value, str):
-        return parse_text(walk, name, t, value)
+        return parse_text(walk, name, t, value, rate)
     return value
 
 
@@ -160,13 +135,16 @@ def split_pairs(pairs: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def cli_inputs(plan: Plan, walk: str, texts: Mapping[str, str]) -> dict[str, Any]:
-    """`--input` values ({name: text}), parsed by the walk's declared input types and validated."""
+def cli_inputs(plan: Plan, walk: str, texts: Mapping[str, str], weights: str | PathLike[str] = "dummy",
+               ) -> dict[str, Any]:
+    """`--input` values ({name: text}), parsed by the walk's declared input types and validated.
+    `weights`: the plan's weights, for the rate a WAV file is resampled to (`media.input_rate`)."""
     program = plan.walk(walk)
     declared = {p["name"]: p["type"] for p in program["inputs"]}
+    rates = media.InputRates(plan, weights)
     # an undeclared name stays a string: validate_inputs names it as unknown
-    raw = {name: parse_text(walk, name, declared[name], text) if name in declared else text
-           for name, text in texts.items()}
+    raw = {name: parse_text(walk, name, declared[name], text, lambda name=name: rates(walk, name))
+           if name in declared else text for name, text in texts.items()}
     return validate_inputs(walk, program, raw)
 
 
@@ -220,8 +198,9 @@ class BatchLine:
     error: RequestError | None = None
 
 
-def parse_line(plan: Plan, line: int, text: str) -> BatchLine:
-    """A batch line as a request; any problem becomes the line's `error`, never an exception."""
+def parse_line(plan: Plan, line: int, text: str, rates: Callable[[str, str], int] | None = None) -> BatchLine:
+    """A batch line as a request; any problem becomes the line's `error`, never an exception.
+    `rates(walk, input)`: the rate a WAV file is resampled to (`MStar.input_rate`)."""
     fallback = f"line-{line}"
     try:
         obj = untrusted.loads_json(text)
@@ -246,7 +225,12 @@ def parse_line(plan: Plan, line: int, text: str) -> BatchLine:
         if not isinstance(raw, dict):
             raise RequestError(f"'inputs' must be a JSON object, got {type(raw).__name__}", "inputs")
         declared = {p["name"]: p["type"] for p in plan.walk(item.walk)["inputs"]}
-        item.inputs = {k: parse_json_value(item.walk, k, declared.get(k), v) for k, v in raw.items()}
+        walk_name = item.walk
+
+        def rate_of(name: str) -> Callable[[], int]:
+            return (lambda: rates(walk_name, name)) if rates is not None else no_rate
+
+        item.inputs = {k: parse_json_value(walk_name, k, declared.get(k), v, rate_of(k)) for k, v in raw.items()}
     except RequestError as e:
         item.error = e
     return item
@@ -402,7 +386,7 @@ def batch(m: MStar, requests: str | PathLike[str], out: str | PathLike[str]) -> 
             for number, text in request_lines(f, limit):
                 count += 1
                 item = (BatchLine(number, f"line-{number}", error=text) if isinstance(text, RequestError)
-                        else parse_line(m.plan, number, text))
+                        else parse_line(m.plan, number, text, m.input_rate))
                 run.submit(item, seen)
             while run.in_flight:
                 run.collect(block=True)
@@ -467,7 +451,7 @@ def run_walk(plan: str | PathLike[str], walk: str, inputs: Mapping[str, str] | N
 def _walk(plan_path: str | PathLike[str], walk: str, texts: Mapping[str, str], out: str | PathLike[str],
           stream: bool, options: EngineOptions) -> int:
     plan = load_plan(plan_path, device=options.device)
-    inputs = cli_inputs(plan, walk, texts)  # before the weights load: a typo costs a second
+    inputs = cli_inputs(plan, walk, texts, options.weights)  # before the weights load: a typo costs a second
     with start_engine(plan, options) as m:
         return one_shot(m, walk, inputs, out, stream)
 

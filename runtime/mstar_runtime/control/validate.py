@@ -41,7 +41,7 @@ def coerce(walk: str, name: str, t: Mapping[str, Any], value: Any) -> Any:
         return value
     if kind == "image":
         if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 3 or value.shape[2] != 3:
-            raise _fail(walk, name, "expected an RGB image (uint8 tensor [H, W, 3]; the CLI and server decode files)")
+            raise _fail(walk, name, "expected an RGB image (a uint8 tensor [H, W, 3], a PIL image, a numpy array or a file path)")
         return value
     # a tensor
     dtype = TORCH_DTYPES[t["dtype"]]

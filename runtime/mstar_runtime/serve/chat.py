@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mstar_runtime.api import RequestFailed
+from mstar_runtime.media import DEFAULT_INPUT_RATE, decode_wav, node_input_rate, resample
 from mstar_runtime.serve.app import (
     ERROR_RESPONSES,
     MAX_TOKEN_INPUTS,
@@ -82,7 +83,7 @@ from mstar_runtime.serve.app import (
 from mstar_runtime.serve.chat_template import ChatTemplate, template_for
 from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
 from mstar_runtime.serve.io import b64, decode_image_text, pcm16, wav_header
-from mstar_runtime.serve.media import SpeechWalk, decode_wav, resample, speech_walk, voice_of
+from mstar_runtime.serve.media import SpeechWalk, speech_walk, voice_of
 from mstar_runtime.serve.schemas import MAX_STR, ChatCompletionRequest, InputAudioPart
 from mstar_runtime.serve.text import TextCodec, TextStream
 
@@ -100,7 +101,6 @@ log = logging.getLogger("mstar_runtime.serve.server")
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty")
 # OpenAI's defaults that mean "no penalty": what clients send when they set nothing
 NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0}
-DEFAULT_INPUT_RATE = 16000  # an audio input's rate when its prompt node names none (Whisper-style encoders')
 
 
 def image_input(role: WalkRole) -> str | None:
@@ -190,16 +190,11 @@ def render_prompt(body: ChatCompletionRequest, role: WalkRole, template: ChatTem
 
 
 def input_rate(state: ServerState, walk: str) -> int:
-    """The sample rate a walk's audio input wants: its prompt node's `sampling_rate` (Qwen3-Omni's
-    processor: `features.sampling_rate`, from the checkpoint's preprocessor_config.json), else
-    DEFAULT_INPUT_RATE."""
+    """The sample rate a walk's audio input wants: its prompt node's (`media.node_input_rate`:
+    Qwen3-Omni's processor reads `features.sampling_rate`, from the checkpoint's
+    preprocessor_config.json), else DEFAULT_INPUT_RATE."""
     codec = state.codecs.get(walk)
-    node = codec.node if codec is not None else None
-    for source in (node, getattr(node, "features", None)):
-        rate = getattr(source, "sampling_rate", None)
-        if isinstance(rate, int) and not isinstance(rate, bool) and rate > 0:
-            return rate
-    return DEFAULT_INPUT_RATE
+    return node_input_rate(codec.node) if codec is not None and codec.node is not None else DEFAULT_INPUT_RATE
 
 
 def decode_input_audio(part: InputAudioPart, param: str, rate: int) -> torch.Tensor:

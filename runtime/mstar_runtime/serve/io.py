@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
+from mstar_runtime.media import decode_image  # shared with the CLI and the API
 from mstar_runtime.outputs import DEFAULT_SAMPLE_RATE, is_audio_name, jsonable
 
 STREAMING_SIZE = 0xFFFFFFFF
-MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # decompression-bomb guard for client images
 
 
 def sample_rate(config: Mapping[str, Any]) -> int:
@@ -67,24 +67,6 @@ def png_bytes(image: torch.Tensor) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(array.contiguous().numpy()).save(buf, format="PNG")
     return buf.getvalue()
-
-
-def decode_image(data: bytes) -> torch.Tensor:
-    """File bytes (PNG, JPEG, ...) as an RGB uint8 [H, W, 3] tensor; ValueError if unreadable."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            if img.width * img.height > MAX_IMAGE_PIXELS:
-                raise ValueError(f"the image is {img.width}x{img.height}; at most {MAX_IMAGE_PIXELS} pixels")
-            rgb = img.convert("RGB")
-    except UnidentifiedImageError:  # its text is a repr of the buffer ("<_io.BytesIO object at 0x...>")
-        raise ValueError("not a readable image (PNG, JPEG, or another format Pillow reads)") from None
-    except (OSError, Image.DecompressionBombError) as e:
-        raise ValueError(f"not a readable image: {e}") from None
-    import numpy as np
-
-    return torch.from_numpy(np.array(rgb, dtype=np.uint8))
 
 
 def decode_image_text(text: str) -> torch.Tensor:

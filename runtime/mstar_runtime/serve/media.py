@@ -23,29 +23,25 @@ ends cleanly, shorter (the chunked body is terminated, so clients read a complet
 truncated file, not a protocol error), and the server logs one line with the reason; an
 SSE stream ends with an `error` event.
 
-Audio in (`decode_wav`, `resample`; the chat route's `input_audio` parts). A WAV file of
-integer PCM (8, 16, 24 or 32 bits) or IEEE float (32 or 64 bits), plain or
-WAVE_FORMAT_EXTENSIBLE, any number of channels (averaged to mono), at 4 to 384 kHz. Other
-rates than the walk's are resampled by a band-limited interpolation: a Kaiser-windowed sinc
-low-pass at 0.99 of the lower Nyquist frequency, 16 zero crossings each side, every output
-phase's taps normalised to unit sum (so a constant stays constant). A data size of
-0xFFFFFFFF or past the end of the file (a streamed WAV's header) means "to the end".
+Audio in (the chat route's `input_audio` parts) is decoded and resampled by
+`mstar_runtime.media` (`decode_wav`, `resample`), the module the command line and the
+Python API read files with; its docstring says which WAV files are read.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
-import struct
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from mstar_runtime.api import RequestFailed
+from mstar_runtime.media import (  # the audio a client sends: shared with the CLI and the API
+    decode_wav,
+    resample,
+)
 from mstar_runtime.serve.app import ERROR_RESPONSES, check_model, error_response, start_flight, walk_extras
 from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
 from mstar_runtime.serve.io import b64, pcm16, wav_header
@@ -309,111 +305,6 @@ async def _stream_speech(flight: Flight, role: WalkRole, fmt: str, rate: int, ss
 
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-# ----------------------------------------------------------------------------- audio in
-MIN_RATE, MAX_RATE = 4000, 384000
-_PCM, _FLOAT, _EXTENSIBLE = 1, 3, 0xFFFE
-ZERO_CROSSINGS = 16  # of the interpolating sinc, each side
-ROLLOFF = 0.99  # the low-pass edge, as a fraction of the lower Nyquist frequency
-KAISER_BETA = 8.6  # about 80 dB stop-band attenuation
-
-
-def decode_wav(data: bytes) -> tuple[torch.Tensor, int]:
-    """A WAV file as float32 mono samples in [-1, 1] and its sample rate (module docstring);
-    ValueError, saying what is wrong, for anything else."""
-    import numpy as np
-
-    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
-        raise ValueError("not a WAV file (no RIFF/WAVE header)")
-    fmt: tuple[int, int, int, int, int] | None = None
-    at = 12
-    while at + 8 <= len(data):
-        cid, size = data[at:at + 4], struct.unpack("<I", data[at + 4:at + 8])[0]
-        body = data[at + 8:at + 8 + size]
-        if cid == b"fmt ":
-            if len(body) < 16:
-                raise ValueError("the WAV fmt chunk is truncated")
-            code, channels, rate, _, align, bits = struct.unpack("<HHIIHH", body[:16])
-            if code == _EXTENSIBLE and len(body) >= 26:
-                code = struct.unpack("<H", body[24:26])[0]  # the sub-format GUID's first two bytes
-            fmt = (code, channels, rate, align, bits)
-        elif cid == b"data":
-            if fmt is None:
-                raise ValueError("the WAV data chunk comes before its fmt chunk")
-            break
-        at += 8 + size + (size & 1)  # chunks are padded to an even size
-    else:
-        raise ValueError("the WAV file has no data chunk")
-    code, channels, rate, align, bits = fmt
-    if not MIN_RATE <= rate <= MAX_RATE:
-        raise ValueError(f"the WAV sample rate is {rate} Hz; {MIN_RATE} to {MAX_RATE} Hz are read")
-    if channels < 1 or align != channels * ((bits + 7) // 8):
-        raise ValueError(f"the WAV fmt chunk is inconsistent ({channels} channels, {bits} bits, block {align})")
-    kinds = {(_PCM, 8): "u1", (_PCM, 16): "<i2", (_PCM, 24): "i3", (_PCM, 32): "<i4", (_FLOAT, 32): "<f4",
-             (_FLOAT, 64): "<f8"}
-    kind = kinds.get((code, bits))
-    if kind is None:
-        what = {_PCM: "integer PCM", _FLOAT: "float"}.get(code, f"format code {code}")
-        raise ValueError(f"the WAV holds {bits}-bit {what} audio; 8/16/24/32-bit PCM or 32/64-bit float are read")
-    raw = body[: len(body) - len(body) % align]  # a streamed header's size runs past the end: to the end
-    if kind == "i3":  # no numpy dtype: sign-extend three little-endian bytes
-        b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 3).astype(np.int32)
-        ints = (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) << 8 >> 8
-        samples = ints.astype(np.float64) / 2.0**23
-    else:
-        arr = np.frombuffer(raw, dtype=np.dtype(kind)).astype(np.float64)
-        scale = {"u1": 128.0, "<i2": 2.0**15, "<i4": 2.0**31}.get(kind)
-        samples = (arr - 128.0) / 128.0 if kind == "u1" else arr / scale if scale else arr
-    mono = samples.reshape(-1, channels).mean(axis=1)
-    if mono.size == 0:
-        raise ValueError("the WAV holds no samples")
-    if not np.isfinite(mono).all():
-        raise ValueError("the WAV holds NaN or infinite samples")
-    return torch.from_numpy(np.clip(mono, -1.0, 1.0).astype(np.float32)), int(rate)
-
-
-def resample(x: torch.Tensor, orig: int, new: int) -> torch.Tensor:
-    """1-D samples at `orig` Hz as samples at `new` Hz (module docstring): ceil(len * new / orig)
-    of them, output sample m at input time m * orig / new. Memory is the input, the output and
-    one block of BLOCK_ENTRIES taps, whatever the two rates (a rational up / down filter bank
-    would hold up x down taps: 5 GB for 44,101 Hz to 16 kHz)."""
-    if orig == new or x.numel() == 0:
-        return x
-    g = math.gcd(orig, new)
-    up, down = new // g, orig // g
-    cutoff = ROLLOFF * min(1.0, up / down) / 2  # cycles per input sample
-    width = math.ceil(ZERO_CROSSINGS / (2 * cutoff))
-    span = 2 * width + 2  # input offsets -width .. width + 1 around an output's input index
-    n_out = -(-x.numel() * up // down)
-    padded = torch.nn.functional.pad(x.to(torch.float32), (width, width + 2))  # input n is padded[n + width]
-    out = torch.empty(n_out, dtype=torch.float32)
-    # output m = k * up + i (phase i) sits at input index k * down + (i * down) // up plus the
-    # fraction ((i * down) % up) / up: one phase's outputs are a strided window of the input
-    # times that phase's taps; the taps are computed for a block of phases at a time
-    block = max(1, BLOCK_ENTRIES // span)
-    for first in range(0, min(up, n_out), block):
-        phases = torch.arange(first, min(first + block, up, n_out), dtype=torch.int64)
-        taps = _taps(phases * down % up, up, width, cutoff).to(torch.float32)  # float32: several times faster
-        for i, w in zip(phases.tolist(), taps, strict=True):
-            count = -(-(n_out - i) // up)
-            start = i * down // up
-            windows = padded[start:start + (count - 1) * down + span].unfold(0, span, down)  # [count, span], a view
-            out[i::up] = windows @ w
-    return out
-
-
-BLOCK_ENTRIES = 1 << 20  # taps the resampler holds at once (8 MB in float64)
-
-
-def _taps(numer: torch.Tensor, up: int, width: int, cutoff: float) -> torch.Tensor:
-    """The Kaiser-windowed sinc of output samples whose input time is an input index plus
-    numer / up: [n, 2 * width + 2] weights over offsets -width .. width + 1 from that index
-    (zero beyond `width` of the time), each row normalised to unit sum."""
-    t = torch.arange(-width, width + 2, dtype=torch.float64)[None, :] - (numer.to(torch.float64) / up)[:, None]
-    window = torch.special.i0(KAISER_BETA * (1 - (t / width) ** 2).clamp(min=0).sqrt())
-    taps = torch.where(t.abs() <= width, 2 * cutoff * torch.sinc(2 * cutoff * t) * window, 0.0)
-    return taps / taps.sum(dim=1, keepdim=True)
 
 
 __all__ = ["READ_ALOUD", "SPEECH_WALKS", "SpeechWalk", "decode_wav", "install", "resample", "speech_inputs",

@@ -75,7 +75,7 @@ class AdaRMS(nn.Module):
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         var = torch.mean(torch.square(x.float()), dim=-1, keepdim=True)
         normed = x * torch.rsqrt(var + self.eps)
-        scale, shift, gate = torch.chunk(self.dense(cond)[:, None, :], 3, dim=-1)
+        scale, shift, gate = torch.chunk(self.dense(cond.to(self.dense.weight.dtype))[:, None, :], 3, dim=-1)
         return (normed * (1 + scale.float()) + shift.float()).to(x.dtype), gate.to(x.dtype)
 
 
@@ -131,6 +131,27 @@ class PI05Reference(nn.Module):
             for _, p in sorted(self.named_parameters()):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
 
+    def to_lerobot_bf16_(self) -> PI05Reference:
+        """LeRobot's `precision="bfloat16"`: `paligemma_with_expert` in bfloat16 except the
+        parameters `to_bfloat16_for_selected_params` keeps float32 (the SigLIP patch and position
+        embeddings, every `input_layernorm` / `post_attention_layernorm` / `model.norm`, which
+        includes the expert's adaptive denses); the four projections stay float32."""
+        keep = ("vision_tower.embeddings.patch_embedding", "vision_tower.embeddings.position_embedding",
+                "input_layernorm", "post_attention_layernorm", "model.norm")
+        self.paligemma_with_expert.to(torch.bfloat16)
+        for name, p in self.paligemma_with_expert.named_parameters():
+            if any(k in name for k in keep):
+                p.data = p.data.float()
+        return self
+
+    def load_checkpoint_(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load tensors under the checkpoint's names (e.g. `checkpoint_tensors` of the walk's nodes);
+        everything but the unused heads must be there."""
+        mine = {k.replace(".vision_tower.vision_model.", ".vision_tower."): v for k, v in tensors.items()}
+        missing, unexpected = self.load_state_dict(mine, strict=False)
+        assert not unexpected, f"not reference tensors: {unexpected[:3]}"
+        assert all("lm_head" in k for k in missing), f"missing from the checkpoint: {missing[:3]}"
+
     def checkpoint(self) -> dict[str, torch.Tensor]:
         """The state dict under the checkpoint's names, without the heads π0.5 never reads. The
         checkpoint was written by transformers 4.53 (openpi's fork), whose SigLIP vision model had a
@@ -151,14 +172,18 @@ class PI05Reference(nn.Module):
                      masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """images: per camera [B, 3, H, W] in [-1, 1]; -> (embeddings [B, P, width], pad masks [B, P])."""
         pal = self.paligemma_with_expert.paligemma.model
+        vt = pal.vision_tower
+        dtype = pal.multi_modal_projector.linear.weight.dtype
         embs, pads = [], []
         for img, m in zip(images, img_masks, strict=True):
-            e = pal.multi_modal_projector(pal.vision_tower(img).last_hidden_state)
+            # the fork's SiglipVisionTransformer casts the (float32) embeddings to the encoder's dtype
+            h = vt.embeddings(img.to(vt.embeddings.patch_embedding.weight.dtype)).to(dtype)
+            e = pal.multi_modal_projector(vt.post_layernorm(vt.encoder(inputs_embeds=h).last_hidden_state))
             embs.append(e)
             pads.append(m[:, None].expand(e.shape[0], e.shape[1]))
         # the table's rows: transformers 5 folds sqrt(width) into Gemma's embedding module, the fork's is plain
         lang = F.embedding(tokens, self.lm.embed_tokens.weight)
-        embs.append(lang * math.sqrt(lang.shape[-1]))
+        embs.append((lang * math.sqrt(lang.shape[-1])).to(dtype))
         pads.append(masks)
         return torch.cat(embs, dim=1), torch.cat(pads, dim=1)
 
@@ -187,12 +212,12 @@ class PI05Reference(nn.Module):
         """One denoise step's v [B, L, A] (float32) of chunks x [B, L, A] at times t [B]."""
         time_emb = sincos(t, self.s.expert_width).type(t.dtype)
         cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time_emb))))
-        h = self.action_in_proj(x)
-        b, n = h.shape[:2]
-        mask2d = torch.cat([pad[:, None, :].expand(b, n, pad.shape[1]), torch.ones(b, n, n, dtype=torch.bool)], dim=2)
-        mask = torch.where(mask2d[:, None], 0.0, MASK_VALUE)
-        positions = pad.sum(-1)[:, None] + torch.arange(n)[None, :]
         em = self.paligemma_with_expert.gemma_expert.model
+        h = self.action_in_proj(x).to(em.layers[0].self_attn.q_proj.weight.dtype)
+        b, n = h.shape[:2]
+        mask2d = torch.cat([pad[:, None, :].expand(b, n, pad.shape[1]), torch.ones(b, n, n, dtype=torch.bool, device=pad.device)], dim=2)
+        mask = torch.where(mask2d[:, None], 0.0, MASK_VALUE)
+        positions = pad.sum(-1)[:, None] + torch.arange(n, device=pad.device)[None, :]
         cos, sin = em.rotary_emb(h, positions)
         for i, layer in enumerate(em.layers):
             xn, gate = layer.input_layernorm(h, cond)
@@ -216,7 +241,7 @@ class PI05Reference(nn.Module):
         dt = -1.0 / self.s.flow_steps
         x = noise
         for step in range(self.s.flow_steps):
-            t = torch.tensor(1.0 + step * dt, dtype=torch.float32).expand(x.shape[0])
+            t = torch.tensor(1.0 + step * dt, dtype=torch.float32, device=x.device).expand(x.shape[0])
             x = x + dt * self.velocity(kv, pad, x, t)
         return x
 
@@ -224,3 +249,14 @@ class PI05Reference(nn.Module):
 def pixels(images_u8: torch.Tensor) -> torch.Tensor:
     """uint8 [N, H, W, 3] -> the reference's [N, 3, H, W] float32 in [-1, 1] (x / 255 * 2 - 1)."""
     return images_u8.permute(0, 3, 1, 2).float() / 255.0 * 2.0 - 1.0
+
+
+def checkpoint_tensors(*nodes: nn.Module) -> dict[str, torch.Tensor]:
+    """The walk's node modules' tensors under the checkpoint's names (their `rename` or
+    `checkpoint_prefix`, as mstar_runtime.weights maps them), as float32 on the CPU."""
+    out = {}
+    for node in nodes:
+        for name, t in node.state_dict().items():
+            key = node.rename(name) if hasattr(node, "rename") else getattr(node, "checkpoint_prefix", "") + name
+            out[key] = t.detach().float().cpu()
+    return out

@@ -252,3 +252,33 @@ def test_prompt_node_refuses_a_vocabulary_too_small_for_its_byte_tokenizer() -> 
                     torch.float32, torch.device("cpu"))
     with pytest.raises(NodeError, match="at least 259"):
         Prompt(spec)
+
+
+def test_reference_loads_the_nodes_tensors(reference: PI05Reference, plan: Path, checkpoint: Path) -> None:
+    """What the GPU test and the benchmark use to give the reference the walk's weights."""
+    from tests.pi05_reference import checkpoint_tensors
+
+    nodes = [_node(plan, checkpoint, n) for n in ("vision", "vlm", "expert")]
+    other = PI05Reference(TINY)
+    other.load_checkpoint_(checkpoint_tensors(*nodes))
+    for k, v in reference.state_dict().items():
+        if "lm_head" not in k:
+            torch.testing.assert_close(other.state_dict()[k], v, atol=0, rtol=0)
+
+
+def test_bench_runs_on_the_cpu_at_the_tiny_size(tmp_path: Path) -> None:
+    """tools/bench/pi05.py end to end (its GPU figures are the lead's; here: it runs and its
+    reference chunk agrees with ours)."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_pi05", ROOT / "tools/bench/pi05.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "p.json"
+    assert bench.main(["--device", "cpu", "--variant", "tiny", "--batches", "2", "--repeats", "1",
+                       "--prompt-tokens", "80", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["floor"]["prefix_tokens"] == CAMERAS * (TINY.img // TINY.patch) ** 2 + 80
+    assert report["b1"]["p50_ms"] > 0 and report["throughput"][0]["batch"] == 2
+    assert report["reference"]["chunk_rel_l2_vs_ours"] < 1e-2  # the reference runs in bf16 there

@@ -7,7 +7,9 @@
   context the expert reads. Gemma 2B's layers: `1 + w` RMSNorms, GQA with one KV head,
   RoPE (theta 10,000), GeGLU MLP with tanh-GELU (the layer library's `Decoder`,
   `unit_offset`). Nothing reads the VLM's output, so no final norm or head runs.
-- `ActionExpert` (kv): `denoise(x, t) -> (v)`, reading `vlm`. The chunk x [50, 32] becomes 50
+- `ActionExpert` (kv): `step(x, index) -> (x)`, reading `vlm`: one Euler step of the flow,
+  t = 1 + index dt with dt = -1 / flow_steps and x + dt v (the reference's update, op for op),
+  so the walk's denoise loop is one call per step. The velocity: the chunk x [50, 32] becomes 50
   tokens (`action_in_proj`); the flow time becomes the condition
   `silu(time_mlp_out(silu(time_mlp_in(sincos(t)))))` (periods 4e-3 .. 4, sin then cos);
   each of the 18 layers is Gemma-300M-shaped with adaptive norms
@@ -17,9 +19,7 @@
   positions P .. P+49. The final adaptive norm, then `action_out_proj` in float32, gives v.
 - `Flow` (stateless): `init(seed) -> (x)` N(0, 1) noise from the request's seed (a CPU
   generator: the same noise on every device), `start(noise) -> (x)` given noise (checked:
-  [horizon, action_dim], finite), `time(index) -> (t)` with t_i = 1 + i dt and
-  dt = -1 / steps, `step(x, v) -> (x)` with x + dt v (the reference's Euler update, op for
-  op), `finish(x, dims) -> (actions, dims)`.
+  [horizon, action_dim], finite), `finish(x, dims) -> (actions, dims)`.
 
 Precision: the four projections of the expert (`action_in_proj`, `action_out_proj`,
 `time_mlp_in`, `time_mlp_out`) sit outside the reference's `PaliGemmaWithExpertModel`, which
@@ -174,12 +174,14 @@ class _ExpertLayer(nn.Module):
 
 
 class ActionExpert(_Gemma):
-    """denoise(x: f32[horizon, action_dim], t: f32[1]) -> (v: f32[horizon, action_dim]), over the
-    prefix the VLM wrote (the phase's first read, `reads vlm`)."""
+    """step(x: f32[horizon, action_dim], index: int) -> (x), over the prefix the VLM wrote (the
+    phase's first read, `reads vlm`)."""
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
         self.horizon, self.action_dim = _int(spec, "horizon"), _int(spec, "action_dim")
+        self.steps = _int(spec, "flow_steps")
+        self.dt = -1.0 / self.steps
         h, f = self.hidden, self.factory
         self.layers = nn.ModuleList(
             _ExpertLayer(Attention(h, self.heads, self.kv_heads, self.head_dim, eps=RMS_EPS, **f),
@@ -199,7 +201,7 @@ class ActionExpert(_Gemma):
 
     @classmethod
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
-        if phase != "denoise":
+        if phase != "step":
             raise NodeError(f"node '{spec.name}' (ActionExpert) has no phase '{phase}'")
         shape = tuple(shapes.get("x", ()))
         if len(shape) != 2 or shape[0] < 1:
@@ -232,34 +234,35 @@ class ActionExpert(_Gemma):
         out = self.norm(h, scale, shift)
         return self.action_out_proj(out.float()).reshape(b, n, self.action_dim)
 
-    def phase_denoise(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_step(self, batch: Batch, attn: AttentionContext) -> Batch:
+        times = []
         for entry in batch:
             if tuple(entry["x"].shape) != (self.horizon, self.action_dim):
                 raise RequestError(f"x must be [{self.horizon}, {self.action_dim}], got {tuple(entry['x'].shape)}", "x")
-            if entry["t"].numel() != 1:
-                raise RequestError(f"t must hold one flow time, got shape {tuple(entry['t'].shape)}", "t")
+            i = entry["index"]
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.steps:
+                raise RequestError(f"index must lie in [0, {self.steps}), got {i!r}", "index")
+            times.append(1.0 + i * self.dt)
         dev = self.spec.device
-        x = torch.stack([entry["x"] for entry in batch]).to(dev)
-        t = torch.cat([entry["t"].reshape(1) for entry in batch]).to(dev)
+        x = torch.stack([entry["x"] for entry in batch]).to(dev, torch.float32)
+        t = torch.tensor(times, dtype=torch.float32, device=dev)
         # the action tokens follow the prefix: positions P .. P + L - 1
         positions = torch.tensor([s.read_lens[0] + i for s in attn.seqs for i in range(s.q_len)], device=dev)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return attn.attend(layer, q, k, v, over=(0,))
 
-        v = self.velocity(x, t, positions, attend)
-        return [{"v": row} for row in v.unbind(0)]
+        x = x + self.dt * self.velocity(x, t, positions, attend)
+        return [{"x": row} for row in x.unbind(0)]
 
 
 class Flow(StatelessNode):
-    """init(seed: int) -> (x); start(noise) -> (x); time(index: int) -> (t: f32[1]); step(x, v) -> (x);
-    finish(x, dims: int) -> (actions, dims). x, v, noise, actions: f32[horizon, action_dim]."""
+    """init(seed: int) -> (x); start(noise) -> (x); finish(x, dims: int) -> (actions, dims).
+    x, noise, actions: f32[horizon, action_dim]."""
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
         self.shape = (_int(spec, "horizon"), _int(spec, "action_dim"))
-        self.steps = _int(spec, "flow_steps")
-        self.dt = -1.0 / self.steps
 
     def phase_init(self, batch: Batch) -> Batch:
         out = []
@@ -284,20 +287,6 @@ class Flow(StatelessNode):
                 raise RequestError("noise holds NaN or infinite values", "noise")
             out.append({"x": noise.to(self.spec.device, torch.float32)})
         return out
-
-    def phase_time(self, batch: Batch) -> Batch:
-        out: Batch = []
-        for entry in batch:
-            i = entry["index"]
-            if not isinstance(i, int) or not 0 <= i < self.steps:
-                raise RequestError(f"index must lie in [0, {self.steps}), got {i!r}", "index")
-            out.append({"t": torch.tensor([1.0 + i * self.dt], dtype=torch.float32, device=self.spec.device)})
-        return out
-
-    def phase_step(self, batch: Batch) -> Batch:
-        x = torch.stack([entry["x"] for entry in batch]).float()
-        v = torch.stack([entry["v"] for entry in batch]).to(x.device, torch.float32)
-        return [{"x": row} for row in (x + self.dt * v).unbind(0)]
 
     def phase_finish(self, batch: Batch) -> Batch:
         return [{"actions": entry["x"], "dims": entry["dims"]} for entry in batch]

@@ -158,5 +158,41 @@ def swiglu(t: Tensors, prefix: str, hidden: int, intermediate: int, shard: tuple
     t.linear(f"{prefix}.down_proj", hidden, intermediate, False, shard[1])
 
 
+def encoder_attention(t: Tensors, prefix: str, dim: int) -> None:
+    """q/k/v/out projections with bias of a ViT / Whisper-style encoder layer (SigLIP, Qwen3-Omni's audio tower)."""
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        t.linear(f"{prefix}.{proj}", dim, dim, True, "col")
+    t.linear(f"{prefix}.out_proj", dim, dim, True, "row")
+
+
+def gelu_mlp(t: Tensors, prefix: str, dim: int, ffn: int) -> None:
+    """fc1 / fc2 with bias of an encoder layer's MLP (`prefix` "" for fc1 / fc2 at the layer's top level)."""
+    t.linear(f"{prefix}fc1", ffn, dim, True, "col")
+    t.linear(f"{prefix}fc2", dim, ffn, True, "row")
+
+
 def gqa_checks(heads: int, kv_heads: int) -> None:
     require(heads % kv_heads == 0, f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})", "kv_heads")
+
+
+# The sizes of every GQA decoder arch (Llama, BAGEL's MoT; Qwen3-Omni's add their own).
+DECODER_ARGS: dict[str, Arg] = {"layers": INT(), "hidden": INT(), "heads": INT(), "kv_heads": INT(),
+                                "head_dim": INT(), "intermediate": INT(), "vocab": INT()}
+_DECODER_DIMS = ("layers", "hidden", "heads", "kv_heads", "head_dim")
+
+
+def decoder_args(arch: str, args: Mapping[str, Any], schema: Mapping[str, Arg]) -> dict[str, Any]:
+    """`parse_args` of a GQA decoder arch, with heads a multiple of kv_heads."""
+    a = parse_args(arch, args, schema)
+    gqa_checks(a["heads"], a["kv_heads"])
+    return a
+
+
+def decoder_dims(a: Mapping[str, Any], **extra: int) -> dict[str, int]:
+    """A decoder's `dims`: layers, hidden, heads, kv_heads, head_dim, then `extra`."""
+    return {**{k: a[k] for k in _DECODER_DIMS}, **extra}
+
+
+def decoder_spec(t: Tensors, a: Mapping[str, Any], **extra: int) -> ArchSpec:
+    """The spec of a decoder whose every layer keeps one K/V entry per token (`decoder_dims` as its dims)."""
+    return t.spec(decoder_dims(a, **extra), KVGeometry(a["layers"], a["kv_heads"], a["head_dim"]))

@@ -19,24 +19,22 @@ from typing import Any
 
 from mstarc.archs._common import (
     BOOL,
+    DECODER_ARGS,
     INT,
     Tensors,
+    decoder_args,
     decoder_attention,
-    gqa_checks,
+    decoder_spec,
+    encoder_attention,
+    gelu_mlp,
     parse_args,
     require,
     swiglu,
 )
-from mstarc.archs.spec import ArchSpec, KVGeometry
+from mstarc.archs.spec import ArchSpec
 
 MOT_ARGS = {
-    "layers": INT(),
-    "hidden": INT(),
-    "heads": INT(),
-    "kv_heads": INT(),
-    "head_dim": INT(),
-    "intermediate": INT(),
-    "vocab": INT(),
+    **DECODER_ARGS,
     "patch_dim": INT(),  # latent_patch_size^2 * z_channels: 64 for the FLUX VAE
     "max_latent_size": INT(),  # latent positions per side (64 -> 1024 px)
     "timestep_dim": INT(256),  # sinusoidal frequencies of the TimestepEmbedder
@@ -59,8 +57,7 @@ _EXPERTS = ("", "_moe_gen")  # the und copy has no suffix
 
 
 def bagel_mot(args: Mapping[str, Any], dtype: str) -> ArchSpec:
-    a = parse_args("bagel_mot", args, MOT_ARGS)
-    gqa_checks(a["heads"], a["kv_heads"])
+    a = decoder_args("bagel_mot", args, MOT_ARGS)
     t = Tensors(dtype)
     h = a["hidden"]
     lm = "language_model.model"
@@ -86,10 +83,8 @@ def bagel_mot(args: Mapping[str, Any], dtype: str) -> ArchSpec:
     t.linear("vae2llm", h, a["patch_dim"])
     t.linear("llm2vae", a["patch_dim"], h)
     t.add("latent_pos_embed.pos_embed", (a["max_latent_size"] ** 2, h))
-    dims = {"layers": a["layers"], "hidden": h, "heads": a["heads"], "kv_heads": a["kv_heads"],
-            "head_dim": a["head_dim"], "intermediate": a["intermediate"], "vocab": a["vocab"]}
     # und and gen tokens write the same K/V layout: one KV entry per token and layer
-    return t.spec(dims, KVGeometry(a["layers"], a["kv_heads"], a["head_dim"]))
+    return decoder_spec(t, a, intermediate=a["intermediate"], vocab=a["vocab"])
 
 
 def bagel_vit(args: Mapping[str, Any], dtype: str) -> ArchSpec:
@@ -104,13 +99,9 @@ def bagel_vit(args: Mapping[str, Any], dtype: str) -> ArchSpec:
     t.add(f"{vm}.embeddings.position_embedding.weight", (positions, h))
     for i in range(a["layers"]):
         p = f"{vm}.encoder.layers.{i}"
-        t.linear(f"{p}.self_attn.q_proj", h, h, True, "col")
-        t.linear(f"{p}.self_attn.k_proj", h, h, True, "col")
-        t.linear(f"{p}.self_attn.v_proj", h, h, True, "col")
-        t.linear(f"{p}.self_attn.out_proj", h, h, True, "row")
+        encoder_attention(t, f"{p}.self_attn", h)
         t.norm(f"{p}.layer_norm1", h, bias=True)
-        t.linear(f"{p}.mlp.fc1", a["intermediate"], h, True, "col")
-        t.linear(f"{p}.mlp.fc2", h, a["intermediate"], True, "row")
+        gelu_mlp(t, f"{p}.mlp.", h, a["intermediate"])
         t.norm(f"{p}.layer_norm2", h, bias=True)
     t.norm(f"{vm}.post_layernorm", h, bias=True)
     t.linear("connector.fc1", a["llm_hidden"], h)

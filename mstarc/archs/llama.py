@@ -10,17 +10,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mstarc.archs._common import BOOL, INT, Tensors, decoder_attention, gqa_checks, parse_args, swiglu
-from mstarc.archs.spec import ArchSpec, KVGeometry
+from mstarc.archs._common import (
+    BOOL,
+    DECODER_ARGS,
+    Tensors,
+    decoder_args,
+    decoder_attention,
+    decoder_spec,
+    swiglu,
+)
+from mstarc.archs.spec import ArchSpec
 
 LLAMA_ARGS = {
-    "layers": INT(),
-    "hidden": INT(),
-    "heads": INT(),
-    "kv_heads": INT(),
-    "head_dim": INT(),
-    "intermediate": INT(),
-    "vocab": INT(),
+    **DECODER_ARGS,
     "tie_embeddings": BOOL(False),
     # Llama 3 has no attention bias; kept as an argument so Llama-likes with a q/k/v bias fit
     "attention_bias": BOOL(False),
@@ -28,8 +30,7 @@ LLAMA_ARGS = {
 
 
 def llama(args: Mapping[str, Any], dtype: str) -> ArchSpec:
-    a = parse_args("llama", args, LLAMA_ARGS)
-    gqa_checks(a["heads"], a["kv_heads"])
+    a = decoder_args("llama", args, LLAMA_ARGS)
     t = Tensors(dtype)
     h = a["hidden"]
     t.add("model.embed_tokens.weight", (a["vocab"], h), "vocab")
@@ -43,9 +44,7 @@ def llama(args: Mapping[str, Any], dtype: str) -> ArchSpec:
     t.norm("model.norm", h)
     if not a["tie_embeddings"]:
         t.add("lm_head.weight", (a["vocab"], h), "vocab")
-    dims = {"layers": a["layers"], "hidden": h, "heads": a["heads"], "kv_heads": a["kv_heads"],
-            "head_dim": a["head_dim"], "intermediate": a["intermediate"], "vocab": a["vocab"]}
-    return t.spec(dims, KVGeometry(a["layers"], a["kv_heads"], a["head_dim"]))
+    return decoder_spec(t, a, intermediate=a["intermediate"], vocab=a["vocab"])
 
 
 ARCHS = {"llama": llama}

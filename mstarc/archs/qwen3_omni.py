@@ -21,13 +21,18 @@ from mstarc.archs._common import (
     INT,
     INTS,
     Tensors,
+    decoder_args,
     decoder_attention,
+    decoder_dims,
+    decoder_spec,
+    encoder_attention,
+    gelu_mlp,
     gqa_checks,
     parse_args,
     require,
     swiglu,
 )
-from mstarc.archs.spec import ArchSpec, KVGeometry
+from mstarc.archs.spec import ArchSpec
 
 _ATTN = {"layers": INT(), "hidden": INT(), "heads": INT(), "kv_heads": INT(), "head_dim": INT()}
 
@@ -58,14 +63,8 @@ def _experts(t: Tensors, p: str, hidden: int, experts: int, inter: int) -> None:
         swiglu(t, f"{p}.experts.{e}", hidden, inter, ("expert", "expert"))
 
 
-def _dims(a: dict[str, Any], **extra: int) -> dict[str, int]:
-    return {"layers": a["layers"], "hidden": a["hidden"], "heads": a["heads"], "kv_heads": a["kv_heads"],
-            "head_dim": a["head_dim"], **extra}
-
-
 def qwen3_omni_thinker(args: Mapping[str, Any], dtype: str) -> ArchSpec:
-    a = parse_args("qwen3_omni_thinker", args, THINKER_ARGS)
-    gqa_checks(a["heads"], a["kv_heads"])
+    a = decoder_args("qwen3_omni_thinker", args, THINKER_ARGS)
     t = Tensors(dtype)
     h = a["hidden"]
     t.add("thinker.model.embed_tokens.weight", (a["vocab"], h), "vocab")
@@ -75,13 +74,11 @@ def qwen3_omni_thinker(args: Mapping[str, Any], dtype: str) -> ArchSpec:
         _experts(t, f"{p}.mlp", h, a["experts"], a["moe_intermediate"])
     t.norm("thinker.model.norm", h)
     t.add("thinker.lm_head.weight", (a["vocab"], h), "vocab")  # untied
-    dims = _dims(a, vocab=a["vocab"], experts=a["experts"], moe_intermediate=a["moe_intermediate"])
-    return t.spec(dims, KVGeometry(a["layers"], a["kv_heads"], a["head_dim"]))
+    return decoder_spec(t, a, vocab=a["vocab"], experts=a["experts"], moe_intermediate=a["moe_intermediate"])
 
 
 def qwen3_omni_talker(args: Mapping[str, Any], dtype: str) -> ArchSpec:
-    a = parse_args("qwen3_omni_talker", args, TALKER_ARGS)
-    gqa_checks(a["heads"], a["kv_heads"])
+    a = decoder_args("qwen3_omni_talker", args, TALKER_ARGS)
     t = Tensors(dtype)
     h = a["hidden"]
     t.add("talker.model.codec_embedding.weight", (a["codec_vocab"], h), "vocab")
@@ -98,9 +95,8 @@ def qwen3_omni_talker(args: Mapping[str, Any], dtype: str) -> ArchSpec:
         t.linear(f"talker.{proj}.linear_fc1", a["projection_intermediate"], a["thinker_hidden"])
         t.linear(f"talker.{proj}.linear_fc2", h, a["projection_intermediate"])
     _code_predictor(t, a)
-    dims = _dims(a, vocab=a["codec_vocab"], experts=a["experts"], moe_intermediate=a["moe_intermediate"],
-                 intermediate=a["shared_intermediate"])
-    return t.spec(dims, KVGeometry(a["layers"], a["kv_heads"], a["head_dim"]))
+    return decoder_spec(t, a, vocab=a["codec_vocab"], experts=a["experts"], moe_intermediate=a["moe_intermediate"],
+                        intermediate=a["shared_intermediate"])
 
 
 def _code_predictor(t: Tensors, a: dict[str, Any]) -> None:
@@ -171,7 +167,7 @@ def qwen3_omni_code2wav(args: Mapping[str, Any], dtype: str) -> ArchSpec:
             t.conv(f"{p}.{j}.conv2.conv", out_dim, out_dim, (1,))
     _snake_beta(t, f"code2wav.decoder.{levels + 1}", out_dim)
     t.conv(f"code2wav.decoder.{levels + 2}.conv", 1, out_dim, (7,))
-    return t.spec(_dims(a, intermediate=a["intermediate"]), None)
+    return t.spec(decoder_dims(a, intermediate=a["intermediate"]), None)
 
 
 def qwen3_omni_audio(args: Mapping[str, Any], dtype: str) -> ArchSpec:
@@ -187,12 +183,9 @@ def qwen3_omni_audio(args: Mapping[str, Any], dtype: str) -> ArchSpec:
     t.linear(f"{at}.conv_out", d, c * freq, bias=False)
     for i in range(a["layers"]):
         p = f"{at}.layers.{i}"
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            t.linear(f"{p}.self_attn.{proj}", d, d, True, "col")
-        t.linear(f"{p}.self_attn.out_proj", d, d, True, "row")
+        encoder_attention(t, f"{p}.self_attn", d)
         t.norm(f"{p}.self_attn_layer_norm", d, bias=True)
-        t.linear(f"{p}.fc1", a["ffn"], d, True, "col")
-        t.linear(f"{p}.fc2", d, a["ffn"], True, "row")
+        gelu_mlp(t, f"{p}.", d, a["ffn"])
         t.norm(f"{p}.final_layer_norm", d, bias=True)
     t.norm(f"{at}.ln_post", d, bias=True)
     t.linear(f"{at}.proj1", d, d)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_models.layers.attention import Attention
+from mstar_models.layers.decoder import DecoderNode
 from mstar_models.layers.linear import Weight
 from mstar_models.layers.norm import RMSNorm
 from mstar_models.testfamily.common import seeded_init_, setting
@@ -40,8 +41,6 @@ from mstar_models.testfamily.lm import apply_rope, llama_model, rope_tables
 from mstar_runtime.ops.node import (
     AttentionContext,
     Batch,
-    KVGeometry,
-    KVNode,
     NodeError,
     NodeSpec,
     RequestError,
@@ -139,7 +138,7 @@ class Encoder(StatelessNode):
         return self.model.norm(h)
 
 
-class Decoder(KVNode):
+class Decoder(DecoderNode):
     """listen(states: [F, hidden]) -> () @cross; step() -> (token: i32[1], done: bool) @text,
     reading @cross."""
 
@@ -156,10 +155,6 @@ class Decoder(KVNode):
         self.lm_head = Weight.empty(s.vocab, s.hidden)
         seeded_init_(self, spec)
         self.to(device=spec.device, dtype=spec.dtype)
-
-    @property
-    def kv_geometry(self) -> KVGeometry:
-        return KVGeometry(self.sizes.layers, self.sizes.kv_heads, self.sizes.head_dim)
 
     @classmethod
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:

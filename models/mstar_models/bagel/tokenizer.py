@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
+from mstar_models.tokenizers import load_tokenizer
 from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
 
 BUNDLED_TOKENIZER = Path(__file__).resolve().parent / "tokenizer_tiny.json"
@@ -52,13 +53,6 @@ THINK_PROMPTS = {
            "process here </think> image here",
 }
 REPLACEMENT = "\ufffd"  # what a byte-level decoder gives for an incomplete UTF-8 sequence
-
-
-def load_tokenizer(path: Path) -> HFTokenizer:
-    try:
-        return HFTokenizer.from_file(str(path))
-    except Exception as e:  # the library raises a bare Exception for unreadable or corrupt files
-        raise NodeError(f"cannot read tokenizer '{path}': {e}") from None
 
 
 class Tokenizer(StatelessNode):

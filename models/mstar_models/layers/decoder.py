@@ -7,6 +7,9 @@ layer (`mlp.GatedMLP`, `moe.SparseMoE`). The parameters carry the checkpoint's n
 the stack's prefix (`layers.{i}.self_attn.q_proj.weight`, `layers.{i}.mlp.*`,
 `layers.{i}.input_layernorm.weight`, `norm.weight`).
 
+`DecoderNode` is the base of a KV node built on the stack (`self.model`): the engine sizes the
+node's KV pool from the stack's layers and this rank's KV heads.
+
 `forward_layers` is pure tensor code whose only attention is `attend`, so an engine may
 capture it in a CUDA graph. Each residual add is fused with the norm after it
 (`fused.add_rms_norm`: one kernel on a GPU; the last with the final norm). With
@@ -31,6 +34,7 @@ from torch import nn
 from mstar_models.layers.attention import Attend, Attention
 from mstar_models.layers.norm import RMSNorm
 from mstar_runtime.ops import fused
+from mstar_runtime.ops.node import KVGeometry, KVNode
 
 AfterLayer = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -65,6 +69,13 @@ class Decoder(nn.Module):
         )
         self.norm = RMSNorm(hidden, eps, unit_offset=unit_offset, **factory)
 
+    @property
+    def kv_geometry(self) -> KVGeometry:
+        """This rank's K/V layout (one entry per token and layer, this rank's KV heads): what
+        the node's `kv_geometry` gives the engine to size its pool."""
+        attn = self.layers[0].self_attn
+        return KVGeometry(len(self.layers), attn.kv_heads, attn.head_dim)
+
     def forward_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                        after_layer: AfterLayer | None = None) -> torch.Tensor:
         """Packed rows h [N, hidden] with their RoPE tables [N, 1, head_dim] -> final-normed [N, hidden]."""
@@ -93,3 +104,14 @@ class Decoder(nn.Module):
             if after_layer is not None:
                 h = after_layer(i, h)
         return self.norm(h)
+
+
+class DecoderNode(KVNode):
+    """A KV node whose paged K/V are written by the `Decoder` at `self.model`: its
+    `kv_geometry` is that stack's (this rank's KV heads), which sizes the node's pool."""
+
+    model: Decoder
+
+    @property
+    def kv_geometry(self) -> KVGeometry:
+        return self.model.kv_geometry

@@ -61,23 +61,14 @@ from typing import Any
 
 import torch
 
-from mstar_models.layers.decoder import Decoder
+from mstar_models.layers.decoder import Decoder, DecoderNode
 from mstar_models.layers.embedding import LMHead, VocabEmbedding, lm_logits
 from mstar_models.layers.init import seeded_init_
 from mstar_models.layers.mlp import GatedMLP
 from mstar_models.layers.rotary import llama3_inv_freq, rope_tables
 from mstar_runtime.ops import tp
-from mstar_runtime.ops.node import (
-    AttentionContext,
-    Batch,
-    KVGeometry,
-    KVNode,
-    NodeError,
-    NodeSpec,
-    RequestError,
-    SeqPlan,
-)
-from mstar_runtime.ops.ports import config_value, max_seq_len, scalar
+from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
+from mstar_runtime.ops.ports import config_value, decode_token, max_seq_len, scalar
 from mstar_runtime.ops.readback import Lazy, Readback, upload_tensor
 from mstar_runtime.sampling import SamplingParams, sample
 
@@ -100,7 +91,7 @@ def _code_items(codes: torch.Tensor, code: int, i: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- node
-class LlamaBackbone(KVNode):
+class LlamaBackbone(DecoderNode):
     """The Orpheus LLM node; see the module docstring for its phases, state and settings."""
 
     def __init__(self, spec: NodeSpec):
@@ -158,11 +149,6 @@ class LlamaBackbone(KVNode):
         self.local_heads, self.local_kv_heads, self.vocab_start = lay.heads, lay.kv_heads, lay.vocab_start
 
     # ------------------------------------------------------------------ contract
-    @property
-    def kv_geometry(self) -> KVGeometry:
-        """This rank's KV heads (all of them at tp 1): the engine sizes the node's pool with it."""
-        return KVGeometry(self.layers, self.local_kv_heads, self.head_dim)
-
     @classmethod
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
         if phase == "prefill":
@@ -208,12 +194,7 @@ class LlamaBackbone(KVNode):
 
     def phase_decode(self, batch: Batch, attn: AttentionContext) -> Batch:
         for entry, seq in zip(batch, attn.seqs, strict=True):
-            token = entry.get("token")
-            if not isinstance(token, torch.Tensor) or tuple(token.shape) != (1,):
-                shape = tuple(token.shape) if isinstance(token, torch.Tensor) else type(token).__name__
-                raise RequestError(f"token must be a tensor of shape [1], got {shape}", "token")
-            if "sampling" not in seq.state:
-                raise RequestError("decode on a KV context that was never prefilled", "token")
+            decode_token(entry, seq.state, "sampling")
         ids = torch.cat([entry["token"] for entry in batch]).to(torch.long)
         dst, src = [], []
         for i, seq in enumerate(attn.seqs):

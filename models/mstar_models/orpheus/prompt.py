@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer
 
-from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_models.tokenizers import load_tokenizer
+from mstar_runtime.ops.node import Batch, NodeSpec, RequestError, StatelessNode
 
 START_OF_HUMAN, END_OF_HUMAN, START_OF_AI, START_OF_SPEECH = 128259, 128260, 128261, 128257
 BOS, EOT = 128000, 128009  # Llama 3's <|begin_of_text|> and <|eot_id|>
@@ -29,13 +29,6 @@ SUFFIX = [EOT, END_OF_HUMAN, START_OF_AI, START_OF_SPEECH]
 VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 BUNDLED_TOKENIZER = Path(__file__).resolve().parent / "tokenizer_tiny.json"
 CHECKPOINT_TOKENIZER = "tokenizer.json"
-
-
-def load_tokenizer(path: Path) -> Tokenizer:
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the library raises a bare Exception for unreadable or corrupt files
-        raise NodeError(f"cannot read tokenizer '{path}': {e}") from None
 
 
 class PromptBuilder(StatelessNode):

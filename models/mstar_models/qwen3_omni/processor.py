@@ -65,6 +65,7 @@ from PIL import Image
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from mstar_models.qwen3_omni.audio_encoder import N_WINDOW, encoded_length
+from mstar_models.tokenizers import load_tokenizer
 from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
 
 BUNDLED_TOKENIZER = Path(__file__).resolve().parent / "tokenizer_tiny.json"
@@ -278,13 +279,6 @@ def image_patches(image: np.ndarray, f: Features) -> tuple[np.ndarray, tuple[int
 
 
 # ------------------------------------------------------------------------------ tokenizer
-def _read_tokenizer(path: Path) -> Tokenizer:
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the library raises a bare Exception for unreadable or corrupt files
-        raise NodeError(f"cannot read tokenizer '{path}': {e}") from None
-
-
 def controls_special(tok: Tokenizer) -> Tokenizer:
     """`tok` with every added token marked special, so that decoding with special tokens
     skipped drops them all. Qwen's tokenizer marks 12 of its 33 added tokens non-special
@@ -304,7 +298,7 @@ def bundled_tokenizer(vocab: int, ids: TokenIds | None = None) -> Tokenizer:
     base = token_ids(vocab)
     ids = ids or base
     if base is TINY_IDS and ids == TINY_IDS:
-        return _read_tokenizer(BUNDLED_TOKENIZER)
+        return load_tokenizer(BUNDLED_TOKENIZER)
     spec = json.loads(BUNDLED_TOKENIZER.read_text(encoding="utf-8"))
     id_of: dict[str, int] = dict(spec["model"]["vocab"])  # the added tokens are in it too
     if base is REAL_IDS:
@@ -444,7 +438,7 @@ class Processor(StatelessNode):
         template and preprocessor sizes, where the folder has them."""
         folder = Path(source)
         if (folder / "tokenizer.json").is_file():
-            self._use_tokenizer(_read_tokenizer(folder / "tokenizer.json"), folder)
+            self._use_tokenizer(load_tokenizer(folder / "tokenizer.json"), folder)
         elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
             self._use_tokenizer(qwen2_tokenizer(folder), folder)
         template = checkpoint_template(folder)

@@ -71,7 +71,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_models.layers.decoder import Decoder
+from mstar_models.layers.decoder import Decoder, DecoderNode
 from mstar_models.layers.embedding import VocabEmbedding, lm_logits
 from mstar_models.layers.init import seeded_init_
 from mstar_models.layers.linear import Weight
@@ -82,16 +82,7 @@ from mstar_models.qwen3_omni.lm_common import attention_sizes, sampling_params, 
 from mstar_models.qwen3_omni.positions import default_mrope_section
 from mstar_models.qwen3_omni.tokens import TokenIds
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
-from mstar_runtime.ops.node import (
-    AttentionContext,
-    Batch,
-    KVGeometry,
-    KVNode,
-    NodeError,
-    NodeSpec,
-    RequestError,
-    SeqPlan,
-)
+from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
 from mstar_runtime.ops.ports import config_value, max_seq_len
 from mstar_runtime.ops.readback import Lazy, Readback, upload
 from mstar_runtime.sampling import SamplingColumns, SamplingParams, derive_seed, sample_columns, signed64
@@ -111,7 +102,7 @@ class ResizeMLP(nn.Module):
         return self.linear_fc2(F.silu(self.linear_fc1(x)))
 
 
-class TalkerMoE(KVNode):
+class TalkerMoE(DecoderNode):
     """The talker node; see the module docstring for its phases, state and config."""
 
     checkpoint_prefix: ClassVar[str] = "talker."
@@ -170,10 +161,6 @@ class TalkerMoE(KVNode):
         self.attention_scale = self.head_dim**-0.5
 
     # ------------------------------------------------------------------ contract
-    @property
-    def kv_geometry(self) -> KVGeometry:
-        return KVGeometry(self.layers, self.kv_heads, self.head_dim)
-
     @classmethod
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
         if phase == "prefill":

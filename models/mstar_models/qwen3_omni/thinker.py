@@ -72,7 +72,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from mstar_models.layers.decoder import Decoder
+from mstar_models.layers.decoder import Decoder, DecoderNode
 from mstar_models.layers.embedding import LMHead, VocabEmbedding
 from mstar_models.layers.init import seeded_init_
 from mstar_models.layers.moe import SparseMoE
@@ -82,17 +82,8 @@ from mstar_models.qwen3_omni.positions import default_mrope_section, rope_index
 from mstar_models.qwen3_omni.tokens import TokenIds
 from mstar_runtime.ops import tp
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
-from mstar_runtime.ops.node import (
-    AttentionContext,
-    Batch,
-    KVGeometry,
-    KVNode,
-    NodeError,
-    NodeSpec,
-    RequestError,
-    SeqPlan,
-)
-from mstar_runtime.ops.ports import config_value, max_seq_len
+from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
+from mstar_runtime.ops.ports import config_value, decode_token, max_seq_len
 from mstar_runtime.ops.readback import Lazy, Readback, upload
 from mstar_runtime.sampling import SamplingColumns, SamplingParams, sample, sample_columns, sampling_row
 
@@ -116,7 +107,7 @@ class _Prompt:
     max_tokens: int
 
 
-class ThinkerMoE(KVNode):
+class ThinkerMoE(DecoderNode):
     """The thinker node; see the module docstring for its phases, state and settings."""
 
     checkpoint_prefix: ClassVar[str] = "thinker."
@@ -178,11 +169,6 @@ class ThinkerMoE(KVNode):
         return self.tp_layout.split_of(name)
 
     # ------------------------------------------------------------------ contract
-    @property
-    def kv_geometry(self) -> KVGeometry:
-        """This rank's KV heads (all of them at tp 1): the engine sizes the node's pool with it."""
-        return KVGeometry(self.layers, self.local_kv_heads, self.head_dim)
-
     @classmethod
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
         if phase in PREFILLS:
@@ -387,12 +373,7 @@ class ThinkerMoE(KVNode):
     # ------------------------------------------------------------------ decode
     def _decode(self, batch: Batch, attn: AttentionContext, speech: bool) -> Batch:
         for entry, seq in zip(batch, attn.seqs, strict=True):
-            token = entry.get("token")
-            if not isinstance(token, torch.Tensor) or tuple(token.shape) != (1,):
-                shape = tuple(token.shape) if isinstance(token, torch.Tensor) else type(token).__name__
-                raise RequestError(f"token must be a tensor of shape [1], got {shape}", "token")
-            if "sampling" not in seq.state:
-                raise RequestError("decode on a KV context that was never prefilled", "token")
+            decode_token(entry, seq.state, "sampling")
         dev = self.freq.device
         ids = torch.cat([entry["token"] for entry in batch]).to(device=dev, dtype=torch.long)
         pos = upload([s.start + float(s.state["delta"]) for s in attn.seqs], torch.float32, dev)

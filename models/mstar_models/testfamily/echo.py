@@ -26,24 +26,16 @@ from collections.abc import Mapping
 
 import torch
 
+from mstar_models.layers.decoder import DecoderNode
 from mstar_models.testfamily.common import as_int, seeded_init_, setting
 from mstar_models.testfamily.lm import TinyLM, llama_model
 from mstar_runtime.ops.cohort import Attend, CohortPhase, CohortStep, Columns
-from mstar_runtime.ops.node import (
-    AttentionContext,
-    Batch,
-    KVGeometry,
-    KVNode,
-    NodeError,
-    NodeSpec,
-    RequestError,
-    SeqPlan,
-)
+from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
 
 DEFAULT_MAX_SEQ_LEN = 4096  # the compiler's default of the `max_seq_len` node setting
 
 
-class EchoLM(KVNode):
+class EchoLM(DecoderNode):
     """prefill(tokens: i32[T], max_new: int) / decode(token: i32[1]) -> (token: i32[1], done: bool)."""
 
     def __init__(self, spec: NodeSpec):
@@ -62,10 +54,6 @@ class EchoLM(KVNode):
         self.to(device=spec.device, dtype=spec.dtype)
 
     # ------------------------------------------------------------------ contract
-    @property
-    def kv_geometry(self) -> KVGeometry:
-        return KVGeometry(self.layers, self.kv_heads, self.head_dim)
-
     @classmethod
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
         if phase in ("prefill", "decode"):  # the same ports and KV use as TinyLM's

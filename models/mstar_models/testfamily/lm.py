@@ -22,22 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_models.layers import rotary
-from mstar_models.layers.decoder import Decoder
+from mstar_models.layers.decoder import Decoder, DecoderNode
 from mstar_models.layers.embedding import VocabEmbedding
 from mstar_models.layers.linear import Weight
 from mstar_models.layers.mlp import GatedMLP
 from mstar_models.testfamily.common import as_int, seeded_init_, setting
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
-from mstar_runtime.ops.node import (
-    AttentionContext,
-    Batch,
-    KVGeometry,
-    KVNode,
-    NodeError,
-    NodeSpec,
-    RequestError,
-    SeqPlan,
-)
+from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
 from mstar_runtime.ops.readback import Lazy, Readback
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -72,7 +63,7 @@ def time_features(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([args.cos(), args.sin()], dim=-1)
 
 
-class TinyLM(KVNode):
+class TinyLM(DecoderNode):
     """prefill(tokens: i32[T], max_new: int) / decode(token: i32[1]) -> (token: i32[1],
     code: i32[0 or 1], done: bool, hidden: f32[1, hidden]); denoise(x: f32[L, C], t: f32[1]) -> (v: f32[L, C])."""
 
@@ -112,10 +103,6 @@ class TinyLM(KVNode):
         self.to(device=spec.device, dtype=spec.dtype)
 
     # ------------------------------------------------------------------ contract
-    @property
-    def kv_geometry(self) -> KVGeometry:
-        return KVGeometry(self.layers, self.kv_heads, self.head_dim)
-
     @classmethod
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
         if phase == "prefill":

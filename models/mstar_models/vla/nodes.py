@@ -25,14 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_models.layers.decoder import DecoderNode
 from mstar_models.layers.linear import Weight
 from mstar_models.testfamily.common import as_int, seeded_init_, setting
 from mstar_models.testfamily.lm import llama_model, rope_tables
 from mstar_runtime.ops.node import (
     AttentionContext,
     Batch,
-    KVGeometry,
-    KVNode,
     NodeError,
     NodeSpec,
     RequestError,
@@ -55,7 +54,7 @@ def time_embedding(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_peri
     return torch.cat([angles.sin(), angles.cos()], dim=-1).to(torch.float32)
 
 
-class _Llama(KVNode):
+class _Llama(DecoderNode):
     """What both KV nodes share: the Llama layout, its sizes, and a forward over packed rows."""
 
     def __init__(self, spec: NodeSpec):
@@ -70,10 +69,6 @@ class _Llama(KVNode):
         self.model = llama_model(self.vocab, self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim,
                                  g("intermediate"), RMS_EPS)
         self.lm_head = Weight.empty(self.vocab, self.hidden)
-
-    @property
-    def kv_geometry(self) -> KVGeometry:
-        return KVGeometry(self.layers, self.kv_heads, self.head_dim)
 
     def forward_hidden(self, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Packed rows h [N, hidden] at absolute `positions` [N] -> final-normed hidden [N, hidden]."""

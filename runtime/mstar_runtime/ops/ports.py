@@ -45,6 +45,19 @@ def max_seq_len(spec: NodeSpec) -> int:
     return value if ok else DEFAULT_MAX_SEQ_LEN
 
 
+def decode_token(entry: Mapping[str, Any], state: Mapping[str, Any], prefilled: str, port: str = "token"
+                 ) -> torch.Tensor:
+    """A decode step's fed-back token: a tensor of shape [1] at `port`, on a KV context whose
+    state holds `prefilled` (what the node's prefill sets); a RequestError naming the port otherwise."""
+    token = entry.get(port)
+    if not isinstance(token, torch.Tensor) or tuple(token.shape) != (1,):
+        shape = tuple(token.shape) if isinstance(token, torch.Tensor) else type(token).__name__
+        raise RequestError(f"{port} must be a tensor of shape [1], got {shape}", port)
+    if prefilled not in state:
+        raise RequestError("decode on a KV context that was never prefilled", port)
+    return token
+
+
 def scalar(
     entry: Mapping[str, Any],
     port: str,

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from mstar_models.pi05.prompt import Prompt, discretize, prompt_text
 from mstar_runtime.api import MStar, RequestFailed
+from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan.loader import load_plan
 from mstar_runtime.weights import build_node, load_weights
 from mstarc.archs import get_arch
@@ -224,7 +225,8 @@ GOOD = _inputs(5, 2)
 
 @pytest.mark.parametrize("change,field,words", [
     ({"images": torch.zeros(2, 12, 16, 3, dtype=torch.uint8)}, "images", "16 x 16"),
-    ({"images": torch.zeros(2, 16, 16, 4, dtype=torch.uint8)}, "images", "3 channels"),
+    ({"images": torch.zeros(2, 16, 16, 4, dtype=torch.uint8)}, "images", "must be 3, got 4"),
+    ({"images": torch.zeros(2, 16, 16, 3)}, "images", "expected u8"),
     ({"images": torch.zeros(4, 16, 16, 3, dtype=torch.uint8)}, "images", "1 to 3 cameras"),
     ({"state": torch.zeros(TINY.action_dim + 1)}, "state", "at most 8"),
     ({"state": torch.tensor([0.0, float("nan")])}, "state", "NaN or infinite"),
@@ -236,13 +238,29 @@ GOOD = _inputs(5, 2)
 def test_bad_input_names_the_field(engine: MStar, change: dict, field: str, words: str) -> None:
     images, instruction, state, noise = GOOD
     inputs = {"images": images, "instruction": instruction, "state": state, "noise": noise} | change
-    with pytest.raises(RequestFailed) as e:
+    # refused when submitted (the walk's declared type) or when its node runs
+    with pytest.raises((RequestFailed, RequestError)) as e:
         engine.generate("act_noise", **inputs)
-    assert e.value.field == field, e.value.message
-    assert words in e.value.message
+    assert e.value.field == field, str(e.value)
+    assert words in str(e.value)
     # the engine serves the next request
     assert engine.generate("act_noise", images=images, instruction=instruction, state=state,
                            noise=noise)["actions"].shape == (TINY.horizon, TINY.action_dim)
+
+
+def test_images_as_png_files_and_pil_images_equal_the_uint8_array(engine: MStar, tmp_path: Path) -> None:
+    from PIL import Image
+
+    images, instruction, state, noise = GOOD
+    pils = [Image.fromarray(im.numpy()) for im in images]
+    paths = []
+    for i, p in enumerate(pils):
+        paths.append(tmp_path / f"cam{i}.png")
+        p.save(paths[-1])
+    want = engine.generate("act_noise", images=images, instruction=instruction, state=state, noise=noise)["actions"]
+    for given in (pils, [str(p) for p in paths]):
+        got = engine.generate("act_noise", images=given, instruction=instruction, state=state, noise=noise)
+        torch.testing.assert_close(got["actions"], want, atol=0, rtol=0)
 
 
 def test_prompt_node_refuses_a_vocabulary_too_small_for_its_byte_tokenizer() -> None:

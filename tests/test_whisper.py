@@ -21,7 +21,7 @@ import torch
 from mstar_models.whisper.decoder import Decoder
 from mstar_models.whisper.encoder import Encoder
 from mstar_models.whisper.features import N_SAMPLES, log_mel, mel_filters
-from mstar_models.whisper.tokens import LANGUAGE_CODES, Layout, byte_tokenizer
+from mstar_models.whisper.tokens import LANGUAGE_CODES, LANGUAGE_NAMES, Layout, byte_tokenizer
 from mstar_runtime.api import MStar, RequestFailed
 from mstar_runtime.ops.node import AttentionContext, SeqState
 from mstar_runtime.plan.loader import load_plan
@@ -198,7 +198,7 @@ def test_greedy_tokens_equal_transformers(reference: tuple, plan: Path, case: st
     sot = hf.index(LAYOUT.sot)
     prompt_len = sot + 3 + (0 if hf_kw.get("return_timestamps") else 1)
     assert tokens == hf[prompt_len:]
-    assert out["language"] == LAYOUT.language_of(hf[sot + 1])
+    assert out["language"] == LANGUAGE_NAMES[LAYOUT.language_of(hf[sot + 1])]
     if hf_kw.get("return_timestamps"):
         assert any(t >= LAYOUT.timestamp_begin for t in tokens)  # the timestamp rules were exercised
 

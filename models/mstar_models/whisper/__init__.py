@@ -4,7 +4,8 @@
 - Encoder (stateless): encode(mel) -> states; convolutions, sinusoids, pre-LN layers (encoder.py)
 - Prompt (stateless): build(language, task, timestamps, prompt) -> (head, language, tail) (prompt.py)
 - Decoder (kv; tags text, cross, probe): listen / detect / prefill / step (decoder.py)
-- Transcript (stateless): finish(tokens, last, lang, duration) -> (text, language, segments) (prompt.py)
+- Transcript (stateless): finish(tokens, last, lang, duration) -> (text, language, segments);
+  detokenize(tokens) -> text (prompt.py)
 """
 
 from mstar_models.whisper.decoder import Decoder

@@ -71,6 +71,8 @@ def log_mel(audio: torch.Tensor, filters: torch.Tensor, window: torch.Tensor) ->
 class LogMel(StatelessNode):
     """extract(audio: f32[S]) -> (mel: f32[mels, 3000], duration: float); see the module docstring."""
 
+    sampling_rate = SAMPLE_RATE  # what `mstar_runtime.media` resamples an audio file to for this walk
+
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
         mels = spec.config.get("mels")

@@ -14,8 +14,11 @@ does with the previous text. `language` is a code ("en"), a name ("english", any
 "" (detect).
 
 `Transcript.finish(tokens, last, lang, duration) -> (text, language, segments)`: the
-generated tokens (those the loop fed back, then the `last`) as text (special tokens and timestamps dropped), the language's code, and the
-segments (tokens.segments) as a JSON list of {start, end, text, tokens}.
+generated tokens (those the loop fed back, then the `last`) as text (special tokens and
+timestamps dropped), the language's name ("english", as OpenAI's verbose_json gives it), and
+the segments (tokens.segments) as a JSON list of {start, end, text, tokens}.
+`Transcript.detokenize(tokens) -> (text)`: the text alone, the same way (the server streams
+a transcript's text with it, in its own copy of the node).
 
 Tokenizer: tokens.py (the checkpoint's `tokenizer.json`, else the byte-level fallback).
 """
@@ -30,6 +33,7 @@ from tokenizers import Tokenizer
 from mstar_models.whisper.tokens import (
     LANGUAGE_BY_NAME,
     LANGUAGE_CODES,
+    LANGUAGE_NAMES,
     Layout,
     byte_tokenizer,
     checkpoint_tokenizer,
@@ -100,7 +104,8 @@ class Prompt(_Tokenized):
 
 
 class Transcript(_Tokenized):
-    """finish(tokens: i32[N], last: i32[1], lang: i32[1], duration: float) -> (text, language, segments)."""
+    """finish(tokens: i32[N], last: i32[1], lang: i32[1], duration: float) -> (text, language, segments);
+    detokenize(tokens: i32[N]) -> (text: str)."""
 
     def phase_finish(self, batch: Batch) -> Batch:
         out: Batch = []
@@ -112,8 +117,22 @@ class Transcript(_Tokenized):
             ids = [int(t) for p in parts for t in p.tolist()]
             lang = entry.get("lang")
             code = self.layout.language_of(int(lang.reshape(-1)[0])) if isinstance(lang, torch.Tensor) else ""
+            name = LANGUAGE_NAMES.get(code, "")
             duration = float(entry.get("duration", 0.0))
-            text = self.tokenizer.decode([t for t in ids if t < self.layout.eot], skip_special_tokens=True)
-            out.append({"text": text, "language": code,
+            text = self.text_of(ids)
+            out.append({"text": text, "language": name,
                         "segments": segments_json(segments(ids, self.layout, self.tokenizer, duration))})
+        return out
+
+    def text_of(self, ids: list[int]) -> str:
+        """The text of token ids: special tokens and timestamps dropped."""
+        return self.tokenizer.decode([t for t in ids if 0 <= t < self.layout.eot], skip_special_tokens=True)
+
+    def phase_detokenize(self, batch: Batch) -> Batch:
+        out: Batch = []
+        for entry in batch:
+            tokens = entry.get("tokens")
+            if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
+                raise RequestError("tokens must be a 1-D tensor of token ids", "tokens")
+            out.append({"text": self.text_of([int(t) for t in tokens.tolist()])})
         return out

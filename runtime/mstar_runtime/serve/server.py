@@ -306,6 +306,7 @@ def create_app(m: MStar, config: ServeConfig | None = None) -> FastAPI:
     from mstar_runtime.serve import chat as server_chat
     from mstar_runtime.serve import images as server_images
     from mstar_runtime.serve import media as server_media
+    from mstar_runtime.serve import transcriptions as server_transcriptions
     from mstar_runtime.serve import walks as server_walks
 
     state = ServerState(m, config or ServeConfig())
@@ -317,6 +318,7 @@ def create_app(m: MStar, config: ServeConfig | None = None) -> FastAPI:
         server_chat.install(app, state)
     server_media.install(app, state)
     server_images.install(app, state)
+    server_transcriptions.install(app, state)
     server_walks.install(app, state)
     server_app.finish_openapi(app, state)
     return app

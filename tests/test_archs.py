@@ -1,7 +1,7 @@
 """The architecture catalogue (mstarc.archs) and the model corpus (models/*/*.walk).
 
 Parameter counts are checked against published figures, tensor names and shapes against
-reference/models.md, argument errors against the ArchError contract. The corpus test
+the released checkpoints' (docs/models/<model>.md, Facts), argument errors against the ArchError contract. The corpus test
 parses every .walk file with the grammar alone and calls each `arch` line's function with
 the real and tiny config values kept below, so it needs no front end; when the front end
 is importable, a last test also compiles every model at both sizes.

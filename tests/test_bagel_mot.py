@@ -8,7 +8,7 @@ References:
 - transformers 5.24 `Qwen3ForCausalLM(Qwen3Config(..., attention_bias=True, head_dim=16))`
   is Qwen2 with per-head QK-norm before RoPE: the und expert on a text-only sequence
   (o_proj bias zero), and, with the `*_moe_gen` weights copied in, the gen expert on an
-  all-gen sequence (reference/models.md 1.6).
+  all-gen sequence (docs/models/bagel.md, Facts).
 - `mstar_models.bagel.reference` for what no HF class has: mixed und/gen blocks at one RoPE
   position, non-causal blocks, the latent embedding and the denoise velocity, several tags.
 

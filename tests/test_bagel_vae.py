@@ -1,6 +1,6 @@
 """BAGEL's FLUX VAE nodes (models/mstar_models/bagel/vae.py) against diffusers 0.42.1.
 
-The reference is `diffusers.AutoencoderKL` in the FLUX configuration (models.md 1.6), loaded
+The reference is `diffusers.AutoencoderKL` in the FLUX configuration (docs/models/bagel.md, Facts), loaded
 with our BFL-named state dict converted by diffusers' own `convert_ldm_vae_checkpoint`, so
 the key mapping is theirs, not ours. Weights are PyTorch's default init with every norm gain
 and bias spread around 1 / 0, so a swapped norm or a missing bias shows.
@@ -155,7 +155,7 @@ def test_tensor_names_and_shapes_are_the_arch(args: dict[str, Any]) -> None:
         listed = {t.name: tuple(t.shape) for t in arch(args, "bf16").tensors}
         assert ours == listed
         assert all(t.dtype == torch.bfloat16 for t in module.state_dict().values())
-    # the released AE: 34.3 M encoder + 49.5 M decoder parameters (models.md 1.2)
+    # the released AE: 34.3 M encoder + 49.5 M decoder parameters (docs/models/bagel.md, Facts)
     if args is REAL:
         counts = [sum(math.prod(t.shape) for t in a(args, "bf16").tensors) for a in (flux_vae_encoder, flux_vae_decoder)]
         assert [round(c / 1e6, 1) for c in counts] == [34.3, 49.5]

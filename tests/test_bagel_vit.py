@@ -4,7 +4,7 @@ Transform: target sizes worked out by hand from the official rules (module docst
 `mstar_models.bagel.transforms`) for several aspect ratios, pixels against PIL's bicubic
 resize, normalisation against (x / 255 - 0.5) / 0.5.
 
-ViT (models.md 1.6), with the node's random weights copied into transformers 5.24:
+ViT (docs/models/bagel.md, Facts), with the node's random weights copied into transformers 5.24:
 - a full square grid against `SiglipVisionModel` (conv patch weight = the Linear weight
   reshaped [dim, p, q, c] -> [dim, c, p, q]);
 - any grid against `SiglipEncoder` + `post_layernorm` fed conv patches + the learned table at

@@ -438,7 +438,7 @@ def test_a_changed_checkpoint_is_refused_by_a_plan_compiled_against_it(
 
 # ------------------------------------------------------------------------ tokens -> codes
 def reference_codes(tokens: list[int]) -> list[list[int]]:
-    """models.md 3.3, written out: code = T - 128266 - (k % 7) * 4096, kept iff in [0, 4096)."""
+    """docs/models/orpheus.md, Facts, written out: code = T - 128266 - (k % 7) * 4096, kept iff in [0, 4096)."""
     k, out = 0, []
     for t in tokens:
         code = t - AUDIO - (k % 7) * CODEBOOK

@@ -38,7 +38,7 @@ from mstar_runtime.weights import WeightsError, load_weights
 ROOT = Path(__file__).resolve().parent.parent
 ATOL = 1e-5  # see the module docstring
 
-# models.md 3.7 (tiny) and 3.2 (hubertsiuzdak/snac_24khz config.json)
+# docs/models/orpheus.md, Facts: the tiny variant, and SNAC 24 kHz (hubertsiuzdak/snac_24khz config.json)
 TINY: dict[str, Any] = {
     "sampling_rate": 24000, "encoder_dim": 4, "encoder_rates": [2, 4, 8, 8], "decoder_dim": 64,
     "decoder_rates": [8, 8, 4, 2], "attn_window_size": None, "codebook_size": 4096,

@@ -157,7 +157,7 @@ def test_sliding_window_binds_as_in_transformers(ours8: Code2Wav, hf8: torch.nn.
 
 
 def test_window_length_rule(ours72: Code2Wav) -> None:
-    # models.md 2.2: W frames -> 1920 W - 555 samples; keep-last keeps new * 1920 of a window with context
+    # docs/models/qwen3_omni.md, Facts: W frames -> 1920 W - 555 samples; keep-last keeps new * 1920 of a window with context
     assert (ours72.samples_per_frame, ours72.trim) == (1920, 555)
     assert [ours72.output_length(w) for w in (0, 1, 4, 25)] == [0, 1365, 7125, 47445]
     assert ours72.kept_range(50, 25) == (47445, 95445)
@@ -244,7 +244,7 @@ def test_loader_names_a_missing_tensor(plan: Plan, hf72: torch.nn.Module, tmp_pa
 
 @pytest.mark.gpu
 def test_real_size_code2wav_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The released Code2Wav (models.md 2.2) on the GPU in fp32 (TF32 off): one decode equals
+    """The released Code2Wav (docs/models/qwen3_omni.md, Facts) on the GPU in fp32 (TF32 off): one decode equals
     transformers', and 25-frame chunks with 25 frames of left context tile it (keep-last)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

@@ -196,7 +196,7 @@ def test_bad_vision_inputs_are_request_errors(vision: VisionEncoder, pixels: tor
 # --------------------------------------------------------------------- GPU, real size
 @pytest.mark.gpu
 def test_real_size_encoders_equal_transformers_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The released audio / vision sizes (models.md 2.2) on the GPU: fp32 parity (TF32 off) with
+    """The released audio / vision sizes (docs/models/qwen3_omni.md, Facts) on the GPU: fp32 parity (TF32 off) with
     transformers' default init, and the bf16 node close to the fp32 reference."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

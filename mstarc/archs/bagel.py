@@ -6,7 +6,7 @@ the generation glue its denoise pass uses (`time_embedder`, `vae2llm`, `llm2vae`
 `latent_pos_embed`). And `bagel_vit`: the SigLIP NaViT (`vit_model.vision_model.*`, patch
 embedding stored in Linear form), the MLP `connector` and the frozen `vit_pos_embed`.
 
-Assumed where models.md is silent, following the official modules: the und and gen copies
+Assumed where the released configs are silent (docs/models/bagel.md, Facts), following the official modules: the und and gen copies
 both carry q/k/v biases and QK-norm; the SigLIP post_layernorm is kept (BAGEL drops the
 last layer and the pooling head, not the final norm); the sin-cos position tables are
 stored in the checkpoint (frozen Parameters) in the weights dtype.

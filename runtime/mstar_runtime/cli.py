@@ -590,8 +590,8 @@ def _env(name: str) -> dict[str, Any]:
               help='Run a batch: one {"id", "walk", "inputs"} JSON object per line (examples/requests.jsonl).')
 @click.option("--serve", is_flag=True, help="Serve the plan over HTTP: OpenAI-compatible and native routes.")
 @click.option("--input", "-i", "inputs", multiple=True, metavar="K=V", callback=_pairs,
-              help="An input of the walk, parsed by its declared type (tensors: a JSON list or "
-                   "@file.safetensors; images: @file.png|jpg). Repeatable.")
+              help="An input of the walk, parsed by its declared type (tensors: a JSON list or @FILE, "
+                   "a .safetensors, image or WAV file; images: @FILE.png|jpg). Repeatable.")
 @click.option("--out", type=click.Path(file_okay=False), metavar="DIR",
               help="Where output files go (one-shot default: ./out).")
 @click.option("--weights", default="dummy", show_default=True, metavar="DIR|dummy|init", **_env("MSTAR_WEIGHTS"),

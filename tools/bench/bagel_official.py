@@ -3,7 +3,7 @@
 `.official/` (git-ignored, made by tools/official_bagel.sh) holds the official snapshot
 (`.official/Bagel`) and the transformers 4.49.0 stack it pins (`.official/site`). Nothing
 of it is imported at module level: `setup()` does it, once per process, and installs what the
-official code needs to run here (reference/models.md 1.6):
+official code needs to run here (docs/models/bagel.md, Facts):
 
 - sys.path: `.official/site` and `.official/Bagel` first, so `transformers` and
   `huggingface_hub` are the pinned ones. A process that already imported them from elsewhere
@@ -87,7 +87,7 @@ SCALE_FACTOR, SHIFT_FACTOR = 0.3611, 0.1159  # FLUX AE (official load_ae)
 VAE_PREFIXES = ("encoder.", "decoder.")  # ae.safetensors names; everything else is ema.safetensors
 SPECIAL_NAMES = {"bos_id": "<|im_start|>", "eos_id": "<|im_end|>", "vision_start_id": "<|vision_start|>",
                  "vision_end_id": "<|vision_end|>"}
-# Defaults of the official app's tabs (reference/models.md 1.4), which M*'s walks take too.
+# Defaults of the official app's tabs (docs/models/bagel.md, Facts), which M*'s walks take too.
 T2I_DEFAULTS = {"cfg_text_scale": 4.0, "cfg_img_scale": 1.5, "cfg_interval": (0.4, 1.0),
                 "cfg_renorm_type": "global", "cfg_renorm_min": 0.0, "timestep_shift": 3.0}
 EDIT_DEFAULTS = {"cfg_text_scale": 4.0, "cfg_img_scale": 2.0, "cfg_interval": (0.0, 1.0),

@@ -1,6 +1,6 @@
 """BAGEL's flow-matching arithmetic as a stateless node (no weights): noise, schedule, guidance, Euler step.
 
-The official `Bagel.generate_image` / `_forward_flow` (reference/models.md 1.4), phase by phase
+The official `Bagel.generate_image` / `_forward_flow` (docs/models/bagel.md, Facts), phase by phase
 (models/bagel/bagel.walk, node `flow`):
 
   noise(height, width, seed, skip) -> (latent)

@@ -1,7 +1,7 @@
 """BAGEL's Mixture-of-Transformers language model as a KV node (`MoTLanguageModel`).
 
 The LLM is Qwen2.5 with QK-norm (an RMSNorm over head_dim on q and k, before RoPE) and a
-second, "gen", copy of every layer's weights (reference/models.md 1.2-1.3). Each token goes
+second, "gen", copy of every layer's weights (docs/models/bagel.md, Facts). Each token goes
 through exactly one copy, chosen by its kind, with no gate: text, ViT tokens and the
 <|vision_start|>/<|vision_end|> markers through the und copy (no suffix), VAE latents
 through the gen copy (`*_moe_gen`, final norm `norm_moe_gen`). Both copies write K/V into

@@ -1,6 +1,6 @@
 """BAGEL's tokenizer as a stateless node: text segments, the think system prompts, streamed text.
 
-A text segment is `[<|im_start|>] + tokenize(text) + [<|im_end|>]` (reference/models.md 1.3:
+A text segment is `[<|im_start|>] + tokenize(text) + [<|im_end|>]` (docs/models/bagel.md, Facts:
 `<|im_start|>` acts as bos and `<|im_end|>` as eos), as the official
 `InterleaveInferencer.update_context_text` builds it. Phases (models/bagel/bagel.walk, node `tok`):
 

@@ -1,6 +1,6 @@
 """BAGEL's FLUX autoencoder as two stateless nodes: `FluxVaeEncoder` and `FluxVaeDecoder`.
 
-The network is the FLUX AE (models.md 1.2): GroupNorm(32, eps 1e-6) and SiLU everywhere,
+The network is the FLUX AE (docs/models/bagel.md, Facts): GroupNorm(32, eps 1e-6) and SiLU everywhere,
 ResNet blocks of two 3x3 convs with a 1x1 `nin_shortcut` when the width changes, a stride-2
 `downsample.conv` after a (0, 1, 0, 1) zero pad, an `upsample.conv` after nearest x2, one
 single-head attention in each mid block, and no quant_conv. Module names are the BFL names
@@ -44,7 +44,7 @@ SCALE_FACTOR = 0.3611  # FLUX AE scale_factor (official load_ae)
 SHIFT_FACTOR = 0.1159  # FLUX AE shift_factor
 NORM_GROUPS = 32
 NORM_EPS = 1e-6
-# VAE ImageTransform at the released size (models.md 1.2); smaller plans scale it down.
+# VAE ImageTransform at the released size (docs/models/bagel.md, Facts); smaller plans scale it down.
 VAE_MAX_SIZE, VAE_MIN_SIZE = 1024, 512
 # Pixels per forward: 4 images of 1024^2. The decoder's full-resolution level alone holds
 # ~1.3 GiB of bf16 activations per 1024^2 image; the cap keeps a full batch's peak bounded.

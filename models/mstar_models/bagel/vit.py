@@ -1,7 +1,7 @@
 """BAGEL's image-understanding encoder as a stateless node: image -> LLM-width tokens.
 
 `phase_encode` follows the official `Bagel.prepare_vit_images` + `forward_cache_update_vit`
-(models.md 1.2-1.4):
+(docs/models/bagel.md, Facts):
 1. `ImageTransform(max, min, patch)` resize (PIL bicubic; sides multiples of the patch):
    (980, 224, 14) at real size, at smaller tables max = min(980, patch * max_patches_per_side)
    and min = min(224, max // 2);

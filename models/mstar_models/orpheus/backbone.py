@@ -32,7 +32,7 @@ last token):
   `k`:          audio codes emitted so far (selects the code position k % 7 of the next one),
                 an int64 0-d tensor on the device, so that no step waits to read a token
 
-Token -> code (reference/models.md 3.3): `code = T - 128266 - (k % 7) * 4096`; a token
+Token -> code (docs/models/orpheus.md, Facts): `code = T - 128266 - (k % 7) * 4096`; a token
 gives one code item iff 0 <= code < 4096 (then k += 1), anything else (end_of_speech, a
 text id, an audio id of the wrong position) gives zero items. The reference decoder also
 drops code 0 (its check is `> 0`), which shifts its 7-position alignment for the rest of
@@ -74,7 +74,7 @@ from mstar_runtime.sampling import SamplingParams, sample
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-# reference/models.md 3.3; the walk's config normally supplies these.
+# docs/models/orpheus.md, Facts; the walk's config normally supplies these.
 TOKEN_DEFAULTS = {
     "audio_token_offset": 128266,
     "codebook_size": 4096,

@@ -1,6 +1,6 @@
 """Orpheus' chat template as a stateless node: `build(text, voice) -> (tokens)`.
 
-Layout (reference/models.md 3.3, the 3B model's `_format_prompt`):
+Layout (docs/models/orpheus.md, Facts, the 3B model's `_format_prompt`):
     [start_of_human] + tokenizer(f"{voice}: {text}").input_ids + [eot, end_of_human, start_of_ai, start_of_speech]
 where the tokenizer's ids begin with BOS (128000), as Llama 3's post-processor adds it.
 

@@ -1,6 +1,6 @@
 """Orpheus' SNAC node: a 28-code window (4 coarse frames) -> the 2nd frame's 2048 samples.
 
-Our own implementation of `snac.SNAC.decode` (hubertsiuzdak/snac 1.2.1; models.md 3.2):
+Our own implementation of `snac.SNAC.decode` (hubertsiuzdak/snac 1.2.1; docs/models/orpheus.md, Facts):
 `quantizer.from_codes` (per codebook: embedding -> out_proj 1x1 conv -> repeat_interleave by
 its vq stride; summed), then the decoder (depthwise + pointwise conv, [LocalMHA], DecoderBlocks
 of Snake -> ConvTranspose -> NoiseBlock -> ResidualUnits d=1,3,9, then Snake, conv, tanh).
@@ -9,7 +9,7 @@ Module and state-dict names equal the package's (`quantizer.quantizers.{i}.*`,
 `snac_decoder` arch (mstarc/archs/snac.py) lists and `tools/convert_snac.py` writes. Folding
 saves SNAC's per-forward `g * v / ||v||` recompute of every conv weight.
 
-Orpheus layout (models.md 3.3): the window is 4 frames of 7 codes [L0, L1, L2, L2, L1, L2, L2],
+Orpheus layout (docs/models/orpheus.md, Facts): the window is 4 frames of 7 codes [L0, L1, L2, L2, L1, L2, L2],
 so codes_0 = [f0], codes_1 = [f1, f4], codes_2 = [f2, f3, f5, f6] per frame, concatenated over
 frames. The window decodes to 4 * 2048 samples; like the reference `convert_to_audio` we keep
 samples [2048:4096] (1 frame of left context, 2 of right context).
@@ -66,7 +66,7 @@ from mstar_runtime.engine.stateless_graphs import GraphPhase, Prepared, run_phas
 from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
 from mstar_runtime.ops.readback import Readback, upload_tensor
 
-# Orpheus' 7-code frame (models.md 3.3): position in the frame -> SNAC layer.
+# Orpheus' 7-code frame (docs/models/orpheus.md, Facts): position in the frame -> SNAC layer.
 FRAME_LAYOUT = (0, 1, 2, 2, 1, 2, 2)
 FRAME_TOKENS = len(FRAME_LAYOUT)
 WINDOW_FRAMES = 4  # the reference decodes buffer[-28:]

@@ -1,6 +1,6 @@
 """Qwen3-Omni's audio encoder as a stateless node: `encode(mel [128, F]) -> embeds [Na, hidden]`.
 
-Our implementation of transformers 5.24's `Qwen3OmniMoeAudioEncoder.forward` (models.md 2.2):
+Our implementation of transformers 5.24's `Qwen3OmniMoeAudioEncoder.forward` (docs/models/qwen3_omni.md, Facts):
 1. The mel frames are cut into chunks of 2 * n_window = 100 frames (the last one shorter).
    Each chunk goes through three Conv2d(3x3, stride 2, padding 1) + GELU layers over
    (mel, time): 100 frames -> 13 time steps, 128 bins -> 16; `conv_out` maps the C * 16

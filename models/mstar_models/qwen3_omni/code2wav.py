@@ -1,6 +1,6 @@
 """Qwen3-Omni's Code2Wav vocoder as a stateless node: `decode(codes [W, G]) -> pcm`.
 
-Our implementation of transformers 5.24's `Qwen3OmniMoeCode2Wav.forward` (models.md 2.2):
+Our implementation of transformers 5.24's `Qwen3OmniMoeCode2Wav.forward` (docs/models/qwen3_omni.md, Facts):
 - the G codes of a frame index one table at rows `g * codebook_size + code`, and their
   embeddings are averaged;
 - a pre-transformer of causal layers (RMSNorm, RoPE attention over a sliding window of
@@ -15,7 +15,7 @@ Every conv is causal; each decoder transposed conv trims r samples on both ends,
 give `spf * W - trim` samples, spf = prod(rates) * prod(ratios) = 1920 and trim = 555 at
 the released rates (8, 5, 4, 3 and 2, 2).
 
-Streaming (models.md 2.3 step 5, the keep-last rule). A window is W = ctx + new frames,
+Streaming (docs/models/qwen3_omni.md, Facts, the keep-last rule). A window is W = ctx + new frames,
 ctx of them left context (the runtime passes ctx as `codes:context`). Its output covers
 the samples [spf * start, spf * (start + W) - trim) of one decode of the whole stream, so
 the node keeps the last `new * spf` samples (all of them when ctx = 0): consecutive windows

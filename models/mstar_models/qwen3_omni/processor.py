@@ -117,7 +117,7 @@ BUNDLED_TEMPLATE = (
 # ------------------------------------------------------------------------------ token ids
 @dataclass(frozen=True)
 class TokenIds:
-    """The ids the Qwen3-Omni nodes agree on (models.md 2.2, "Thinker misc" and "Top-level ids")."""
+    """The ids the Qwen3-Omni nodes agree on (docs/models/qwen3_omni.md, Facts: the released config's thinker and top-level ids)."""
 
     endoftext: int
     im_start: int

@@ -1,6 +1,6 @@
 """Qwen3-Omni's special token ids and constants, read from a node's config with the released values as defaults.
 
-The defaults are the released `config.json` values (reference/models.md 2.2) when the thinker
+The defaults are the released `config.json` values (docs/models/qwen3_omni.md, Facts) when the thinker
 vocabulary holds them, else the ids of the bundled 512-id tiny tokenizer (Qwen's added tokens
 moved down to 479..511, the role words at their tiny ids): the same table as
 `processor.token_ids(vocab)`, kept here so the language-model nodes need not import the

@@ -1,6 +1,6 @@
 """Qwen3-Omni's vision encoder as a stateless node: `encode(pixels, grid) -> (embeds, deepstack)`.
 
-Our implementation of transformers 5.24's `Qwen3OmniMoeVisionEncoder.forward` (models.md 2.2):
+Our implementation of transformers 5.24's `Qwen3OmniMoeVisionEncoder.forward` (docs/models/qwen3_omni.md, Facts):
 1. Patches [P, 3 * 2 * 16 * 16] (channel, time, row, column; in 2x2 merge-block order, as
    the image processor writes them) -> `patch_embed` (a Conv3d whose kernel equals its
    stride, i.e. one matmul per patch).

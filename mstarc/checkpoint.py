@@ -47,9 +47,11 @@ def scan(folder: str | Path) -> I.CheckpointIR:
             text = limits.read_text_capped(index, str(index), limits.MAX_JSON_BYTES)
             weight_map = json.loads(text)["weight_map"]
             names = sorted(set(weight_map.values()))
-        except CompileError as e:  # over the size cap
+        except CompileError as e:  # over the size cap, or not a regular file
             raise CheckpointError(e.diagnostics[0].message) from None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        except OSError as e:  # missing, unreadable, a named pipe
+            raise CheckpointError(f"cannot read '{index}': {e.strerror or e}") from None
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise CheckpointError(f"'{index}' is not a valid safetensors index") from None
     else:
         names = sorted(p.name for p in root.glob("*.safetensors"))

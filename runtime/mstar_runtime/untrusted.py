@@ -22,7 +22,7 @@ import json
 import os
 import re
 import stat
-from typing import Any
+from typing import Any, BinaryIO
 
 # Nesting of any JSON the runtime reads: a plan body nests about 4 levels per block of the
 # walk (at most 64 blocks, mstarc/limits.py), a request's tensor about one per dimension.
@@ -38,6 +38,24 @@ class FileTooLarge(Exception):
     def __init__(self, size: int, cap: int):
         self.size, self.cap = size, cap
         super().__init__(f"{size} bytes, over the cap of {cap} bytes")
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """`path` opened for reading in binary, when it is a regular file.
+
+    Raises OSError as `read_file` does ("not a regular file (a named pipe)"), without blocking
+    on a FIFO: for what is read in parts (a safetensors header) rather than whole."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(os.fspath(path), flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _KINDS if test(st.st_mode)), "a special file")
+            raise OSError(errno.EINVAL, f"not a regular file ({kind})", os.fspath(path))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def read_file(path: str | os.PathLike[str], cap: int) -> bytes:

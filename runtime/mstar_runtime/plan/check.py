@@ -12,8 +12,10 @@ body is shaped.
 
 The schema is data (`BODY` below, built from `Int`, `Str`, `Obj`, ...); the ranges it
 uses are the compiler's own limits, defined here once: the compiler imports them
-(`mstarc/lower.py`, `mstarc/passes/streams.py`). The cross-section checks of nodes, ranks
-and KV tags that need the typed views are the loader's (`_Invariants` in loader.py).
+(`mstarc/lower.py`, `mstarc/passes/streams.py`). Every name one section gives another
+resolves too (`_names`: nodes, ports, phases, tags, ranks, walks, streams, edges), so that
+`mstarc explain` can render any body that passes; the loader's `_Invariants` add what needs
+its typed views (TP groups, residency of each call's node, stream endpoints).
 
 Imports neither torch nor the compiler.
 """
@@ -214,6 +216,11 @@ class _Out:
         if len(self.problems) < MAX_PROBLEMS:
             self.problems.append(f"{path or 'the body'} {message}")
 
+    def say(self, sentence: str) -> None:
+        """A problem whose sentence names its place itself (a walk's step, a node)."""
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(sentence)
+
 
 # ---- the plan body (docs/plan-format.md)
 NAME = Str()
@@ -284,7 +291,10 @@ NODE = Obj({
     "shard": Opt(Obj({"tp": Int(1, MAX_DEVICES), "ranks": RANKS,
                       "splits": Map(Obj({"kind": Str(("col", "row", "vocab", "expert", "replicate")),
                                          "dim": Opt(Int(0, 64)), "parts": Int(1, MAX_DEVICES)}))},
-                     {"kv_heads_per_rank": Opt(Int(1, 1 << 20))})),
+                     {"kv_heads_per_rank": Opt(Int(1, MAX_KV_DIM)), "heads_per_rank": Opt(Int(1, MAX_KV_DIM)),
+                      "kv_replicas": Int(1, MAX_DEVICES), "bytes_per_rank": Int(),
+                      "collectives": List(Obj({"op": Str(("all_reduce", "all_gather")), "after": Str(),
+                                               "count": Int()}))})),
 }, {"tag_max_len": Map(Int(1, INT_MAX))})
 KV_POOL = Obj({"node": NAME, "pages": Int(1, MAX_KV_PAGES), "tokens": Int(1), "bytes_per_token": Int(1),
                "max_seq_len": Int(1), "bytes": Int(1)})
@@ -312,7 +322,7 @@ BODY = Obj({
     "memory": Obj({"page_size": Int(1, MAX_PAGE_SIZE),
                    "ranks": List(Obj({"rank": RANK, "capacity_bytes": Int(1), "weights_bytes": Int(),
                                       "graph_pool_bytes": Int(), "workspace_bytes": Int(), "kv": List(KV_POOL)},
-                                     {"node_weights": Map(Int())}))}),
+                                     {"node_weights": Map(Int()), "kv_budget_bytes": Int(), "free_bytes": Int()}))}),
     "streams": List(Obj({"id": NAME, "walk": NAME, "policy": POLICY, "chunk_items": Int(1, MAX_CHUNK_ITEMS),
                          "capacity": Int(1, MAX_STREAM_ITEMS), "producer_rank": RANK, "consumer_rank": RANK},
                         {"edge": NAME, "block": NAME, "item_type": TYPE})),
@@ -376,8 +386,99 @@ def _references(body: Mapping[str, Any], out: _Out) -> None:
     for i, s in enumerate(body["streams"]):
         if s["capacity"] < s["chunk_items"]:
             out.add(f"streams[{i}].capacity", f"is {s['capacity']}, less than a chunk of {s['chunk_items']} items")
+    _names(body, out)
     for name, walk in body["walks"].items():
         _walk(name, walk, out)
+
+
+def _names(body: Mapping[str, Any], out: _Out) -> None:
+    """Every name one section gives another resolves: nodes, their ports, phases and tags,
+    ranks, walks, streams and edges (what `mstarc explain` looks up as it renders a body).
+    Worded as the loader's `_Invariants`, which repeat some of these on the typed views."""
+    nodes, walks = body["nodes"], body["walks"]
+    n_ranks = len(body["placement"]["ranks"])
+    span = f"out of range 0..{n_ranks - 1}"
+    stream_ids = {s["id"] for s in body["streams"]}
+    edge_ids = {e["id"] for e in body["edges"]}
+
+    def bad_ranks(listed: list[int]) -> bool:
+        return any(not 0 <= r < n_ranks for r in listed)
+
+    for r in body["placement"]["resident"]:
+        if bad_ranks([r["rank"]]):
+            out.say(f"placement.resident names rank {r['rank']}, {span}")
+        for n in r["nodes"]:
+            if n not in nodes:
+                out.say(f"rank {r['rank']} hosts unknown node {n[:40]!r}")
+    for name, n in nodes.items():
+        for rank in n["ranks"]:
+            if bad_ranks([rank]):
+                out.say(f"node '{name}' is placed on rank {rank}, {span}")
+        for ph, p in n["phases"].items():
+            for port in p["inputs"]:
+                if port not in n["inputs"]:
+                    out.say(f"phase {name}.{ph} reads unknown input {port[:40]!r}")
+            for port in p["outputs"]:
+                if port not in n["outputs"]:
+                    out.say(f"phase {name}.{ph} writes unknown output {port[:40]!r}")
+    for m in body["memory"]["ranks"]:
+        if bad_ranks([m["rank"]]):
+            out.say(f"memory names rank {m['rank']}, {span}")
+        for k in m["kv"]:
+            if k["node"] not in nodes:
+                out.say(f"memory of rank {m['rank']} holds a KV pool of unknown node {k['node'][:40]!r}")
+    for e in body["edges"]:
+        (sn, sp), (dn, dp) = e["src"], e["dst"]
+        from_input = sn in walks and any(p["name"] == sp for p in walks[sn]["inputs"])
+        if not from_input and (sn not in nodes or sp not in nodes[sn]["outputs"]):
+            out.say(f"edge {e['id'][:80]!r} starts at {sn[:40]}.{sp[:40]}, not an output of a node or an input "
+                    "of a walk")
+        if dn not in nodes or dp not in nodes[dn]["inputs"]:
+            out.say(f"edge {e['id'][:80]!r} ends at {dn[:40]}.{dp[:40]}, not an input of a node")
+    for s in body["streams"]:
+        if s["walk"] not in walks:
+            out.say(f"stream {s['id'][:80]!r} belongs to unknown walk {s['walk'][:40]!r}")
+        if "edge" in s and s["edge"] not in edge_ids:
+            out.say(f"stream {s['id'][:80]!r} follows unknown edge {s['edge'][:80]!r}")
+        if bad_ranks([s["producer_rank"], s["consumer_rank"]]):
+            out.say(f"stream {s['id'][:80]!r} has a rank {span}")
+    for t in body["transitions"]:
+        for w in (t["src"], t["dst"]):
+            if w not in walks:
+                out.say(f"transition {t['src'][:40]} -> {t['dst'][:40]} names unknown walk {w[:40]!r}")
+        for k in t["keep"]:
+            if k["node"] not in nodes:
+                out.say(f"transition {t['src'][:40]} -> {t['dst'][:40]} keeps a context of unknown node "
+                        f"{k['node'][:40]!r}")
+    for name, walk in walks.items():
+        for op in _ops_of(walk["program"]):
+            kind = op["op"]
+            if kind == "call":
+                _call_names(f"walk '{name}' step {op['id'][:40]!r}", op, nodes, n_ranks, out)
+            elif kind == "on_stream" and op["stream"] not in stream_ids:
+                out.say(f"walk '{name}' on_stream {op['id'][:40]!r} reads unknown stream {op['stream'][:80]!r}")
+            elif kind == "fork" and op["node"] not in nodes:
+                out.say(f"walk '{name}' forks {op['node'][:40]!r}, which is not a node")
+            elif kind == "transfer" and bad_ranks([op["src"], op["dst"]]):
+                out.say(f"walk '{name}' transfers {op['value'][:40]!r} between ranks {span}")
+
+
+def _call_names(step: str, op: Mapping[str, Any], nodes: Mapping[str, Any], n_ranks: int, out: _Out) -> None:
+    node = nodes.get(op["node"])
+    if node is None:
+        out.say(f"{step} calls unknown node {op['node'][:40]!r}")
+        return
+    name = op["node"]
+    if op["phase"] not in node["phases"]:
+        out.say(f"{step} calls unknown phase {name}.{op['phase'][:40]!r}; phases: {', '.join(node['phases']) or '(none)'}")
+    tag = op["tag"]
+    if node["engine"] == "kv" and tag not in node["tags"]:
+        out.say(f"{step} uses KV tag {tag if tag is None else tag[:40]!r} of '{name}', which has tags: "
+                f"{', '.join(node['tags'])}")
+    elif node["engine"] == "stateless" and tag is not None:
+        out.say(f"{step} gives a KV tag to stateless node '{name}'")
+    if any(not 0 <= r < n_ranks for r in op["ranks"]):
+        out.say(f"{step} ({name}.{op['phase'][:40]}) runs on ranks {op['ranks']!r}, out of range 0..{n_ranks - 1}")
 
 
 def _walk(name: str, walk: Mapping[str, Any], out: _Out) -> None:

@@ -300,3 +300,45 @@ def test_bench_runs_on_the_cpu_at_the_tiny_size(tmp_path: Path) -> None:
     assert report["floor"]["prefix_tokens"] == CAMERAS * (TINY.img // TINY.patch) ** 2 + 80
     assert report["b1"]["p50_ms"] > 0 and report["throughput"][0]["batch"] == 2
     assert report["reference"]["chunk_rel_l2_vs_ours"] < 1e-2  # the reference runs in bf16 there
+
+
+def test_native_route_takes_cameras_as_base64_pngs(engine: MStar, checkpoint: Path) -> None:
+    """POST /v1/walks/act_noise with `images` a list of base64 PNGs (one per camera) gives the
+    chunk the uint8 array gives; an undecodable camera and cameras of different sizes are 400s
+    naming the field."""
+    pytest.importorskip("fastapi", reason="the server needs the `serve` extra")
+    httpx = pytest.importorskip("httpx")
+    import asyncio
+    import base64
+    import io
+
+    from PIL import Image
+
+    from mstar_runtime.serve.server import ServeConfig, create_app
+
+    app = create_app(engine, ServeConfig(weights=str(checkpoint)))
+
+    def call(body: dict) -> httpx.Response:
+        async def go() -> httpx.Response:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+                return await c.post("/v1/walks/act_noise", json=body)
+        return asyncio.run(go())
+
+    def png(array: np.ndarray) -> str:
+        buf = io.BytesIO()
+        Image.fromarray(array).save(buf, format="PNG")
+        return base64.b64encode(buf.getvalue()).decode()
+
+    images, instruction, state, noise = GOOD
+    inputs = {"instruction": instruction, "state": state.tolist(), "noise": noise.tolist()}
+    r = call({"inputs": inputs | {"images": [png(im.numpy()) for im in images]}, "stream": False})
+    assert r.status_code == 200, r.text
+    want = engine.generate("act_noise", images=images, instruction=instruction, state=state, noise=noise)
+    got = r.json()["outputs"]
+    assert got["dims"] == OUT_DIM
+    torch.testing.assert_close(torch.tensor(got["actions"]), want["actions"], atol=1e-6, rtol=1e-6)
+    bad = call({"inputs": inputs | {"images": [png(images[0].numpy()), "not base64!"]}, "stream": False})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "inputs.images[1]", bad.text
+    mixed = call({"inputs": inputs | {"images": [png(images[0].numpy()), png(np.zeros((8, 16, 3), np.uint8))]},
+                  "stream": False})
+    assert mixed.status_code == 400 and "different sizes" in mixed.json()["error"]["message"], mixed.text

@@ -395,20 +395,41 @@ async def walk_extras(state: ServerState, walk: str, extra: Mapping[str, Any] | 
 
 async def decode_images(program: Mapping[str, Any], values: Mapping[str, Any],
                         fields: Mapping[str, str]) -> dict[str, Any]:
-    """Image inputs given as base64 text (or a data: URL) as the walk's RGB uint8 tensors.
+    """Image inputs given as base64 text (or a data: URL) as the walk's RGB uint8 tensors; a
+    frames input (u8 [N, H, W, 3]) given as a list of them, stacked.
     Decoding runs off the event loop (a large PNG takes seconds; `/health` and the other
     requests must not wait for it); its pixel count is bounded before it is decoded
     (`io.decode_image`)."""
-    kinds = {p["name"]: p["type"]["kind"] for p in program["inputs"]}
+    types = {p["name"]: p["type"] for p in program["inputs"]}
     out = dict(values)
     for name, value in values.items():
-        if kinds.get(name) == "image" and isinstance(value, str):
-            param = fields.get(name, name)
+        t = types.get(name, {})
+        param = fields.get(name, name)
+        if t.get("kind") == "image" and isinstance(value, str):
             try:
                 out[name] = await asyncio.to_thread(decode_image_text, value)
             except ValueError as e:
                 raise bad_request(f"{param}: {e}", param, "invalid_image") from None
+        elif t.get("kind") == "tensor" and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            out[name] = await asyncio.to_thread(_decode_frames, value, param)
     return out
+
+
+def _decode_frames(texts: list[str], param: str) -> Any:
+    """A list of base64 images of one size as RGB frames [N, H, W, 3] (π0.5's cameras, V-JEPA's frames)."""
+    import torch
+
+    frames = []
+    for i, text in enumerate(texts):
+        try:
+            frames.append(decode_image_text(text))
+        except ValueError as e:
+            raise bad_request(f"{param}[{i}]: {e}", f"{param}[{i}]", "invalid_image") from None
+    sizes = sorted({(int(f.shape[1]), int(f.shape[0])) for f in frames})
+    if len(sizes) > 1:
+        raise bad_request(f"{param}: images of different sizes ({', '.join(f'{w}x{h}' for w, h in sizes)})",
+                          param, "invalid_image")
+    return torch.stack(frames)
 
 
 MAX_TOKEN_INPUTS = ("max_tokens", "max_completion_tokens", "max_new_tokens", "max_new", "max_length")

@@ -74,7 +74,8 @@ def input_annotation(t: Mapping[str, Any]) -> Any:
     """The pydantic type of a walk input of declared type `t`, for every route alike (the
     native route's body and the extra keys of the OpenAI routes): str (at most MAX_STR
     characters), int64, finite float, bool, a tensor as nested lists of its rank, an image
-    as base64 text (decoded by the route)."""
+    as base64 text (decoded by the route); RGB frames, a u8 tensor [N, H, W, 3], also as a
+    list of base64 images of one size (decoded and stacked by the route)."""
     kind = t["kind"]
     if kind == "str":
         return Annotated[Text, Field(max_length=MAX_STR)]
@@ -87,6 +88,8 @@ def input_annotation(t: Mapping[str, Any]) -> Any:
     if kind == "image":
         return Annotated[Text, Field(description="base64 PNG/JPEG, or a data:image/...;base64, URL")]
     dtype = t.get("dtype", "")
+    dims = t.get("dims", [])
+    frames = dtype == "u8" and len(dims) == 4 and dims[-1] == 3  # RGB frames [N, H, W, 3]: also as images
     if dtype in INT_RANGES:
         lo, hi = INT_RANGES[dtype]
         elem: Any = Annotated[StrictInt, Field(ge=lo, le=hi)]
@@ -95,8 +98,12 @@ def input_annotation(t: Mapping[str, Any]) -> Any:
     else:
         most = FLOAT_MAX.get(dtype)
         elem = Finite if most is None else Annotated[StrictFloat, Field(ge=-most, le=most, allow_inf_nan=False)]
-    for _ in t.get("dims", []):
+    for _ in dims:
         elem = list[elem]
+    if frames:
+        images = Annotated[list[Annotated[Text, Field(description="base64 PNG/JPEG, or a data: URL")]],
+                           Field(min_length=1)]
+        return elem | images
     return elem
 
 

@@ -172,8 +172,16 @@ def test_a_chunked_body_past_the_limit_is_a_413(engine: Any) -> None:
     assert status == 200 and json.loads(raw)["object"] == "chat.completion", raw
 
 
-def test_head_health(app: Any) -> None:
+def test_head_health(engine: Any) -> None:
+    import warnings
+
+    app = make_app(engine)  # its own: the schema is built once per app
     assert call(app, "/health", method="HEAD").status_code == 200
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        schema = call(app, "/openapi.json", method="GET").json()
+    assert not [w for w in seen if "Duplicate Operation ID" in str(w.message)], [str(w.message) for w in seen]
+    assert list(schema["paths"]["/health"]) == ["get"]
 
 
 def test_the_api_key_leaves_the_description_open(engine: Any) -> None:

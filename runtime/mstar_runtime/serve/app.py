@@ -44,6 +44,7 @@ from mstar_runtime.serve.common import (
 )
 from mstar_runtime.serve.io import decode_image_text
 from mstar_runtime.serve.schemas import INT64_MAX, INT64_MIN
+from mstar_runtime.serve.state import default_voice
 
 try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
     from fastapi import Request, UploadFile
@@ -53,7 +54,7 @@ except ImportError:  # pragma: no cover - without the `serve` extra the module o
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from mstar_runtime.serve.server import ServerState
+    from mstar_runtime.serve.state import ServerState
 
 log = logging.getLogger("mstar_runtime.serve.server")
 
@@ -205,7 +206,10 @@ def install(app: FastAPI, state: ServerState) -> None:
     # connection; `_Frame` answers an uncaught exception itself (logged once, a plain 500)
     app.add_middleware(_Frame, state=state)
 
-    @app.api_route("/health", methods=["GET", "HEAD"], tags=["server"], summary="200 while serving; 503 while draining or when the engine is dead",
+    # HEAD too (probes send it), kept out of the schema: one operation per path and method
+    # would give the two the same operation id
+    @app.head("/health", include_in_schema=False)
+    @app.get("/health", tags=["server"], summary="200 while serving; 503 while draining or when the engine is dead",
              responses={503: {"description": "draining or unhealthy"}})
     async def health() -> Any:
         if state.draining:
@@ -214,8 +218,6 @@ def install(app: FastAPI, state: ServerState) -> None:
         if problem is not None:
             return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
         return {"status": "ok"}
-
-    from mstar_runtime.serve.media import default_voice  # media imports this module
 
     voice = default_voice(state)
 

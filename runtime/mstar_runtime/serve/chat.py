@@ -95,7 +95,7 @@ except ImportError:  # pragma: no cover - without the `serve` extra the module o
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from mstar_runtime.serve.server import ServerState, WalkRole
+    from mstar_runtime.serve.state import ServerState, WalkRole
 
 log = logging.getLogger("mstar_runtime.serve.server")
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty")

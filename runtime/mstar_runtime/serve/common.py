@@ -34,7 +34,7 @@ from mstar_runtime.outputs import is_audio_name
 from mstar_runtime.plan.loader import UnknownWalk
 
 if TYPE_CHECKING:
-    from mstar_runtime.serve.server import ServerState
+    from mstar_runtime.serve.state import ServerState
 
 INVALID = "invalid_request_error"
 SERVER = "server_error"

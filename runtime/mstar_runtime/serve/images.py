@@ -61,7 +61,7 @@ except ImportError:  # pragma: no cover - without the `serve` extra the module o
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from mstar_runtime.serve.server import ServerState, WalkRole
+    from mstar_runtime.serve.state import ServerState, WalkRole
 
 NO_URL = ("response_format 'url' is not served: this server has no file host; use 'b64_json' (the PNG "
           "inline)")

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -46,6 +46,13 @@ from mstar_runtime.serve.app import ERROR_RESPONSES, check_model, error_response
 from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
 from mstar_runtime.serve.io import b64, pcm16, wav_header
 from mstar_runtime.serve.schemas import SpeechRequest
+from mstar_runtime.serve.state import (  # re-exported: the speech walk is found there
+    READ_ALOUD,
+    SPEECH_WALKS,
+    SpeechWalk,
+    is_stream,
+    speech_walk,
+)
 
 try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
     from fastapi import Request
@@ -55,84 +62,10 @@ except ImportError:  # pragma: no cover - without the `serve` extra the module o
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from mstar_runtime.serve.server import ServerState, WalkRole
+    from mstar_runtime.serve.state import ServerState, WalkRole
 
 MEDIA = {"wav": "audio/wav", "pcm": "audio/pcm"}
 log = logging.getLogger("mstar_runtime.serve.server")
-
-# What Qwen3-Omni's speech walk is told for /v1/audio/speech: its prompt is a user turn that
-# the model would otherwise answer rather than read
-READ_ALOUD = ("Read the user's message aloud exactly as it is written, word for word. Do not answer it, "
-              "comment on it, translate it or add anything to it.")
-
-
-@dataclass(frozen=True)
-class SpeechWalk:
-    """How a walk serves speech: its text input and audio output (`role`), the inputs that
-    `voice` and `instructions` go to, the system text sent before any instructions, and the
-    walk's text output (its transcript) when it has one."""
-
-    role: WalkRole
-    voice: str | None = None
-    instructions: str | None = None
-    preamble: str | None = None
-    transcript: str | None = None
-
-
-# models whose speech is not a `tts(text, voice)` walk, by the plan's model name:
-# (walk, text input, voice input, instructions input, audio output, preamble)
-SPEECH_WALKS: dict[str, tuple[str, str, str, str, str, str | None]] = {
-    "qwen3_omni": ("speech", "prompt", "speaker", "system", "audio_out", READ_ALOUD),
-}
-
-
-def speech_walk(state: ServerState) -> SpeechWalk | None:
-    """The walk that serves `/v1/audio/speech` (module docstring), or None."""
-    from mstar_runtime.serve.server import WalkRole  # the server module imports the route modules lazily
-
-    known = SPEECH_WALKS.get(state.plan.model_name)
-    if known is not None:
-        walk, text, voice, instructions, audio, preamble = known
-        program = state.plan.walks.get(walk)
-        if program is None:
-            return None
-        inputs = {p["name"]: p for p in program["inputs"]}
-        outputs = {o["name"]: o for o in program["outputs"]}
-        if not (_is_str(inputs.get(text)) and _is_stream(outputs.get(audio), ("f32", "f16", "bf16"))):
-            return None
-        transcript = next((n for n, o in outputs.items() if n != audio and _is_stream(o, ("str", "i32", "i64"))),
-                          None)
-        return SpeechWalk(WalkRole(walk, text, audio, inputs), voice if _is_str(inputs.get(voice)) else None,
-                          instructions if _is_str(inputs.get(instructions)) else None, preamble, transcript)
-    role = state.walks.tts
-    if role is None:
-        return None
-    return SpeechWalk(role, "voice" if _is_str(role.inputs.get("voice")) else None,
-                      "instructions" if _is_str(role.inputs.get("instructions")) else None)
-
-
-def default_voice(state: ServerState) -> str | None:
-    """The voice a speech request without one gets (its walk's default), for `/v1/models`:
-    what a client may send when it knows nothing of the model (Orpheus `tara`, Qwen3-Omni
-    `ethan`). None when the plan has no speech walk or its voice input has no default."""
-    speech = speech_walk(state)
-    if speech is None or speech.voice is None:
-        return None
-    default = speech.role.inputs[speech.voice].get("default")
-    return default if isinstance(default, str) else None
-
-
-def _is_str(p: Mapping[str, Any] | None) -> bool:
-    return p is not None and p["type"]["kind"] == "str"
-
-
-def _is_stream(o: Mapping[str, Any] | None, dtypes: tuple[str, ...]) -> bool:
-    """An appended output of kind str (when "str" is in `dtypes`) or a tensor of one of `dtypes`."""
-    if o is None or o["mode"] != "append":
-        return False
-    t = o["type"]
-    return (t["kind"] == "str" and "str" in dtypes) or (t["kind"] == "tensor" and t.get("dtype") in dtypes)
-
 
 def install(app: FastAPI, state: ServerState) -> None:
     speech = speech_walk(state)
@@ -183,7 +116,7 @@ def _install_speech(app: FastAPI, state: ServerState, speech_walk: SpeechWalk) -
         state.codecs[role.walk] = TextCodec(state.plan, role.walk, role.text_input, state.config.weights)
     outputs = state.plan.walk(role.walk)["outputs"]
     usage = SpeechUsage(tuple(
-        o["name"] for o in outputs if o["name"] != role.output and _is_stream(o, ("str", "i32", "i64"))))
+        o["name"] for o in outputs if o["name"] != role.output and is_stream(o, ("str", "i32", "i64"))))
     audio_responses = {**ERROR_RESPONSES, 200: {"description": "audio (wav or pcm), or SSE events",
                                                "content": {"audio/wav": {}, "audio/pcm": {}, "text/event-stream": {}}}}
 

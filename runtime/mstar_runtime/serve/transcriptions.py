@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from mstar_runtime.plan.loader import Plan
-    from mstar_runtime.serve.server import ServerState
+    from mstar_runtime.serve.state import ServerState
 
 RATE = 16000  # what the walks' `audio` input holds
 MAX_FILE_BYTES = 25 * 2**20

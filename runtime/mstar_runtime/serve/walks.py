@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - without the `serve` extra the module o
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from mstar_runtime.serve.server import ServerState
+    from mstar_runtime.serve.state import ServerState
 
 
 def request_model(walk: str, program: Mapping[str, Any]) -> Any:

@@ -152,8 +152,8 @@ def test_a_step_takes_at_most_the_nodes_token_budget(plan_path: Path) -> None:
     """A kv node's `max_prefill_tokens` setting bounds one batched step's new tokens (16 ViT
     blocks of 4902 tokens ran out of memory at real size); the first entry always runs."""
     with MStar.load(plan_path, weights="dummy") as m:
-        assert m.conductor._token_budget("llm") == 32784  # the walk's setting
-        m.conductor._token_budget = lambda node: 40 if node == "llm" else None
+        assert m.conductor.contexts.token_budget("llm") == 32784  # the walk's setting
+        m.conductor.contexts.token_budget = lambda node: 40 if node == "llm" else None
         llm = nodes(m)["llm"]
         sizes, original = [], llm.phase_prefill_vit
 

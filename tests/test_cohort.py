@@ -325,7 +325,7 @@ def test_a_cohort_step_out_of_pages_preempts_and_loses_nothing(
 ) -> None:
     requests = _long(6)
     want = run(engine(testfamily_plan, "generic"), requests)
-    with counting(monkeypatch, Conductor, "_cohort_preempt") as preempted:
+    with counting(monkeypatch, Conductor, "free_pages") as preempted:
         small = engine(testfamily_plan, "cohort", cap=10)  # 10 pages of 16 tokens for ~6 x 50 tokens
         got = run(small, requests)
     assert preempted and all(preempted)  # cohort steps ran out of pages, and each freed some
@@ -342,7 +342,7 @@ def test_a_row_that_outgrows_the_pool_alone_fails_and_the_others_finish(
     requests = [("chat", {"prompt": "0123456789", "max_new": 30}),  # 11 + 30 tokens > 2 pages of 16
                 ("chat", {"prompt": "ok", "max_new": 3})]
     runs = {}
-    with counting(monkeypatch, Conductor, "_cohort_preempt") as preempted:
+    with counting(monkeypatch, Conductor, "free_pages") as preempted:
         for path in PATHS:
             runs[path] = run(engine(testfamily_plan, path, cap=2), requests)
     assert preempted  # on the cohort path it is a cohort step that runs out

@@ -41,12 +41,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from mstar_runtime.control.interpreter import CohortExit, EnterCohort, read_flag
+from mstar_runtime.control.interpreter import CohortExit, EnterCohort, WalkTask, read_flag
+from mstar_runtime.control.requests import Request
 from mstar_runtime.control.streams import StreamBuffer
 from mstar_runtime.control.validate import TORCH_DTYPES
 from mstar_runtime.engine.cohort_engine import CohortResult, CohortShape
@@ -55,13 +56,23 @@ from mstar_runtime.ops.cohort import count_key
 from mstar_runtime.ops.node import RequestError, SeqPlan
 from mstar_runtime.plan.planfile import cohort_call
 
-if TYPE_CHECKING:
-    from mstar_runtime.control.conductor import Request
-    from mstar_runtime.control.interpreter import WalkTask
-
 CohortKey = tuple[str, str, tuple[int, ...], str]  # (node, phase, ranks, loop id)
 FLUSH_EVERY = 8  # steps between flushes of a row's emits when no stream chunk is due
 NEVER = np.iinfo(np.int64).max  # a `due` item count no row reaches (no stream to flush for)
+
+
+class CohortHost(Protocol):
+    """What a cohort needs of the engine loop (the conductor implements it)."""
+
+    def row_left(self, task: WalkTask, done: CohortExit) -> None:
+        """A row's loop is over: its task goes on after the loop with `done`."""
+
+    def free_pages(self, cohort: Cohort) -> bool:
+        """The pool is full: free pages as a generic step would (preempting, or failing the one
+        request that can never fit); False when nothing can be freed."""
+
+    def fail(self, request: Request, message: str) -> None:
+        """Fail one request (its row goes with it)."""
 
 
 @dataclass(frozen=True)
@@ -91,16 +102,14 @@ class Cohort:
     """The rows of one marked loop on one rank (see the module docstring)."""
 
     def __init__(self, key: CohortKey, op: dict[str, Any], ports: dict[str, PortSpec], worker: Any,
-                 bm: BlockManager, rows: int, max_len: int, max_pages: int, *,
-                 preempt: Callable[[Cohort], bool], fail: Callable[[Request, str], None],
+                 bm: BlockManager, rows: int, max_len: int, max_pages: int, host: CohortHost, *,
                  kv_plan: Callable[[Mapping[str, Any]], SeqPlan] = lambda inputs: SeqPlan(1),
                  flush_every: int = FLUSH_EVERY):
         self.key, self.op, self.ports, self.worker, self.bm = key, op, ports, worker, bm
         self.kv_plan = kv_plan  # the call's inputs -> how a step uses the row's context (its node's kv_plan)
         self.tokens: int | None = None  # KV tokens a row adds per step (the first row's kv_plan says)
         self.rows, self.max_len, self.max_pages, self.flush_every = rows, max_len, max_pages, flush_every
-        self.preempt = preempt  # frees pages (preempting the newest request); False if it cannot
-        self.fail = fail  # fails one request (its row goes with it)
+        self.host = host
         mark = op["cohort"]
         call = cohort_call(op)
         self.port_of = {name: port for port, name in call["results"]}  # result var -> port
@@ -254,11 +263,11 @@ class Cohort:
             if blocked is None:
                 return True
             if self.pages[blocked.row] >= self.max_pages:  # the node let its context outgrow the plan's bound
-                self.fail(blocked.request, f"the KV context of node '{self.key[0]}' grew past its max_seq_len "
+                self.host.fail(blocked.request, f"the KV context of node '{self.key[0]}' grew past its max_seq_len "
                           f"({self.max_len} tokens)")
                 continue
             self._sync_lengths()
-            if not self.preempt(self):
+            if not self.host.free_pages(self):
                 return False
         return False
 
@@ -397,7 +406,7 @@ class Cohort:
                     lambda req=m.request, output=output, value=value: req.emit(output, value, "append"), False)
         self.stats["leaves"] += 1
         self._drop_row(m)
-        m.request.conductor._cohort_resume(m.task, CohortExit(carry, pushes, wasted=wasted))
+        self.host.row_left(m.task, CohortExit(carry, pushes, wasted=wasted))
 
     def _last_value(self, port: str, r: int) -> Any:
         spec = self.ports[port]
@@ -458,4 +467,4 @@ def port_specs(node_outputs: dict[str, Any], phase_outputs: tuple[str, ...]) -> 
     return specs
 
 
-__all__ = ["Cohort", "CohortKey", "PortSpec", "cohort_shape", "port_specs"]
+__all__ = ["Cohort", "CohortHost", "CohortKey", "PortSpec", "cohort_shape", "port_specs"]

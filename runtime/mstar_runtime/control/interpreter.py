@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -45,11 +45,20 @@ from mstar_runtime.ops.node import RequestError
 from mstar_runtime.ops.readback import is_lazy, resolve
 from mstar_runtime.plan.planfile import cohort_call, iter_ops
 
-if TYPE_CHECKING:
-    from mstar_runtime.control.conductor import Request
-
 Env = dict[str, Any]
 Gen = Generator[Any, Any, None]
+
+
+class WalkOwner(Protocol):
+    """The request a walk runs for, as its interpreter sees it (control/requests.py `Request`):
+    where the walk's effects go."""
+
+    id: str
+
+    def emit(self, name: str, value: Any, mode: str) -> None: ...
+    def push(self, stream_id: str, buffer: StreamBuffer, items: Any) -> None: ...
+    def stream_closed(self, stream_id: str) -> None: ...
+    def wasted_iteration(self, kv_log: list[tuple[str, tuple[str, str], int]]) -> None: ...
 
 
 class WalkError(Exception):
@@ -58,13 +67,15 @@ class WalkError(Exception):
 
 @dataclass(eq=False)
 class StepCall:
+    """One node phase for one request: its request by id (the conductor holds the request), the
+    KV context's tag, the resolved inputs, and where the step's effects go."""
+
     op: dict[str, Any]
-    request: Request
+    request_id: str
     tag: str | None
     inputs: dict[str, Any]
     frame: Frame
     seq: int = 0  # set by the conductor: global issue order, for fair scheduling
-    task: WalkTask | None = None  # set by the conductor: the task to resume with the outputs
 
 
 @dataclass(eq=False)
@@ -133,7 +144,7 @@ class Frame:
     applied and the iteration continues normally.
     """
 
-    request: Request
+    request: WalkOwner
     parent: Frame | None = None
     pending_flag: Any = None
     deferred: list[Callable[[], None]] = field(default_factory=list)
@@ -238,7 +249,7 @@ def concat(values: list[Any]) -> Any:
 class WalkTask:
     """One concurrently running part of a request's walk: the main body, a branch, a stream block."""
 
-    def __init__(self, request: Request, gen: Gen, name: str, parent: WalkTask | None = None):
+    def __init__(self, request: WalkOwner, gen: Gen, name: str, parent: WalkTask | None = None):
         self.request, self.gen, self.name, self.parent = request, gen, name, parent
         self.done = False
         self.waiting_children = 0
@@ -247,7 +258,7 @@ class WalkTask:
 class Interpreter:
     """Builds the generators of one request's walk. The conductor drives them."""
 
-    def __init__(self, request: Request, program: dict[str, Any], buffers: dict[str, StreamBuffer]):
+    def __init__(self, request: WalkOwner, program: dict[str, Any], buffers: dict[str, StreamBuffer]):
         self.request = request
         self.program = program
         self.buffers = buffers  # stream id -> this request's buffer
@@ -327,7 +338,7 @@ class Interpreter:
                 frame.flush_lane()  # the queued pushes may be what the consumer waits for
             while not buf.can_push(1):
                 yield WaitSpace(buf, 1)
-        outputs = yield StepCall(op, self.request, op.get("tag"), inputs, frame)
+        outputs = yield StepCall(op, self.request.id, op.get("tag"), inputs, frame)
         # this step has been launched: the previous one's lazy effects can resolve now
         frame.flush_lane()
         frame.after_first_step()

@@ -1,0 +1,153 @@
+"""The decode cohorts of one conductor: which marked loops run as cohorts, who joins them, their steps.
+
+A loop the compiler marked as a cohort (`cohort` on the loop op) runs, where its node offers
+a column step, as a decode cohort (control/cohort.py, docs/runtime.md "Decode cohorts"): the
+task yields `EnterCohort`, becomes a row, and is resumed only when it leaves; the scheduler
+sees the cohort as one standing group of its rows, and a cohort step replaces the
+reservation and the batched step for its rows. The node may be in a worker process (its
+cohort calls are messages, worker/remote_cohort.py) or at tp > 1 (every rank of its group
+runs each call, `tp_dispatch.TPCohort`). `path="generic"` keeps every loop in the
+interpreter. A loop that reads other contexts is never a cohort.
+
+`Cohorts` makes each loop's `Cohort` on first use and keeps the issue order of each one's
+next step (`order`), which the scheduler weighs against the ready calls. What a cohort or a
+row needs of the engine loop goes through `CohortsHost` (the conductor implements it).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+
+from mstar_runtime.control.cohort import Cohort, CohortHost, CohortKey, cohort_shape, port_specs
+from mstar_runtime.control.interpreter import EnterCohort, WalkTask
+from mstar_runtime.control.kv_contexts import KVContexts
+from mstar_runtime.control.requests import Request
+from mstar_runtime.control.scheduler import Standing
+from mstar_runtime.ops.node import RequestError, SeqPlan
+from mstar_runtime.plan.loader import Plan
+from mstar_runtime.plan.planfile import cohort_call
+from mstar_runtime.worker.remote import WorkerLost, can_submit
+from mstar_runtime.worker.tp_dispatch import TPCohort, TPDispatch
+from mstar_runtime.worker.worker import WorkerStepError
+
+
+class CohortsHost(CohortHost, Protocol):
+    """What joining a cohort needs of the engine loop, besides what its rows need (`CohortHost`)."""
+
+    def stop(self, error: Exception) -> None:
+        """A worker process was lost: every request fails and the engine stops."""
+
+    def move_in(self, req: Request, node: str, tag: str, step: str, rank: int, still: Callable[[], bool]) -> bool:
+        """Copy a context the plan moves to `rank` before step `step`; False when `req` is gone meanwhile."""
+
+    def resume(self, task: WalkTask, value: Any = None) -> None:
+        """Resume `task` with `value` at the next drive."""
+
+
+class Cohorts:
+    """The cohorts of one conductor's marked loops (module docstring)."""
+
+    def __init__(self, plan: Plan, workers: Mapping[int, Any], tp: TPDispatch, contexts: KVContexts,
+                 row_limits: Mapping[str, int], seq: itertools.count, host: CohortsHost, *, enabled: bool = True):
+        """`row_limits`: a node's `max_batch` setting, where it has one; `seq`: the conductor's
+        issue-order counter (shared with its step calls); `enabled=False` (the generic path)
+        makes no cohort at all."""
+        self.plan, self.workers, self.tp, self.contexts = plan, workers, tp, contexts
+        self.row_limits, self.seq, self.host, self.enabled = row_limits, seq, host, enabled
+        self.by_key: dict[CohortKey, Cohort] = {}
+        self._none: set[CohortKey] = set()  # marked loops that stay generic
+        self.order: dict[CohortKey, int] = {}  # the issue order of each cohort's next step
+        self._fresh: set[CohortKey] = set()  # cohorts that just stepped: their next step's order is set later
+
+    def standing(self) -> dict[CohortKey, Standing]:
+        """The cohorts with rows, as the scheduler weighs them (after `renumber`)."""
+        return {k: Standing(k, c.n, self.order[k]) for k, c in self.by_key.items() if c.n}
+
+    def renumber(self) -> None:
+        """The cohorts that stepped last are newer than the calls that step released (a SNAC window, say)."""
+        for key in self._fresh:
+            self.order[key] = next(self.seq)
+        self._fresh.clear()
+
+    def stepped(self, key: CohortKey) -> None:
+        """A cohort step ran: its next step is ordered at the next `renumber`."""
+        self._fresh.add(key)
+
+    def remove(self, req: Request) -> None:
+        """Drop the request's rows (it ended or was preempted)."""
+        for cohort in self.by_key.values():
+            cohort.remove(req)
+
+    def _cohort_for(self, op: dict[str, Any]) -> Cohort | None:
+        """The cohort of a marked loop, made on first use; None where the loop stays generic
+        (generic path forced, a node without a column step). Raises `WorkerStepError` and
+        `WorkerLost` from opening its columns on a worker process."""
+        call = cohort_call(op)
+        node, phase, ranks = call["node"], call["phase"], tuple(call["ranks"])
+        key: CohortKey = (node, phase, ranks, op["id"])
+        cohort = self.by_key.get(key)
+        if cohort is not None or key in self._none:
+            return cohort
+        # one rank's worker (in process or a worker process), or a TP group's fan-out, whose
+        # members are worker processes
+        group = len(ranks) > 1 and all(can_submit(self.workers[r]) for r in ranks[1:])
+        worker = TPCohort(self.tp, ranks) if group else self.workers.get(ranks[0])
+        info = self.plan.node(node)
+        # a call that reads other contexts has no column step (the compiler marks no such loop)
+        if (not self.enabled or info.engine != "kv" or call.get("reads") or (len(ranks) > 1 and not group)
+                or not hasattr(worker, "cohort_open")):
+            self._none.add(key)
+            return None
+        bm = self.contexts.pages.managers[(node, ranks[0])]
+        max_len = self.plan.kv_pool(node, ranks[0]).max_seq_len
+        rows = min(self.plan.max_batch, self.row_limits.get(node, self.plan.max_batch))
+        ports = port_specs(info.raw["outputs"], info.phases[phase].outputs)
+        shape = cohort_shape(op, ports)
+        max_pages = -(-max_len // bm.page_size) + 1  # one more: a speculative step after the node's own limit
+        if not worker.cohort_open(key, node, shape, rows, max_pages):
+            self._none.add(key)
+            return None
+        cls, spec = self.contexts.node_class(node)
+
+        def kv_plan(inputs: Mapping[str, Any]) -> SeqPlan:
+            return cls.kv_plan(phase, {p: tuple(v.shape) for p, v in inputs.items() if isinstance(v, torch.Tensor)},
+                               spec)
+
+        cohort = self.by_key[key] = Cohort(key, op, ports, worker, bm, rows, max_len, max_pages, self.host,
+                                           kv_plan=kv_plan)
+        return cohort  # its step order is set when its first row joins (enter)
+
+    def enter(self, task: WalkTask, y: EnterCohort) -> None:
+        """Make the task a row of its loop's cohort, or resume it at once with None (generic)."""
+        req: Request = task.request  # type: ignore[assignment]  # the conductor's tasks run for its Requests
+        try:
+            self._join(req, task, y)
+        except WorkerStepError as e:  # a worker process failed the open or the join: this request fails
+            self.host.fail(req, str(e))
+        except WorkerLost as e:
+            self.host.stop(e)
+
+    def _join(self, req: Request, task: WalkTask, y: EnterCohort) -> None:
+        cohort = self._cohort_for(y.op)
+        call = cohort_call(y.op)
+        tag = call.get("tag") or "main"
+        key = (req.id, tag)
+        # a context the plan moves to the loop's rank is copied there first, as before a generic step
+        if (cohort is not None and self.contexts.moves
+                and not self.host.move_in(req, call["node"], tag, str(call.get("id")), tuple(call["ranks"])[0],
+                                          lambda: not req.done and task in req.tasks)):
+            return  # the request failed or was preempted meanwhile: its task is gone
+        if cohort is None or not cohort.has_room() or key not in cohort.bm or cohort.bm.seq_len(key) < 1:
+            self.host.resume(task)
+            return
+        if cohort.n == 0:  # an idle cohort's next step is as old as this request's arrival there
+            self.order[cohort.key] = next(self.seq)
+        try:
+            cohort.join(req, task, y, tag)
+            req.homes[(call["node"], tag)] = cohort.key[2][0]
+        except RequestError:  # a row the column step cannot take (its node's join refused it): the generic loop
+            self.host.resume(task)  # runs it, and reports any real input error itself

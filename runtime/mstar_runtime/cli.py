@@ -45,6 +45,7 @@ from mstar_runtime import media, untrusted
 from mstar_runtime.api import MStar, RequestFailed, RequestHandle
 from mstar_runtime.cli_support import CONTEXT_SETTINGS, run_command, version_option
 from mstar_runtime.control.validate import TORCH_DTYPES, validate_inputs
+from mstar_runtime.engine_options import EngineOptions, start_engine
 from mstar_runtime.ops.node import NodeError, RequestError
 from mstar_runtime.outputs import jsonable, output_order, write_outputs
 from mstar_runtime.plan.loader import Plan, PlanError, load_plan
@@ -417,27 +418,6 @@ def batch(m: MStar, requests: str | PathLike[str], out: str | PathLike[str]) -> 
 
 
 # ----------------------------------------------------------------------------- modes without click
-@dataclass(frozen=True)
-class EngineOptions:
-    """How a mode builds its engine: `mstar-run`'s --weights, --device, --threads, --step-path,
-    --request-timeout (and the hidden --preempt-every, a debug aid)."""
-
-    weights: str | PathLike[str] = "dummy"
-    device: str | None = None  # default: what the plan was compiled for
-    threads: int | None = None  # torch CPU threads
-    step_path: str | None = None  # default: $MSTAR_STEP_PATH, else cohort
-    request_timeout: float | None = None
-    preempt_every: int | None = None
-
-
-def start_engine(plan: Plan, options: EngineOptions) -> MStar:
-    """An engine running `plan` (workers started, weights loaded)."""
-    if options.threads is not None:
-        torch.set_num_threads(options.threads)
-    return MStar.from_plan(plan, weights=str(options.weights), preempt_every=options.preempt_every,
-                           request_timeout=options.request_timeout, step_path=options.step_path)
-
-
 def run_walk(plan: str | PathLike[str], walk: str, inputs: Mapping[str, str] | None = None, *,
              out: str | PathLike[str] = "out", stream: bool = False,
              options: EngineOptions | None = None) -> int:

@@ -314,7 +314,7 @@ def _submit(mstar: MStar, msg: m.EngineSubmit, sender: _Sender, relays: dict[str
 
 def main(argv: list[str] | None = None) -> int:
     """The engine process: `python -m mstar_runtime.engine_process --fd N --plan P --options JSON`."""
-    from mstar_runtime.cli import EngineOptions, start_engine
+    from mstar_runtime.engine_options import EngineOptions, start_engine
     from mstar_runtime.plan.loader import load_plan
 
     ap = argparse.ArgumentParser(prog="mstar-engine")
@@ -458,7 +458,7 @@ class EngineClient:
 
     @classmethod
     def start(cls, plan: Plan, plan_path: str | PathLike[str], options: Mapping[str, Any]) -> EngineClient:
-        """Start the engine process for `plan_path` (`options`: `cli.EngineOptions`' fields) and
+        """Start the engine process for `plan_path` (`options`: `engine_options.EngineOptions`' fields) and
         wait until it has loaded; EngineStartError if it could not."""
         ours, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "mstar_runtime.engine_process", "--fd", str(theirs.fileno()),

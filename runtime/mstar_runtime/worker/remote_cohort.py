@@ -24,7 +24,7 @@ cohort call the worker failed (it serves on), `WorkerLost` for a worker that is 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,8 +34,16 @@ from mstar_runtime.worker import messages as m
 from mstar_runtime.worker.wire import pack_values, recv_tensors, unpack_values
 from mstar_runtime.worker.worker import StepBatch, WorkerStepError
 
-if TYPE_CHECKING:
-    from mstar_runtime.worker.remote import StepHandle
+
+class StepHandle(Protocol):
+    """What the cohort calls use of `remote.StepHandle` (named here, so that the two modules do
+    not import each other)."""
+
+    batch: StepBatch
+    cohort: int | None
+    send_outputs: bool
+
+    def result(self) -> Any: ...
 
 
 class RemoteCohorts:

@@ -1,0 +1,36 @@
+"""How a mode of `mstar-run` builds its engine (`EngineOptions`, `start_engine`).
+
+Its own module so that the CLI (cli.py) and the engine process it starts (engine_process.py)
+both import it without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from os import PathLike
+
+import torch
+
+from mstar_runtime.api import MStar
+from mstar_runtime.plan.loader import Plan
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a mode builds its engine: `mstar-run`'s --weights, --device, --threads, --step-path,
+    --request-timeout (and the hidden --preempt-every, a debug aid)."""
+
+    weights: str | PathLike[str] = "dummy"
+    device: str | None = None  # default: what the plan was compiled for
+    threads: int | None = None  # torch CPU threads
+    step_path: str | None = None  # default: $MSTAR_STEP_PATH, else cohort
+    request_timeout: float | None = None
+    preempt_every: int | None = None
+
+
+def start_engine(plan: Plan, options: EngineOptions) -> MStar:
+    """An engine running `plan` (workers started, weights loaded)."""
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    return MStar.from_plan(plan, weights=str(options.weights), preempt_every=options.preempt_every,
+                           request_timeout=options.request_timeout, step_path=options.step_path)

@@ -24,6 +24,7 @@ PAGES = {
     "testfamily": "models/testfamily/testfamily.walk",
     "vla": "tests/constructs/vla.walk",
     "asr": "tests/constructs/asr.walk",
+    "whisper": "models/whisper/whisper.walk",
 }
 SECTION = re.compile(r"^## (?:Walks and their inputs|Inputs, and what the tiny variant accepts)\n(.*?)(?=^## |\Z)",
                      re.M | re.S)

@@ -175,6 +175,8 @@ CASES = {
     "language detected, no timestamps": (dict(task="transcribe"), dict()),
     "prompt": (dict(language="it", task="transcribe", prompt=" Ciao a tutti"), dict(language="it",
                                                                                   prompt="Ciao a tutti")),
+    "min tokens, timestamps": (dict(language="en", task="transcribe", return_timestamps=True, min_new_tokens=50),
+                               dict(language="en", timestamps=True, min_tokens=50)),
 }
 
 
@@ -228,3 +230,16 @@ def test_bad_input_names_the_field(plan: Path, inputs: dict, field: str) -> None
         with pytest.raises(RequestFailed) as info:
             m.submit("transcribe", inputs).result()
     assert info.value.field == field, info.value
+
+
+def test_min_tokens_holds_back_the_end_of_text_only() -> None:
+    from mstar_models.whisper.decoder import Rules, whisper_scores
+
+    rules = Rules(LAYOUT, SUPPRESS, [220, LAYOUT.eot], 50, torch.device("cpu"))
+    logits = torch.zeros(2, LAYOUT.vocab)
+    logits[:, LAYOUT.eot] = 5.0
+    logits[:, 17] = 1.0
+    n, minus = torch.tensor([3, 3]), torch.full((2,), -1)
+    scores = whisper_scores(logits, rules, n, torch.tensor([100, 100]), torch.tensor([99, 99]), minus,
+                            torch.zeros(2, dtype=torch.bool), torch.tensor([4, 3]))
+    assert scores.argmax(dim=-1).tolist() == [17, LAYOUT.eot]

@@ -15,7 +15,7 @@ Phases (models/whisper/whisper.walk):
                                                  alone at position 0; `lang` is `language` when
                                                  it is a language token, else the language token
                                                  of highest logit (transformers' `detect_language`)
-  prefill(head, lang, tail, timestamps, max_tokens, temperature, seed) -> (token, done)
+  prefill(head, lang, tail, timestamps, max_tokens, min_tokens, temperature, seed) -> (token, done)
                                                  @text, reads @cross: the prompt head + lang + tail
                                                  (e.g. [sot] [en] [transcribe, notimestamps]), the
                                                  first generated token
@@ -28,12 +28,14 @@ always, and with timestamps the timestamp rules of `WhisperTimeStampLogitsProces
 (no `<|notimestamps|>`; timestamps in pairs; never decreasing; the first token a timestamp
 of at most `max_initial_timestamp` steps; a timestamp whenever the timestamps' total
 probability beats every text token's). Then greedy (temperature 0) or a seeded draw
-(`mstar_runtime.sampling`). `done` is raised at `<|endoftext|>`, after `max_tokens`
+(`mstar_runtime.sampling`). `<|endoftext|>` is suppressed while fewer than `min_tokens`
+tokens were generated (transformers' `min_new_tokens`: benchmarks on random weights decode
+a fixed count). `done` is raised at `<|endoftext|>`, after `max_tokens`
 generated tokens, or when the sequence reaches the 448 target positions (transformers'
 `max_length`); a decode after `done` (the runtime's speculative step) runs on clamped
 positions and its results are thrown away.
 
-Per-(request, text) state: `begin` (the prompt's length), `timestamps`, `max_new`, `n` (tokens
+Per-(request, text) state: `begin` (the prompt's length), `timestamps`, `max_new`, `min_new`, `n` (tokens
 generated), the sampling settings, and device scalars `last`, `penult`, `ts_max` (the last
 two generated tokens and the highest timestamp so far, -1 for none), so no step reads the
 device; `done` is a `readback.Lazy` of the sampled tokens.
@@ -96,15 +98,20 @@ class Rules:
 
 
 def whisper_scores(logits: torch.Tensor, rules: Rules, n: torch.Tensor, last: torch.Tensor, penult: torch.Tensor,
-                   ts_max: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
+                   ts_max: torch.Tensor, timestamps: torch.Tensor, min_new: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 logits [B, V] -> the scores greedy decoding takes the argmax of (see the module
     docstring). Per row: `n` tokens generated so far, the `last` and `penult` of them (any value
-    when there are fewer), the highest timestamp `ts_max` (-1: none), `timestamps` on or off.
-    Pure tensor code (no host read, no per-row Python)."""
+    when there are fewer), the highest timestamp `ts_max` (-1: none), `timestamps` on or off,
+    and `min_new`, the tokens before which `<|endoftext|>` is suppressed (transformers'
+    `MinNewTokensLengthLogitsProcessor`, which runs before the others). Pure tensor code (no
+    host read, no per-row Python)."""
     lay = rules.layout
     tb, ids = lay.timestamp_begin, rules.vocab_ids[None, :]
     first = (n == 0)[:, None]
-    s = logits.masked_fill(first & rules.begin[None, :], NEG_INF)
+    s = logits
+    if min_new is not None:
+        s = s.masked_fill((n < min_new)[:, None] & (ids == lay.eot), NEG_INF)
+    s = s.masked_fill(first & rules.begin[None, :], NEG_INF)
     s = s.masked_fill(rules.suppress[None, :], NEG_INF)
     # the timestamp rules, for the rows that want timestamps
     t = s.clone()
@@ -255,11 +262,15 @@ class Decoder(KVNode):
             max_new = scalar(entry, "max_tokens", int)
             if max_new < 1:
                 raise RequestError(f"max_tokens must be >= 1, got {max_new}", "max_tokens")
+            min_new = scalar(entry, "min_tokens", int, 0)
+            if not 0 <= min_new <= max_new:
+                raise RequestError(f"min_tokens must lie in [0, max_tokens = {max_new}], got {min_new}", "min_tokens")
             timestamps = scalar(entry, "timestamps", bool)
             seed = entry.get("seed")
             params = SamplingParams(temperature=scalar(entry, "temperature", float, finite=True),
                                     seed=None if seed is None else scalar(entry, "seed", int))
-            seq.state.update(begin=seq.q_len, timestamps=bool(timestamps), max_new=max_new, n=0, sampling=params,
+            seq.state.update(begin=seq.q_len, timestamps=bool(timestamps), max_new=max_new, min_new=min_new, n=0,
+                             sampling=params,
                              last=torch.full((), -1, dtype=torch.long, device=dev),
                              penult=torch.full((), -1, dtype=torch.long, device=dev),
                              ts_max=torch.full((), -1, dtype=torch.long, device=dev))
@@ -286,7 +297,9 @@ class Decoder(KVNode):
         n = upload([st["n"] for st in states], torch.long, dev)
         last, penult, ts_max = (torch.stack([st[k] for st in states]) for k in ("last", "penult", "ts_max"))
         ts_on = upload([int(st["timestamps"]) for st in states], torch.long, dev).bool()
-        scores = whisper_scores(logits, self.rules, n, last, penult, ts_max, ts_on)
+        min_new = upload([st["min_new"] for st in states], torch.long, dev) if any(st["min_new"] for st in states) \
+            else None
+        scores = whisper_scores(logits, self.rules, n, last, penult, ts_max, ts_on, min_new)
         tokens = sample(scores, [st["sampling"] for st in states], [None] * len(states), [st["n"] for st in states])
         tb = self.layout.timestamp_begin
         new_max = torch.where(tokens >= tb, torch.maximum(ts_max, tokens), ts_max)

@@ -217,9 +217,10 @@ def test_bagel_cfg3_gives_one_ranks_t2i_and_edit(plans: dict[str, Path]) -> None
     one, single, _ = _run(plans["bagel1"], "dummy", BAGEL_CFG)
     three, conductor, _ = _run(plans["bagel3"], "dummy", BAGEL_CFG)
     _close_images(one, three)
-    # t2i: @cfg_text (empty: forked from @gen before the prompt) to rank 1, @cfg_img to rank 2;
-    # edit: @cfg_text and @cfg_img, both prefilled on rank 0 (the plan's kv transfers)
-    assert single.stats["kv_moves"] == 0 and conductor.stats["kv_moves"] == 4
+    # t2i: @cfg_img to rank 2 (@cfg_text, forked from @gen before the prompt, is empty: it needs
+    # no move since no transition into t2i keeps it); edit: @cfg_text and @cfg_img, both
+    # prefilled on rank 0 (the plan's kv transfers)
+    assert single.stats["kv_moves"] == 0 and conductor.stats["kv_moves"] == 3
 
 
 def test_a_kv_context_moves_through_a_worker_process_and_back(plans: dict[str, Path]) -> None:

@@ -1,11 +1,15 @@
 """Helpers the test files share instead of each holding a copy: compiling the corpus' walks,
-a transformers model saved as a checkpoint folder, a CUDA-graph capture, a KV engine driven
+loading a tools/ script, summing Prometheus samples, a transformers model saved as a checkpoint folder, a CUDA-graph capture, a KV engine driven
 with a BlockManager as the conductor drives it."""
 
 from __future__ import annotations
 
+import importlib.util
+import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -33,6 +37,29 @@ def compile_model(out: Path, model: str, placement: str | Path = "placements/cpu
                   variant: str | None = "tiny", weights: Path | None = None) -> Path:
     """`compile_walk` of models/<model>/<model>.walk."""
     return compile_walk(out, f"models/{model}/{model}.walk", placement, variant=variant, weights=weights)
+
+
+def load_script(path: str | Path, name: str | None = None) -> ModuleType:
+    """A script under tools/ (no package on sys.path) as a module named `name` (default: the file's
+    stem), registered in sys.modules, where dataclasses look their module up."""
+    path = ROOT / path
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def metric_total(samples: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of `name`'s Prometheus samples (keys `name{labels}`) whose labels include `labels`,
+    whatever other labels they carry (a `model_name`, say) and in whatever order."""
+    out = 0.0
+    for key, value in samples.items():
+        head, _, rest = key.partition("{")
+        if head == name and labels.items() <= dict(re.findall(r'(\w+)="([^"]*)"', rest)).items():
+            out += value
+    return out
 
 
 def saved_checkpoint(model: Any, tmp_path_factory: pytest.TempPathFactory, name: str = "ckpt") -> Path:

@@ -8,25 +8,19 @@ path none, and the JSON has the shape the benchmark promises.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import torch
+from support import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "bench" / "host_step.py"
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("host_step_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "host_step_bench")
 
 
 def test_host_step_bench_json_and_same_tokens_on_both_paths(tmp_path: Path) -> None:

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import importlib.util
 import io
 import json
 import math
-import re
 import socket
 import struct
 import subprocess
@@ -36,10 +34,11 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from support import load_script
+from support import metric_total as total
 
 pytest.importorskip("fastapi", reason="the server needs the `serve` extra: pip install 'mstar[serve]'")
 pytest.importorskip("httpx", reason="the load generator needs httpx")
@@ -52,16 +51,7 @@ WINDOW = 2048  # Orpheus: samples per released SNAC window
 TF_LIMIT = 33  # the test family's token limit (max_new_tokens 32 + the prefill's token)
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_script(SCRIPT, "bench_serve")
 
 
 # ------------------------------------------------------------------------------ servers
@@ -137,17 +127,6 @@ def check_counts(run: dict[str, Any], sent: int) -> None:
         for value in fig.values():
             if isinstance(value, dict) and value.get("n"):
                 assert value["min"] <= value["p50"] <= value["p90"] <= value["p99"] <= value["max"]
-
-
-def total(samples: dict[str, float], name: str, **labels: str) -> float:
-    """The sum of `name`'s samples (keys `name{labels}`) whose labels include `labels`, whatever
-    other labels they carry (a `model_name`, say) and in whatever order."""
-    out = 0.0
-    for key, value in samples.items():
-        head, _, rest = key.partition("{")
-        if head == name and labels.items() <= dict(re.findall(r'(\w+)="([^"]*)"', rest)).items():
-            out += value
-    return out
 
 
 def requests_total(base: str, walk: str, outcome: str) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import json
 import shutil
 from collections.abc import Callable, Iterator
@@ -25,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support import compile_walk
+from support import compile_walk, load_script
 
 from mstar_models.orpheus import LlamaBackbone, PromptBuilder
 from mstar_models.orpheus.backbone import llama3_inv_freq
@@ -647,10 +646,7 @@ def test_the_bundled_tokenizer(prompter: PromptBuilder) -> None:
 
 def test_the_bundled_tokenizer_is_what_the_script_builds() -> None:
     path = ROOT / "tools/make_orpheus_tiny_tokenizer.py"
-    spec = importlib.util.spec_from_file_location("make_orpheus_tiny_tokenizer", path)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script(path)
     built: Callable[[], Any] = script.build
     assert built().to_str(pretty=True) + "\n" == BUNDLED_TOKENIZER.read_text(encoding="utf-8")
 

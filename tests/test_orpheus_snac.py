@@ -12,9 +12,7 @@ emits, and still ~20x above what we see, so the test is not flaky.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -23,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support import capture, compile_model
+from support import capture, compile_model, load_script
 
 from mstar_models.orpheus.snac_decoder import (
     SnacDecoder,
@@ -48,12 +46,7 @@ REAL = {**TINY, "encoder_dim": 48, "decoder_dim": 1024}
 
 
 def _load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("convert_snac", ROOT / "tools" / "convert_snac.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("convert_snac", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/convert_snac.py")
 
 
 convert_snac = _load_tool()

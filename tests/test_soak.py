@@ -28,19 +28,18 @@ $MSTAR_SOAK_S seconds (default 600) and prints the figures for the record:
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import re
-import sys
 import threading
 import time
 from collections import Counter
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from support import load_script
+from support import metric_total as total
 
 pytest.importorskip("fastapi", reason="the server needs the `serve` extra: pip install 'mstar[serve]'")
 httpx = pytest.importorskip("httpx", reason="the load generator needs httpx")
@@ -71,16 +70,7 @@ BAD: list[tuple[str, Any, str, int]] = [
 ]
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_script(SCRIPT, "bench_serve")
 
 
 @pytest.fixture(scope="module")
@@ -114,16 +104,6 @@ def steady_fds(pid: int) -> int:
 
 def scrape(base: str) -> dict[str, float]:
     return {k: v for k, (_, v) in bench.parse_metrics(httpx.get(base + "/metrics", timeout=10).text).items()}
-
-
-def total(m: dict[str, float], name: str, **labels: str) -> float:
-    """The sum of `name`'s samples whose labels include `labels` (whatever other labels they carry)."""
-    out = 0.0
-    for key, value in m.items():
-        head, _, rest = key.partition("{")
-        if head == name and labels.items() <= dict(re.findall(r'(\w+)="([^"]*)"', rest)).items():
-            out += value
-    return out
 
 
 def idle(base: str) -> dict[str, float]:

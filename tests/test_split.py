@@ -348,17 +348,13 @@ def test_a_worker_killed_while_its_step_is_in_flight_ends_the_run(plans: dict[st
     assert _gone(victim)
 
 
-@pytest.mark.gpu
-@pytest.mark.multigpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_split_on_two_gpus_gives_the_codes_and_audio_of_one(tmp_path: Path) -> None:
-    """placements/h200x2_split.yaml: the windows cross to GPU 1 over NCCL and the PCM comes
-    back while the backbone decodes on GPU 0; the codes are those of one GPU, the audio too
-    (to rounding: SNAC's kernels on another device)."""
-    orpheus = "models/orpheus/orpheus.walk"
+def _on_gpus(tmp_path: Path, placement: str) -> tuple[list[list[Any]], Conductor]:
+    """Orpheus' REQUESTS (dummy weights) on one GPU, then under `placement`: each run's handles,
+    all finished, and the second run's conductor."""
     outputs = []
-    for name, placement in (("one", "placements/h200x1.yaml"), ("split", "placements/h200x2_split.yaml")):
-        plan = load_plan(compile_walk(tmp_path / f"{name}.plan", orpheus, placement), device="cuda", kv_pages_cap=256)
+    for name, where in (("one", "placements/h200x1.yaml"), ("other", placement)):
+        plan = load_plan(compile_walk(tmp_path / f"{name}.plan", "models/orpheus/orpheus.walk", where), device="cuda",
+                         kv_pages_cap=256)
         workers = start_workers(plan, "dummy", "cuda")
         try:
             conductor = Conductor(plan, workers)
@@ -366,10 +362,25 @@ def test_split_on_two_gpus_gives_the_codes_and_audio_of_one(tmp_path: Path) -> N
         finally:
             shutdown_workers(workers)
         assert all(h.state == FINISHED for h in outputs[-1]), [h.error for h in outputs[-1]]
-    assert conductor.stats["remote_steps"] > 0
+    return outputs, conductor
+
+
+def _same_codes_and_audio(outputs: list[list[Any]]) -> None:
     for a, b in zip(*outputs, strict=True):
         assert a.outputs["codes"].numel() >= 28
         _close({k: v.cpu() for k, v in a.outputs.items()}, {k: v.cpu() for k, v in b.outputs.items()})
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_split_on_two_gpus_gives_the_codes_and_audio_of_one(tmp_path: Path) -> None:
+    """placements/h200x2_split.yaml: the windows cross to GPU 1 over NCCL and the PCM comes
+    back while the backbone decodes on GPU 0; the codes are those of one GPU, the audio too
+    (to rounding: SNAC's kernels on another device)."""
+    outputs, conductor = _on_gpus(tmp_path, "placements/h200x2_split.yaml")
+    assert conductor.stats["remote_steps"] > 0
+    _same_codes_and_audio(outputs)
 
 
 @pytest.mark.gpu
@@ -379,22 +390,10 @@ def test_a_cohort_in_a_worker_process_on_a_gpu_gives_the_codes_of_one(tmp_path: 
     """tests/placements/gpu2_llm_rank1.yaml: the backbone's decode loop is a cohort in the
     worker process on GPU 1 (its steps graphed per bucket there, the readback coming back in
     each answer); the codes are those of one GPU, the audio too (to rounding)."""
-    orpheus = "models/orpheus/orpheus.walk"
-    outputs = []
-    for name, placement in (("one", "placements/h200x1.yaml"), ("rank1", "tests/placements/gpu2_llm_rank1.yaml")):
-        plan = load_plan(compile_walk(tmp_path / f"{name}.plan", orpheus, placement), device="cuda", kv_pages_cap=256)
-        workers = start_workers(plan, "dummy", "cuda")
-        try:
-            conductor = Conductor(plan, workers)
-            outputs.append(_run(conductor, REQUESTS))
-        finally:
-            shutdown_workers(workers)
-        assert all(h.state == FINISHED for h in outputs[-1]), [h.error for h in outputs[-1]]
+    outputs, conductor = _on_gpus(tmp_path, "tests/placements/gpu2_llm_rank1.yaml")
     assert conductor.stats["cohort_steps"] > 0
     assert [c.key[2] for c in conductor.cohorts.values()] == [(1,)]
-    for a, b in zip(*outputs, strict=True):
-        assert a.outputs["codes"].numel() >= 28
-        _close({k: v.cpu() for k, v in a.outputs.items()}, {k: v.cpu() for k, v in b.outputs.items()})
+    _same_codes_and_audio(outputs)
 
 
 # ------------------------------------------------------------------------- the protocol

@@ -12,7 +12,6 @@ position, mask or row would show.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from support import load_script
 
 from mstar_models.vjepa2 import reference as ref
 from mstar_models.vjepa2.encoder import IMAGENET_MEAN, IMAGENET_STD
@@ -79,11 +79,7 @@ def _run(conductor: Conductor, *requests: tuple[str, dict[str, Any]]) -> list[An
 
 def _tool(path: str) -> Callable[[list[str]], int]:
     """`main` of a script under tools/ (not a package on sys.path)."""
-    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load_script(path).main
 
 
 def _latents(g: torch.Generator, n: int) -> torch.Tensor:

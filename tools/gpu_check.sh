@@ -28,6 +28,13 @@ TEE_PID=$!
 export PYTHONUNBUFFERED=1
 START=$(date +%s)
 stage() { echo; echo "==> [$(( $(date +%s) - START )) s] $*"; }
+# gpu_tests 'GLOB': a stage running `pytest -m gpu` over the test files GLOB names; a failure marks the run failed
+gpu_tests() {
+  stage "pytest -m gpu $1"
+  # shellcheck disable=SC2086 # GLOB expands here
+  timeout 200 $PY -m pytest -m gpu -q -rfEs --durations=10 $1
+  rc=$?; echo "pytest exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+}
 PY=python3
 STATUS=0
 # benchmark arguments (overridable, e.g. for a dry run of this script on a CPU)
@@ -169,9 +176,7 @@ if [[ "$STAGES" == *" bench "* ]] && [ -f tools/bench/vjepa2.py ]; then
 fi
 
 if [[ "$STAGES" == *" bagel "* ]]; then
-  stage "pytest -m gpu tests/test_bagel_*.py"
-  timeout 200 $PY -m pytest -m gpu -q -rfEs --durations=10 tests/test_bagel_*.py
-  rc=$?; echo "pytest exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+  gpu_tests 'tests/test_bagel_*.py'
   stage "tools/bench/bagel.py"
   left=$(( 560 - ($(date +%s) - START) ))
   # shellcheck disable=SC2086
@@ -180,9 +185,7 @@ if [[ "$STAGES" == *" bagel "* ]]; then
 fi
 
 if [[ "$STAGES" == *" qwen3 "* ]]; then
-  stage "pytest -m gpu tests/test_qwen3_omni_*.py"
-  timeout 200 $PY -m pytest -m gpu -q -rfEs --durations=10 tests/test_qwen3_omni_*.py
-  rc=$?; echo "pytest exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+  gpu_tests 'tests/test_qwen3_omni_*.py'
   stage "tools/bench/qwen3_omni.py"
   left=$(( 560 - ($(date +%s) - START) ))
   # the transformers baseline runs last and is skipped (recorded) when it would not end in time;

@@ -961,7 +961,7 @@ def bench_hf(args: argparse.Namespace, rec: dict[str, Any], save: Callable[[], N
 
     proc = worker.engines["proc"].node
     if parity is not None and fits("parity", args.parity_frames + args.parity_tokens):
-        try:
+        with _baseline(rec, "parity", save):
             h = hf_speech(model, prompts[0], device, args.parity_tokens, args.parity_frames, args.seed, True, rate)
             full = proc.tokenizer.decode(h["_ids"], skip_special_tokens=True)
             ours, codes = parity["text"], parity["codes"]
@@ -981,12 +981,8 @@ def bench_hf(args: argparse.Namespace, rec: dict[str, Any], save: Callable[[], N
                 "text_equal": bool(full.startswith(ours) and set(full[len(ours):]) <= {"\ufffd"}
                                    and len(full) - len(ours) <= 3),
             }
-        except Exception as e:  # noqa: BLE001
-            log.exception("transformers parity run failed")
-            rec["errors"].append(f"hf parity: {type(e).__name__}: {e}")
-        save()
     if fits("speech", 2 * (args.frames + args.tokens)):  # a warm-up and the measured run
-        try:
+        with _baseline(rec, "speech", save):
             hf_speech(model, prompts[0], device, min(args.tokens, 2), min(args.frames, 3), args.seed + 10_000,
                       False, rate)  # warm-up
             h = hf_speech(model, prompts[0], device, args.tokens, args.frames, args.seed, False, rate)
@@ -995,21 +991,25 @@ def bench_hf(args: argparse.Namespace, rec: dict[str, Any], save: Callable[[], N
             h["x_floor"] = h["audio_s_per_s_floor"] / h["audio_s_per_s"]
             rec["hf"]["speech"] = {"1": h}
             log.info("transformers speech B=1: %.2f audio-s/s", h["audio_s_per_s"])
-        except Exception as e:  # noqa: BLE001
-            log.exception("transformers speech failed")
-            rec["errors"].append(f"hf speech: {type(e).__name__}: {e}")
-        save()
     if fits("chat", args.chat_tokens // 4):
-        try:
+        with _baseline(rec, "chat", save):
             hf_chat(model, prompts[0], device, min(args.chat_tokens, 2), args.seed + 10_000)
             h = hf_chat(model, prompts[0], device, args.chat_tokens, args.seed)
             h.update(chat_floor(fm, 1, int(prompts[0].numel()), args.chat_tokens, bw))
             rec["hf"]["chat"] = {"1": h}
             log.info("transformers chat B=1: %.1f tokens/s", h["tokens_per_s"])
-        except Exception as e:  # noqa: BLE001
-            log.exception("transformers chat failed")
-            rec["errors"].append(f"hf chat: {type(e).__name__}: {e}")
-        save()
+
+
+@contextlib.contextmanager
+def _baseline(rec: dict[str, Any], what: str, save: Callable[[], None]) -> Iterator[None]:
+    """One transformers baseline: a failure is logged and recorded under `errors` (the other
+    baselines still run); the record is saved after it either way."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - one failed baseline must not lose the others
+        log.exception("transformers %s failed", what)
+        rec["errors"].append(f"hf {what}: {type(e).__name__}: {e}")
+    save()
 
 
 def _round(v: float | None, d: int = 1) -> str:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops.ports import setting_value
 
 # released thinker_config.audio_config values the arch line does not carry
 N_WINDOW = 50  # chunks of 2 * n_window mel frames
@@ -138,9 +139,9 @@ class AudioEncoder(StatelessNode):
         if d % a["heads"] or d % 2:
             raise NodeError(f"node '{spec.name}': dim {d} must be even and divisible by heads {a['heads']}")
         self.out_dim = a["out_dim"]
-        self.n_window = int(_setting(spec, "n_window", N_WINDOW))
-        self.n_window_infer = int(_setting(spec, "n_window_infer", N_WINDOW_INFER))
-        self.conv_chunksize = int(_setting(spec, "conv_chunksize", CONV_CHUNKSIZE))
+        self.n_window = int(setting_value(spec, "n_window", N_WINDOW, "audio_"))
+        self.n_window_infer = int(setting_value(spec, "n_window_infer", N_WINDOW_INFER, "audio_"))
+        self.conv_chunksize = int(setting_value(spec, "conv_chunksize", CONV_CHUNKSIZE, "audio_"))
         self.chunk = 2 * self.n_window
         if self.n_window_infer % self.chunk:
             raise NodeError(f"node '{spec.name}': n_window_infer {self.n_window_infer} is not a multiple of "
@@ -156,7 +157,7 @@ class AudioEncoder(StatelessNode):
         self.ln_post = nn.LayerNorm(d)
         self.proj1 = nn.Linear(d, d)
         self.proj2 = nn.Linear(d, self.out_dim)
-        positions = sinusoids(int(_setting(spec, "max_source_positions", MAX_SOURCE_POSITIONS)), d)
+        positions = sinusoids(int(setting_value(spec, "max_source_positions", MAX_SOURCE_POSITIONS, "audio_")), d)
         self.register_buffer("positional_embedding", positions, persistent=False)
         self.to(device=spec.device, dtype=spec.dtype)
 
@@ -235,13 +236,6 @@ class AudioEncoder(StatelessNode):
         if mel.numel() and not bool(torch.isfinite(mel).all()):
             raise RequestError("mel holds NaN or infinite values", "mel")
         return mel
-
-
-def _setting(spec: NodeSpec, name: str, default: int) -> Any:
-    """A node setting, else the model config's `audio_<name>`, else the released value."""
-    if name in spec.settings:
-        return spec.settings[name]
-    return spec.config.get(f"audio_{name}", default)
 
 
 def _args(spec: NodeSpec) -> dict[str, int]:

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops.ports import setting_value
 
 SLIDING_WINDOW = 72  # released code2wav_config.sliding_window
 ROPE_THETA = 10000.0  # released code2wav_config.rope_parameters.rope_theta
@@ -254,9 +255,9 @@ class Code2Wav(StatelessNode):
             raise NodeError(f"node '{spec.name}': decoder_dim {dd} is not divisible by 2^{len(rates)}")
         if a["heads"] % a["kv_heads"]:
             raise NodeError(f"node '{spec.name}': heads {a['heads']} is not a multiple of kv_heads {a['kv_heads']}")
-        window = int(_setting(spec, "sliding_window", SLIDING_WINDOW))
-        theta = float(_setting(spec, "rope_theta", ROPE_THETA))
-        eps = float(_setting(spec, "rms_norm_eps", RMS_EPS))
+        window = int(setting_value(spec, "sliding_window", SLIDING_WINDOW, "c2w_"))
+        theta = float(setting_value(spec, "rope_theta", ROPE_THETA, "c2w_"))
+        eps = float(setting_value(spec, "rms_norm_eps", RMS_EPS, "c2w_"))
         self.max_windows = int(spec.settings.get("max_windows_per_forward", MAX_WINDOWS))
         if self.max_windows < 1:
             raise NodeError(f"node '{spec.name}': max_windows_per_forward must be >= 1, got {self.max_windows}")
@@ -355,13 +356,6 @@ def _decoded_length(frames: int, rates: Sequence[int], ratios: Sequence[int]) ->
     for r in rates:
         n = (n - 1) * r
     return n
-
-
-def _setting(spec: NodeSpec, name: str, default: float) -> Any:
-    """A node setting, else the model config's `c2w_<name>`, else the released value."""
-    if name in spec.settings:
-        return spec.settings[name]
-    return spec.config.get(f"c2w_{name}", default)
 
 
 def _args(spec: NodeSpec) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from mstar_models.testfamily.common import as_int, seeded_init_, setting
 from mstar_models.testfamily.lm import TinyLM, llama_model
 from mstar_runtime.ops.cohort import Attend, CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
+from mstar_runtime.ops.ports import decode_token
 
 DEFAULT_MAX_SEQ_LEN = 4096  # the compiler's default of the `max_seq_len` node setting
 
@@ -103,10 +104,7 @@ class EchoLM(DecoderNode):
 
     def phase_decode(self, batch: Batch, attn: AttentionContext) -> Batch:
         for entry, seq in zip(batch, attn.seqs, strict=True):
-            if entry["token"].shape != (1,):
-                raise RequestError(f"token must have shape [1], got {tuple(entry['token'].shape)}", "token")
-            if "gen_base" not in seq.state:
-                raise RequestError("decode on a KV context that was never prefilled", "token")
+            decode_token(entry, seq.state, "gen_base")
         ids = torch.cat([entry["token"] for entry in batch]).long()
         return self._outputs(self.next_tokens(ids, attn.attend), attn)
 

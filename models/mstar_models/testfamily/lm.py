@@ -29,6 +29,7 @@ from mstar_models.layers.mlp import GatedMLP
 from mstar_models.testfamily.common import as_int, seeded_init_, setting
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
+from mstar_runtime.ops.ports import decode_token
 from mstar_runtime.ops.readback import Lazy, Readback
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -172,10 +173,7 @@ class TinyLM(DecoderNode):
 
     def phase_decode(self, batch: Batch, attn: AttentionContext) -> Batch:
         for entry, seq in zip(batch, attn.seqs, strict=True):
-            if entry["token"].shape != (1,):
-                raise RequestError(f"token must have shape [1], got {tuple(entry['token'].shape)}", "token")
-            if "gen_base" not in seq.state:
-                raise RequestError("decode on a KV context that was never prefilled", "token")
+            decode_token(entry, seq.state, "gen_base")
         ids = torch.cat([entry["token"] for entry in batch]).long()
         hidden = self.forward_hidden(self.model.embed_tokens(ids), attn.positions(), attn.attend)
         return self._next_tokens(hidden, attn)

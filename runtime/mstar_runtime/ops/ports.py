@@ -38,6 +38,13 @@ def config_value(
     return default
 
 
+def setting_value(spec: NodeSpec, name: str, default: Any, config_prefix: str = "") -> Any:
+    """A node setting `name` (the `.walk`'s), else the model config's `config_prefix + name`, else `default`."""
+    if name in spec.settings:
+        return spec.settings[name]
+    return spec.config.get(config_prefix + name, default)
+
+
 def max_seq_len(spec: NodeSpec) -> int:
     """The `max_seq_len` setting, read as the compiler reads it (a positive int, else the default)."""
     value = spec.settings.get("max_seq_len", DEFAULT_MAX_SEQ_LEN)

@@ -1,5 +1,5 @@
 """Helpers the test files share instead of each holding a copy: compiling the corpus' walks,
-loading a tools/ script, summing Prometheus samples, a transformers model saved as a checkpoint folder, a CUDA-graph capture, a KV engine driven
+loading a tools/ script, summing Prometheus samples, a stand-in flashinfer, a float32 GPU, a transformers model saved as a checkpoint folder, a CUDA-graph capture, a KV engine driven
 with a BlockManager as the conductor drives it."""
 
 from __future__ import annotations
@@ -60,6 +60,29 @@ def metric_total(samples: dict[str, float], name: str, **labels: str) -> float:
         if head == name and labels.items() <= dict(re.findall(r'(\w+)="([^"]*)"', rest)).items():
             out += value
     return out
+
+
+def fake_flashinfer(monkeypatch: pytest.MonkeyPatch, decode: type, prefill: type) -> ModuleType:
+    """A stand-in `flashinfer` module (for the test's duration) whose wrappers are `decode` and
+    `prefill`, with the backend's CPU-pool refusal lifted, so its host side runs without a GPU."""
+    from mstar_runtime.kv import flashinfer_backend
+
+    mod = ModuleType("flashinfer")
+    mod.__version__ = "fake"  # type: ignore[attr-defined]
+    mod.BatchDecodeWithPagedKVCacheWrapper = decode  # type: ignore[attr-defined]
+    mod.BatchPrefillWithPagedKVCacheWrapper = prefill  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flashinfer", mod)
+    monkeypatch.setattr(flashinfer_backend, "unsupported", lambda pool: None)  # let the CPU pool through
+    return mod
+
+
+def cuda_fp32() -> torch.device:
+    """The GPU for a float32 parity test (skips without one): TF32 off for matmuls and convs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch.device("cuda")
 
 
 def saved_checkpoint(model: Any, tmp_path_factory: pytest.TempPathFactory, name: str = "ckpt") -> Path:

@@ -14,13 +14,13 @@
 from __future__ import annotations
 
 import math
-import sys
 import types
 from typing import Any
 
 import pytest
 import torch
 from support import KVDriver
+from support import fake_flashinfer as install_fake_flashinfer
 
 from mstar_models.testfamily import TinyLM
 from mstar_models.testfamily.family import CONFIGS, node_spec
@@ -222,12 +222,7 @@ class FakePrefill(_FakeWrapper):
 
 @pytest.fixture
 def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    mod = types.ModuleType("flashinfer")
-    mod.__version__ = "fake"  # type: ignore[attr-defined]
-    mod.BatchDecodeWithPagedKVCacheWrapper = FakeDecode  # type: ignore[attr-defined]
-    mod.BatchPrefillWithPagedKVCacheWrapper = FakePrefill  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "flashinfer", mod)
-    monkeypatch.setattr(fib, "unsupported", lambda pool: None)  # let the CPU pool through
+    mod = install_fake_flashinfer(monkeypatch, FakeDecode, FakePrefill)
     _FakeWrapper.calls = []
     return mod
 

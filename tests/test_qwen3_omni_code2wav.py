@@ -32,7 +32,7 @@ from mstar_runtime.plan.loader import Plan, load_plan
 from mstar_runtime.weights import WeightsError, load_weights
 
 transformers = pytest.importorskip("transformers")
-from support import compile_model  # noqa: E402
+from support import compile_model, cuda_fp32  # noqa: E402
 from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as hf_config  # noqa: E402
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf_model  # noqa: E402
 
@@ -246,13 +246,9 @@ def test_loader_names_a_missing_tensor(plan: Plan, hf72: torch.nn.Module, tmp_pa
 def test_real_size_code2wav_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The released Code2Wav (docs/models/qwen3_omni.md, Facts) on the GPU in fp32 (TF32 off): one decode equals
     transformers', and 25-frame chunks with 25 frames of left context tile it (keep-last)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    dev = cuda_fp32()
     plan = load_plan(compile_model(tmp_path_factory.mktemp("qwen3_omni_real") / "real.plan", "qwen3_omni",
                                    "placements/h200x1.yaml", variant="real"))
-    dev = torch.device("cuda")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     with torch.device(dev):
         torch.manual_seed(0)
         ref = hf_model.Qwen3OmniMoeCode2Wav(hf_config.Qwen3OmniMoeCode2WavConfig()).eval()

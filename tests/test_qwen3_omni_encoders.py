@@ -27,7 +27,7 @@ from mstar_runtime.plan.loader import Plan, load_plan
 from mstar_runtime.weights import load_weights
 
 transformers = pytest.importorskip("transformers")
-from support import compile_model, saved_checkpoint  # noqa: E402
+from support import compile_model, cuda_fp32, saved_checkpoint  # noqa: E402
 from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as hf_config  # noqa: E402
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf_model  # noqa: E402
 
@@ -198,13 +198,9 @@ def test_bad_vision_inputs_are_request_errors(vision: VisionEncoder, pixels: tor
 def test_real_size_encoders_equal_transformers_on_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The released audio / vision sizes (docs/models/qwen3_omni.md, Facts) on the GPU: fp32 parity (TF32 off) with
     transformers' default init, and the bf16 node close to the fp32 reference."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    dev = cuda_fp32()
     plan = load_plan(compile_model(tmp_path_factory.mktemp("qwen3_omni_real") / "real.plan", "qwen3_omni",
                                    "placements/h200x1.yaml", variant="real"))
-    dev = torch.device("cuda")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     g = torch.Generator().manual_seed(0)
     audio_cfg = hf_config.Qwen3OmniMoeAudioEncoderConfig(output_dim=2048)
     vision_cfg = hf_config.Qwen3OmniMoeVisionEncoderConfig(out_hidden_size=2048)

@@ -21,7 +21,6 @@ The real kernels and the captured replays: tests/test_gpu_vjepa2_graphs.py on th
 
 from __future__ import annotations
 
-import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 from support import KVDriver
+from support import fake_flashinfer as install_fake_flashinfer
 
 from mstar_models.vjepa2.predictor import ACPredictor, RowEntry, row_attention_reference, row_layout
 from mstar_runtime.engine.engines import KVCacheEngine
@@ -298,12 +298,7 @@ class _FakeDecode:
 
 @pytest.fixture
 def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    mod = types.ModuleType("flashinfer")
-    mod.__version__ = "fake"  # type: ignore[attr-defined]
-    mod.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode  # type: ignore[attr-defined]
-    mod.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "flashinfer", mod)
-    monkeypatch.setattr(fib, "unsupported", lambda pool: None)  # let the CPU pool through
+    mod = install_fake_flashinfer(monkeypatch, _FakeDecode, _FakePrefill)
     monkeypatch.delenv(fib.ENV_VAR, raising=False)
     _FakePrefill.calls = []
     return mod

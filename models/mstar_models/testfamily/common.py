@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,6 +23,25 @@ CONTEXT_SUFFIX = ":context"
 def setting(spec: NodeSpec, name: str) -> Any:
     """A size or constant of the node: its `arch` argument if it has one, else the model config."""
     return config_value(spec, name, note=" (neither an arch argument nor config)")
+
+
+def start_reply(entry: Mapping[str, Any], seq: Any, vocab: int, limit: int, limit_name: str) -> torch.Tensor:
+    """A prefill entry's `tokens` (1-D, non-empty, ids in [0, vocab), its context within `limit`,
+    the setting named `limit_name`) and `max_new` (>= 1), checked as RequestErrors naming the
+    port; sets the tag's reply state (`gen_base`, `max_new`) on `seq` and returns the tokens."""
+    tokens = entry["tokens"]
+    if tokens.dim() != 1 or tokens.numel() == 0:
+        raise RequestError(f"tokens must be 1-D and non-empty, got shape {tuple(tokens.shape)}", "tokens")
+    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
+        raise RequestError(f"token ids must lie in [0, {vocab})", "tokens")
+    if seq.start + seq.q_len > limit:
+        raise RequestError(f"context of {seq.start + seq.q_len} tokens exceeds {limit_name} {limit}", "tokens")
+    max_new = as_int(entry, "max_new")
+    if max_new < 1:
+        raise RequestError(f"max_new must be >= 1, got {max_new}", "max_new")
+    seq.state["gen_base"] = seq.start + seq.q_len - 1
+    seq.state["max_new"] = max_new
+    return tokens
 
 
 def seeded_init_(module: nn.Module, spec: NodeSpec) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import torch
 
 from mstar_models.layers.decoder import DecoderNode
-from mstar_models.testfamily.common import as_int, seeded_init_, setting
+from mstar_models.testfamily.common import seeded_init_, setting, start_reply
 from mstar_models.testfamily.lm import TinyLM, llama_model
 from mstar_runtime.ops.cohort import Attend, CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
@@ -83,22 +83,8 @@ class EchoLM(DecoderNode):
 
     # ------------------------------------------------------------------ phases
     def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
-        ids = []
-        for entry, seq in zip(batch, attn.seqs, strict=True):
-            tokens = entry["tokens"]
-            if tokens.dim() != 1 or tokens.numel() == 0:
-                raise RequestError(f"tokens must be 1-D and non-empty, got shape {tuple(tokens.shape)}", "tokens")
-            if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab:
-                raise RequestError(f"token ids must lie in [0, {self.vocab})", "tokens")
-            if seq.start + seq.q_len > self.max_seq_len:
-                raise RequestError(f"context of {seq.start + seq.q_len} tokens exceeds max_seq_len {self.max_seq_len}",
-                                   "tokens")
-            max_new = as_int(entry, "max_new")
-            if max_new < 1:
-                raise RequestError(f"max_new must be >= 1, got {max_new}", "max_new")
-            seq.state["gen_base"] = seq.start + seq.q_len - 1
-            seq.state["max_new"] = max_new
-            ids.append(tokens)
+        ids = [start_reply(entry, seq, self.vocab, self.max_seq_len, "max_seq_len")
+               for entry, seq in zip(batch, attn.seqs, strict=True)]
         tokens = self.next_tokens(torch.cat(ids).long(), attn.attend)
         return self._outputs(attn.last_rows(tokens), attn)
 

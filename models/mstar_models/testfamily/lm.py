@@ -26,7 +26,7 @@ from mstar_models.layers.decoder import Decoder, DecoderNode
 from mstar_models.layers.embedding import VocabEmbedding
 from mstar_models.layers.linear import Weight
 from mstar_models.layers.mlp import GatedMLP
-from mstar_models.testfamily.common import as_int, seeded_init_, setting
+from mstar_models.testfamily.common import seeded_init_, setting, start_reply
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
 from mstar_runtime.ops.ports import decode_token
@@ -146,26 +146,8 @@ class TinyLM(DecoderNode):
 
     # ------------------------------------------------------------------ phases
     def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
-        ids = []
-        for entry, seq in zip(batch, attn.seqs, strict=True):
-            tokens = entry["tokens"]
-            if tokens.dim() != 1 or tokens.numel() == 0:
-                raise RequestError(
-                    f"tokens must be 1-D and non-empty, got shape {tuple(tokens.shape)}", "tokens"
-                )
-            if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab:
-                raise RequestError(f"token ids must lie in [0, {self.vocab})", "tokens")
-            if seq.start + seq.q_len > self.max_context:
-                raise RequestError(
-                    f"context of {seq.start + seq.q_len} tokens exceeds max_context {self.max_context}",
-                    "tokens",
-                )
-            max_new = as_int(entry, "max_new")
-            if max_new < 1:
-                raise RequestError(f"max_new must be >= 1, got {max_new}", "max_new")
-            seq.state["gen_base"] = seq.start + seq.q_len - 1
-            seq.state["max_new"] = max_new
-            ids.append(tokens)
+        ids = [start_reply(entry, seq, self.vocab, self.max_context, "max_context")
+               for entry, seq in zip(batch, attn.seqs, strict=True)]
         hidden = self.forward_hidden(
             self.model.embed_tokens(torch.cat(ids).long()), attn.positions(), attn.attend
         )

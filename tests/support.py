@@ -131,3 +131,24 @@ class KVDriver:
             entries.append(StepEntry(rid, None, inputs, KVSlots(start, q_len, slots, self.blocks.page_table(key),
                                                                 mask, block)))
         return self.engine.run(phase, entries)
+
+
+def bound_layer_equals_paged(runner: Any, pool: Any, meta: Any, slots: list[int], q: torch.Tensor,
+                             k: torch.Tensor) -> torch.Tensor:
+    """One attention layer (keys = values = `k`) run through `runner.bind` equals the reference
+    `paged_attention` over a copy of `pool` with the same writes; returns the runner's output."""
+    from mstar_runtime.kv.attention import KVPool, paged_attention
+    from mstar_runtime.ops.node import AttentionContext
+
+    attn = AttentionContext([], lambda *a: None, pool.device)  # type: ignore[arg-type]
+
+    def fn(q_rows: torch.Tensor, k_rows: torch.Tensor) -> torch.Tensor:
+        return attn.attend(0, q_rows, k_rows, k_rows) * 1.0
+
+    out = runner.bind(attn, meta, slots)(fn, q, k)
+    ref_pool = KVPool(pool.num_layers, pool.num_pages, pool.page_size, pool.kv_heads, pool.head_dim,
+                      pool.dtype, pool.device)
+    ref_pool.data.copy_(pool.data)
+    ref_pool.write(0, k, k, slots)
+    torch.testing.assert_close(out, paged_attention(q, ref_pool, 0, meta), atol=1e-5, rtol=1e-5)
+    return out

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import KVDriver
+from support import KVDriver, bound_layer_equals_paged
 from support import fake_flashinfer as install_fake_flashinfer
 
 from mstar_models.testfamily import TinyLM
@@ -306,18 +306,9 @@ def test_graph_decode_wrapper_over_padded_buckets(fake_flashinfer: types.ModuleT
     make = backend.graph_decoder(pool, None)
     assert make is not None
     runner = GraphRunner(pool, (1, 2, 8), make, scratch_page=39, capture=False)
-    attn = AttentionContext([], lambda *a: None, pool.device)  # type: ignore[arg-type]
     k = torch.randn(4, 2, 8)
     slots = [s.page_table[(s.kv_len - 1) // PAGE] * PAGE + (s.kv_len - 1) % PAGE for s in meta.seqs]
-
-    def fn(q_rows: torch.Tensor, k_rows: torch.Tensor) -> torch.Tensor:
-        return attn.attend(0, q_rows, k_rows, k_rows) * 1.0
-
-    out = runner.bind(attn, meta, slots)(fn, q, k)
-    ref_pool = KVPool(2, 40, PAGE, 2, 8)
-    ref_pool.data.copy_(pool.data)
-    ref_pool.write(0, k, k, slots)
-    torch.testing.assert_close(out, paged_attention(q, ref_pool, 0, meta), atol=1e-5, rtol=1e-5)
+    out = bound_layer_equals_paged(runner, pool, meta, slots, q, k)
     assert out.shape == (4, 4, 8) and runner.replays == 1
     assert math.isclose(make(1, 8).scale, 1 / math.sqrt(8))
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import KVDriver
+from support import KVDriver, bound_layer_equals_paged
 from support import fake_flashinfer as install_fake_flashinfer
 
 from mstar_models.vjepa2.predictor import ACPredictor, RowEntry, row_attention_reference, row_layout
@@ -45,7 +45,6 @@ from mstar_runtime.kv.attention import (
     KVPool,
     SequenceAttention,
     attention_mask,
-    paged_attention,
 )
 from mstar_runtime.kv.block_manager import BlockManager
 from mstar_runtime.ops.node import AttentionContext, NodeError, NodeSpec
@@ -321,17 +320,8 @@ def test_graph_prefill_over_padded_buckets(fake_flashinfer: types.ModuleType) ->
     make = fib.graph_prefill(backend, pool, None, 6)
     assert make is not None and fib.graph_prefill(object(), pool, None, 6) is None
     runner = GraphRunner(pool, (1, 2, 4), make, scratch_page=39, capture=False, tokens=6)
-    attn = AttentionContext([], lambda *a: None, pool.device)  # type: ignore[arg-type]
     q, k = torch.randn(18, 4, 8, generator=g), torch.randn(18, 2, 8, generator=g)
-
-    def fn(q_rows: torch.Tensor, k_rows: torch.Tensor) -> torch.Tensor:
-        return attn.attend(0, q_rows, k_rows, k_rows) * 1.0
-
-    out = runner.bind(attn, meta, slots)(fn, q, k)
-    ref_pool = KVPool(2, 40, PAGE, 2, 8)
-    ref_pool.data.copy_(pool.data)
-    ref_pool.write(0, k, k, slots)
-    torch.testing.assert_close(out, paged_attention(q, ref_pool, 0, meta), atol=1e-5, rtol=1e-5)
+    bound_layer_equals_paged(runner, pool, meta, slots, q, k)
     assert _FakePrefill.calls == ["plan causal=False custom=False page_size=4", "run"]
     assert runner._state[4].attention.wrapper.kw["use_cuda_graph"]  # type: ignore[attr-defined]
 

@@ -14,7 +14,7 @@ table, code2wav's code offsets) are not checkpoint tensors and are not listed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from mstarc.archs._common import (
@@ -63,17 +63,26 @@ def _experts(t: Tensors, p: str, hidden: int, experts: int, inter: int) -> None:
         swiglu(t, f"{p}.experts.{e}", hidden, inter, ("expert", "expert"))
 
 
+def _moe_stack(t: Tensors, a: dict[str, Any], model: str, embed: str, vocab: int, head: str,
+               per_layer: Callable[[str], None] | None = None) -> None:
+    """`{model}.model.*` of a Qwen3-MoE stack (the embedding `embed`, per layer the attention, norms
+    and routed experts, then `per_layer(prefix)`'s tensors, the final norm) and its head `{model}.{head}`."""
+    h = a["hidden"]
+    t.add(f"{model}.model.{embed}.weight", (vocab, h), "vocab")
+    for i in range(a["layers"]):
+        p = f"{model}.model.layers.{i}"
+        _layer_common(t, p, a)
+        _experts(t, f"{p}.mlp", h, a["experts"], a["moe_intermediate"])
+        if per_layer is not None:
+            per_layer(p)
+    t.norm(f"{model}.model.norm", h)
+    t.add(f"{model}.{head}.weight", (vocab, h), "vocab")  # untied
+
+
 def qwen3_omni_thinker(args: Mapping[str, Any], dtype: str) -> ArchSpec:
     a = decoder_args("qwen3_omni_thinker", args, THINKER_ARGS)
     t = Tensors(dtype)
-    h = a["hidden"]
-    t.add("thinker.model.embed_tokens.weight", (a["vocab"], h), "vocab")
-    for i in range(a["layers"]):
-        p = f"thinker.model.layers.{i}"
-        _layer_common(t, p, a)
-        _experts(t, f"{p}.mlp", h, a["experts"], a["moe_intermediate"])
-    t.norm("thinker.model.norm", h)
-    t.add("thinker.lm_head.weight", (a["vocab"], h), "vocab")  # untied
+    _moe_stack(t, a, "thinker", "embed_tokens", a["vocab"], "lm_head")
     return decoder_spec(t, a, vocab=a["vocab"], experts=a["experts"], moe_intermediate=a["moe_intermediate"])
 
 
@@ -81,15 +90,12 @@ def qwen3_omni_talker(args: Mapping[str, Any], dtype: str) -> ArchSpec:
     a = decoder_args("qwen3_omni_talker", args, TALKER_ARGS)
     t = Tensors(dtype)
     h = a["hidden"]
-    t.add("talker.model.codec_embedding.weight", (a["codec_vocab"], h), "vocab")
-    for i in range(a["layers"]):
-        p = f"talker.model.layers.{i}"
-        _layer_common(t, p, a)
-        _experts(t, f"{p}.mlp", h, a["experts"], a["moe_intermediate"])
+
+    def shared_expert(p: str) -> None:
         swiglu(t, f"{p}.mlp.shared_expert", h, a["shared_intermediate"])
         t.add(f"{p}.mlp.shared_expert_gate.weight", (1, h))  # sigmoid gate of the shared expert
-    t.norm("talker.model.norm", h)
-    t.add("talker.codec_head.weight", (a["codec_vocab"], h), "vocab")
+
+    _moe_stack(t, a, "talker", "codec_embedding", a["codec_vocab"], "codec_head", shared_expert)
     # thinker width -> talker width, for text embeddings and for the layer-24 hidden taps
     for proj in ("text_projection", "hidden_projection"):
         t.linear(f"talker.{proj}.linear_fc1", a["projection_intermediate"], a["thinker_hidden"])

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -130,6 +131,16 @@ def fmt(value: Any, digits: int = 1) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     return str(value)
+
+
+def patched_copy(src: Path, pattern: str, repl: str, what: str, dst: Path) -> Path:
+    """`src` with the one line matching `pattern` replaced by `repl` (re.subn), written to `dst`;
+    exits naming `what` when the file does not hold exactly one such line."""
+    text, n = re.subn(pattern, repl, src.read_text())
+    if n != 1:
+        raise SystemExit(f"{src}: expected one `{what}` line, found {n}")
+    dst.write_text(text)
+    return dst
 
 
 def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, int]]) -> str:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import re
 import statistics
 import sys
 import tempfile
@@ -58,7 +57,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, table, write_json  # noqa: E402 - the sibling module, found through the line above
+from common import environment, patched_copy, table, write_json  # noqa: E402 - the sibling module, found through the line above
 
 from mstar_runtime.control.conductor import FINISHED, Conductor  # noqa: E402
 from mstar_runtime.plan import planfile  # noqa: E402
@@ -78,12 +77,8 @@ def compile_plan(max_batch: int, workdir: Path) -> Path:
     """The walk compiled for placements/cpu.yaml with `max_batch` raised to the largest batch."""
     from mstarc.cli import main as mstarc  # the compiler is a dev dependency of the benchmark only
 
-    text = PLACEMENT.read_text()
-    patched, n = re.subn(r"(?m)^max_batch:\s*\d+\s*$", f"max_batch: {max_batch}", text)
-    if n != 1:
-        raise SystemExit(f"{PLACEMENT}: expected one `max_batch: N` line to raise, found {n}")
-    placement = workdir / "cpu.yaml"
-    placement.write_text(patched)
+    placement = patched_copy(PLACEMENT, r"(?m)^max_batch:\s*\d+\s*$", f"max_batch: {max_batch}", "max_batch: N",
+                             workdir / "cpu.yaml")
     out = workdir / f"host_step-b{max_batch}.plan"
     rc = mstarc(["compile", str(WALK), "-p", str(placement), "-o", str(out)])
     if rc != 0:

@@ -48,7 +48,6 @@ import argparse
 import gc
 import logging
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -66,6 +65,7 @@ from common import (  # noqa: E402 - the sibling module, found through the line 
     environment,
     gpu_memory,
     measure_read_bandwidth,
+    patched_copy,
     percentile,
     reset_peak,
     sync,
@@ -103,12 +103,8 @@ def default_placement(device: str) -> Path:
 
 def compile_plan(variant: str, placement: Path, workdir: Path) -> Path:
     """The walk with an end check that never fires, compiled by the CLI for `placement`."""
-    text = WALK.read_text()
-    patched, n = re.subn(r"(\bend_of_speech\s*=\s*)\d+", rf"\g<1>{NEVER_EOS}", text)
-    if n != 1:
-        raise SystemExit(f"{WALK}: expected one `end_of_speech = N` line to disable, found {n}")
-    walk = workdir / "orpheus.walk"
-    walk.write_text(patched)
+    walk = patched_copy(WALK, r"(\bend_of_speech\s*=\s*)\d+", rf"\g<1>{NEVER_EOS}", "end_of_speech = N",
+                        workdir / "orpheus.walk")
     out = workdir / f"orpheus-{variant}.plan"
     cmd = [sys.executable, "-m", "mstarc.cli", "compile", str(walk), "--variant", variant,
            "-p", str(placement), "-o", str(out)]

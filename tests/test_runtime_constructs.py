@@ -288,6 +288,41 @@ def test_engine_attends_to_another_pool_as_a_dense_computation_does() -> None:
         KVCacheEngine(_Probe(_spec("lonely")), 8, 4, torch.float32, "cpu").run("look", entries[:1])
 
 
+def test_read_only_attention_of_equal_entries_is_batched_and_dense() -> None:
+    """Entries with one query count whose read contexts have one length (a decoder's
+    cross-attention over its encoder's frames) take the batched path (`_read_rows`: one gather
+    and one attention for all of them); it equals the dense computation, GQA included."""
+    g = torch.Generator().manual_seed(1)
+    owner = KVCacheEngine(_Probe(_spec("owner")), 16, 4, torch.float32, "cpu")
+    reader = KVCacheEngine(_Probe(_spec("reader")), 16, 4, torch.float32, "cpu")
+    link_peers([owner, reader])
+    obm, rbm = BlockManager(16, 4), BlockManager(16, 4)
+    entries, expect = [], []
+    for rid in ("a", "b", "c"):
+        c = torch.randn(2, 7, 2, 8, 2, generator=g)  # 7 tokens: two pages, the second partly full
+        slots = obm.append((rid, "main"), 7)
+        for layer in range(2):
+            owner.pool.write(layer, c[layer, ..., 0], c[layer, ..., 1], slots)
+        read = ReadSlots("owner", "main", 7, obm.page_table((rid, "main")))
+        q, k, v = (torch.randn(2, h, 8, generator=g) for h in (4, 2, 2))
+        kv = KVSlots(0, 2, rbm.append((rid, "main"), 2), rbm.page_table((rid, "main")), reads=(read,))
+        entries.append(StepEntry(rid, "main", {"q": q, "k": k, "v": v}, kv))
+        expect.append(attention(q, c[1, ..., 0], c[1, ..., 1]))
+    served: list[bool] = []
+    batched = reader._read_rows
+
+    def spy(*args: object) -> torch.Tensor | None:
+        got = batched(*args)  # type: ignore[arg-type]
+        served.append(got is not None)
+        return got
+
+    reader._read_rows = spy  # type: ignore[method-assign]
+    out = reader.run("look", entries)
+    assert served and all(served)  # the batched path, not the loop, served the read-only attention
+    for got, cross in zip(out, expect):
+        torch.testing.assert_close(got["cross"], cross, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------- VLA: reads another node's context
 def test_vla_actions_equal_a_dense_computation(vla: MStar) -> None:
     """Three requests (prompts of 5, 9 and 17 tokens) batched: each denoise step's action

@@ -105,6 +105,18 @@ class KVPool:
         v = self.data[layer, :, 1].index_select(0, pages).view(-1, self.kv_heads, self.head_dim)
         return k[:kv_len], v[:kv_len]
 
+    def gather_rows(self, layer: int, pages: torch.Tensor, rows: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `rows` sequences of ``kv_len`` tokens each, in one index_select each:
+        `pages` is [rows * ceil(kv_len / page_size)] on the device, each row's pages in order;
+        each result is ``[rows, kv_len, kv_heads, head_dim]``."""
+        n_pages = -(-kv_len // self.page_size)
+        if pages.numel() != rows * n_pages:
+            raise AttentionError(f"{pages.numel()} page(s) for {rows} rows of {kv_len} tokens ({n_pages} pages each)")
+        shape = (rows, n_pages * self.page_size, self.kv_heads, self.head_dim)
+        k = self.data[layer, :, 0].index_select(0, pages).view(shape)
+        v = self.data[layer, :, 1].index_select(0, pages).view(shape)
+        return k[:, :kv_len], v[:, :kv_len]
+
 
 @dataclass(frozen=True, slots=True)
 class SequenceAttention:

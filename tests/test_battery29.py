@@ -197,6 +197,21 @@ ORDER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "block_loop_read_then_write": ("vlm@side", "on stream vlm.code -> ex.codes as c { ex.eat(codes = c) loop n = 2 "
                                    "{ r = ex.denoise(x = x) vlm.prefill(p = p) @side } }\nk = vlm.gen(p = p)",
                                    ("E039",)),
+    # a block runs beside the walk wherever it is written: what the main body writes before
+    # the block's first producer step is there for every chunk
+    "block_above_main_write": ("vlm", "on stream vlm.code -> ex.codes as c { ex.eat(codes = c) r = ex.denoise(x = x) }"
+                               "\nvlm.prefill(p = p)\nk = vlm.gen(p = p)", ()),
+    "block_above_producer_writes": ("vlm", "on stream vlm.code -> ex.codes as c { ex.eat(codes = c) "
+                                    "r = ex.denoise(x = x) }\nk = vlm.gen(p = p)", ()),
+    "block_above_write_after_producer": ("vlm", "on stream vlm.code -> ex.codes as c { ex.eat(codes = c) "
+                                         "r = ex.denoise(x = x) @side }\nk = vlm.gen(p = p)\nvlm.prefill(p = p) @side",
+                                         ("E039",)),
+    "block_above_write_in_branch": ("vlm@side", "on stream vlm.code -> ex.codes as c { ex.eat(codes = c) "
+                                    "r = ex.denoise(x = x) }\nparallel { branch a { vlm.prefill(p = p) @side } "
+                                    "branch b { k = vlm.gen(p = p) } }", ("E039",)),
+    "block_above_write_in_loop_before_producer": ("vlm@side", "on stream vlm.code -> ex.codes as c { "
+                                                  "ex.eat(codes = c) r = ex.denoise(x = x) }\nloop n = 2 { "
+                                                  "vlm.prefill(p = p) @side k = vlm.gen(p = p) }", ()),
     # values (not contexts) keep their scopes
     "value_from_block": ("vlm", "vlm.prefill(p = p)\non stream vlm.code -> ex.codes as c { ex.eat(codes = c) "
                          "q = ex.denoise(x = x) }\nk = vlm.gen(p = p)\nr = ex.denoise(x = q)", ("E034",)),

@@ -667,6 +667,8 @@ def _check_reads_written(model: I.ModelIR, flow: nx.MultiDiGraph, sink: Diagnost
                     or key == f"{c.node}@{own}":
                 continue  # reported as E012, E039 or E016
             found = writes.get(f"read:{key}", [])
+            if not found and _written_before_fired(model, flow, v, key):
+                continue
             if not found:
                 sink.error("E039", f"'{c.node}.{c.phase}' reads {key}, which no step of walk '{d['walk']}' writes "
                            "before it", c.span, f"call {r.node} on that tag first (a prefill), or keep the context "
@@ -684,6 +686,37 @@ def _check_reads_written(model: I.ModelIR, flow: nx.MultiDiGraph, sink: Diagnost
                 sink.error("E039", f"'{c.node}.{c.phase}' reads {key}, which only a later step of its loop body "
                            "writes: the first iteration would read an empty context", c.span,
                            f"write {key} before the loop, or move the write before the read in the body")
+
+
+def _written_before_fired(model: I.ModelIR, flow: nx.MultiDiGraph, reader: str, key: str) -> bool:
+    """A reader inside an `on stream` block whose context the walk's main body writes before
+    the block's first chunk exists: a step that writes `key` and comes before the block's
+    first producer step, in a region that holds that producer (so it runs first). The block
+    runs beside the walk wherever it is written, so this holds also for a block written above
+    the write, which the reaching definitions (in source order) do not see."""
+    block = _enclosing_block(flow, reader)
+    if block is None:
+        return False
+    producers = [flow.nodes[u]["origin"] for u, _, k in flow.in_edges(block, keys=True) if k == "fires"]
+    producers = [p for p in producers if p in flow and flow.nodes[p]["kind"] == "call"]
+    if not producers:
+        return False
+    first = min(producers, key=lambda p: flow.nodes[p]["pos"])
+    holders = set()
+    up = flow.nodes[first].get("parent")
+    while up is not None:
+        holders.add(up)
+        up = flow.nodes[up]["parent"]
+    for w, d in flow.nodes(data=True):
+        if d["kind"] != "call" or d["walk"] != flow.nodes[reader]["walk"] or d["pos"] > flow.nodes[first]["pos"]:
+            continue
+        c = d["ir"]
+        node = model.nodes.get(c.node)
+        if node is None or node.engine != "kv" or f"{c.node}@{node.tag_of(c.tag)}" != key:
+            continue
+        if d["parent"] in holders:
+            return True
+    return False
 
 
 def _ordered_before(flow: nx.MultiDiGraph, writer: str, reader: str) -> bool:

@@ -707,7 +707,7 @@ def _written_before_fired(model: I.ModelIR, flow: nx.MultiDiGraph, reader: str, 
     while up is not None:
         holders.add(up)
         up = flow.nodes[up]["parent"]
-    for w, d in flow.nodes(data=True):
+    for _, d in flow.nodes(data=True):
         if d["kind"] != "call" or d["walk"] != flow.nodes[reader]["walk"] or d["pos"] > flow.nodes[first]["pos"]:
             continue
         c = d["ir"]

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mstar_runtime.engine.engines import KVSlots, ReadSlots
+from mstar_runtime.worker import codec as wire_codec
 from mstar_runtime.worker import messages as codec
 from mstar_runtime.worker.messages import (
     MAX_INLINE_TENSOR_BYTES,
@@ -162,7 +163,7 @@ def test_the_wire_carries_the_engines_own_slot_records() -> None:
     assert type(kv.reads) is tuple and type(kv.reads[0]) is ReadSlots
     assert codec.KVSlots is KVSlots and codec.ReadSlots is ReadSlots
     with pytest.raises(MessageError, match=r"only tuple\[X, \.\.\.\]"):
-        codec._convert((1, 2), tuple[int, int], "x", to_wire=True)
+        wire_codec._convert((1, 2), tuple[int, int], "x", to_wire=True)
 
 
 def test_allowlist_is_explicit_and_complete() -> None:
@@ -434,15 +435,15 @@ def test_the_compiled_fast_path_and_the_walk_agree() -> None:
     annotation walk when it declines; both give the same message, and a value only the walk
     takes (a str subclass, an int where a float goes) still goes through."""
     for msg in samples():
-        fields = codec._fast(type(msg), True)(msg)
-        assert fields == codec._fields_to_wire(msg, msg.type)
+        fields = wire_codec._fast(type(msg), True)(msg)
+        assert fields == wire_codec._fields_to_wire(msg, msg.type)
         assert encode(decode(encode(msg))) == encode(msg)
 
     class Name(str):
         pass
 
-    with pytest.raises(codec._Decline):
-        codec._fast(DropTag, True)(DropTag(Name("llm"), "r", "t"))
+    with pytest.raises(wire_codec._Decline):
+        wire_codec._fast(DropTag, True)(DropTag(Name("llm"), "r", "t"))
     assert decode(encode(DropTag(Name("llm"), "r", "t"))) == DropTag("llm", "r", "t")
     result = decode(pack({"type": "step_result", "step_id": 1, "rank": 1, "entries": [], "elapsed_s": 2,
                           "waited_s": 0.5}))

@@ -37,7 +37,7 @@ from mstar_runtime.control.cohort import Cohort
 from mstar_runtime.control.conductor import CANCELLED, FAILED, FINISHED, Conductor, Request
 from mstar_runtime.plan.loader import load_plan
 from mstar_runtime.plan.planfile import iter_ops
-from mstar_runtime.worker.remote import shutdown_workers, start_workers
+from mstar_runtime.worker.startup import shutdown_workers, start_workers
 from mstar_runtime.worker.worker import Worker
 from mstarc.cli import main as mstarc
 

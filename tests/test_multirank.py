@@ -28,13 +28,8 @@ from mstar_runtime.control.conductor import FAILED, FINISHED, Conductor
 from mstar_runtime.engine.engines import StepEntry
 from mstar_runtime.plan.loader import load_plan
 from mstar_runtime.worker import messages as m
-from mstar_runtime.worker.remote import (
-    EngineStopped,
-    RemoteWorker,
-    WorkerLost,
-    shutdown_workers,
-    start_workers,
-)
+from mstar_runtime.worker.remote import EngineStopped, RemoteWorker, WorkerLost
+from mstar_runtime.worker.startup import shutdown_workers, start_workers
 from mstar_runtime.worker.wire import pack_values, read_frame, unpack_values, write_frame
 from mstar_runtime.worker.worker import StepBatch, Worker
 from mstarc.cli import main as mstarc
@@ -347,7 +342,7 @@ def test_a_worker_killed_mid_cohort_fails_its_rows_and_stops_the_run(plans: dict
 _CONDUCTOR = textwrap.dedent("""
     import json, sys, time
     from mstar_runtime.plan.loader import load_plan
-    from mstar_runtime.worker.remote import start_workers
+    from mstar_runtime.worker.startup import start_workers
     workers = start_workers(load_plan(sys.argv[1], device="cpu"), "dummy", "cpu")
     print(json.dumps([w.pid for r, w in workers.items() if r > 0]), flush=True)
     time.sleep(120)

@@ -38,7 +38,8 @@ from mstar_runtime.control.conductor import FINISHED, Conductor
 from mstar_runtime.ops.node import NodeError
 from mstar_runtime.plan.loader import load_plan
 from mstar_runtime.sampling import SamplingParams
-from mstar_runtime.worker.remote import RemoteWorker, shutdown_workers, start_workers
+from mstar_runtime.worker.remote import RemoteWorker
+from mstar_runtime.worker.startup import shutdown_workers, start_workers
 from mstar_runtime.worker.worker import Worker, WorkerStepError
 
 pytest.importorskip("transformers")

@@ -515,7 +515,7 @@ def test_a_context_past_its_tags_max_len_fails_the_request(asr: MStar) -> None:
 def test_reads_travel_to_a_worker_process(plans: dict[str, Path], tmp_path: Path) -> None:
     """The VLM and the expert on rank 1 (a worker process): the read contexts' page tables go
     over the wire with the step, and the actions equal one rank's."""
-    from mstar_runtime.worker.remote import shutdown_workers, start_workers
+    from mstar_runtime.worker.startup import shutdown_workers, start_workers
 
     path = compile_walk("vla", tmp_path / "vla2.plan", "devices: {count: 2, type: cpu, memory_gib: 16}\n"
                         "models: {vla: {nodes: {vlm: 1, expert: 1}}}\n")

@@ -41,14 +41,8 @@ from mstar_runtime.control.scheduler import Scheduler
 from mstar_runtime.engine.engines import StepEntry
 from mstar_runtime.plan.loader import load_plan
 from mstar_runtime.worker import messages as m
-from mstar_runtime.worker.remote import (
-    EngineStopped,
-    RemoteWorker,
-    StepHandle,
-    WorkerLost,
-    shutdown_workers,
-    start_workers,
-)
+from mstar_runtime.worker.remote import EngineStopped, RemoteWorker, StepHandle, WorkerLost
+from mstar_runtime.worker.startup import shutdown_workers, start_workers
 from mstar_runtime.worker.worker import StepBatch, Worker, WorkerStepError
 
 ROOT = Path(__file__).resolve().parent.parent

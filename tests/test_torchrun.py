@@ -44,7 +44,7 @@ from mstar_runtime.outputs import write_outputs
 from mstar_runtime.plan.loader import PlanError, load_plan
 from mstar_runtime.serve.io import sample_rate, wire_value
 from mstar_runtime.worker import launch
-from mstar_runtime.worker.remote import start_workers
+from mstar_runtime.worker.startup import start_workers
 from mstarc.cli import main as mstarc
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from mstar_runtime.control.conductor import FINISHED, Conductor
 from mstar_runtime.plan.loader import load_plan
-from mstar_runtime.worker.remote import shutdown_workers, start_workers
+from mstar_runtime.worker.startup import shutdown_workers, start_workers
 from mstar_runtime.worker.worker import Worker
 from mstarc.cli import main as mstarc
 

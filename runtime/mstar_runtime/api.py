@@ -96,16 +96,16 @@ class EngineClosed(RuntimeError):
 def start_workers(plan: Plan, weights: str | PathLike[str]) -> tuple[dict[int, WorkerLike], Callable[[], None]]:
     """The plan's workers and a function that shuts them down.
 
-    Uses `mstar_runtime.worker.remote.start_workers` (rank 0 in-process, other ranks as processes)
+    Uses `mstar_runtime.worker.startup.start_workers` (rank 0 in-process, other ranks as processes)
     when that module is installed; without it, only single-rank plans run, in-process.
     `find_spec` rather than `try: import`: an ImportError *inside* remote.py is a bug to see,
     not a reason to fall back silently.
     """
     if importlib.util.find_spec("mstar_runtime.worker.remote") is not None:
-        from mstar_runtime.worker import remote
+        from mstar_runtime.worker import startup
 
-        workers: dict[int, WorkerLike] = remote.start_workers(plan, weights, plan.device)
-        return workers, lambda: remote.shutdown_workers(workers)
+        workers: dict[int, WorkerLike] = startup.start_workers(plan, weights, plan.device)
+        return workers, lambda: startup.shutdown_workers(workers)
     if plan.num_ranks != 1:
         raise PlanError(plan.path, f"the plan has {plan.num_ranks} ranks; running more than one rank needs "
                         "mstar_runtime.worker.remote, which this installation lacks")

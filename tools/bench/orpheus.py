@@ -9,7 +9,7 @@ What runs:
   placements/h200x1.yaml, cpu.yaml on the CPU), variant `bench` (the real sizes with
   `audio_only`: random weights would otherwise sample text ids and starve the SNAC stream),
   run through a Conductor with rank 0's Worker in this process and, for a multi-rank
-  placement, `remote.start_workers`' worker processes for the other ranks (a TP group or
+  placement, `startup.start_workers`' worker processes for the other ranks (a TP group or
   a split by stage alike; the llm must have rank 0 among its ranks, whose engine gives the
   step times): B `tts` requests submitted at once, each generating exactly `--tokens` tokens,
   on each step path of `--paths` (`cohort`: the decode loop as a decode cohort, one graphed
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     rec["read_bandwidth_tb_s"] = bw = measure_read_bandwidth(device) / 1e12
     save()
     from mstar_runtime.plan.loader import load_plan
-    from mstar_runtime.worker.remote import shutdown_workers, start_workers
+    from mstar_runtime.worker.startup import shutdown_workers, start_workers
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-orpheus-"))
     plan = load_plan(compile_plan(variant, placement, workdir), device=device.type,

@@ -132,7 +132,7 @@ class MegatronLayout:
             raise NodeError(f"node '{spec.name}' ({owner}): tp {ways} does not divide {', '.join(bad)}")
         if ways > 1 and spec.tp_group is None:
             raise NodeError(f"node '{spec.name}' ({owner}): tp {ways} (rank {spec.tp_rank}) needs its TP "
-                            "process group (mstar_runtime.ops.tp.build_groups; remote.start_workers makes them)")
+                            "process group (mstar_runtime.ops.tp.build_groups; startup.start_workers makes them)")
         return MegatronLayout(tp=ways, rank=spec.tp_rank, group=spec.tp_group if ways > 1 else None,
                               heads=heads // ways, kv_heads=max(1, kv_heads // ways), kv_parts=min(ways, kv_heads),
                               vocab=vocab // ways, vocab_start=spec.tp_rank * (vocab // ways))

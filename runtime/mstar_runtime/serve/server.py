@@ -13,7 +13,7 @@ a plan and serves it as `mstar-run PLAN --serve` does.
 
 Threads. The engine runs on its own thread (`MStar`); the server is one asyncio loop, on
 the main thread, because a multi-rank plan's worker processes die with the thread that
-started them (`remote.start_workers`), and signals are only delivered there. Handlers
+started them (`startup.start_workers`), and signals are only delivered there. Handlers
 never block: they wait on `RequestHandle.astream/aresult`, which the engine wakes.
 With `--engine-process` the engine runs in a child process and `engine_process.EngineClient`
 stands in for `MStar` (its handles for `RequestHandle`).

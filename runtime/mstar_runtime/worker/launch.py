@@ -8,7 +8,7 @@ torchrun starts one process per rank on each host; torchrun's rank r is the plan
 on its host's device LOCAL_RANK (a plan with `hosts` must match the launch: as many hosts as
 torchrun nodes, each with as many processes as its ranks, in order). Rank 0 hosts the
 conductor and the API: it runs `mstar-run` itself (`mstar_runtime.cli.main` with the options
-after PLAN), whose `start_workers` this module answers (`remote.set_launcher`) with the
+after PLAN), whose `start_workers` this module answers (`startup.set_launcher`) with the
 processes torchrun started instead of children of its own. The other ranks serve steps.
 
 Start-up, through torchrun's store (its TCPStore at MASTER_ADDR:MASTER_PORT, keys under
@@ -64,10 +64,11 @@ import torch.distributed as dist
 from mstar_runtime.ops import tp
 from mstar_runtime.plan.loader import Plan, PlanError, load_plan
 from mstar_runtime.worker import messages as m
-from mstar_runtime.worker import remote
+from mstar_runtime.worker import startup
 from mstar_runtime.worker.peer import ControlListener, PeerWorker, SocketWriter, connect
 from mstar_runtime.worker.process import _die_with_parent, _error_text, _Server, end_group
-from mstar_runtime.worker.remote import LocalWorker, WorkerLost, _Peers
+from mstar_runtime.worker.remote import WorkerLost, _Peers
+from mstar_runtime.worker.startup import LocalWorker
 from mstar_runtime.worker.wire import plan_digest, write_frame
 from mstar_runtime.worker.worker import Worker
 
@@ -173,7 +174,7 @@ class RankZero:
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
 
-    # ---- start_workers, under remote.set_launcher
+    # ---- start_workers, under startup.set_launcher
     def start(self, plan: Plan, weights: str | Path, device: str) -> dict[int, Any]:
         if self.started:
             raise RuntimeError("a torchrun launch starts its plan once")
@@ -194,7 +195,7 @@ class RankZero:
             peers.remotes = list(self.peers)
             workers.update({w.rank: w for w in self.peers})
             groups = self._join(plan, device, timeout, within)
-            remote.own_group()
+            startup.own_group()
             local = LocalWorker(plan, 0, self.tr.device(device), weights, tp_groups=groups)
             local.peers = peers
             workers[0] = local
@@ -205,7 +206,7 @@ class RankZero:
         except BaseException:
             for w in self.peers:
                 w.close(timeout=1.0)
-            remote.shutdown_workers(workers)
+            startup.shutdown_workers(workers)
             raise
         finally:
             listener.close()
@@ -296,7 +297,7 @@ class RankZero:
 def _conduct(tr: Torchrun, opts: argparse.Namespace, rest: list[str]) -> int:
     store = _store(tr, opts.start_timeout)
     conductor = RankZero(tr, store, opts, serving="--serve" in rest)
-    remote.set_launcher(conductor.start)
+    startup.set_launcher(conductor.start)
     code: int | str | None = 1
     try:
         from mstar_runtime.cli import main as mstar_run
@@ -305,7 +306,7 @@ def _conduct(tr: Torchrun, opts: argparse.Namespace, rest: list[str]) -> int:
     except SystemExit as e:  # usage errors
         code = e.code
     finally:
-        remote.set_launcher(None)
+        startup.set_launcher(None)
         if not conductor.published:
             conductor.abort(f"rank 0 stopped (exit code {code}) before it started the plan; its output says why")
         conductor.finish()

@@ -32,7 +32,8 @@ from collections.abc import Callable, Iterable
 from mstar_runtime.plan.loader import Plan
 from mstar_runtime.worker import messages as m
 from mstar_runtime.worker.process import ANSWER_TIMEOUT_S
-from mstar_runtime.worker.remote import _LIVE, CLOSE_TIMEOUT_S, RemoteWorker, WorkerLost, _frame, _Peers
+from mstar_runtime.worker.remote import RemoteWorker, WorkerLost, _Peers
+from mstar_runtime.worker.remote_process import _LIVE, CLOSE_TIMEOUT_S, _frame
 from mstar_runtime.worker.wire import INLINE_BYTES, FrameReader, ProtocolError
 
 log = logging.getLogger(__name__)

@@ -6,10 +6,10 @@ conductor talks to it through a `RemoteWorker`, which implements the conductor's
 `WorkerLike` (`run_step`, `fork`, `copy_slots`, `drop_tag`, `free`, `export_kv`,
 `import_kv`) plus `submit` (a step whose answer is taken later), `heartbeat` and `close`.
 
-Three modules: this one is the conductor's side (`RemoteWorker`, `StepHandle`,
-`start_workers`, `shutdown_workers`); `wire.py` holds what both sides share (frames, values,
-tensor transfers); `process.py` is the worker's loop (`worker_main`, run by this
-module's `__main__`).
+This module is the conductor's side of one worker (`RemoteWorker`, `StepHandle`);
+`startup.py` starts and ends the whole set (`start_workers`, `shutdown_workers`, rank 0's
+`LocalWorker`); `wire.py` holds what both sides share (frames, values, tensor transfers);
+`process.py` is the worker's loop (`worker_main`, run by this module's `__main__`).
 
 Control: typed msgpack messages (`messages.py`, decoded through its allowlist), one per
 frame: a 4-byte big-endian length, then the bytes. The conductor writes to the worker's
@@ -73,65 +73,48 @@ Failures:
 
 A worker exits when its stdin reaches EOF (the conductor closed it or died) and, on Linux,
 gets SIGKILL when the thread that started it dies (PR_SET_PDEATHSIG): start workers from a
-thread that lives as long as they should (the main thread). `start_workers` also registers
-an atexit hook, so no worker outlives a conductor that exits normally.
-
-Several hosts: under torchrun (`launch.py`) the ranks are torchrun's processes, not children
-of rank 0. `set_launcher` makes `start_workers` hand the plan to the launcher, which returns
-rank 0's `LocalWorker` and a `PeerWorker` (`peer.py`) per other rank: this class over a TCP
-connection instead of pipes, the same protocol and failure handling. `alive()` (the
-server's /health) says whether a worker serves: not lost, its process (or connection) up,
-no answer overdue.
+thread that lives as long as they should (the main thread). An atexit hook closes every
+`RemoteWorker`, so no worker outlives a conductor that exits normally. Under torchrun
+(`launch.py`, startup.py) a `PeerWorker` (`peer.py`) is this class over a TCP connection
+instead of pipes, the same protocol and failure handling. `alive()` (the server's /health)
+says whether a worker serves: not lost, its process (or connection) up, no answer overdue.
 """
 
 from __future__ import annotations
 
-import atexit
 import collections
 import dataclasses
 import logging
-import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
-import weakref
-from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, NoReturn
-
-import torch.distributed as dist
+from typing import Any, NoReturn
 
 from mstar_runtime.kv.block_manager import SlotCopy
-from mstar_runtime.ops import tp
 from mstar_runtime.ops.node import RequestError
-from mstar_runtime.plan.loader import Plan, PlanError
+from mstar_runtime.plan.loader import Plan
 from mstar_runtime.worker import messages as m
-from mstar_runtime.worker.process import ANSWER_TIMEOUT_S, end_group, worker_main
+from mstar_runtime.worker.process import ANSWER_TIMEOUT_S, worker_main
 from mstar_runtime.worker.remote_cohort import RemoteCohorts
+from mstar_runtime.worker.remote_process import _LIVE, RemoteProcess
 from mstar_runtime.worker.wire import (
     FRAME,
     INLINE_BYTES,
-    FrameReader,
     ProtocolError,
     comm_device,
     copy_to_wire,
     pack_values,
-    plan_digest,
     recv_tensors,
     send_tensors,
     unpack_values,
 )
-from mstar_runtime.worker.worker import StepBatch, Worker, WorkerStepError
+from mstar_runtime.worker.worker import StepBatch, WorkerStepError
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # joining the group and building the nodes
-CLOSE_TIMEOUT_S = 5.0
-STDERR_LINES = 20  # kept per worker for the message of a WorkerLost
 
 
 class WorkerLost(RuntimeError):
@@ -146,21 +129,10 @@ class EngineStopped(RequestError):
     """Raised by `Conductor.submit` once a worker was lost: no request can run any more."""
 
 
-def _how_it_ended(proc: subprocess.Popen[bytes]) -> str:
-    code = proc.poll()
-    if code is None:
-        return "is still running"
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-class RemoteWorker(RemoteCohorts):
+class RemoteWorker(RemoteProcess, RemoteCohorts):
     """The conductor's proxy of one worker process (see the module docstring; its decode
-    cohort calls, `cohort_*`, in runtime/mstar_runtime/worker/remote_cohort.py)."""
+    cohort calls, `cohort_*`, in runtime/mstar_runtime/worker/remote_cohort.py; its process,
+    `RemoteProcess`, in remote_process.py)."""
 
     died = "died"  # what a `WorkerLost` says of a worker found gone between steps
     channel = "control pipe"  # what carries the frames, in messages
@@ -205,60 +177,6 @@ class RemoteWorker(RemoteCohorts):
         self._cohort_ids, self._cohort_names = {}, {}
         # send the values of `refs` inputs too, for the worker to compare with its own (tests)
         self.check_refs = False
-
-    def _spawn(
-        self, init_method: str, weights: str | Path, device: str, threads: int | None, env: Mapping[str, str] | None
-    ) -> None:
-        """Start the worker process (`python -m mstar_runtime.worker.remote`) on pipes."""
-        plan, rank, answer_timeout = self.plan, self.rank, self.answer_timeout
-        cmd = [
-            sys.executable,
-            "-m",
-            "mstar_runtime.worker.remote",
-            "--plan",
-            os.path.abspath(plan.path),
-            "--rank",
-            str(rank),
-            "--world",
-            str(plan.num_ranks),
-            "--init-method",
-            init_method,
-            "--weights",
-            os.fspath(weights),
-            "--device",
-            device,
-            "--parent-pid",
-            str(os.getpid()),
-            "--timeout",
-            str(answer_timeout),
-        ]
-        if plan.kv_pages_cap is not None:
-            cmd += ["--kv-pages-cap", str(plan.kv_pages_cap)]
-        environ = os.environ if env is None else env
-        if threads is None and device == "cpu" and "OMP_NUM_THREADS" not in environ:
-            # The ranks of a CPU plan share this host's cores: a process each with all of them
-            # oversubscribes, and OpenMP's spinning threads then slow every step by 10-100x.
-            threads = max(1, (os.cpu_count() or 1) // plan.num_ranks)
-        if threads:
-            cmd += ["--threads", str(threads)]
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=dict(env) if env is not None else None,
-            close_fds=True,
-        )
-        assert self.proc.stdin is not None and self.proc.stdout is not None and self.proc.stderr is not None
-        self.pid = self.proc.pid
-        self._in = self.proc.stdin
-        self._out = FrameReader(self.proc.stdout.fileno())
-        # Drain stderr all the time (a full pipe would block the worker); keep its tail for errors.
-        self._stderr: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
-        self._stderr_thread = threading.Thread(
-            target=self._drain, args=(self.proc.stderr,), name=f"mstar-worker-{rank}-stderr", daemon=True
-        )
-        self._stderr_thread.start()
 
     # ------------------------------------------------------------------ start-up
     def wait_ready(self, timeout: float = START_TIMEOUT_S, digest: str | None = None) -> None:
@@ -603,37 +521,6 @@ class RemoteWorker(RemoteCohorts):
         h = self._inflight
         return h is None or h.done or time.monotonic() <= h.deadline
 
-    def _running(self) -> bool:
-        """Whether the worker's process still runs (never waits, never reads a frame)."""
-        return self.proc.poll() is None
-
-    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """Ask the worker to exit, wait a little, then kill it. Idempotent; never raises."""
-        if self._closed:
-            return
-        self._closed = True
-        _LIVE.discard(self)
-        self._abandon(timeout)
-        if self.proc.poll() is None:
-            try:
-                self._in.write(_frame(m.Shutdown("closed by the conductor")))
-                self._in.flush()
-            except OSError:
-                pass
-        try:
-            self._in.close()  # EOF: the worker exits even if it never read the Shutdown
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._stderr_thread.join(1.0)
-        for f in (self.proc.stdout, self.proc.stderr):
-            if f is not None:
-                f.close()
-
     def _abandon(self, timeout: float) -> None:
         """Take the answers of steps left in flight (their requests ended meanwhile), so the
         worker is not left blocked sending outputs nobody receives and can read its Shutdown."""
@@ -650,12 +537,6 @@ class RemoteWorker(RemoteCohorts):
                 self._lock.release()
 
     # ------------------------------------------------------------------ plumbing
-    def _drain(self, stream: IO[bytes]) -> None:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip()
-            self._stderr.append(line)
-            log.debug("[rank %d] %s", self.rank, line)
-
     def _post(self, msg: m.Message) -> None:
         """A message without an answer. On a lost worker it does nothing: fork and free are
         called while the conductor fails requests, and the next step reports the loss."""
@@ -709,24 +590,6 @@ class RemoteWorker(RemoteCohorts):
 
     def _where(self) -> str:
         return f"pid {self.pid}"
-
-    def _end_process(self) -> str:
-        """Make sure the process is gone (killing it if it still runs); how it ended."""
-        killed_here = False
-        if self.proc.poll() is None:
-            try:  # a crashing process may be exiting right now: let it say how
-                self.proc.wait(0.5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                killed_here = True
-        self._stderr_thread.join(1.0)
-        return "was killed here, as it still ran" if killed_here else _how_it_ended(self.proc)
-
-    def _output_tail(self) -> str:
-        tail = "\n".join(f"  | {line}" for line in self._stderr)
-        return f"; the last lines of its stderr:\n{tail}" if tail else "; it wrote nothing to stderr"
-
 
 def can_submit(worker: Any) -> bool:
     """Whether the worker sends steps without waiting (`RemoteWorker.submit`). Looked up on
@@ -784,11 +647,6 @@ def _first_line(e: BaseException) -> str:
     return text.split(". ", 1)[0]  # Gloo goes on with advice that does not apply
 
 
-def _frame(msg: m.Message) -> bytes:
-    data = m.encode(msg)
-    return FRAME.pack(len(data)) + data
-
-
 def _strip_head(message: str, batch: StepBatch) -> str:
     """A WorkerStepError's text already says node and phase; do not say it twice."""
     return message.removeprefix(f"node '{batch.node}' phase '{batch.phase}': ")
@@ -815,211 +673,6 @@ class _Peers:
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.05)
-
-
-class LocalWorker(Worker):
-    """Rank 0's in-process worker, checking its peer processes before each step."""
-
-    peers: _Peers | None = None
-    LOSS_GRACE_S = 2.0  # how long a failed step looks for a peer's loss that explains it
-
-    def run_step(self, batch: StepBatch) -> list[dict[str, Any]]:
-        if self.peers is None:
-            return super().run_step(batch)
-        self.peers.check()
-        try:
-            return super().run_step(batch)
-        except WorkerStepError:
-            # A collective of a tensor-parallel node fails when a member of its group died;
-            # say that (WorkerLost: the run stops), not the transport's error in the forward.
-            shard = self.plan.node(batch.node).shard
-            self.peers.check(within=self.LOSS_GRACE_S if shard is not None and shard.tp > 1 else 0.0)
-            raise
-
-
-_LIVE: weakref.WeakSet[RemoteWorker] = weakref.WeakSet()
-_OWN_GROUP = False  # True while this module owns the default process group
-_LEAVE_IF_LOST = False  # a launcher's group: not ended after a worker was lost (`own_group`)
-# Set by a launcher that started this process's ranks itself (`mstar_runtime.worker.launch`,
-# rank 0 of a torchrun job): `start_workers` then hands it the plan instead of starting
-# processes, and it returns the workers; None for the one-host launch.
-Launcher = Callable[[Plan, "str | Path", str], dict[int, Any]]
-_LAUNCHER: Launcher | None = None
-
-
-def set_launcher(launcher: Launcher | None) -> None:
-    """Install (or remove, with None) the launcher `start_workers` defers to (see `_LAUNCHER`)."""
-    global _LAUNCHER
-    _LAUNCHER = launcher
-
-
-def own_group() -> None:
-    """A launcher made this process's default group: `shutdown_workers` ends it, unless a
-    worker was lost: a group with a stalled member can take its whole timeout to end, and
-    the launcher's process exits right after (so the group ends with it)."""
-    global _OWN_GROUP, _LEAVE_IF_LOST
-    _OWN_GROUP = dist.is_initialized()
-    _LEAVE_IF_LOST = True
-
-
-@atexit.register
-def _close_all() -> None:
-    """No worker outlives a conductor that exits normally (a killed one: pipe EOF, pdeathsig)."""
-    for w in list(_LIVE):
-        w.close(timeout=1.0)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_workers(
-    plan: Plan,
-    weights: str | Path = "dummy",
-    device: str | None = None,
-    *,
-    answer_timeout: float = ANSWER_TIMEOUT_S,
-    start_timeout: float = START_TIMEOUT_S,
-    inline_bytes: int = INLINE_BYTES,
-    threads: int | None = None,
-    env: Mapping[str, str] | None = None,
-) -> dict[int, Any]:
-    """Rank 0 in this process, ranks 1..N-1 as worker processes; returns {rank: worker}.
-
-    A one-rank plan starts no process and no process group. Otherwise this process joins a
-    fresh default group as rank 0 (Gloo on CPU, NCCL on GPU) over a free port of 127.0.0.1,
-    then every process makes the plan's TP groups (`mstar_runtime.ops.tp`). Rank 0's nodes are
-    built while the worker processes start, unless the plan has a TP node: its nodes then
-    wait for their groups.
-    Any failure stops what was started and raises (WorkerLost names the rank).
-
-    Under a launcher (`set_launcher`: a torchrun job, whose ranks torchrun started on their
-    hosts) the launcher makes the workers instead. Without one, a GPU plan over several
-    hosts is refused: this host has the GPUs of one of them."""
-    device = device or plan.device
-    if device != plan.device:
-        raise ValueError(
-            f"the plan was loaded for '{plan.device}', not '{device}': load_plan(..., device=...)"
-        )
-    if _LAUNCHER is not None:
-        return _LAUNCHER(plan, weights, device)
-    if len(plan.hosts) > 1 and device == "cuda":
-        raise PlanError(
-            plan.path,
-            f"the plan runs on {len(plan.hosts)} hosts; start it on each of them with torchrun "
-            "(python -m mstar_runtime.worker.launch, docs/distributed.md), or run it on the CPU "
-            "of this one with --device cpu",
-        )
-    if plan.num_ranks == 1:
-        return {0: Worker(plan, 0, plan.torch_device(0), weights)}
-    if dist.is_initialized():
-        raise RuntimeError(
-            "a torch.distributed process group already exists in this process; "
-            "call shutdown_workers() on the workers that made it first"
-        )
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    peers = _Peers()
-    peers.remotes = [
-        RemoteWorker(
-            plan,
-            r,
-            init,
-            weights=weights,
-            device=device,
-            answer_timeout=answer_timeout,
-            inline_bytes=inline_bytes,
-            threads=threads,
-            env=env,
-            peers=peers,
-        )
-        for r in range(1, plan.num_ranks)
-    ]
-    remotes = peers.remotes
-    workers: dict[int, Any] = {w.rank: w for w in remotes}
-    try:
-        if not tp.has_tp(plan):
-            # rank 0's nodes are built while the worker processes import torch and build theirs
-            workers[0] = LocalWorker(plan, 0, plan.torch_device(0), weights)
-        # a TP node needs its group at build time, and the groups need the default group
-        groups = _join_group(remotes, init, plan, device, start_timeout, answer_timeout)
-        if 0 not in workers:
-            workers[0] = LocalWorker(plan, 0, plan.torch_device(0), weights, tp_groups=groups)
-        workers[0].peers = peers
-        digest = plan_digest(plan)
-        for w in remotes:
-            w.wait_ready(start_timeout, digest)
-    except BaseException:
-        for w in remotes:
-            w.close(timeout=1.0)  # a start that failed: no point in waiting long for the others
-        shutdown_workers(workers)
-        raise
-    return workers
-
-
-def _join_group(
-    remotes: Sequence[RemoteWorker],
-    init: str,
-    plan: Plan,
-    device: str,
-    start_timeout: float,
-    op_timeout: float,
-) -> dict[str, Any]:
-    """init_process_group as rank 0, then the plan's TP groups (`tp.build_groups`, which the
-    workers make in the same order), watching the children: one that dies before joining
-    would otherwise leave us waiting for the whole store timeout. Returns rank 0's
-    {node: TP group}."""
-    global _OWN_GROUP
-    failure: list[BaseException] = []
-    groups: dict[str, Any] = {}
-
-    def join() -> None:
-        try:
-            dist.init_process_group(
-                "nccl" if device == "cuda" else "gloo",
-                init_method=init,
-                rank=0,
-                world_size=plan.num_ranks,
-                timeout=timedelta(seconds=max(start_timeout, op_timeout)),
-            )
-            groups.update(tp.build_groups(plan, 0))
-        except BaseException as e:  # re-raised in the caller's thread
-            failure.append(e)
-
-    t = threading.Thread(target=join, name="mstar-init-group", daemon=True)
-    t.start()
-    deadline = time.monotonic() + start_timeout
-    while t.is_alive():
-        t.join(0.1)
-        for w in remotes:
-            if w.proc.poll() is not None:
-                w._lose("exited before joining the process group")
-        if time.monotonic() > deadline:
-            raise WorkerLost(remotes[0].rank, f"the process group did not form within {start_timeout:.0f} s")
-    _OWN_GROUP = dist.is_initialized()  # also when only the TP groups failed: shutdown ends it
-    if failure:
-        raise failure[0]
-    return groups
-
-
-def shutdown_workers(workers: Mapping[int, Any]) -> None:
-    """Close every worker process, then this process's group. Never raises."""
-    global _OWN_GROUP
-    lost = any(isinstance(w, RemoteWorker) and (w.lost is not None or not w._running()) for w in workers.values())
-    if lost and _LEAVE_IF_LOST:
-        _OWN_GROUP = False
-    for w in workers.values():
-        if isinstance(w, RemoteWorker):
-            w.close()
-        elif isinstance(w, Worker) and _OWN_GROUP:
-            try:
-                w.release_graphs()  # before the groups end (end_group)
-            except Exception as e:  # a device in a bad state: the teardown goes on
-                log.warning("rank %d: releasing its CUDA graphs failed: %s", w.rank, e)
-    if _OWN_GROUP:
-        end_group()
-    _OWN_GROUP = False
 
 
 if __name__ == "__main__":

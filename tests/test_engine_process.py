@@ -314,3 +314,32 @@ def test_finish_does_not_send_streamed_outputs_again(plan: Path) -> None:
         got = finished_outputs(finish, [(x.name, from_value(x.value)) for x in sent[:-1]])  # type: ignore[union-attr]
         assert list(got) == list(want) and all(torch.equal(torch.as_tensor(got[k]), torch.as_tensor(want[k]))
                                                for k in want)
+
+
+def test_an_output_the_wire_cannot_carry_fails_its_request(plan: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value msgpack refuses (here a set, standing in for a node's bad output) once killed
+    the relay thread, so the request never ended on the API side; now it ends failed."""
+    import socket
+
+    from mstar_runtime import engine_process as ep
+    from mstar_runtime.api import MStar
+    from mstar_runtime.worker.wire import read_frame
+
+    with MStar.load(plan, weights="init") as mstar:
+        ours, theirs = socket.socketpair()
+        monkeypatch.setattr(ep, "to_value", lambda v: m.Value(scalar={1}))  # type: ignore[arg-type]
+        sender = ep._Sender(ours)
+        relay = ep._Relay(mstar.submit("slow", {"steps": 4}), sender)
+        relay.ack(1 << 62)
+        relay.thread.start()
+        relay.thread.join(30)
+        assert not relay.thread.is_alive()
+        sender.out.close()  # the socket's file holds it open: both, for the reader's EOF
+        ours.close()
+        theirs.settimeout(30)
+        inp, sent = theirs.makefile("rb"), []
+        while (msg := read_frame(inp)) is not None:
+            sent.append(msg)
+        theirs.close()
+    assert len(sent) == 1 and isinstance(sent[0], m.EngineFinish), sent
+    assert sent[0].state == "failed" and "output 'xs' cannot be sent" in (sent[0].error or ""), sent[0]

@@ -57,7 +57,7 @@ from mstar_runtime.control.interpreter import concat
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan.loader import Plan
 from mstar_runtime.worker import messages as m
-from mstar_runtime.worker.wire import ProtocolError, read_frame, write_encoded, write_frame
+from mstar_runtime.worker.wire import ProtocolError, read_frame, write_encoded
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +135,14 @@ class _Sender:
         self.broken = False
 
     def send(self, msg: m.Message) -> None:
+        """Write one message. A message the wire cannot encode raises here, to the caller (it is
+        that message's fault: the socket is fine); a broken socket only marks the sender."""
+        data = m.encode(msg)
         with self.lock:
             if self.broken:
                 return
             try:
-                write_frame(self.out, msg)
+                write_encoded(self.out, data)
             except OSError:  # the API process is gone; the reader sees EOF and ends the process
                 self.broken = True
 
@@ -173,7 +176,13 @@ class _Relay:
                         self.cond.wait()
                     if self.stopped:
                         break
-                self.sender.send(m.EngineOutput(h.id, sent, name, to_value(value)))
+                wired = to_value(value)
+                try:
+                    self.sender.send(m.EngineOutput(h.id, sent, name, wired))
+                except Exception as e:  # noqa: BLE001 - whatever the encoder refuses: this request cannot be relayed
+                    drop_value(wired)
+                    self._unsendable(f"its output '{name}'", e)
+                    return
                 sent += 1
         except RequestFailed:
             pass
@@ -181,7 +190,23 @@ class _Relay:
             h.result()  # stopped: the request was cancelled, and ends at the engine's next step
         except RequestFailed:
             pass
-        self.sender.send(finish_message(h, h._chunks[:sent]))
+        finish = finish_message(h, h._chunks[:sent])
+        try:
+            self.sender.send(finish)
+        except Exception as e:  # noqa: BLE001 - as above, for its final outputs
+            for v in finish.outputs.values():
+                drop_value(v)
+            self._unsendable("its outputs", e)
+
+    def _unsendable(self, what: str, e: Exception) -> None:
+        """End the request with an error the API side can read: a value the wire cannot carry
+        (a node's bug) once killed this thread, and the request then never ended there."""
+        h = self.handle
+        h.cancel()
+        log.error("engine process: request %s: %s cannot be sent to the API process: %s: %s", h.id, what,
+                  type(e).__name__, e)
+        self.sender.send(m.EngineFinish(h.id, FAILED, {}, f"{what} cannot be sent to the API process "
+                                        f"({type(e).__name__})", None, "error", {}, list(h.summary()["walks"])))
 
 
 def finish_message(h: RequestHandle, sent: list[tuple[str, Any]] | None = None) -> m.EngineFinish:

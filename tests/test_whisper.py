@@ -243,3 +243,17 @@ def test_min_tokens_holds_back_the_end_of_text_only() -> None:
     scores = whisper_scores(logits, rules, n, torch.tensor([100, 100]), torch.tensor([99, 99]), minus,
                             torch.zeros(2, dtype=torch.bool), torch.tensor([4, 3]))
     assert scores.argmax(dim=-1).tolist() == [17, LAYOUT.eot]
+
+
+def test_no_step_that_reads_the_cross_context_is_captured(tmp_path: Path) -> None:
+    """`decoder.step` is a recurrent loop step (it takes its own carried output) that reads
+    @cross; the runtime never replays a reading step, so the cuda-graphs pass must not list
+    it (before, its recurrent rule did, though its shape rule refuses reads)."""
+    from mstar_runtime.plan import planfile
+
+    out = tmp_path / "whisper-real.plan"
+    assert mstarc(["compile", str(WALK), "--variant", "real", "-p", str(ROOT / "placements/h200x1.yaml"),
+                   "-o", str(out)]) == 0
+    captured = {(g["node"], g["phase"]) for g in planfile.read(out)["cuda_graphs"]}
+    assert ("encoder", "encode") in captured  # the pass ran and captures what it may
+    assert not captured & {("decoder", "step"), ("decoder", "prefill"), ("decoder", "detect")}

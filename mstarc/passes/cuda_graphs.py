@@ -14,7 +14,8 @@ Ensures:  `model.cuda_graphs` lists one `GraphCaptureIR` per captured (node, pha
           its fixed inputs, e.g. a denoise block of latent_len tokens) is captured only at
           the buckets of at most `graph_max_tokens` rows in all (node setting, default
           16384, the runtime's cap), at least the smallest; a phase that reads other KV
-          contexts (`reads`) is never captured.
+          contexts (`reads`) is never captured, neither by its shapes nor as a recurrent
+          step below (the runtime runs every reading step eagerly).
           A KV phase with symbolic input dims is captured too when it is a recurrent loop
           step: a loop calls it with its own outputs of the previous iteration (each carried
           input comes back from the same call through an output port of the same declared
@@ -159,6 +160,8 @@ def _recurrent_steps(model: I.ModelIR, walk: I.WalkIR) -> set[str]:
             if node.engine != "kv":
                 continue
             phase = node.phases[c.phase]
+            if phase.reads:  # as for fixed shapes: the runtime never replays a step that reads (engines.py)
+                continue
             produced = dict(zip(c.results, phase.outputs))  # value -> the output port that binds it
             fed_back, ok = False, True
             for port in phase.inputs:

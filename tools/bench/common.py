@@ -143,6 +143,38 @@ def patched_copy(src: Path, pattern: str, repl: str, what: str, dst: Path) -> Pa
     return dst
 
 
+class Launches:
+    """Host times at which rank 0 launched steps of `node` (its phases `phases`, or its cohort
+    steps), recorded by wrapping the worker's step entry points. In steady state the host is held
+    back by the device (each step's readback is waited for a step later), so the mean interval
+    between launches is the step period the run achieved (an Orpheus token with SNAC included,
+    a Qwen3-Omni talker frame); the time a step spends inside `run_step` is only its launch time."""
+
+    def __init__(self, worker: Any, node: str, phases: tuple[str, ...]):
+        self.worker, self.at = worker, []
+        run, cohort = worker.run_step, worker.cohort_step
+
+        def run_step(batch: Any) -> Any:
+            if batch.node == node and batch.phase in phases:
+                self.at.append(time.perf_counter())
+            return run(batch)
+
+        def cohort_step(key: Any, n: int) -> Any:
+            if key[0] == node:
+                self.at.append(time.perf_counter())
+            return cohort(key, n)
+
+        worker.run_step, worker.cohort_step = run_step, cohort_step
+
+    def period(self, skip: int = 2) -> float | None:
+        """Mean seconds between launches, after `skip` warm-up launches."""
+        at = self.at[skip:]
+        return (at[-1] - at[0]) / (len(at) - 1) if len(at) > 1 else None
+
+    def close(self) -> None:
+        del self.worker.run_step, self.worker.cohort_step  # back to the class's methods
+
+
 def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, int]]) -> str:
     """A plain-text table: columns are (key, header, decimals)."""
     cells = [[h for _, h, _ in columns]] + [[fmt(r.get(k), d) for k, _, d in columns] for r in rows]

@@ -108,25 +108,18 @@ class Probe:
         decode, step = node.phase_decode, node._cohort_step
         run_step, cohort_step_ = worker.run_step, worker.cohort_step
 
-        def timed_worker(fn: Any) -> Any:
+        def timed(fn: Any, field: str) -> Any:
+            """`fn`, adding the seconds of each call to the counter `field`."""
             def call(*args: Any) -> Any:
                 t0 = time.perf_counter()
                 out = fn(*args)
-                self.worker_seconds += time.perf_counter() - t0
+                setattr(self, field, getattr(self, field) + time.perf_counter() - t0)
                 return out
             return call
 
-        def timed_attend(fn: Any) -> Any:
-            def attend(*args: Any) -> Any:
-                t0 = time.perf_counter()
-                out = fn(*args)
-                self.attend_seconds += time.perf_counter() - t0
-                return out
-            return attend
-
         def phase_decode(batch: Any, attn: Any) -> Any:
             t0 = time.perf_counter()
-            attn.attend_fn = timed_attend(attn.attend_fn)
+            attn.attend_fn = timed(attn.attend_fn, "attend_seconds")
             out = decode(batch, attn)
             self.seconds += time.perf_counter() - t0
             self.rows += len(batch)
@@ -134,7 +127,7 @@ class Probe:
 
         def cohort_step(b: Any) -> Any:
             t0 = time.perf_counter()
-            b.attend = timed_attend(b.attend)
+            b.attend = timed(b.attend, "attend_seconds")
             out = step(b)
             self.seconds += time.perf_counter() - t0
             self.rows += b.n
@@ -142,8 +135,8 @@ class Probe:
 
         node.phase_decode = phase_decode
         node._cohort_step = cohort_step  # read by `cohort_phase` when the cohort opens (after this)
-        worker.run_step = timed_worker(run_step)
-        worker.cohort_step = timed_worker(cohort_step_)
+        worker.run_step = timed(run_step, "worker_seconds")
+        worker.cohort_step = timed(cohort_step_, "worker_seconds")
 
 
 class StepPath:

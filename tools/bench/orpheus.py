@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402 - the sibling module, found through the line above
     Budget,
+    Launches,
     environment,
     gpu_memory,
     measure_read_bandwidth,
@@ -153,38 +154,6 @@ class _FirstAudio:
         pass
 
 
-class _DecodeLaunches:
-    """Host times at which rank 0 launched the llm's decode steps (generic steps or cohort
-    steps). In steady state the host is held back by the device (each step's readback is
-    waited for one step later), so the mean interval between launches is the decode step
-    period the run achieved, SNAC included; the time a step spends inside `run_step` (or
-    `cohort_step`) is only its host (launch) time."""
-
-    def __init__(self, worker: Any):
-        self.worker, self.at = worker, []
-        self._run, self._cohort = worker.run_step, worker.cohort_step
-
-        def run_step(batch: Any) -> Any:
-            if batch.node == "llm" and batch.phase == "decode":
-                self.at.append(time.perf_counter())
-            return self._run(batch)
-
-        def cohort_step(key: Any, n: int) -> Any:
-            if key[0] == "llm":
-                self.at.append(time.perf_counter())
-            return self._cohort(key, n)
-
-        worker.run_step, worker.cohort_step = run_step, cohort_step
-
-    def period(self, skip: int = 4) -> float | None:
-        """Mean seconds between launches, after `skip` warm-up launches."""
-        at = self.at[skip:]
-        return (at[-1] - at[0]) / (len(at) - 1) if len(at) > 1 else None
-
-    def close(self) -> None:
-        del self.worker.run_step, self.worker.cohort_step  # back to the class's methods
-
-
 def local_node(plan: Any, worker: Any, name: str, device: torch.device) -> Any:
     """Stateless node `name` in this process: rank 0's instance, else a fresh one with the same
     dummy weights (its own rank's is in another process, e.g. SNAC of a split placement)."""
@@ -221,7 +190,7 @@ def run_mstar(plan: Any, workers: dict[int, Any], device: torch.device, batch: i
     first = _FirstAudio(device)
     before = _decode_stats(worker)
     sync(device)
-    launches = _DecodeLaunches(worker)
+    launches = Launches(worker, "llm", ("decode",))
     t0 = time.perf_counter()
     first.t0 = t0
     if first.start is not None:
@@ -244,7 +213,7 @@ def run_mstar(plan: Any, workers: dict[int, Any], device: torch.device, batch: i
     steps = after["steps"] - before["steps"]
     step_s = (after["seconds"] - before["seconds"]) / max(steps, 1)
     ttfa = [first_at[r.id] - r.stats.submitted_at for r in reqs if r.id in first_at]
-    period = launches.period()
+    period = launches.period(skip=4)
     rtf = [(r.stats.finished_at - r.stats.submitted_at) / (g / TOKENS_PER_SECOND_OF_AUDIO)
            for r, g in zip(reqs, generated) if g]
     return {
@@ -252,7 +221,7 @@ def run_mstar(plan: Any, workers: dict[int, Any], device: torch.device, batch: i
         "tokens_per_s": sum(generated) / wall, "audio_s_per_s": sum(generated) / wall / TOKENS_PER_SECOND_OF_AUDIO,
         "ttfa_p50_ms": _ms(percentile(ttfa, 50)), "ttfa_p90_ms": _ms(percentile(ttfa, 90)),
         "rtf_p50": percentile(rtf, 50), "decode_steps": steps,
-        # the achieved step period (see _DecodeLaunches); the host time per step is apart
+        # the achieved step period (see common.Launches); the host time per step is apart
         "decode_step_ms": _ms(period) if period is not None else step_s * 1e3, "decode_host_ms": step_s * 1e3,
         "wall_per_decode_ms": wall / max(tokens - 1, 1) * 1e3,
         "conductor_steps": int(conductor.stats["steps"]), "wasted_steps": int(conductor.stats["wasted_steps"]),

@@ -76,6 +76,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402 - the sibling module, found through the line above
     Budget,
+    Launches,
     environment,
     gpu_memory,
     measure_read_bandwidth,
@@ -201,35 +202,6 @@ class _Probe:
         return self.first_audio
 
 
-class _Launches:
-    """Host times at which rank 0 launched steps of `node` (phases `phases`, or its cohort
-    steps). In steady state the host is held back by the device, so the mean interval between
-    launches is the period the run achieved (a talker frame, a thinker token)."""
-
-    def __init__(self, worker: Any, node: str, phases: tuple[str, ...]):
-        self.worker, self.at = worker, []
-        run, cohort = worker.run_step, worker.cohort_step
-
-        def run_step(batch: Any) -> Any:
-            if batch.node == node and batch.phase in phases:
-                self.at.append(time.perf_counter())
-            return run(batch)
-
-        def cohort_step(key: Any, n: int) -> Any:
-            if key[0] == node:
-                self.at.append(time.perf_counter())
-            return cohort(key, n)
-
-        worker.run_step, worker.cohort_step = run_step, cohort_step
-
-    def period(self, skip: int = 2) -> float | None:
-        at = self.at[skip:]
-        return (at[-1] - at[0]) / (len(at) - 1) if len(at) > 1 else None
-
-    def close(self) -> None:
-        del self.worker.run_step, self.worker.cohort_step  # back to the class's methods
-
-
 class _Windows:
     """Records the codec frames Code2Wav decodes while in a `with` (each frame once: a window's
     left-context frames are dropped), for the parity check of one request."""
@@ -294,7 +266,7 @@ def run_requests(plan: Any, worker: Any, device: torch.device, walk: str, inputs
     probe = _Probe(device)
     before = node_stats(worker)
     sync(device)
-    launches = _Launches(worker, launch_node, launch_phases)
+    launches = Launches(worker, launch_node, launch_phases)
     probe.begin()
     reqs = [conductor.submit(walk, dict(x), listener=probe) for x in inputs]
     try:

@@ -44,17 +44,11 @@ from typing import Any
 
 import torch
 
-from mstar_runtime.api import (
-    SHUTDOWN,
-    EngineClosed,
-    MStar,
-    OutputStream,
-    RequestFailed,
-    RequestHandle,
-)
+from mstar_runtime.api import SHUTDOWN, EngineClosed, MStar, RequestHandle
 from mstar_runtime.control.conductor import FAILED, FINISHED, RUNNING, WAITING, check_inputs
 from mstar_runtime.control.interpreter import concat
 from mstar_runtime.ops.node import RequestError
+from mstar_runtime.output_stream import OutputStream, RequestFailed
 from mstar_runtime.plan.loader import Plan
 from mstar_runtime.worker import messages as m
 from mstar_runtime.worker.wire import ProtocolError, read_frame, write_encoded

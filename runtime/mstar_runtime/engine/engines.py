@@ -32,9 +32,11 @@ a read context is the engine's own (a decoder reading its `cross` tag) or that o
 node on the same worker (`peers`, set by `link_peers`: pi0's action expert reading the VLM);
 its geometry must equal this pool's, since the reader attends layer by layer. The step's
 `attn.attend(..., over=...)`, `attn.attend_to` and `attn.write` (ops/node.py) run on the
-reference path below (`_read_attention`: a gather of each context's pages and one softmax
-per entry, with half precision computed in float32), on the CPU and on a GPU alike: no
-FlashInfer plan serves two pools yet. The read pages are only read: nothing is copied into
+path below, on the CPU and on a GPU alike (no FlashInfer plan serves two pools yet), half
+precision computed in float32: `_read_rows` when every entry has one query count and one
+read-context length (one gather and one attention per layer), else `_read_attention` (every
+entry's keys, its read contexts' tokens then its own, gathered into one padded batch with a
+mask, one SDPA per layer; the layout built once per step). The read pages are only read: nothing is copied into
 the reader's pool, so its pool holds its own contexts only, as the `memory` pass sized it.
 Such a step is never graphed, and never shares its queries with a twin entry (below). `attn.extra` holds the step's
 `AttentionMetadata` ("metadata") and the `KVPool` ("pool") for nodes that need more than
@@ -86,7 +88,7 @@ from mstar_runtime.kv.attention import (
 )
 from mstar_runtime.kv.block_manager import SlotCopy
 from mstar_runtime.ops.node import AttentionContext, KVNode, NodeError, SeqState, StatelessNode
-from mstar_runtime.ops.readback import upload
+from mstar_runtime.ops.readback import upload, upload_tensor
 
 DEFAULT_TAG = "main"  # the KV context of an entry whose tag is None (the conductor's convention)
 
@@ -390,6 +392,7 @@ class KVCacheEngine(_Engine):
                                 reads=reads, write_fn=write)
         if reads:
             pages: dict[int, torch.Tensor | None] = {}  # read context -> its rows' pages, once per step
+            read_plans: dict[Any, _ReadPlan] = {}  # the padded layout of the other cases, once per step
 
             def read(layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                      over: tuple[int, ...]) -> torch.Tensor:
@@ -399,7 +402,7 @@ class KVCacheEngine(_Engine):
                     out = self._read_rows(layer, q, attending, over[0], pages)
                     if out is not None:
                         return out
-                return self._read_attention(layer, q, attending, over, own=k is not None)
+                return self._read_attention(layer, q, attending, over, own=k is not None, plans=read_plans)
 
             attn.read_fn = read
         if graphed:
@@ -421,9 +424,15 @@ class KVCacheEngine(_Engine):
         return tuple(f"{r.node}@{r.tag}" for r in kvs[0].reads)
 
     def _read_attention(self, layer: int, q: torch.Tensor, attending: list[KVSlots], over: tuple[int, ...],
-                        own: bool) -> torch.Tensor:
+                        own: bool, plans: dict[Any, _ReadPlan] | None = None) -> torch.Tensor:
         """Per entry, one softmax over the read contexts `over` (every query sees all of their
-        tokens) followed, when `own`, by the entry's own context under its mask."""
+        tokens) followed, when `own`, by the entry's own context under its mask.
+
+        Every entry of the step in one batched attention: each entry's keys (its read contexts'
+        tokens, then its own) and queries are padded to the step's longest, the padding masked
+        out (`_ReadPlan`, built once per step and reused by every layer: `plans`), so a step is a
+        few gathers and one SDPA per layer whatever its entries, not kernels per entry. An
+        entry with no key at all (an empty read context, `attend_to`) gets zeros."""
         n_tokens = sum(kv.q_len for kv in attending)
         if q.dim() != 3 or q.shape[0] != n_tokens:
             raise NodeError(f"node '{self.name}': q must be [{n_tokens}, heads, head_dim], got {tuple(q.shape)}")
@@ -433,40 +442,37 @@ class KVCacheEngine(_Engine):
                             f"{self.pool.kv_heads} KV heads of dim {self.pool.head_dim}")
         scale = self.scale if self.scale is not None else dim**-0.5
         compute = torch.promote_types(q.dtype, torch.float32)
-        out = torch.zeros_like(q)
-        row = 0
-        for kv in attending:
-            n = kv.q_len
-            keys, values, masks = [], [], []
-            for j in over:
-                r = kv.reads[j]
-                if r.kv_len:
-                    k, v = self.peers[r.node].pool.gather(layer, r.page_table, r.kv_len)
-                    keys.append(k)
-                    values.append(v)
-                    masks.append(torch.ones(n, r.kv_len, dtype=torch.bool, device=q.device))
-            if own:
-                kv_len = kv.start + n
-                k, v = self.pool.gather(layer, kv.page_table, kv_len)
-                keys.append(k)
-                values.append(v)
-                mask = attention_mask(n, kv_len, kv.mask, kv.block_size, device=q.device)  # type: ignore[arg-type]
-                masks.append(mask if mask is not None else torch.ones(n, kv_len, dtype=torch.bool, device=q.device))
-            if keys:
-                out[row : row + n] = _grouped_attention(
-                    q[row : row + n].to(compute), torch.cat(keys).to(compute), torch.cat(values).to(compute),
-                    torch.cat(masks, dim=1), scale,
-                ).to(q.dtype)
-            row += n
-        return out
+        key = (over, own)
+        plan = plans.get(key) if plans is not None else None
+        if plan is None:
+            plan = _ReadPlan.build(self, attending, over, own, q.device)
+            if plans is not None:
+                plans[key] = plan
+        e, nq, nk = plan.entries, plan.q_max, plan.k_max
+        kvh = self.pool.kv_heads
+        keys = torch.zeros(e * nk, kvh, dim, dtype=compute, device=q.device)
+        values = torch.zeros_like(keys)
+        for pool, pages, offsets, dest in plan.gathers:
+            data = pool.data[layer]
+            keys[dest] = data[pages, 0, offsets].to(compute)
+            values[dest] = data[pages, 1, offsets].to(compute)
+        qp = torch.zeros(e * nq, heads, dim, dtype=compute, device=q.device)
+        qp[plan.q_dest] = q.to(compute)
+        out = F.scaled_dot_product_attention(
+            qp.view(e, nq, heads, dim).transpose(1, 2),
+            keys.view(e, nk, kvh, dim).transpose(1, 2),
+            values.view(e, nk, kvh, dim).transpose(1, 2),
+            attn_mask=plan.mask[:, None], scale=scale, enable_gqa=heads != kvh,
+        )
+        return out.transpose(1, 2).reshape(e * nq, heads, dim)[plan.q_dest].to(q.dtype)
 
     def _read_rows(self, layer: int, q: torch.Tensor, attending: list[KVSlots], j: int,
                    pages: dict[int, torch.Tensor | None]) -> torch.Tensor | None:
         """`attend_to` of every entry at once, when the entries have one query count and their
         read context `j` one non-zero length (a decoder's cross-attention over its encoder's
         frames): one gather of all their pages and one batched attention per layer, the same
-        math as `_read_attention`'s loop over entries (float32 for half inputs). None when the
-        entries differ (the loop serves them). `pages` caches the step's page index per context."""
+        math as `_read_attention` without its padding (float32 for half inputs). None when the
+        entries differ (`_read_attention` serves them). `pages` caches the step's page index per context."""
         if j not in pages:
             reads = [kv.reads[j] for kv in attending]
             first = reads[0] if reads else None
@@ -552,14 +558,55 @@ def link_peers(engines: Iterable[Any]) -> None:
         e.peers = {o.name: o for o in kv}
 
 
-def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                       scale: float) -> torch.Tensor:
-    """q [Lq, H, D] over k/v [Lk, Hkv, D] (head h reads KV head h // (H / Hkv)), mask [Lq, Lk]."""
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1).transpose(0, 1)
-    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+@dataclass(frozen=True)
+class _ReadPlan:
+    """Where a reading step's queries and keys sit in the padded [entries, q_max / k_max] layout
+    of `KVCacheEngine._read_attention`: per pool the (page, offset) of every key token and its
+    padded row (`gathers`), each packed query's padded row, and the boolean mask
+    [entries, q_max, k_max] (padding False; an entry without keys sees one zero key)."""
+
+    entries: int
+    q_max: int
+    k_max: int
+    gathers: tuple[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor], ...]
+    q_dest: torch.Tensor
+    mask: torch.Tensor
+
+    @staticmethod
+    def build(engine: KVCacheEngine, attending: list[KVSlots], over: tuple[int, ...], own: bool,
+              device: torch.device) -> _ReadPlan:
+        spans: list[list[tuple[Any, Sequence[int] | torch.Tensor, int]]] = []
+        for kv in attending:
+            parts = [(engine.peers[kv.reads[j].node].pool, kv.reads[j].page_table, kv.reads[j].kv_len)
+                     for j in over if kv.reads[j].kv_len]
+            if own:
+                parts.append((engine.pool, kv.page_table, kv.start + kv.q_len))
+            spans.append(parts)
+        q_max = max(kv.q_len for kv in attending)
+        k_max = max(1, max(sum(n for _, _, n in parts) for parts in spans))
+        # host index tensors (torch ops on the CPU, not a Python loop per token), uploaded once
+        by_pool: dict[int, tuple[Any, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
+        mask = torch.zeros(len(attending), q_max, k_max, dtype=torch.bool)
+        q_dest = []
+        for i, (kv, parts) in enumerate(zip(attending, spans, strict=True)):
+            at = 0
+            for p, (pool, table, n) in enumerate(parts):
+                t = torch.arange(n)
+                pages = torch.as_tensor(table, dtype=torch.long).cpu()
+                slot = by_pool.setdefault(id(pool), (pool, [], [], []))
+                slot[1].append(pages[t // pool.page_size])
+                slot[2].append(t % pool.page_size)
+                slot[3].append(t + (i * k_max + at))
+                m = attention_mask(kv.q_len, n, kv.mask, kv.block_size) if own and p == len(parts) - 1 else None  # type: ignore[arg-type]
+                mask[i, : kv.q_len, at : at + n] = True if m is None else m
+                at += n
+            if at == 0:
+                mask[i, :, 0] = True  # one zero key: the softmax over it gives zeros, not NaN
+            q_dest.append(torch.arange(kv.q_len) + i * q_max)
+        gathers = tuple((pool, upload_tensor(torch.cat(pages), device), upload_tensor(torch.cat(offs), device),
+                         upload_tensor(torch.cat(dest), device)) for pool, pages, offs, dest in by_pool.values())
+        return _ReadPlan(len(attending), q_max, k_max, gathers, upload_tensor(torch.cat(q_dest), device),
+                         upload_tensor(mask, device))
 
 
 def _same_value(a: Any, b: Any) -> bool:

@@ -125,6 +125,37 @@ def test_pool_smaller_than_both_contexts_is_e061() -> None:
     assert "fewer than the 150448 tokens one step holds at once (text 448 + cross 150000)" in got[0]
 
 
+BOUNDED = """model bounded {
+  variant real { }
+  node lm : kv = testfamily.TinyLM {
+    arch llama(layers = 1, hidden = 64, heads = 4, kv_heads = 4, head_dim = 16, intermediate = 64, vocab = 32)
+    tags a(max_len = 64), b(max_len = 32)
+    in prompt : i32[T]
+    out token : i32[1]
+    phase prefill(prompt) -> (token)
+  }
+  walk go(prompt: i32[T]) -> (token: i32[1]) {
+    token = lm.prefill(prompt = prompt) @a
+    lm.prefill(prompt = prompt) @b
+    emit token = token
+  }
+}
+"""
+
+
+def test_a_pool_whose_every_tag_is_bounded_needs_only_the_longest_tag() -> None:
+    # max_batch 1: the pool is capped at 64 + 32 tokens, far below max_seq_len's default 4096,
+    # which bounds none of the node's contexts: no E061
+    m = compiled(lower(parse(BOUNDED, "m.walk"), "real", "m.walk"), CPU + "max_batch: 1\n")
+    (pool,) = m.memory.ranks[0].kv
+    assert pool.tokens == 96
+    # a pool that cannot hold the longest bounded context is still refused, naming it
+    big = BOUNDED.replace("max_len = 64", "max_len = 1000000000")
+    got = errors(big, "devices: {count: 1, type: cpu, memory_gib: 1}\n")
+    assert len(got) == 1 and "fewer than its longest context (1000000000 tokens, the largest max_len of its " \
+        "tags)" in got[0], got
+
+
 # ---- an input streamed from the client ---------------------------------------------------
 
 

@@ -40,7 +40,8 @@ Ensures:  `model.memory` is a `MemoryIR` with, per rank:
              zero 14 GiB of pool for a tiny model). Every context counts: a decoder's
              cross-attention tag as much as its own.
 Fails when: weights + graph pool + workspace exceed a rank's memory (E060), or a kv node's
-          pool cannot hold one sequence of its `max_seq_len` setting, default 4096, or
+          pool cannot hold one sequence of its `max_seq_len` setting, default 4096 (or, when
+          every tag of the node has a `max_len`, of the largest of them), or
           what one step of it holds at once when its phase reads another of its contexts
           (own tag + read tags, each at its longest) (E061);
           both at the device's YAML entry, all ranks checked.
@@ -170,8 +171,9 @@ def memory(model: I.ModelIR) -> I.ModelIR:
             pools.append(KVPoolIR(name, bpt, tokens, n_pages, tokens * bpt, max_seq))
             need, parts = needs[name]
             if tokens < need and row.rank not in too_full:
-                what = (f"one sequence of max_seq_len {max_seq}" if not parts else
-                        f"the {need} tokens one step holds at once ({parts})")
+                what = (f"the {need} tokens one step holds at once ({parts})" if parts else
+                        f"one sequence of max_seq_len {max_seq}" if need == max_seq else
+                        f"its longest context ({need} tokens, the largest max_len of its tags)")
                 sink.error("E061", f"{rank.label}: the KV pool of node '{name}' holds {tokens} tokens, fewer than "
                            f"{what} ({bpt} bytes per token)", rank.span,
                            "give the rank more memory or fewer nodes, raise kv_memory_fraction or tp, "
@@ -198,8 +200,11 @@ def _one_step_tokens(model: I.ModelIR, node: I.NodeIR) -> tuple[int, str]:
     """The most tokens of this node's pool one step must find resident: its own context,
     plus the other contexts of this node its phase `reads` (a decoder's self and cross
     contexts); and a sentence that names them when a step reads more than its own (else
-    "": the pool must hold one sequence of max_seq_len, as always)."""
-    need, parts = _setting(node, "max_seq_len", DEFAULT_MAX_SEQ_LEN), ""
+    "": the pool must hold its longest single context). That is one sequence of max_seq_len,
+    unless every tag has a `max_len`: then max_seq_len bounds no context, and the longest
+    tag's max_len is what one sequence needs (a pool capped at max_batch x the tags' bounds
+    may be smaller than max_seq_len and still hold every context)."""
+    need, parts = max(_tag_len(node, t) for t in node.tags), ""
     for walk in model.walks.values():
         for c in I.walk_calls(walk):
             phase = node.phases.get(c.phase) if c.node == node.name else None

@@ -420,6 +420,31 @@ def test_example_orpheus_requests_file(tmp_path: Path) -> None:
         assert params.framerate == 24000 and pcm.numel() > 0
 
 
+def test_example_pi05_requests_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/pi05-requests.jsonl on π0.5's tiny plan: 1, 2 and 3 cameras as PNG files (paths
+    relative to the repository root), batched; each chunk is the padded [6, 8] with dims 7."""
+    from safetensors.torch import load_file
+
+    from mstarc.cli import main as mstarc
+
+    monkeypatch.chdir(ROOT)
+    plan = tmp_path / "pi05.plan"
+    assert mstarc(["compile", "models/pi05/pi05.walk", "--variant", "tiny", "-p", "placements/cpu.yaml",
+                   "-o", str(plan)]) == 0
+    before = torch.get_num_threads()
+    try:
+        assert main([str(plan), "--requests", "examples/pi05-requests.jsonl", "--out", str(tmp_path),
+                     "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["finished"] == 3 and summary["mean_batch"] > 1
+    chunks = [load_file(tmp_path / f"{rid}.actions.safetensors")["actions"]
+              for rid in ("one-camera", "two-cameras", "three-cameras")]
+    assert all(c.shape == (6, 8) for c in chunks) and not torch.allclose(chunks[0], chunks[1])
+    assert json.loads((tmp_path / "one-camera.dims.json").read_text()) == 7
+
+
 # ----------------------------------------------------------------------------- batch file reading
 class _Recording(io.BytesIO):
     """A file that remembers the longest piece any one read returned."""

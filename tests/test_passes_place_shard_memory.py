@@ -672,11 +672,14 @@ def test_bagel_cfg_on_three_gpus() -> None:
     pl = m.placement
     assert pl.resident[1] == pl.resident[2] == ("llm",)
     kv = [(t.walk, t.value, t.src_rank, t.dst_rank) for t in pl.transfers if t.kind == "kv"]
-    # chat's context (kept as @gen by the transition, forked to @cfg_text) and the forked @cfg_img
-    assert sorted(set(kv)) == [("edit", "llm@cfg_img", 0, 2), ("edit", "llm@cfg_text", 0, 1),
-                               ("t2i", "llm@cfg_img", 0, 2), ("t2i", "llm@cfg_text", 0, 1)]
+    # The contexts with pages move: edit's two (prefilled on rank 0), t2i's and draw's @cfg_img
+    # (a fork of @gen after the prompt; draw's @gen is chat's, kept by the transition). An
+    # empty @cfg_text has nothing to move: t2i's is a fork of an empty @gen (no transition into
+    # t2i), draw's the one chat forked before its prompt.
+    assert sorted(set(kv)) == [("draw", "llm@cfg_img", 0, 2), ("edit", "llm@cfg_img", 0, 2),
+                               ("edit", "llm@cfg_text", 0, 1), ("t2i", "llm@cfg_img", 0, 2)]
     fan_in = {(t.walk, t.value, t.src_rank) for t in pl.transfers if t.dst_rank == 0}
-    assert fan_in == {("t2i", "v_text", 1), ("t2i", "v_img", 2), ("edit", "v_text", 1), ("edit", "v_img", 2)}
+    assert fan_in == {(w, v, r) for w in ("t2i", "edit", "draw") for v, r in (("v_text", 1), ("v_img", 2))}
 
 
 @needs_archs

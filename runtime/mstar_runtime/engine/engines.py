@@ -583,30 +583,51 @@ class _ReadPlan:
                 parts.append((engine.pool, kv.page_table, kv.start + kv.q_len))
             spans.append(parts)
         q_max = max(kv.q_len for kv in attending)
-        k_max = max(1, max(sum(n for _, _, n in parts) for parts in spans))
-        # host index tensors (torch ops on the CPU, not a Python loop per token), uploaded once
-        by_pool: dict[int, tuple[Any, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
-        mask = torch.zeros(len(attending), q_max, k_max, dtype=torch.bool)
-        q_dest = []
-        for i, (kv, parts) in enumerate(zip(attending, spans, strict=True)):
+        totals = [sum(n for _, _, n in parts) for parts in spans]
+        k_max = max(1, max(totals))
+        # host index tensors built with a few torch ops per pool (no Python loop per token or per
+        # entry where the mask is full), uploaded once: [pool id] -> (pool, parts' tables, lengths,
+        # first padded key row of each part)
+        groups: dict[int, tuple[Any, list[int], list[int], list[int], list[int]]] = {}
+        for i, parts in enumerate(spans):
             at = 0
-            for p, (pool, table, n) in enumerate(parts):
-                t = torch.arange(n)
-                pages = torch.as_tensor(table, dtype=torch.long).cpu()
-                slot = by_pool.setdefault(id(pool), (pool, [], [], []))
-                slot[1].append(pages[t // pool.page_size])
-                slot[2].append(t % pool.page_size)
-                slot[3].append(t + (i * k_max + at))
-                m = attention_mask(kv.q_len, n, kv.mask, kv.block_size) if own and p == len(parts) - 1 else None  # type: ignore[arg-type]
-                mask[i, : kv.q_len, at : at + n] = True if m is None else m
+            for pool, table, n in parts:
+                need = -(-n // pool.page_size)
+                pages = table.tolist() if isinstance(table, torch.Tensor) else table
+                g = groups.setdefault(id(pool), (pool, [], [], [], []))
+                g[1].extend(int(p) for p in pages[:need])
+                g[2].append(need)
+                g[3].append(n)
+                g[4].append(i * k_max + at)
                 at += n
-            if at == 0:
+        gathers = []
+        for pool, flat, needs, lengths, starts in groups.values():
+            n_t, need_t = torch.tensor(lengths), torch.tensor(needs)
+            part = torch.repeat_interleave(torch.arange(len(lengths)), n_t)
+            t = torch.arange(int(n_t.sum())) - (torch.cumsum(n_t, 0) - n_t)[part]
+            table_at = (torch.cumsum(need_t, 0) - need_t)[part]
+            pages = torch.tensor(flat, dtype=torch.long)[table_at + t // pool.page_size]
+            dest = torch.tensor(starts)[part] + t
+            gathers.append((pool, upload_tensor(pages, device), upload_tensor(t % pool.page_size, device),
+                            upload_tensor(dest, device)))
+        q_lens = torch.tensor([kv.q_len for kv in attending])
+        # every key of an entry visible to its queries (read contexts, and a "full" own context),
+        # built on the device from the two length columns
+        rows, cols = torch.arange(q_max, device=device), torch.arange(k_max, device=device)
+        q_col = upload_tensor(q_lens, device)[:, None, None]
+        k_col = upload_tensor(torch.tensor(totals), device)[:, None, None]
+        mask = (rows[None, :, None] < q_col) & (cols[None, None, :] < k_col)
+        for i, (kv, parts) in enumerate(zip(attending, spans, strict=True)):
+            if totals[i] == 0:
                 mask[i, :, 0] = True  # one zero key: the softmax over it gives zeros, not NaN
-            q_dest.append(torch.arange(kv.q_len) + i * q_max)
-        gathers = tuple((pool, upload_tensor(torch.cat(pages), device), upload_tensor(torch.cat(offs), device),
-                         upload_tensor(torch.cat(dest), device)) for pool, pages, offs, dest in by_pool.values())
-        return _ReadPlan(len(attending), q_max, k_max, gathers, upload_tensor(torch.cat(q_dest), device),
-                         upload_tensor(mask, device))
+            elif own and kv.mask != "full" and kv.q_len > 1:  # the own context's causal / block mask
+                n = parts[-1][2]
+                m = attention_mask(kv.q_len, n, kv.mask, kv.block_size, device=device)  # type: ignore[arg-type]
+                if m is not None:
+                    mask[i, : kv.q_len, totals[i] - n : totals[i]] = m
+        q_dest = torch.repeat_interleave(torch.arange(len(attending)) * q_max, q_lens)
+        q_dest += torch.arange(int(q_lens.sum())) - torch.repeat_interleave(torch.cumsum(q_lens, 0) - q_lens, q_lens)
+        return _ReadPlan(len(attending), q_max, k_max, tuple(gathers), upload_tensor(q_dest, device), mask)
 
 
 def _same_value(a: Any, b: Any) -> bool:

@@ -19,8 +19,9 @@ fork's adaptive RMSNorm written from its definition:
   at positions `sum(pad_masks) + i`, the adaptive final norm, `action_out_proj` in float32;
 - `sample_actions`: x from noise at t = 1, `x += dt v` with dt = -1 / steps, t = 1 + i dt.
 
-State-dict keys are the released checkpoint's (`paligemma_with_expert.*`, `action_in_proj.*`,
-...), so a safetensors file of `state_dict()` is a checkpoint folder for the walk. Test code
+`checkpoint()` gives the state dict under the released file's names
+(`model.paligemma_with_expert.*`, `model.action_in_proj.*`, ...), so a safetensors file of it
+is a checkpoint folder for the walk. Test code
 only: nothing here is used to serve.
 """
 
@@ -147,20 +148,22 @@ class PI05Reference(nn.Module):
     def load_checkpoint_(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load tensors under the checkpoint's names (e.g. `checkpoint_tensors` of the walk's nodes);
         everything but the unused heads must be there."""
-        mine = {k.replace(".vision_tower.vision_model.", ".vision_tower."): v for k, v in tensors.items()}
+        mine = {k.removeprefix("model.").replace(".vision_tower.vision_model.", ".vision_tower."): v
+                for k, v in tensors.items()}
         missing, unexpected = self.load_state_dict(mine, strict=False)
         assert not unexpected, f"not reference tensors: {unexpected[:3]}"
         assert all("lm_head" in k for k in missing), f"missing from the checkpoint: {missing[:3]}"
 
-    def checkpoint(self) -> dict[str, torch.Tensor]:
-        """The state dict under the checkpoint's names, without the heads π0.5 never reads. The
-        checkpoint was written by transformers 4.53 (openpi's fork), whose SigLIP vision model had a
-        `vision_model` level that 5.x dropped: it is put back."""
+    def checkpoint(self, heads: bool = False) -> dict[str, torch.Tensor]:
+        """The state dict under the released file's names: LeRobot's policy prefix `model.`, and
+        the SigLIP `vision_model` level of transformers 4.53 (openpi's fork), which 5.x dropped.
+        With `heads`, the two language heads the released file also holds (untied copies)."""
         out = {}
         for k, v in self.state_dict().items():
-            if "lm_head" in k:
+            if "lm_head" in k and not heads:
                 continue
-            out[k.replace(".vision_tower.", ".vision_tower.vision_model.")] = v.detach().clone().contiguous()
+            name = "model." + k.replace(".vision_tower.", ".vision_tower.vision_model.")
+            out[name] = v.detach().clone().contiguous()
         return out
 
     # ------------------------------------------------------------------ prefix

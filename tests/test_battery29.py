@@ -485,8 +485,10 @@ def _cross_refs(body: dict[str, Any]) -> list[tuple[str, Callable[[dict], None]]
     ]
 
 
-def _refusal(path: Path) -> tuple[str | None, int, str]:
-    """(the loader's PlanError message or None when it loads, explain's status, explain's stderr)."""
+def _refusal(path: Path, original: Path | None = None) -> tuple[str | None, int, str]:
+    """(the loader's PlanError message or None when it loads, explain's status, explain's stderr).
+    A plan explain accepts is rendered in every format, and compared with `original` by
+    `mstarc diff` (which exits 2 on a plan it refuses); their troubles are added to stderr."""
     with watchdog():
         try:
             load_plan(path)
@@ -494,15 +496,30 @@ def _refusal(path: Path) -> tuple[str | None, int, str]:
         except PlanError as e:
             loaded = str(e)
     code, err, _ = mstarc(["explain", str(path)])
+    if code == 0:
+        for fmt in ("markdown", "dot", "json"):
+            fcode, ferr, _ = mstarc(["explain", str(path), "--format", fmt])
+            if fcode != 0:
+                err += f"\nexplain --format {fmt}: exit {fcode}\n{ferr}"
+                code = 3
+    if original is not None:
+        dcode, derr, _ = mstarc(["diff", str(original), str(path)])
+        if dcode not in (0, 1, 2) or "Traceback" in derr or "E090" in derr:
+            err += f"\ndiff: exit {dcode}\n{derr[-600:]}"
+            code = 3
+        elif code == 1 and dcode != 2:
+            err += f"\ndiff: exit {dcode} on a plan explain refuses"
+            code = 3
     return loaded, code, err
 
 
 def test_edited_plans_are_refused_by_the_loader_and_explain_alike(plan_body: dict[str, Any], tmp_path: Path) -> None:
+    original = _write(tmp_path / "original.plan", plan_body)
     wrong = []
     for kind, path, value, must in _mutations(plan_body):
         body = copy.deepcopy(plan_body)
         _set(body, path, value)
-        loaded, code, err = _refusal(_write(tmp_path / "m.plan", body))
+        loaded, code, err = _refusal(_write(tmp_path / "m.plan", body), original)
         where = f"{kind} {'.'.join(map(str, path))} = {str(value)[:30]}"
         if code not in (0, 1) or "Traceback" in err or "E090" in err:
             wrong.append(f"{where}: explain exit {code}\n{err[-600:]}")
@@ -518,7 +535,7 @@ def test_broken_references_are_refused(plan_body: dict[str, Any], tmp_path: Path
     for name, edit in _cross_refs(plan_body):
         body = copy.deepcopy(plan_body)
         edit(body)
-        loaded, code, err = _refusal(_write(tmp_path / f"{name}.plan", body))
+        loaded, code, err = _refusal(_write(tmp_path / f"{name}.plan", body), _write(tmp_path / "o.plan", plan_body))
         if loaded is None or "Traceback" in err or "E090" in err or code == 3:
             wrong.append(f"{name}: loader {loaded!r}, explain exit {code}\n{err[-400:]}")
     assert not wrong, "\n".join(wrong)
@@ -540,3 +557,43 @@ def test_deep_json_in_free_fields_is_refused_not_a_crash(where: str, plan_body: 
     loaded, code, err = _refusal(_write(tmp_path / "deep.plan", body))
     assert loaded is not None and "nests too deeply" in loaded
     assert code == 1 and "nests too deeply" in err and "Traceback" not in err
+
+
+# ---- a request's inputs --------------------------------------------------------------------------
+
+@needs_fifo
+@pytest.mark.parametrize("declared", [{"kind": "image"}, {"kind": "tensor", "dtype": "f32", "dims": ["S"]}])
+def test_an_input_file_that_is_a_named_pipe_is_refused(declared: dict[str, Any], tmp_path: Path) -> None:
+    from mstar_runtime.cli import parse_text
+    from mstar_runtime.ops.node import RequestError
+
+    os.mkfifo(tmp_path / "clip")
+    with watchdog(), pytest.raises(RequestError, match="not a regular file") as info:
+        parse_text("w", "x", declared, f"@{tmp_path / 'clip'}")
+    assert info.value.field == "x"
+
+
+@pytest.mark.parametrize("text", ["[" * 64 + "1" + "]" * 64, "[" * 65 + "1" + "]" * 65, '{"a": ' * 500 + "1" + "}" * 500,
+                                  "[1e999]", "[1e39]", "[NaN]", "[-Infinity]", '["1"]', "[[1], [1, 2]]"])
+def test_a_tensor_input_that_cannot_be_one_is_that_inputs_error(text: str) -> None:
+    from mstar_runtime.cli import parse_text
+    from mstar_runtime.ops.node import RequestError
+
+    declared = {"kind": "tensor", "dtype": "f32", "dims": ["N"]}
+    with watchdog():
+        try:
+            value = parse_text("w", "x", declared, text)
+        except RequestError as e:
+            assert e.field == "x" and str(e)
+            return
+    assert text.startswith("[" * 64) and value.ndim == 64  # the deepest a tensor may be, and a rank torch takes
+
+
+@pytest.mark.parametrize("text", ["inf", "-inf", "nan", "1e999", "Infinity"])
+def test_a_float_input_is_finite(text: str) -> None:
+    from mstar_runtime.cli import parse_text
+    from mstar_runtime.ops.node import RequestError
+
+    with pytest.raises(RequestError, match="expected a finite number") as info:
+        parse_text("w", "x", {"kind": "float"}, text)
+    assert info.value.field == "x"

@@ -58,7 +58,8 @@ def reference() -> PI05Reference:
 @pytest.fixture(scope="module")
 def checkpoint(reference: PI05Reference, tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("pi05_ckpt")
-    save_file(reference.checkpoint(), str(d / "model.safetensors"))
+    # with the two language heads, as the released file has them (the expert declares them unused)
+    save_file(reference.checkpoint(heads=True), str(d / "model.safetensors"))
     return d
 
 
@@ -119,7 +120,7 @@ def test_parameter_counts_equal_the_reference_modules() -> None:
     with torch.device("meta"):
         ref = PI05Reference(REAL)
     named = {n: p.numel() for n, p in ref.named_parameters()}
-    pal = "paligemma_with_expert.paligemma.model."
+    pal = "paligemma_with_expert.paligemma.model."  # the reference's own names: no policy prefix
     vision = sum(v for n, v in named.items() if n.startswith((pal + "vision_tower", pal + "multi_modal_projector")))
     vlm = sum(v for n, v in named.items() if n.startswith(pal + "language_model"))
     expert = sum(v for n, v in named.items() if not n.startswith("paligemma_with_expert.paligemma")

@@ -528,6 +528,31 @@ def test_rollout_trajectories_and_encode_frames_are_bounded(vjepa2: Any) -> None
     assert err["param"] == "inputs.frames" and "1025 frames" in err["message"] and "1024" in err["message"], err
 
 
+def test_a_cancelled_plan_stops_at_its_next_step(vjepa2: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disconnect cancels the handle (`Flight`); the CEM loop must then stop, not run its
+    remaining iterations: the request is cancelled inside its first `cem.sample` call."""
+    from mstar_models.vjepa2 import cem
+    from mstar_runtime.api import RequestFailed
+
+    calls: list[int] = []
+    handles: list[Any] = []
+    sample = cem.CemPlanner.phase_sample
+
+    def cancelling(self: Any, batch: Any) -> Any:
+        calls.append(len(batch))
+        if len(calls) == 1:
+            handles[0].cancel()
+        return sample(self, batch)
+
+    monkeypatch.setattr(cem.CemPlanner, "phase_sample", cancelling)
+    frame = torch.zeros(1, 32, 32, 3, dtype=torch.uint8)
+    handles.append(vjepa2.submit("plan", {"frame": frame, "goal": frame, "state": torch.zeros(1, 7), "cem_steps": 4}))
+    with pytest.raises(RequestFailed) as info:
+        handles[0].result(timeout=60)
+    assert info.value.finish_reason == "cancelled"
+    assert calls == [1]  # of 4 iterations, only the one it was cancelled in
+
+
 @pytest.mark.parametrize(("walk", "inputs", "param"), [
     ("encode", {"frames": []}, "inputs.frames"),  # no frames: `[]` is the empty tensor [0, 0, 0, 3]
     ("plan", {"frame": [], "goal": FRAME, "state": STATE}, "inputs.frame"),  # an empty image: [1, 0, 0, 3]

@@ -1,21 +1,26 @@
 """π0.5 (Physical Intelligence; LeRobot's `policies/pi05`): PaliGemma's vision tower and Gemma VLM, and the action expert.
 
-Names are the released checkpoint's (openpi's `examples/convert_jax_model_to_pytorch.py`,
-which LeRobot's `PI05Policy.from_pretrained` reads before it adds its own `model.` prefix):
+Names are the released checkpoint's as LeRobot publishes it (`lerobot/pi05_base`'s
+`model.safetensors`: the policy's state dict, so openpi's converter names
+(`examples/convert_jax_model_to_pytorch.py`) under the policy's `model.`; a file straight from
+openpi's converter lacks that prefix, and `PI05Policy.from_pretrained` adds it):
 
 - `pi05_siglip`: the SigLIP vision tower and the multimodal projector,
-  `paligemma_with_expert.paligemma.model.vision_tower.vision_model.*` and
+  `model.paligemma_with_expert.paligemma.model.vision_tower.vision_model.*` and
   `...model.multi_modal_projector.linear.*` (So400m/14: width 1152, 27 layers, 16 heads,
   MLP 4304; 224 x 224 gives 256 patch tokens, one learned position each);
-- `pi05_gemma`: the Gemma VLM, `paligemma_with_expert.paligemma.model.language_model.*`
+- `pi05_gemma`: the Gemma VLM, `model.paligemma_with_expert.paligemma.model.language_model.*`
   (Gemma 2B: 18 layers, width 2048, 8 query heads over 1 KV head of 256, GeGLU MLP 16,384,
   `1 + w` RMSNorm gains, vocabulary 257,152). The final `norm` is in the checkpoint though
   π0.5 never reads the VLM's last hidden state;
-- `pi05_expert`: the action expert, `paligemma_with_expert.gemma_expert.model.layers.*` and
+- `pi05_expert`: the action expert, `model.paligemma_with_expert.gemma_expert.model.layers.*` and
   `.norm` (Gemma-300M shape: 18 layers, width 1024, the VLM's attention layout, MLP 4096),
   whose three RMSNorms per layer-pair are adaptive: `<norm>.dense` [3 * width, width] with a
   bias maps the flow-time condition to scale, shift and gate (no gain of its own), and the
-  top-level projections `action_in_proj`, `action_out_proj`, `time_mlp_in`, `time_mlp_out`.
+  projections `model.action_in_proj`, `model.action_out_proj`, `model.time_mlp_in`,
+  `model.time_mlp_out`. The file also holds both language heads
+  (`...paligemma.lm_head.weight`, `...gemma_expert.lm_head.weight`), which π0.5 never reads:
+  no arch lists them, and the expert node declares them unused (`unused_checkpoint_tensors`).
   The dense layers are 2 * 18 + 1 = 37 matrices of 3072 x 1024 with biases: 116.5M of the
   expert's 430.1M parameters (27 %).
 """
@@ -28,8 +33,9 @@ from typing import Any
 from mstarc.archs._common import INT, Tensors, decoder_attention, gqa_checks, parse_args, require
 from mstarc.archs.spec import ArchSpec, KVGeometry
 
-PALIGEMMA = "paligemma_with_expert.paligemma.model"
-EXPERT = "paligemma_with_expert.gemma_expert.model"
+POLICY = "model"  # LeRobot's PI05Policy.model
+PALIGEMMA = f"{POLICY}.paligemma_with_expert.paligemma.model"
+EXPERT = f"{POLICY}.paligemma_with_expert.gemma_expert.model"
 
 SIGLIP_ARGS = {
     "hidden": INT(),
@@ -129,10 +135,10 @@ def pi05_expert(args: Mapping[str, Any], dtype: str) -> ArchSpec:
     for i in range(a["layers"]):
         _gemma_layer(t, f"{EXPERT}.layers.{i}", a, adaptive=True)
     t.linear(f"{EXPERT}.norm.dense", 3 * h, h)
-    t.linear("action_in_proj", h, a["action_dim"])
-    t.linear("action_out_proj", a["action_dim"], h)
-    t.linear("time_mlp_in", h, h)
-    t.linear("time_mlp_out", h, h)
+    t.linear(f"{POLICY}.action_in_proj", h, a["action_dim"])
+    t.linear(f"{POLICY}.action_out_proj", a["action_dim"], h)
+    t.linear(f"{POLICY}.time_mlp_in", h, h)
+    t.linear(f"{POLICY}.time_mlp_out", h, h)
     return t.spec(_dims(a), KVGeometry(a["layers"], a["kv_heads"], a["head_dim"]))
 
 

@@ -26,6 +26,7 @@ traceback for a user error); 2 for bad usage; 3 for an internal error (`cli_supp
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import stat
@@ -95,9 +96,12 @@ def parse_text(walk: str, name: str, t: Mapping[str, Any], text: str, rate: Call
             raise _bad(walk, name, f"expected an integer, got '{text}'") from None
     if kind == "float":
         try:
-            return float(text)
+            value = float(text)
         except ValueError:
             raise _bad(walk, name, f"expected a number, got '{text}'") from None
+        if not math.isfinite(value):  # as the server's routes take floats: finite ones
+            raise _bad(walk, name, f"expected a finite number, got '{text}'")
+        return value
     if kind == "bool":
         return _parse_bool(walk, name, text)
     if kind == "image":
@@ -111,9 +115,12 @@ def parse_text(walk: str, name: str, t: Mapping[str, Any], text: str, rate: Call
         raise _bad(walk, name, f"expected a JSON list or @FILE (safetensors, image, WAV) for a {t['dtype']} tensor, "
                                f"got '{text[:60]}'{reason}") from None
     try:
-        return torch.tensor(data, dtype=TORCH_DTYPES[t["dtype"]])
+        tensor = torch.tensor(data, dtype=TORCH_DTYPES[t["dtype"]])
     except (TypeError, ValueError, RuntimeError) as e:
         raise _bad(walk, name, f"not a {t['dtype']} tensor: {e}") from None
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # 1e999, or 1e39 in f32
+        raise _bad(walk, name, f"not a {t['dtype']} tensor: an element is infinite or beyond the dtype's range")
+    return tensor
 
 
 def parse_json_value(walk: str, name: str, t: Mapping[str, Any] | None, value: Any,

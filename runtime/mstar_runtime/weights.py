@@ -17,7 +17,10 @@ from the `NodeSpec` the plan implies. `load_weights` fills its parameters:
   read lazily with `safe_open` (never pickle). Checked before anything is copied:
   every file the plan was compiled against still has the same header hash; every tensor of
   the node's arch exists with its exact (full) shape; every module tensor is found; no tensor
-  that starts with the node's checkpoint prefix is left unclaimed by every node of the plan.
+  that starts with the node's checkpoint prefix is left unclaimed by every node of the plan
+  (except those a node class of the plan lists in `unused_checkpoint_tensors:
+  ClassVar[tuple[str, ...]]`: tensors a released file holds that the model never reads, e.g.
+  π0.5's language heads).
   Then each tensor is copied into its parameter (narrowed to this rank's shard under tensor
   parallelism), which is `load_state_dict(strict=True)` without holding a second copy of
   the weights in memory.
@@ -195,7 +198,9 @@ def load_weights(module: nn.Module, plan: Plan, node: str, source: str | Path) -
     plan_claims = {t.name for n in plan.nodes.values() if n.arch is not None for t in n.arch.tensors}
     plan_claims |= set(tensors)
     prefix = _node_prefix(module, arch or tensors)
-    extra = sorted(t for t in checkpoint.files_of if t.startswith(prefix) and t not in plan_claims)
+    unused = {t for info_n in plan.nodes.values()
+              for t in getattr(_import_impl(plan, info_n), "unused_checkpoint_tensors", ())}
+    extra = sorted(t for t in checkpoint.files_of if t.startswith(prefix) and t not in plan_claims and t not in unused)
     if extra:
         raise WeightsError(
             f"node '{node}': checkpoint tensor '{extra[0]}' in '{checkpoint.files_of[extra[0]]}' "

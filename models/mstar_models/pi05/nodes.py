@@ -26,9 +26,10 @@ Precision: the four projections of the expert (`action_in_proj`, `action_out_pro
 is what its bfloat16 setting converts, so they hold and compute float32 here too; the
 condition is cast to the node dtype before the adaptive norms' dense layers.
 
-Checkpoint names (`mstarc/archs/pi05.py`): the VLM under `paligemma_with_expert.paligemma.model.`
-(its `checkpoint_prefix`); the expert's layers and final norm under
-`paligemma_with_expert.gemma_expert.model.`, its projections at the top level (`rename`).
+Checkpoint names (`mstarc/archs/pi05.py`): the VLM under
+`model.paligemma_with_expert.paligemma.model.` (its `checkpoint_prefix`); the expert's layers
+and final norm under `model.paligemma_with_expert.gemma_expert.model.`, its projections under
+`model.` (`rename`); the two language heads of the file are declared unused.
 """
 
 from __future__ import annotations
@@ -63,7 +64,11 @@ from mstar_runtime.ops.node import (
 ROPE_THETA = 10000.0  # Gemma's
 RMS_EPS = 1e-6
 MIN_PERIOD, MAX_PERIOD = 4e-3, 4.0  # PI05Config.min_period / max_period
-EXPERT_PREFIX = "paligemma_with_expert.gemma_expert.model."
+POLICY_PREFIX = "model."  # LeRobot's PI05Policy.model
+EXPERT_PREFIX = POLICY_PREFIX + "paligemma_with_expert.gemma_expert.model."
+# in the released file, never read by π0.5 (the VLM's tied head and the expert's unused one)
+UNUSED_HEADS = (POLICY_PREFIX + "paligemma_with_expert.paligemma.lm_head.weight",
+                POLICY_PREFIX + "paligemma_with_expert.gemma_expert.lm_head.weight")
 
 
 def _int(spec: NodeSpec, name: str) -> int:
@@ -108,7 +113,7 @@ class _Gemma(KVNode):
 class GemmaVLM(_Gemma):
     """prefill(images: [N, tokens, width], prompt: i32[T]) -> (): the prefix K/V (see the module docstring)."""
 
-    checkpoint_prefix: ClassVar[str] = "paligemma_with_expert.paligemma.model."
+    checkpoint_prefix: ClassVar[str] = "model.paligemma_with_expert.paligemma.model."
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
@@ -177,6 +182,10 @@ class ActionExpert(_Gemma):
     """step(x: f32[horizon, action_dim], index: int) -> (x), over the prefix the VLM wrote (the
     phase's first read, `reads vlm`)."""
 
+    # its names share only the policy's `model.` prefix, so the loader's check for stray
+    # tensors under it would refuse the two heads the released file holds
+    unused_checkpoint_tensors: ClassVar[tuple[str, ...]] = UNUSED_HEADS
+
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
         self.horizon, self.action_dim = _int(spec, "horizon"), _int(spec, "action_dim")
@@ -197,7 +206,7 @@ class ActionExpert(_Gemma):
 
     def rename(self, name: str) -> str:
         """The checkpoint name of a module tensor (see the module docstring)."""
-        return EXPERT_PREFIX + name if name.startswith(("layers.", "norm.")) else name
+        return (EXPERT_PREFIX if name.startswith(("layers.", "norm.")) else POLICY_PREFIX) + name
 
     @classmethod
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:

@@ -110,7 +110,7 @@ class _Projector(nn.Module):
 class SiglipTower(StatelessNode):
     """encode(images: u8[N, image, image, 3]) -> (tokens: [N, (image / patch)^2, projection])."""
 
-    checkpoint_prefix: ClassVar[str] = "paligemma_with_expert.paligemma.model."
+    checkpoint_prefix: ClassVar[str] = "model.paligemma_with_expert.paligemma.model."
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,9 +73,13 @@ def testfamily_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cuda() -> torch.device:
-    """The GPU with FlashInfer, for `gpu` tests; skips where either is missing."""
+def cuda() -> Iterator[torch.device]:
+    """The GPU with FlashInfer, for `gpu` tests; skips where either is missing. Afterwards the
+    test's garbage is collected and the allocator's cache emptied: a real-size test sizes its
+    KV pool by the memory it finds free, so whatever the one before left would shrink it."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("flashinfer", reason="flashinfer is not installed (tools/gpu_check.sh installs it)")
-    return torch.device("cuda")
+    yield torch.device("cuda")
+    gc.collect()
+    torch.cuda.empty_cache()

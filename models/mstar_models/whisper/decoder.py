@@ -253,7 +253,8 @@ class Decoder(KVNode):
             head, lang, tail = (_ids(entry, p, self.vocab) for p in ("head", "lang", "tail"))
             if lang.numel() != 1:
                 raise RequestError(f"lang must be one token, got {lang.numel()}", "lang")
-            prompt = torch.cat([head, lang, tail])
+            # the language token is the probe's output (on the device), the rest the prompt node's
+            prompt = torch.cat([head.to(dev), lang.to(dev), tail.to(dev)])
             if prompt.numel() != seq.q_len:
                 raise NodeError(f"node '{self.spec.name}': a prompt of {prompt.numel()} tokens got {seq.q_len} slots")
             if seq.q_len >= self.max_text:

@@ -491,7 +491,7 @@ class MStar:
             try:
                 req = self._conductor.submit(handle.walk, handle._inputs, request_id=handle.id,
                                              listener=_Relay(self, handle), timeout=handle._timeout,
-                                             streaming=handle._streaming)
+                                             streaming=handle._streaming, checked=True)
             except RequestError as e:  # submit validated already; a conductor-side refusal
                 self._forget(handle.id, FAILED, "error")
                 handle._settle(FAILED, {}, str(e), e.field, "error")

@@ -185,13 +185,22 @@ class Conductor:
 
     # ------------------------------------------------------------------ public
     def submit(self, walk: str, inputs: Mapping[str, Any], *, request_id: str | None = None,
-               listener: Listener | None = None, timeout: float | None = None, streaming: bool = False) -> Request:
-        """Queue a request; raises RequestError (naming the field) for bad input. With
-        `streaming`, the walk's streamed inputs left out of `inputs` are fed later (`feed`)."""
+               listener: Listener | None = None, timeout: float | None = None, streaming: bool = False,
+               checked: bool = False) -> Request:
+        """Queue a request; raises RequestError (naming the field) for bad input: its types, its
+        defaults and the plan's bounds (`check_inputs`). With `streaming`, the walk's streamed
+        inputs left out of `inputs` are fed later (`feed`). `checked`: `inputs` is what
+        `check_inputs` returned for them already (the Python API checks in the caller's
+        thread, so the error is raised there), and is not checked again."""
         if self.broken is not None:
             raise EngineStopped(f"the engine stopped: {self.broken}")
         program = self.plan.walk(walk)  # raises RequestError for an unknown walk
-        values, whole = check_inputs(walk, program, inputs, streaming=streaming)
+        if checked:
+            streamed = stream_inputs(program)
+            values = {k: v for k, v in inputs.items() if k not in streamed}
+            whole = {name: inputs.get(name) for name in streamed}
+        else:
+            values, whole = check_inputs(walk, program, inputs, streaming=streaming, config=self.plan.config)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests and not self.requests[rid].done:
             raise RequestError(f"request id '{rid}' is already in use", "request_id")

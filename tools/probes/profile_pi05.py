@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     g = torch.Generator().manual_seed(0)
     cams, img = int(cfg["cameras"]), int(cfg["img"])
     req = {"images": torch.randint(0, 256, (cams, img, img, 3), generator=g, dtype=torch.uint8),
-           "instruction": "pick up the red block and put it in the bowl " * 3,
+           "instruction": "pick up the red block and put it in the bowl",
            "state": torch.rand(int(cfg["action_dim"]), generator=g) * 2 - 1,
            "noise": torch.randn(int(cfg["horizon"]), int(cfg["action_dim"]), generator=g)}
 

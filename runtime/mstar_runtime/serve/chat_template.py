@@ -149,11 +149,11 @@ def read_bundled(path: Path) -> ChatTemplate:
 
 def prompt_node_class(plan: Plan, walk: str, text_input: str) -> type | None:
     """The class of the node whose phase first takes `text_input` in `walk`, or None."""
+    from mstar_runtime.media import first_call_on
     from mstar_runtime.plan.loader import PlanError
-    from mstar_runtime.serve.text import _first_call_on
     from mstar_runtime.weights import _import_impl
 
-    call = _first_call_on(plan.walk(walk), text_input)
+    call = first_call_on(plan.walk(walk), text_input)
     if call is None:
         return None
     try:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from mstar_runtime.control.validate import validate_inputs
+from mstar_runtime.media import first_call_on
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan.loader import Plan
 
@@ -50,23 +51,6 @@ DETOKENIZE_PHASES = ("detokenize", "decode_text", "detok", "untokenize")
 # What the streaming decoder must render as the detokenize phase does: accents, CJK, and an
 # emoji that byte-level BPE splits over several tokens (the held-back-bytes case)
 PROBE_TEXT = "Hello, wörld: naïve café — 你好世界 🎉👍🏽 done."
-
-
-def _first_call_on(program: Mapping[str, Any], var: str) -> Mapping[str, Any] | None:
-    """The first `call` op of a walk program that takes input variable `var` as an argument."""
-    stack: list[Any] = [program.get("program")]
-    while stack:
-        op = stack.pop(0)
-        if isinstance(op, list):
-            stack[:0] = op
-            continue
-        if not isinstance(op, Mapping):
-            continue
-        if op.get("op") == "call" and any(a == {"var": var} for a in op.get("args", {}).values()):
-            return op
-        children = [v for k, v in op.items() if k in ("body", "branches", "then", "else") and v]
-        stack[:0] = children
-    return None
 
 
 class TextCodec:
@@ -81,7 +65,7 @@ class TextCodec:
         self.skip_special = True  # whether the phase drops special tokens, as the probe found
         self._lock = threading.Lock()
         self.walk, self.program = walk, plan.walk(walk)
-        call = _first_call_on(plan.walk(walk), text_input)
+        call = first_call_on(plan.walk(walk), text_input)
         if call is None:
             return
         info = plan.node(call["node"])

@@ -149,8 +149,9 @@ class RequestHandle(OutputStream):
 
     @property
     def stats(self) -> dict[str, Any]:
-        """Steps, wasted speculative steps, preemptions, time to first output and total (seconds,
-        from this `submit` call), so far or final."""
+        """Steps, wasted speculative steps, preemptions, prompt tokens found in the prefix cache
+        (`cached_tokens`), time to first output and total (seconds, from this `submit` call), so
+        far or final."""
         with self._cond:
             if self._final_stats is not None:
                 return dict(self._final_stats)
@@ -159,13 +160,15 @@ class RequestHandle(OutputStream):
     def _stats_now(self) -> dict[str, Any]:
         req = self._request
         if req is None:
-            return {"steps": 0, "wasted_steps": 0, "preemptions": 0, "ttft_s": None, "total_s": None}
+            return {"steps": 0, "wasted_steps": 0, "preemptions": 0, "cached_tokens": 0, "ttft_s": None,
+                    "total_s": None}
         s = req.stats
         first, end = s.first_output_at, s.finished_at
         return {
             "steps": s.steps,
             "wasted_steps": s.wasted_steps,
             "preemptions": s.preemptions,
+            "cached_tokens": s.cached_tokens,
             "ttft_s": None if first is None else first - self._submitted_at,
             "total_s": None if end is None else end - self._submitted_at,
         }
@@ -305,13 +308,15 @@ class MStar:
     def __init__(self, plan: Plan, workers: Mapping[int, WorkerLike], *, shutdown: Callable[[], None] | None = None,
                  max_running: int | None = None, preempt_every: int | None = None,
                  request_timeout: float | None = None, step_path: str | None = None,
-                 weights: str | PathLike[str] = "dummy"):
+                 weights: str | PathLike[str] = "dummy", prefix_caching: bool = True):
         """`step_path`: "cohort" or "generic" (docs/runtime.md, "Decode cohorts"); None: $MSTAR_STEP_PATH, else cohort.
-        `weights`: what the workers loaded, for the rate an audio file is resampled to (`input_rate`)."""
+        `weights`: what the workers loaded, for the rate an audio file is resampled to (`input_rate`).
+        `prefix_caching`: reuse the KV of prompts' shared leading blocks across requests
+        (docs/runtime.md, "Prefix caching")."""
         self.plan = plan
         self._rates = media.InputRates(plan, weights)
         self._conductor = Conductor(plan, workers, max_running=max_running, preempt_every=preempt_every,
-                                    request_timeout=request_timeout, path=step_path)
+                                    request_timeout=request_timeout, path=step_path, prefix_caching=prefix_caching)
         self._shutdown = shutdown
         self._lock = threading.Condition()  # guards everything below; the engine sleeps on it
         # (command, handle, args): submit, cancel, and a streamed input's feed / close_input
@@ -330,22 +335,24 @@ class MStar:
     @classmethod
     def load(cls, plan_path: str | PathLike[str], *, weights: str | PathLike[str] = "dummy",
              device: str | None = None, max_running: int | None = None, preempt_every: int | None = None,
-             request_timeout: float | None = None, step_path: str | None = None) -> MStar:
+             request_timeout: float | None = None, step_path: str | None = None,
+             prefix_caching: bool = True) -> MStar:
         """Load a plan (a bad one raises `PlanError`, unchanged), start its workers and the engine."""
         plan = load_plan(plan_path, device=device)
         return cls.from_plan(plan, weights=weights, max_running=max_running, preempt_every=preempt_every,
-                             request_timeout=request_timeout, step_path=step_path)
+                             request_timeout=request_timeout, step_path=step_path, prefix_caching=prefix_caching)
 
     @classmethod
     def from_plan(cls, plan: Plan, *, weights: str | PathLike[str] = "dummy", max_running: int | None = None,
                   preempt_every: int | None = None, request_timeout: float | None = None,
-                  step_path: str | None = None) -> MStar:
+                  step_path: str | None = None, prefix_caching: bool = True) -> MStar:
         """Like `load`, for a plan already loaded (the CLI checks its inputs against it first)."""
         resolve_step_path(step_path)  # a bad name is the caller's error, found before any worker starts
         workers, shutdown = start_workers(plan, weights)
         try:
             return cls(plan, workers, shutdown=shutdown, max_running=max_running, preempt_every=preempt_every,
-                       request_timeout=request_timeout, step_path=step_path, weights=weights)
+                       request_timeout=request_timeout, step_path=step_path, weights=weights,
+                       prefix_caching=prefix_caching)
         except BaseException:
             shutdown()
             raise
@@ -548,6 +555,7 @@ class MStar:
             "waiting": len(c.waiting),
             "kv_used_pages": c.kv.used_pages(),
             "kv_total_pages": c.kv.total_pages(),
+            **c.kv.prefix_stats(),
         }
         with self._lock:
             self._snapshot = snap

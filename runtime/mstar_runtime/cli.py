@@ -611,6 +611,9 @@ def _env(name: str) -> dict[str, Any]:
 @click.option("--step-path", type=click.Choice(["cohort", "generic"]), default=None,
               help="How marked decode loops run: 'cohort' (device-resident batches, one step for every "
                    "request) or 'generic' (a step call per request); default $MSTAR_STEP_PATH, else cohort.")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+              **_env("MSTAR_PREFIX_CACHING"),
+              help="Reuse the KV of prompts' shared leading blocks across requests (docs/runtime.md).")
 @click.option("--preempt-every", type=click.IntRange(min=1), hidden=True)  # debug: force preemptions
 @version_option(PROG)
 @click.pass_context
@@ -619,6 +622,7 @@ def command(ctx: click.Context, **p: Any) -> int:
     _check_usage(ctx, p)
     options = EngineOptions(weights=p["weights"], device=p["device"], threads=p["threads"],
                             step_path=p["step_path"], preempt_every=p["preempt_every"],
+                            prefix_caching=p["prefix_caching"],
                             request_timeout=p["request_timeout"] if p["serve"] else None)
     if p["walk"] is not None:
         return run_walk(p["plan"], p["walk"], p["inputs"], out=p["out"] or "out", stream=p["stream"],

@@ -165,6 +165,14 @@ class LlamaBackbone(DecoderNode):
             return SeqPlan(q_len=1)
         raise NodeError(f"node '{spec.name}' (LlamaBackbone) has no phase '{phase}'")
 
+    @classmethod
+    def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: NodeSpec) -> list[int] | None:
+        """A prefill's KV depends on its prompt's token ids (and what precedes them) only."""
+        prompt = inputs.get("prompt")
+        if phase != "prefill" or not isinstance(prompt, torch.Tensor) or prompt.dim() != 1:
+            return None
+        return [int(t) for t in prompt.tolist()]
+
     def cohort_phase(self, phase: str) -> Any:
         """`decode` as a column step for decode cohorts (models/mstar_models/orpheus/cohort.py); under
         TP every rank of the group runs it (its all-reduces and the gathered logits inside)."""
@@ -178,7 +186,10 @@ class LlamaBackbone(DecoderNode):
     def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
         # Validate every entry before touching any state: a RequestError makes the conductor
         # rerun the entries one by one, which must find them as they were.
-        checked = [self._check_prefill(entry, seq.start, seq.q_len) for entry, seq in zip(batch, attn.seqs)]
+        # a prefix found cached (`seq.cached` leading prompt tokens) is in the KV already: the
+        # prompt is checked and remembered whole, its other tokens computed
+        checked = [self._check_prefill(entry, seq.start - seq.cached, seq.q_len + seq.cached)
+                   for entry, seq in zip(batch, attn.seqs)]
         for (prompt, params, max_tokens), seq in zip(checked, attn.seqs, strict=True):
             seq.state.clear()
             seq.state.update(
@@ -186,9 +197,9 @@ class LlamaBackbone(DecoderNode):
                 max_tokens=max_tokens,
                 step=0,
                 k=torch.zeros((), dtype=torch.long, device=self.inv_freq.device),
-                history=self._new_history(prompt, seq.start, max_tokens, params),
+                history=self._new_history(prompt, seq.start - seq.cached, max_tokens, params),
             )
-        ids = torch.cat([prompt for prompt, _, _ in checked]).to(torch.long)
+        ids = torch.cat([prompt[seq.cached:] for (prompt, _, _), seq in zip(checked, attn.seqs)]).to(torch.long)
         hidden = attn.run_graphed(lambda i, p: self.forward_hidden(i, p, attn.attend), ids, attn.positions())
         return self._next_tokens(self.head(attn.last_rows(hidden)), attn)
 

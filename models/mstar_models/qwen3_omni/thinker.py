@@ -80,6 +80,7 @@ from mstar_models.layers.rotary import inv_freq, mrope_tables
 from mstar_models.qwen3_omni.lm_common import attention_sizes, grids, rows, sampling_params, scalar, token_ids
 from mstar_models.qwen3_omni.positions import default_mrope_section, rope_index
 from mstar_models.qwen3_omni.tokens import TokenIds
+from mstar_runtime.kv.prefix_cache import media_key
 from mstar_runtime.ops import tp
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
@@ -105,6 +106,15 @@ class _Prompt:
     grids: list[tuple[int, int, int]]
     params: SamplingParams
     max_tokens: int
+
+
+def _suffix(p: _Prompt, cached: int, tok: TokenIds) -> _Prompt:
+    """The part of a checked prompt after its first `cached` tokens (whose KV was found cached):
+    ids, positions, and the audio and image rows (and deepstack rows) of its placeholders."""
+    head = p.tokens[:cached]
+    a0, i0 = head.count(tok.audio_token_id), head.count(tok.image_token_id)
+    return dataclasses.replace(p, ids=p.ids[cached:], tokens=p.tokens[cached:], audio=p.audio[a0:],
+                               image=p.image[i0:], deepstack=p.deepstack[:, i0:], positions=p.positions[:, cached:])
 
 
 class ThinkerMoE(DecoderNode):
@@ -182,6 +192,29 @@ class ThinkerMoE(DecoderNode):
             return SeqPlan(q_len=1)
         raise NodeError(f"node '{spec.name}' (ThinkerMoE) has no phase '{phase}'")
 
+    @classmethod
+    def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: NodeSpec) -> list[int] | None:
+        """A text prefill's KV depends on its ids, and at the audio and image placeholders on
+        the rows put there (their bytes' `media_key`; an image's also on its grids and
+        deepstack rows). `prefill_speech` is never cached: the talker's prompt needs the tapped
+        hidden states of every position."""
+        ids = inputs.get("ids")
+        if phase != "prefill" or not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+            return None
+        tok = TokenIds.from_spec(spec)
+        keys = [int(t) for t in ids.tolist()]
+        media: dict[int, int] = {}
+        audio, image = inputs.get("audio"), inputs.get("image")
+        if isinstance(audio, torch.Tensor) and audio.numel():
+            media[tok.audio_token_id] = media_key(audio)
+        if isinstance(image, torch.Tensor) and image.numel():
+            grid, deep = inputs.get("grid"), inputs.get("deepstack")
+            extra = [int(v) for v in grid.reshape(-1).tolist()] if isinstance(grid, torch.Tensor) else []
+            if isinstance(deep, torch.Tensor) and deep.numel():
+                extra.append(media_key(deep))
+            media[tok.image_token_id] = media_key(image, *extra)
+        return [media.get(k, k) for k in keys] if media else keys
+
     # ------------------------------------------------------------------ phases
     def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
         return self._prefill(batch, attn, speech=False)
@@ -241,14 +274,17 @@ class ThinkerMoE(DecoderNode):
     def _prefill(self, batch: Batch, attn: AttentionContext, speech: bool) -> Batch:
         # every entry is checked before any state changes: a RequestError makes the conductor
         # rerun the entries one by one, which must find them as they were
-        prompts = [self._check_prefill(entry, seq.start, seq.q_len, seq.state, speech)
+        # a prefix found cached (`seq.cached` leading tokens, text prefill only) is in the KV
+        # already: the prompt is checked whole and only the rest of it is computed
+        prompts = [self._check_prefill(entry, seq.start - seq.cached, seq.q_len + seq.cached, seq.state, speech)
                    for entry, seq in zip(batch, attn.seqs)]
+        computed = [_suffix(p, seq.cached, self.tok) if seq.cached else p for p, seq in zip(prompts, attn.seqs)]
         dev = self.freq.device
-        h = self.embed(torch.cat([p.ids for p in prompts]))
+        h = self.embed(torch.cat([p.ids for p in computed]))
         audio_at: list[int] = []
         image_at: list[int] = []
         offset = 0
-        for p in prompts:
+        for p in computed:
             for i, t in enumerate(p.tokens):
                 if t == self.tok.audio_token_id:
                     audio_at.append(offset + i)
@@ -256,20 +292,20 @@ class ThinkerMoE(DecoderNode):
                     image_at.append(offset + i)
             offset += len(p.tokens)
         if audio_at:
-            h = h.index_copy(0, upload(audio_at, torch.long, dev), torch.cat([p.audio for p in prompts]))
+            h = h.index_copy(0, upload(audio_at, torch.long, dev), torch.cat([p.audio for p in computed]))
         image_idx = upload(image_at, torch.long, dev) if image_at else None
         if image_idx is not None:
-            h = h.index_copy(0, image_idx, torch.cat([p.image for p in prompts]))
+            h = h.index_copy(0, image_idx, torch.cat([p.image for p in computed]))
         deep: list[tuple[torch.Tensor, torch.Tensor]] = []
         if image_idx is not None:
-            depth = max(p.deepstack.shape[0] for p in prompts)
+            depth = max(p.deepstack.shape[0] for p in computed)
             for d in range(depth):
                 # an entry without images contributes no rows; one whose deepstack is shallower
                 # (or absent) adds nothing at this layer
                 parts = [p.deepstack[d] if d < p.deepstack.shape[0] else torch.zeros_like(p.image)
-                         for p in prompts if p.image.shape[0]]
+                         for p in computed if p.image.shape[0]]
                 deep.append((image_idx, torch.cat(parts)))
-        positions = torch.cat([p.positions for p in prompts], dim=1).to(dev)
+        positions = torch.cat([p.positions for p in computed], dim=1).to(dev)
         tap: list[torch.Tensor] | None = [] if speech else None
         hidden = self.forward_embeds(h, positions, attn, deep, tap)
         for p, seq in zip(prompts, attn.seqs, strict=True):

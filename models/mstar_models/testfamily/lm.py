@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +123,14 @@ class TinyLM(DecoderNode):
             return SeqPlan(q_len=int(shapes["x"][0]), mask="full", keep=False)
         raise NodeError(f"node '{spec.name}' (TinyLM) has no phase '{phase}'")
 
+    @classmethod
+    def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: NodeSpec) -> list[int] | None:
+        """A prefill's KV depends on its token ids (and what precedes them) only: they are its keys."""
+        tokens = inputs.get("tokens")
+        if phase != "prefill" or not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
+            return None
+        return [int(t) for t in tokens.tolist()]
+
     def cohort_phase(self, phase: str) -> CohortPhase | None:
         """`decode` as a column step (ops/cohort.py): the same math as `phase_decode` over all rows."""
         if phase != "decode":
@@ -146,7 +155,8 @@ class TinyLM(DecoderNode):
 
     # ------------------------------------------------------------------ phases
     def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
-        ids = [start_reply(entry, seq, self.vocab, self.max_context, "max_context")
+        # a prefix found cached (`seq.cached`) is in the KV already: only the rest is computed
+        ids = [start_reply(entry, seq, self.vocab, self.max_context, "max_context")[seq.cached:]
                for entry, seq in zip(batch, attn.seqs, strict=True)]
         hidden = self.forward_hidden(
             self.model.embed_tokens(torch.cat(ids).long()), attn.positions(), attn.attend

@@ -141,9 +141,10 @@ class Conductor:
 
     def __init__(self, plan: Plan, workers: Mapping[int, WorkerLike], *, max_running: int | None = None,
                  preempt_every: int | None = None, request_timeout: float | None = None, overlap: bool = True,
-                 path: str | None = None):
+                 path: str | None = None, prefix_caching: bool = True):
         """`overlap=False` waits for every remote step as it is sent: the order of steps, and so
         who is batched with whom, is then exactly that of one rank (bit-exact comparisons).
+        `prefix_caching=False` never reuses KV blocks across requests (docs/runtime.md).
         `path`: "cohort" (default; $MSTAR_STEP_PATH) runs marked loops as decode cohorts where
         their node offers a column step; "generic" runs every loop iteration by iteration."""
         self.plan = plan
@@ -156,7 +157,7 @@ class Conductor:
         self.max_running = max_running or plan.max_batch
         self.preempt_every = preempt_every
         self.request_timeout = request_timeout
-        self.contexts = KVContexts(plan, self.workers)
+        self.contexts = KVContexts(plan, self.workers, prefix_caching)
         self.kv = self.contexts.pages
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()

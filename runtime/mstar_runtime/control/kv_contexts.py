@@ -54,11 +54,11 @@ class KVWorker(Protocol):
 class KVContexts:
     """Every KV pool's page tables and the operations on a request's contexts (module docstring)."""
 
-    def __init__(self, plan: Plan, workers: Mapping[int, KVWorker]):
+    def __init__(self, plan: Plan, workers: Mapping[int, KVWorker], prefix_caching: bool = False):
         self.plan = plan
         self.workers = workers
         self.pages = KVPages({(name, rank): (plan.kv_pages(name, rank), plan.page_size)
-                              for name, rank in plan.kv_pools()})
+                              for name, rank in plan.kv_pools()}, prefix_caching)
         self._classes: dict[str, type[KVNode]] = {}
         self._specs: dict[str, NodeSpec] = {}
         # the plan's KV-context moves (placement.transfers of kind "kv") -> source rank

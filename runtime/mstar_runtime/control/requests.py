@@ -146,6 +146,7 @@ class RequestStats:
     steps: int = 0
     wasted_steps: int = 0
     preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV was found in the prefix cache (not computed)
     submitted_at: float = 0.0
     first_output_at: float | None = None
     finished_at: float | None = None

@@ -9,6 +9,12 @@ new tokens of one of its steps (`KVContexts.token_budget`): the calls past it wa
 next step, the first always runs. A tag with its own bound (`tag_max_len`) fails the request
 that would take one of its contexts past it, naming the node and tag, before any page is
 reserved. A context the plan moves to a call's rank is copied there first (`move_in`).
+
+Prefix caching (`KVPages.prefix_caching`): a call whose node gives its tokens' content keys
+(`KVNode.prefix_content`) shares the cached pages of its leading full blocks, and its step
+computes the rest only (at least one token, so that the step has logits to sample from);
+`RequestStats.cached_tokens` counts what a request found. The blocks it writes become
+findable once its step has finished (`StepRunner`, `KVPages.commit`).
 """
 
 from __future__ import annotations
@@ -173,6 +179,13 @@ class Reservations:
         except RequestError as e:
             self.host.fail(req, str(e), port_input(req, call, e.field))
             return None
+        keys = None
+        if self.kv.prefix_caching and plan.keep:
+            try:
+                keys = cls.prefix_content(phase, inputs, spec)
+            except RequestError as e:
+                self.host.fail(req, str(e), port_input(req, call, e.field))
+                return None
         if room is not None and plan.q_len > room:
             return _OVER_BUDGET
         key = (req.id, call.tag or "main")
@@ -186,7 +199,7 @@ class Reservations:
                 return None
         while True:
             try:
-                kv = self.kv.reserve((node, rank), key, plan)
+                kv = self.kv.reserve((node, rank), key, plan, keys)
             except OutOfPages:
                 if self.steps.inflight:  # never preempt a request with a step in flight: take them all first
                     self.steps.quiesce()
@@ -202,7 +215,8 @@ class Reservations:
                 if victim is req:
                     return None
                 continue
-            call.frame.log_kv(node, key, kv.start)
+            call.frame.log_kv(node, key, kv.start - kv.cached)
+            req.stats.cached_tokens += kv.cached
             req.homes[(node, key[1])] = rank
             reads = call.op.get("reads")
             if reads:

@@ -99,17 +99,38 @@ class Scheduler:
 class KVPages:
     """The conductor's view of every KV pool: page tables per (request, tag) for each KV node."""
 
-    def __init__(self, pools: dict[str, tuple[int, int]]):
-        """pools: node -> (num_pages, page_size)."""
-        self.managers = {node: BlockManager(pages, size) for node, (pages, size) in pools.items()}
+    def __init__(self, pools: dict[str, tuple[int, int]], prefix_caching: bool = False):
+        """pools: node -> (num_pages, page_size). `prefix_caching`: reuse cached KV blocks (block_manager.py)."""
+        self.prefix_caching = prefix_caching
+        self.managers = {node: BlockManager(pages, size, prefix_caching) for node, (pages, size) in pools.items()}
 
-    def reserve(self, node: str, key: tuple[str, str], plan: SeqPlan) -> KVSlots:
+    def reserve(self, node: str, key: tuple[str, str], plan: SeqPlan, keys: list[int] | None = None) -> KVSlots:
+        """The entry's slots; with `keys` (its tokens' content keys, prefix caching) the cached
+        leading blocks are shared and only the rest is reserved, at least one token."""
         bm = self.managers[node]
         start = bm.seq_len(key) if key in bm else 0
         content = bm.version(key)  # before the append: what the queries attend to besides themselves
-        slots = bm.append(key, plan.q_len)  # raises OutOfPages, changing nothing
-        return KVSlots(start=start, q_len=plan.q_len, slots=slots, page_table=bm.page_table(key),
-                       mask=plan.mask, block_size=plan.block_size, keep=plan.keep, content=content)
+        cached = 0
+        if keys is not None and plan.keep and len(keys) == plan.q_len:
+            cached, slots = bm.append_cached(key, keys, plan.q_len - 1)  # raises OutOfPages, changing nothing
+        else:
+            slots = bm.append(key, plan.q_len)  # raises OutOfPages, changing nothing
+        return KVSlots(start=start + cached, q_len=plan.q_len - cached, slots=slots, page_table=bm.page_table(key),
+                       mask=plan.mask, block_size=plan.block_size, keep=plan.keep, content=content, cached=cached)
+
+    def commit(self, node: str, key: tuple[str, str]) -> None:
+        """The step that wrote `key`'s tokens finished: their full blocks may be found by others."""
+        bm = self.managers[node]
+        if bm.prefix is not None:
+            bm.commit(key)
+
+    def prefix_stats(self) -> dict[str, int]:
+        """Prefix-cache counters of all pools: tokens looked up, found cached, pages cached, evicted."""
+        bms = list(self.managers.values())
+        return {"prefix_query_tokens": sum(b.query_tokens for b in bms),
+                "prefix_hit_tokens": sum(b.hit_tokens for b in bms),
+                "prefix_cached_pages": sum(b.cached_pages for b in bms),
+                "prefix_evictions": sum(b.prefix.evictions for b in bms if b.prefix is not None)}
 
     def truncate(self, node: str, key: tuple[str, str], length: int) -> SlotCopy | None:
         bm = self.managers[node]

@@ -155,6 +155,8 @@ class StepRunner:
                 continue
             if entry.kv is not None and not entry.kv.keep:
                 self.contexts.truncate(node, (entry.request_id, entry.tag or "main"), entry.kv.start)
+            elif entry.kv is not None and self.contexts.pages.prefix_caching:  # its blocks are written now
+                self.contexts.pages.commit((node, key[2][0]), (entry.request_id, entry.tag or "main"))
             self.host.call_done(call, out)
         self.host.after_step()
 
@@ -187,7 +189,8 @@ class StepRunner:
             self.host.pending[call] = None
         for _, entry in entries:
             if entry.kv is not None:  # the reservation is redone on the rerun
-                self.contexts.truncate(key[0], (entry.request_id, entry.tag or "main"), entry.kv.start)
+                self.contexts.truncate(key[0], (entry.request_id, entry.tag or "main"),
+                                       entry.kv.start - entry.kv.cached)
         for call, _ in entries:
             req = self.host.request_of(call)
             if req is None or req.done:

@@ -122,6 +122,9 @@ class KVSlots:
     # not-kept query block once for all of them.
     content: int = -1
     reads: tuple[ReadSlots, ...] = ()  # the contexts the phase reads, in its `reads` order
+    # Prefix caching: leading tokens of the entry's inputs whose K/V were found cached and are
+    # not computed (`start` counts them already; the node skips them: `SeqState.cached`).
+    cached: int = 0
 
 
 @dataclass(slots=True)
@@ -386,8 +389,8 @@ class KVCacheEngine(_Engine):
         def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
             pool.write(layer, k, v, eager_slots())
 
-        seqs = [SeqState(kv.start, kv.q_len, self.state(e.request_id, e.tag), tuple(r.kv_len for r in kv.reads))
-                for e, kv in zip(entries, kvs)]
+        seqs = [SeqState(kv.start, kv.q_len, self.state(e.request_id, e.tag), tuple(r.kv_len for r in kv.reads),
+                         kv.cached) for e, kv in zip(entries, kvs)]
         attn = AttentionContext(seqs, attend, self.device, extra={"metadata": meta, "pool": pool},
                                 reads=reads, write_fn=write)
         if reads:
@@ -532,8 +535,9 @@ class KVCacheEngine(_Engine):
         kv = e.kv
         if kv is None:
             raise NodeError(f"{where}: a KV node's entry needs KV slots")
-        if kv.start < 0 or kv.q_len < 0 or len(kv.slots) != kv.q_len:
-            raise NodeError(f"{where}: {len(kv.slots)} slot(s) for q_len {kv.q_len} at start {kv.start}")
+        if kv.start < 0 or kv.q_len < 0 or len(kv.slots) != kv.q_len or not 0 <= kv.cached <= kv.start:
+            raise NodeError(f"{where}: {len(kv.slots)} slot(s) for q_len {kv.q_len} at start {kv.start} "
+                            f"({kv.cached} cached)")
         ps, n_pages = self.page_size, self.num_pages
         need = -(-(kv.start + kv.q_len) // ps)
         if len(kv.page_table) < need or any(not 0 <= p < n_pages for p in kv.page_table[:need]):

@@ -21,10 +21,27 @@ length the sequence had before restores the version it had then (a not-kept quer
 BAGEL's denoise, appends and truncates every step and leaves the version as it was). The
 engine uses it to compute a not-kept query once for contexts that hold the same content
 (BAGEL's text-to-image `cfg_img`, a fork of `gen` that neither writes again).
+
+Prefix caching (`prefix_caching=True`; kv/prefix_cache.py): an append may carry the content
+keys of its tokens (`append(..., content=keys)`). While every token of a sequence has a known
+key, each of its full pages gets a chained block hash; `commit` (called once the step that
+wrote them has finished) makes them findable. `append_cached` first looks the new tokens'
+full blocks up, from a page boundary of a sequence whose tokens are all known, and shares the
+cached pages it finds (refcount, as a fork does) instead of new ones; only the rest is
+reserved. A page no sequence holds stays cached, counted free, until a new page is needed
+and no never-cached page is left: then the least recently used one is evicted. A truncation
+that cuts into a cached page this sequence alone holds makes it uncached (it is about to be
+written again); a shared one is copied first, as always, and stays cached. Appends without
+content (a decode's sampled tokens, a not-kept query) end the known run of the sequence's
+keys until a truncation takes it back there. With `prefix_caching=False` content is ignored
+and nothing is hashed.
 """
 
 import heapq
+from collections.abc import Sequence
 from typing import NamedTuple
+
+from mstar_runtime.kv.prefix_cache import ROOT, PrefixIndex, block_hashes
 
 SeqKey = tuple[str, str]
 """``(request_id, tag)``: one KV context of one request."""
@@ -56,7 +73,7 @@ class SlotCopy(NamedTuple):
 class BlockManager:
     """Allocates fixed-size KV pages to ``(request_id, tag)`` sequences, with refcounted sharing."""
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False) -> None:
         if num_pages < 1 or page_size < 1:
             raise KVCacheError(f"need num_pages >= 1 and page_size >= 1, got {num_pages=} {page_size=}")
         self.num_pages = num_pages
@@ -72,15 +89,30 @@ class BlockManager:
         # the current version; a truncation pops back to an earlier length (module docstring).
         self._versions: dict[SeqKey, list[tuple[int, int]]] = {}
         self._next_version = 1
+        # prefix caching: per sequence the content keys of its first tokens (all of them while
+        # the sequence's content is known), the hashes of the full blocks they cover, and how
+        # many of those hashes `commit` has offered to the index
+        self.prefix: PrefixIndex | None = PrefixIndex() if prefix_caching else None
+        self._keys: dict[SeqKey, list[int]] = {}
+        self._hashes: dict[SeqKey, list[bytes]] = {}
+        self._committed: dict[SeqKey, int] = {}
+        self.query_tokens = 0  # tokens of appends that looked the cache up
+        self.hit_tokens = 0  # of those, tokens found cached (not computed)
 
     # ----------------------------------------------------------------- queries
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages an append may take: never-cached free ones and cached ones no sequence holds."""
+        return len(self._free) + (len(self.prefix.unheld) if self.prefix is not None else 0)
 
     @property
     def used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.free_pages
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages that name a cached block (held by a sequence or not)."""
+        return len(self.prefix) if self.prefix is not None else 0
 
     def pages_needed(self, n_tokens: int) -> int:
         """Pages that hold ``n_tokens`` tokens from an empty sequence."""
@@ -115,36 +147,86 @@ class BlockManager:
         return self._refcount[page]
 
     def can_append(self, key: SeqKey, n_tokens: int) -> bool:
-        return self._growth(key, n_tokens) <= len(self._free)
+        return self._growth(key, n_tokens) <= self.free_pages
 
     def can_fork(self, src_key: SeqKey) -> bool:
-        return self._lens[self._known(src_key)] % self.page_size == 0 or len(self._free) >= 1
+        return self._lens[self._known(src_key)] % self.page_size == 0 or self.free_pages >= 1
 
     # ----------------------------------------------------------------- updates
-    def append(self, key: SeqKey, n_tokens: int) -> list[int]:
+    def append(self, key: SeqKey, n_tokens: int, content: Sequence[int] | None = None) -> list[int]:
         """Reserve room for ``n_tokens`` more tokens; returns their slots (``page * page_size + offset``).
 
-        A key not seen before starts an empty sequence. Raises ``OutOfPages`` (and changes
-        nothing) when the pool cannot hold them.
+        A key not seen before starts an empty sequence. ``content``: the tokens' content keys
+        (prefix caching, module docstring). Raises ``OutOfPages`` (and changes nothing) when
+        the pool cannot hold them.
         """
         growth = self._growth(key, n_tokens)
-        if growth > len(self._free):
+        if growth > self.free_pages:
             raise OutOfPages(
                 f"sequence {key} needs {growth} more page(s) for {n_tokens} token(s); "
-                f"{len(self._free)} of {self.num_pages} free"
+                f"{self.free_pages} of {self.num_pages} free"
             )
-        if key not in self._tables:
-            self._tables[key] = []
-            self._lens[key] = 0
-            self._tags.setdefault(key[0], {})[key[1]] = None
+        if content is not None and len(content) != n_tokens:
+            raise KVCacheError(f"sequence {key}: {len(content)} content keys for {n_tokens} token(s)")
+        self._start(key)
         table = self._tables[key]
         table.extend(self._take(growth))
         start = self._lens[key]
         self._lens[key] = start + n_tokens
         if n_tokens:
             self._new_version(key, start + n_tokens)
+            self._extend_keys(key, start, content)
         ps = self.page_size
         return [table[pos // ps] * ps + pos % ps for pos in range(start, start + n_tokens)]
+
+    def append_cached(self, key: SeqKey, content: Sequence[int], max_cached: int) -> tuple[int, list[int]]:
+        """``append`` of ``len(content)`` tokens that first shares the cached pages of their
+        leading full blocks (at most ``max_cached`` tokens of them; module docstring). Returns
+        the tokens found cached and the slots of the others. Raises ``OutOfPages`` (and changes
+        nothing) when the pool cannot hold the rest."""
+        n, ps, prefix = len(content), self.page_size, self.prefix
+        have = self._lens.get(key, 0)
+        hashes: list[bytes] = []
+        pages: list[int] = []
+        if prefix is not None and have % ps == 0 and len(self._keys.get(key, ())) == have:
+            mine = self._hashes.get(key, [])
+            hashes = block_hashes(mine[-1] if mine else ROOT, content[: min(n, max_cached) // ps * ps], ps)
+            pages = prefix.lookup(hashes)
+        cached = len(pages) * ps
+        growth = self.pages_needed(have + n) - len(self._tables.get(key, ())) - len(pages)
+        free = self.free_pages - sum(1 for p in pages if self._refcount[p] == 0)
+        if growth > free:
+            raise OutOfPages(f"sequence {key} needs {growth} more page(s) for {n - cached} token(s) after "
+                             f"{cached} cached; {free} of {self.num_pages} free")
+        if prefix is not None:
+            self.query_tokens += n
+            self.hit_tokens += cached
+        if pages:
+            self._start(key)
+            for p in pages:
+                if self._refcount[p] == 0:
+                    assert prefix is not None
+                    prefix.unheld.pop(p, None)
+                self._refcount[p] += 1
+            self._tables[key].extend(pages)
+            self._lens[key] = have + cached
+            self._new_version(key, have + cached)
+            committed = self._committed.get(key, 0) == len(self._hashes.get(key, ()))
+            self._keys.setdefault(key, []).extend(content[:cached])
+            self._hashes.setdefault(key, []).extend(hashes[: len(pages)])
+            if committed:  # these are in the index already
+                self._committed[key] = len(self._hashes[key])
+        return cached, self.append(key, n - cached, content[cached:])
+
+    def commit(self, key: SeqKey) -> None:
+        """The step that wrote the sequence's tokens finished: its hashed full pages become
+        findable by ``append_cached`` (a no-op without prefix caching or for an unknown key)."""
+        if self.prefix is None or key not in self._tables:
+            return
+        hashes, table = self._hashes.get(key, []), self._tables[key]
+        for i in range(self._committed.get(key, 0), len(hashes)):
+            self.prefix.register(table[i], hashes[i])
+        self._committed[key] = len(hashes)
 
     def add_page(self, key: SeqKey) -> int:
         """One more page at the end of an existing sequence's table, its length unchanged (a
@@ -152,7 +234,7 @@ class BlockManager:
         ``OutOfPages`` (changing nothing) when none is free. ``set_length`` then records the
         tokens the row wrote."""
         table = self._tables[self._known(key)]
-        if not self._free:
+        if not self.free_pages:
             raise OutOfPages(f"sequence {key} needs 1 more page; 0 of {self.num_pages} free")
         (page,) = self._take(1)
         table.append(page)
@@ -169,6 +251,10 @@ class BlockManager:
             self._truncate_versions(key, min(n_tokens, self._lens[key]))
             if n_tokens > self._lens[key]:
                 self._new_version(key, n_tokens)
+            else:
+                self._cut_keys(key, n_tokens)
+                if n_tokens % self.page_size and self.prefix is not None:
+                    self.prefix.forget(table[n_tokens // self.page_size])  # to be written again
         self._lens[key] = n_tokens
 
     def fork(self, src_key: SeqKey, dst_key: SeqKey) -> SlotCopy | None:
@@ -184,7 +270,7 @@ class BlockManager:
             raise SequenceExists(f"cannot fork {src_key} into {dst_key}: it already exists")
         n = self._lens[src_key]
         partial = n % self.page_size
-        if partial and not self._free:
+        if partial and not self.free_pages:
             raise OutOfPages(f"fork {src_key} -> {dst_key} needs 1 page for its partial last page; none free")
         shared = table[: n // self.page_size]
         for page in shared:
@@ -200,6 +286,10 @@ class BlockManager:
         self._lens[dst_key] = n
         self._versions[dst_key] = list(self._versions.get(src_key, ()))
         self._tags.setdefault(dst_key[0], {})[dst_key[1]] = None
+        if src_key in self._keys:  # the shared pages are the source's to commit
+            self._keys[dst_key] = list(self._keys[src_key])
+            self._hashes[dst_key] = list(self._hashes[src_key])
+            self._committed[dst_key] = len(self._hashes[dst_key])
         return copy
 
     def truncate(self, key: SeqKey, new_len: int) -> SlotCopy | None:
@@ -215,16 +305,15 @@ class BlockManager:
         if not 0 <= new_len <= n:
             raise KVCacheError(f"cannot truncate {key} of {n} tokens to {new_len}")
         keep = self.pages_needed(new_len)
-        for page in table[keep:]:
-            self._refcount[page] -= 1
-            if self._refcount[page] == 0:
-                heapq.heappush(self._free, page)
+        for page in reversed(table[keep:]):
+            self._release(page)
         del table[keep:]
         self._lens[key] = new_len
         self._truncate_versions(key, new_len)
+        self._cut_keys(key, new_len)
         partial = new_len % self.page_size
         if partial and table and self._refcount[table[-1]] > 1:
-            if not self._free:
+            if not self.free_pages:
                 raise OutOfPages(f"truncate {key} needs 1 page to unshare its last page; none free")
             (page,) = self._take(1)
             old = table[-1]
@@ -232,6 +321,8 @@ class BlockManager:
             table[-1] = page
             src0, dst0 = old * self.page_size, page * self.page_size
             return SlotCopy(range(src0, src0 + partial), range(dst0, dst0 + partial))
+        if partial and table and self.prefix is not None:
+            self.prefix.forget(table[-1])  # its tail is about to be written again
         return None
 
     def free(self, key: SeqKey) -> int:
@@ -239,17 +330,14 @@ class BlockManager:
         table = self._tables.pop(self._known(key))
         del self._lens[key]
         self._versions.pop(key, None)
+        for d in (self._keys, self._hashes, self._committed):
+            d.pop(key, None)
         tags = self._tags[key[0]]
         del tags[key[1]]
         if not tags:
             del self._tags[key[0]]
-        released = 0
-        for page in table:
-            self._refcount[page] -= 1
-            if self._refcount[page] == 0:
-                heapq.heappush(self._free, page)
-                released += 1
-        return released
+        # the last page first: a chain's deepest blocks are evicted before the ones they extend
+        return sum(self._release(page) for page in reversed(table))
 
     def free_request(self, request_id: str) -> int:
         """Drop every tag of ``request_id``; returns the pages released. Unknown ids are a no-op,
@@ -257,6 +345,44 @@ class BlockManager:
         return sum(self.free((request_id, tag)) for tag in list(self._tags.get(request_id, ())))
 
     # ----------------------------------------------------------------- helpers
+    def _start(self, key: SeqKey) -> None:
+        if key not in self._tables:
+            self._tables[key] = []
+            self._lens[key] = 0
+            self._tags.setdefault(key[0], {})[key[1]] = None
+            if self.prefix is not None:
+                self._keys[key], self._hashes[key], self._committed[key] = [], [], 0
+
+    def _extend_keys(self, key: SeqKey, start: int, content: Sequence[int] | None) -> None:
+        """Tokens from `start` were appended: their keys extend a fully known sequence's, and
+        blocks they fill get hashes; unknown content ends the known run."""
+        keys = self._keys.get(key)
+        if keys is None or len(keys) != start or content is None:
+            return
+        ps = self.page_size
+        hashes = self._hashes[key]
+        done = len(hashes) * ps
+        keys.extend(content)
+        hashes.extend(block_hashes(hashes[-1] if hashes else ROOT, keys[done:], ps))
+
+    def _cut_keys(self, key: SeqKey, new_len: int) -> None:
+        keys = self._keys.get(key)
+        if keys is None:
+            return
+        del keys[new_len:]
+        blocks = len(keys) // self.page_size
+        del self._hashes[key][blocks:]
+        self._committed[key] = min(self._committed[key], blocks)
+
+    def _release(self, page: int) -> int:
+        """One holder less of `page`; 1 when it went back to the pool (cached or not)."""
+        self._refcount[page] -= 1
+        if self._refcount[page]:
+            return 0
+        if self.prefix is None or not self.prefix.release(page):
+            heapq.heappush(self._free, page)
+        return 1
+
     def _truncate_versions(self, key: SeqKey, new_len: int) -> None:
         """Versions of lengths above `new_len` are gone; a cut inside an append is new content."""
         history = self._versions.get(key, [])
@@ -277,7 +403,10 @@ class BlockManager:
         return self.pages_needed(have + n_tokens) - len(self._tables.get(key, ()))
 
     def _take(self, n: int) -> list[int]:
-        pages = [heapq.heappop(self._free) for _ in range(n)]
+        """`n` pages for one holder: never-cached free pages first (lowest first), then the
+        least recently used cached ones no sequence holds."""
+        pages = [heapq.heappop(self._free) if self._free else self.prefix.evict()  # type: ignore[union-attr]
+                 for _ in range(n)]
         for page in pages:
             self._refcount[page] = 1
         return pages

@@ -29,6 +29,14 @@ phase's order (`"vlm@main"`), `attn.seqs[i].read_lens` gives their lengths per e
 - `attn.write(layer, k, v)` stores the new tokens' K/V without attending (a phase that only
   fills a context, e.g. the cross-attention K/V of the encoder's frames).
 
+Prefix caching (docs/runtime.md, "Prefix caching"): a node whose phase's KV depends only on
+what its inputs hold says so with `prefix_content(phase, inputs, spec)`, a content key per
+new token (its id; `prefix_cache.media_key` for a position that holds an embedding). The
+conductor then shares cached pages for the leading full blocks it finds, and the step gets
+`seq.cached` > 0: the first `cached` tokens of the entry's inputs are in the KV already
+(`seq.start` counts them), and the node computes the other `seq.q_len` only, at positions
+`start ..`. A node without `prefix_content` never sees `cached` > 0.
+
 Per-(request, tag) state that is not KV (a RoPE offset, sampling history, an RNG) lives in
 `attn.states[i]`: a dict the engine keeps with the KV context, copies on `fork` and drops
 when the request ends or is preempted (so a recomputed request starts from the same state).
@@ -97,6 +105,7 @@ class SeqState:
     q_len: int
     state: dict[str, Any]  # persistent per-(request, tag) state, owned by the engine
     read_lens: tuple[int, ...] = ()  # tokens of each context the phase reads (`AttentionContext.reads` order)
+    cached: int = 0  # leading tokens of the entry's inputs already in the KV (prefix caching): not computed
 
 
 ReadFn = Callable[[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, tuple[int, ...]], torch.Tensor]
@@ -250,6 +259,14 @@ class KVNode(nn.Module):
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
         """KV tokens one entry adds in `phase`, from its inputs' shapes (no weights needed)."""
         raise NotImplementedError
+
+    @classmethod
+    def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: NodeSpec) -> list[int] | None:
+        """Prefix caching: one content key (int >= 0) per KV token the phase adds for an entry
+        with these inputs, when that KV depends on nothing else (the tokens before them count:
+        the cache chains over them), else None (the default: never cached). Called by the
+        conductor before the step (after `kv_plan`); a RequestError fails the request."""
+        return None
 
     def run(self, phase: str, batch: Batch, attn: AttentionContext) -> Batch:
         method = getattr(self, f"phase_{phase}", None)

@@ -1,0 +1,158 @@
+"""Prefix caching end to end on the models that decode: a request whose prompt shares leading
+KV blocks with an earlier one computes only the rest, and its outputs equal, bit for bit,
+those of the same request with the cache off (the test family's LM, Orpheus tiny, the tiny
+Qwen3-Omni thinker); a small pool evicts and never corrupts; preemption stays exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support import compile_model
+
+from mstar_runtime.api import MStar
+from mstar_runtime.control.conductor import FINISHED, Conductor
+from mstar_runtime.plan.loader import load_plan
+from mstar_runtime.worker.worker import Worker
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SYSTEM = "You are terse. Answer in one line, please. "  # 2 full blocks of 16 with bos
+QUESTIONS = ["Why is the sky blue?", "What is a prime?", "Why is the sky blue?", "Who wrote Hamlet?"]
+
+
+def _conductor(plan_path: Path, cap: int | None = None, **kw: Any) -> Conductor:
+    plan = load_plan(plan_path, device="cpu", kv_pages_cap=cap)
+    return Conductor(plan, {0: Worker(plan, 0, "cpu", "dummy")}, **kw)
+
+
+def _one(c: Conductor, prompt: str, max_new: int = 10) -> Any:
+    h = c.submit("generate", {"prompt": prompt, "max_new": max_new})
+    c.run_until_idle()
+    assert h.state == FINISHED, h.error
+    return h
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), k  # bits, floats too
+        else:
+            assert x == y, k
+
+
+def _computed(c: Conductor) -> int:
+    s = c.kv.prefix_stats()
+    return s["prefix_query_tokens"] - s["prefix_hit_tokens"]
+
+
+@pytest.mark.both_paths
+def test_a_shared_system_prompt_is_computed_once_and_changes_no_bit(testfamily_plan: Path) -> None:
+    off = _conductor(testfamily_plan, prefix_caching=False)
+    on = _conductor(testfamily_plan)
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    n = [len(p.encode()) + 1 for p in prompts]  # bos + bytes
+    first = _one(on, prompts[0])
+    assert first.stats.cached_tokens == 0 and _computed(on) == n[0]
+    for i, p in enumerate(prompts):
+        miss = _one(off, p)
+        hit = first if i == 0 else _one(on, p)
+        _equal(hit.outputs, miss.outputs)
+        if i:
+            # the system prompt's full blocks (and, for the repeated question, all but the last token's block)
+            assert hit.stats.cached_tokens >= len(SYSTEM) // 16 * 16
+    assert _computed(on) < sum(n)  # fewer prefill tokens computed than without the cache
+    assert on.kv.prefix_stats()["prefix_cached_pages"] > 0
+    assert off.kv.prefix_stats()["prefix_cached_pages"] == 0
+
+
+def test_a_repeated_prompt_computes_only_its_last_block(testfamily_plan: Path) -> None:
+    on = _conductor(testfamily_plan)
+    prompt = SYSTEM + QUESTIONS[0]
+    n = len(prompt.encode()) + 1
+    _one(on, prompt)
+    before = _computed(on)
+    again = _one(on, prompt)
+    cached = (n - 1) // 16 * 16
+    assert again.stats.cached_tokens == cached
+    assert _computed(on) - before == n - cached < n
+
+
+@pytest.mark.both_paths
+def test_requests_running_together_share_blocks_and_stay_exact(testfamily_plan: Path) -> None:
+    off = _conductor(testfamily_plan, prefix_caching=False)
+    on = _conductor(testfamily_plan)
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    _one(on, prompts[0])  # cached before the batch: the batch's requests all hit it
+    _one(off, prompts[0])
+    batches = []
+    for c in (off, on):
+        handles = [c.submit("generate", {"prompt": p, "max_new": 10}) for p in prompts]
+        c.run_until_idle()
+        batches.append(handles)
+    for miss, hit in zip(*batches):
+        assert hit.state == FINISHED and hit.stats.cached_tokens > 0
+        _equal(hit.outputs, miss.outputs)
+
+
+def test_a_full_pool_evicts_the_least_recently_used_blocks_and_never_corrupts(testfamily_plan: Path) -> None:
+    off = _conductor(testfamily_plan, prefix_caching=False)
+    on = _conductor(testfamily_plan, cap=10)  # 160 tokens: the 2-3 cached blocks of 5 requests cannot all stay
+    prompts = [f"{i} " * 20 + "more" for i in range(5)]  # 45 tokens each, distinct from their first block on
+    misses = [_one(off, p).outputs for p in prompts]
+    for p, miss in zip(prompts, misses):
+        _equal(_one(on, p).outputs, miss)
+    stats = on.kv.prefix_stats()
+    assert stats["prefix_evictions"] > 0 and stats["prefix_hit_tokens"] == 0
+    bm = next(iter(on.kv.managers.values()))
+    assert bm.used_pages == 0 and bm.free_pages == bm.num_pages  # cached pages still count free
+    # the newest prompt's blocks survived, the oldest ones were evicted: one hits, the other not
+    newest, oldest = _one(on, prompts[-1]), _one(on, prompts[0])
+    assert newest.stats.cached_tokens > 0 and oldest.stats.cached_tokens == 0
+    _equal(newest.outputs, misses[-1])
+    _equal(oldest.outputs, misses[0])
+
+
+@pytest.mark.both_paths
+def test_preemption_and_recompute_with_the_cache_stay_exact(testfamily_plan: Path) -> None:
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    for kw in ({"preempt_every": 3}, {"cap": 12}):  # forced, then by a small pool
+        runs = []
+        for pc in (False, True):
+            c = _conductor(testfamily_plan, prefix_caching=pc, **kw)
+            handles = [c.submit("generate", {"prompt": p, "max_new": 14}) for p in prompts]
+            c.run_until_idle()
+            assert c.stats["preemptions"] > 0, kw
+            assert all(h.state == FINISHED for h in handles), [h.error for h in handles]
+            runs.append(handles)
+        assert c.kv.prefix_stats()["prefix_hit_tokens"] > 0
+        for miss, hit in zip(*runs):
+            _equal(hit.outputs, miss.outputs)
+
+
+# ------------------------------------------------------------------------------ Orpheus
+@pytest.fixture(scope="module")
+def orpheus_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_model(tmp_path_factory.mktemp("orpheus_pc") / "orpheus-tiny.plan", "orpheus")
+
+
+def test_orpheus_hit_equals_miss(orpheus_plan: Path) -> None:
+    inputs = [{"text": "Hello there, this is a rather long sentence spoken by M star today.", "voice": "tara",
+               "max_tokens": 40, "seed": 3, "temperature": 0.6, "repetition_penalty": 1.1},
+              {"text": "Hello there, this is a rather long sentence spoken by M star tonight.", "voice": "tara",
+               "max_tokens": 40, "seed": 4}]
+    with MStar.load(orpheus_plan, prefix_caching=False) as m:
+        misses = [m.submit("tts", dict(i)).result() for i in inputs]
+    with MStar.load(orpheus_plan) as m:
+        first = m.submit("tts", dict(inputs[0]))
+        _equal(first.result(), misses[0])
+        for i, miss in zip(inputs, misses):
+            h = m.submit("tts", dict(i))
+            _equal(h.result(), miss)
+            assert h.stats["cached_tokens"] > 0
+        stats = m.stats()
+    assert stats["prefix_hit_tokens"] > 0 and stats["prefix_cached_pages"] > 0

@@ -299,12 +299,23 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Route:
+    """`serves NAME(slot = value, ...)` on a walk: an OpenAI route the walk serves, each slot
+    bound to an input or output of the walk (a name) or to a string (mstarc/routes.py checks it)."""
+
+    name: Ident
+    args: tuple[Arg, ...]
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
 class Walk:
     name: Ident
     inputs: tuple[Param, ...]
     outputs: tuple[Param, ...]
     body: Block
     span: Span = field(default=_NO_SPAN, compare=False)
+    routes: tuple[Route, ...] = ()  # its `serves` clause, in source order
 
 
 @dataclass(frozen=True)

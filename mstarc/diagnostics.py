@@ -80,6 +80,11 @@ CODES: dict[str, str] = {
     "E070": "plan file is corrupt",
     "E071": "unsupported plan version",
     "E072": "plan file too large",
+    # routes (E08x)
+    "E080": "unknown route",
+    "E081": "bad route binding",
+    "E082": "walk does not fit its route",
+    "E083": "route served twice",
     # internal (E09x)
     "E090": "internal compiler error",
 }

@@ -18,6 +18,7 @@ from typing import Any
 import jinja2
 
 from mstar_runtime import untrusted
+from mstar_runtime.plan.routes import ROUTES
 from mstarc.lower import POLICY_OPTIONAL, POLICY_PARAMS
 
 GIB = 1 << 30
@@ -153,7 +154,9 @@ def plan_view(plan: dict[str, Any]) -> dict[str, Any]:
         sig_in = ", ".join(f"{p['name']}: {_type(p['type'])}" + (f" = {json.dumps(p['default'])}" if p["default"] is not None else "")
                            + (" (streamed)" if p.get("stream") else "") for p in w["inputs"])
         sig_out = ", ".join(f"{p['name']}: {_type(p['type'])}" for p in w["outputs"])
-        walks.append({"name": name, "signature": f"({sig_in}) -> ({sig_out})", "lines": program_lines(w["program"], 1)})
+        serves = [_serves(r) for r in w.get("routes", [])]
+        walks.append({"name": name, "signature": f"({sig_in}) -> ({sig_out})", "lines": program_lines(w["program"], 1),
+                      "serves": ", ".join(serves)})
     # `pairs`: (src rank, dst rank) of every pair of the two nodes' instances (the dot graph's arrows)
     edges = [{"id": e["id"], "src": e["src"], "dst": e["dst"], "policy": _policy(e["policy"]) if e["policy"] else None,
               "pairs": [(a, b) for a in where.get(e["src"][0], []) for b in where.get(e["dst"][0], [])]}
@@ -196,3 +199,15 @@ def explain(plan: dict[str, Any], fmt: str = "text") -> str:
         return json.dumps(plan, indent=2, sort_keys=True) + "\n"
     template = {"text": "explain.txt.j2", "markdown": "explain.md.j2", "dot": "explain.dot.j2"}[fmt]
     return untrusted.printable(_env().get_template(template).render(v=plan_view(plan)))
+
+
+def _serves(decl: dict[str, Any]) -> str:
+    """A walk's route declaration as the `.walk` file writes it: `speech(input=text)`, strings quoted."""
+    route = ROUTES.get(decl["route"])
+
+    def shown(slot: str, value: str) -> str:
+        s = route.slot(slot) if route is not None else None
+        return json.dumps(value) if s is not None and s.side == "string" else value
+
+    args = ", ".join(f"{k}={shown(k, v)}" for k, v in decl["bind"].items())
+    return f"{decl['route']}({args})" if args else decl["route"]

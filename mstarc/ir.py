@@ -263,12 +263,37 @@ class ParamIR:
 
 
 @dataclass(frozen=True)
+class RouteArgIR:
+    """One `slot = value` of a `serves` declaration, unevaluated: a name of the walk or a string."""
+
+    slot: str | None  # None: a positional argument (E081)
+    value: str | None  # None: neither a name nor a string (E081)
+    literal: bool  # a string rather than a name
+    span: Span = field(default=_NO_SPAN, compare=False)
+
+
+@dataclass(frozen=True)
+class RouteIR:
+    """`serves ROUTE(...)`: an OpenAI route the walk serves (mstarc/routes.py checks it)."""
+
+    route: str
+    args: tuple[RouteArgIR, ...]
+    span: Span = field(default=_NO_SPAN, compare=False)
+    name_span: Span = field(default=_NO_SPAN, compare=False)
+
+    def bind(self) -> dict[str, str]:
+        """The slots it binds (as the plan writes them)."""
+        return {a.slot: a.value for a in self.args if a.slot is not None and a.value is not None}
+
+
+@dataclass(frozen=True)
 class WalkIR:
     name: str
     inputs: tuple[ParamIR, ...]
     outputs: tuple[ParamIR, ...]
     body: Seq
     span: Span = field(default=_NO_SPAN, compare=False)
+    routes: tuple[RouteIR, ...] = ()
 
 
 @dataclass(frozen=True)

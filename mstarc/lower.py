@@ -415,7 +415,8 @@ class _WalkLowerer:
     def lower(self) -> I.WalkIR:
         ins = self.p.params(self.walk.inputs, "walk input")
         outs = self.p.params(self.walk.outputs, "walk output")
-        return I.WalkIR(self.walk.name.name, ins, outs, self.block(self.walk.body), self.walk.span)
+        return I.WalkIR(self.walk.name.name, ins, outs, self.block(self.walk.body), self.walk.span,
+                        tuple(_route(r) for r in self.walk.routes))
 
     def block(self, b: ast.Block) -> I.Seq:
         return I.Seq(tuple(self.stmt(s) for s in b.stmts), b.span)
@@ -535,3 +536,15 @@ def _mentions(expr: ast.Expr, names: set[str]) -> bool:
     if isinstance(expr, ast.FunCall):
         return any(_mentions(a.value, names) for a in expr.args)
     return False
+
+
+def _route(r: ast.Route) -> I.RouteIR:
+    """A `serves` declaration as written: its values are names of the walk or strings, never
+    evaluated as config expressions (a slot's name may shadow a config value)."""
+    args = []
+    for a in r.args:
+        v = a.value
+        value = v.name if isinstance(v, ast.NameRef) else v.value if isinstance(v, ast.StrLit) else None
+        args.append(I.RouteArgIR(a.name.name if a.name is not None else None, value, isinstance(v, ast.StrLit),
+                                 a.span))
+    return I.RouteIR(r.name.name, tuple(args), r.span, r.name.span)

@@ -291,8 +291,15 @@ class _ToAst:
 
     # ---- walks
     def walk(self, meta, children):
-        name, ins, outs, body = children
-        return ast.Walk(name, tuple(ins or ()), tuple(outs or ()), body, self._span(meta))
+        name, ins, outs, *serves, body = children
+        routes = tuple(serves[0]) if serves and serves[0] is not None else ()
+        return ast.Walk(name, tuple(ins or ()), tuple(outs or ()), body, self._span(meta), routes)
+
+    def serves(self, meta, children):
+        return list(children)
+
+    def route(self, meta, children):
+        return ast.Route(children[0], tuple(children[1] or ()), self._span(meta))
 
     def params(self, meta, children):
         return list(_kids(children))

@@ -123,7 +123,10 @@ def format_model(m: ast.Model) -> str:
         out.append(f"  stream {s.src.node.name}.{s.src.port.name} -> {s.dst.node.name}.{s.dst.port.name} : "
                    f"{s.policy.name.name}({format_args(s.policy.args)})")
     for w in m.walks:
-        out.append(f"  walk {w.name.name}({_params(w.inputs)}) -> ({_params(w.outputs)}) {{")
+        serves = ""
+        if w.routes:
+            serves = " serves " + ", ".join(f"{r.name.name}({format_args(r.args)})" for r in w.routes)
+        out.append(f"  walk {w.name.name}({_params(w.inputs)}) -> ({_params(w.outputs)}){serves} {{")
         out += _block(w.body, 2)
         out.append("  }")
     for t in m.transitions:

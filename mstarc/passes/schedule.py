@@ -50,6 +50,7 @@ import networkx as nx
 from mstarc import ir as I
 from mstarc.cohorts import cohort_mark
 from mstarc.graph import lca_children
+from mstarc.routes import emit_modes, routes_json
 
 
 def schedule(model: I.ModelIR) -> I.ModelIR:
@@ -128,7 +129,7 @@ class _Scheduler:
         self.stream_edges = index.stream_edges
 
     def program(self) -> dict[str, Any]:
-        modes = _emit_modes(self.w)
+        modes = emit_modes(self.w)
         return {
             "walk": self.w.name,
             "inputs": [self.input(p) for p in self.w.inputs],
@@ -136,6 +137,7 @@ class _Scheduler:
                         for p in self.w.outputs],
             "streams": sorted(b.id for b in self.buffers.values()),
             "program": self.body(self.w.name),
+            "routes": routes_json(self.w),
         }
 
     def input(self, p: I.ParamIR) -> dict[str, Any]:
@@ -230,11 +232,3 @@ class _Scheduler:
         groups = {self.call_ranks[c.id] for c in I.iter_regions(branch.body) if isinstance(c, I.Call)}
         return next(iter(groups))[0] if len(groups) == 1 and len(next(iter(groups))) == 1 else None
 
-
-def _emit_modes(walk: I.WalkIR) -> dict[str, str]:
-    """Each output's mode, from its first emit in pre-order ("set" when it has none)."""
-    modes: dict[str, str] = {}
-    for r in I.iter_regions(walk.body):
-        if isinstance(r, I.Emit) and r.output not in modes:
-            modes[r.output] = "append" if r.op == "+=" else "set"
-    return modes

@@ -12,7 +12,8 @@ Ensures:  every call names a known node, phase, tag and input ports, with every 
           stream block is fired by a producer (a block with no `fires` edge is E047);
           transitions form no cycle (depth-first search of the topology's transition
           edges, E048); a node no walk `calls` is warning E019; a walk input, an `acc` or a
-          stateless step whose values nothing reads is warning E037.
+          stateless step whose values nothing reads is warning E037. Each walk's `serves`
+          declarations fit their routes (mstarc/routes.py: E080-E083).
 Fails when: any of the above does not hold (all diagnostics of the model, collected).
 """
 
@@ -25,6 +26,7 @@ import networkx as nx
 
 from mstarc import ir as I
 from mstarc.diagnostics import DiagnosticSink, Span, spell_cycle
+from mstarc.routes import check_routes
 
 INT = I.ValueType("int")
 BOOL = I.ValueType("bool")
@@ -50,6 +52,7 @@ def verify(model: I.ModelIR) -> I.ModelIR:
     _check_transition_cycles(model, sink)
     _check_usage(model, sink)
     _check_flow(model, sink)
+    check_routes(model, sink)
     sink.check()
     warnings = tuple(d for d in sink.diagnostics if d.severity == "warning")
     return dataclasses.replace(model, verified=True, warnings=warnings)

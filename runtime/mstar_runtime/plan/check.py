@@ -328,7 +328,8 @@ BODY = Obj({
                         {"edge": NAME, "block": NAME, "item_type": TYPE})),
     "cuda_graphs": List(Obj({"key": NAME, "kind": Str(("step", "loop")), "rank": RANK, "steps": List(NAME),
                              "buckets": List(Int(1, MAX_BATCH))})),
-    "walks": Map(Obj({"inputs": List(PORT_IN), "outputs": List(PORT_OUT), "streams": List(NAME), "program": OP})),
+    "walks": Map(Obj({"inputs": List(PORT_IN), "outputs": List(PORT_OUT), "streams": List(NAME), "program": OP},
+                     {"routes": List(Obj({"route": NAME, "bind": Map(Str())}))})),
     "transitions": List(Obj({"src": NAME, "dst": NAME, "when": NAME,
                              "keep": List(Obj({"node": NAME, "tag": NAME, "as": NAME}))})),
 }, {"requires": List(NAME)})

@@ -25,7 +25,9 @@
    `device="cpu"` is asked for explicitly.
 
 A plan of an older minor schema (before 1.1) has no `cohort` on its loops: loading gives
-every such loop `"cohort": None`, so readers of a loaded plan may use `op["cohort"]`.
+every such loop `"cohort": None`, so readers of a loaded plan may use `op["cohort"]`; one
+before 1.3 has no `routes` on its walks (it declares no OpenAI route): each gets `[]`. Whether
+a walk fits the routes it declares is the server's check (`plan/routes.py`, at its load).
 
 Typed parts (ranks, nodes, KV pools, streams, transitions) are frozen dataclasses; each
 also answers `view["field"]` with the body's own JSON field, for code that follows the
@@ -100,6 +102,8 @@ def load_plan(
     parts = parse_body(where, body)
     _raise_problems(where, Invariants(parts).run())
     null_cohorts(parts["walks"])
+    for walk in parts["walks"].values():
+        walk.setdefault("routes", [])
     resolved = _hardware_fit(where, parts, device, kv_pages_cap)
     return Plan(path=where, device=resolved, kv_pages_cap=kv_pages_cap, body=body, **parts)
 

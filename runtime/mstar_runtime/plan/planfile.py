@@ -31,7 +31,9 @@ from mstar_runtime import untrusted
 MAGIC = b"MSTARPLN"
 CONTAINER_VERSION = 1
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 2  # 1.1: `cohort` on every loop op; 1.2: no `placement.nodes` (each node's `ranks` and `shard.tp` say it)
+# 1.1: `cohort` on every loop op; 1.2: no `placement.nodes` (each node's `ranks` and `shard.tp` say it);
+# 1.3: `routes` on every walk (the OpenAI routes it serves)
+SCHEMA_MINOR = 3
 MAX_BODY_BYTES = 64 << 20  # a plan references weights and never embeds them: 64 MiB is ample
 _HEADER = struct.Struct("<8sHHQ32s")
 HEADER_BYTES = _HEADER.size

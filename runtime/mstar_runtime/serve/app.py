@@ -495,10 +495,13 @@ def check_inputs(state: ServerState, walk: str, inputs: Mapping[str, Any], field
 
 
 async def start_flight(state: ServerState, request: Request, route: str, walk: str, inputs: Mapping[str, Any],
-                       fields: Mapping[str, str], primary: str | None, timeout: float | None = None) -> Flight:
+                       fields: Mapping[str, str], primary: str | None, timeout: float | None = None,
+                       streaming: bool = False) -> Flight:
     """Check, admit and submit one request; the `Flight` to run it under (`async with`), with
     its prompt's token count. A value the walk's prompt node refuses (an unknown voice) is
-    the 400 it would be after running, but at once rather than behind the engine's queue."""
+    the 400 it would be after running, but at once rather than behind the engine's queue.
+    `streaming`: the walk's streamed inputs left out of `inputs` are fed through the handle
+    (`/v1/realtime`'s audio)."""
     codec = state.codecs.get(walk)
     try:
         check_inputs(state, walk, inputs, fields)
@@ -513,7 +516,8 @@ async def start_flight(state: ServerState, request: Request, route: str, walk: s
     state.admit(walk)
     t0 = time.perf_counter()
     try:
-        handle: RequestHandle = state.m.submit(walk, inputs, timeout=timeout)
+        handle: RequestHandle = (state.m.submit(walk, inputs, timeout=timeout, streaming=True) if streaming
+                                 else state.m.submit(walk, inputs, timeout=timeout))
     except Exception as e:
         state.metrics.rejected(walk)
         raise submit_error(e, fields, state.engine_problem()) from None

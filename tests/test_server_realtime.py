@@ -435,3 +435,21 @@ def test_streamed_transcription_starts_before_the_commit(asr: Server) -> None:
     assert all(e["type"] != "error" for e in got)
     pages_back(asr)
     s.close()
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def test_the_benchmark_measures_ttfa(omni: Server, tmp_path: Path) -> None:
+    from support import load_script
+
+    bench = load_script("tools/bench/realtime.py", "bench_realtime")
+    out = tmp_path / "realtime.json"
+    url = omni.base.replace("http://", "ws://") + "/v1/realtime"
+    assert bench.main(["--url", url, "--sessions", "1,2", "--turns", "2", "--seconds", "0.3", "--warmup", "0",
+                       "--extra", json.dumps({**SHORT, "seed": 1}), "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["sessions"], r["turns"], r["ok"], r["failed"]) for r in runs] == [(1, 2, 2, 0), (2, 4, 4, 0)]
+    for r in runs:
+        assert r["ttfa"]["n"] == r["turns"] and r["ttfa_first_turn"]["n"] == r["sessions"]
+        assert 0 < r["ttfa"]["min"] <= r["ttfa"]["max"] <= r["turn"]["max"] and r["audio_s_per_s"] > 0
+    source = (ROOT / "tools/bench/realtime.py").read_text()
+    assert "import mstar_runtime" not in source and "from mstar_runtime" not in source  # any server's protocol

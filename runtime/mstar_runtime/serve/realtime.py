@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import logging
 import time
@@ -136,7 +137,9 @@ def served(state: ServerState) -> Served | None:
     if tokens is None:
         return None
     text = TokenText(plan, "transcribe", str(state.config.weights))
-    return Served(transcribe="transcribe", streamed="audio" in stream_inputs(program), tokens_output=tokens,
+    # an engine in its own process (--engine-process) takes inputs whole: the audio is sent at the commit
+    feeds = "streaming" in inspect.signature(state.m.submit).parameters
+    return Served(transcribe="transcribe", streamed=feeds and "audio" in stream_inputs(program), tokens_output=tokens,
                   text=text if text.node is not None else None)
 
 

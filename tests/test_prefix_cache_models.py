@@ -70,6 +70,24 @@ def test_a_shared_system_prompt_is_computed_once_and_changes_no_bit(testfamily_p
     assert off.kv.prefix_stats()["prefix_cached_pages"] == 0
 
 
+def test_walks_with_forks_and_not_kept_queries_stay_exact(testfamily_plan: Path) -> None:
+    """The flow walk prefills `cond` and `uncond`, and its denoise steps append not-kept query
+    blocks and truncate them every step (new content versions that are never cached); chat
+    hands its context over in a transition. Repeated, they hit and equal their miss."""
+    off = _conductor(testfamily_plan, prefix_caching=False)
+    on = _conductor(testfamily_plan)
+    lead = "Paint this for me: "  # one full block with bos
+    requests = [("flow", {"prompt": lead + "a cat", "negative": lead + "blur", "steps": 3, "seed": 7}),
+                ("chat", {"prompt": lead + "hi", "max_new": 2})]
+    for walk, inputs in requests * 2:
+        miss, hit = off.submit(walk, dict(inputs)), on.submit(walk, dict(inputs))
+        off.run_until_idle()
+        on.run_until_idle()
+        assert hit.state == miss.state == FINISHED, (hit.error, miss.error)
+        _equal(hit.outputs, miss.outputs)
+    assert on.kv.prefix_stats()["prefix_hit_tokens"] > 0
+
+
 def test_a_repeated_prompt_computes_only_its_last_block(testfamily_plan: Path) -> None:
     on = _conductor(testfamily_plan)
     prompt = SYSTEM + QUESTIONS[0]

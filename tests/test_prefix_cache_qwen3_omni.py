@@ -1,0 +1,100 @@
+"""Prefix caching on the tiny Qwen3-Omni thinker (transformers' tiny checkpoint, as
+tests/test_qwen3_omni_walks.py loads it): a chat whose prompt shares leading blocks with an
+earlier one (the same image under another question, a repeated audio question, an earlier
+turn) computes only the rest, and its outputs equal those with the cache off, bit for bit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from qwen3_omni_lm_support import hf_model
+from support import saved_checkpoint
+
+from mstar_runtime.api import MStar
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = {"temperature": 0.0, "top_k": 0}
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return saved_checkpoint(hf_model(seed=0), tmp_path_factory, "qwen3_omni_pc_ckpt")
+
+
+@pytest.fixture(scope="module")
+def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("qwen3_omni_pc") / "tiny.plan"
+    subprocess.run([sys.executable, "-m", "mstarc.cli", "compile", str(ROOT / "models/qwen3_omni/qwen3_omni.walk"),
+                    "--variant", "tiny", "--placement", str(ROOT / "placements/cpu.yaml"), "-o", str(out)],
+                   check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(plan_path: Path, checkpoint: Path) -> Iterator[tuple[MStar, MStar]]:
+    with MStar.load(plan_path, weights=checkpoint, prefix_caching=False) as off, \
+            MStar.load(plan_path, weights=checkpoint) as on:
+        yield off, on
+
+
+def picture(seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (160, 224, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def clip(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.arange(16000) / 16000
+    return 0.3 * torch.sin(2 * torch.pi * (220 + 40 * seed) * t) + 0.05 * torch.randn(t.shape, generator=gen)
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+CHATS: list[dict[str, Any]] = [
+    {"prompt": "Describe this picture in a few words, please.", "image": picture(2)},
+    {"prompt": "Which colours does it have, and why?", "image": picture(2)},  # the same image, another question
+    {"prompt": "Which colours does it have, and why?", "image": picture(5)},  # another image: no image block hits
+    {"prompt": "What do you hear in this clip, tell me?", "audio": clip(1)},
+    {"prompt": "What do you hear in this clip, tell me?", "audio": clip(1)},
+    {"prompt": "What do you hear in this clip, tell me?", "audio": clip(3)},
+]
+
+
+def test_chats_that_share_leading_blocks_hit_and_equal_their_miss(engines: tuple[MStar, MStar]) -> None:
+    off, on = engines
+    cached = []
+    for inputs in CHATS:
+        miss = off.submit("chat", {**inputs, "max_tokens": 8, **GREEDY}).result(timeout=120)
+        h = on.submit("chat", {**inputs, "max_tokens": 8, **GREEDY})
+        _equal(h.result(timeout=120), miss)
+        cached.append(h.stats["cached_tokens"])
+    assert cached[1] > cached[2] and cached[4] > cached[5], cached  # the same media hit further
+    assert cached[1] > 0 and cached[4] > 0
+    assert on.stats()["prefix_hit_tokens"] == sum(cached)
+
+
+def test_a_second_turn_reuses_the_first_turns_blocks(engines: tuple[MStar, MStar]) -> None:
+    """A conversation's second request holds the first turn's prompt and reply, then a new
+    question: the first turn's prompt blocks are found (no special call), outputs unchanged."""
+    off, on = engines
+    first = {"prompt": "Tell me a short fact about the moon, in one line.", "max_tokens": 8, **GREEDY}
+    reply = on.submit("chat", first).result(timeout=120)["text"]
+    follow = {**first, "prompt": first["prompt"] + " " + reply + " And one about the sun?"}
+    h = on.submit("chat", follow)
+    _equal(h.result(timeout=120), off.submit("chat", follow).result(timeout=120))
+    assert h.stats["cached_tokens"] > 0

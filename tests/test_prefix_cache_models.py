@@ -10,11 +10,13 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from support import compile_model
 
 from mstar_runtime.api import MStar
 from mstar_runtime.control.conductor import FINISHED, Conductor
 from mstar_runtime.plan.loader import load_plan
+from mstar_runtime.serve.metrics import Metrics
 from mstar_runtime.worker.worker import Worker
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -173,4 +175,12 @@ def test_orpheus_hit_equals_miss(orpheus_plan: Path) -> None:
             _equal(h.result(), miss)
             assert h.stats["cached_tokens"] > 0
         stats = m.stats()
+        scrape = Metrics("orpheus", snapshot=lambda: (m.stats(), {})).render()[0].decode()
     assert stats["prefix_hit_tokens"] > 0 and stats["prefix_cached_pages"] > 0
+    samples = {s.name: s.value for f in text_string_to_metric_families(scrape) for s in f.samples}
+    assert samples["mstar_prefix_cache_hits_total"] == stats["prefix_hit_tokens"]
+    assert samples["mstar_prefix_cache_queries_total"] == stats["prefix_query_tokens"]
+    assert samples["mstar_prefix_cache_blocks"] == stats["prefix_cached_pages"]
+    assert samples["mstar_prefix_cache_hit_rate"] == pytest.approx(
+        stats["prefix_hit_tokens"] / stats["prefix_query_tokens"])
+    assert 0 < samples["mstar_prefix_cache_hit_rate"] < 1

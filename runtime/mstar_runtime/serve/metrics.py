@@ -9,7 +9,8 @@ Prometheus can scrape several servers and a dashboard can filter by model. Three
   token, real-time factor, steps, preemptions and wasted speculative steps, by walk;
 - the engine, read from `MStar.stats()` at scrape time (`_EngineCollector`), so they are
   exactly the engine's own counters: queue depth, running requests, KV pages and their
-  0-1 usage, batch size, totals of steps, preemptions and wasted steps;
+  0-1 usage, batch size, totals of steps, preemptions and wasted steps, the prefix cache's
+  queries, hits (tokens), hit rate, cached blocks and evictions;
 - the process: CPU seconds, resident memory, open file descriptors (`process_*`), Python's
   garbage collector (`python_gc_*`) and version (`python_info`), prometheus_client's own
   collectors. A multi-rank plan's worker processes are not among them.
@@ -56,6 +57,14 @@ _ENGINE: tuple[tuple[str, str, str, str], ...] = (
      "Engine steps started while a remote step was in flight", "overlapped_steps"),
     ("mstar_engine_remote_wait_seconds_total", "counter",
      "Seconds the engine waited for a remote step with nothing else to run", "remote_wait_seconds"),
+    ("mstar_prefix_cache_queries_total", "counter",
+     "Prompt tokens looked up in the prefix cache (prefills of nodes that give content keys)", "prefix_query_tokens"),
+    ("mstar_prefix_cache_hits_total", "counter",
+     "Of those, tokens whose KV was found cached and not computed", "prefix_hit_tokens"),
+    ("mstar_prefix_cache_blocks", "gauge",
+     "KV pages that hold a cached block, held by a request or not (all pools)", "prefix_cached_pages"),
+    ("mstar_prefix_cache_evictions_total", "counter",
+     "Cached blocks evicted to make room (least recently used first)", "prefix_evictions"),
 )
 # name, help: the server's own gauges, from `ServerState.server_gauges` at scrape time
 _SERVER: tuple[tuple[str, str], ...] = (
@@ -70,6 +79,14 @@ Snapshot = Callable[[], tuple[Mapping[str, Any], Mapping[str, float]]]
 
 def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def hit_rate(stats: Mapping[str, Any]) -> float:
+    """Prefix-cache hit tokens over looked-up tokens since start, 0 to 1 (0 before any look-up)."""
+    hits, queries = _number(stats.get("prefix_hit_tokens")), _number(stats.get("prefix_query_tokens"))
+    if hits is None or not queries:
+        return 0.0
+    return min(1.0, max(0.0, hits / queries))
 
 
 def kv_usage(stats: Mapping[str, Any]) -> float:
@@ -105,6 +122,10 @@ class _EngineCollector:
                                   "Fraction of KV cache pages in use, 0 to 1 (all pools)", labels=[MODEL])
         usage.add_metric([self.model], kv_usage(stats))
         yield usage
+        rate = GaugeMetricFamily("mstar_prefix_cache_hit_rate",
+                                 "Prefix-cache hits over queries since start, in tokens, 0 to 1", labels=[MODEL])
+        rate.add_metric([self.model], hit_rate(stats))
+        yield rate
         counts = CounterMetricFamily("mstar_engine_requests_total",
                                      "Requests by the engine's own count (submitted and by end state)",
                                      labels=[MODEL, "state"])
@@ -233,4 +254,4 @@ class Metrics:
         return encode(self.registry), content_type
 
 
-__all__ = ["ITL_BUCKETS", "LATENCY_BUCKETS", "RTF_BUCKETS", "Metrics", "kv_usage"]
+__all__ = ["ITL_BUCKETS", "LATENCY_BUCKETS", "RTF_BUCKETS", "Metrics", "hit_rate", "kv_usage"]

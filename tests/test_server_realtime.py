@@ -1,8 +1,9 @@
 """`/v1/realtime` (issue 28, part 1) with a real WebSocket client (`websockets`) against servers
 in subprocesses: the test family (tiny; text, with an API key), the tiny Qwen3-Omni (voice in,
-voice and text out; `--weights init`, so the words are noise but every node runs), and the
+voice and text out; `--weights init`, so the words are noise but every node runs), the
 streaming recogniser of tests/constructs/asr.walk (its `transcribe` walk streams its audio
-input in, so the transcript starts before the client commits).
+input in, so the transcript starts before the client commits), and the tiny Whisper (its audio
+taken whole at the commit; slow: 448 random tokens twice).
 
 - a two-turn voice conversation whose second turn's prompt holds the first's history: each
   turn's audio and transcript equal the native `/v1/walks/speech` route's given the prompt
@@ -12,7 +13,10 @@ input in, so the transcript starts before the client commits).
   request are freed within seconds), out-of-order and malformed events (each an `error` event
   naming the event and the field, the session going on), `session.update`, the API key;
 - the streamed transcription equals the walk given the whole audio, and its first delta comes
-  before the commit;
+  before the commit; Whisper's transcript is its walk's;
+- the second text turn's prefill finds the first turn's prompt pages in the prefix cache
+  (`usage.input_token_details.cached_tokens`);
+- tools/bench/realtime.py against the Qwen3-Omni server;
 - in process: `StreamResampler` pieces join to `media.resample` of the whole (to float32 rounding).
 """
 
@@ -63,6 +67,13 @@ def family(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def omni(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     plan = _compile(ROOT / "models/qwen3_omni/qwen3_omni.walk", tmp_path_factory.mktemp("rt-omni") / "q.plan")
     with serving(plan, "--request-timeout", "120") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def whisper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    plan = _compile(ROOT / "models/whisper/whisper.walk", tmp_path_factory.mktemp("rt-whisper") / "w.plan")
+    with serving(plan) as s:
         yield s
 
 
@@ -269,7 +280,8 @@ def test_text_conversation_keeps_its_history(family: Server) -> None:
     s = Session(family, KEY)
     # the tiny family's context is 96 bytes (its tokens): short turns, short replies, no instructions
     history: list[dict] = []
-    for turn, text in enumerate(("hi", "ok")):
+    cached, prompts = [], []
+    for turn, text in enumerate(("hello", "ok")):
         s.send(type="conversation.item.create", item={"type": "message", "role": "user",
                                                       "content": [{"type": "input_text", "text": text}]})
         assert s.recv()["item"]["content"] == [{"type": "input_text", "text": text}]
@@ -280,6 +292,8 @@ def test_text_conversation_keeps_its_history(family: Server) -> None:
         done = events[-1]["response"]
         assert done["status"] == "incomplete" and done["status_details"]["reason"] == "max_output_tokens"
         assert done["usage"]["input_tokens"] == ref["usage"]["prompt_tokens"]
+        cached.append(done["usage"]["input_token_details"]["cached_tokens"])
+        prompts.append(done["usage"]["input_tokens"])
         assert done["output"][0]["content"] == [{"type": "text", "text": said}]
         kinds = [e["type"] for e in events]
         assert kinds[:4] == ["response.created", "response.output_item.added", "conversation.item.created",
@@ -287,6 +301,9 @@ def test_text_conversation_keeps_its_history(family: Server) -> None:
         assert kinds[-4:] == ["response.text.done", "response.content_part.done", "response.output_item.done",
                               "response.done"]
         history.append({"role": "assistant", "content": said})
+    # the second turn's prompt begins with the first's: the prefix cache holds the first's full
+    # pages (16 tokens on placements/cpu.yaml) and the second prefill skips them
+    assert cached == [0, prompts[0] // 16 * 16] and cached[1] > 0
     # an out-of-band response (conversation "none") is not kept
     events, _, _ = reply(s, max_output_tokens=2, conversation="none")
     assert events[-1]["response"]["conversation_id"] is None
@@ -435,6 +452,22 @@ def test_streamed_transcription_starts_before_the_commit(asr: Server) -> None:
     assert all(e["type"] != "error" for e in got)
     pages_back(asr)
     s.close()
+
+
+@pytest.mark.slow
+def test_whisper_transcribes_each_commit(whisper: Server) -> None:
+    """Whisper takes its audio whole: the commit sends it, and the transcript is the walk's."""
+    s = Session(whisper)
+    sound = tone(0.8, 300)
+    item = speak(s, sound, pieces=3)
+    events = s.until("conversation.item.input_audio_transcription.completed")
+    assert {e["item_id"] for e in events} == {item}
+    assert any(e["type"] == "conversation.item.input_audio_transcription.delta" for e in events)
+    assert events[-1]["transcript"] == native(whisper, "transcribe", {"audio": heard(sound)})["text"]
+    assert s.error(type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "hi"}]})["code"] == "unsupported"
+    s.close()
+    pages_back(whisper)
 
 
 # ----------------------------------------------------------------------------- the benchmark

@@ -625,9 +625,12 @@ class Session:
         await self.send({"type": "response.output_item.done", "event_id": new_id("event"), "response_id": rid,
                          "output_index": 0, "item": item.to_json()})
         usage = reply.usage()
+        cached = flight.handle.stats.get("cached_tokens")
         response |= {"status": status, "status_details": details, "output": [item.to_json()],
                      "usage": {"total_tokens": usage["total_tokens"], "input_tokens": usage["prompt_tokens"],
-                               "output_tokens": usage["completion_tokens"]}}
+                               "output_tokens": usage["completion_tokens"],
+                               # the prompt's tokens whose KV the prefix cache held (earlier turns')
+                               "input_token_details": {"cached_tokens": int(cached or 0)}}}
         await self.send({"type": "response.done", "event_id": new_id("event"), "response": response})
 
 

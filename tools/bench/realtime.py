@@ -2,10 +2,10 @@
 the moment the client sends `input_audio_buffer.commit` to the first `response.audio.delta`
 it receives, at 1, 16, ... concurrent sessions.
 
-    python tools/bench/realtime.py --plan /tmp/q-tiny.plan --sessions 1,2 --turns 2 --seconds 0.5 \
-        --extra '{"talker_max_frames": 6, "max_output_tokens": 6}'          # CPU: starts the server itself
-    python tools/bench/realtime.py --url ws://127.0.0.1:8000/v1/realtime --sessions 1,16 --turns 4 \
-        --seconds 2.0 --extra '{"talker_max_frames": 100}' --out $OUT/realtime.json
+    python tools/bench/realtime.py --plan /tmp/q-tiny.plan --sessions 1,4 --turns 2 --seconds 0.5 \
+        --extra '{"talker_max_frames": 8, "max_output_tokens": 8}'          # CPU: starts the server itself
+    python tools/bench/realtime.py --url ws://127.0.0.1:8000/v1/realtime --sessions 1,16 --turns 3 \
+        --seconds 2.0 --extra '{"talker_max_frames": 128}' --out $OUT/realtime.json   # a server already up
 
 Each session connects, sends `session.update` (`--voice`, `--instructions`, modalities text and
 audio), then `--turns` turns: the user's audio (`--seconds` of a synthetic voiced tone at
@@ -27,8 +27,13 @@ received (seconds of 16-bit samples at `--sample-rate`) per second of the run. A
 the others count under `errors` by code. Exit status 1 when any turn failed, 2 for bad usage.
 
 The script imports nothing of the runtime (`websockets`, asyncio), so it measures any server
-that speaks the protocol. GPU run (issue 28), not run in this session: one H200, Qwen3-Omni
-at real size (the docs/serving.md "/v1/realtime" section has the commands).
+that speaks the protocol (`--plan` starts `mstar-run PLAN --serve` of this checkout). GPU run
+(issue 28), not run in this session: one H200, Qwen3-Omni at real size with dummy weights,
+
+    python -m mstarc.cli compile models/qwen3_omni/qwen3_omni.walk --variant real -p placements/h200x1.yaml \
+        -o /tmp/q.plan
+    python tools/bench/realtime.py --plan /tmp/q.plan --weights dummy --device cuda --sessions 1,16 --turns 3 \
+        --seconds 2.0 --extra '{"talker_max_frames": 128, "max_output_tokens": 32}' --out $OUT/realtime.json
 """
 
 from __future__ import annotations

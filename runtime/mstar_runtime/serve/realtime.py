@@ -254,6 +254,11 @@ class Session:
                 kind = event.get("type", "?")
                 await self.send(error_event(e.code or "invalid_value", f"{kind}: {e.message}", e.param,
                                             event.get("event_id"), e.type))
+            except Exception:  # a bug: logged once, answered without its details; the session goes on
+                log.exception("realtime session %s: event %r failed", self.id, event.get("type"))
+                await self.send(error_event("internal_error", f"{event.get('type', '?')}: internal server error (the "
+                                            "server log has the details)", None, event.get("event_id"),
+                                            "server_error"))
 
     def end(self) -> None:
         """The socket closed: cancel what still runs (synchronously: its pages go now)."""

@@ -169,9 +169,11 @@ def native(server: Server, walk: str, inputs: dict) -> dict:
     return json.loads(raw)["outputs"]
 
 
-def pages_back(server: Server) -> None:
+def pages_back(server: Server, sessions: int = 1) -> None:
+    """The KV pages and requests free within seconds; `sessions` sockets still open."""
     wait_for(lambda: metric(server.base, "mstar_kv_pages_in_use") == 0
              and metric(server.base, "mstar_requests_active") == 0, 10, "the KV pages and requests to be freed")
+    wait_for(lambda: metric(server.base, "mstar_realtime_sessions") == sessions, 10, f"{sessions} open sessions")
 
 
 # ----------------------------------------------------------------------------- in process
@@ -363,7 +365,7 @@ def test_two_turn_voice_conversation(omni: Server) -> None:
     assert said3 == native(omni, "chat", {"prompt": prompt, "system": INSTRUCTIONS, "max_tokens": 5,
                                           **GREEDY})["text"]
     s.close()
-    pages_back(omni)
+    pages_back(omni, sessions=0)
 
 
 def test_voice_errors(omni: Server) -> None:
@@ -415,10 +417,10 @@ def test_disconnect_frees_the_request_and_its_pages(omni: Server) -> None:
     speak(s, tone(0.4, 440), pieces=2)
     s.send(type="response.create", response={**GREEDY, "talker_max_frames": 64})
     s.until("response.audio.delta")
-    assert metric(omni.base, "mstar_kv_pages_in_use") > 0
+    assert metric(omni.base, "mstar_kv_pages_in_use") > 0 and metric(omni.base, "mstar_realtime_sessions") == 1
     t0 = time.monotonic()
     s.ws.close()
-    pages_back(omni)
+    pages_back(omni, sessions=0)
     assert time.monotonic() - t0 < 10
     assert metric(omni.base, "mstar_requests_total", 'walk="speech",outcome="cancelled"') == before + 1
 
@@ -468,7 +470,7 @@ def test_whisper_transcribes_each_commit(whisper: Server) -> None:
     assert s.error(type="conversation.item.create", item={"type": "message", "role": "user", "content": [
         {"type": "input_text", "text": "hi"}]})["code"] == "unsupported"
     s.close()
-    pages_back(whisper)
+    pages_back(whisper, sessions=0)
 
 
 # ----------------------------------------------------------------------------- the benchmark

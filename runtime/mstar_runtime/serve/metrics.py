@@ -71,6 +71,7 @@ _SERVER: tuple[tuple[str, str], ...] = (
     ("mstar_requests_active", "Requests submitted to the engine and not yet ended"),
     ("mstar_server_inflight", "HTTP requests being served by a walk"),
     ("mstar_server_draining", "1 while the server drains after SIGTERM"),
+    ("mstar_realtime_sessions", "Open /v1/realtime sessions (WebSockets)"),
     ("mstar_engine_healthy", "1 while the engine and its workers serve"),
 )
 

@@ -162,6 +162,7 @@ def install(app: FastAPI, state: ServerState) -> None:
                 return
         await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
         session = Session(state, what, ws)
+        state.realtime_sessions += 1
         model = ws.query_params.get("model")
         try:
             if model is not None and model != state.model_id:
@@ -173,6 +174,7 @@ def install(app: FastAPI, state: ServerState) -> None:
         except WebSocketDisconnect:
             pass
         finally:
+            state.realtime_sessions -= 1
             session.end()
 
 

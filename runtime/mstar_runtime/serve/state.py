@@ -156,6 +156,7 @@ class ServerState:
         self.loop_limits = {w: loop_limits(m.plan.walk(w)) for w in m.plan.walks}
         self.input_types = {w: input_adapters(m.plan.walk(w)) for w in m.plan.walks}  # one rule for every route
         self.flights: set[Flight] = set()
+        self.realtime_sessions = 0  # open /v1/realtime sockets (serve.realtime)
         self.draining = False
         self._idle = asyncio.Event()
         self._logged_faults: set[str] = set()
@@ -252,6 +253,7 @@ class ServerState:
             "mstar_requests_active": float(stats.get("requests", {}).get("active", 0)),
             "mstar_server_inflight": float(len(self.flights)),
             "mstar_server_draining": 1.0 if self.draining else 0.0,
+            "mstar_realtime_sessions": float(self.realtime_sessions),
             "mstar_engine_healthy": 0.0 if self.engine_problem() else 1.0,
         }
 

@@ -110,11 +110,15 @@ def test_slots_bind_by_name_unless_bound() -> None:
 
 def test_misfits_name_the_slot_and_what_it_wants() -> None:
     w = _walk({"text": STR, "voice": {"kind": "int"}}, {"audio": (AUDIO, "set")})
-    s, problems = resolve("tts", w, {"route": "speech", "bind": {"input": "text", "preamble": "x"}})
+    s, problems = resolve("tts", w, {"route": "speech", "bind": {"input": "text", "voice": "voice", "preamble": "x"}})
     assert s is None
     assert [(slot, kind) for slot, kind, _ in problems] == [("audio", "type"), ("voice", "type"), ("preamble", "bind")]
     assert "appended output (emit +=)" in problems[0][2] and "input 'voice' is int" in problems[1][2]
     assert problems[2][2] == "slot 'preamble' needs slot 'instructions' bound too"
+    # unbound, an optional slot does not take a same-named input that does not fit it
+    w = _walk({"text": STR, "voice": {"kind": "int"}}, {"audio": (AUDIO, "append")})
+    s, problems = resolve("tts", w, {"route": "speech", "bind": {"input": "text"}})
+    assert problems == [] and s is not None and "voice" not in s.slots
 
 
 def test_served_routes_refuses_with_the_walk_and_route() -> None:
@@ -136,3 +140,20 @@ def test_every_route_has_a_path_and_required_slots() -> None:
         assert any(s.required and s.side == "output" for s in route.slots)
         for s in route.slots:
             assert s.needs is None or route.slot(s.needs) is not None
+
+
+def test_the_server_mounts_what_the_walks_declare(tmp_path: Path) -> None:
+    """`serve.state.served_walks`: which walk each route (and each kind of chat request) goes to."""
+    from mstar_runtime.serve.state import served_walks
+
+    qwen = served_walks(load_plan(compile_model(tmp_path / "q.plan", "qwen3_omni", "placements/cpu.yaml")))
+    assert (qwen.chat.walk, qwen.understand, qwen.t2i, qwen.transcriptions) == ("chat", None, None, None)
+    assert (qwen.spoken.role.walk, qwen.spoken.role.output, qwen.spoken.transcript, qwen.spoken.voice) == (
+        "speech", "audio_out", "text", "speaker")  # a spoken reply reads the audio; its text is the transcript
+    assert (qwen.speech.role.text_input, qwen.speech.instructions) == ("prompt", "system")
+    assert qwen.speech.preamble is not None and qwen.speech.preamble.startswith("Read the user's message aloud")
+    bagel = served_walks(load_plan(compile_model(tmp_path / "b.plan", "bagel", "placements/cpu.yaml")))
+    assert (bagel.chat.walk, bagel.understand.walk, bagel.understand.text_input) == ("chat", "understand", "question")
+    assert (bagel.t2i.walk, bagel.edit.walk, bagel.edit.slots["image"], bagel.speech) == ("t2i", "edit", "source", None)
+    whisper = served_walks(load_plan(compile_model(tmp_path / "w.plan", "whisper", "placements/cpu.yaml")))
+    assert (whisper.transcriptions.walk, whisper.translations.walk, whisper.chat) == ("transcribe", "translate", None)

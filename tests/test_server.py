@@ -307,13 +307,16 @@ def test_prompt_rendering_system_and_image_inputs() -> None:
         "prompt": {"name": "prompt", "type": {"kind": "str"}, "default": None},
         "system": {"name": "system", "type": {"kind": "str"}, "default": ""},
         "image": {"name": "image", "type": {"kind": "tensor", "dtype": "u8", "dims": ["Hi", "Wi", 3]}, "default": []},
-    })
+    }, {"prompt": "prompt", "text": "text", "system": "system", "image": "image"})
     prompt, system, image = render_prompt(body, qwen_like)
     assert (prompt, system) == ("what is this?", "be brief")
     assert image is not None and image.shape == (2, 3, 3) and image[0, 0].tolist() == [1, 2, 3]
     plain = WalkRole("chat", "prompt", "tokens", {"prompt": qwen_like.inputs["prompt"]})
     body.messages[1].content = "hi"
     assert render_prompt(body, plain) == ("system: be brief\nuser: hi\nassistant:", None, None)
+    # a `system` input the declaration does not bind is not where system messages go
+    unbound = WalkRole("chat", "prompt", "text", qwen_like.inputs, {"prompt": "prompt", "text": "text"})
+    assert render_prompt(body, unbound)[1] is None
 
 
 def test_served_walks_and_loop_limits(tmp_path: Path) -> None:
@@ -322,9 +325,11 @@ def test_served_walks_and_loop_limits(tmp_path: Path) -> None:
 
     plan = load_plan(compile_plan(tmp_path))
     walks = served_walks(plan)
-    assert (walks.tts.walk, walks.tts.text_input, walks.tts.output) == ("tts", "text", "audio")
+    speech = walks.speech.role
+    assert (speech.walk, speech.text_input, speech.output, walks.speech.voice) == ("tts", "text", "audio", "voice")
     assert (walks.chat.text_input, walks.chat.output) == ("prompt", "tokens")
-    assert walks.t2i.output == "image" and walks.edit.output == "image"
+    assert walks.t2i.output == "image" and walks.edit.output == "image" and walks.edit.slots["image"] == "image"
+    assert walks.understand is None and walks.spoken is None and walks.transcriptions is None
     assert loop_limits(plan.walk("flow")) == {"steps": 8} and loop_limits(plan.walk("chat")) == {}
 
 
@@ -347,3 +352,58 @@ def test_cli_serve_usage_and_busy_port(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-m", "mstar_runtime.cli", str(plan), "--walk", "chat",
                         "--shutdown-timeout", "5"], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=60)
     assert p.returncode == 2 and "go with --serve" in p.stderr
+
+
+def _misfit_plan(tmp_path: Path) -> Path:
+    """The test family's plan with its chat declaration edited by hand to bind `text` to the
+    bool `handoff` (the compiler refuses that: E082), re-encoded with a valid checksum."""
+    from mstar_runtime.plan import planfile
+
+    body = planfile.read(compile_plan(tmp_path, extra=()))
+    body["walks"]["chat"]["routes"] = [{"route": "chat", "bind": {"text": "handoff"}}]
+    planfile.write(tmp_path / "misfit.plan", body)
+    return tmp_path / "misfit.plan"
+
+
+def test_a_walk_that_does_not_fit_its_route_is_refused_at_load(tmp_path: Path) -> None:
+    """Before the engine starts (`mstar-run --serve`: one line, exit 1) and in `create_app`,
+    naming the walk, the route and the slot."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from test_server_support import ENV, ROOT
+
+    from mstar_runtime.plan.loader import load_plan
+    from mstar_runtime.plan.routes import RouteMisfit
+    from mstar_runtime.serve.server import create_app
+
+    plan = _misfit_plan(tmp_path)
+    want = ("walk 'chat' cannot serve route 'chat' (/v1/chat/completions): slot 'text' (the reply) wants an appended "
+            "output (emit +=) of str or an int tensor (token ids); output 'handoff' is bool (set)")
+    with pytest.raises(RouteMisfit) as info:
+        create_app(SimpleNamespace(plan=load_plan(plan)))
+    assert str(info.value) == want
+    p = subprocess.run([sys.executable, "-m", "mstar_runtime.cli", str(plan), "--serve", "--port", "0"],
+                       capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=60)
+    assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == f"mstar-run: error: {plan}: {want}", p.stderr
+
+
+def test_routes_follow_declarations_not_walk_names(tmp_path: Path) -> None:
+    """A walk named `tts` that declares nothing serves no speech; a plan from before route
+    declarations (schema 1.2) serves only the native routes."""
+    from mstar_runtime.plan import planfile
+    from mstar_runtime.plan.loader import load_plan
+    from mstar_runtime.serve.server import served_walks
+
+    body = planfile.read(compile_plan(tmp_path))
+    body["walks"]["tts"]["routes"] = []
+    planfile.write(tmp_path / "silent.plan", body)
+    walks = served_walks(load_plan(tmp_path / "silent.plan"))
+    assert walks.speech is None and walks.chat is not None and walks.t2i is not None
+    body["schema"]["minor"] = 2
+    for w in body["walks"].values():
+        del w["routes"]
+    planfile.write(tmp_path / "old.plan", body)
+    walks = served_walks(load_plan(tmp_path / "old.plan"))
+    assert walks == type(walks)(all=walks.all) and "tts" in walks.all

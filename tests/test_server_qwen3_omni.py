@@ -9,8 +9,9 @@ so the text is noise but every route runs the model end to end).
 - `modalities: ["text", "audio"]` -> walk `speech`: the whole reply's `message.audio` (a 24 kHz
   WAV, or pcm16) and the streamed `delta.audio` pieces (transcript, then base64 PCM) carry the
   same transcript and the same samples (same seed).
-- `/v1/audio/speech` -> walk `speech` with `READ_ALOUD` as its system text: the same audio as
-  the native route given those inputs, whole and streamed.
+- `/v1/audio/speech` -> walk `speech` with `READ_ALOUD`, the preamble its declaration gives
+  (`serves speech(..., preamble = ...)`), as its system text: the same audio as the native
+  route given those inputs, whole and streamed.
 - Errors: 400s naming the field (`audio.voice`, `audio.format`, `audio`, `modalities`,
   `messages[i].content[j].input_audio.*`, `voice`, `max_tokens`).
 - In process: `media.decode_wav` (PCM 8/16/24/32-bit, float, stereo, streamed headers) and
@@ -37,7 +38,11 @@ Image = pytest.importorskip("PIL.Image", reason="images need Pillow")
 
 from test_server_support import ROOT, Server, post, serving  # noqa: E402
 
-from mstar_runtime.serve.media import READ_ALOUD, decode_wav, resample  # noqa: E402
+from mstar_runtime.serve.media import decode_wav, resample  # noqa: E402
+
+# the preamble models/qwen3_omni/qwen3_omni.walk's speech walk declares for /v1/audio/speech
+READ_ALOUD = ("Read the user's message aloud exactly as it is written, word for word. Do not answer it, "
+              "comment on it, translate it or add anything to it.")
 
 WALK = ROOT / "models/qwen3_omni/qwen3_omni.walk"
 MODEL = "qwen3_omni"

@@ -1,7 +1,8 @@
 """Shared by the server tests (no tests here): plans, a server in a subprocess, bounded waits.
 
 The plan is the test family (tiny) plus four walks this file appends to its model, so every
-route has a walk and lifecycle tests have a request that runs as long as they need:
+route has a walk (each declares the route it serves) and lifecycle tests have a request that
+runs as long as they need:
 `tts` (text -> streamed audio through the sliding-window codec), `t2i` and `edit` (a flow
 latent as an image; `edit` takes an image input), and `slow` (holds a KV context and
 streams one latent per flow step, `steps` steps: about 1 ms each on CPU). `tts_long` is a
@@ -36,7 +37,7 @@ MODEL = "testfamily"
 
 EXTRA_WALKS: dict[str, str] = {
     "tts": """
-  walk tts(text: str, voice: str = "tara", max_new: int = 16) -> (audio: f32[S]) {
+  walk tts(text: str, voice: str = "tara", max_new: int = 16) -> (audio: f32[S]) serves speech(input = text) {
     ids = prompt.encode(text = text)
     token, code, done, h = lm.prefill(tokens = ids, max_new = max_new) @main
     dynamic_loop max = max_new_tokens until done carry token, done {
@@ -49,7 +50,8 @@ EXTRA_WALKS: dict[str, str] = {
   }
 """,
     "t2i": """
-  walk t2i(prompt: str, seed: int = 0, steps: int = 4) -> (image: f32[latent_len, latent_dim]) {
+  walk t2i(prompt: str, seed: int = 0, steps: int = 4) -> (image: f32[latent_len, latent_dim])
+      serves image_generations {
     ids = prompt.encode(text = prompt)
     x = flow.init(seed = seed)
     lm.prefill(tokens = ids, max_new = 1) @main
@@ -62,7 +64,8 @@ EXTRA_WALKS: dict[str, str] = {
   }
 """,
     "edit": """
-  walk edit(prompt: str, image: image, seed: int = 0) -> (image: f32[latent_len, latent_dim]) {
+  walk edit(prompt: str, image: image, seed: int = 0) -> (image: f32[latent_len, latent_dim])
+      serves image_edits(output = image) {
     ids = prompt.encode(text = prompt)
     x = flow.init(seed = seed)
     lm.prefill(tokens = ids, max_new = 1) @main
@@ -90,7 +93,7 @@ EXTRA_WALKS: dict[str, str] = {
   }
 """,
     "tts_long": """
-  walk tts(text: str, steps: int = 100) -> (audio: f32[N, latent_dim]) {
+  walk tts(text: str, steps: int = 100) -> (audio: f32[N, latent_dim]) serves speech(input = text) {
     ids = prompt.encode(text = text)
     lm.prefill(tokens = ids, max_new = 1) @main
     x = flow.init(seed = 0)

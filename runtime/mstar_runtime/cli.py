@@ -475,14 +475,24 @@ def run_server(plan: str | PathLike[str], config: ServeConfig | None = None, *,
     except ListenError as e:
         return _error(e)
 
+    def checked() -> Plan:
+        from mstar_runtime.plan.routes import RouteMisfit, served_routes
+
+        loaded = load_plan(plan, device=options.device)  # a bad plan is one line here, before a process starts
+        try:  # a walk that does not fit a route it declares, too: before the weights load
+            served_routes(loaded.walks)
+        except RouteMisfit as e:
+            raise UserError(f"{os.fspath(plan)}: {e}") from None
+        return loaded
+
     def load() -> MStar:
         if not engine_process:
-            return start_engine(load_plan(plan, device=options.device), options)
+            return start_engine(checked(), options)
         from dataclasses import asdict
 
         from mstar_runtime.engine_process import EngineClient, EngineStartError
 
-        loaded = load_plan(plan, device=options.device)  # a bad plan is one line here, before a process starts
+        loaded = checked()
         try:
             fields = {k: (str(v) if k == "weights" else v) for k, v in asdict(options).items()}
             return EngineClient.start(loaded, plan, fields)  # type: ignore[return-value]

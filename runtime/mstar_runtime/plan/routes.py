@@ -6,7 +6,8 @@ docs/walk-language.md "Routes"); the plan carries each declaration as `walks[w].
 request field goes to (speech's `input`, the text to speak), the walk output the response
 is made of (speech's `audio`), or a string the route sends (speech's `preamble`). `bind`
 names, per slot, the walk's input or output (or the string); a slot left out of `bind` takes
-the walk's input (output) of the slot's own name when the walk has one (`resolve`).
+the walk's input (output) of the slot's own name when the walk has one, a required slot
+always, an optional one only when that input (output) fits it (`resolve`).
 
 One rule for both sides: the compiler reports a declaration that does not fit as a
 diagnostic at its slot (mstarc/routes.py), and the server refuses, at load, a plan whose
@@ -46,7 +47,8 @@ _IMAGE_OUT: Accepts = (lambda p: p["type"]["kind"] == "image" or (
     p["type"]["kind"] == "tensor" and len(p["type"].get("dims") or ()) in (2, 3)),
     "an image output, or a tensor of rank 2 or 3")
 _STR_OUT: Accepts = (lambda p: p["type"]["kind"] == "str", "a str output")
-_TOKENS_OUT: Accepts = (lambda p: _tensor(p["type"], INTS), "an int tensor output (token ids)")
+_TOKENS_OUT: Accepts = (lambda p: p.get("mode") == "append" and _tensor(p["type"], INTS),
+                        "an appended output (emit +=) of an int tensor (token ids)")
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,8 @@ ROUTES: dict[str, Route] = {r.name: r for r in (
     )),
     *(Route(name, (f"/v1/audio/{name}",), (
         _in("file", _SAMPLES, "the form's `file`, as 16 kHz samples", required=True),
-        _out("text", _STR_OUT, "the transcript", required=True),
-        _out("tokens", _TOKENS_OUT, "its token ids, streamed (`stream=true`)", required=True),
+        _out("tokens", _TOKENS_OUT, "the transcript's token ids, streamed (`stream=true`)", required=True),
+        _out("text", _STR_OUT, "the transcript (without it: its ids, detokenized)"),
         _in("language", _STR, "the form's `language`"),
         _in("prompt", _STR, "the form's `prompt`"),
         _in("temperature", _FLOAT, "the form's `temperature`"),
@@ -170,6 +172,8 @@ def resolve(walk: str, program: Mapping[str, Any], decl: Mapping[str, Any]) -> t
             continue
         assert s.accepts is not None
         test, words = s.accepts
+        if not test(param) and given is None and not s.required:
+            continue  # an optional slot is not bound to a same-named input or output that does not fit it
         if not test(param):
             how = "" if given is not None else f" (bound by its name: bind {s.name} = <{s.side}> to choose another)"
             problems.append((s.name, "type", f"slot '{s.name}' ({s.doc}) wants {words}; {s.side} '{target}' is "

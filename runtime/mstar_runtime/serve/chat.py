@@ -1,8 +1,10 @@
-"""`POST /v1/chat/completions`, served by the plan's `chat` walk, and by its `understand`
-walk for requests with an image when `chat` takes none (BAGEL: `chat(prompt)` for text,
-`understand(image, question)` for an image and its question); requests with `modalities:
-["text", "audio"]` by the plan's speech walk when it also writes text (`media.speech_walk`:
-Qwen3-Omni's `speech`), answered in OpenAI's audio-output format (below).
+"""`POST /v1/chat/completions`, served by the walks that declare `serves chat(...)`
+(docs/walk-language.md, "Routes"; `state.ServedWalks`): the one without an `image` slot, and
+the one with it for requests with an image (BAGEL: `chat(prompt)` for text, `understand(image,
+question)`, which binds `prompt = question`, for an image and its question; one walk whose
+image input has a default answers both, as Qwen3-Omni's `chat`); requests with `modalities:
+["text", "audio"]` by the walk whose declaration binds the `audio` slot (Qwen3-Omni's
+`speech`), answered in OpenAI's audio-output format (below).
 
 The messages become the walk's text input. A walk whose prompt node asks for it
 (`server_chat_template`) gets the conversation rendered with the chat template that
@@ -11,14 +13,14 @@ refuses the messages is a 400 `chat_template_error` naming it). Any other walk (
 node formats the prompt itself, as Qwen3-Omni's processor and BAGEL's tokenizer do, or no
 template exists) gets plain text: a lone message is its text as is; several are
 `role: text` lines ending with `assistant:`; system and developer messages go to the walk's
-`system` input instead, when it has one.
-Image parts go to the walk's image input when it has one (an `image`, or a uint8 [H, W, 3]
+`system` slot instead, when it binds one.
+Image parts go to the walk's `image` slot when it binds one (an `image`, or a uint8 [H, W, 3]
 tensor; one image, as a data: URL; a remote URL is a 400: nothing is fetched); otherwise
 they are a 400 naming the part. An `input_audio` part (a base64 WAV, `media.decode_wav`) goes
-to the walk's `audio` input (a float [A] tensor), resampled to the rate its prompt node
+to the walk's `input_audio` slot (a float [A] tensor), resampled to the rate its prompt node
 reads (`input_rate`); one per request, and mp3 is a 400 (no decoder is bundled). A plan
-with `understand` but no `chat` answers a request
-without an image with a 400 naming `messages`. `max_tokens`
+whose only chat walk requires an image answers a request
+without one with a 400 naming `messages`. `max_tokens`
 (or `max_completion_tokens`; above the plan's limit a 400, as on every route:
 `app.check_token_limit`) goes to the walk's `max_tokens` / `max_new_tokens` / `max_new`
 / `max_length` input and is also enforced here:
@@ -41,7 +43,7 @@ failure is logged.
 
 Audio out. `audio: {"voice", "format"}` is required with `modalities: ["text", "audio"]` and
 refused without it; the voice goes to the walk's voice input (Qwen3-Omni: `speaker`; a
-voice the walk does not know is the node's 400, naming `audio.voice`). The whole reply is a
+voice the walk does not know is the node's 400, naming `audio.voice`; the `voice` slot). The whole reply is a
 message with `content: null` and `audio: {"id", "data", "expires_at", "transcript"}`:
 `data` the base64 of a WAV or of raw 16-bit mono PCM at the plan's `sample_rate`, the
 transcript the walk's text. Nothing is kept for later turns, so `expires_at` is the
@@ -83,7 +85,7 @@ from mstar_runtime.serve.app import (
 from mstar_runtime.serve.chat_template import ChatTemplate, template_for
 from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
 from mstar_runtime.serve.io import b64, decode_image_text, pcm16, wav_header
-from mstar_runtime.serve.media import SpeechWalk, speech_walk, voice_of
+from mstar_runtime.serve.media import SpeechWalk, voice_of
 from mstar_runtime.serve.schemas import MAX_STR, ChatCompletionRequest, InputAudioPart
 from mstar_runtime.serve.text import TextCodec, TextStream
 
@@ -104,22 +106,18 @@ NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0}
 
 
 def image_input(role: WalkRole) -> str | None:
-    """The walk input an image part goes to: an `image`, or a uint8 [H, W, 3] tensor (Qwen3-Omni)."""
-    for name, p in role.inputs.items():
-        t = p["type"]
-        if t["kind"] == "image" or (t["kind"] == "tensor" and t.get("dtype") == "u8" and len(t.get("dims", [])) == 3
-                                    and t["dims"][2] == 3):
-            return name
-    return None
+    """The walk input an image part goes to: its `image` slot (an `image`, or a uint8 [H, W, 3] tensor)."""
+    return role.slots.get("image")
 
 
 def audio_input(role: WalkRole) -> str | None:
-    """The walk input an `input_audio` part goes to: `audio`, a float [A] tensor (Qwen3-Omni's)."""
-    p = role.inputs.get("audio")
-    t = p["type"] if p is not None else {}
-    if t.get("kind") == "tensor" and t.get("dtype") in ("f32", "f16", "bf16") and len(t.get("dims", [])) == 1:
-        return "audio"
-    return None
+    """The walk input an `input_audio` part goes to: its `input_audio` slot (a float [A] tensor)."""
+    return role.slots.get("input_audio")
+
+
+def system_input(role: WalkRole) -> str | None:
+    """The walk input system and developer messages go to without a chat template: its `system` slot."""
+    return role.slots.get("system")
 
 
 def audio_part(body: ChatCompletionRequest) -> tuple[str, InputAudioPart] | None:
@@ -133,13 +131,13 @@ def audio_part(body: ChatCompletionRequest) -> tuple[str, InputAudioPart] | None
 
 def render_prompt(body: ChatCompletionRequest, role: WalkRole, template: ChatTemplate | None = None
                   ) -> tuple[str, str | None, torch.Tensor | None]:
-    """The walk's text input, its `system` input (when it has one) and image, from the messages
+    """The walk's text input, its `system` slot's text (when it binds one) and image, from the messages
     (an `input_audio` part is checked here and decoded by `decode_input_audio`): rendered with
     `template` when there is one, else by the plain-text rule (module docstring)."""
     target = image_input(role)
     hears = audio_input(role) is not None
     audio_seen = False
-    has_system = template is None and "system" in role.inputs and role.inputs["system"]["type"]["kind"] == "str"
+    has_system = template is None and system_input(role) is not None
     conversation: list[dict[str, str]] = []
     image: torch.Tensor | None = None
     texts: list[tuple[str, str]] = []
@@ -355,14 +353,14 @@ def pick_walk(state: ServerState, body: ChatCompletionRequest) -> WalkRole:
             raise bad_request(f"walk '{understand.walk}' answers questions about an image: add an image_url part "
                               "(this plan has no text-only chat walk)", "messages", "missing")
         return understand
-    raise AssertionError("the chat route is installed only for a plan with chat or understand")
+    raise bad_request("this plan's chat walk answers in speech only: use modalities ['text', 'audio'] with audio: "
+                      "{\"voice\": ..., \"format\": ...}", "modalities", "unsupported_modality")
 
 
 def spoken_walk(state: ServerState) -> SpeechWalk | None:
-    """The walk that answers modalities ["text", "audio"]: the speech walk (`media.speech_walk`)
-    when it takes a chat prompt and writes its text too (Qwen3-Omni's `speech`)."""
-    speech = speech_walk(state)
-    return speech if speech is not None and speech.transcript is not None else None
+    """The walk that answers modalities ["text", "audio"]: the chat walk whose declaration binds
+    `audio` (Qwen3-Omni's `speech`), its `text` the transcript."""
+    return state.walks.spoken
 
 
 def check_modalities(body: ChatCompletionRequest, speech: SpeechWalk | None) -> bool:
@@ -393,7 +391,6 @@ def install(app: FastAPI, state: ServerState) -> None:
     from fastapi.responses import StreamingResponse
 
     served = [r.walk for r in (state.walks.chat, state.walks.understand) if r is not None]
-    assert served
     speech = spoken_walk(state)
     if speech is not None:
         served.append(speech.role.walk)
@@ -420,7 +417,9 @@ def install(app: FastAPI, state: ServerState) -> None:
         inputs: dict[str, Any] = {role.text_input: prompt}
         fields = {role.text_input: "messages"}
         if system is not None:
-            inputs["system"], fields["system"] = system, "messages"
+            name = system_input(role)
+            assert name is not None  # render_prompt gives a system text only then
+            inputs[name], fields[name] = system, "messages"
         if image is not None:
             name = image_input(role)
             assert name is not None
@@ -664,4 +663,4 @@ async def _streamed_spoken(flight: Flight, said: SpokenReply, rid: str, model: s
 
 
 __all__ = ["audio_input", "audio_part", "check_modalities", "decode_input_audio", "has_image", "image_input",
-           "image_part", "input_rate", "install", "pick_walk", "render_prompt", "spoken_walk"]
+           "image_part", "input_rate", "install", "pick_walk", "render_prompt", "spoken_walk", "system_input"]

@@ -1,5 +1,7 @@
-"""`POST /v1/images/generations` (walk `t2i`) and `POST /v1/images/edits` (walk `edit`), each
-installed only when the plan has its walk.
+"""`POST /v1/images/generations` and `POST /v1/images/edits`, each installed only for the walk
+that declares it (`serves image_generations`, `serves image_edits(image = source, output =
+image)`: BAGEL's `t2i` and `edit`; docs/walk-language.md, "Routes"): `prompt` goes to the
+`prompt` slot, an edit's image to the `image` slot, and the PNGs are the `image` (`output`) slot.
 
 Responses are OpenAI's `{"created", "data": [{"b64_json": PNG}], "output_format": "png",
 "size": "WxH"}`. `response_format: "url"` is a 400 naming `response_format`: there is no
@@ -205,7 +207,7 @@ def _install_generations(app: FastAPI, state: ServerState, role: WalkRole) -> No
 
 
 def _install_edits(app: FastAPI, state: ServerState, role: WalkRole) -> None:
-    image_input = next(n for n, p in role.inputs.items() if p["type"]["kind"] == "image")
+    image_input = role.slots["image"]
     kinds = {n: p["type"] for n, p in role.inputs.items()}
 
     @app.post("/v1/images/edits", tags=["openai"], responses=ERROR_RESPONSES,

@@ -1,13 +1,15 @@
 """`POST /v1/audio/speech`, installed only when the plan has a walk for it (the image routes
 are `serve.images`), and the audio a client sends (WAV files, resampled to a walk's rate).
 
-Which walk. A model listed in `SPEECH_WALKS` by its plan's model name is served by the
-walk named there (Qwen3-Omni: `speech`, whose `prompt` is a user turn the model answers, so
-the route sends it with a system text that asks for the input read aloud, `READ_ALOUD`,
-and `instructions` after it); any other plan by its `tts` walk (Orpheus, the test family).
+Which walk. The walk that declares `serves speech(...)` (docs/walk-language.md, "Routes");
+no walk declares it, no route. Its slots say where each field goes: Orpheus' `tts` binds
+`input = text` (and `voice`, `audio` by their names); Qwen3-Omni's `speech` binds `input =
+prompt`, `voice = speaker`, `instructions = system` and a `preamble`: its prompt is a user
+turn the model would otherwise answer, so the route sends the preamble, which asks for the
+input read aloud, with `instructions` after it.
 
-Speech. `input` goes to the walk's text input (`tts`: `text`), `voice` to its voice input
-(`voice`, or Qwen3-Omni's `speaker`; ignored when the walk has none), `speed` and
+Speech. `input` goes to the walk's `input` slot, `voice` to its `voice` slot (ignored when
+the walk binds none), `speed` and
 `instructions` only to inputs of those names (else 400 unless left at their defaults);
 extra body keys that are walk inputs pass through (`seed`,
 `max_tokens`), typed and bounded as on every route (`app.walk_extras`, `app.check_inputs`:
@@ -47,8 +49,6 @@ from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
 from mstar_runtime.serve.io import b64, pcm16, wav_header
 from mstar_runtime.serve.schemas import SpeechRequest
 from mstar_runtime.serve.state import (  # re-exported: the speech walk is found there
-    READ_ALOUD,
-    SPEECH_WALKS,
     SpeechWalk,
     is_stream,
     speech_walk,
@@ -240,5 +240,5 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-__all__ = ["READ_ALOUD", "SPEECH_WALKS", "SpeechWalk", "decode_wav", "install", "resample", "speech_inputs",
+__all__ = ["SpeechWalk", "decode_wav", "install", "resample", "speech_inputs",
            "speech_walk", "voice_of"]

@@ -2,8 +2,8 @@
 as it applies (docs/serving.md, "/v1/realtime"; events parsed in `serve.realtime_protocol`).
 
 Two kinds of session, by the plan:
-- a conversation (a plan with a `chat` walk; audio and speech out through the speech walk
-  that writes text, `chat.spoken_walk`: Qwen3-Omni's `speech`). The session keeps the
+- a conversation (a plan with a walk that declares `chat`; audio and speech out through the
+  chat walk with spoken replies, `chat.spoken_walk`: Qwen3-Omni's `speech`). The session keeps the
   conversation's items across turns. `response.create` renders them as the chat route
   renders the same messages (`chat.render_prompt`, with the walk's chat template or the
   plain-text rule; the session's `instructions` as the system message) and sends the audio
@@ -13,11 +13,11 @@ Two kinds of session, by the plan:
   The reply streams as `response.audio_transcript.delta` and `response.audio.delta`
   (base64 pcm16 at the plan's rate: 24 kHz for Qwen3-Omni), or `response.text.delta`, then
   `response.done`; the assistant's item joins the conversation (its transcript).
-- a transcription (a plan without `chat` whose `transcribe` walk takes `audio: f32[S]`:
-  Whisper, or a walk whose audio is a streamed input). Committed audio becomes a user item
-  whose transcript streams as `conversation.item.input_audio_transcription.delta` events,
-  then `.completed`. When the walk streams its audio input in (`stream transcribe.audio ->
-  ...`), the request is submitted at the first `input_audio_buffer.append` and each append
+- a transcription (a plan without a chat walk whose walk that declares `transcriptions`
+  streams its token ids: Whisper's `transcribe`, or a walk whose audio is a streamed input).
+  Committed audio goes to its `file` slot and becomes a user item whose transcript streams as
+  `conversation.item.input_audio_transcription.delta` events, then `.completed`. When the
+  walk streams its audio input in (`stream transcribe.audio -> ...`), the request is submitted at the first `input_audio_buffer.append` and each append
   is fed to it at once (`RequestHandle.feed`, resampled piece by piece by
   `StreamResampler`), so the model works on the first chunks while the client still
   speaks; `commit` closes the input (`close_input`), `clear` cancels the request.
@@ -55,7 +55,15 @@ from mstar_runtime.serve.app import (
     start_flight,
     walk_extras,
 )
-from mstar_runtime.serve.chat import Reply, SpokenReply, audio_input, input_rate, render_prompt, spoken_walk
+from mstar_runtime.serve.chat import (
+    Reply,
+    SpokenReply,
+    audio_input,
+    input_rate,
+    render_prompt,
+    spoken_walk,
+    system_input,
+)
 from mstar_runtime.serve.chat_template import template_for
 from mstar_runtime.serve.common import ApiError, ClientGone, Flight
 from mstar_runtime.serve.realtime_protocol import (
@@ -104,6 +112,7 @@ class Served:
     speech: SpeechWalk | None = None
     templates: dict[str, Any] = dataclasses.field(default_factory=dict)
     transcribe: str | None = None
+    audio: str = "audio"  # transcribe's audio input (its `file` slot)
     streamed: bool = False  # transcribe's audio is a streamed input
     tokens_output: str | None = None  # transcribe's appended token ids
     text: TokenText | None = None  # their text, or None: ids as numbers
@@ -127,20 +136,17 @@ def served(state: ServerState) -> Served | None:
                 state.codecs[r.walk] = TextCodec(plan, r.walk, r.text_input, state.config.weights)
             out.templates[r.walk] = template_for(plan, r.walk, r.text_input, state.config.weights)
         return out
-    program = plan.walks.get("transcribe")
-    audio = next((p for p in program["inputs"] if p["name"] == "audio"), None) if program else None
-    t = audio["type"] if audio else {}
-    if not (t.get("kind") == "tensor" and t.get("dtype") == "f32" and len(t.get("dims") or ()) == 1):
+    role = state.walks.transcriptions
+    if role is None:
         return None
-    tokens = next((o["name"] for o in program["outputs"] if o["mode"] == "append" and o["type"]["kind"] == "tensor"
-                   and o["type"].get("dtype") in ("i32", "i64")), None)
-    if tokens is None:
-        return None
-    text = TokenText(plan, "transcribe", str(state.config.weights))
+    program = plan.walk(role.walk)
+    tokens = role.slots["tokens"]  # appended token ids (the route's rule)
+    text = TokenText(plan, role.walk, str(state.config.weights), role.slots.get("text", tokens))
     # an engine in its own process (--engine-process) takes inputs whole: the audio is sent at the commit
     feeds = "streaming" in inspect.signature(state.m.submit).parameters
-    return Served(transcribe="transcribe", streamed=feeds and "audio" in stream_inputs(program), tokens_output=tokens,
-                  text=text if text.node is not None else None)
+    audio = role.slots["file"]
+    return Served(transcribe=role.walk, audio=audio, streamed=feeds and audio in stream_inputs(program),
+                  tokens_output=tokens, text=text if text.node is not None else None)
 
 
 def install(app: FastAPI, state: ServerState) -> None:
@@ -364,35 +370,36 @@ class Session:
             flight, resampler, _ = self.fed
             self.fed = None
             try:
-                await asyncio.to_thread(self._feed_rest, flight, resampler)
+                await asyncio.to_thread(self._feed_rest, flight, resampler, self.what.audio)
             except (RequestFailed, RequestError):
                 pass  # the transcription task reports the request's failure
             return
         rate = input_rate(self.state, self.what.transcribe)
         samples = await asyncio.to_thread(_resampled, audio, rate)
-        flight = await self._start(self.what.transcribe, {"audio": samples}, {"audio": "audio"}, streaming=False)
+        audio_in = self.what.audio
+        flight = await self._start(self.what.transcribe, {audio_in: samples}, {audio_in: "audio"}, streaming=False)
         self._spawn(self._transcribe(flight, item.id))
 
     @staticmethod
-    def _feed_rest(flight: Flight, resampler: StreamResampler) -> None:
+    def _feed_rest(flight: Flight, resampler: StreamResampler, audio_in: str) -> None:
         rest = resampler.close()
         if rest.numel():
-            flight.handle.feed("audio", rest)
-        flight.handle.close_input("audio")
+            flight.handle.feed(audio_in, rest)
+        flight.handle.close_input(audio_in)
 
     async def _feed(self, samples: torch.Tensor, event: dict[str, Any]) -> None:
         """Feed an append to the streamed transcription (started by the buffer's first append)."""
         walk = self.what.transcribe
         assert walk is not None
         if self.fed is None:
-            flight = await self._start(walk, {}, {"audio": "audio"}, streaming=True)
+            flight = await self._start(walk, {}, {self.what.audio: "audio"}, streaming=True)
             self.fed = (flight, StreamResampler(CLIENT_RATE, input_rate(self.state, walk)), new_id("item"))
             self._spawn(self._transcribe(flight, self.fed[2]))
         flight, resampler, _ = self.fed
         piece = resampler.push(samples)
         if piece.numel():
             try:  # `feed` waits while the engine lags (backpressure): off the loop
-                await asyncio.to_thread(flight.handle.feed, "audio", piece)
+                await asyncio.to_thread(flight.handle.feed, self.what.audio, piece)
             except (RequestFailed, RequestError) as e:
                 raise EventError("input_audio_buffer_failed", f"input_audio_buffer.append: the transcription "
                                  f"request has ended ({e}); clear the buffer to start another", "audio",
@@ -540,7 +547,9 @@ class Session:
         inputs: dict[str, Any] = {role.text_input: prompt}
         fields = {role.text_input: "item"}
         if system is not None:
-            inputs["system"], fields["system"] = system, "session.instructions"
+            name = system_input(role)
+            assert name is not None  # render_prompt gives a system text only then
+            inputs[name], fields[name] = system, "session.instructions"
         last = self.items[-1]
         if last.role == "user" and last.audio is not None:
             name = audio_input(role)

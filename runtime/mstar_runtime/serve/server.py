@@ -2,9 +2,11 @@
 
     app = create_app(MStar.load("tf.plan"), ServeConfig())      # or: mstar-run tf.plan --serve
 
-Routes depend on the plan's walks (`ServedWalks`): `/v1/audio/speech` for a walk `tts`,
-`/v1/chat/completions` for `chat` and/or `understand` (requests with an image go to
-`understand` when `chat` takes none), `/v1/images/generations` and `/edits` for `t2i` / `edit`,
+Routes follow what the plan's walks declare (`serves ...`, docs/walk-language.md "Routes";
+`ServedWalks`, checked at load: a walk that does not fit a route it declares is a
+`RouteMisfit` naming both): `/v1/audio/speech`, `/v1/chat/completions` (a text walk, one
+that takes an image, one with spoken replies), `/v1/images/generations` and `/edits`,
+`/v1/audio/transcriptions` and `/translations`, each for the walk that declares it;
 `/v1/walks/<walk>` for every walk; always `/v1/models`, `/health`, `/metrics` and
 `/openapi.json`. docs/serving.md lists them with their errors and metrics. With
 `ServeConfig.api_key` every route but `/health` wants `Authorization: Bearer <key>`;
@@ -43,6 +45,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from mstar_runtime.api import MStar
+from mstar_runtime.plan.routes import RouteMisfit
 from mstar_runtime.serve import app as server_app
 from mstar_runtime.serve import chat as server_chat
 from mstar_runtime.serve import images as server_images
@@ -85,7 +88,7 @@ def create_app(m: MStar, config: ServeConfig | None = None) -> FastAPI:
                   description="OpenAI-compatible and native routes over a compiled M* plan (docs/serving.md).")
     app.state.mstar = state
     server_app.install(app, state)
-    if state.walks.chat is not None or state.walks.understand is not None:
+    if state.walks.chat is not None or state.walks.understand is not None or state.walks.spoken is not None:
         server_chat.install(app, state)
     server_media.install(app, state)
     server_images.install(app, state)
@@ -144,7 +147,8 @@ def serve(m: MStar, config: ServeConfig, sock: socket.socket | None = None) -> i
               file=sys.stderr, flush=True)
         server.run(sock)
         return 1 if server.startup_failed else 0
-    except (ListenError, ChatTemplateError) as e:  # a checkpoint's chat template that does not compile, too
+    # a checkpoint's chat template that does not compile, a walk that does not fit its route, too
+    except (ListenError, ChatTemplateError, RouteMisfit) as e:
         print(f"mstar-run: error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -1,7 +1,7 @@
 """What the server knows of its plan and its engine, shared by the server and every route
 module (`ServerState`), so that the routes import it and the server imports the routes
 without either importing the other back: the configuration (`ServeConfig`), which OpenAI
-routes the plan's walks serve (`served_walks`, `speech_walk`), the bounds of their loop
+routes the plan's walks declare that they serve (`served_walks`, `speech_walk`), the bounds of their loop
 counts (`loop_limits`), and the state: the engine, admission, the drain, metrics.
 """
 
@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from os import PathLike
 from typing import TYPE_CHECKING, Any
 
 from mstar_runtime.api import MStar
 from mstar_runtime.plan.loader import Plan
+from mstar_runtime.plan.routes import served_routes
 from mstar_runtime.serve.common import (
     ENGINE_STOPPED,
     SERVER,
@@ -54,70 +55,77 @@ class ServeConfig:
 # ----------------------------------------------------------------------------- walks
 @dataclass(frozen=True)
 class WalkRole:
-    """How an OpenAI route uses a walk: its text input and the output it reads."""
+    """How an OpenAI route uses a walk: its text input and the output it reads, and the
+    route's slots resolved to the walk's names (`plan.routes`: `{"image": "source"}`)."""
 
     walk: str
     text_input: str
     output: str
     inputs: Mapping[str, Mapping[str, Any]]  # name -> declared input
+    slots: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SpeechWalk:
+    """How a walk serves speech: its text input and audio output (`role`), the inputs that
+    `voice` and `instructions` go to, the system text sent before any instructions, and the
+    walk's text output (its transcript) when it has one."""
+
+    role: WalkRole
+    voice: str | None = None
+    instructions: str | None = None
+    preamble: str | None = None
+    transcript: str | None = None
 
 
 @dataclass(frozen=True)
 class ServedWalks:
-    tts: WalkRole | None = None
-    chat: WalkRole | None = None
+    """The walks each OpenAI route is mounted for, from the walks' own declarations."""
+
+    speech: SpeechWalk | None = None
+    chat: WalkRole | None = None  # chat requests (with an image too, when it takes one)
     understand: WalkRole | None = None  # chat requests with an image, when `chat` takes none
+    spoken: SpeechWalk | None = None  # chat requests with modalities ["text", "audio"]
     t2i: WalkRole | None = None
     edit: WalkRole | None = None
+    transcriptions: WalkRole | None = None
+    translations: WalkRole | None = None
     all: tuple[str, ...] = field(default_factory=tuple)
 
 
-def _role(plan: Plan, walk: str, texts: tuple[str, ...], pick: Callable[[Mapping[str, Any]], bool]) -> WalkRole | None:
-    program = plan.walks.get(walk)
-    if program is None:
-        return None
-    inputs = {p["name"]: p for p in program["inputs"]}
-    text = next((t for t in texts if t in inputs and inputs[t]["type"]["kind"] == "str"), None)
-    out = next((o["name"] for o in program["outputs"] if pick(o)), None)
-    return WalkRole(walk, text, out, inputs) if text and out else None
-
-
-def _is_audio(o: Mapping[str, Any]) -> bool:
-    t = o["type"]
-    return o["name"] == "audio" and t["kind"] == "tensor" and t.get("dtype") in ("f32", "f16", "bf16")
-
-
-def _is_text_stream(o: Mapping[str, Any]) -> bool:
-    t = o["type"]
-    return o["mode"] == "append" and (t["kind"] == "str" or (t["kind"] == "tensor" and t.get("dtype") in ("i32", "i64")))
-
-
-def _is_image(o: Mapping[str, Any]) -> bool:
-    return o["type"]["kind"] == "image" or o["name"] in ("image", "images", "pixels")
-
-
-def _takes_image(role: WalkRole | None) -> bool:
-    """An `image` input, or a uint8 [H, W, 3] tensor (Qwen3-Omni's), as `chat.image_input` reads it."""
-    for p in (role.inputs.values() if role is not None else ()):
-        t = p["type"]
-        if t["kind"] == "image" or (t["kind"] == "tensor" and t.get("dtype") == "u8" and len(t.get("dims", [])) == 3
-                                    and t["dims"][2] == 3):
-            return True
-    return False
+# each route's (text input, output) slots: what a WalkRole's text_input and output are
+_ROLE_SLOTS = {"speech": ("input", "audio"), "chat": ("prompt", "text"), "image_generations": ("prompt", "image"),
+               "image_edits": ("prompt", "output"), "transcriptions": ("file", "text"),
+               "translations": ("file", "text")}
 
 
 def served_walks(plan: Plan) -> ServedWalks:
-    """Which OpenAI routes this plan serves, by walk name and typed inputs/outputs."""
-    edit = _role(plan, "edit", ("prompt", "text"), _is_image)
-    if edit is not None and not any(p["type"]["kind"] == "image" for p in edit.inputs.values()):
-        edit = None
-    understand = _role(plan, "understand", ("question", "prompt", "text"), _is_text_stream)
+    """The walks each route is mounted for: every walk's `routes` declarations, resolved and
+    checked (`plan.routes.served_routes`: a walk that does not fit a route it declares is a
+    `RouteMisfit` naming both). No walk is picked by its name or the model's."""
+    roles: dict[str, list[WalkRole]] = {}
+    for s in served_routes(plan.walks):
+        program = plan.walks[s.walk]
+        text, out = _ROLE_SLOTS[s.route]
+        roles.setdefault(s.route, []).append(WalkRole(s.walk, s.slots[text], s.slots[out],
+                                                      {p["name"]: p for p in program["inputs"]}, s.slots))
+    one = {r: v[0] for r, v in roles.items() if r != "chat"}
+    chats = roles.get("chat", [])
+    spoken = next((r for r in chats if "audio" in r.slots), None)
+    text_only = next((r for r in chats if "audio" not in r.slots and "image" not in r.slots), None)
+    pictured = next((r for r in chats if "audio" not in r.slots and "image" in r.slots), None)
+    if text_only is None and pictured is not None and pictured.inputs[pictured.slots["image"]].get("default") is not None:
+        text_only, pictured = pictured, None  # its image is optional: it answers every chat request
+    speech = one.get("speech")
     return ServedWalks(
-        tts=_role(plan, "tts", ("text",), _is_audio),
-        chat=_role(plan, "chat", ("prompt", "text"), _is_text_stream),
-        understand=understand if _takes_image(understand) else None,
-        t2i=_role(plan, "t2i", ("prompt", "text"), _is_image),
-        edit=edit,
+        speech=SpeechWalk(speech, speech.slots.get("voice"), speech.slots.get("instructions"),
+                          speech.slots.get("preamble"), speech.slots.get("transcript")) if speech else None,
+        chat=text_only, understand=pictured,
+        # a spoken reply's role reads the audio; its text is the transcript
+        spoken=SpeechWalk(replace(spoken, output=spoken.slots["audio"]), spoken.slots.get("voice"),
+                          transcript=spoken.slots["text"]) if spoken else None,
+        t2i=one.get("image_generations"), edit=one.get("image_edits"),
+        transcriptions=one.get("transcriptions"), translations=one.get("translations"),
         all=tuple(sorted(plan.walks)),
     )
 
@@ -151,6 +159,10 @@ class ServerState:
         self.model_id = config.model_name or m.plan.model_name
         self.created = int(time.time())
         self.walks = served_walks(m.plan)
+        schema = m.plan.body.get("schema", {})
+        if schema.get("minor", 0) < 3:
+            log.warning("plan schema %s.%s predates route declarations (1.3): it serves no OpenAI route, only "
+                        "/v1/walks; recompile it with this mstarc", schema.get("major"), schema.get("minor"))
         self.metrics = Metrics(self.model_id, self.sample_rate, snapshot=self.snapshot)
         self.api_key_digest = api_key_digest(config.api_key) if config.api_key else None
         self.loop_limits = {w: loop_limits(m.plan.walk(w)) for w in m.plan.walks}
@@ -259,53 +271,9 @@ class ServerState:
 
 
 # ----------------------------------------------------------------------------- speech
-# What Qwen3-Omni's speech walk is told for /v1/audio/speech: its prompt is a user turn that
-# the model would otherwise answer rather than read
-READ_ALOUD = ("Read the user's message aloud exactly as it is written, word for word. Do not answer it, "
-              "comment on it, translate it or add anything to it.")
-
-
-@dataclass(frozen=True)
-class SpeechWalk:
-    """How a walk serves speech: its text input and audio output (`role`), the inputs that
-    `voice` and `instructions` go to, the system text sent before any instructions, and the
-    walk's text output (its transcript) when it has one."""
-
-    role: WalkRole
-    voice: str | None = None
-    instructions: str | None = None
-    preamble: str | None = None
-    transcript: str | None = None
-
-
-# models whose speech is not a `tts(text, voice)` walk, by the plan's model name:
-# (walk, text input, voice input, instructions input, audio output, preamble)
-SPEECH_WALKS: dict[str, tuple[str, str, str, str, str, str | None]] = {
-    "qwen3_omni": ("speech", "prompt", "speaker", "system", "audio_out", READ_ALOUD),
-}
-
-
 def speech_walk(state: ServerState) -> SpeechWalk | None:
-    """The walk that serves `/v1/audio/speech` (module docstring), or None."""
-    known = SPEECH_WALKS.get(state.plan.model_name)
-    if known is not None:
-        walk, text, voice, instructions, audio, preamble = known
-        program = state.plan.walks.get(walk)
-        if program is None:
-            return None
-        inputs = {p["name"]: p for p in program["inputs"]}
-        outputs = {o["name"]: o for o in program["outputs"]}
-        if not (_is_str(inputs.get(text)) and is_stream(outputs.get(audio), ("f32", "f16", "bf16"))):
-            return None
-        transcript = next((n for n, o in outputs.items() if n != audio and is_stream(o, ("str", "i32", "i64"))),
-                          None)
-        return SpeechWalk(WalkRole(walk, text, audio, inputs), voice if _is_str(inputs.get(voice)) else None,
-                          instructions if _is_str(inputs.get(instructions)) else None, preamble, transcript)
-    role = state.walks.tts
-    if role is None:
-        return None
-    return SpeechWalk(role, "voice" if _is_str(role.inputs.get("voice")) else None,
-                      "instructions" if _is_str(role.inputs.get("instructions")) else None)
+    """The walk that serves `/v1/audio/speech`: the one that declares `speech`, or None."""
+    return state.walks.speech
 
 
 def default_voice(state: ServerState) -> str | None:
@@ -319,10 +287,6 @@ def default_voice(state: ServerState) -> str | None:
     return default if isinstance(default, str) else None
 
 
-def _is_str(p: Mapping[str, Any] | None) -> bool:
-    return p is not None and p["type"]["kind"] == "str"
-
-
 def is_stream(o: Mapping[str, Any] | None, dtypes: tuple[str, ...]) -> bool:
     """An appended output of kind str (when "str" is in `dtypes`) or a tensor of one of `dtypes`."""
     if o is None or o["mode"] != "append":
@@ -331,5 +295,5 @@ def is_stream(o: Mapping[str, Any] | None, dtypes: tuple[str, ...]) -> bool:
     return (t["kind"] == "str" and "str" in dtypes) or (t["kind"] == "tensor" and t.get("dtype") in dtypes)
 
 
-__all__ = ["MAX_BODY_BYTES", "READ_ALOUD", "SPEECH_WALKS", "ServeConfig", "ServedWalks", "ServerState", "SpeechWalk",
-           "WalkRole", "default_voice", "is_stream", "loop_limits", "served_walks", "speech_walk"]
+__all__ = ["MAX_BODY_BYTES", "ServeConfig", "ServedWalks", "ServerState", "SpeechWalk", "WalkRole", "default_voice",
+           "is_stream", "loop_limits", "served_walks", "speech_walk"]

@@ -1,11 +1,16 @@
-"""`POST /v1/audio/transcriptions` (walk `transcribe`) and `/v1/audio/translations` (walk
-`translate`), each installed only when the plan has its walk in Whisper's shape: an
-`audio: f32[S]` input (16 kHz samples) and `text`, `tokens` outputs (models/whisper).
+"""`POST /v1/audio/transcriptions` and `/v1/audio/translations`, each installed only for the
+walk that declares it (`serves transcriptions(file = audio, ...)`: Whisper's `transcribe` and
+`translate`; docs/walk-language.md, "Routes"): the audio goes to the `file` slot (16 kHz
+samples, a float [S] tensor), the transcript is the `text` slot, its streamed ids `tokens`
+(a walk without a `text` slot: its ids, detokenized as they stream, below; as numbers when
+its node has no `detokenize`).
 
 The request is OpenAI's multipart form: `file` (the audio), `model`, and optionally
 `language` (transcriptions only: a code such as "en" or a name; none detects it), `prompt`
 (text the window is conditioned on), `response_format` (`json` default, `text`, `srt`,
-`vtt`, `verbose_json`), `temperature` (0 to 1; 0 is greedy), `timestamp_granularities[]`
+`vtt`, `verbose_json`), `temperature` (0 to 1; 0 is greedy), each to the slot of its name
+(a walk that binds none refuses the field, or the segment formats without `timestamps` and
+`segments` slots, with a 400 naming it), `timestamp_granularities[]`
 (`segment`; `word` is a 400: no word timings are computed) and `stream`. Other fields are
 inputs of the walk (the openai client's `extra_body`: `max_tokens`, `seed`), typed by the
 input's declared type and checked as on every route (`app.walk_extras`); an unknown one is
@@ -20,7 +25,7 @@ file over 25 MB (OpenAI's limit) is a 413.
 
 Responses. `json`: `{"text", "usage": {"type": "duration", "seconds"}}`; `text`: the text;
 `srt` / `vtt`: the segments as subtitles; `verbose_json`: `{"task", "language" (the walk's
-`language` output: the name, "english"),
+`detected_language` slot: the name, "english"),
 "duration", "text", "segments": [{"id", "seek", "start", "end", "text", "tokens",
 "temperature"}], "usage"}` (no `avg_logprob`, `compression_ratio`, `no_speech_prob`: they
 are not computed). The segment formats ask the walk for timestamps; `json` and `text` do not
@@ -60,39 +65,26 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from mstar_runtime.plan.loader import Plan
-    from mstar_runtime.serve.state import ServerState
+    from mstar_runtime.serve.state import ServerState, WalkRole
 
 RATE = 16000  # what the walks' `audio` input holds
 MAX_FILE_BYTES = 25 * 2**20
 DEFAULT_MAX_SECONDS = 30.0
-ROUTES = {"transcriptions": "transcribe", "translations": "translate"}
 FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 SEGMENT_FORMATS = ("srt", "vtt", "verbose_json")
-# walk input -> the form field a node's complaint about it names
-FIELDS = {"audio": "file", "language": "language", "prompt": "prompt", "temperature": "temperature",
+# slot -> the form field a node's complaint about its walk input names
+FIELDS = {"file": "file", "language": "language", "prompt": "prompt", "temperature": "temperature",
           "timestamps": "response_format"}
-TASKS = {"transcribe": "transcribe", "translate": "translate"}
+TASKS = {"transcriptions": "transcribe", "translations": "translate"}  # verbose_json's `task`
 # the form fields the route reads itself; any other is a walk input (`max_tokens`, `seed`) or a 400
 OWN_FIELDS = {"file", "model", "language", "prompt", "response_format", "temperature", "timestamp_granularities[]",
               "stream"}
 
 
-def served(plan: Plan, walk: str) -> bool:
-    """Whether `walk` is in the shape these routes serve (module docstring)."""
-    program = plan.walks.get(walk)
-    if program is None:
-        return False
-    inputs = {p["name"]: p["type"] for p in program["inputs"]}
-    outputs = {o["name"]: o["type"] for o in program["outputs"]}
-    audio = inputs.get("audio") or {}
-    return (audio.get("kind") == "tensor" and audio.get("dtype") == "f32" and len(audio.get("dims") or ()) == 1
-            and (outputs.get("text") or {}).get("kind") == "str" and "tokens" in outputs)
-
-
 def install(app: FastAPI, state: ServerState) -> None:
-    for route, walk in ROUTES.items():
-        if served(state.plan, walk):
-            _install(app, state, route, walk)
+    for route, role in (("transcriptions", state.walks.transcriptions), ("translations", state.walks.translations)):
+        if role is not None:
+            _install(app, state, route, role)
 
 
 # ----------------------------------------------------------------------------- audio in
@@ -153,9 +145,9 @@ class TokenText:
     """The text of token ids, by the `detokenize` phase of the walk's text-writing node, run on a
     copy of that node in the server (see the module docstring); None when there is none."""
 
-    def __init__(self, plan: Plan, walk: str, weights: str):
+    def __init__(self, plan: Plan, walk: str, weights: str, output: str = "text"):
         self.node: Any = None
-        name = _text_node(plan, walk)
+        name = _text_node(plan, walk, output)
         if name is None or "detokenize" not in plan.node(name).phases:
             return
         from mstar_runtime.weights import build_node, load_weights
@@ -171,8 +163,17 @@ class TokenText:
         return str(out["text"])
 
 
-def _text_node(plan: Plan, walk: str) -> str | None:
-    """The node of the call whose result the walk emits as `text`."""
+def transcript(out: Mapping[str, Any], slots: Mapping[str, str], texts: TokenText) -> str:
+    """A finished request's transcript: its `text` slot's output, else its `tokens` as text."""
+    if "text" in slots:
+        return str(out.get(slots["text"], ""))
+    ids = out.get(slots["tokens"])
+    flat = [int(t) for t in ids.reshape(-1).tolist()] if isinstance(ids, torch.Tensor) else []
+    return texts.text(flat) if texts.node is not None else " ".join(map(str, flat))
+
+
+def _text_node(plan: Plan, walk: str, output: str) -> str | None:
+    """The node of the call whose result the walk emits as `output`."""
     stack: list[Any] = [plan.walk(walk).get("program")]
     bound: dict[str, str] = {}
     emitted: str | None = None
@@ -184,7 +185,7 @@ def _text_node(plan: Plan, walk: str) -> str | None:
             if op.get("op") == "call":
                 for _port, var in op.get("results", ()):
                     bound[var] = op["node"]
-            elif op.get("op") == "emit" and op.get("output") == "text":
+            elif op.get("op") == "emit" and op.get("output") == output:
                 emitted = (op.get("value") or {}).get("var")
             stack.extend(v for v in op.values() if isinstance(v, (list, Mapping)))
     return bound.get(emitted) if emitted is not None else None
@@ -236,13 +237,14 @@ def _sse(obj: Any) -> str:
 
 
 # ----------------------------------------------------------------------------- the routes
-def _install(app: FastAPI, state: ServerState, route: str, walk: str) -> None:
+def _install(app: FastAPI, state: ServerState, route: str, role: WalkRole) -> None:
     from fastapi.responses import PlainTextResponse, StreamingResponse
 
+    walk, slots = role.walk, role.slots
     limit = max_seconds(state.plan)
     kinds = {p["name"]: p["type"].get("kind") for p in state.plan.walk(walk)["inputs"]}
-    texts = TokenText(state.plan, walk, str(state.config.weights))
-    task = TASKS[walk]
+    texts = TokenText(state.plan, walk, str(state.config.weights), slots.get("text", slots["tokens"]))
+    task = TASKS[route]
     responses = {**ERROR_RESPONSES, 200: {"description": "the transcript (json, text, srt, vtt, verbose_json) or "
                                                          "SSE events", "content": {"application/json": {},
                                                                                    "text/plain": {},
@@ -276,27 +278,39 @@ def _install(app: FastAPI, state: ServerState, route: str, walk: str) -> None:
                               "unsupported")
         if language and route == "translations":
             raise bad_request("translations take no language (the output is English)", "language", "unsupported")
+        segmented = response_format in SEGMENT_FORMATS
+        asked = {"language": language, "prompt": prompt, "temperature": temperature,
+                 "timestamps": segmented and ("segments" not in slots or "timestamps" not in slots)}
+        for slot, value in asked.items():
+            if value and slot not in slots:  # a field the walk would not honour: refused, never ignored
+                what = "response_format" if slot == "timestamps" else slot
+                raise bad_request(f"{what}: walk '{walk}' gives no {'timed segments' if slot == 'timestamps' else slot}"
+                                  f" (its {route} declaration binds no '{slot}' slot)", what, "unsupported")
         data = await file.read(MAX_FILE_BYTES + 1)
         if len(data) > MAX_FILE_BYTES:
             raise ApiError(413, f"file is larger than {MAX_FILE_BYTES // 2**20} MB", param="file", code="too_large")
         import asyncio
 
         audio, duration = await asyncio.to_thread(decode_audio, data, limit)  # decoding is CPU work
-        inputs: dict[str, Any] = {"audio": audio, "timestamps": response_format in SEGMENT_FORMATS,
-                                  "temperature": float(temperature)}
+        inputs: dict[str, Any] = {slots["file"]: audio}
+        if "timestamps" in slots:
+            inputs[slots["timestamps"]] = segmented
+        if "temperature" in slots:
+            inputs[slots["temperature"]] = float(temperature)
         if language:
-            inputs["language"] = language
+            inputs[slots["language"]] = language
         if prompt:
-            inputs["prompt"] = prompt
+            inputs[slots["prompt"]] = prompt
         form = await request.form()  # parsed already by FastAPI (cached): the fields it did not declare
         raw = {k: _form_value(kinds.get(k), v) for k in form.keys() if k not in OWN_FIELDS
                for v in form.getlist(k)[-1:]}
-        extra = await walk_extras(state, walk, raw, set(inputs) | {"audio", "timestamps"})
+        own = {slots[s] for s in ("file", "timestamps") if s in slots}  # set by the route only
+        extra = await walk_extras(state, walk, raw, set(inputs) | own)
         inputs.update(extra)
-        fields = {**FIELDS, **{k: k for k in extra}}
+        fields = {**{slots[s]: f for s, f in FIELDS.items() if s in slots}, **{k: k for k in extra}}
         flight = await start_flight(state, request, route, walk, inputs, fields, "file")
         if stream:
-            return await _streamed(flight, texts, duration, StreamingResponse)
+            return await _streamed(flight, texts, duration, slots, StreamingResponse)
         async with flight:
             try:
                 out = await flight.outputs()
@@ -305,24 +319,26 @@ def _install(app: FastAPI, state: ServerState, route: str, walk: str) -> None:
             except ClientGone:
                 return error_response(ApiError(499, "client closed the request", code="cancelled"))
             flight.outcome = "finished"
-        text = str(out.get("text", ""))
+        text = transcript(out, slots, texts)
         if response_format == "text":
             return PlainTextResponse(text)
         if response_format == "json":
             return {"text": text, "usage": _usage(duration)}
-        segments = json.loads(out.get("segments") or "[]")
+        segments = json.loads(out.get(slots["segments"]) or "[]")
         if response_format == "srt":
             return PlainTextResponse(srt(segments))
         if response_format == "vtt":
             return PlainTextResponse(vtt(segments), media_type="text/vtt")
-        return {"task": task, "language": str(out.get("language", "")), "duration": duration, "text": text,
+        detected = str(out.get(slots["detected_language"], "")) if "detected_language" in slots else ""
+        return {"task": task, "language": detected, "duration": duration, "text": text,
                 "segments": [{"id": i, "seek": 0, "start": s["start"], "end": s["end"], "text": s["text"],
                               "tokens": s["tokens"], "temperature": float(temperature)}
                              for i, s in enumerate(segments)],
                 "usage": _usage(duration)}
 
 
-async def _streamed(flight: Flight, texts: TokenText, duration: float, response: Any) -> Any:
+async def _streamed(flight: Flight, texts: TokenText, duration: float, slots: Mapping[str, str],
+                    response: Any) -> Any:
     """The SSE response of a streamed transcript (module docstring); errors before the first
     event are the route's 4xx/5xx, as for a whole response."""
     ids: list[int] = []
@@ -339,7 +355,7 @@ async def _streamed(flight: Flight, texts: TokenText, duration: float, response:
         return piece or None
 
     def take(name: str, value: Any) -> str | None:
-        if name != "tokens" or not isinstance(value, torch.Tensor):
+        if name != slots["tokens"] or not isinstance(value, torch.Tensor):
             return None
         ids.extend(int(t) for t in value.reshape(-1).tolist())
         piece = delta()
@@ -358,7 +374,7 @@ async def _streamed(flight: Flight, texts: TokenText, duration: float, response:
                     if event is not None:
                         yield event
             out = await flight.handle.aresult()
-            text = str(out.get("text", ""))
+            text = transcript(out, slots, texts)
             if text[len(sent):] and text.startswith(sent):
                 yield _sse({"type": "transcript.text.delta", "delta": text[len(sent):]})
             flight.outcome = "finished"
@@ -374,4 +390,4 @@ async def _streamed(flight: Flight, texts: TokenText, duration: float, response:
     return response(body(), media_type="text/event-stream")
 
 
-__all__ = ["decode_audio", "install", "served", "srt", "subtitle_time", "vtt"]
+__all__ = ["TokenText", "decode_audio", "install", "srt", "subtitle_time", "transcript", "vtt"]

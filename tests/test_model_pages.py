@@ -25,6 +25,7 @@ PAGES = {
     "vla": "tests/constructs/vla.walk",
     "asr": "tests/constructs/asr.walk",
     "whisper": "models/whisper/whisper.walk",
+    "pi05": "models/pi05/pi05.walk",
 }
 SECTION = re.compile(r"^## (?:Walks and their inputs|Inputs, and what the tiny variant accepts)\n(.*?)(?=^## |\Z)",
                      re.M | re.S)

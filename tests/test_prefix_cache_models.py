@@ -5,6 +5,8 @@ Qwen3-Omni thinker); a small pool evicts and never corrupts; preemption stays ex
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from mstar_runtime.serve.metrics import Metrics
 from mstar_runtime.worker.worker import Worker
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[1]
 
 SYSTEM = "You are terse. Answer in one line, please. "  # 2 full blocks of 16 with bos
 QUESTIONS = ["Why is the sky blue?", "What is a prime?", "Why is the sky blue?", "Who wrote Hamlet?"]
@@ -184,3 +187,41 @@ def test_orpheus_hit_equals_miss(orpheus_plan: Path) -> None:
     assert samples["mstar_prefix_cache_hit_rate"] == pytest.approx(
         stats["prefix_hit_tokens"] / stats["prefix_query_tokens"])
     assert 0 < samples["mstar_prefix_cache_hit_rate"] < 1
+
+
+# ------------------------------------------------------------------------------ BAGEL
+@pytest.fixture(scope="module")
+def bagel_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bagel_pc") / "bagel.plan"
+    subprocess.run([sys.executable, "-m", "mstarc.cli", "compile", str(ROOT / "models/bagel/bagel.walk"),
+                    "--variant", "tiny", "--placement", str(ROOT / "placements/cpu.yaml"), "-o", str(out)],
+                   check=True, capture_output=True)
+    return out
+
+
+def _picture(h: int, w: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_bagel_the_same_image_under_several_questions_hits_and_equals_its_miss(bagel_plan: Path) -> None:
+    """understand's ViT block (a full-mask block) is found for the same image, not for another;
+    the answers, and t2i's and edit's images (forks, CFG twins, not-kept denoise blocks), equal
+    their misses bit for bit."""
+    src, other = _picture(56, 56, 1), _picture(56, 56, 2)
+    requests = [("understand", {"image": src, "question": "what is it?", "max_length": 5}),
+                ("understand", {"image": src, "question": "which colour is it?", "max_length": 5}),
+                ("understand", {"image": other, "question": "which colour is it?", "max_length": 5}),
+                ("t2i", {"prompt": "a red fox sitting on the white snow under a pale winter sky at dawn, photographed", "num_timesteps": 3, "height": 32, "width": 32}),
+                ("t2i", {"prompt": "a red fox sitting on the white snow under a pale winter sky at dawn, photographed", "num_timesteps": 3, "height": 32, "width": 32}),
+                ("edit", {"source": src, "prompt": "make it blue", "num_timesteps": 3})]
+    with MStar.load(bagel_plan, prefix_caching=False) as off:
+        misses = [off.submit(w, dict(i)).result(timeout=300) for w, i in requests]
+    with MStar.load(bagel_plan) as on:
+        handles = []
+        for (walk, inputs), miss in zip(requests, misses):
+            h = on.submit(walk, dict(inputs))
+            _equal(h.result(timeout=300), miss)
+            handles.append(h)
+    cached = [h.stats["cached_tokens"] for h in handles]
+    assert cached[0] == 0 and cached[1] >= 16 and cached[1] > cached[2], cached
+    assert cached[4] > 0, cached  # the repeated t2i prompt

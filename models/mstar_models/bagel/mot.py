@@ -78,6 +78,7 @@ from mstar_models.layers.embedding import LMHead, VocabEmbedding, lm_logits
 from mstar_models.layers.init import seeded_init_
 from mstar_models.layers.mlp import GatedMLP
 from mstar_models.layers.norm import RMSNorm
+from mstar_runtime.kv.prefix_cache import media_key
 from mstar_runtime.ops import fused
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import (
@@ -309,9 +310,26 @@ class MoTLanguageModel(KVNode):
             raise RequestError(f"{plan.q_len} tokens do not fit a context of max_seq_len {limit}", port)
         return plan
 
+    @classmethod
+    def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: NodeSpec) -> list[int] | None:
+        """Prefix caching: a text block's keys are its ids; a ViT block's (its two markers and
+        its rows, through the understanding expert) the `media_key` of the rows for all of
+        them. VAE blocks (the generation expert) are not keyed: the chain ends there."""
+        value = inputs.get("text" if phase == "prefill_text" else "vit")
+        if not isinstance(value, torch.Tensor):
+            return None
+        if phase == "prefill_text" and value.dim() == 1:
+            return [int(t) for t in value.tolist()]
+        if phase == "prefill_vit" and value.dim() == 2:
+            return [media_key(value)] * (value.shape[0] + 2)
+        return None
+
     # ------------------------------------------------------------------ phases
     def phase_prefill_text(self, batch: Batch, attn: AttentionContext) -> Batch:
-        ids = [self._check_text(entry, seq.start, seq.q_len) for entry, seq in zip(batch, attn.seqs, strict=True)]
+        # a prefix found cached (`seq.cached` leading tokens) is in the KV already: checked
+        # whole, computed from there (the positions of a context count from its first token)
+        ids = [self._check_text(entry, seq.start - seq.cached, seq.q_len + seq.cached)[seq.cached:]
+               for entry, seq in zip(batch, attn.seqs, strict=True)]
         bases = [self._rope_base(seq.state, seq.start) for seq in attn.seqs]
         pos = torch.cat([torch.arange(b, b + t.numel()) for b, t in zip(bases, ids)])
         hu = self.language_model.model.embed_tokens(torch.cat(ids).to(torch.long))
@@ -329,12 +347,15 @@ class MoTLanguageModel(KVNode):
                     or not vit.dtype.is_floating_point or vit.shape[0] < 1:
                 got = tuple(vit.shape) if isinstance(vit, torch.Tensor) else type(vit).__name__
                 raise RequestError(f"vit must be a float tensor [N >= 1, {self.hidden}], got {got}", "vit")
-            self._check_block(seq.start, seq.q_len, vit.shape[0], "vit")
+            self._check_block(seq.start - seq.cached, seq.q_len + seq.cached, vit.shape[0], "vit")
             rows.append(upload_tensor(vit, dev).to(dt))
         marks = self._markers(len(batch))
-        hu = torch.cat([x for i, v in enumerate(rows) for x in (marks[2 * i : 2 * i + 1], v, marks[2 * i + 1 : 2 * i + 2])])
-        bases = [self._rope_base(seq.state, seq.start) for seq in attn.seqs]
-        pos = torch.cat([torch.full((v.shape[0] + 2,), b) for b, v in zip(bases, rows)])
+        # a block's leading tokens found cached (`seq.cached`) are not computed again: its other
+        # tokens attend to them (the mask is full) as they did when the block was computed whole
+        hu = torch.cat([torch.cat((marks[2 * i : 2 * i + 1], v, marks[2 * i + 1 : 2 * i + 2]))[seq.cached:]
+                        for i, (v, seq) in enumerate(zip(rows, attn.seqs))])
+        bases = [self._rope_base(seq.state, seq.start - seq.cached) for seq in attn.seqs]
+        pos = torch.cat([torch.full((seq.q_len,), b) for b, seq in zip(bases, attn.seqs)])
         self.forward(hu, upload_tensor(pos, dev), None, None, None, attn.attend, need_output=False)
         self._after_block(attn, bases)
         return [{} for _ in batch]

@@ -1,10 +1,12 @@
 """Whisper (models/whisper/whisper.walk): the node classes its plan names `mstar_models.whisper.<Class>`.
 
-- LogMel (stateless): extract(audio) -> (mel, duration); the log-mel features (features.py)
+- LogMel (stateless): extract(audio) -> (mel, frames); the log-mel features (features.py)
 - Encoder (stateless): encode(mel) -> states; convolutions, sinusoids, pre-LN layers (encoder.py)
 - Prompt (stateless): build(language, task, timestamps, prompt) -> (head, language, tail) (prompt.py)
 - Decoder (kv; tags text, cross, probe): listen / detect / prefill / step (decoder.py)
-- Transcript (stateless): finish(tokens, last, lang, duration) -> (text, language, segments);
+- Windows (stateless): start / cut / judge / advance; long-form seeking, the temperature
+  fallback, the segments (windows.py)
+- Transcript (stateless): finish(segments, lang) -> (text, language, segments);
   detokenize(tokens) -> text (prompt.py)
 """
 
@@ -12,5 +14,6 @@ from mstar_models.whisper.decoder import Decoder
 from mstar_models.whisper.encoder import Encoder
 from mstar_models.whisper.features import LogMel
 from mstar_models.whisper.prompt import Prompt, Transcript
+from mstar_models.whisper.windows import Windows
 
-__all__ = ["Decoder", "Encoder", "LogMel", "Prompt", "Transcript"]
+__all__ = ["Decoder", "Encoder", "LogMel", "Prompt", "Transcript", "Windows"]

@@ -15,11 +15,17 @@ Phases (models/whisper/whisper.walk):
                                                  alone at position 0; `lang` is `language` when
                                                  it is a language token, else the language token
                                                  of highest logit (transformers' `detect_language`)
-  prefill(head, lang, tail, timestamps, max_tokens, min_tokens, temperature, seed) -> (token, done)
-                                                 @text, reads @cross: the prompt head + lang + tail
+  prefill(head, lang, tail, timestamps, max_tokens, min_tokens, temperature, seed)
+      -> (token, logprob, no_speech, done)      @text, reads @cross: the prompt head + lang + tail
                                                  (e.g. [sot] [en] [transcribe, notimestamps]), the
-                                                 first generated token
-  step(token) -> (token, done)                  @text, reads @cross: one token
+                                                 first generated token; `no_speech` the
+                                                 probability of <|nospeech|> at the head's last
+                                                 token, <|startoftranscript|> (transformers'
+                                                 `WhisperNoSpeechDetection`)
+  step(token) -> (token, logprob, done)         @text, reads @cross: one token
+
+`logprob` is the picked token's log-probability under the processed scores below (before a
+temperature divides them): what the long-form fallback averages (windows.py).
 
 Decoding is transformers' `WhisperForConditionalGeneration.generate` for one window, as its
 generation config sets it up (`whisper_scores`, applied in its order): the begin
@@ -277,8 +283,19 @@ class Decoder(KVNode):
                              ts_max=torch.full((), -1, dtype=torch.long, device=dev))
             pieces.append(prompt)
         ids = torch.cat(pieces).to(device=dev, dtype=torch.long)
-        hidden = attn.last_rows(self.forward_hidden(ids, attn.positions(), attn))
-        return self._next(self.logits(hidden), attn)
+        packed = self.forward_hidden(ids, attn.positions(), attn)
+        out = self._next(self.logits(attn.last_rows(packed)), attn)
+        # transformers' WhisperNoSpeechDetection: the <|nospeech|> probability of the raw logits
+        # at <|startoftranscript|> (the last token of the head)
+        rows, at = [], 0
+        for entry, seq in zip(batch, attn.seqs, strict=True):
+            rows.append(at + entry["head"].numel() - 1)
+            at += seq.q_len
+        at_sot = self.logits(packed.index_select(0, upload(rows, torch.long, dev)))
+        no_speech = at_sot.softmax(dim=-1)[:, self.layout.nospeech]
+        for i, o in enumerate(out):
+            o["no_speech"] = no_speech[i : i + 1]
+        return out
 
     def phase_step(self, batch: Batch, attn: AttentionContext) -> Batch:
         self._check_cross(attn)
@@ -302,6 +319,9 @@ class Decoder(KVNode):
             else None
         scores = whisper_scores(logits, self.rules, n, last, penult, ts_max, ts_on, min_new)
         tokens = sample(scores, [st["sampling"] for st in states], [None] * len(states), [st["n"] for st in states])
+        # the picked token's log-probability under the scores (before any temperature), as
+        # transformers' `_retrieve_avg_logprobs` takes it for the fallback's threshold
+        logprob = F.log_softmax(scores.float(), dim=-1).gather(1, tokens.long()[:, None])[:, 0]
         tb = self.layout.timestamp_begin
         new_max = torch.where(tokens >= tb, torch.maximum(ts_max, tokens), ts_max)
         for i, st in enumerate(states):
@@ -314,7 +334,7 @@ class Decoder(KVNode):
             kv_after = seq.start + seq.q_len
             # transformers' max_length: the sequence (prompt + generated) fills the 448 positions
             limit = st["n"] >= st["max_new"] or kv_after + 1 >= self.max_text
-            out.append({"token": tok32[i : i + 1],
+            out.append({"token": tok32[i : i + 1], "logprob": logprob[i : i + 1],
                         "done": True if limit else Lazy(lambda i=i: back.values()[i] == self.layout.eot)})
         return out
 

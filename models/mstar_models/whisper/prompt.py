@@ -13,10 +13,10 @@ no special tokens) and keeps its last `max_text // 2 - 1` tokens (223), as opena
 does with the previous text. `language` is a code ("en"), a name ("english", any case) or
 "" (detect).
 
-`Transcript.finish(tokens, last, lang, duration) -> (text, language, segments)`: the
-generated tokens (those the loop fed back, then the `last`) as text (special tokens and
-timestamps dropped), the language's name ("english", as OpenAI's verbose_json gives it), and
-the segments (tokens.segments) as a JSON list of {start, end, text, tokens}.
+`Transcript.finish(segments, lang) -> (text, language, segments)`: the windows node's
+segments (windows.py) with their `id` and `text` added, the text of all their tokens
+(special tokens and timestamps dropped), and the language's name ("english", as OpenAI's
+verbose_json gives it).
 `Transcript.detokenize(tokens) -> (text)`: the text alone, the same way (the server streams
 a transcript's text with it, in its own copy of the node).
 
@@ -25,6 +25,7 @@ Tokenizer: tokens.py (the checkpoint's `tokenizer.json`, else the byte-level fal
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -38,8 +39,6 @@ from mstar_models.whisper.tokens import (
     byte_tokenizer,
     checkpoint_tokenizer,
     layout_of,
-    segments,
-    segments_json,
 )
 from mstar_runtime.ops.node import Batch, NodeSpec, RequestError, StatelessNode
 
@@ -104,24 +103,25 @@ class Prompt(_Tokenized):
 
 
 class Transcript(_Tokenized):
-    """finish(tokens: i32[N], last: i32[1], lang: i32[1], duration: float) -> (text, language, segments);
+    """finish(segments: str, lang: i32[1]) -> (text, language, segments);
     detokenize(tokens: i32[N]) -> (text: str)."""
 
     def phase_finish(self, batch: Batch) -> Batch:
         out: Batch = []
         for entry in batch:
-            parts = [entry.get("tokens"), entry.get("last")]
-            for port, t in zip(("tokens", "last"), parts):
-                if not isinstance(t, torch.Tensor) or t.dim() != 1:
-                    raise RequestError(f"{port} must be a 1-D tensor of token ids", port)
-            ids = [int(t) for p in parts for t in p.tolist()]
+            try:
+                segs = json.loads(entry.get("segments") or "")
+            except (TypeError, ValueError):
+                segs = None
+            if not isinstance(segs, list) or not all(isinstance(s, dict) and "tokens" in s for s in segs):
+                raise RequestError("segments must be the windows node's JSON list of segments", "segments")
             lang = entry.get("lang")
             code = self.layout.language_of(int(lang.reshape(-1)[0])) if isinstance(lang, torch.Tensor) else ""
-            name = LANGUAGE_NAMES.get(code, "")
-            duration = float(entry.get("duration", 0.0))
-            text = self.text_of(ids)
-            out.append({"text": text, "language": name,
-                        "segments": segments_json(segments(ids, self.layout, self.tokenizer, duration))})
+            for i, s in enumerate(segs):
+                s["id"], s["text"] = i, self.text_of(s["tokens"])
+            text = self.text_of([t for s in segs for t in s["tokens"]])
+            out.append({"text": text, "language": LANGUAGE_NAMES.get(code, ""),
+                        "segments": json.dumps(segs, ensure_ascii=False)})
         return out
 
     def text_of(self, ids: list[int]) -> str:

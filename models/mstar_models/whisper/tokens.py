@@ -1,4 +1,4 @@
-"""Whisper's token layout, its languages, the tokenizer and the transcript's segments.
+"""Whisper's token layout, its languages and the tokenizer.
 
 The layout (whisper-large-v3, its `generation_config.json` and `added_tokens`): text ids
 below 50257, then `<|endoftext|>` 50257, `<|startoftranscript|>` 50258, one token per
@@ -17,11 +17,8 @@ decode what they generate.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -167,41 +164,3 @@ def checkpoint_tokenizer(source: str) -> Tokenizer | None:
     """The checkpoint folder's tokenizer.json, or None when the source has none."""
     path = Path(source) / CHECKPOINT_TOKENIZER
     return load_tokenizer(path) if path.is_file() else None
-
-
-def segments(tokens: Sequence[int], layout: Layout, tokenizer: Tokenizer, duration: float) -> list[dict[str, Any]]:
-    """The timestamped segments of one window's generated tokens (eot and specials dropped).
-
-    A segment opens at a timestamp token and closes at the next one; text between two
-    segments (or all of it, without timestamps) is one segment from the last timestamp seen
-    (0 at first) to the next, or to `duration` at the end."""
-    tb = layout.timestamp_begin
-    out: list[dict[str, Any]] = []
-    start: float | None = None
-    last = 0.0
-    text_ids: list[int] = []
-
-    def close(end: float) -> None:
-        nonlocal text_ids
-        if text_ids:
-            out.append({"start": round(start if start is not None else last, 2), "end": round(end, 2),
-                        "text": tokenizer.decode(text_ids, skip_special_tokens=True), "tokens": text_ids})
-        text_ids = []
-
-    for t in tokens:
-        if t >= tb:
-            time = (t - tb) * TIME_PRECISION
-            if text_ids:
-                close(time)
-                start = None
-            else:
-                start = time
-            last = time
-        elif t < layout.eot:
-            text_ids.append(int(t))
-    close(max(duration, last))
-    return out
-
-
-def segments_json(items: list[dict[str, Any]]) -> str:
-    return json.dumps(items, ensure_ascii=False)

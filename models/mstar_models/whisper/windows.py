@@ -14,12 +14,12 @@ segments it adds. transformers' `WhisperForConditionalGeneration.generate` long-
       (`context`), and the fallback loop's starting values (attempt 0 at `temperature`); a
       seek at or past the end (the window loop's speculative iteration after the last, which
       the runtime throws away once it reads `finished`) gives an empty window
-  judge(tokens, last, logprobs, logprob, no_speech, attempt, temperature, ...)
+  judge(tokens, last, logprobs, logprob, no_speech, attempt, temperature, fallback_temperatures, ...)
       -> (ok, attempt, temp, got, stats)
       one decode attempt judged: its compression ratio (zlib over the token ids, 2 bytes
       each) above `compression_ratio_threshold`, or its mean log-probability (over every
       generated token, <|endoftext|> included) below `logprob_threshold`, asks for the next
-      temperature (`temperature + k * temperature_increment` up to 1.0, numpy's arange); a
+      temperature (`temperature`, then `fallback_temperatures`: transformers' tuple); a
       mean log-probability below the threshold with `no_speech` above
       `no_speech_threshold` skips the window instead. `ok` ends the fallback loop: the
       attempt stands, or it was the last temperature. `got` is the attempt's tokens without
@@ -76,12 +76,19 @@ def mean_logprob(logprobs: Sequence[float]) -> float:
     return float(total / np.float32(len(logprobs))) if len(logprobs) else 0.0
 
 
-def temperatures(first: float, increment: float) -> list[float]:
-    """The fallback temperatures: `first`, then steps of `increment` up to 1.0 (numpy's arange,
-    as openai-whisper builds them); `first` alone without an increment or above 1."""
-    if increment <= 0 or first > 1.0:
-        return [first]
-    return [float(t) for t in np.arange(first, 1.0 + 1e-6, increment)]
+def temperatures(entry: Mapping[str, Any]) -> list[float]:
+    """The attempts' temperatures: `temperature`, then the `fallback_temperatures` in order
+    (transformers' tuple `temperature`), checked."""
+    first = scalar(entry, "temperature", float, finite=True)
+    rest = entry.get("fallback_temperatures")
+    if not isinstance(rest, torch.Tensor) or rest.dim() != 1:
+        raise RequestError("fallback_temperatures must be a 1-D list of temperatures", "fallback_temperatures")
+    temps = [first, *(float(t) for t in rest.double().tolist())]
+    if first < 0:
+        raise RequestError(f"temperature must be >= 0, got {first}", "temperature")
+    if not all(math.isfinite(t) and t >= 0 for t in temps[1:]):
+        raise RequestError(f"fallback_temperatures must be finite and >= 0, got {temps[1:]}", "fallback_temperatures")
+    return temps
 
 
 def window_segments(seq: Sequence[int], seek: int, span: int, tb: int) -> tuple[list[dict[str, Any]], int]:
@@ -154,15 +161,10 @@ class Windows(StatelessNode):
                 raise RequestError(f"audio of {frames / 100:.2f} s is transcribed 30 s window by window, each "
                                    "starting at a timestamp the model wrote: it needs timestamps = true",
                                    "timestamps")
-            first = scalar(entry, "temperature", float, finite=True)
-            if first < 0:
-                raise RequestError(f"temperature must be >= 0, got {first}", "temperature")
-            step = scalar(entry, "temperature_increment", float, finite=True)
-            if step < 0:
-                raise RequestError(f"temperature_increment must be >= 0, got {step}", "temperature_increment")
-            if len(temperatures(first, step)) > self.max_attempts:
-                raise RequestError(f"temperature_increment {step} gives {len(temperatures(first, step))} fallback "
-                                   f"temperatures; at most {self.max_attempts} are decoded", "temperature_increment")
+            temps = temperatures(entry)
+            if len(temps) > self.max_attempts:
+                raise RequestError(f"{len(temps)} temperatures in all; at most {self.max_attempts} attempts are "
+                                   "decoded per window", "fallback_temperatures")
             ratio = scalar(entry, "compression_ratio_threshold", float, finite=True)
             logprob = scalar(entry, "logprob_threshold", float, finite=True)
             no_speech = scalar(entry, "no_speech_threshold", float, finite=True)
@@ -217,7 +219,7 @@ class Windows(StatelessNode):
             logprobs = _floats(entry, "logprobs") + _floats(entry, "logprob")
             no_speech = _floats(entry, "no_speech")[0]
             attempt = scalar(entry, "attempt", int)
-            temps = temperatures(scalar(entry, "temperature", float), scalar(entry, "temperature_increment", float))
+            temps = temperatures(entry)
             ratio_max = scalar(entry, "compression_ratio_threshold", float)
             logprob_min = scalar(entry, "logprob_threshold", float)
             no_speech_max = scalar(entry, "no_speech_threshold", float)

@@ -69,6 +69,7 @@ from mstar_runtime.control.interpreter import (
     CohortExit,
     EnterCohort,
     ForkKV,
+    ForkUndo,
     Interpreter,
     Join,
     Spawn,
@@ -479,13 +480,19 @@ class Conductor:
         self.waits.changed(buffer)
 
     def iteration_wasted(self, request: Request, kv_log: KVLog) -> None:
-        """A speculative iteration was thrown away: each context it wrote is cut back to where it began."""
+        """A speculative iteration was thrown away: its KV changes are undone, last first: each
+        write cut back to where it began, each fork's destination given back its backup."""
         self.stats["wasted_steps"] += 1
-        first: dict[tuple[str, tuple[str, str]], int] = {}
-        for node, key, start in kv_log:
-            first[(node, key)] = min(start, first.get((node, key), start))
-        for (node, key), start in first.items():
-            self.contexts.truncate(node, key, start)
+        for entry in reversed(kv_log):
+            if isinstance(entry, ForkUndo):
+                self.contexts.restore(request, entry.node, entry.backup, entry.key[1])
+            else:
+                node, key, start = entry
+                self.contexts.truncate(node, key, start)
+
+    def context_released(self, request: Request, node: str, tag: str) -> None:
+        if not request.done:
+            self.contexts.free(request, node, tag)
 
     # ------------------------------------------------------------------ steps (StepHost)
     def request_of(self, call: StepCall) -> Request | None:

@@ -11,7 +11,9 @@ It runs until it needs something from the conductor and yields it:
 - `Spawn`: a detached child task (an `on stream` block runs beside the main body).
   A stream whose producer is a walk input (`stream` on the input) is fed by the client
   through the conductor, which also closes it; the main body's end closes only the others.
-- `ForkKV`: copy a KV context of this request to another tag (shared pages).
+- `ForkKV`: copy a KV context of this request to another tag (shared pages). In a
+  speculative iteration a fork is preceded by one that keeps the destination under a backup
+  tag, so that throwing the iteration away can undo it (`ForkUndo` in the KV log).
 - `EnterCohort`: a loop the compiler marked as a cohort (`op["cohort"]`, fixed or dynamic) asks to run
   as a row of the conductor's decode cohort (runtime/mstar_runtime/control/cohort.py);
   resumed with a `CohortExit` when the row leaves the loop, or with `None` when the
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -49,6 +51,19 @@ Env = dict[str, Any]
 Gen = Generator[Any, Any, None]
 
 
+class ForkUndo(NamedTuple):
+    """A fork made inside a speculative iteration, as its KV log records it: the destination
+    context `key` of `node` was kept under the tag `backup` just before the fork."""
+
+    node: str
+    key: tuple[str, str]  # (request id, the fork's destination tag)
+    backup: str
+
+
+# a region's KV changes in order: (node, (request id, tag), start) per write, a ForkUndo per fork
+KVLog = list[tuple[str, tuple[str, str], int] | ForkUndo]
+
+
 class WalkOwner(Protocol):
     """The request a walk runs for, as its interpreter sees it (control/requests.py `Request`):
     where the walk's effects go."""
@@ -58,7 +73,8 @@ class WalkOwner(Protocol):
     def emit(self, name: str, value: Any, mode: str) -> None: ...
     def push(self, stream_id: str, buffer: StreamBuffer, items: Any) -> None: ...
     def stream_closed(self, stream_id: str) -> None: ...
-    def wasted_iteration(self, kv_log: list[tuple[str, tuple[str, str], int]]) -> None: ...
+    def wasted_iteration(self, kv_log: KVLog) -> None: ...
+    def release_context(self, node: str, tag: str) -> None: ...
 
 
 class WalkError(Exception):
@@ -148,7 +164,10 @@ class Frame:
     parent: Frame | None = None
     pending_flag: Any = None
     deferred: list[Callable[[], None]] = field(default_factory=list)
-    kv_log: list[tuple[str, tuple[str, str], int]] = field(default_factory=list)  # (node, key, start)
+    kv_log: KVLog = field(default_factory=list)
+    # backups of the forks made while this frame was the innermost speculative one: freed when
+    # it stands (a discarded iteration's undo takes them back instead)
+    backups: list[tuple[str, str]] = field(default_factory=list)  # (node, backup tag)
     accs: dict[str, list[Any]] | None = None
     # the task's lane (see the module docstring): shared with the parent unless given
     lane: list[tuple[Frame, Callable[[], None]]] | None = None
@@ -209,11 +228,26 @@ class Frame:
         effects, self.deferred = self.deferred, []
         for fn in effects:
             self.effect(fn)
+        backups, self.backups = self.backups, []
+        for node, tag in backups:  # no discarded iteration can need them now
+            self.request.release_context(node, tag)
+
+    def innermost_speculative(self) -> Frame | None:
+        f: Frame | None = self
+        while f is not None and not f.speculative:
+            f = f.parent
+        return f
 
     def log_kv(self, node: str, key: tuple[str, str], start: int) -> None:
+        self._log((node, key, start))
+
+    def log_fork(self, undo: ForkUndo) -> None:
+        self._log(undo)
+
+    def _log(self, entry: tuple[str, tuple[str, str], int] | ForkUndo) -> None:
         f: Frame | None = self
         while f is not None:
-            f.kv_log.append((node, key, start))
+            f.kv_log.append(entry)
             f = f.parent
 
     def acc_target(self, name: str) -> list[Any]:
@@ -262,6 +296,7 @@ class Interpreter:
         self.request = request
         self.program = program
         self.buffers = buffers  # stream id -> this request's buffer
+        self._backups = 0  # forks kept for an undo so far (their backup tags' numbers)
 
     def main_task(self, env: Env) -> WalkTask:
         frame = Frame(self.request)
@@ -321,6 +356,13 @@ class Interpreter:
             frame.effect_on_lane(lambda: target.append(value), False)  # `concat` resolves
         elif kind == "fork":
             frame.flush_lane()
+            spec = frame.innermost_speculative()
+            if spec is not None:  # the iteration may be thrown away: keep what the fork replaces
+                self._backups += 1
+                backup = f"{op['dst']}~undo{self._backups}"
+                yield ForkKV(op["node"], op["dst"], backup)
+                frame.log_fork(ForkUndo(op["node"], (self.request.id, op["dst"]), backup))
+                spec.backups.append((op["node"], backup))
             yield ForkKV(op["node"], op["src"], op["dst"])
         elif kind == "transfer":
             pass  # values live with the conductor between steps; the worker proxy moves them (docs/runtime.md)
@@ -383,8 +425,9 @@ class Interpreter:
 
         The flag of iteration i is read right after iteration i+1's first step call comes back
         (on the GPU: after it was launched, so the read never stalls the device). If it says
-        stop, iteration i+1 is thrown away: its KV appends are truncated, its effects dropped,
-        and one wasted step is counted.
+        stop, iteration i+1 is thrown away: its KV appends are truncated, the forks it made
+        undone (the destination's context was kept under a backup tag before each), its
+        effects dropped, and one wasted step is counted.
         """
         if op.get("cohort") is not None:
             done = yield from self._enter_cohort(op, env, frame, None)

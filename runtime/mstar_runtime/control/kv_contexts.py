@@ -20,6 +20,11 @@ as a fork does), the pages' contents and the node's state for the context
 cannot travel (`KVNode.export_state` refuses it) fails the request, naming the node; a
 tensor-parallel node's contexts never move (the request fails, saying so).
 
+Undoing a fork (`restore`): a `fork` inside a speculative `dynamic_loop` iteration first
+keeps the destination's context under a backup tag (interpreter.py); if the iteration is
+thrown away, the backup's pages and state become the destination's again, and once the
+iteration stands the backup is freed (`free`).
+
 Reads (plan feature `kv_reads`): a call whose op has `reads` gets, with its own KV slots,
 the length and page table of every context it reads (`engines.ReadSlots`, the same
 request's `node@tag` as that node's BlockManager on the call's first rank holds it), taken
@@ -40,6 +45,7 @@ from mstar_runtime.ops.node import KVNode, NodeSpec
 from mstar_runtime.plan.loader import Plan
 
 MoveKey = tuple[str, str, str, int]  # (walk, consumer step, "node@tag", destination rank)
+NO_CONTEXT = "~none"  # a tag no context ever has: a fork from it empties its destination
 
 
 class KVWorker(Protocol):
@@ -104,6 +110,30 @@ class KVContexts:
             req.homes.pop((f.node, f.dst), None)
         else:
             req.homes[(f.node, f.dst)] = home
+
+    def restore(self, req: Request, node: str, backup: str, dst: str) -> None:
+        """Undo a fork onto `dst` (a discarded speculative iteration's): `dst` becomes the
+        `backup` taken just before it again, pages and node state, on every rank, and the
+        backup is gone. No page is allocated."""
+        for (n, rank), _ in list(self.pages.managers.items()):
+            if n != node:
+                continue
+            self.pages.rename((n, rank), (req.id, backup), (req.id, dst))
+            self.workers[rank].fork(node, req.id, backup, dst, None)  # the state; the pages were renamed
+            self.workers[rank].fork(node, req.id, NO_CONTEXT, backup, None)  # drops the backup's state
+        home = req.homes.pop((node, backup), None)
+        if home is None:
+            req.homes.pop((node, dst), None)
+        else:
+            req.homes[(node, dst)] = home
+
+    def free(self, req: Request, node: str, tag: str) -> None:
+        """Drop one context of `req` (a backup no discarded iteration can need any more)."""
+        for (n, rank), _ in list(self.pages.managers.items()):
+            if n == node:
+                self.pages.free((n, rank), (req.id, tag))
+                self.workers[rank].fork(node, req.id, NO_CONTEXT, tag, None)
+        req.homes.pop((node, tag), None)
 
     def move_source(self, req: Request, key: MoveKey) -> int | None:
         """The rank to copy `req`'s context from before step `key` runs on rank `key[3]`; None when

@@ -23,13 +23,12 @@ from typing import Any, Protocol
 import torch
 
 from mstar_runtime.control.bounds import check_bounds
-from mstar_runtime.control.interpreter import StepCall, WalkTask
+from mstar_runtime.control.interpreter import KVLog, StepCall, WalkTask
 from mstar_runtime.control.streams import StreamBuffer
 from mstar_runtime.control.validate import TORCH_DTYPES, coerce, validate_inputs
 from mstar_runtime.ops.node import RequestError
 
 WAITING, RUNNING, FINISHED, FAILED, CANCELLED = "waiting", "running", "finished", "failed", "cancelled"
-KVLog = list[tuple[str, tuple[str, str], int]]  # (node, (request id, tag), start) of a region's KV writes
 
 
 class RequestHost(Protocol):
@@ -39,7 +38,10 @@ class RequestHost(Protocol):
         """Items were pushed into `buffer`, or it closed: a task waiting for a chunk may go on."""
 
     def iteration_wasted(self, request: Request, kv_log: KVLog) -> None:
-        """A speculative loop iteration of `request` was thrown away: its KV writes are undone."""
+        """A speculative loop iteration of `request` was thrown away: its KV writes and forks are undone."""
+
+    def context_released(self, request: Request, node: str, tag: str) -> None:
+        """A context of `request` nothing will read again (a fork's backup) is freed."""
 
 
 def empty_value(t: Mapping[str, Any]) -> Any:
@@ -229,3 +231,6 @@ class Request:
     def wasted_iteration(self, kv_log: KVLog) -> None:
         self.stats.wasted_steps += 1
         self.host.iteration_wasted(self, kv_log)
+
+    def release_context(self, node: str, tag: str) -> None:
+        self.host.context_released(self, node, tag)

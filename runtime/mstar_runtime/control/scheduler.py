@@ -144,6 +144,14 @@ class KVPages:
             return None
         return bm.fork(src, dst)
 
+    def rename(self, node: str, src: tuple[str, str], dst: tuple[str, str]) -> None:
+        self.managers[node].rename(src, dst)
+
+    def free(self, node: str, key: tuple[str, str]) -> None:
+        bm = self.managers[node]
+        if key in bm:
+            bm.free(key)
+
     def free_request(self, request_id: str) -> int:
         return sum(bm.free_request(request_id) for bm in self.managers.values())
 

@@ -339,6 +339,23 @@ class BlockManager:
         # the last page first: a chain's deepest blocks are evicted before the ones they extend
         return sum(self._release(page) for page in reversed(table))
 
+    def rename(self, src_key: SeqKey, dst_key: SeqKey) -> None:
+        """``dst_key`` takes ``src_key``'s pages, length and versions (whatever it held is freed)
+        and ``src_key`` is gone; nothing is allocated or copied. An unknown source leaves the
+        destination empty. (A speculative fork undone: its backup becomes the context again.)"""
+        if dst_key in self._tables:
+            self.free(dst_key)
+        if src_key not in self._tables:
+            return
+        self._tables[dst_key] = self._tables.pop(src_key)
+        self._lens[dst_key] = self._lens.pop(src_key)
+        self._versions[dst_key] = self._versions.pop(src_key, [])
+        tags = self._tags[src_key[0]]
+        del tags[src_key[1]]
+        if not tags:
+            del self._tags[src_key[0]]
+        self._tags.setdefault(dst_key[0], {})[dst_key[1]] = None
+
     def free_request(self, request_id: str) -> int:
         """Drop every tag of ``request_id``; returns the pages released. Unknown ids are a no-op,
         so cancellation and preemption may call it more than once."""

@@ -26,7 +26,7 @@ from test_server_support import ROOT, Server, serving  # noqa: E402
 
 from mstar_runtime.api import MStar  # noqa: E402
 from mstar_runtime.media import resample  # noqa: E402
-from mstar_runtime.serve.transcriptions import srt, vtt  # noqa: E402
+from mstar_runtime.serve.transcriptions import FALLBACK, srt, vtt  # noqa: E402
 
 MODEL = "whisper"
 # random weights rarely write <|endoftext|>: a bound on the tokens keeps each request short
@@ -67,8 +67,9 @@ def _file(samples: np.ndarray, rate: int, fmt: str, subtype: str | None = None) 
 
 
 def _engine_text(plan: Path, audio: torch.Tensor, **inputs: object) -> dict:
+    """The engine's transcript with what the route adds at temperature 0 (OpenAI's fallback)."""
     with MStar.load(plan, weights="init") as m:
-        return m.submit("transcribe", {"audio": audio, **SHORT, **inputs}).result()
+        return m.submit("transcribe", {"audio": audio, **SHORT, **FALLBACK, **inputs}).result()
 
 
 def test_transcription_is_the_engines(client: openai.OpenAI, plan: Path) -> None:
@@ -87,6 +88,11 @@ def test_transcription_is_the_engines(client: openai.OpenAI, plan: Path) -> None
     assert verbose.duration == pytest.approx(3.0)
     assert [(s.start, s.end, s.text, s.tokens) for s in verbose.segments] == \
            [(s["start"], s["end"], s["text"], s["tokens"]) for s in segments]
+    # the decode's statistics are the walk's, per window (OpenAI's verbose_json fields)
+    stats = ("seek", "avg_logprob", "compression_ratio", "no_speech_prob", "temperature")
+    assert [tuple(getattr(s, k) for k in stats) for s in verbose.segments] == \
+           [tuple(s[k] for k in stats) for s in segments]
+    assert all(s.avg_logprob < 0 and s.compression_ratio > 0 and 0 < s.no_speech_prob < 1 for s in verbose.segments)
     assert client.audio.transcriptions.create(model=MODEL, file=("a.wav", wav), response_format="srt",
                                                 extra_body=SHORT) == srt(segments)
     assert client.audio.transcriptions.create(model=MODEL, file=("a.wav", wav), response_format="vtt",
@@ -108,8 +114,19 @@ def test_lossless_formats_give_one_transcript(client: openai.OpenAI) -> None:
     assert texts["WAV"] == texts["FLAC"]
 
 
+def test_long_audio_is_transcribed_window_by_window(client: openai.OpenAI, plan: Path) -> None:
+    samples = _samples(65.0, 16000)
+    r = client.audio.transcriptions.create(model=MODEL, file=("a.wav", _file(samples, 16000, "WAV")),
+                                           response_format="verbose_json", extra_body=SHORT)
+    want = _engine_text(plan, torch.from_numpy(samples), timestamps=True)  # over 30 s: timestamps
+    assert r.text == want["text"] and [s.tokens for s in r.segments] == \
+           [s["tokens"] for s in json.loads(want["segments"])]
+    assert len({s.seek for s in r.segments}) >= 2 and r.duration == pytest.approx(65.0)
+
+
 def test_stream_deltas_add_up_to_the_transcript(client: openai.OpenAI) -> None:
-    wav = _file(_samples(2.0, 16000), 16000, "WAV")
+    # a delta per window (the one a fallback settles on): audio of more than one window
+    wav = _file(_samples(40.0, 16000), 16000, "WAV")
     whole = client.audio.transcriptions.create(model=MODEL, file=("a.wav", wav), extra_body=SHORT)
     events = list(client.audio.transcriptions.create(model=MODEL, file=("a.wav", wav), stream=True, extra_body=SHORT))
     assert [e.type for e in events][-1] == "transcript.text.done"
@@ -138,7 +155,9 @@ def _wav_with_rate(rate: int) -> bytes:
     ({"file": ("a.wav", b"")}, "file", "invalid_audio"),
     ({"file": ("a.mp3", b"certainly not audio" * 20)}, "file", "invalid_audio"),
     ({"file": ("a.wav", _wav_with_rate(0))}, "file", "invalid_audio"),
-    ({"file": ("a.wav", _file(np.zeros(31 * 8000, np.float32), 8000, "WAV"))}, "file", "audio_too_long"),
+    # max_audio_seconds (1800 s) and a little more, small at 4 kHz in 8 bits
+    ({"file": ("a.wav", _file(np.zeros(1801 * 4000, np.float32), 4000, "WAV", "PCM_U8"))}, "file",
+     "audio_too_long"),
     ({"language": "klingon"}, "language", None),
     ({"response_format": "xml"}, "response_format", None),
     ({"timestamp_granularities": ["word"], "response_format": "verbose_json"}, "timestamp_granularities[]",

@@ -54,7 +54,7 @@ def _tiny_config() -> transformers.WhisperConfig:
 def _generation_config() -> transformers.GenerationConfig:
     return transformers.GenerationConfig(
         decoder_start_token_id=50258, eos_token_id=50257, pad_token_id=50257, bos_token_id=50257,
-        no_timestamps_token_id=50364, suppress_tokens=SUPPRESS, begin_suppress_tokens=[220, 50257],
+        no_timestamps_token_id=50364, prev_sot_token_id=LAYOUT.startofprev, suppress_tokens=SUPPRESS, begin_suppress_tokens=[220, 50257],
         max_initial_timestamp_index=50, is_multilingual=True, max_length=448,
         lang_to_id={f"<|{c}|>": LAYOUT.first_language + i for i, c in enumerate(LANGUAGE_CODES)},
         task_to_id={"translate": LAYOUT.translate, "transcribe": LAYOUT.transcribe})

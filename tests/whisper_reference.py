@@ -39,7 +39,8 @@ def generation_config(cfg: Mapping[str, Any]) -> Any:
     translate = sot + 1 + langs
     return transformers.GenerationConfig(
         decoder_start_token_id=sot, eos_token_id=eot, pad_token_id=eot, bos_token_id=eot,
-        no_timestamps_token_id=translate + 5, suppress_tokens=list(cfg["suppress_tokens"]),
+        no_timestamps_token_id=translate + 5, prev_sot_token_id=translate + 3,
+        suppress_tokens=list(cfg["suppress_tokens"]),
         begin_suppress_tokens=list(cfg["begin_suppress_tokens"]),
         max_initial_timestamp_index=int(cfg["max_initial_timestamp"]), is_multilingual=True,
         max_length=int(cfg["target_positions"]),

@@ -34,7 +34,8 @@ always, and with timestamps the timestamp rules of `WhisperTimeStampLogitsProces
 (no `<|notimestamps|>`; timestamps in pairs; never decreasing; the first token a timestamp
 of at most `max_initial_timestamp` steps; a timestamp whenever the timestamps' total
 probability beats every text token's). Then greedy (temperature 0) or a seeded draw
-(`mstar_runtime.sampling`). `<|endoftext|>` is suppressed while fewer than `min_tokens`
+(`mstar_runtime.sampling`) among the `sample_top_k` best scores (transformers' default
+top_k of 50 for a sampled decode). `<|endoftext|>` is suppressed while fewer than `min_tokens`
 tokens were generated (transformers' `min_new_tokens`: benchmarks on random weights decode
 a fixed count). `done` is raised at `<|endoftext|>`, after `max_tokens`
 generated tokens, or when the sequence reaches the 448 target positions (transformers'
@@ -165,6 +166,10 @@ class Decoder(KVNode):
         initial = spec.config.get("max_initial_timestamp", 50)
         if initial is not None and (not isinstance(initial, int) or isinstance(initial, bool) or initial < 0):
             raise NodeError(f"node '{spec.name}': max_initial_timestamp must be an int >= 0, got {initial!r}")
+        top_k = spec.config.get("sample_top_k", 0)
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+            raise NodeError(f"node '{spec.name}': sample_top_k must be an int >= 0, got {top_k!r}")
+        self.top_k = top_k
         self.rules = Rules(self.layout, _int_list(spec, "suppress_tokens"), _int_list(spec, "begin_suppress_tokens"),
                            initial, spec.device)
 
@@ -274,7 +279,8 @@ class Decoder(KVNode):
                 raise RequestError(f"min_tokens must lie in [0, max_tokens = {max_new}], got {min_new}", "min_tokens")
             timestamps = scalar(entry, "timestamps", bool)
             seed = entry.get("seed")
-            params = SamplingParams(temperature=scalar(entry, "temperature", float, finite=True),
+            temperature = scalar(entry, "temperature", float, finite=True)
+            params = SamplingParams(temperature=temperature, top_k=self.top_k if temperature > 0 else 0,
                                     seed=None if seed is None else scalar(entry, "seed", int))
             seq.state.update(begin=seq.q_len, timestamps=bool(timestamps), max_new=max_new, min_new=min_new, n=0,
                              sampling=params,
@@ -321,7 +327,15 @@ class Decoder(KVNode):
         tokens = sample(scores, [st["sampling"] for st in states], [None] * len(states), [st["n"] for st in states])
         # the picked token's log-probability under the scores (before any temperature), as
         # transformers' `_retrieve_avg_logprobs` takes it for the fallback's threshold
-        logprob = F.log_softmax(scores.float(), dim=-1).gather(1, tokens.long()[:, None])[:, 0]
+        # (a sampled row's over its top_k scores, the distribution it drew from)
+        kept = scores
+        k = [st["sampling"].top_k for st in states]
+        if any(k):
+            kth = torch.full((len(states),), NEG_INF, device=dev)
+            for i in (i for i in range(len(states)) if k[i]):  # as transformers' TopKLogitsWarper
+                kth[i] = scores[i].topk(min(k[i], self.vocab)).values[-1]
+            kept = scores.masked_fill(scores < kth[:, None], NEG_INF)
+        logprob = F.log_softmax(kept.float(), dim=-1).gather(1, tokens.long()[:, None])[:, 0]
         tb = self.layout.timestamp_begin
         new_max = torch.where(tokens >= tb, torch.maximum(ts_max, tokens), ts_max)
         for i, st in enumerate(states):

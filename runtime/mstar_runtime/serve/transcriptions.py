@@ -8,7 +8,9 @@ its node has no `detokenize`).
 The request is OpenAI's multipart form: `file` (the audio), `model`, and optionally
 `language` (transcriptions only: a code such as "en" or a name; none detects it), `prompt`
 (text the window is conditioned on), `response_format` (`json` default, `text`, `srt`,
-`vtt`, `verbose_json`), `temperature` (0 to 1; 0 is greedy), each to the slot of its name
+`vtt`, `verbose_json`), `temperature` (0 to 1; 0 is greedy, raised as OpenAI's API does
+while a window misses the fallback thresholds: `FALLBACK`, transformers' long-form settings,
+each a walk input the body may set), each to the slot of its name
 (a walk that binds none refuses the field, or the segment formats without `timestamps` and
 `segments` slots, with a 400 naming it), `timestamp_granularities[]`
 (`segment`; `word` is a 400: no word timings are computed) and `stream`. Other fields are
@@ -20,19 +22,25 @@ Audio in (`decode_audio`). WAV, FLAC, OGG (Vorbis, Opus) and MP3, anything libsn
 (through `soundfile`), any channel count (averaged to mono), at 4 to 384 kHz, resampled to
 16 kHz by the resampler every input shares (`mstar_runtime.media.resample`). An empty
 file, a file that does not decode, one without samples, a sample rate outside that range (0 included), or audio
-longer than the plan's `max_audio_seconds` (30 s: one window) is a 400 naming `file`; a
-file over 25 MB (OpenAI's limit) is a 413.
+longer than the plan's `max_audio_seconds` (Whisper's: 1800 s) is a 400 naming `file`; a
+file over 25 MB (OpenAI's limit) is a 413. Audio over 30 s is transcribed in windows (the
+walk's long-form loop), which seek from timestamps: the route asks for them whatever the
+response format.
 
 Responses. `json`: `{"text", "usage": {"type": "duration", "seconds"}}`; `text`: the text;
 `srt` / `vtt`: the segments as subtitles; `verbose_json`: `{"task", "language" (the walk's
 `detected_language` slot: the name, "english"),
 "duration", "text", "segments": [{"id", "seek", "start", "end", "text", "tokens",
-"temperature"}], "usage"}` (no `avg_logprob`, `compression_ratio`, `no_speech_prob`: they
-are not computed). The segment formats ask the walk for timestamps; `json` and `text` do not
-(`<|notimestamps|>` in the prompt, as OpenAI's plain transcripts).
+"temperature", "avg_logprob", "compression_ratio", "no_speech_prob"}], "usage"}`: each
+segment's window's seek (mel frames), the temperature its accepted decode ran at, that
+decode's mean token log-probability, the compression ratio of its tokens and the
+probability of <|nospeech|> (the walk's values, windows.py). The segment formats ask the
+walk for timestamps; `json` and `text` on audio of up to 30 s do not (`<|notimestamps|>` in
+the prompt, as OpenAI's plain transcripts).
 
 Streaming (`stream=true`, with `json` or `text`): server-sent events as OpenAI sends them,
-`transcript.text.delta` (`{"type", "delta"}`) as tokens are decoded, then one
+`transcript.text.delta` (`{"type", "delta"}`) as windows are decoded (a window's tokens
+once its decode stands: a fallback may still replace an attempt), then one
 `transcript.text.done` (`{"type", "text", "usage"}`); a request that fails after the stream
 started ends with an `error` event. The text so far is the walk's `detokenize` phase of the
 node that writes `text`, run on a copy of that node in the server (a tokenizer: no weights),
@@ -76,6 +84,13 @@ SEGMENT_FORMATS = ("srt", "vtt", "verbose_json")
 FIELDS = {"file": "file", "language": "language", "prompt": "prompt", "temperature": "temperature",
           "timestamps": "response_format"}
 TASKS = {"transcriptions": "transcribe", "translations": "translate"}  # verbose_json's `task`
+WINDOW_SAMPLES = 30 * RATE  # one window: longer audio needs timestamps to seek by
+# what a request at temperature 0 decodes with, unless its body sets them (walk inputs):
+# transformers' long-form fallback settings (their compression ratio is zlib over token ids)
+FALLBACK = {"fallback_temperatures": torch.tensor([0.2, 0.4, 0.6, 0.8, 1.0]), "compression_ratio_threshold": 1.35,
+            "logprob_threshold": -1.0, "no_speech_threshold": 0.6}
+# a verbose_json segment's decode statistics, as the walk's segments give them
+STATS = ("avg_logprob", "compression_ratio", "no_speech_prob", "temperature")
 # the form fields the route reads itself; any other is a walk input (`max_tokens`, `seed`) or a 400
 OWN_FIELDS = {"file", "model", "language", "prompt", "response_format", "temperature", "timestamp_granularities[]",
               "stream"}
@@ -294,7 +309,8 @@ def _install(app: FastAPI, state: ServerState, route: str, role: WalkRole) -> No
         audio, duration = await asyncio.to_thread(decode_audio, data, limit)  # decoding is CPU work
         inputs: dict[str, Any] = {slots["file"]: audio}
         if "timestamps" in slots:
-            inputs[slots["timestamps"]] = segmented
+            # audio over one window is transcribed window by window, each seeking from a timestamp
+            inputs[slots["timestamps"]] = segmented or audio.numel() > WINDOW_SAMPLES
         if "temperature" in slots:
             inputs[slots["temperature"]] = float(temperature)
         if language:
@@ -307,6 +323,10 @@ def _install(app: FastAPI, state: ServerState, route: str, role: WalkRole) -> No
         own = {slots[s] for s in ("file", "timestamps") if s in slots}  # set by the route only
         extra = await walk_extras(state, walk, raw, set(inputs) | own)
         inputs.update(extra)
+        if temperature == 0:  # OpenAI's temperature 0: raised while the thresholds are missed
+            for k, v in FALLBACK.items():
+                if k in kinds:
+                    inputs.setdefault(k, v.clone() if isinstance(v, torch.Tensor) else v)
         fields = {**{slots[s]: f for s, f in FIELDS.items() if s in slots}, **{k: k for k in extra}}
         flight = await start_flight(state, request, route, walk, inputs, fields, "file")
         if stream:
@@ -331,8 +351,9 @@ def _install(app: FastAPI, state: ServerState, route: str, role: WalkRole) -> No
             return PlainTextResponse(vtt(segments), media_type="text/vtt")
         detected = str(out.get(slots["detected_language"], "")) if "detected_language" in slots else ""
         return {"task": task, "language": detected, "duration": duration, "text": text,
-                "segments": [{"id": i, "seek": 0, "start": s["start"], "end": s["end"], "text": s["text"],
-                              "tokens": s["tokens"], "temperature": float(temperature)}
+                "segments": [{"id": i, "seek": s.get("seek", 0), "start": s["start"], "end": s["end"],
+                              "text": s["text"], "tokens": s["tokens"],
+                              **{k: s.get(k, float(temperature) if k == "temperature" else None) for k in STATS}}
                              for i, s in enumerate(segments)],
                 "usage": _usage(duration)}
 

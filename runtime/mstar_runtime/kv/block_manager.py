@@ -340,7 +340,7 @@ class BlockManager:
         return sum(self._release(page) for page in reversed(table))
 
     def rename(self, src_key: SeqKey, dst_key: SeqKey) -> None:
-        """``dst_key`` takes ``src_key``'s pages, length and versions (whatever it held is freed)
+        """``dst_key`` takes ``src_key``'s pages, length, versions and content keys (whatever it held is freed)
         and ``src_key`` is gone; nothing is allocated or copied. An unknown source leaves the
         destination empty. (A speculative fork undone: its backup becomes the context again.)"""
         if dst_key in self._tables:
@@ -350,6 +350,9 @@ class BlockManager:
         self._tables[dst_key] = self._tables.pop(src_key)
         self._lens[dst_key] = self._lens.pop(src_key)
         self._versions[dst_key] = self._versions.pop(src_key, [])
+        for d in (self._keys, self._hashes, self._committed):  # its prefix-cache content keys
+            if src_key in d:
+                d[dst_key] = d.pop(src_key)  # type: ignore[index]
         tags = self._tags[src_key[0]]
         del tags[src_key[1]]
         if not tags:

@@ -95,8 +95,8 @@ class ServedWalks:
 
 # each route's (text input, output) slots: what a WalkRole's text_input and output are
 _ROLE_SLOTS = {"speech": ("input", "audio"), "chat": ("prompt", "text"), "image_generations": ("prompt", "image"),
-               "image_edits": ("prompt", "output"), "transcriptions": ("file", "text"),
-               "translations": ("file", "text")}
+               "image_edits": ("prompt", "output"), "transcriptions": ("file", "tokens"),
+               "translations": ("file", "tokens")}
 
 
 def served_walks(plan: Plan) -> ServedWalks:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar_runtime.kv.block_manager import BlockManager, OutOfPages
+from mstar_runtime.kv.block_manager import BlockManager, KVCacheError, OutOfPages
 from mstar_runtime.kv.prefix_cache import MEDIA_BIT, block_hashes, media_key
 
 PS = 4
@@ -165,3 +165,16 @@ def test_media_keys_name_the_bytes_and_never_a_token_id() -> None:
     assert k & MEDIA_BIT and k == media_key(x.clone())
     assert media_key(x + 1e-6) != k and media_key(x.reshape(4, 3)) != k and media_key(x, 1) != k
     assert media_key(x.to(torch.bfloat16)) != k
+
+
+def test_keys_for_the_leading_tokens_only_let_only_those_hit() -> None:
+    bm = _bm()
+    key = ("a", "main")
+    cached, slots = bm.append_cached(key, list(range(6)), 12, n_tokens=13)  # 7 tokens without keys
+    assert cached == 0 and len(slots) == 13 and bm.seq_len(key) == 13
+    bm.commit(key)
+    assert bm.cached_pages == 1  # block 0 only: block 1 holds tokens without keys
+    cached, slots = bm.append_cached(("b", "main"), list(range(6)), 12, n_tokens=13)
+    assert cached == 4 and len(slots) == 9
+    with pytest.raises(KVCacheError):
+        bm.append_cached(("c", "main"), list(range(6)), 3, n_tokens=5)

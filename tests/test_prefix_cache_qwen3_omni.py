@@ -98,3 +98,27 @@ def test_a_second_turn_reuses_the_first_turns_blocks(engines: tuple[MStar, MStar
     h = on.submit("chat", follow)
     _equal(h.result(timeout=120), off.submit("chat", follow).result(timeout=120))
     assert h.stats["cached_tokens"] > 0
+
+
+SYSTEM = "You are a friendly voice assistant. Keep every answer short, and speak clearly and slowly."
+SPEECH: list[dict[str, Any]] = [
+    {"system": SYSTEM, "prompt": "Say hello to everyone."},
+    {"system": SYSTEM, "prompt": "Say hello to everyone. Hello everyone! Now say goodbye."},  # a second turn
+    {"system": SYSTEM, "prompt": "What was that?", "audio": clip(1)},
+    {"system": SYSTEM, "prompt": "What was that?", "audio": clip(3)},  # another clip: only the text before it hits
+]
+
+
+def test_speech_prefills_hit_before_their_first_media_position(engines: tuple[MStar, MStar]) -> None:
+    """The speech walk's prefill is keyed up to its first audio or image placeholder (the
+    talker's prompt needs the tapped hidden states there): the system prompt and earlier text
+    turns are found; text, codes and audio equal the miss's bit for bit."""
+    off, on = engines
+    cached = []
+    for inputs in SPEECH:
+        req = {**inputs, "max_tokens": 5, "talker_do_sample": False, "talker_max_frames": 6, **GREEDY}
+        miss = off.submit("speech", dict(req)).result(timeout=300)
+        h = on.submit("speech", dict(req))
+        _equal(h.result(timeout=300), miss)
+        cached.append(h.stats["cached_tokens"])
+    assert cached[0] == 0 and cached[1] > 0 and cached[3] > 0, cached

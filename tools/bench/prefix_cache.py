@@ -1,29 +1,33 @@
-"""Prefix caching: time to first token with a long shared prompt prefix, hit against miss (Orpheus-3B).
+"""Prefix caching: time to first output with a long shared prompt prefix, hit against miss.
 
-    python tools/bench/prefix_cache.py                                             # H200: real size, 2,000-token prefix
+    python tools/bench/prefix_cache.py                                   # H200: Orpheus-3B, 2,000-token prefix
+    python tools/bench/prefix_cache.py --model qwen3_omni                # H200: Qwen3-Omni's second turn
     python tools/bench/prefix_cache.py --device cpu --variant tiny --prefix-tokens 80 --requests 2   # smoke
+    python tools/bench/prefix_cache.py --model qwen3_omni --device cpu --prefix-tokens 80 --requests 2
 
-What runs: the Orpheus walk (tools/bench/orpheus.py's copy whose end check never fires, variant
-`bench` by default: the real sizes, dummy weights, audio codes only) through a Conductor with
-one in-process Worker, one request at a time (B = 1, so each TTFT is one prefill alone). Every
-request's text is one shared prefix (sentences repeated until the prompt node's ids reach
-`--prefix-tokens`) followed by a short question of its own, so requests share the prefix's
-full KV blocks and differ after them.
+One request at a time (B = 1, so each figure is one prefill alone), through a Conductor with
+one in-process Worker and dummy weights, on a cache-off conductor (miss) and a cache-on one
+(hit); each first runs `--warmup` untimed requests of another prefix (allocator, kernels).
 
-- miss: a conductor with `prefix_caching=False`; each request computes its whole prompt.
-- hit: a conductor with the cache on, warmed by one request with its own question (not
-  timed); every timed request then finds the prefix's blocks and computes only the rest (its
-  `cached_tokens` is recorded).
-Both run the same `--requests` questions, after `--warmup` untimed requests of another
-prefix on each conductor (allocator, kernels, cuBLAS plans).
+- `--model orpheus` (default): the Orpheus walk (tools/bench/orpheus.py's copy whose end check
+  never fires, variant `bench` by default: real sizes, audio codes only). Every request's
+  text is one shared prefix (sentences repeated until the prompt node's ids reach
+  `--prefix-tokens`) and a short question of its own; the hit conductor is warmed by one
+  request with its own question first, so every timed request finds the prefix's blocks.
+  TTFT: submit -> the first code applied on the host (one engine step late: docs/runtime.md,
+  "lanes"); `--tokens` codes per request (2: TTFT is the figure).
+- `--model qwen3_omni`: a conversation's second turn on the `speech` walk (variant `real` by
+  default; tools/bench/qwen3_omni.py compiles it; codec eos masked so every request makes its
+  frames). Conversation i has its own system prompt of about `--prefix-tokens` tokens and a
+  first question; its second turn's prompt is the first question, a reply and a new question.
+  Hit: the first turn runs (untimed), then the second is timed; miss: the second turn alone
+  on the cache-off conductor. TTFT (the first text piece) and TTFA (the first audio chunk).
 
-TTFT: submit -> the request's first code is applied on the host (its first output, one
-engine step late: docs/runtime.md, "lanes"); on a GPU the listener synchronises the device
-there, so the time covers the prefill's kernels. Each request runs `--tokens` tokens (2 by
-default: TTFT is the figure). Printed and written to the JSON (--out, default
-$OUT/prefix_cache.json): the p50 / mean TTFT of each, the ratio miss / hit, the prompt and
-cached token counts, and `same_codes`: whether every request's codes were equal on both
-(seeded sampling: a hit that changed a logit's last bits could flip a sampled token).
+A listener synchronises the device at the output it times, so a figure covers the kernels
+before it. Printed and written to the JSON (--out, default $OUT/prefix_cache.json): p50 and
+mean of each figure per mode, the ratio miss / hit of the TTFT p50, the prompt and cached
+token counts, and `same_outputs`: whether every timed request's outputs (codes; text) were
+equal on both (seeded sampling: a hit that changed a logit's last bits could flip a token).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,100 +46,158 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, sync, table, write_json  # noqa: E402 - the sibling modules, found through the line above
-from orpheus import compile_plan, default_placement, local_node  # noqa: E402
 
 SENTENCE = "Speech models read a long description of the voice and the scene before they say a word. "
 QUESTIONS = ("What do you hear now?", "Say it once more, slowly.", "And now in a whisper?", "Louder, please!",
              "Can you sing it?", "One more time.", "Tell me a story.", "Goodbye for today.")
+REPLY = "Of course. Here is a short answer, spoken calmly and clearly for you."
+FIRSTS = {"orpheus": ("codes",), "qwen3_omni": ("text", "audio_out")}  # the outputs timed, per model
 
 
-class _FirstCode:
-    """Conductor listener: the perf_counter time of each request's first `codes` output."""
+class _First:
+    """Conductor listener: the perf_counter time of each request's first item of each output in `names`."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.at = device, {}
+    def __init__(self, device: torch.device, names: tuple[str, ...]):
+        self.device, self.names, self.at = device, names, {}
 
     def on_output(self, request: Any, name: str, value: Any) -> None:
-        if name == "codes" and request.id not in self.at:
+        if name in self.names and (request.id, name) not in self.at:
             sync(self.device)
-            self.at[request.id] = time.perf_counter()
+            self.at[(request.id, name)] = time.perf_counter()
 
     def on_finish(self, request: Any) -> None:
         pass
 
 
-def shared_prefix(prompt_node: Any, tokens: int, voice: str) -> tuple[str, int]:
-    """A text whose prompt ids (with `voice`) number at least `tokens`, and that count."""
-    text, n = "", 0
+def grown(text_of: Callable[[str], str], count: Callable[[str], int], tokens: int) -> tuple[str, int]:
+    """SENTENCE repeated until `count(text_of(prefix))` reaches `tokens`: the prefix and that count."""
+    prefix, n = "", 0
     while n < tokens:
-        text += SENTENCE
-        n = int(prompt_node.run("build", [{"text": text, "voice": voice}])[0]["tokens"].numel())
-    return text, n
+        prefix += SENTENCE
+        n = count(text_of(prefix))
+    return prefix, n
 
 
-def run(conductor: Any, texts: list[str], device: torch.device, tokens: int, seed: int) -> list[dict[str, Any]]:
-    """Each text as one `tts` request alone; its TTFT, prompt length, cached tokens and codes."""
+def run(conductor: Any, walk: str, inputs: list[dict[str, Any]], device: torch.device,
+        names: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Each input as one request alone: its first-output times (ms from submit), cached tokens, outputs."""
     out = []
-    for i, text in enumerate(texts):
-        first = _FirstCode(device)
+    for x in inputs:
+        first = _First(device, names)
         sync(device)
-        req = conductor.submit("tts", {"text": text, "voice": "tara", "max_tokens": tokens, "seed": seed + i,
-                                       "temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3}, listener=first)
+        req = conductor.submit(walk, dict(x), listener=first)
         conductor.run_until_idle()
         if req.state != "finished":
             raise RuntimeError(f"request failed: {req.error}")
-        out.append({"ttft_ms": (first.at[req.id] - req.stats.submitted_at) * 1e3,
-                    "cached_tokens": req.stats.cached_tokens, "codes": req.outputs["codes"].tolist()})
+        times = {f"{n}_ms": (first.at[(req.id, n)] - req.stats.submitted_at) * 1e3
+                 for n in names if (req.id, n) in first.at}
+        kept = {n: req.outputs[n] for n in ("codes", "text") if n in req.outputs}
+        out.append({**times, "cached_tokens": req.stats.cached_tokens,
+                    "outputs": {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in kept.items()}})
     return out
+
+
+def orpheus_setup(args: argparse.Namespace, tmp: Path, device: torch.device) -> dict[str, Any]:
+    from orpheus import compile_plan, default_placement, local_node
+
+    from mstar_runtime.plan.loader import load_plan
+    from mstar_runtime.worker.worker import Worker
+
+    plan = load_plan(compile_plan(args.variant or "bench", args.placement or default_placement(args.device), tmp),
+                     device=args.device)
+    worker = Worker(plan, 0, device, "dummy")
+    node = local_node(plan, worker, "prompt", device)
+    prefix, n = grown(lambda p: p, lambda t: int(node.run("build", [{"text": t, "voice": "tara"}])[0]["tokens"].numel()),
+                      args.prefix_tokens)
+
+    def req(text: str, i: int) -> dict[str, Any]:
+        return {"text": text, "voice": "tara", "max_tokens": args.tokens, "seed": args.seed + i, "temperature": 0.6,
+                "top_p": 0.8, "repetition_penalty": 1.3}
+
+    timed = [req(prefix + q, i) for i, q in enumerate(QUESTIONS[1 : args.requests + 1])]
+    return {"plan": plan, "worker": worker, "walk": "tts", "prefix_tokens": n, "timed": timed,
+            "warm": [req(f"{i}. " + prefix + "Warm up.", i) for i in range(args.warmup)],  # another prefix
+            "before_hit": [req(prefix + QUESTIONS[0], 0)]}  # caches the shared prefix
+
+
+def qwen3_omni_setup(args: argparse.Namespace, tmp: Path, device: torch.device) -> dict[str, Any]:
+    from qwen3_omni import compile_plan, default_placement, mask_codec_eos
+
+    from mstar_runtime.plan.loader import load_plan
+    from mstar_runtime.worker.worker import Worker
+
+    variant = args.variant or ("real" if device.type == "cuda" else "tiny")
+    plan = load_plan(compile_plan(variant, args.placement or default_placement(device.type), tmp, "dummy"),
+                     device=device.type, kv_pages_cap=None if device.type == "cuda" else 4096)
+    worker = Worker(plan, 0, device, "dummy")
+    mask_codec_eos(worker.engines["talker"].node)
+    tokenizer = worker.engines["proc"].node.tokenizer
+    system, n = grown(lambda p: p, lambda t: len(tokenizer.encode(t).ids), args.prefix_tokens)
+
+    def req(system: str, prompt: str, i: int) -> dict[str, Any]:
+        return {"system": system, "prompt": prompt, "max_tokens": args.tokens, "talker_max_frames": args.frames,
+                "seed": args.seed + i, "temperature": 0.0, "top_k": 0}
+
+    first = [req(f"Conversation {i}. " + system, QUESTIONS[i], i) for i in range(args.requests)]
+    second = [dict(x, prompt=f"{x['prompt']} {REPLY} {QUESTIONS[-1]}") for x in first]
+    return {"plan": plan, "worker": worker, "walk": "speech", "prefix_tokens": n, "timed": second,
+            "warm": [req(f"Warm up {i}. " + system, "Hello.", i) for i in range(args.warmup)],
+            "before_hit": first, "interleave": True}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--model", choices=sorted(FIRSTS), default="orpheus")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--variant", default="bench")
+    ap.add_argument("--variant", default=None, help="default: bench (Orpheus); real on cuda, tiny on cpu (Qwen3-Omni)")
     ap.add_argument("--placement", type=Path, default=None)
     ap.add_argument("--prefix-tokens", type=int, default=2000)
-    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=2, help="tokens per request (Qwen3-Omni: text tokens)")
+    ap.add_argument("--frames", type=int, default=8, help="Qwen3-Omni: codec frames per request")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "prefix_cache.json")
     args = ap.parse_args(argv)
-    if args.requests < 1 or args.requests > len(QUESTIONS) - 1 or args.prefix_tokens < 1:
-        ap.error(f"--requests must lie in [1, {len(QUESTIONS) - 1}] and --prefix-tokens be >= 1")
+    if not 1 <= args.requests <= len(QUESTIONS) - 1 or args.prefix_tokens < 1 or args.tokens < 1:
+        ap.error(f"--requests must lie in [1, {len(QUESTIONS) - 1}], --prefix-tokens and --tokens be >= 1")
     from mstar_runtime.control.conductor import Conductor
-    from mstar_runtime.plan.loader import load_plan
-    from mstar_runtime.worker.worker import Worker
 
     device = torch.device(args.device)
+    names = FIRSTS[args.model]
     with tempfile.TemporaryDirectory() as tmp:
-        plan_path = compile_plan(args.variant, args.placement or default_placement(args.device), Path(tmp))
-        plan = load_plan(plan_path, device=args.device)
-    worker = Worker(plan, 0, device, "dummy")
-    prefix, n_prefix = shared_prefix(local_node(plan, worker, "prompt", device), args.prefix_tokens, "tara")
-    warm = [f"{i}. " + prefix + "Warm up." for i in range(args.warmup)]  # another prefix: never a hit
-    texts = [prefix + q for q in QUESTIONS[1 : args.requests + 1]]
+        setup = (orpheus_setup if args.model == "orpheus" else qwen3_omni_setup)(args, Path(tmp), device)
+    plan, worker, walk = setup["plan"], setup["worker"], setup["walk"]
     runs: dict[str, list[dict[str, Any]]] = {}
     for mode in ("miss", "hit"):
         conductor = Conductor(plan, {0: worker}, max_running=1, prefix_caching=mode == "hit")
-        run(conductor, warm, device, args.tokens, args.seed)
-        if mode == "hit":
-            run(conductor, [prefix + QUESTIONS[0]], device, args.tokens, args.seed)  # caches the prefix
-        runs[mode] = run(conductor, texts, device, args.tokens, args.seed)
+        run(conductor, walk, setup["warm"], device, names)
+        if mode == "hit" and setup.get("interleave"):  # each conversation's first turn, then its second
+            runs[mode] = [run(conductor, walk, [a, b], device, names)[1]
+                          for a, b in zip(setup["before_hit"], setup["timed"])]
+        else:
+            if mode == "hit":
+                run(conductor, walk, setup["before_hit"], device, names)
+            runs[mode] = run(conductor, walk, setup["timed"], device, names)
         del conductor
     rows = []
     for mode, rs in runs.items():
-        ttft = [r["ttft_ms"] for r in rs]
-        rows.append({"mode": mode, "ttft_p50_ms": statistics.median(ttft), "ttft_mean_ms": statistics.fmean(ttft),
-                     "cached_tokens": statistics.median(r["cached_tokens"] for r in rs)})
-    rec = {"results": rows, "prefix_tokens": n_prefix, "requests": args.requests,
-           "ratio_miss_over_hit": rows[0]["ttft_p50_ms"] / rows[1]["ttft_p50_ms"],
-           "same_codes": all(a["codes"] == b["codes"] for a, b in zip(runs["miss"], runs["hit"])),
-           "meta": {"variant": args.variant, "device": str(device), "tokens": args.tokens,
-                    "env": environment(device)}}
-    print(table(rows, [("mode", "mode", 0), ("ttft_p50_ms", "TTFT p50 ms", 1), ("ttft_mean_ms", "mean ms", 1),
-                       ("cached_tokens", "cached tokens", 0)]))
-    print(f"prefix {n_prefix} tokens; miss / hit = {rec['ratio_miss_over_hit']:.2f}x; same codes: {rec['same_codes']}")
+        row: dict[str, Any] = {"mode": mode, "cached_tokens": statistics.median(r["cached_tokens"] for r in rs)}
+        for n in names:
+            ms = [r[f"{n}_ms"] for r in rs if f"{n}_ms" in r]
+            row[f"{n}_p50_ms"] = statistics.median(ms) if ms else None
+            row[f"{n}_mean_ms"] = statistics.fmean(ms) if ms else None
+        rows.append(row)
+    key = f"{names[0]}_p50_ms"
+    rec = {"model": args.model, "results": rows, "prefix_tokens": setup["prefix_tokens"], "requests": args.requests,
+           "ratio_miss_over_hit": rows[0][key] / rows[1][key],
+           "same_outputs": all(a["outputs"] == b["outputs"] for a, b in zip(runs["miss"], runs["hit"])),
+           "meta": {"variant": args.variant, "device": str(device), "tokens": args.tokens, "env": environment(device)}}
+    cols = [("mode", "mode", 0)] + [(f"{n}_p50_ms", f"first {n} p50 ms", 1) for n in names] + [
+        (f"{n}_mean_ms", f"{n} mean ms", 1) for n in names] + [("cached_tokens", "cached tokens", 0)]
+    print(table(rows, cols))
+    print(f"{args.model}: prefix {setup['prefix_tokens']} tokens; miss / hit = {rec['ratio_miss_over_hit']:.2f}x "
+          f"(first {names[0]}); same outputs: {rec['same_outputs']}")
     write_json(args.out, rec)
     return 0
 

@@ -196,13 +196,17 @@ class ThinkerMoE(DecoderNode):
     def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: NodeSpec) -> list[int] | None:
         """A text prefill's KV depends on its ids, and at the audio and image placeholders on
         the rows put there (their bytes' `media_key`; an image's also on its grids and
-        deepstack rows). `prefill_speech` is never cached: the talker's prompt needs the tapped
-        hidden states of every position."""
+        deepstack rows). A speech prefill's keys stop before its first multimodal position:
+        the talker's prompt takes the tapped hidden state there, which a cached block does not
+        keep (a conversation's earlier turns are text; its new audio comes last)."""
         ids = inputs.get("ids")
-        if phase != "prefill" or not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+        if phase not in PREFILLS or not isinstance(ids, torch.Tensor) or ids.dim() != 1:
             return None
         tok = TokenIds.from_spec(spec)
         keys = [int(t) for t in ids.tolist()]
+        if phase == "prefill_speech":
+            mm = set(tok.multimodal)
+            return keys[: next((i for i, k in enumerate(keys) if k in mm), len(keys))]
         media: dict[int, int] = {}
         audio, image = inputs.get("audio"), inputs.get("image")
         if isinstance(audio, torch.Tensor) and audio.numel():
@@ -314,7 +318,10 @@ class ThinkerMoE(DecoderNode):
         out = self._next_tokens(self.logits(attn.last_rows(hidden)), attn, speech)
         if speech:
             assert tap is not None
-            for o, p, e, t in zip(out, prompts, attn.split(h), attn.split(tap[0])):
+            for o, p, e, t, seq in zip(out, prompts, attn.split(h), attn.split(tap[0]), attn.seqs):
+                if seq.cached:  # no multimodal position among them (prefix_content): embeddings only
+                    e = torch.cat([self.embed(p.ids[: seq.cached]), e])
+                    t = torch.cat([t.new_zeros(seq.cached, t.shape[1]), t])
                 o.update(self._talker_prompt(p, e, t))
         return out
 

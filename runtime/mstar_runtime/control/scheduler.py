@@ -105,14 +105,15 @@ class KVPages:
         self.managers = {node: BlockManager(pages, size, prefix_caching) for node, (pages, size) in pools.items()}
 
     def reserve(self, node: str, key: tuple[str, str], plan: SeqPlan, keys: list[int] | None = None) -> KVSlots:
-        """The entry's slots; with `keys` (its tokens' content keys, prefix caching) the cached
-        leading blocks are shared and only the rest is reserved, at least one token."""
+        """The entry's slots; with `keys` (the content keys of its leading tokens, all or some:
+        prefix caching) the cached leading blocks are shared and only the rest is reserved, at
+        least one token."""
         bm = self.managers[node]
         start = bm.seq_len(key) if key in bm else 0
         content = bm.version(key)  # before the append: what the queries attend to besides themselves
         cached = 0
-        if keys is not None and plan.keep and len(keys) == plan.q_len:
-            cached, slots = bm.append_cached(key, keys, plan.q_len - 1)  # raises OutOfPages, changing nothing
+        if keys is not None and plan.keep and len(keys) <= plan.q_len:  # keys of the leading tokens
+            cached, slots = bm.append_cached(key, keys, plan.q_len - 1, plan.q_len)  # raises OutOfPages, changing nothing
         else:
             slots = bm.append(key, plan.q_len)  # raises OutOfPages, changing nothing
         return KVSlots(start=start + cached, q_len=plan.q_len - cached, slots=slots, page_table=bm.page_table(key),

@@ -179,12 +179,17 @@ class BlockManager:
         ps = self.page_size
         return [table[pos // ps] * ps + pos % ps for pos in range(start, start + n_tokens)]
 
-    def append_cached(self, key: SeqKey, content: Sequence[int], max_cached: int) -> tuple[int, list[int]]:
-        """``append`` of ``len(content)`` tokens that first shares the cached pages of their
-        leading full blocks (at most ``max_cached`` tokens of them; module docstring). Returns
-        the tokens found cached and the slots of the others. Raises ``OutOfPages`` (and changes
-        nothing) when the pool cannot hold the rest."""
-        n, ps, prefix = len(content), self.page_size, self.prefix
+    def append_cached(self, key: SeqKey, content: Sequence[int], max_cached: int,
+                      n_tokens: int | None = None) -> tuple[int, list[int]]:
+        """``append`` of ``n_tokens`` tokens (default ``len(content)``; ``content`` keys the
+        leading ones, the others have none) that first shares the cached pages of their leading
+        full blocks (at most ``max_cached`` tokens of them; module docstring). Returns the tokens
+        found cached and the slots of the others. Raises ``OutOfPages`` (and changes nothing)
+        when the pool cannot hold the rest."""
+        n, ps, prefix = len(content) if n_tokens is None else n_tokens, self.page_size, self.prefix
+        if not 0 <= len(content) <= n:
+            raise KVCacheError(f"sequence {key}: {len(content)} content keys for {n} token(s)")
+        max_cached = min(max_cached, len(content))
         have = self._lens.get(key, 0)
         hashes: list[bytes] = []
         pages: list[int] = []
@@ -216,7 +221,10 @@ class BlockManager:
             self._hashes.setdefault(key, []).extend(hashes[: len(pages)])
             if committed:  # these are in the index already
                 self._committed[key] = len(self._hashes[key])
-        return cached, self.append(key, n - cached, content[cached:])
+        slots = self.append(key, len(content) - cached, content[cached:])
+        if n > len(content):  # the tokens without keys end the sequence's known run
+            slots += self.append(key, n - len(content))
+        return cached, slots
 
     def commit(self, key: SeqKey) -> None:
         """The step that wrote the sequence's tokens finished: its hashed full pages become

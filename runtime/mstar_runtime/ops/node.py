@@ -264,7 +264,9 @@ class KVNode(nn.Module):
     def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: NodeSpec) -> list[int] | None:
         """Prefix caching: one content key (int >= 0) per KV token the phase adds for an entry
         with these inputs, when that KV depends on nothing else (the tokens before them count:
-        the cache chains over them), else None (the default: never cached). Called by the
+        the cache chains over them), else None (the default: never cached). Keys for the
+        leading tokens only (a shorter list) let those be found cached and no others: the
+        phase needs something of the rest that a cached block does not keep. Called by the
         conductor before the step (after `kv_plan`); a RequestError fails the request."""
         return None
 

@@ -80,3 +80,40 @@ def test_real_size_bf16_against_transformers_bf16_and_fp32(cuda: torch.device, t
     for i in range(len(audio)):
         assert figures["tokens ours = transformers fp32"][i] >= figures["tokens transformers bf16 = fp32"][i] - 0.25, \
             figures
+
+
+@pytest.mark.gpu
+def test_real_size_long_form_against_transformers(cuda: torch.device, tmp_path: Path) -> None:
+    """70 s of audio through the long-form walk (windows seeking from timestamps, the fallback
+    at temperatures that draw the greedy token, as tests/test_whisper_longform.py) against
+    transformers' long-form `generate` in bf16 and fp32 on the same weights: the segment
+    tokens' agreement, printed; ours must agree with fp32 about as well as transformers' bf16."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "whisper.plan"
+    assert mstarc(["compile", str(ROOT / "models/whisper/whisper.walk"), "--variant", "real",
+                   "-p", str(ROOT / "placements/h200x1.yaml"), "-o", str(out)]) == 0
+    plan = load_plan(out, device="cuda")
+    cfg = dict(plan.config)
+    worker = Worker(plan, 0, "cuda", "dummy")
+    conductor = Conductor(plan, {0: worker})
+    enc, dec = worker.engines["encoder"].node, worker.engines["decoder"].node
+    audio = torch.randn(70 * 16000, generator=torch.Generator().manual_seed(7)) * 0.1
+    fallback = dict(compression_ratio_threshold=1.35, logprob_threshold=-1.0)
+    h = conductor.submit("transcribe", {"audio": audio, "language": "en", "timestamps": True, "max_tokens": 64,
+                                        "fallback_temperatures": torch.tensor([1e-6]), **fallback})
+    conductor.run_until_idle()
+    assert h.state == FINISHED, h.error
+    ours = h.outputs["tokens"].tolist()
+    fe = transformers.WhisperFeatureExtractor(feature_size=int(cfg["mels"]))
+    feats = fe(audio.numpy(), sampling_rate=16000, truncation=False, padding="longest",
+               return_tensors="pt").input_features.cuda()
+    kw = dict(language="en", task="transcribe", return_timestamps=True, max_new_tokens=64,
+              temperature=(0.0, 1e-6), **fallback)
+    with torch.no_grad():
+        t16 = from_nodes(enc, dec, cfg, dtype=torch.bfloat16).generate(feats.to(torch.bfloat16), **kw)[0].tolist()
+        t32 = from_nodes(enc, dec, cfg, dtype=torch.float32).generate(feats, **kw)[0].tolist()
+    figures = {"long-form tokens ours = transformers bf16": agreement(ours, t16),
+               "ours = transformers fp32": agreement(ours, t32), "transformers bf16 = fp32": agreement(t16, t32),
+               "lengths (ours, bf16, fp32)": (len(ours), len(t16), len(t32))}
+    print(figures)
+    assert figures["ours = transformers fp32"] >= figures["transformers bf16 = fp32"] - 0.25, figures

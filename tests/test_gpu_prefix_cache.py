@@ -1,0 +1,39 @@
+"""Prefix caching on one GPU at real size (random weights): Orpheus-3B with a 2,000-token
+shared prefix and Qwen3-Omni's second turn, hit against miss, through the benchmark's own
+code (tools/bench/prefix_cache.py). The hit's outputs must equal the miss's (seeded
+sampling and greedy decoding: FlashInfer over the cached pages and the suffix's GEMMs of
+another row count must not flip a token), it must find the prefix cached, and its time to
+first output must be shorter. The figures are printed (`pytest -s`).
+
+    pytest -m gpu -s tests/test_gpu_prefix_cache.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(tmp_path: Path, *args: str) -> dict[str, Any]:
+    bench = load_script(ROOT / "tools" / "bench" / "prefix_cache.py", "prefix_cache_gpu")
+    out = tmp_path / "pc.json"
+    assert bench.main(["--device", "cuda", "--requests", "4", "--out", str(out), *args]) == 0
+    rec = json.loads(out.read_text())
+    print(json.dumps(rec["results"]), rec["ratio_miss_over_hit"])
+    return rec
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["orpheus", "qwen3_omni"])
+def test_a_hit_equals_its_miss_and_comes_sooner(cuda: Any, tmp_path: Path, model: str) -> None:
+    rec = _bench(tmp_path, "--model", model)
+    miss, hit = rec["results"]
+    assert rec["same_outputs"] is True
+    assert hit["cached_tokens"] >= rec["prefix_tokens"] - 16 and miss["cached_tokens"] == 0
+    assert rec["ratio_miss_over_hit"] > 1.5

@@ -22,6 +22,11 @@ draw the greedy token (transformers' output is checked not to depend on its seed
 fallback's decisions, its retries, the skipped windows and the statistics
 (`avg_logprob`, `compression_ratio`, `no_speech_prob`, `temperature`) are compared with
 transformers' own functions on its outputs.
+
+The windows node's pieces are checked against transformers' own functions directly: the
+segments and the next seek of constructed sequences (`_retrieve_segment`), the next
+window's conditioning tokens (`_pad_to_max_length`), and conditioning dropped after a
+window decoded at 0.5 or more.
 """
 
 from __future__ import annotations
@@ -166,3 +171,79 @@ def test_long_requests_together_equal_each_alone(engine: MStar, audio: np.ndarra
         assert [{k: s[k] for k in exact} for s in a] == [{k: s[k] for k in exact} for s in b]
         for k in ("avg_logprob", "compression_ratio", "no_speech_prob"):  # batched float32 sums: last bits
             assert [s[k] for s in a] == pytest.approx([s[k] for s in b], rel=1e-5)
+
+
+# ------------------------------------------------------------------------------ the windows node's pieces
+TB = LAYOUT.timestamp_begin
+SEQUENCES = {  # one window's generated tokens (<|endoftext|> removed), as transformers splits them
+    "pairs, cut mid-segment": [TB + 3, 100, 101, TB + 40, TB + 40, 102, TB + 90, TB + 90, 103, 104],
+    "pairs, single timestamp ending": [TB + 3, 100, TB + 40, TB + 40, 102, TB + 90],
+    "pairs, closed at the end": [TB, 100, TB + 40, TB + 40, 102, TB + 90, TB + 91],
+    "no pair, one timestamp": [TB + 5, 100, 101, 102],
+    "no pair, <|0.00|> only": [TB, 100, 101],
+    "no timestamps": [100, 101, 102],
+}
+
+
+@pytest.mark.parametrize("case", list(SEQUENCES))
+@pytest.mark.parametrize(("seek", "span"), [(0, 3000), (2990, 3000), (6000, 1000)])
+def test_window_segments_are_transformers_retrieve_segment(case: str, seek: int, span: int) -> None:
+    from mstar_models.whisper.windows import window_segments
+
+    seq = SEQUENCES[case]
+    theirs, offset = transformers.WhisperForConditionalGeneration._retrieve_segment(
+        seek_sequence=torch.tensor(seq), seek_outputs=[{}], time_offset=torch.tensor([seek], dtype=torch.float64)
+        * 0.02 / 2, timestamp_begin=TB, seek_num_frames=torch.tensor([span]), time_precision=0.02,
+        time_precision_features=0.01, input_stride=2, prev_idx=0, idx=0, return_token_timestamps=False,
+        decoder_input_ids=torch.zeros(1, 3))
+    ours, advance = window_segments(seq, seek, span, TB)
+    assert [(s["start"], s["end"], s["tokens"]) for s in ours] == \
+           [(float(s["start"]), float(s["end"]), s["tokens"].tolist()) for s in theirs]
+    assert advance == int(offset)
+
+
+def _windows_node() -> Any:
+    from mstar_models.whisper.windows import Windows
+    from mstar_runtime.ops.node import NodeSpec
+
+    config = {"eot": LAYOUT.eot, "sot": LAYOUT.sot, "languages": LAYOUT.languages, "vocab": LAYOUT.vocab,
+              "target_positions": 448, "max_attempts": 3}
+    return Windows(NodeSpec(name="windows", engine="stateless", config=config, arch_args={}, settings={},
+                            device=torch.device("cpu"), dtype=torch.float32))
+
+
+def test_the_next_windows_context_is_transformers_previous_tokens() -> None:
+    """`windows.cut`'s prompt head with `cond`: transformers' `_pad_to_max_length` of the
+    segments so far (a double-timestamp ending without its last, the last 223 tokens)."""
+    from transformers.models.whisper.generation_whisper import _pad_to_max_length
+
+    segs = [{"tokens": [TB + 1, *range(100, 250), TB + 70, TB + 70]}, {"tokens": [TB + 70, *range(300, 400), TB + 99]},
+            {"tokens": [TB + 99, 7, TB + 120, TB + 120]}]
+    prompt = [LAYOUT.startofprev, 11, 12, 13, LAYOUT.sot]
+    node = _windows_node()
+    (got,) = node.phase_cut([{"mel": torch.zeros(80, 7000), "seek": 2990, "frames": 7000, "head": torch.tensor(prompt),
+                              "segs": json.dumps(segs), "cond": True, "temperature": 0.0}])
+    theirs = _pad_to_max_length([[{"tokens": torch.tensor(prompt[1:-1])}, *({"tokens": torch.tensor(s["tokens"])}
+                                                                             for s in segs)]],
+                                LAYOUT.eot, device="cpu", padding_side="left", bos_token_tensor=torch.tensor(
+                                    [LAYOUT.startofprev]), cut_off_length=223, skip_ending_double_timestamps=True,
+                                timestamp_begin=TB)[0].tolist()
+    assert got["context"].tolist() == [*theirs, LAYOUT.sot]
+    assert got["span"] == 3000 and torch.equal(got["window"][:, :10], torch.zeros(80, 10))
+    (plain,) = node.phase_cut([{"mel": torch.zeros(80, 7000), "seek": 0, "frames": 7000, "head": torch.tensor(prompt),
+                                "segs": json.dumps(segs), "cond": False, "temperature": 0.0}])
+    assert plain["context"].tolist() == prompt  # not conditioned: the prompt alone, as transformers' prompt_ids
+
+
+def test_a_hot_window_stops_conditioning_the_next() -> None:
+    """transformers conditions the next window only after a temperature below 0.5."""
+    from mstar_models.whisper.windows import STATS
+
+    node = _windows_node()
+    seq = torch.tensor(SEQUENCES["pairs, cut mid-segment"], dtype=torch.int32)
+    for temp, cond in ((0.4, True), (0.6, False)):
+        stats = torch.tensor([-0.5, 1.1, 0.01, temp, 0.0])
+        (out,) = node.phase_advance([{"tokens": seq, "stats": stats, "seek": 0, "span": 3000, "frames": 7000,
+                                      "segs": "[]", "condition": True}])
+        assert out["cond"] is cond and out["seek"] == 180 and not out["finished"]
+        assert json.loads(out["segs"])[0]["temperature"] == temp and len(STATS) == 4

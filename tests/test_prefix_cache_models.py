@@ -225,3 +225,14 @@ def test_bagel_the_same_image_under_several_questions_hits_and_equals_its_miss(b
     cached = [h.stats["cached_tokens"] for h in handles]
     assert cached[0] == 0 and cached[1] >= 16 and cached[1] > cached[2], cached
     assert cached[4] > 0, cached  # the repeated t2i prompt
+
+
+def test_a_node_giving_more_keys_than_tokens_fails_the_request_naming_it(testfamily_plan: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from mstar_models.testfamily.lm import TinyLM
+
+    monkeypatch.setattr(TinyLM, "prefix_content", classmethod(lambda cls, phase, inputs, spec: [1] * 500))
+    on = _conductor(testfamily_plan)
+    h = on.submit("generate", {"prompt": "hello", "max_new": 3})
+    on.run_until_idle()
+    assert h.state == "failed" and "node 'lm' phase 'prefill' gave 500 prefix-cache keys for 6 KV tokens" in h.error

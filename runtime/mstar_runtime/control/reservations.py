@@ -186,6 +186,10 @@ class Reservations:
             except RequestError as e:
                 self.host.fail(req, str(e), port_input(req, call, e.field))
                 return None
+            if keys is not None and len(keys) > plan.q_len:
+                self.host.fail(req, f"node '{node}' phase '{phase}' gave {len(keys)} prefix-cache keys for "
+                                    f"{plan.q_len} KV tokens (prefix_content: at most one per token)")
+                return None
         if room is not None and plan.q_len > room:
             return _OVER_BUDGET
         key = (req.id, call.tag or "main")

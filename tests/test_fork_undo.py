@@ -10,6 +10,7 @@ text context with a fork, and the speculative attempt after the accepted one is 
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -111,3 +112,50 @@ def test_rename_moves_a_sequence_and_frees_what_the_destination_held() -> None:
     assert bm.free_pages == 2 and bm.tags("r") == ["b"]
     bm.rename(("r", "none"), ("r", "b"))  # an unknown source leaves the destination empty
     assert ("r", "b") not in bm and bm.free_pages == 4
+
+
+def test_whisper_fallback_attempts_leave_the_text_context_as_the_kept_attempt_left_it(tmp_path: Any) -> None:
+    """End to end through the conductor: each window's attempt after the accepted one is
+    speculative, forks `text` empty and prefills, then is thrown away; after the undo the
+    text context is the accepted attempt's again (its length as the backup found it), and
+    when the request ends no page is held."""
+    from pathlib import Path
+
+    import torch
+
+    from mstar_runtime.control.conductor import FINISHED, Conductor
+    from mstar_runtime.plan.loader import load_plan
+    from mstar_runtime.worker.worker import Worker
+    from mstarc.cli import main as mstarc
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "w.plan"
+    assert mstarc(["compile", str(root / "models/whisper/whisper.walk"), "--variant", "tiny", "-p",
+                   str(root / "placements/cpu.yaml"), "-o", str(out)]) == 0
+    plan = load_plan(out, device="cpu")
+    conductor = Conductor(plan, {0: Worker(plan, 0, "cpu", "init")}, prefix_caching=False)
+    contexts = conductor.contexts
+    bm = contexts.pages.managers[("decoder", 0)]
+    kept: dict[str, int] = {}  # backup tag -> the text context's length when it was kept
+    restored: list[tuple[int, int]] = []  # (kept, after the undo)
+    fork, restore = contexts.fork, contexts.restore
+
+    def spy_fork(req: Any, f: ForkKV) -> None:
+        if "~undo" in f.dst:
+            kept[f.dst] = bm.seq_len((req.id, f.src)) if (req.id, f.src) in bm else 0
+        fork(req, f)
+
+    def spy_restore(req: Any, node: str, backup: str, dst: str) -> None:
+        restore(req, node, backup, dst)
+        restored.append((kept[backup], bm.seq_len((req.id, dst)) if (req.id, dst) in bm else 0))
+
+    contexts.fork, contexts.restore = spy_fork, spy_restore  # type: ignore[method-assign]
+    audio = torch.sin(torch.arange(40 * 16000) / 16000 * 2 * torch.pi * 300) * 0.3
+    h = conductor.submit("transcribe", {"audio": audio, "timestamps": True, "max_tokens": 12})
+    conductor.run_until_idle()
+    assert h.state == FINISHED, h.error
+    windows = len({s["seek"] for s in json.loads(h.outputs["segments"])})
+    assert len(restored) >= windows >= 2  # one thrown-away attempt per window at least
+    # each undo gave back a context of the length the backup kept (the accepted attempt's)
+    assert all(before == after > 0 for before, after in restored), restored
+    assert bm.used_pages == 0

@@ -246,24 +246,26 @@ def test_the_blocked_scan_equals_the_plain_cumsum(v: int) -> None:
         assert got.shape == p.shape and got.dtype == dtype
         torch.testing.assert_close(got, p.cumsum(-1), rtol=0, atol=tol)
     assert torch.equal(sampler._cumsum(p[:, :100], blocked=True), p[:, :100].cumsum(-1))  # short rows: plain
-    full = sampler._cumsum(p, blocked=True, padded=True)
-    assert full.is_contiguous() and full.shape[1] % 1024 == 0 and full.shape[1] >= v
-    assert torch.equal(full[:, :v], sampler._cumsum(p, blocked=True))
-    assert bool((full[:, v:] == full[:, v - 1 : v]).all())  # the tail repeats the total
 
 
-def test_a_draw_from_a_padded_cdf_is_the_same_draw(monkeypatch: pytest.MonkeyPatch) -> None:
-    """pick_from_cdf over the GPU's padded blocked CDF picks what it picks over the plain one,
-    at the edges too (u = 0, u just below 1 where u * total may round up to the total)."""
+@pytest.mark.parametrize("v", [5000, 156940])
+def test_a_draw_from_the_blocked_cdf_is_the_same_draw(v: int) -> None:
+    """pick_from_cdf's blocked draw (the GPU's: the block found first, then only its entries
+    searched) picks what the whole-row search picks, at the edges too (u = 0, u just below 1
+    where u * total may round up to the total, a draw in the last, ragged block, a row whose
+    probability ends inside a block)."""
     g = torch.Generator().manual_seed(3)
-    scores = torch.randn(4, 5000, generator=g) * 2
-    scores[:, 4000:] = float("-inf")  # zero-probability tail, as top-p leaves
-    u = torch.tensor([0.0, 0.3, 0.999999, 1.0 - 2.0**-53], dtype=torch.float64)
-    plain = sampler.pick_from_cdf(scores, u)
-    real_cumsum = sampler._cumsum
-    monkeypatch.setattr(sampler, "_cumsum", lambda x, blocked=None, padded=False: real_cumsum(x, True, padded))
-    assert torch.equal(sampler.pick_from_cdf(scores, u), plain)
-    assert bool((plain < 4000).all())
+    scores = torch.randn(6, v, generator=g) * 2
+    scores[:, v - 1000 :] = float("-inf")  # zero-probability tail, as top-p leaves
+    scores[4, : v - 1020] = float("-inf")  # all mass in the last 20 live tokens (the last blocks)
+    scores[5, 1500:] = float("-inf")  # the mass ends inside the second block
+    u = torch.tensor([0.0, 0.3, 0.999999, 1.0 - 2.0**-53, 0.5, 1.0 - 2.0**-53], dtype=torch.float64)
+    plain = sampler.pick_from_cdf(scores, u, blocked=False)
+    assert torch.equal(sampler.pick_from_cdf(scores, u, blocked=True), plain)
+    assert bool((plain < v - 1000).all()) and int(plain[4]) >= v - 1020 and int(plain[5]) < 1500
+    for seed in range(20):  # many draws over a whole row
+        u = torch.rand(6, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        assert torch.equal(sampler.pick_from_cdf(scores, u, blocked=True), sampler.pick_from_cdf(scores, u, blocked=False))
 
 
 # --------------------------------------------------------------------------- cohort columns

@@ -105,34 +105,39 @@ def _top_k_top_p(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Ten
     keeps the sorted rows sorted (the removed entries are a prefix), so top-p reads the same
     sorted values and the same (stable) order of the kept ones as a sort of the masked row.
     A row with k off compares against -inf; a row with p = 1 drops only entries of
-    probability 0, which no draw picks."""
+    probability 0, which no draw picks.
+
+    What top-p drops is a prefix of the sorted row (its cumulative sum only grows), so the kept
+    tokens are those at or after the first kept position `cut`: in the stable order, the tokens
+    whose (value, id) is at least `cut`'s. That is one comparison in vocabulary order, where
+    scattering the sorted mask back (one int64 index per entry) cost a pass of its own."""
     vocab = x.shape[1]
     sorted_x, order = torch.sort(x, dim=-1, descending=False, stable=True)
     on = (k > 0) & (k < vocab)
     kth = sorted_x.gather(1, (vocab - k).clamp(0, vocab - 1)[:, None])
     kth = torch.where(on[:, None], kth, float("-inf"))
-    x = x.masked_fill(x < kth, float("-inf"))
     sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
     cum = _cumsum(sorted_x.softmax(dim=-1))
-    drop_sorted = cum <= (1 - p)[:, None]
-    drop_sorted[:, -1] = False
-    drop = drop_sorted.scatter(1, order, drop_sorted)
-    return x.masked_fill(drop, float("-inf"))
+    drop = cum <= (1 - p)[:, None]
+    drop[:, -1] = False
+    cut = (~drop).to(torch.uint8).argmax(dim=-1, keepdim=True)  # the first kept position
+    value, first = sorted_x.gather(1, cut), order.gather(1, cut)
+    ids = torch.arange(vocab, device=x.device)
+    keep = (x > value) | ((x == value) & (ids >= first))
+    return x.masked_fill(~keep, float("-inf"))
 
 
 # ------------------------------------------------------------------------------ the draw
 _SCAN_BLOCK = 1024
 
 
-def _cumsum(x: torch.Tensor, blocked: bool | None = None, padded: bool = False) -> torch.Tensor:
+def _cumsum(x: torch.Tensor, blocked: bool | None = None) -> torch.Tensor:
     """`x.cumsum(-1)` of a [R, V] tensor. On a GPU a long row is scanned in blocks: a scan inside
     each block of 1,024, then a scan of the block totals added back. torch's scan of a few very
     long rows keeps most of the GPU idle (200-265 us for [16, 156940] on an H200, twice per
     sampled step). The sums are rounded in a different order than a sequential scan, as in any
     parallel scan, so a draw that lands within rounding distance of a token boundary may pick
-    its neighbour (the GPU-vs-CPU sampler test allows for that); on the CPU the plain scan runs.
-    `padded`: a blocked result may keep its zero-padded tail (each padded column repeats the
-    row's total), contiguous, for a caller that searches it."""
+    its neighbour (the GPU-vs-CPU sampler test allows for that); on the CPU the plain scan runs."""
     rows, v = x.shape
     if blocked is None:
         blocked = x.device.type == "cuda"
@@ -142,20 +147,48 @@ def _cumsum(x: torch.Tensor, blocked: bool | None = None, padded: bool = False) 
     blocks = F.pad(x, (0, nb * _SCAN_BLOCK - v)).view(rows, nb, _SCAN_BLOCK).cumsum(dim=-1)
     totals = blocks[:, :, -1]
     before = totals.cumsum(dim=-1) - totals  # exclusive: what the blocks before each one hold
-    out = (blocks + before[:, :, None]).view(rows, nb * _SCAN_BLOCK)
-    return out if padded else out[:, :v]
+    return (blocks + before[:, :, None]).view(rows, nb * _SCAN_BLOCK)[:, :v]
 
 
-def pick_from_cdf(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def pick_from_cdf(scores: torch.Tensor, u: torch.Tensor, blocked: bool | None = None) -> torch.Tensor:
     """Inverse-CDF draw per row: the first token whose cumulative probability exceeds u * total.
 
-    scores [R, V] (removed = -inf), u float64 [R] in [0, 1)."""
+    scores [R, V] (removed = -inf), u float64 [R] in [0, 1); `blocked` as in `_cumsum`."""
     # float64 CDF: exact enough that a 150k-token vocabulary loses no probability mass.
-    # padded (on a GPU): the tail repeats the total, which changes neither the search nor `last`,
-    # and a contiguous CDF spares searchsorted a copy of it
-    cdf = _cumsum(torch.softmax(scores, dim=-1).to(torch.float64), padded=True)
+    probs = torch.softmax(scores, dim=-1).to(torch.float64)
+    if blocked is None:
+        blocked = probs.device.type == "cuda"
+    if blocked and probs.shape[1] >= 4 * _SCAN_BLOCK:
+        return _pick_blocked(probs, u)
+    cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     picked = torch.searchsorted(cdf, u[:, None] * total, right=True)
     # u * total may round up to total: then take the last token with probability > 0.
     last = (cdf < total).sum(dim=-1, keepdim=True)
+    return torch.minimum(picked, last).squeeze(1)
+
+
+def _pick_blocked(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`pick_from_cdf` over `_cumsum`'s blocked CDF without adding the block offsets to every
+    entry: the block totals' prefix finds the block a draw lands in, and only that block's
+    1,024 entries get their offset and are searched. Every CDF value compared is the one the
+    whole-row scan would hold (`blocks + before`, the same float64 sums), so the token is too."""
+    rows, v = probs.shape
+    nb = -(-v // _SCAN_BLOCK)
+    blocks = F.pad(probs, (0, nb * _SCAN_BLOCK - v)).view(rows, nb, _SCAN_BLOCK).cumsum(dim=-1)
+    totals = blocks[:, :, -1]
+    before = totals.cumsum(dim=-1) - totals
+    ends = before + totals  # the CDF at each block's last entry
+    total = ends[:, -1:].contiguous()
+
+    def first_index(target: torch.Tensor, right: bool) -> torch.Tensor:
+        """The first entry whose CDF is > target (right) or >= target (not right)."""
+        b = torch.searchsorted(ends, target, right=right).clamp_(max=nb - 1)
+        inner = blocks.gather(1, b[:, :, None].expand(rows, 1, _SCAN_BLOCK)).squeeze(1) + before.gather(1, b)
+        return b * _SCAN_BLOCK + torch.searchsorted(inner, target, right=right)
+
+    picked = first_index(u[:, None] * total, right=True)
+    # u * total may round up to total: then take the last token with probability > 0 (the
+    # entries below total are those before the first that reaches it).
+    last = first_index(total, right=False)
     return torch.minimum(picked, last).squeeze(1)

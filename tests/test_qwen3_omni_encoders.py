@@ -131,6 +131,25 @@ def test_audio_batch_equals_transformers_per_request(audio: AudioEncoder, hf: An
                 assert_close(o["embeds"], ref)
 
 
+def test_clips_of_one_request_equal_transformers_feature_lens(audio: AudioEncoder, hf: Any) -> None:
+    """A conversation's clips in one mel (`clips`: frames each) are encoded apart, as transformers'
+    tower encodes the audios of `feature_lens`, and their rows joined in order."""
+    g = torch.Generator().manual_seed(4)
+    frames = [250, 37, 1000]
+    mel = torch.randn(128, sum(frames), generator=g)
+    with torch.no_grad():
+        got = audio.run("encode", [{"mel": mel, "clips": torch.tensor(frames, dtype=torch.int32)},
+                                   {"mel": mel[:, :250], "clips": torch.zeros(0, dtype=torch.int32)}])
+        ref = hf_audio_tower(hf)(input_features=mel, feature_lens=torch.tensor(frames)).last_hidden_state
+    assert got[0]["embeds"].shape == (sum(encoded_length(f) for f in frames), 64)
+    assert_close(got[0]["embeds"], ref)
+    # a clip of over 100 frames gives the rows it gives alone (what lets a later turn's prefix hit)
+    assert torch.equal(got[0]["embeds"][:encoded_length(250)], got[1]["embeds"])
+    with pytest.raises(RequestError) as err:
+        audio.run("encode", [{"mel": mel, "clips": torch.tensor([5, 5], dtype=torch.int32)}])
+    assert err.value.field == "mel"
+
+
 def test_audio_token_counts_match_transformers() -> None:
     lengths = torch.tensor([1, 7, 99, 100, 101, 199, 200, 1234, 30000])
     ref = hf_model._get_feat_extract_output_lengths(lengths)

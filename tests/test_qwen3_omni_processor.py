@@ -124,6 +124,53 @@ def test_build_batch_equals_transformers(ours: Processor, monkeypatch: pytest.Mo
         check(out, reference(proc, ours, *case))
 
 
+def test_a_conversation_with_a_clip_per_turn_equals_transformers(ours: Processor,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`history`: earlier turns rendered before the new one, each user turn's clip at the front of
+    `audio`, in order; transformers takes the same messages and the clips as a list."""
+    proc = hf_processor(bundled_hf_tokenizer(), BUNDLED_TEMPLATE, monkeypatch)
+    g = np.random.default_rng(5)
+    clips = [(g.standard_normal(int(16000 * s)) * 0.1).astype(np.float32) for s in (1.7, 0.6, 2.2)]
+    history = [{"role": "user", "content": "", "audio": len(clips[0])},
+               {"role": "assistant", "content": "A dog barks."},
+               {"role": "user", "content": "And this one?", "audio": len(clips[1])},
+               {"role": "assistant", "content": "Rain."}]
+    e = entry("Last one.", "Be brief.", np.concatenate(clips), None) | {"history": json.dumps(history)}
+    got = ours.run("build", [e])[0]
+    messages = ours.messages("Last one.", "Be brief.", True, False, ours._history(e))
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    text = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ref = proc(text=[text], audio=clips, return_tensors="pt")
+    assert got["ids"].tolist() == ref["input_ids"][0].tolist()
+    frames = ref["feature_attention_mask"].sum(dim=1).tolist()
+    assert got["clips"].tolist() == frames and got["mel"].shape == (128, sum(frames))
+    # each clip's features as transformers computes a clip alone: in a batch it pads the shorter
+    # clips with zeros before its STFT, which changes their last frame (a batching artifact)
+    for start, n, clip in zip(np.cumsum([0, *frames[:-1]]).tolist(), frames, clips, strict=True):
+        alone = proc.feature_extractor(clip, sampling_rate=16000, padding=True, truncation=False,
+                                       return_attention_mask=True, return_tensors="pt")
+        torch.testing.assert_close(got["mel"][:, start:start + n], alone["input_features"][0, :, :n], atol=MEL_ATOL,
+                                   rtol=0)
+    # the turn before, as its own request, is a prefix of this one's ids up to its reply
+    before = entry("And this one?", "Be brief.", np.concatenate(clips[:2]), None) | {
+        "history": json.dumps(history[:2])}
+    head = ours.run("build", [before])[0]["ids"].tolist()
+    assert got["ids"].tolist()[:len(head)] == head
+
+
+@pytest.mark.parametrize(("history", "audio"), [
+    ("not json", 0), ('{"role": "user"}', 0), ('[{"role": "robot", "content": "x"}]', 0),
+    ('[{"role": "assistant", "content": "x", "audio": 400}]', 400), ('[{"role": "user", "content": "x", "audio": 900}]', 400),
+    ('[{"role": "user", "content": "x", "audio": 100}]', 400), ('[{"role": "user", "content": "x", "colour": 1}]', 0),
+])
+def test_bad_history_is_a_request_error(ours: Processor, history: str, audio: int) -> None:
+    e = {"prompt": "hi", "system": "", "audio": torch.full((audio,), 0.1), "image": torch.zeros(0, dtype=torch.uint8),
+         "history": history}
+    with pytest.raises(RequestError) as err:
+        ours.run("build", [e])
+    assert err.value.field == "history"
+
+
 def test_detokenize_drops_every_added_token(ours: Processor, tmp_path: Path) -> None:
     """Qwen's tokenizer marks `<tool_call>`, `<|fim_pad|>`, `<|repo_name|>`, `<think>`, ... non-special;
     the reply's text drops them as it drops `<|im_end|>`, whole and streamed, with the bundled

@@ -350,22 +350,41 @@ def test_two_turn_voice_conversation(omni: Server) -> None:
     assert said1 == ref["text"] and audio1 == base64.b64decode(ref["audio_out"]["data"]) and audio1
     speak(s, second)
     events, said2, audio2 = reply(s, **GREEDY, **SHORT, seed=3)
-    # the second turn's prompt: the chat route's plain-text rule over the conversation so far
-    history = f"user: \nassistant: {said1}\nuser: \nassistant:"
-    ref = native(omni, "speech", {**inputs, "prompt": history, "audio": heard(second)})
+    # the second turn: the first as the walk's history (its clip at the front of `audio`), then the new clip
+    history = [{"role": "user", "content": "", "audio": len(heard(first))}, {"role": "assistant", "content": said1}]
+    ref = native(omni, "speech", {**inputs, "prompt": "", "history": json.dumps(history),
+                                  "audio": heard(first) + heard(second)})
     assert said2 == ref["text"] and audio2 == base64.b64decode(ref["audio_out"]["data"])
-    assert events[-1]["response"]["usage"]["input_tokens"] > done["usage"]["input_tokens"]
+    assert events[-1]["response"]["usage"]["input_tokens"] > done["usage"]["input_tokens"] + 10  # both clips
     # text out only: the chat walk, with the same history
     s.send(type="conversation.item.create", item={"type": "message", "role": "user",
                                                   "content": [{"type": "input_text", "text": "why?"}]})
     s.recv()
     events, said3, audio3 = reply(s, **GREEDY, modalities=["text"], max_output_tokens=5)
     assert audio3 == b"" and any(e["type"] == "response.text.delta" for e in events)
-    prompt = f"{history} {said2}\nuser: why?\nassistant:"
-    assert said3 == native(omni, "chat", {"prompt": prompt, "system": INSTRUCTIONS, "max_tokens": 5,
-                                          **GREEDY})["text"]
+    history += [{"role": "user", "content": "", "audio": len(heard(second))}, {"role": "assistant", "content": said2}]
+    assert said3 == native(omni, "chat", {"prompt": "why?", "system": INSTRUCTIONS, "history": json.dumps(history),
+                                          "audio": heard(first) + heard(second), "max_tokens": 5, **GREEDY})["text"]
     s.close()
     pages_back(omni, sessions=0)
+
+
+def test_voice_in_text_out_reuses_the_turn_before(omni: Server) -> None:
+    """Each turn's prompt begins with the turn before's, its clip keyed by its own rows: the
+    second text reply's prefill finds the first's prompt pages cached (the chat walk's prefill is
+    cached; the speech walk's is not, by the prefix cache's rule)."""
+    s = Session(omni)
+    # instructions no other test sends: nothing of this conversation is cached before it
+    s.send(type="session.update", session={"modalities": ["text"], "instructions": "Answer in one word, please."})
+    s.recv()
+    used = []
+    for clip in (tone(1.3, 200), tone(1.1, 260)):  # over 1 s: a clip's rows do not depend on the others
+        speak(s, clip)
+        events, _, _ = reply(s, **GREEDY, max_output_tokens=4)
+        used.append(events[-1]["response"]["usage"])
+    assert used[0]["input_token_details"]["cached_tokens"] == 0
+    assert used[1]["input_token_details"]["cached_tokens"] >= used[0]["input_tokens"] // 16 * 16 > 0
+    s.close()
 
 
 def test_voice_errors(omni: Server) -> None:
@@ -405,7 +424,13 @@ def test_cancel(omni: Server) -> None:
     assert done["id"] == rid and done["status"] == "cancelled"
     assert done["status_details"] == {"type": "cancelled", "reason": "client_cancelled"}
     pages_back(omni)
-    # the session goes on: the cancelled reply's words stay in the conversation, and a new response runs
+    # the session goes on: the cancelled reply's words stay in the conversation as the assistant's
+    # turn, which Qwen3-Omni's walks cannot answer (they answer a user turn): an error says so
+    err = s.error(type="response.create", response=SHORT)
+    assert err["code"] == "invalid_value" and "last item is the assistant's" in err["message"]
+    s.send(type="conversation.item.create", item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "go on"}]})
+    s.recv()
     events, _, audio = reply(s, **GREEDY, **SHORT)
     assert events[-1]["response"]["status"] in ("completed", "incomplete") and audio
     s.close()

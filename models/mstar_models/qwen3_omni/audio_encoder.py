@@ -166,17 +166,19 @@ class AudioEncoder(StatelessNode):
         return self.conv_out.weight.device
 
     # ---- tensors
-    def _chunks(self, mels: list[torch.Tensor]) -> tuple[torch.Tensor, list[int], list[bool]]:
-        """Every request's chunks, padded to one chunk length: [Nc, 1, mel, chunk]; their lengths;
-        whether each is a request's only, short chunk (zero past its end at every layer)."""
+    def _chunks(self, mels: list[torch.Tensor], alone: list[bool]) -> tuple[torch.Tensor, list[int], list[bool]]:
+        """Every clip's chunks, padded to one chunk length: [Nc, 1, mel, chunk]; their lengths;
+        whether each is a request's only, short chunk (zero past its end at every layer: what
+        transformers computes for an audio under 100 frames alone, unpadded; `alone` says
+        which clips are their request's only one)."""
         pieces, lengths, solo = [], [], []
-        for mel in mels:
+        for mel, only in zip(mels, alone, strict=True):
             frames = mel.shape[1]
             for start in range(0, frames, self.chunk):
                 piece = mel[:, start : start + self.chunk]
                 pieces.append(F.pad(piece, (0, self.chunk - piece.shape[1])))
                 lengths.append(piece.shape[1])
-                solo.append(frames < self.chunk)
+                solo.append(only and frames < self.chunk)
         dtype = self.conv_out.weight.dtype
         return torch.stack(pieces).unsqueeze(1).to(self.device, dtype), lengths, solo
 
@@ -192,13 +194,14 @@ class AudioEncoder(StatelessNode):
         n, c, f, t = x.shape
         return self.conv_out(x.permute(0, 3, 1, 2).reshape(n, t, c * f))
 
-    def encode(self, mels: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per request mel [mel_bins, F] -> embeds [encoded_length(F), out_dim] in the weights' dtype."""
+    def encode(self, mels: list[torch.Tensor], alone: list[bool] | None = None) -> list[torch.Tensor]:
+        """Per clip mel [mel_bins, F] -> embeds [encoded_length(F), out_dim] in the weights' dtype;
+        `alone`: whether each clip is its request's only one (default: every one is)."""
         counts = [encoded_length(m.shape[1], self.n_window) for m in mels]
-        busy = [m for m in mels if m.shape[1]]
+        busy = [(m, a) for m, a in zip(mels, alone or [True] * len(mels), strict=True) if m.shape[1]]
         if not busy:
             return [torch.zeros(0, self.out_dim, dtype=self.conv_out.weight.dtype, device=self.device) for _ in mels]
-        chunks, lengths, solo = self._chunks(busy)
+        chunks, lengths, solo = self._chunks([m for m, _ in busy], [a for _, a in busy])
         lens = torch.tensor(lengths, device=self.device)
         solos = torch.tensor(solo, device=self.device)
         embeds = torch.cat([self._convs(chunks[i : i + self.conv_chunksize], lens[i : i + self.conv_chunksize],
@@ -224,8 +227,32 @@ class AudioEncoder(StatelessNode):
 
     # ---- the phase
     def phase_encode(self, batch: Batch) -> Batch:
-        mels = [self._mel(entry) for entry in batch]
-        return [{"embeds": e} for e in self.encode(mels)]
+        """Each entry's clips (`clips`: frames per clip of its mel; absent or empty: one clip)
+        encoded apart, as transformers' audio tower encodes each of its `feature_lens` in one
+        call (a short clip beside others is padded there, as here), and their rows joined in
+        order."""
+        mels: list[torch.Tensor] = []
+        alone: list[bool] = []
+        counts: list[int] = []
+        for entry in batch:
+            mel = self._mel(entry)
+            parts = torch.split(mel, self._clips(entry, mel), dim=1) if mel.shape[1] else (mel,)
+            mels.extend(parts)
+            alone.extend([len(parts) == 1] * len(parts))
+            counts.append(len(parts))
+        embeds = iter(self.encode(mels, alone))
+        return [{"embeds": torch.cat([next(embeds) for _ in range(n)])} for n in counts]
+
+    def _clips(self, entry: Mapping[str, Any], mel: torch.Tensor) -> list[int]:
+        clips = entry.get("clips")
+        if clips is None or (isinstance(clips, torch.Tensor) and clips.numel() == 0):
+            return [int(mel.shape[1])]
+        frames = [int(v) for v in clips.reshape(-1).tolist()] if isinstance(clips, torch.Tensor) \
+            and not clips.is_floating_point() else None
+        if frames is None or any(n <= 0 for n in frames) or sum(frames) != mel.shape[1]:
+            raise RequestError(f"clips must be positive frame counts that add up to the mel's {mel.shape[1]} frames, "
+                               f"got {clips if frames is None else frames}", "mel")
+        return frames
 
     def _mel(self, entry: Mapping[str, Any]) -> torch.Tensor:
         mel = entry.get("mel")

@@ -1,8 +1,10 @@
-"""Qwen3-Omni's processor as a stateless node: `build(prompt, system, audio, image) -> (ids, mel, pixels,
-grid)` and `detokenize(token) -> piece`.
+"""Qwen3-Omni's processor as a stateless node: `build(prompt, system, audio, image, history) -> (ids,
+mel, clips, pixels, grid)` and `detokenize(token) -> piece`.
 
 What transformers 5.24's `Qwen3OmniMoeProcessor` does for one conversation, written here:
-- Chat template: messages `[system (when not empty), user: [image?, audio?, text]]` rendered
+- Chat template: messages `[system (when not empty), the earlier turns of `history` (a JSON
+  list of `{"role", "content", "audio"}`; a user turn's `audio` is how many samples at the
+  front of the `audio` input are its clip, in order), user: [image?, audio?, text]]` rendered
   with `add_generation_prompt=True` in a sandboxed jinja2 environment set up as transformers'
   (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, a `tojson` that does not
   escape HTML). The template is the checkpoint's own (`chat_template.json`, else
@@ -14,7 +16,8 @@ What transformers 5.24's `Qwen3OmniMoeProcessor` does for one conversation, writ
   token and each `<|image_pad|>` one per merged image token, which is what tokenizing HF's
   expanded string gives (added tokens are split off before BPE). A prompt that itself
   contains a placeholder token is refused.
-- Audio (16 kHz mono samples) -> Whisper-style log-mel, `feature_size` bins: hann-window STFT
+- Audio (16 kHz mono samples; the history's clips, then the new turn's) -> one Whisper-style
+  log-mel per clip, joined along time (`clips`: the frames of each), `feature_size` bins: hann-window STFT
   (n_fft 400, hop 160, centred, reflect padding), the last frame dropped, power spectrum
   times a slaney-normalised mel filter bank (0 to sr / 2), log10 clamped at 1e-10, floored
   at max - 8, then (x + 4) / 4. Frames = samples // hop. Audio tokens = the encoder's
@@ -461,13 +464,62 @@ class Processor(StatelessNode):
         self.tokenizer = controls_special(tok)
 
     # ---- build
-    def messages(self, prompt: str, system: str, audio: bool, image: bool) -> list[dict[str, Any]]:
-        """The conversation the template renders (module docstring)."""
+    def messages(self, prompt: str, system: str, audio: bool, image: bool,
+                 history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """The conversation the template renders (module docstring): the system message, the
+        earlier turns of `history` (`_history`), then the user's turn."""
         parts: list[dict[str, Any]] = ([{"type": "image"}] if image else []) + ([{"type": "audio"}] if audio else [])
         parts.append({"type": "text", "text": prompt})
         out: list[dict[str, Any]] = [{"role": "system", "content": [{"type": "text", "text": system}]}] if system \
             else []
+        for turn in history or ():
+            heard = [{"type": "audio"}] if turn["audio"] else []
+            out.append({"role": turn["role"], "content": heard + [{"type": "text", "text": turn["content"]}]})
         return out + [{"role": "user", "content": parts}]
+
+    def _history(self, entry: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The `history` input: a JSON list of the conversation's earlier turns, each
+        `{"role": "user" | "assistant" | "system", "content": text, "audio": samples}`; a user
+        turn's `audio` (default 0) is how many samples of the `audio` input are its clip, the
+        turns' clips first and in order, the rest the new turn's."""
+        raw = _text(entry, "history")
+        if not raw.strip():
+            return []
+        try:
+            turns = json.loads(raw)
+        except ValueError as e:
+            raise RequestError(f"history is not valid JSON: {e}", "history") from None
+        if not isinstance(turns, list):
+            raise RequestError("history must be a JSON list of turns", "history")
+        out = []
+        for i, t in enumerate(turns):
+            ok = isinstance(t, dict) and set(t) <= {"role", "content", "audio"} \
+                and t.get("role") in ("user", "assistant", "system") and isinstance(t.get("content", ""), str)
+            n = t.get("audio", 0) if isinstance(t, dict) else 0
+            if not ok or isinstance(n, bool) or not isinstance(n, int) or n < 0 or (n and t["role"] != "user"):
+                raise RequestError(f"history[{i}] must be {{\"role\": \"user\" | \"assistant\" | \"system\", "
+                                   "\"content\": text, \"audio\": samples (user turns)}", "history")
+            out.append({"role": t["role"], "content": t.get("content", ""), "audio": n})
+        return out
+
+    def _clips(self, wave: torch.Tensor | None, history: list[dict[str, Any]]) -> tuple[list[torch.Tensor], bool]:
+        """The `audio` input cut into the history's clips and the new turn's (module docstring);
+        whether the new turn has one."""
+        sizes = [t["audio"] for t in history if t["audio"]]
+        total = 0 if wave is None else int(wave.shape[0])
+        if sum(sizes) > total:
+            raise RequestError(f"history's turns hold {sum(sizes)} samples of audio, but audio has {total}", "history")
+        least = self.features.n_fft // 2 + 1
+        if any(n < least for n in sizes):
+            raise RequestError(f"a history turn's audio is under {least} samples", "history")
+        rest = total - sum(sizes)
+        if 0 < rest < least:
+            raise RequestError(f"audio after the history's clips is {rest} samples; at least {least} are needed",
+                               "audio")
+        if wave is None:
+            return [], False
+        clips = list(torch.split(wave, [*sizes, rest])) if rest else list(torch.split(wave, sizes))
+        return clips, rest > 0
 
     def render(self, messages: list[dict[str, Any]]) -> str:
         try:
@@ -478,43 +530,52 @@ class Processor(StatelessNode):
 
     def phase_build(self, batch: Batch) -> Batch:
         f = self.features
-        prepared = [(_text(e, "prompt"), _text(e, "system"), self._audio(e), self._image(e)) for e in batch]
-        for prompt, _, wave, img in prepared:
-            if not prompt.strip() and wave is None and img is None:
+        prepared = []
+        for e in batch:
+            history = self._history(e)
+            clips, heard = self._clips(self._audio(e), history)
+            prepared.append((_text(e, "prompt"), _text(e, "system"), clips, heard, self._image(e), history))
+        for prompt, _, _, heard, img, _ in prepared:
+            if not prompt.strip() and not heard and img is None:
                 raise RequestError("prompt is empty and there is no audio or image: nothing to answer", "prompt")
-        texts = [self.render(self.messages(p, s, w is not None, i is not None)) for p, s, w, i in prepared]
+        texts = [self.render(self.messages(p, s, a, i is not None, h)) for p, s, _, a, i, h in prepared]
         encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
         out: Batch = []
-        for (_, _, wave, img), enc in zip(prepared, encodings, strict=True):
-            mel = log_mel(wave, self.filters, f.n_fft, f.hop_length) if wave is not None \
-                else torch.zeros(f.feature_size, 0)
+        for (_, _, clips, _, img, _), enc in zip(prepared, encodings, strict=True):
+            # one mel per clip, joined along time; `clips` says where each ends (the encoder
+            # encodes them apart, as transformers' audio tower does with feature_lens)
+            mels = [log_mel(c, self.filters, f.n_fft, f.hop_length) for c in clips]
+            mel = torch.cat(mels, dim=1) if mels else torch.zeros(f.feature_size, 0)
+            frames = torch.tensor([m.shape[1] for m in mels], dtype=torch.int32)
             if img is not None:
                 patches, grid = image_patches(img, f)
                 pixels, grids = torch.from_numpy(patches), torch.tensor([grid], dtype=torch.int32)
             else:
                 pixels = torch.zeros(0, 3 * f.temporal_patch_size * f.patch_size ** 2)
                 grids = torch.zeros(0, 3, dtype=torch.int32)
-            n_audio = encoded_length(mel.shape[1], self.n_window) if wave is not None else 0
+            n_audio = [encoded_length(m.shape[1], self.n_window) for m in mels]
             n_image = int(grids[:, 0].mul(grids[:, 1]).mul(grids[:, 2]).sum()) // f.merge_size ** 2
-            ids = self._expand(list(enc.ids), n_audio if wave is not None else None, n_image if img is not None
-                               else None)
+            ids = self._expand(list(enc.ids), n_audio, n_image if img is not None else None)
             # host tensors: the thinker reads ids on the host anyway
-            out.append({"ids": torch.tensor(ids, dtype=torch.int32), "mel": mel, "pixels": pixels, "grid": grids})
+            out.append({"ids": torch.tensor(ids, dtype=torch.int32), "mel": mel, "clips": frames, "pixels": pixels,
+                        "grid": grids})
         return out
 
-    def _expand(self, ids: list[int], n_audio: int | None, n_image: int | None) -> list[int]:
-        """One id per audio / image token in place of each placeholder; the placeholders must be the template's."""
+    def _expand(self, ids: list[int], n_audio: list[int], n_image: int | None) -> list[int]:
+        """One id per audio / image token in place of each placeholder (the audio ones in the
+        clips' order); the placeholders must be the template's."""
         counts = {self.ids.audio: ids.count(self.ids.audio), self.ids.image: ids.count(self.ids.image),
                   self.ids.video: ids.count(self.ids.video)}
-        want = {self.ids.audio: int(n_audio is not None), self.ids.image: int(n_image is not None),
+        want = {self.ids.audio: len(n_audio), self.ids.image: int(n_image is not None),
                 self.ids.video: 0}
         if counts != want:
             raise RequestError("the prompt contains an audio, image or video placeholder token; "
                                "send media as the audio / image inputs", "prompt")
         out: list[int] = []
+        clips = iter(n_audio)
         for t in ids:
             if t == self.ids.audio:
-                out += [t] * int(n_audio or 0)
+                out += [t] * next(clips)
             elif t == self.ids.image:
                 out += [t] * int(n_image or 0)
             else:

@@ -117,6 +117,28 @@ def _suffix(p: _Prompt, cached: int, tok: TokenIds) -> _Prompt:
                                image=p.image[i0:], deepstack=p.deepstack[:, i0:], positions=p.positions[:, cached:])
 
 
+def _clip_keys(keys: list[int], audio: torch.Tensor, placeholder: int) -> list[int]:
+    """`keys` with each run of audio placeholders (one clip: a conversation's turns each have
+    theirs) keyed by the `media_key` of that clip's rows, so a clip an earlier turn sent keys
+    its positions as it did then. Rows that do not match the runs key every run by all of them."""
+    runs: list[tuple[int, int]] = []
+    for i, k in enumerate(keys):
+        if k == placeholder:
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+    if sum(b - a for a, b in runs) != audio.shape[0]:
+        whole = media_key(audio)
+        return [whole if k == placeholder else k for k in keys]
+    out, row = list(keys), 0
+    for a, b in runs:
+        clip = media_key(audio[row:row + b - a])
+        out[a:b] = [clip] * (b - a)
+        row += b - a
+    return out
+
+
 class ThinkerMoE(DecoderNode):
     """The thinker node; see the module docstring for its phases, state and settings."""
 
@@ -195,8 +217,8 @@ class ThinkerMoE(DecoderNode):
     @classmethod
     def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: NodeSpec) -> list[int] | None:
         """A text prefill's KV depends on its ids, and at the audio and image placeholders on
-        the rows put there (their bytes' `media_key`; an image's also on its grids and
-        deepstack rows). A speech prefill's keys stop before its first multimodal position:
+        the rows put there (their bytes' `media_key`, each clip's apart; an image's also on its
+        grids and deepstack rows). A speech prefill's keys stop before its first multimodal position:
         the talker's prompt takes the tapped hidden state there, which a cached block does not
         keep (a conversation's earlier turns are text; its new audio comes last)."""
         ids = inputs.get("ids")
@@ -210,7 +232,7 @@ class ThinkerMoE(DecoderNode):
         media: dict[int, int] = {}
         audio, image = inputs.get("audio"), inputs.get("image")
         if isinstance(audio, torch.Tensor) and audio.numel():
-            media[tok.audio_token_id] = media_key(audio)
+            keys = _clip_keys(keys, audio, tok.audio_token_id)
         if isinstance(image, torch.Tensor) and image.numel():
             grid, deep = inputs.get("grid"), inputs.get("deepstack")
             extra = [int(v) for v in grid.reshape(-1).tolist()] if isinstance(grid, torch.Tensor) else []

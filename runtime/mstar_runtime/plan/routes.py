@@ -97,6 +97,8 @@ ROUTES: dict[str, Route] = {r.name: r for r in (
         _in("input_audio", _SAMPLES, "an `input_audio` part, resampled to the rate the walk reads"),
         _out("audio", _AUDIO_STREAM, "the spoken reply (`modalities: [\"text\", \"audio\"]`)"),
         _in("voice", _STR, "`audio.voice` of a spoken reply", needs="audio"),
+        _in("history", _STR, "the conversation's earlier turns as JSON, for a walk that renders them itself "
+                             "(their clips at the front of `input_audio`: Qwen3-Omni's; /v1/realtime)"),
     )),
     Route("image_generations", ("/v1/images/generations",), (
         _in("prompt", _STR, "the request's `prompt`", required=True),

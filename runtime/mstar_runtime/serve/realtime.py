@@ -4,12 +4,14 @@ as it applies (docs/serving.md, "/v1/realtime"; events parsed in `serve.realtime
 Two kinds of session, by the plan:
 - a conversation (a plan with a walk that declares `chat`; audio and speech out through the
   chat walk with spoken replies, `chat.spoken_walk`: Qwen3-Omni's `speech`). The session keeps the
-  conversation's items across turns. `response.create` renders them as the chat route
-  renders the same messages (`chat.render_prompt`, with the walk's chat template or the
-  plain-text rule; the session's `instructions` as the system message) and sends the audio
-  of the last item, when it is the user's, to the walk's audio input, resampled from
-  24 kHz pcm16 to the rate its prompt node reads (`media.resample`); audio of earlier turns
-  is not sent again (the walks take one clip), their text and the replies' transcripts are.
+  conversation's items across turns. A walk with a `history` input (Qwen3-Omni's) gets the
+  earlier items as its turns and every user clip, resampled from 24 kHz pcm16 to the rate
+  its prompt node reads (`media.resample`, once per clip), at the front of its audio input,
+  the last (user) item as the prompt: each turn's prompt begins with the turn before's,
+  which the prefix cache reuses. Any other walk gets the items rendered as the chat route
+  renders the same messages (`chat.render_prompt`: the walk's chat template or the
+  plain-text rule) and the last item's audio, when it is the user's. The session's
+  `instructions` are the system message.
   The reply streams as `response.audio_transcript.delta` and `response.audio.delta`
   (base64 pcm16 at the plan's rate: 24 kHz for Qwen3-Omni), or `response.text.delta`, then
   `response.done`; the assistant's item joins the conversation (its transcript).
@@ -539,6 +541,8 @@ class Session:
 
     async def _inputs(self, role: WalkRole, instructions: str) -> tuple[dict[str, Any], dict[str, str]]:
         """The walk's text (and audio) inputs from the conversation (module docstring)."""
+        if role.slots.get("history") is not None:
+            return await self._turns(role, instructions)
         messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
         messages += [{"role": it.role, "content": it.text} for it in self.items]
         # the messages as a chat request holds them (no bound on their number: a session may be long)
@@ -558,6 +562,41 @@ class Session:
                                  "item", None)
             inputs[name] = await asyncio.to_thread(_resampled, last.audio, input_rate(self.state, role.walk))
             fields[name] = "audio"
+        return inputs, fields
+
+    async def _turns(self, role: WalkRole, instructions: str) -> tuple[dict[str, Any], dict[str, str]]:
+        """A walk that takes the conversation's earlier turns (`history`, Qwen3-Omni's): every
+        item but the last as a turn, each user turn's clip at the front of `audio` in order,
+        and the last item (the user's) as the prompt and the rest of `audio`; so a turn's
+        prompt begins with the turn before's, clips and all."""
+        last = self.items[-1]
+        if last.role != "user":
+            raise EventError("invalid_value", f"response.create: walk '{role.walk}' answers a user turn, but the "
+                             f"conversation's last item is the {last.role}'s; add a user item first", None)
+        name = audio_input(role)
+        rate = input_rate(self.state, role.walk)
+        turns: list[dict[str, Any]] = []
+        clips: list[torch.Tensor] = []
+        for it in self.items:
+            clip = None
+            if it.audio is not None:
+                if name is None:
+                    raise EventError("unsupported_modality", f"response.create: walk '{role.walk}' takes no audio "
+                                     "input", "item", None)
+                if rate not in it.heard:  # each clip resampled once per session
+                    it.heard[rate] = await asyncio.to_thread(_resampled, it.audio, rate)
+                clip = it.heard[rate]
+                clips.append(clip)
+            if it is not last:
+                turns.append({"role": it.role, "content": it.text} | ({"audio": clip.numel()} if clip is not None
+                                                                         else {}))
+        history, system = role.slots["history"], system_input(role)
+        inputs: dict[str, Any] = {role.text_input: last.text, history: json.dumps(turns)}
+        fields = {role.text_input: "item", history: "item"}
+        if instructions and system is not None:
+            inputs[system], fields[system] = instructions, "session.instructions"
+        if clips and name is not None:
+            inputs[name], fields[name] = torch.cat(clips), "audio"
         return inputs, fields
 
     async def _open(self, rid: str, item: Item, spoken: bool, keep: bool, modalities: tuple[str, ...],

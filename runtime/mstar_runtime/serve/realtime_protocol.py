@@ -295,6 +295,7 @@ class Item:
     audio: torch.Tensor | None = None
     status: str = "completed"
     parts: list[dict[str, Any]] = field(default_factory=list)  # the content as OpenAI shows it
+    heard: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # the audio resampled, by rate
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "object": "realtime.item", "type": "message", "status": self.status,

@@ -372,7 +372,7 @@ def test_two_turn_voice_conversation(omni: Server) -> None:
 def test_voice_in_text_out_reuses_the_turn_before(omni: Server) -> None:
     """Each turn's prompt begins with the turn before's, its clip keyed by its own rows: the
     second text reply's prefill finds the first's prompt pages cached (the chat walk's prefill is
-    cached; the speech walk's is not, by the prefix cache's rule)."""
+    keyed whole; the speech walk's only up to its first clip, by the prefix cache's rule)."""
     s = Session(omni)
     # instructions no other test sends: nothing of this conversation is cached before it
     s.send(type="session.update", session={"modalities": ["text"], "instructions": "Answer in one word, please."})

@@ -220,7 +220,7 @@ class ThinkerMoE(DecoderNode):
         the rows put there (their bytes' `media_key`, each clip's apart; an image's also on its
         grids and deepstack rows). A speech prefill's keys stop before its first multimodal position:
         the talker's prompt takes the tapped hidden state there, which a cached block does not
-        keep (a conversation's earlier turns are text; its new audio comes last)."""
+        keep (so a conversation reuses its system prompt and the text before its first clip)."""
         ids = inputs.get("ids")
         if phase not in PREFILLS or not isinstance(ids, torch.Tensor) or ids.dim() != 1:
             return None

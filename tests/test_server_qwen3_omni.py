@@ -179,6 +179,24 @@ def test_input_audio_reaches_the_walk(server: Server, client: openai.OpenAI) -> 
     assert at48.choices[0].message.content == at16["text"]
 
 
+def test_a_conversation_goes_to_the_walk_as_its_turns(server: Server, client: openai.OpenAI) -> None:
+    """Earlier messages are the walk's `history`, a clip per message at the front of `audio` in
+    order (serve/turns.py): the same answer as the native route given those inputs."""
+    first, second = (np.round(tone(s, 16000, hz) * 32768) / 32768 for s, hz in ((1.1, 300.0), (0.7, 520.0)))
+    asked = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": [audio_part(wav_file(first, 16000))]},
+             {"role": "assistant", "content": "A low tone."},
+             {"role": "user", "content": [audio_part(wav_file(second, 16000)), {"type": "text", "text": "And?"}]}]
+    got = ask(client, asked)
+    history = [{"role": "user", "content": "", "audio": len(first)}, {"role": "assistant", "content": "A low tone."}]
+    ref = native(server, "chat", {"prompt": "And?", "system": "Be brief.", "history": json.dumps(history),
+                                  "audio": np.concatenate([first, second]).tolist(), "max_tokens": 6,
+                                  "temperature": 0.0, **GREEDY})
+    assert got.choices[0].message.content == ref["text"]
+    body = bad_request(ask, client, asked[:3])  # the walk answers a user turn
+    assert body["param"] == "messages" and "ends with assistant's" in body["message"]
+
+
 def test_image_url_reaches_the_walk(server: Server, client: openai.OpenAI) -> None:
     data, pixels = png(56, 40, seed=2)
     asked = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"

@@ -18,7 +18,9 @@ Image parts go to the walk's `image` slot when it binds one (an `image`, or a ui
 tensor; one image, as a data: URL; a remote URL is a 400: nothing is fetched); otherwise
 they are a 400 naming the part. An `input_audio` part (a base64 WAV, `media.decode_wav`) goes
 to the walk's `input_audio` slot (a float [A] tensor), resampled to the rate its prompt node
-reads (`input_rate`); one per request, and mp3 is a 400 (no decoder is bundled). A plan
+reads (`input_rate`); one per request (one per message for a walk with a `history` slot,
+which gets the earlier messages as its turns, `serve.turns`), and mp3 is a 400 (no decoder
+is bundled). A plan
 whose only chat walk requires an image answers a request
 without one with a 400 naming `messages`. `max_tokens`
 (or `max_completion_tokens`; above the plan's limit a 400, as on every route:
@@ -88,6 +90,7 @@ from mstar_runtime.serve.io import b64, decode_image_text, pcm16, wav_header
 from mstar_runtime.serve.media import SpeechWalk, voice_of
 from mstar_runtime.serve.schemas import MAX_STR, ChatCompletionRequest, InputAudioPart
 from mstar_runtime.serve.text import TextCodec, TextStream
+from mstar_runtime.serve.turns import message_turns, renders_turns, turn_inputs
 
 try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
     from fastapi import Request, UploadFile
@@ -129,11 +132,12 @@ def audio_part(body: ChatCompletionRequest) -> tuple[str, InputAudioPart] | None
     return None
 
 
-def render_prompt(body: ChatCompletionRequest, role: WalkRole, template: ChatTemplate | None = None
-                  ) -> tuple[str, str | None, torch.Tensor | None]:
+def render_prompt(body: ChatCompletionRequest, role: WalkRole, template: ChatTemplate | None = None,
+                  clip_per_message: bool = False) -> tuple[str, str | None, torch.Tensor | None]:
     """The walk's text input, its `system` slot's text (when it binds one) and image, from the messages
-    (an `input_audio` part is checked here and decoded by `decode_input_audio`): rendered with
-    `template` when there is one, else by the plain-text rule (module docstring)."""
+    (an `input_audio` part is checked here and decoded by `decode_input_audio`; one per request,
+    or per message with `clip_per_message`): rendered with `template` when there is one, else by
+    the plain-text rule (module docstring)."""
     target = image_input(role)
     hears = audio_input(role) is not None
     audio_seen = False
@@ -146,6 +150,7 @@ def render_prompt(body: ChatCompletionRequest, role: WalkRole, template: ChatTem
     for i, msg in enumerate(body.messages):
         parts = msg.content if isinstance(msg.content, list) else [msg.content or ""]
         pieces: list[str] = []
+        audio_seen = audio_seen and not clip_per_message
         for j, part in enumerate(parts):
             text = part if isinstance(part, str) else part.text if part.type == "text" else None
             if text is not None:
@@ -159,7 +164,8 @@ def render_prompt(body: ChatCompletionRequest, role: WalkRole, template: ChatTem
                 if not hears:
                     raise bad_request(f"walk '{role.walk}' takes no audio input", param, "unsupported_modality")
                 if audio_seen:
-                    raise bad_request("one input_audio part per request", param, "too_many_audio_inputs")
+                    raise bad_request(f"one input_audio part per {'message' if clip_per_message else 'request'}",
+                                      param, "too_many_audio_inputs")
                 audio_seen = True
             else:
                 param = f"messages[{i}].content[{j}]"
@@ -412,8 +418,10 @@ def install(app: FastAPI, state: ServerState) -> None:
                               "unsupported")
         spoken = check_modalities(body, speech)
         role = speech.role if spoken and speech is not None else pick_walk(state, body)
+        # a walk that renders the turns itself gets them apart, with a clip per message (serve.turns)
+        by_turns = renders_turns(role) and templates.get(role.walk) is None
         # a template over a long conversation, and an image part's decoding: off the event loop
-        prompt, system, image = await asyncio.to_thread(render_prompt, body, role, templates.get(role.walk))
+        prompt, system, image = await asyncio.to_thread(render_prompt, body, role, templates.get(role.walk), by_turns)
         inputs: dict[str, Any] = {role.text_input: prompt}
         fields = {role.text_input: "messages"}
         if system is not None:
@@ -425,7 +433,12 @@ def install(app: FastAPI, state: ServerState) -> None:
             assert name is not None
             inputs[name], fields[name] = image, image_part(body) or "messages"  # a node refusing it names the part
         heard = audio_part(body)
-        if heard is not None:
+        if by_turns:
+            turns = await asyncio.to_thread(message_turns, body, input_rate(state, role.walk), decode_input_audio)
+            said, where = turn_inputs(role, turns, system, "messages", heard[0] if heard else "messages")
+            inputs.update(said)
+            fields.update(where)
+        elif heard is not None:
             name = audio_input(role)
             assert name is not None  # render_prompt refused the part otherwise
             param, part = heard

@@ -89,6 +89,7 @@ from mstar_runtime.serve.realtime_protocol import (
 from mstar_runtime.serve.schemas import ChatCompletionRequest, ChatMessage
 from mstar_runtime.serve.text import TextCodec
 from mstar_runtime.serve.transcriptions import TokenText
+from mstar_runtime.serve.turns import Turn, renders_turns, turn_inputs
 
 try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
     from fastapi import WebSocket
@@ -541,7 +542,7 @@ class Session:
 
     async def _inputs(self, role: WalkRole, instructions: str) -> tuple[dict[str, Any], dict[str, str]]:
         """The walk's text (and audio) inputs from the conversation (module docstring)."""
-        if role.slots.get("history") is not None:
+        if renders_turns(role):
             return await self._turns(role, instructions)
         messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
         messages += [{"role": it.role, "content": it.text} for it in self.items]
@@ -565,38 +566,18 @@ class Session:
         return inputs, fields
 
     async def _turns(self, role: WalkRole, instructions: str) -> tuple[dict[str, Any], dict[str, str]]:
-        """A walk that takes the conversation's earlier turns (`history`, Qwen3-Omni's): every
-        item but the last as a turn, each user turn's clip at the front of `audio` in order,
-        and the last item (the user's) as the prompt and the rest of `audio`; so a turn's
-        prompt begins with the turn before's, clips and all."""
-        last = self.items[-1]
-        if last.role != "user":
-            raise EventError("invalid_value", f"response.create: walk '{role.walk}' answers a user turn, but the "
-                             f"conversation's last item is the {last.role}'s; add a user item first", None)
-        name = audio_input(role)
+        """A walk that takes the conversation's turns (`serve.turns`: Qwen3-Omni's), each clip
+        resampled once per session."""
         rate = input_rate(self.state, role.walk)
-        turns: list[dict[str, Any]] = []
-        clips: list[torch.Tensor] = []
+        turns = []
         for it in self.items:
-            clip = None
-            if it.audio is not None:
-                if name is None:
-                    raise EventError("unsupported_modality", f"response.create: walk '{role.walk}' takes no audio "
-                                     "input", "item", None)
-                if rate not in it.heard:  # each clip resampled once per session
-                    it.heard[rate] = await asyncio.to_thread(_resampled, it.audio, rate)
-                clip = it.heard[rate]
-                clips.append(clip)
-            if it is not last:
-                turns.append({"role": it.role, "content": it.text} | ({"audio": clip.numel()} if clip is not None
-                                                                         else {}))
-        history, system = role.slots["history"], system_input(role)
-        inputs: dict[str, Any] = {role.text_input: last.text, history: json.dumps(turns)}
-        fields = {role.text_input: "item", history: "item"}
-        if instructions and system is not None:
-            inputs[system], fields[system] = instructions, "session.instructions"
-        if clips and name is not None:
-            inputs[name], fields[name] = torch.cat(clips), "audio"
+            if it.audio is not None and rate not in it.heard:
+                it.heard[rate] = await asyncio.to_thread(_resampled, it.audio, rate)
+            turns.append(Turn(it.role, it.text, it.heard.get(rate) if it.audio is not None else None))
+        inputs, fields = turn_inputs(role, turns, instructions, "item", "audio")
+        system = system_input(role)
+        if system in inputs:
+            fields[system] = "session.instructions"
         return inputs, fields
 
     async def _open(self, rid: str, item: Item, spoken: bool, keep: bool, modalities: tuple[str, ...],

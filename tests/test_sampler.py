@@ -263,6 +263,9 @@ def test_a_draw_from_the_blocked_cdf_is_the_same_draw(v: int) -> None:
     plain = sampler.pick_from_cdf(scores, u, blocked=False)
     assert torch.equal(sampler.pick_from_cdf(scores, u, blocked=True), plain)
     assert bool((plain < v - 1000).all()) and int(plain[4]) >= v - 1020 and int(plain[5]) < 1500
+    nan = torch.full((2, v), float("nan"))  # a padding row of a captured bucket: token 0 on both paths
+    assert sampler.pick_from_cdf(nan, u[:2], blocked=True).tolist() == [0, 0]
+    assert sampler.pick_from_cdf(nan, u[:2], blocked=False).tolist() == [0, 0]
     for seed in range(20):  # many draws over a whole row
         u = torch.rand(6, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
         assert torch.equal(sampler.pick_from_cdf(scores, u, blocked=True), sampler.pick_from_cdf(scores, u, blocked=False))

@@ -191,4 +191,7 @@ def _pick_blocked(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # u * total may round up to total: then take the last token with probability > 0 (the
     # entries below total are those before the first that reaches it).
     last = first_index(total, right=False)
-    return torch.minimum(picked, last).squeeze(1)
+    # A row without a distribution (NaN logits: a bucket's padding row in a captured step)
+    # draws token 0, as the whole-row count of entries below a NaN total gives: never an id
+    # past the vocabulary, which the next step's embedding lookup would trip over.
+    return torch.where(total.isnan(), 0, torch.minimum(picked, last).clamp_(max=v - 1)).squeeze(1)

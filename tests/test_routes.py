@@ -29,13 +29,13 @@ SERVED = {
               ("edit", "image_edits"): {"prompt": "prompt", "image": "source", "output": "image"}},
     "qwen3_omni": {
         ("chat", "chat"): {"prompt": "prompt", "text": "text", "system": "system", "image": "image",
-                           "input_audio": "audio"},
+                           "input_audio": "audio", "history": "history"},
         ("speech", "speech"): {"input": "prompt", "audio": "audio_out", "voice": "speaker", "instructions": "system",
                                "preamble": "Read the user's message aloud exactly as it is written, word for word. "
                                            "Do not answer it, comment on it, translate it or add anything to it.",
                                "transcript": "text"},
         ("speech", "chat"): {"prompt": "prompt", "text": "text", "system": "system", "image": "image",
-                             "input_audio": "audio", "audio": "audio_out", "voice": "speaker"}},
+                             "input_audio": "audio", "audio": "audio_out", "voice": "speaker", "history": "history"}},
     "whisper": {(w, r): {"file": "audio", "text": "text", "tokens": "tokens", "language": "language",
                          "prompt": "prompt", "temperature": "temperature", "timestamps": "timestamps",
                          "segments": "segments", "detected_language": "language"}

@@ -40,6 +40,7 @@ from websockets.sync.client import connect  # noqa: E402
 
 from mstar_runtime.media import resample  # noqa: E402
 from mstar_runtime.serve.realtime_protocol import StreamResampler  # noqa: E402
+from mstar_runtime.serve.turns import Turn, audio_limit, fit_audio  # noqa: E402
 
 KEY = "sk-realtime"
 GREEDY = {"temperature": 0.0, "top_k": 0}
@@ -188,6 +189,17 @@ def test_stream_resampler_joins_to_the_whole(sizes: list[int], rates: tuple[int,
     outs.append(r.close())
     joined, whole = torch.cat(outs), resample(x, *rates)
     assert joined.shape == whole.shape and (joined - whole).abs().max() <= 1e-6  # float32 rounding of the dot products
+
+
+def test_fit_audio_leaves_out_the_oldest_clips() -> None:
+    clip = torch.zeros
+    turns = [Turn("user", "a", clip(100)), Turn("assistant", "b"), Turn("user", "c", clip(200)),
+             Turn("assistant", "d"), Turn("user", "e", clip(300))]
+    kept = [t.clip.numel() if t.clip is not None else 0 for t in fit_audio(turns, 500)]
+    assert kept == [0, 0, 200, 0, 300] and [t.text for t in fit_audio(turns, 500)] == list("abcde")
+    assert fit_audio(turns, None) == turns and fit_audio(turns, 600) == turns
+    assert [t.clip is not None for t in fit_audio(turns, 10)] == [False, False, False, False, True]  # the new turn's stays
+    assert audio_limit(type("P", (), {"features": type("F", (), {"max_audio_seconds": 300.0})()})(), 16000) == 4800000
 
 
 # ----------------------------------------------------------------------------- the test family (text)

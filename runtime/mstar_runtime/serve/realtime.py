@@ -89,7 +89,7 @@ from mstar_runtime.serve.realtime_protocol import (
 from mstar_runtime.serve.schemas import ChatCompletionRequest, ChatMessage
 from mstar_runtime.serve.text import TextCodec
 from mstar_runtime.serve.transcriptions import TokenText
-from mstar_runtime.serve.turns import Turn, renders_turns, turn_inputs
+from mstar_runtime.serve.turns import Turn, audio_limit, fit_audio, renders_turns, turn_inputs
 
 try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
     from fastapi import WebSocket
@@ -567,13 +567,19 @@ class Session:
 
     async def _turns(self, role: WalkRole, instructions: str) -> tuple[dict[str, Any], dict[str, str]]:
         """A walk that takes the conversation's turns (`serve.turns`: Qwen3-Omni's), each clip
-        resampled once per session."""
+        resampled once per session; past the walk's audio limit the oldest clips are left out."""
         rate = input_rate(self.state, role.walk)
         turns = []
         for it in self.items:
             if it.audio is not None and rate not in it.heard:
                 it.heard[rate] = await asyncio.to_thread(_resampled, it.audio, rate)
             turns.append(Turn(it.role, it.text, it.heard.get(rate) if it.audio is not None else None))
+        codec = self.state.codecs.get(role.walk)
+        turns = fit_audio(turns, audio_limit(codec.node if codec is not None else None, rate))
+        for it, turn in zip(self.items, turns, strict=True):
+            if it.audio is not None and turn.clip is None:  # left out for good: the session holds it no longer
+                it.audio = None
+                it.heard.clear()
         inputs, fields = turn_inputs(role, turns, instructions, "item", "audio")
         system = system_input(role)
         if system in inputs:

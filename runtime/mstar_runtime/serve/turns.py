@@ -65,6 +65,30 @@ def turn_inputs(role: WalkRole, turns: Sequence[Turn], system: str | None, where
     return inputs, fields
 
 
+def audio_limit(node: Any, rate: int) -> int | None:
+    """The samples of audio a request may hold in all, by its prompt node's `max_audio_seconds`
+    (Qwen3-Omni's processor: 300 s), or None when the node names no limit."""
+    seconds = getattr(getattr(node, "features", node), "max_audio_seconds", None)
+    ok = isinstance(seconds, int | float) and not isinstance(seconds, bool) and seconds > 0
+    return int(seconds * rate) if ok else None
+
+
+def fit_audio(turns: Sequence[Turn], limit: int | None) -> list[Turn]:
+    """`turns` with the clips of the oldest turns left out (their text kept) until all the clips
+    hold at most `limit` samples; the last turn's clip is always kept. A long spoken session
+    so keeps going once its audio passes the walk's limit (the prompts from then on no longer
+    begin with the earlier ones: the prefix cache misses once, where a clip was dropped)."""
+    out = list(turns)
+    total = sum(t.clip.numel() for t in out if t.clip is not None)
+    for i, t in enumerate(out[:-1]):
+        if limit is None or total <= limit:
+            break
+        if t.clip is not None:
+            total -= t.clip.numel()
+            out[i] = Turn(t.role, t.text, None)
+    return out
+
+
 def message_turns(body: Any, rate: int, decode: Callable[[Any, str, int], torch.Tensor]) -> list[Turn]:
     """A chat request's messages as turns: each message's text parts joined, its `input_audio`
     part decoded at `rate` by `decode(part, param, rate)`; system and developer messages left
@@ -81,4 +105,4 @@ def message_turns(body: Any, rate: int, decode: Callable[[Any, str, int], torch.
     return turns
 
 
-__all__ = ["Turn", "message_turns", "renders_turns", "turn_inputs"]
+__all__ = ["Turn", "audio_limit", "fit_audio", "message_turns", "renders_turns", "turn_inputs"]

@@ -81,5 +81,20 @@ def cuda() -> Iterator[torch.device]:
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("flashinfer", reason="flashinfer is not installed (tools/gpu_check.sh installs it)")
     yield torch.device("cuda")
+    gc.unfreeze()
     gc.collect()
     torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _thaw_after_module() -> Iterator[None]:
+    """A Worker freezes the heap it was built in (`worker.freeze_heap`: out of the cyclic GC's
+    reach, as a serving process with one worker wants); a test process builds many, and a
+    dropped worker's cycles would never be collected: at real size its KV pool (~80 GiB) stayed
+    allocated and the next GPU test ran out of memory. After each module the heap is thawed and
+    collected."""
+    yield
+    gc.unfreeze()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -94,7 +94,9 @@ def freeze_heap() -> None:
     A loaded worker holds hundreds of thousands of long-lived objects (modules, parameters,
     plan views); without this every full collection walks them all, a pause of tens of ms in
     the middle of a decode loop whose host time per step is a few ms. The objects are still
-    freed by reference counting; only cycles among them would wait (as vLLM does too)."""
+    freed by reference counting; only cycles among them would wait (as vLLM does too): a
+    process that builds several workers and drops them (the tests) calls `gc.unfreeze()` and
+    `gc.collect()` to free a dropped worker, whose KV pool is held in such cycles."""
     gc.collect()
     gc.freeze()
 

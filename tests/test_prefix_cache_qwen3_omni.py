@@ -42,7 +42,7 @@ def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engines(plan_path: Path, checkpoint: Path) -> Iterator[tuple[MStar, MStar]]:
     with MStar.load(plan_path, weights=checkpoint, prefix_caching=False) as off, \
-            MStar.load(plan_path, weights=checkpoint) as on:
+            MStar.load(plan_path, weights=checkpoint, prefix_caching=True) as on:
         yield off, on
 
 

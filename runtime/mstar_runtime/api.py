@@ -308,7 +308,7 @@ class MStar:
     def __init__(self, plan: Plan, workers: Mapping[int, WorkerLike], *, shutdown: Callable[[], None] | None = None,
                  max_running: int | None = None, preempt_every: int | None = None,
                  request_timeout: float | None = None, step_path: str | None = None,
-                 weights: str | PathLike[str] = "dummy", prefix_caching: bool = True):
+                 weights: str | PathLike[str] = "dummy", prefix_caching: bool = False):
         """`step_path`: "cohort" or "generic" (docs/runtime.md, "Decode cohorts"); None: $MSTAR_STEP_PATH, else cohort.
         `weights`: what the workers loaded, for the rate an audio file is resampled to (`input_rate`).
         `prefix_caching`: reuse the KV of prompts' shared leading blocks across requests
@@ -336,7 +336,7 @@ class MStar:
     def load(cls, plan_path: str | PathLike[str], *, weights: str | PathLike[str] = "dummy",
              device: str | None = None, max_running: int | None = None, preempt_every: int | None = None,
              request_timeout: float | None = None, step_path: str | None = None,
-             prefix_caching: bool = True) -> MStar:
+             prefix_caching: bool = False) -> MStar:
         """Load a plan (a bad one raises `PlanError`, unchanged), start its workers and the engine."""
         plan = load_plan(plan_path, device=device)
         return cls.from_plan(plan, weights=weights, max_running=max_running, preempt_every=preempt_every,
@@ -345,7 +345,7 @@ class MStar:
     @classmethod
     def from_plan(cls, plan: Plan, *, weights: str | PathLike[str] = "dummy", max_running: int | None = None,
                   preempt_every: int | None = None, request_timeout: float | None = None,
-                  step_path: str | None = None, prefix_caching: bool = True) -> MStar:
+                  step_path: str | None = None, prefix_caching: bool = False) -> MStar:
         """Like `load`, for a plan already loaded (the CLI checks its inputs against it first)."""
         resolve_step_path(step_path)  # a bad name is the caller's error, found before any worker starts
         workers, shutdown = start_workers(plan, weights)

@@ -621,7 +621,7 @@ def _env(name: str) -> dict[str, Any]:
 @click.option("--step-path", type=click.Choice(["cohort", "generic"]), default=None,
               help="How marked decode loops run: 'cohort' (device-resident batches, one step for every "
                    "request) or 'generic' (a step call per request); default $MSTAR_STEP_PATH, else cohort.")
-@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+@click.option("--prefix-caching/--no-prefix-caching", default=False, show_default=True,
               **_env("MSTAR_PREFIX_CACHING"),
               help="Reuse the KV of prompts' shared leading blocks across requests (docs/runtime.md).")
 @click.option("--preempt-every", type=click.IntRange(min=1), hidden=True)  # debug: force preemptions

@@ -18,7 +18,7 @@ from mstar_runtime.plan.loader import Plan
 @dataclass(frozen=True)
 class EngineOptions:
     """How a mode builds its engine: `mstar-run`'s --weights, --device, --threads, --step-path,
-    --request-timeout, --no-prefix-caching (and the hidden --preempt-every, a debug aid)."""
+    --request-timeout, --prefix-caching (and the hidden --preempt-every, a debug aid)."""
 
     weights: str | PathLike[str] = "dummy"
     device: str | None = None  # default: what the plan was compiled for
@@ -26,7 +26,7 @@ class EngineOptions:
     step_path: str | None = None  # default: $MSTAR_STEP_PATH, else cohort
     request_timeout: float | None = None
     preempt_every: int | None = None
-    prefix_caching: bool = True
+    prefix_caching: bool = False
 
 
 def start_engine(plan: Plan, options: EngineOptions) -> MStar:

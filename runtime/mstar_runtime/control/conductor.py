@@ -142,7 +142,7 @@ class Conductor:
 
     def __init__(self, plan: Plan, workers: Mapping[int, WorkerLike], *, max_running: int | None = None,
                  preempt_every: int | None = None, request_timeout: float | None = None, overlap: bool = True,
-                 path: str | None = None, prefix_caching: bool = True):
+                 path: str | None = None, prefix_caching: bool = False):
         """`overlap=False` waits for every remote step as it is sent: the order of steps, and so
         who is batched with whom, is then exactly that of one rank (bit-exact comparisons).
         `prefix_caching=False` never reuses KV blocks across requests (docs/runtime.md).

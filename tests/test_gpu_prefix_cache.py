@@ -10,11 +10,13 @@ first output must be shorter. The figures are printed (`pytest -s`).
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from support import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +26,11 @@ def _bench(tmp_path: Path, *args: str) -> dict[str, Any]:
     bench = load_script(ROOT / "tools" / "bench" / "prefix_cache.py", "prefix_cache_gpu")
     out = tmp_path / "pc.json"
     assert bench.main(["--device", "cuda", "--requests", "4", "--out", str(out), *args]) == 0
+    # The bench's worker froze the heap (worker.freeze_heap); thaw it so that its real-size KV
+    # pool is freed before the next model's case sizes its own by the memory it finds free.
+    gc.unfreeze()
+    gc.collect()
+    torch.cuda.empty_cache()
     rec = json.loads(out.read_text())
     print(json.dumps(rec["results"]), rec["ratio_miss_over_hit"])
     return rec

@@ -21,7 +21,8 @@ Phases (models/orpheus/orpheus.walk, node `llm`):
 Per-(request, tag) state in `attn.states[i]`, written by prefill (the sampling settings
 are given once, as vLLM keeps SamplingParams with a sequence, so decode needs only the
 last token):
-  `sampling`:   the request's `SamplingParams` (temperature, top_p, repetition_penalty, seed)
+  `sampling`:   the request's `SamplingParams` (temperature, top_p, repetition_penalty, seed,
+                max_tokens), read by `mstar_runtime.sampling.read_sampling`
   `max_tokens`: tokens the request may generate in all (prefill's token counts as the first)
   `history`:    int64 [cap] on the device, the token id at each KV position (prompt, then
                 every token fed back), -1 where unknown; the repetition penalty reads the
@@ -68,9 +69,9 @@ from mstar_models.layers.mlp import GatedMLP
 from mstar_models.layers.rotary import llama3_inv_freq, rope_tables
 from mstar_runtime.ops import tp
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
-from mstar_runtime.ops.ports import config_value, decode_token, max_seq_len, scalar
+from mstar_runtime.ops.ports import config_value, decode_token, max_seq_len
 from mstar_runtime.ops.readback import Lazy, Readback, upload_tensor
-from mstar_runtime.sampling import SamplingParams, sample
+from mstar_runtime.sampling import REQUIRED, SamplingParams, SamplingPorts, read_sampling, sample
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -81,6 +82,9 @@ TOKEN_DEFAULTS = {
     "end_of_speech": 128258,
     "frame_tokens": 7,
 }
+
+# the prefill's sampling ports (the walk gives every one; a seed it may leave out)
+SAMPLING_PORTS = SamplingPorts(temperature=REQUIRED, top_p=REQUIRED, repetition_penalty=REQUIRED)
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -265,17 +269,8 @@ class LlamaBackbone(DecoderNode):
             raise RequestError(
                 f"prompt token ids must lie in [0, {self.vocab}), got [{int(lo)}, {int(hi)}]", "prompt"
             )
-        max_tokens = scalar(entry, "max_tokens", int)
-        if max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-        seed = entry.get("seed")
-        params = SamplingParams(
-            temperature=scalar(entry, "temperature", float),
-            top_p=scalar(entry, "top_p", float),
-            repetition_penalty=scalar(entry, "repetition_penalty", float),
-            seed=None if seed is None else scalar(entry, "seed", int),
-        )
-        return upload_tensor(prompt, self.inv_freq.device), params, max_tokens
+        params = read_sampling(entry, SAMPLING_PORTS)
+        return upload_tensor(prompt, self.inv_freq.device), params, params.max_tokens
 
     def _new_history(
         self, prompt: torch.Tensor, start: int, max_tokens: int, params: SamplingParams

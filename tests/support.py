@@ -1,13 +1,15 @@
 """Helpers the test files share instead of each holding a copy: compiling the corpus' walks,
-loading a tools/ script, summing Prometheus samples, a stand-in flashinfer, a float32 GPU, a transformers model saved as a checkpoint folder, a CUDA-graph capture, a KV engine driven
+loading a tools/ script, summing Prometheus samples, a SIGALRM watchdog, a stand-in flashinfer, a float32 GPU, a transformers model saved as a checkpoint folder, a CUDA-graph capture, a KV engine driven
 with a BlockManager as the conductor drives it."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -19,6 +21,26 @@ from mstar_runtime.engine.engines import KVCacheEngine, KVSlots, StepEntry
 from mstar_runtime.kv.block_manager import BlockManager
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class Hung(BaseException):  # not an Exception: no `except Exception` in the toolchain may swallow it
+    pass
+
+
+@contextlib.contextmanager
+def watchdog(seconds: int) -> Iterator[None]:
+    """Raise Hung in the main thread if the block is still running after SECONDS."""
+
+    def fire(signum, frame):  # noqa: ARG001 - signal handler signature
+        raise Hung(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def compile_walk(out: Path, walk: str | Path, placement: str | Path = "placements/cpu.yaml", *,

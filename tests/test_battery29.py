@@ -19,13 +19,13 @@ import io
 import json
 import os
 import random
-import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import watchdog
 
 from mstar_runtime.plan import planfile
 from mstar_runtime.plan.loader import PlanError, load_plan
@@ -35,28 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 WATCHDOG_S = 60  # a case still running after this has hung
 
 
-class Hung(BaseException):  # not an Exception: no `except Exception` in the toolchain may swallow it
-    pass
-
-
-@contextlib.contextmanager
-def watchdog(seconds: int = WATCHDOG_S) -> Iterator[None]:
-    def fire(signum, frame):  # noqa: ARG001 - signal handler signature
-        raise Hung(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def mstarc(args: list[str]) -> tuple[int, str, str]:
     """(exit status, stderr, stdout) of `mstarc ARGS`, in process, under the watchdog."""
     err, out = io.StringIO(), io.StringIO()
-    with watchdog(), contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+    with watchdog(WATCHDOG_S), contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         code = main(args)
     return code, err.getvalue(), out.getvalue()
 
@@ -489,7 +471,7 @@ def _refusal(path: Path, original: Path | None = None) -> tuple[str | None, int,
     """(the loader's PlanError message or None when it loads, explain's status, explain's stderr).
     A plan explain accepts is rendered in every format, and compared with `original` by
     `mstarc diff` (which exits 2 on a plan it refuses); their troubles are added to stderr."""
-    with watchdog():
+    with watchdog(WATCHDOG_S):
         try:
             load_plan(path)
             loaded = None
@@ -568,7 +550,7 @@ def test_an_input_file_that_is_a_named_pipe_is_refused(declared: dict[str, Any],
     from mstar_runtime.ops.node import RequestError
 
     os.mkfifo(tmp_path / "clip")
-    with watchdog(), pytest.raises(RequestError, match="not a regular file") as info:
+    with watchdog(WATCHDOG_S), pytest.raises(RequestError, match="not a regular file") as info:
         parse_text("w", "x", declared, f"@{tmp_path / 'clip'}")
     assert info.value.field == "x"
 
@@ -580,7 +562,7 @@ def test_a_tensor_input_that_cannot_be_one_is_that_inputs_error(text: str) -> No
     from mstar_runtime.ops.node import RequestError
 
     declared = {"kind": "tensor", "dtype": "f32", "dims": ["N"]}
-    with watchdog():
+    with watchdog(WATCHDOG_S):
         try:
             value = parse_text("w", "x", declared, text)
         except RequestError as e:

@@ -15,14 +15,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support import watchdog
 
 from mstarc import limits
 from mstarc.cli import main
@@ -30,24 +30,6 @@ from mstarc.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 BOUND_S = 5.0  # per input, wall clock
 WATCHDOG_S = 30  # a case still running after this has stalled: fail instead of hanging
-
-
-class Stalled(BaseException):  # not an Exception: no `except Exception` in the compiler may swallow it
-    pass
-
-
-@contextlib.contextmanager
-def watchdog(seconds: int) -> Iterator[None]:
-    def fire(signum, frame):  # noqa: ARG001 - signal handler signature
-        raise Stalled(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 # ---- generators -------------------------------------------------------------------------

@@ -341,13 +341,13 @@ def test_a_400_from_a_node_counts_as_rejected(engine: Any) -> None:
     assert counts.get("rejected") == 1 and not counts.get("failed"), counts
 
 
-@pytest.fixture(scope="module")
-def orpheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def _model_engine(tmp: Any, model: str) -> Iterator[Any]:
+    """A loaded MStar of MODEL's tiny variant on the CPU placement, closed within 30 s after."""
     from mstar_runtime.api import MStar
     from mstarc.cli import main as mstarc
 
-    plan = tmp_path_factory.mktemp("orpheus") / "orpheus-tiny.plan"
-    assert mstarc(["compile", str(ROOT / "models/orpheus/orpheus.walk"), "--variant", "tiny", "-p",
+    plan = tmp / f"{model}-tiny.plan"
+    assert mstarc(["compile", str(ROOT / f"models/{model}/{model}.walk"), "--variant", "tiny", "-p",
                    str(ROOT / "placements/cpu.yaml"), "-o", str(plan)]) == 0
     m = MStar.load(plan, weights="init")
     try:
@@ -356,6 +356,11 @@ def orpheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         done = threading.Event()
         threading.Thread(target=lambda: (m.close(), done.set()), daemon=True).start()
         assert done.wait(30)
+
+
+@pytest.fixture(scope="module")
+def orpheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    yield from _model_engine(tmp_path_factory.mktemp("orpheus"), "orpheus")
 
 
 def test_an_unknown_voice_is_refused_before_it_is_queued(orpheus: Any) -> None:
@@ -464,22 +469,6 @@ def test_an_image_over_the_pixel_bound_is_refused_before_it_is_decoded(app: Any,
 
 
 # ----------------------------------------------------------------------------- work sizes (plan bounds)
-def _model_engine(tmp: Any, model: str) -> Iterator[Any]:
-    from mstar_runtime.api import MStar
-    from mstarc.cli import main as mstarc
-
-    plan = tmp / f"{model}-tiny.plan"
-    assert mstarc(["compile", str(ROOT / f"models/{model}/{model}.walk"), "--variant", "tiny", "-p",
-                   str(ROOT / "placements/cpu.yaml"), "-o", str(plan)]) == 0
-    m = MStar.load(plan, weights="init")
-    try:
-        yield m
-    finally:
-        done = threading.Event()
-        threading.Thread(target=lambda: (m.close(), done.set()), daemon=True).start()
-        assert done.wait(30)
-
-
 @pytest.fixture(scope="module")
 def vjepa2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     yield from _model_engine(tmp_path_factory.mktemp("vjepa2"), "vjepa2")

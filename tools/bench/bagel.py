@@ -42,8 +42,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, gpu_memory, measure_read_bandwidth, median, percentile, write_json  # noqa: E402
-from vjepa2 import measure_bf16_peak  # noqa: E402 - the same dense-matmul probe
+from common import (  # noqa: E402
+    environment,
+    gpu_memory,
+    measure_bf16_peak,
+    measure_read_bandwidth,
+    median,
+    percentile,
+    write_json,
+)
 
 log = logging.getLogger("bench.bagel")
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks in tools/bench: bandwidth floor, percentiles, memory, JSON, tables.
+"""Helpers shared by the benchmarks in tools/bench: bandwidth and matmul floors, compiling a plan, percentiles, memory, JSON, tables.
 
 Benchmarks run as scripts (`python tools/bench/X.py`), so this module is imported as a
 sibling (`from common import ...`, the script's folder is on sys.path) or as
@@ -13,6 +13,7 @@ import os
 import platform
 import re
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -53,6 +54,49 @@ def measure_read_bandwidth(device: torch.device | str, gib: float = 4.0, repeats
     del x
     torch.cuda.empty_cache()
     return int(gib * 2**30 // 2) * 2 * repeats / seconds
+
+
+def measure_bf16_peak(device: str, n: int = 8192, repeats: int = 20) -> float:
+    """Dense bf16 matmul throughput in FLOP/s, measured now: `n x n @ n x n` with CUDA events
+    (the compute floor's denominator). On the CPU a float32 512-cube and wall time (a smoke figure)."""
+    if not device.startswith("cuda"):
+        n = 512
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        t0 = time.perf_counter()
+        for _ in range(3):
+            a @ b
+        return 2.0 * n**3 * 3 / (time.perf_counter() - t0)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    del a, b
+    torch.cuda.empty_cache()
+    return 2.0 * n**3 * repeats / seconds
+
+
+def compile_and_load(walk: Path, variant: str, device: str) -> Any:
+    """WALK's VARIANT compiled for one H200 (placements/h200x1.yaml) or, for a CPU DEVICE, for the
+    CPU (placements/cpu.yaml), in a temporary folder, and loaded: the Plan."""
+    from mstar_runtime.plan.loader import load_plan
+    from mstarc.cli import main as mstarc
+
+    root = Path(__file__).resolve().parents[2]
+    cuda = device.startswith("cuda")
+    placement = root / ("placements/h200x1.yaml" if cuda else "placements/cpu.yaml")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / f"{walk.stem}.plan"
+        if mstarc(["compile", str(walk), "--variant", variant, "-p", str(placement), "-o", str(out)]) != 0:
+            raise SystemExit("compile failed")
+        return load_plan(out, device="cuda" if cuda else "cpu")
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -33,7 +33,6 @@ import argparse
 import copy
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -44,30 +43,18 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # tests.pi05_reference: the parity reference the tests use
 sys.path.insert(0, str(ROOT / "tools" / "bench"))
 
-from common import Budget, environment, measure_read_bandwidth, percentile, table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    Budget,
+    compile_and_load,
+    environment,
+    measure_bf16_peak,
+    measure_read_bandwidth,
+    percentile,
+    table,
+    write_json,
+)
 
 WALK = ROOT / "models/pi05/pi05.walk"
-
-
-def measure_bf16_peak(device: str, n: int = 8192, repeats: int = 20) -> float:
-    """Dense bf16 matmul FLOP/s measured now (n^3 cubes, CUDA events); on the CPU a float32 smoke figure."""
-    if not device.startswith("cuda"):
-        a, b = torch.randn(512, 512), torch.randn(512, 512)
-        t0 = time.perf_counter()
-        for _ in range(3):
-            a @ b
-        return 2.0 * 512**3 * 3 / (time.perf_counter() - t0)
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    return 2.0 * n**3 * repeats / (start.elapsed_time(end) / 1e3)
 
 
 def floor_model(cfg: dict[str, Any], params: dict[str, int], prompt: int, cameras: int) -> dict[str, float]:
@@ -101,19 +88,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from mstar_models.pi05.prompt import prompt_text
     from mstar_runtime.control.conductor import FINISHED, Conductor
-    from mstar_runtime.plan.loader import load_plan
     from mstar_runtime.worker.worker import Worker
-    from mstarc.cli import main as mstarc
     from tests.pi05_reference import REAL, TINY, PI05Reference, checkpoint_tensors, pixels
 
     budget = Budget(args.budget)
     dev = args.device
-    placement = ROOT / ("placements/cpu.yaml" if dev == "cpu" else "placements/h200x1.yaml")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "pi05.plan"
-        if mstarc(["compile", str(WALK), "--variant", args.variant, "-p", str(placement), "-o", str(out)]) != 0:
-            raise SystemExit("compile failed")
-        plan = load_plan(out, device="cpu" if dev == "cpu" else "cuda")
+    plan = compile_and_load(WALK, args.variant, dev)
     cfg = dict(plan.config)
     worker = Worker(plan, 0, dev, "dummy")
     conductor = Conductor(plan, {0: worker})

@@ -43,6 +43,9 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import measure_bf16_peak  # noqa: E402 - the sibling module, found through the line above
+
 WALK = ROOT / "models/vjepa2/vjepa2.walk"
 
 
@@ -77,33 +80,6 @@ def p50(fn: Callable[[], Any], repeats: int, warmup: int, device: str) -> tuple[
         sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times), result
-
-
-def measure_bf16_peak(device: str, n: int = 8192, repeats: int = 20) -> float:
-    """Dense bf16 matmul throughput in FLOP/s, measured now: `n x n @ n x n` with CUDA events
-    (the compute floor's denominator). On the CPU a float32 512-cube and wall time (a smoke figure)."""
-    if not device.startswith("cuda"):
-        n = 512
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b
-        t0 = time.perf_counter()
-        for _ in range(3):
-            a @ b
-        return 2.0 * n**3 * 3 / (time.perf_counter() - t0)
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3
-    del a, b
-    torch.cuda.empty_cache()
-    return 2.0 * n**3 * repeats / seconds
 
 
 def plan_flops(cfg: dict[str, Any], params: int, samples: int, horizon: int, cem_steps: int, context: int = 1

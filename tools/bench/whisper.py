@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,8 +44,16 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))  # whisper_reference: the parity reference the tests use
 sys.path.insert(0, str(ROOT / "tools" / "bench"))
 
-from common import Budget, environment, measure_read_bandwidth, percentile, table, write_json  # noqa: E402
-from pi05 import measure_bf16_peak  # noqa: E402
+from common import (  # noqa: E402
+    Budget,
+    compile_and_load,
+    environment,
+    measure_bf16_peak,
+    measure_read_bandwidth,
+    percentile,
+    table,
+    write_json,
+)
 
 WALK = ROOT / "models/whisper/whisper.walk"
 CLIP_SECONDS = 30.0
@@ -92,19 +99,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from mstar_models.whisper.features import N_SAMPLES, log_mel, mel_filters
     from mstar_runtime.control.conductor import FINISHED, Conductor
-    from mstar_runtime.plan.loader import load_plan
     from mstar_runtime.worker.worker import Worker
-    from mstarc.cli import main as mstarc
 
     budget = Budget(args.budget)
     dev = args.device
     cuda = dev.startswith("cuda")
-    placement = ROOT / ("placements/h200x1.yaml" if cuda else "placements/cpu.yaml")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "whisper.plan"
-        if mstarc(["compile", str(WALK), "--variant", args.variant, "-p", str(placement), "-o", str(out)]) != 0:
-            raise SystemExit("compile failed")
-        plan = load_plan(out, device="cuda" if cuda else "cpu")
+    plan = compile_and_load(WALK, args.variant, dev)
     cfg = dict(plan.config)
     if not 1 <= args.tokens <= int(cfg["target_positions"]) - 4:
         raise SystemExit(f"--tokens must lie in [1, {int(cfg['target_positions']) - 4}]")

@@ -261,17 +261,8 @@ class RequestHandle(OutputStream):
                 return
             self._state, self._outputs, self._error, self._field, self._reason = state, outputs, error, field, reason
             self._final_stats = stats
-            self._done = True
-            watchers, callbacks = list(self._watchers), self._done_callbacks
-            self._done_callbacks = []
-            self._cond.notify_all()
-        for wake in watchers:
-            wake()
-        for fn in callbacks:
-            try:
-                fn(self)
-            except Exception:  # a client's callback must not take the engine down
-                log.exception("done callback of request '%s' raised", self.id)
+            ended = self._end()
+        self._after_end(ended, log)
 
 
 class _Relay:

@@ -436,17 +436,9 @@ class ClientHandle(OutputStream):
         with self._cond:
             if self._done:
                 return
-            self._finish, self._outputs, self._done = finish, outputs, True
-            watchers, callbacks = list(self._watchers), self._done_callbacks
-            self._done_callbacks = []
-            self._cond.notify_all()
-        for wake in watchers:
-            wake()
-        for fn in callbacks:
-            try:
-                fn(self)
-            except Exception:  # a callback must not take the reader thread down
-                log.exception("done callback of request '%s' raised", self.id)
+            self._finish, self._outputs = finish, outputs
+            ended = self._end()
+        self._after_end(ended, log)
 
 
 class EngineClient:

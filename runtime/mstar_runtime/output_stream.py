@@ -7,6 +7,7 @@ process client's `ClientHandle` (engine_process.py) are its subclasses.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -42,8 +43,9 @@ class OutputStream:
     """What a request handle's readers share: the appended output items in order, the end, and
     the ways to wait for them (`result`, `stream`, `aresult`, `astream`, `add_done_callback`).
 
-    A subclass appends to `_chunks` and ends it (setting `_outputs`, `_done`) under `_cond`,
-    waking `_watchers` and calling `_done_callbacks`; it provides `state` and `_failure()`.
+    A subclass appends to `_chunks` and ends it under `_cond` (setting `_outputs`, then
+    `_end()`), and once `_cond` is released wakes `_watchers` and calls `_done_callbacks`
+    (`_after_end`); it provides `state` and `_failure()`.
     `_readers` counts the streams reading now and `_read(i)` hears that a stream has read `i`
     items (a no-op here: the engine-process client acknowledges them)."""
 
@@ -71,6 +73,28 @@ class OutputStream:
 
     def _read(self, i: int) -> None:
         """A stream has read `i` items."""
+
+    def _end(self) -> tuple[list[Callable[[], None]], list[Callable[[Any], None]]]:
+        """Under `_cond`: the request has ended; wakes the threads waiting on `_cond` and hands
+        back the wake-ups and the done callbacks, for `_after_end` once `_cond` is released."""
+        self._done = True
+        watchers, callbacks = list(self._watchers), self._done_callbacks
+        self._done_callbacks = []
+        self._cond.notify_all()
+        return watchers, callbacks
+
+    def _after_end(self, ended: tuple[list[Callable[[], None]], list[Callable[[Any], None]]],
+                   log: logging.Logger) -> None:
+        """Outside `_cond`: run what `_end` handed back. A callback that raises is logged to `log`
+        and passed over: a client's callback must not take down the thread that ended the request."""
+        watchers, callbacks = ended
+        for wake in watchers:
+            wake()
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:
+                log.exception("done callback of request '%s' raised", self.id)
 
     def _outcome(self) -> dict[str, Any]:
         if self.state != FINISHED:

@@ -40,11 +40,9 @@ class FileTooLarge(Exception):
         super().__init__(f"{size} bytes, over the cap of {cap} bytes")
 
 
-def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
-    """`path` opened for reading in binary, when it is a regular file.
-
-    Raises OSError as `read_file` does ("not a regular file (a named pipe)"), without blocking
-    on a FIFO: for what is read in parts (a safetensors header) rather than whole."""
+def _open_regular_fd(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of `path` and its status, when it is a regular file; OSError
+    ("not a regular file (a named pipe)") otherwise. Opened without blocking on a FIFO."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
     fd = os.open(os.fspath(path), flags)
     try:
@@ -52,6 +50,19 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
         if not stat.S_ISREG(st.st_mode):
             kind = next((name for test, name in _KINDS if test(st.st_mode)), "a special file")
             raise OSError(errno.EINVAL, f"not a regular file ({kind})", os.fspath(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """`path` opened for reading in binary, when it is a regular file.
+
+    Raises OSError as `read_file` does ("not a regular file (a named pipe)"), without blocking
+    on a FIFO: for what is read in parts (a safetensors header) rather than whole."""
+    fd, _ = _open_regular_fd(path)
+    try:
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -63,13 +74,8 @@ def read_file(path: str | os.PathLike[str], cap: int) -> bytes:
 
     Raises OSError (its `strerror` says why: missing, unreadable, or "not a regular file
     (a named pipe)") and `FileTooLarge`. Never blocks on a FIFO and never reads past `cap`."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
-    fd = os.open(os.fspath(path), flags)
+    fd, st = _open_regular_fd(path)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = next((name for test, name in _KINDS if test(st.st_mode)), "a special file")
-            raise OSError(errno.EINVAL, f"not a regular file ({kind})", os.fspath(path))
         if st.st_size > cap:
             raise FileTooLarge(st.st_size, cap)
         with os.fdopen(fd, "rb", closefd=False) as f:

@@ -1,4 +1,8 @@
-"""Helpers the Qwen3-Omni language-model nodes share: attention sizes, input checks, sampling settings."""
+"""Helpers the Qwen3-Omni language-model nodes share: attention sizes, input checks.
+
+(Their sampling settings are read by `mstar_runtime.sampling.read_sampling`, from the
+`SamplingPorts` each node declares.)
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,8 @@ from typing import Any
 
 import torch
 
-from mstar_runtime.ops import ports
 from mstar_runtime.ops.node import NodeError, NodeSpec, RequestError
 from mstar_runtime.ops.ports import config_value
-from mstar_runtime.sampling import SamplingParams
 
 
 def attention_sizes(
@@ -28,24 +30,6 @@ def attention_sizes(
         raise NodeError(f"node '{spec.name}': heads ({heads}) must be a multiple of kv_heads "
                         f"({kv_heads}) and head_dim ({head_dim}) even")
     return hidden, layers, heads, kv_heads, head_dim
-
-
-def scalar(entry: Mapping[str, Any], port: str, kind: type, default: Any = None) -> Any:
-    """A scalar port's value (a Python number or bool, or a one-element tensor), checked; an
-    absent one without a default is missing."""
-    return ports.scalar(entry, port, kind, default, required=True)
-
-
-def sampling_params(entry: Mapping[str, Any], *, greedy: bool = False, repetition: bool = False) -> SamplingParams:
-    """The request's sampling settings from its ports (temperature 0 or `greedy`: argmax)."""
-    seed = entry.get("seed")
-    return SamplingParams(
-        temperature=0.0 if greedy else scalar(entry, "temperature", float),
-        top_k=scalar(entry, "top_k", int, 0),
-        top_p=scalar(entry, "top_p", float, 1.0),
-        repetition_penalty=scalar(entry, "repetition_penalty", float) if repetition else 1.0,
-        seed=None if seed is None else scalar(entry, "seed", int),
-    )
 
 
 def token_ids(entry: Mapping[str, Any], port: str, vocab: int) -> torch.Tensor:

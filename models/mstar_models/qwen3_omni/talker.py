@@ -43,9 +43,10 @@ thinker computes those positions by the same rules, each audio's length its plac
 codec eos, or `max_frames` frames have run, every later frame of the request returns codec
 eos again (a no-op frame without codes), decided on the device.
 
-Seeds: the walk gives the thinker and the talker one `seed`; the talker's draws use
-`derive_seed(seed, 1)` at step = frame index, the predictor's `derive_seed(seed, 2)` at step =
-its draws so far (15 per frame), so no two of the three draw the same numbers.
+Seeds: the walk gives the thinker and the talker one `seed`; the talker's draws use its
+stream 1 (`SamplingParams.stream(1)`, `derive_seed(seed, 1)`) at step = frame index, the
+predictor's stream 2 at step = its draws so far (15 per frame), so no two of the three draw
+the same numbers.
 
 Per-(request, tag) state: `sampling`, `max_frames`, `frames` (frames decoded), `seen` (bool
 [codec vocab] on the device: the codes so far, for the repetition penalty), `finished` (bool
@@ -62,7 +63,6 @@ Config: `code_groups`, the predictor's `cp_layers`, `cp_hidden` (= the talker's 
 from __future__ import annotations
 
 import dataclasses
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -78,16 +78,27 @@ from mstar_models.layers.linear import Weight
 from mstar_models.layers.moe import SparseMoE
 from mstar_models.layers.rotary import inv_freq, mrope_tables
 from mstar_models.qwen3_omni.code_predictor import CodePredictor
-from mstar_models.qwen3_omni.lm_common import attention_sizes, sampling_params, scalar
+from mstar_models.qwen3_omni.lm_common import attention_sizes
 from mstar_models.qwen3_omni.positions import default_mrope_section
 from mstar_models.qwen3_omni.tokens import TokenIds
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
 from mstar_runtime.ops.ports import config_value, max_seq_len
 from mstar_runtime.ops.readback import Lazy, Readback, upload
-from mstar_runtime.sampling import SamplingColumns, SamplingParams, derive_seed, sample_columns, signed64
+from mstar_runtime.sampling import (
+    REQUIRED,
+    SamplingColumns,
+    SamplingParams,
+    SamplingPorts,
+    read_sampling,
+    sample_columns,
+    signed64,
+)
 
 PROMPT_TAIL = 5  # rows of the talker prefill that carry codec embeddings: nothink .. codec_pad
+# the prefill's sampling ports: do_sample False is greedy; the token limit is `max_frames`
+SAMPLING_PORTS = SamplingPorts(temperature=REQUIRED, top_k=0, top_p=1.0, repetition_penalty=REQUIRED,
+                               limit="max_frames", do_sample="do_sample")
 
 
 class ResizeMLP(nn.Module):
@@ -215,7 +226,6 @@ class TalkerMoE(DecoderNode):
         offset = 0
         for (s, _, pos, _, params, max_frames), seq in zip(checked, attn.seqs, strict=True):
             n = s.shape[0]
-            base = secrets.randbits(64) if params.seed is None else params.seed
             seq.state.clear()
             seq.state.update(
                 sampling=params, max_frames=max_frames, frames=0, codec=bos.clone(),
@@ -224,7 +234,7 @@ class TalkerMoE(DecoderNode):
                 seen=torch.zeros(self.vocab, dtype=torch.bool, device=dev),
                 # the walk gives the thinker, the talker and the predictor one seed: each draws
                 # from its own stream of it, so their (seed, step) draws are not the same numbers
-                seed=signed64(derive_seed(base, 1)), cp_seed=signed64(derive_seed(base, 2)), cp_draws=0,
+                seed=signed64(params.stream(1).seed), cp_seed=signed64(params.stream(2).seed), cp_draws=0,
                 cp_greedy=params.greedy,
             )
             offset += n
@@ -251,11 +261,8 @@ class TalkerMoE(DecoderNode):
         if name not in self.tok.speakers:
             raise RequestError(f"unknown speaker {name!r}; known: {', '.join(sorted(self.tok.speakers))}", "speaker")
         speaker = int(self.tok.speakers[name])
-        do_sample = scalar(entry, "do_sample", bool, True)
-        params = sampling_params(entry, greedy=not do_sample, repetition=True)
-        max_frames = scalar(entry, "max_frames", int)
-        if max_frames < 1:
-            raise RequestError(f"max_frames must be >= 1, got {max_frames}", "max_frames")
+        params = read_sampling(entry, SAMPLING_PORTS)
+        max_frames = params.max_tokens
         return (states.to(device=dev, dtype=dt), mm.to(device=dev, dtype=torch.bool), pos.to(device=dev,
                 dtype=torch.float32), speaker, params, max_frames)
 

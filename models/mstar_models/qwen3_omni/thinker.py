@@ -77,7 +77,7 @@ from mstar_models.layers.embedding import LMHead, VocabEmbedding
 from mstar_models.layers.init import seeded_init_
 from mstar_models.layers.moe import SparseMoE
 from mstar_models.layers.rotary import inv_freq, mrope_tables
-from mstar_models.qwen3_omni.lm_common import attention_sizes, grids, rows, sampling_params, scalar, token_ids
+from mstar_models.qwen3_omni.lm_common import attention_sizes, grids, rows, token_ids
 from mstar_models.qwen3_omni.positions import default_mrope_section, rope_index
 from mstar_models.qwen3_omni.tokens import TokenIds
 from mstar_runtime.kv.prefix_cache import media_key
@@ -86,10 +86,21 @@ from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
 from mstar_runtime.ops.ports import config_value, decode_token, max_seq_len
 from mstar_runtime.ops.readback import Lazy, Readback, upload
-from mstar_runtime.sampling import SamplingColumns, SamplingParams, sample, sample_columns, sampling_row
+from mstar_runtime.sampling import (
+    REQUIRED,
+    SamplingColumns,
+    SamplingParams,
+    SamplingPorts,
+    read_sampling,
+    sample,
+    sample_columns,
+    sampling_row,
+)
 
 PREFILLS = ("prefill", "prefill_speech")
 DECODES = ("decode", "decode_speech")
+# the prefills' sampling ports: top-k and top-p off unless given, no repetition penalty
+SAMPLING_PORTS = SamplingPorts(temperature=REQUIRED, top_k=0, top_p=1.0)
 
 
 @dataclass
@@ -386,10 +397,8 @@ class ThinkerMoE(DecoderNode):
                 raise RequestError("a prefill that continues a context the thinker never prefilled", "ids")
             base = start + float(state["delta"])
             positions, delta = positions + base, delta + float(state["delta"])
-        max_tokens = scalar(entry, "max_tokens", int)
-        if max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-        params = sampling_params(entry)
+        params = read_sampling(entry, SAMPLING_PORTS)
+        max_tokens = params.max_tokens
         if speech:
             self._check_speech(tokens)
         return _Prompt(ids.to(device=dev, dtype=torch.long), tokens, audio, image, deep.to(device=dev, dtype=dt),

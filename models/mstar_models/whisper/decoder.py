@@ -43,9 +43,9 @@ generated tokens, or when the sequence reaches the 448 target positions (transfo
 positions and its results are thrown away.
 
 Per-(request, text) state: `begin` (the prompt's length), `timestamps`, `max_new`, `min_new`, `n` (tokens
-generated), the sampling settings, and device scalars `last`, `penult`, `ts_max` (the last
-two generated tokens and the highest timestamp so far, -1 for none), so no step reads the
-device; `done` is a `readback.Lazy` of the sampled tokens.
+generated), `sampling` (the `SamplingParams` that `read_sampling` gives), and device scalars
+`last`, `penult`, `ts_max` (the last two generated tokens and the highest timestamp so far,
+-1 for none), so no step reads the device; `done` is a `readback.Lazy` of the sampled tokens.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from mstar_runtime.ops.node import (
 )
 from mstar_runtime.ops.ports import scalar
 from mstar_runtime.ops.readback import Lazy, Readback, upload
-from mstar_runtime.sampling import SamplingParams, sample
+from mstar_runtime.sampling import REQUIRED, SamplingPorts, read_sampling, sample
 
 NEG_INF = float("-inf")
 
@@ -169,7 +169,8 @@ class Decoder(KVNode):
         top_k = spec.config.get("sample_top_k", 0)
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
             raise NodeError(f"node '{spec.name}': sample_top_k must be an int >= 0, got {top_k!r}")
-        self.top_k = top_k
+        # a sampled decode draws among the top_k best scores (a greedy one has top-k off)
+        self.sampling_ports = SamplingPorts(temperature=REQUIRED, finite=True, fixed_top_k=top_k)
         self.rules = Rules(self.layout, _int_list(spec, "suppress_tokens"), _int_list(spec, "begin_suppress_tokens"),
                            initial, spec.device)
 
@@ -271,17 +272,12 @@ class Decoder(KVNode):
             if seq.q_len >= self.max_text:
                 raise RequestError(f"the prompt of {seq.q_len} tokens leaves no room in the decoder's "
                                    f"{self.max_text} positions", "prompt")
-            max_new = scalar(entry, "max_tokens", int)
-            if max_new < 1:
-                raise RequestError(f"max_tokens must be >= 1, got {max_new}", "max_tokens")
+            params = read_sampling(entry, self.sampling_ports)
+            max_new = params.max_tokens
             min_new = scalar(entry, "min_tokens", int, 0)
             if not 0 <= min_new <= max_new:
                 raise RequestError(f"min_tokens must lie in [0, max_tokens = {max_new}], got {min_new}", "min_tokens")
             timestamps = scalar(entry, "timestamps", bool)
-            seed = entry.get("seed")
-            temperature = scalar(entry, "temperature", float, finite=True)
-            params = SamplingParams(temperature=temperature, top_k=self.top_k if temperature > 0 else 0,
-                                    seed=None if seed is None else scalar(entry, "seed", int))
             seq.state.update(begin=seq.q_len, timestamps=bool(timestamps), max_new=max_new, min_new=min_new, n=0,
                              sampling=params,
                              last=torch.full((), -1, dtype=torch.long, device=dev),

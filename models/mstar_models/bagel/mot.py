@@ -33,10 +33,10 @@ h_idx * max_latent_size + w_idx with h = height // 16, w = width // 16 (M must b
 The timestep embedding is DiT's: 256 frequencies in [cos, sin] order, max_period 1e4, of
 the raw t in [0, 1] (not scaled by 1000), then mlp.0, SiLU, mlp.2.
 
-Generation: greedy at temperature 0, else sampling through `mstar_runtime.sampling`
-seeded by the optional `seed` input of `start` (a random seed drawn once at `start`
-otherwise), draw k of a reply at sampler step k. `done` on <|im_end|>, on <|vision_start|>
-(then `image_start` is true: the model asks for an image), when min(max_length,
+Generation: greedy at temperature 0, else sampling through `mstar_runtime.sampling` (the
+settings read by its `read_sampling`), seeded by the optional `seed` input of `start` (a
+random seed drawn once at `start` otherwise), draw k of a reply at sampler step k. `done`
+on <|im_end|>, on <|vision_start|> (then `image_start` is true: the model asks for an image), when min(max_length,
 max_text_tokens) tokens have been generated (the token that reaches the limit is returned
 with done, as the official generate_text never returns it), or when the context reaches
 the `max_seq_len` setting. A decode after done still runs (the runtime reads done one step
@@ -93,12 +93,23 @@ from mstar_runtime.ops.node import (
 )
 from mstar_runtime.ops.ports import config_value, max_seq_len, scalar
 from mstar_runtime.ops.readback import Lazy, Readback, upload_tensor
-from mstar_runtime.sampling import SamplingColumns, SamplingParams, sample, sample_columns, sampling_row
+from mstar_runtime.sampling import (
+    REQUIRED,
+    SamplingColumns,
+    SamplingParams,
+    SamplingPorts,
+    read_sampling,
+    sample,
+    sample_columns,
+    sampling_row,
+)
 
 VAE_DOWNSAMPLE = 8  # FLUX VAE: pixels per latent pixel per side
 TIME_MAX_PERIOD = 10000.0  # DiT's timestep embedding
 EXPERTS = ("", "_moe_gen")  # und, gen: the checkpoint's name suffixes
 SPECIAL_IDS = ("bos_id", "eos_id", "vision_start_id", "vision_end_id")
+# the text generation's sampling ports: temperature, and `max_length` as its token limit
+SAMPLING_PORTS = SamplingPorts(temperature=REQUIRED, limit="max_length", finite=True)
 
 
 # --------------------------------------------------------------------------------- modules
@@ -459,14 +470,9 @@ class MoTLanguageModel(KVNode):
         return upload_tensor(x, self.inv_freq.device), h, w
 
     def _check_start(self, entry: Mapping[str, Any]) -> dict[str, Any]:
-        temperature = scalar(entry, "temperature", float, finite=True)
-        max_length = scalar(entry, "max_length", int)
-        if max_length < 1:
-            raise RequestError(f"max_length must be >= 1, got {max_length}", "max_length")
-        seed = entry.get("seed")
-        params = SamplingParams(temperature=temperature, seed=None if seed is None else scalar(entry, "seed", int))
-        # a fixed seed for the whole reply: the sampler draws fresh randomness for seed=None
-        return {"params": params.with_seed(), "max_new": min(max_length, self.max_text_tokens)}
+        # a fixed seed for the whole reply: read_sampling gives a request without one a fresh one
+        params = read_sampling(entry, SAMPLING_PORTS)
+        return {"params": params, "max_new": min(params.max_tokens, self.max_text_tokens)}
 
     # ------------------------------------------------------------------ packing
     def _markers(self, n: int) -> torch.Tensor:

@@ -20,7 +20,10 @@ K/V is a dense [rows, kv_heads, 16, head_dim] tensor per layer made inside the c
 paged KV, nothing kept between frames, no host value read (capturable). Sampling is HF's
 code-predictor distribution (top-k 50, top-p 0.8 at temperature 1; greedy rows take the
 argmax) drawn over `torch.topk`'s 50 values (`sample_top_k_top_p`); row r's draw at step g
-uses `uniform(seed[r], draws[r] + g)`, all 15 computed at the start of the frame.
+uses `uniform(seed[r], draws[r] + g)`, all 15 computed at the start of the frame. The draw
+is the stage's `pick_from_cdf`, not its `sample_columns`: that walks the CDF of the whole
+processed row in vocabulary order (and keeps ties at the k-th value), this one the k values
+in descending order, so the same uniform picks another code (most draws would change).
 """
 
 from __future__ import annotations

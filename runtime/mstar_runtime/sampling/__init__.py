@@ -5,12 +5,16 @@ penalty over its history); the stage turns them into one token per row:
 
 - `params`:  `SamplingParams` and `read_sampling`, the one reader of the `temperature`,
              `top_k`, `top_p`, `repetition_penalty`, `seed` and token-limit ports
-             (`SamplingPorts` says which of them a node has);
+             (`SamplingPorts` says which of them a node has; every node that samples
+             declares one);
 - `columns`: the rows' settings as device columns (`sampling_row` at a cohort's join,
              `columns_of` for a one-off call);
 - `stage`:   `sample_columns(logits, cols)`, the whole-batch, capturable stage, and
              `sample(logits, params, histories, steps)` for per-row Python settings;
 - `seeds`:   the draw's only randomness, `uniform(seed, step)`, on the host and on tensors.
+
+Qwen3-Omni's code predictor draws over its own top-50 prefix with `pick_from_cdf` (its
+module says why not through `sample_columns`).
 """
 
 from mstar_runtime.sampling.columns import SamplingColumns, columns_of, sampling_row

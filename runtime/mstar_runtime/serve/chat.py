@@ -66,7 +66,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -549,6 +549,27 @@ def _closing(flight: Flight, chunk: Callable[..., str], failed: RequestFailed | 
     yield "data: [DONE]\n\n"
 
 
+def _event_stream(flight: Flight, events: AsyncGenerator[tuple[str, Any], None],
+                  lines: AsyncGenerator[str, None], streaming: Any) -> Any:
+    """The SSE response of a streamed reply: the events LINES yields (read from the flight's
+    EVENTS). A client that leaves mid-stream ends it quietly (nobody to tell; the flight cancels
+    the request); however it ends, LINES and EVENTS are closed and the flight finished."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for line in lines:
+                yield line
+        except ClientGone:
+            return
+        finally:
+            await lines.aclose()  # neither suspends: each generator is finished or at a yield
+            await events.aclose()
+            flight.finish()
+
+    return streaming(body(), media_type="text/event-stream",
+                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 async def _streamed(flight: Flight, reply: Reply, rid: str, model: str, body: ChatCompletionRequest,
                     streaming: Any) -> Any:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -572,37 +593,30 @@ async def _streamed(flight: Flight, reply: Reply, rid: str, model: str, body: Ch
     chunk = _chunker(rid, created, model, include_usage)
 
     async def body_stream() -> AsyncIterator[str]:
-        try:
-            yield chunk({"role": "assistant", "content": ""})
-            for piece in first:
-                if piece:
-                    yield chunk({"content": piece})
-            failed: RequestFailed | None = None
-            if reply.finish is None:
-                try:
-                    async for name, value in events:
-                        piece = reply.take(name, value)
-                        if piece:
-                            yield chunk({"content": piece})
-                        if reply.finish is not None:
-                            break
-                except RequestFailed as e:
-                    failed = None if after_the_reply(flight, e) else e
-            if failed is None:
-                tail = reply.end()
-                if tail:
-                    yield chunk({"content": tail})
-            for line in _closing(flight, chunk, failed, reply.finish, reply.usage() if include_usage else None,
-                                 (rid, created, model)):
-                yield line
-        except ClientGone:  # the client left mid-stream: nobody to tell; the flight cancels the request
-            return
-        finally:
-            await events.aclose()  # never suspends: the generator is finished or at a yield
-            flight.finish()
+        yield chunk({"role": "assistant", "content": ""})
+        for piece in first:
+            if piece:
+                yield chunk({"content": piece})
+        failed: RequestFailed | None = None
+        if reply.finish is None:
+            try:
+                async for name, value in events:
+                    piece = reply.take(name, value)
+                    if piece:
+                        yield chunk({"content": piece})
+                    if reply.finish is not None:
+                        break
+            except RequestFailed as e:
+                failed = None if after_the_reply(flight, e) else e
+        if failed is None:
+            tail = reply.end()
+            if tail:
+                yield chunk({"content": tail})
+        for line in _closing(flight, chunk, failed, reply.finish, reply.usage() if include_usage else None,
+                             (rid, created, model)):
+            yield line
 
-    return streaming(body_stream(), media_type="text/event-stream",
-                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _event_stream(flight, events, body_stream(), streaming)
 
 
 async def _whole_spoken(flight: Flight, said: SpokenReply, rid: str, model: str, created: int) -> Any:
@@ -645,34 +659,27 @@ async def _streamed_spoken(flight: Flight, said: SpokenReply, rid: str, model: s
         return chunk({"audio": audio})
 
     async def body_stream() -> AsyncIterator[str]:
+        yield chunk({"role": "assistant", "content": None, "refusal": None})
+        for audio in first:
+            yield audio_chunk(audio)
+        failed: RequestFailed | None = None
         try:
-            yield chunk({"role": "assistant", "content": None, "refusal": None})
-            for audio in first:
-                yield audio_chunk(audio)
-            failed: RequestFailed | None = None
-            try:
-                async for name, value in events:
-                    audio = said.take(name, value)
-                    if audio is not None:
-                        yield audio_chunk(audio)
-            except RequestFailed as e:
-                failed = e
-            if failed is None:
-                tail = said.end()
-                if tail:
-                    yield audio_chunk({"transcript": tail})
-                yield audio_chunk({"expires_at": said.expires_at})
-            for line in _closing(flight, chunk, failed, said.finish, said.usage() if include_usage else None,
-                                 (rid, created, model)):
-                yield line
-        except ClientGone:  # the client left mid-stream: nobody to tell; the flight cancels the request
-            return
-        finally:
-            await events.aclose()  # never suspends: the generator is finished or at a yield
-            flight.finish()
+            async for name, value in events:
+                audio = said.take(name, value)
+                if audio is not None:
+                    yield audio_chunk(audio)
+        except RequestFailed as e:
+            failed = e
+        if failed is None:
+            tail = said.end()
+            if tail:
+                yield audio_chunk({"transcript": tail})
+            yield audio_chunk({"expires_at": said.expires_at})
+        for line in _closing(flight, chunk, failed, said.finish, said.usage() if include_usage else None,
+                             (rid, created, model)):
+            yield line
 
-    return streaming(body_stream(), media_type="text/event-stream",
-                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _event_stream(flight, events, body_stream(), streaming)
 
 
 __all__ = ["audio_input", "audio_part", "check_modalities", "decode_input_audio", "has_image", "image_input",

@@ -45,9 +45,13 @@ LIMIT = 33  # the test family (tiny): max_new_tokens 32, plus the prefill's toke
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    yield from _loaded(compile_plan(tmp_path_factory.mktemp("bad_input"), extra=("tts", "t2i", "edit", "renamed")))
+
+
+def _loaded(plan: Any) -> Iterator[Any]:
+    """PLAN loaded as an MStar (initialised weights), closed within 30 s after."""
     from mstar_runtime.api import MStar
 
-    plan = compile_plan(tmp_path_factory.mktemp("bad_input"), extra=("tts", "t2i", "edit", "renamed"))
     m = MStar.load(plan, weights="init")
     try:
         yield m
@@ -343,19 +347,12 @@ def test_a_400_from_a_node_counts_as_rejected(engine: Any) -> None:
 
 def _model_engine(tmp: Any, model: str) -> Iterator[Any]:
     """A loaded MStar of MODEL's tiny variant on the CPU placement, closed within 30 s after."""
-    from mstar_runtime.api import MStar
     from mstarc.cli import main as mstarc
 
     plan = tmp / f"{model}-tiny.plan"
     assert mstarc(["compile", str(ROOT / f"models/{model}/{model}.walk"), "--variant", "tiny", "-p",
                    str(ROOT / "placements/cpu.yaml"), "-o", str(plan)]) == 0
-    m = MStar.load(plan, weights="init")
-    try:
-        yield m
-    finally:
-        done = threading.Event()
-        threading.Thread(target=lambda: (m.close(), done.set()), daemon=True).start()
-        assert done.wait(30)
+    yield from _loaded(plan)
 
 
 @pytest.fixture(scope="module")

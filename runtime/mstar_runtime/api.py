@@ -61,11 +61,11 @@ from mstar_runtime.control.conductor import (
     Conductor,
     Request,
     WorkerLike,
-    check_inputs,
     coerce_items,
     stream_inputs,
 )
 from mstar_runtime.control.conductor import step_path as resolve_step_path
+from mstar_runtime.control.requests import check_submit
 from mstar_runtime.control.validate import TORCH_DTYPES
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.output_stream import OutputStream, RequestFailed
@@ -372,12 +372,8 @@ class MStar:
         or a tensor."""
         program = self.plan.walk(walk)  # UnknownWalk, a RequestError naming the field 'walk'
         inputs = media.to_walk_values(walk, program, inputs or {}, lambda name: self.input_rate(walk, name))
-        plain, whole = check_inputs(walk, program, inputs, streaming=streaming, config=self.plan.config)
-        values = {**plain, **{k: v for k, v in whole.items() if v is not None}}
-        if request_id is not None and (not isinstance(request_id, str) or not request_id):
-            raise RequestError("request_id must be a non-empty string", "request_id")
-        if timeout is not None and not timeout > 0:
-            raise RequestError(f"timeout must be a positive number of seconds, got {timeout!r}", "timeout")
+        values = check_submit(walk, program, inputs, streaming=streaming, config=self.plan.config,
+                              request_id=request_id, timeout=timeout)
         with self._lock:
             self._check_open()
             rid = request_id or self._new_id()

@@ -45,8 +45,9 @@ from typing import Any
 import torch
 
 from mstar_runtime.api import SHUTDOWN, EngineClosed, MStar, RequestHandle
-from mstar_runtime.control.conductor import FAILED, FINISHED, RUNNING, WAITING, check_inputs
+from mstar_runtime.control.conductor import FAILED, FINISHED, RUNNING, WAITING
 from mstar_runtime.control.interpreter import concat
+from mstar_runtime.control.requests import check_submit
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.output_stream import OutputStream, RequestFailed
 from mstar_runtime.plan.loader import Plan
@@ -497,12 +498,8 @@ class EngineClient:
     def submit(self, walk: str, inputs: Mapping[str, Any] | None = None, *, request_id: str | None = None,
                timeout: float | None = None) -> ClientHandle:
         program = self.plan.walk(walk)
-        plain, whole = check_inputs(walk, program, inputs or {}, streaming=False, config=self.plan.config)
-        values = {**plain, **{k: v for k, v in whole.items() if v is not None}}
-        if request_id is not None and (not isinstance(request_id, str) or not request_id):
-            raise RequestError("request_id must be a non-empty string", "request_id")
-        if timeout is not None and not timeout > 0:
-            raise RequestError(f"timeout must be a positive number of seconds, got {timeout!r}", "timeout")
+        values = check_submit(walk, program, inputs or {}, streaming=False, config=self.plan.config,
+                              request_id=request_id, timeout=timeout)
         with self._lock:
             if self._dead is not None:
                 raise EngineClosed(self._dead)

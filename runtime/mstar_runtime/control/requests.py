@@ -106,6 +106,20 @@ def check_inputs(walk: str, program: Mapping[str, Any], inputs: Mapping[str, Any
     return values, whole
 
 
+def check_submit(walk: str, program: Mapping[str, Any], inputs: Mapping[str, Any], *, streaming: bool,
+                 config: Mapping[str, Any], request_id: str | None, timeout: float | None) -> dict[str, Any]:
+    """What a client's `submit` checks before the request is queued (`MStar.submit`, the engine
+    process client's): `check_inputs`, then `request_id` (None or a non-empty string) and
+    `timeout` (None or positive). The values: the typed inputs and the whole streamed ones
+    given (a streamed input the client feeds is left out); RequestError naming what is wrong."""
+    plain, whole = check_inputs(walk, program, inputs, streaming=streaming, config=config)
+    if request_id is not None and (not isinstance(request_id, str) or not request_id):
+        raise RequestError("request_id must be a non-empty string", "request_id")
+    if timeout is not None and not timeout > 0:
+        raise RequestError(f"timeout must be a positive number of seconds, got {timeout!r}", "timeout")
+    return {**plain, **{k: v for k, v in whole.items() if v is not None}}
+
+
 @dataclass(eq=False)
 class InputFeed:
     """A streamed walk input of one request: every part the client fed (kept, so that an attempt

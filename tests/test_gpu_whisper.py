@@ -14,6 +14,7 @@ are printed: `pytest -s`).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,17 +38,22 @@ def agreement(a: list[int], b: list[int]) -> float:
     return sum(x == y for x, y in zip(a, b, strict=False)) / max(len(a), len(b), 1)
 
 
-@pytest.mark.gpu
-def test_real_size_bf16_against_transformers_bf16_and_fp32(cuda: torch.device, tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
+def real_size(tmp_path: Path) -> tuple[dict[str, Any], Conductor, Any, Any]:
+    """The walk's real variant compiled for one H200 and loaded with random weights: (its config,
+    a conductor over one worker, the encoder node, the decoder node)."""
     out = tmp_path / "whisper.plan"
     assert mstarc(["compile", str(ROOT / "models/whisper/whisper.walk"), "--variant", "real",
                    "-p", str(ROOT / "placements/h200x1.yaml"), "-o", str(out)]) == 0
     plan = load_plan(out, device="cuda")
-    cfg = dict(plan.config)
     worker = Worker(plan, 0, "cuda", "dummy")
-    conductor = Conductor(plan, {0: worker})
-    enc, dec = worker.engines["encoder"].node, worker.engines["decoder"].node
+    return dict(plan.config), Conductor(plan, {0: worker}), worker.engines["encoder"].node, \
+        worker.engines["decoder"].node
+
+
+@pytest.mark.gpu
+def test_real_size_bf16_against_transformers_bf16_and_fp32(cuda: torch.device, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    cfg, conductor, enc, dec = real_size(tmp_path)
     audio = [torch.randn(int(s * 16000), generator=torch.Generator().manual_seed(i)) * 0.1
              for i, s in enumerate((30.0, 12.5))]
     hs = [conductor.submit("transcribe", {"audio": a, "language": "en", "max_tokens": TOKENS, "min_tokens": TOKENS})
@@ -89,14 +95,7 @@ def test_real_size_long_form_against_transformers(cuda: torch.device, tmp_path: 
     transformers' long-form `generate` in bf16 and fp32 on the same weights: the segment
     tokens' agreement, printed; ours must agree with fp32 about as well as transformers' bf16."""
     transformers = pytest.importorskip("transformers")
-    out = tmp_path / "whisper.plan"
-    assert mstarc(["compile", str(ROOT / "models/whisper/whisper.walk"), "--variant", "real",
-                   "-p", str(ROOT / "placements/h200x1.yaml"), "-o", str(out)]) == 0
-    plan = load_plan(out, device="cuda")
-    cfg = dict(plan.config)
-    worker = Worker(plan, 0, "cuda", "dummy")
-    conductor = Conductor(plan, {0: worker})
-    enc, dec = worker.engines["encoder"].node, worker.engines["decoder"].node
+    cfg, conductor, enc, dec = real_size(tmp_path)
     audio = torch.randn(70 * 16000, generator=torch.Generator().manual_seed(7)) * 0.1
     fallback = dict(compression_ratio_threshold=1.35, logprob_threshold=-1.0)
     h = conductor.submit("transcribe", {"audio": audio, "language": "en", "timestamps": True, "max_tokens": 64,

@@ -42,15 +42,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    environment,
-    gpu_memory,
-    measure_bf16_peak,
-    measure_read_bandwidth,
-    median,
-    percentile,
-    write_json,
-)
+import common  # noqa: E402 - the sibling module, found through the line above
+from common import environment, gpu_memory, measure_read_bandwidth, median, percentile, write_json  # noqa: E402
 
 log = logging.getLogger("bench.bagel")
 
@@ -165,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     conductor = Conductor(plan, {0: worker})
     run = Runner(conductor)
     skip = set(filter(None, args.skip.split(",")))
-    rec["bf16_peak_flops"] = peak = measure_bf16_peak(dev)
+    rec["bf16_peak_flops"] = peak = common.measure_bf16_peak(dev)
     rec["read_bandwidth"] = bw = measure_read_bandwidth(dev)
     log.info("bf16 peak %.0f TFLOP/s, read %.0f GB/s", peak / 1e12, bw / 1e9)
     image = test_image(args.size)

@@ -47,11 +47,11 @@ def _wav(seconds: float = 0.1) -> bytes:  # the tiny variant's cross context hol
     return buf.getvalue()
 
 
-def post(app: Any, fields: dict[str, str]) -> httpx.Response:
+def post(app: Any, fields: dict[str, str], seconds: float = 0.1) -> httpx.Response:
     async def go() -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
             return await c.post("/v1/audio/transcriptions", data={"model": "asr", **fields},
-                                files={"file": ("a.wav", _wav(), "audio/wav")})
+                                files={"file": ("a.wav", _wav(seconds), "audio/wav")})
 
     return asyncio.run(go())
 
@@ -72,6 +72,15 @@ def test_a_field_without_a_slot_is_refused(app: Any, fields: dict[str, str], par
     err = r.json()["error"]
     assert (r.status_code, err["param"], err["code"]) == (400, param, "unsupported"), r.text
     assert "walk 'transcribe'" in err["message"] and "slot" in err["message"]
+
+
+def test_audio_longer_than_the_cross_context_is_413_naming_the_file(app: Any) -> None:
+    """One second outgrows the tiny variant's 100 ms cross context: the client's input is too
+    long for the walk (413 on the file, as a request that can never fit), not a server error."""
+    r = post(app, {}, seconds=1.0)
+    err = r.json()["error"]
+    assert (r.status_code, err["param"], err["code"]) == (413, "file", "request_too_large"), r.text
+    assert "max_len" in err["message"] and "cross" in err["message"], err
 
 
 def test_no_translation_route(app: Any) -> None:

@@ -109,8 +109,10 @@ def failure_error(e: RequestFailed, fields: Mapping[str, str], primary: str | No
 
     A node's `RequestError` (field set) is the client's fault: 400, naming the request field
     (a node port the client never named, such as the token list built from a prompt, is
-    blamed on the route's `primary` field). The conductor's "can never fit" (no field: the
-    API has no structured kind for it, so its wording is matched) is 413. Timeouts,
+    blamed on the route's `primary` field). The conductor's "can never fit" and a KV context
+    that would outgrow its tag's `max_len` (an input longer than the walk allows, e.g. audio
+    past a cross context's frames; no field: the API has no structured kind for them, so
+    their wording is matched) are 413. Timeouts,
     shutdowns and a dead engine are 504/503 (a timeout the client chose itself is its 408);
     anything else is the server's fault, 500. Neither a 503 for a dead engine nor a 500
     carries the engine's message (see the module docstring): `Flight.error_for` logs it.
@@ -125,7 +127,7 @@ def failure_error(e: RequestFailed, fields: Mapping[str, str], primary: str | No
         return ApiError(499, e.message, type=SERVER, code="cancelled")
     if e.field is not None:
         return bad_request(e.message, fields.get(e.field, primary))
-    if "can never fit" in e.message:
+    if "can never fit" in e.message or "more than the max_len" in e.message:
         return ApiError(413, e.message, param=primary, code="request_too_large")
     if engine_problem is not None:
         return engine_unavailable(f"the engine failed while running the request: {engine_problem}")

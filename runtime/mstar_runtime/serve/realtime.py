@@ -399,7 +399,7 @@ class Session:
             self.fed = (flight, StreamResampler(CLIENT_RATE, input_rate(self.state, walk)), new_id("item"))
             self._spawn(self._transcribe(flight, self.fed[2]))
         flight, resampler, _ = self.fed
-        piece = resampler.push(samples)
+        piece = await asyncio.to_thread(resampler.push, samples)  # a filter over the piece: off the loop
         if piece.numel():
             try:  # `feed` waits while the engine lags (backpressure): off the loop
                 await asyncio.to_thread(flight.handle.feed, self.what.audio, piece)

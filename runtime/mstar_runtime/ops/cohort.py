@@ -22,7 +22,11 @@ causal mask inside it: V-JEPA's frame block, `CohortPhase.tokens`):
   (`batch.inputs[port]`, `[n, ...]`), may update its columns in place (`batch.cols[name]`,
   `[n, ...]` views), attends through `batch.attend(layer, q, k, v)` (Q queries per row, row
   r's at rows r*Q .. r*Q+Q-1 of `q` `[n*Q, heads, D]`, at positions `batch.positions[r] + j`),
-  and returns every output port of the phase as a `[n, ...]` tensor. An
+  and returns every output port of the phase as a `[n, ...]` tensor. A phase that reads other
+  KV contexts (`reads` in the walk: Whisper's decoder over its `cross` context) attends to
+  them through `batch.attend_to(layer, q, j)`: row r's queries over the whole of its j-th
+  read context (the phase's `reads` order), writing nothing; the contexts are taken as they
+  are when the row joins (a loop never writes what its step reads). An
   output whose type has a symbolic first dim (an item list such as Orpheus' 0-or-1-item
   `code`) is returned as `port` `[n, K]` (K = `max_items`) and `port:count` `[n]` (int: how
   many of the K are items). A bool port is `[n]`.
@@ -43,6 +47,7 @@ from typing import Any
 import torch
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AttendTo = Callable[[int, torch.Tensor, int], torch.Tensor]
 Columns = dict[str, torch.Tensor]
 
 
@@ -56,6 +61,7 @@ class CohortStep:
     positions: torch.Tensor  # int64 [n]: the absolute position of each row's (first) new token
     attend: Attend  # writes the rows' new K/V and attends over each row's context
     device: torch.device
+    attend_to: AttendTo | None = None  # (layer, q, j) -> attention over read context j (None: the phase reads none)
 
 
 @dataclass(frozen=True)
@@ -78,4 +84,4 @@ def count_key(port: str) -> str:
     return f"{port}:count"
 
 
-__all__ = ["Attend", "CohortPhase", "CohortStep", "Columns", "count_key"]
+__all__ = ["Attend", "AttendTo", "CohortPhase", "CohortStep", "Columns", "count_key"]

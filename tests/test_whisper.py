@@ -160,7 +160,8 @@ def test_encoder_and_decoder_logits_match_transformers(reference: tuple, plan: P
         ref = model(input_features=feats, decoder_input_ids=prompt[None], output_hidden_states=True)
         states = enc(feats)
         cross = [layer.encoder_attn.kv(states[0]) for layer in dec.layers]
-        hidden = dec.forward_hidden(prompt, torch.arange(prompt.numel()), _context(prompt.numel(), cross))
+        ctx = _context(prompt.numel(), cross)
+        hidden = dec.forward_hidden(prompt, torch.arange(prompt.numel()), ctx.attend, ctx.attend_to)
         logits = dec.logits(hidden)
     assert (states - ref.encoder_last_hidden_state).abs().max() <= 1e-5
     assert (logits - ref.logits[0]).abs().max() <= 1e-5

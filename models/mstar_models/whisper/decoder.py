@@ -42,6 +42,12 @@ generated tokens, or when the sequence reaches the 448 target positions (transfo
 `max_length`); a decode after `done` (the runtime's speculative step) runs on clamped
 positions and its results are thrown away.
 
+`step` runs one of two ways with the same numbers (tests/test_whisper_cohort.py): the generic
+`phase_step` over a list of entries (`_next`: host state per entry, `done` a lazy flag), or,
+when the runtime runs the decode loop as a cohort, the column step of cohort.py over
+device-resident columns (`cohort_phase`). Both go through one layer loop, `forward_hidden`,
+given the two attentions (self over `text`, cross over the `cross` context it reads).
+
 Per-(request, text) state: `begin` (the prompt's length), `timestamps`, `max_new`, `min_new`, `n` (tokens
 generated), `sampling` (the `SamplingParams` that `read_sampling` gives), and device scalars
 `last`, `penult`, `ts_max` (the last two generated tokens and the highest timestamp so far,
@@ -60,6 +66,7 @@ from torch import nn
 from mstar_models.layers.init import seeded_init_
 from mstar_models.whisper.common import LN_EPS, Layer, Sizes
 from mstar_models.whisper.tokens import Layout, layout_of
+from mstar_runtime.ops.cohort import Attend, AttendTo, CohortPhase
 from mstar_runtime.ops.node import (
     AttentionContext,
     Batch,
@@ -196,23 +203,35 @@ class Decoder(KVNode):
         raise NodeError(f"node '{spec.name}' (whisper.Decoder) has no phase '{phase}'")
 
     # ------------------------------------------------------------------ math
-    def forward_hidden(self, ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
-        """Packed ids [N] at `positions` [N] -> final-normed hidden [N, hidden]; self-attention over
-        the call's own context, cross-attention over the `cross` context it reads."""
+    def forward_hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
+                       attend_to: AttendTo) -> torch.Tensor:
+        """Packed ids [N] at `positions` [N] -> final-normed hidden [N, hidden]; self-attention
+        through `attend(layer, q, k, v)` over the call's own context, cross-attention through
+        `attend_to(layer, q, 0)` over the `cross` context it reads: an `AttentionContext`'s
+        methods on the generic path, a `CohortStep`'s in the cohort's column step (cohort.py)."""
         pos = positions.clamp(max=self.max_text - 1)  # a speculative step past the end: thrown away
         h = self.embed_tokens(ids) + self.embed_positions(pos)
         n = h.shape[0]
         for i, layer in enumerate(self.layers):
             q, k, v = layer.self_attn.qkv(layer.self_attn_layer_norm(h))
-            h = h + layer.self_attn.out_proj(attn.attend(i, q, k, v).reshape(n, -1))
+            h = h + layer.self_attn.out_proj(attend(i, q, k, v).reshape(n, -1))
             qc = layer.encoder_attn.q(layer.encoder_attn_layer_norm(h))
-            h = h + layer.encoder_attn.out_proj(attn.attend_to(i, qc, 0).reshape(n, -1))
+            h = h + layer.encoder_attn.out_proj(attend_to(i, qc, 0).reshape(n, -1))
             h = layer.mlp(h)
         return self.layer_norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab], computed in the weights' dtype as transformers' `proj_out` does."""
         return F.linear(hidden, self.embed_tokens.weight).float()
+
+    def cohort_phase(self, phase: str) -> CohortPhase | None:
+        """`step` as a column step for decode cohorts (cohort.py): the same math as `phase_step`
+        over all rows; every other phase runs through `run` only."""
+        if phase != "step":
+            return None
+        from mstar_models.whisper.cohort import step_phase  # cohort.py imports this module
+
+        return step_phase(self)
 
     # ------------------------------------------------------------------ phases
     def phase_listen(self, batch: Batch, attn: AttentionContext) -> Batch:
@@ -249,7 +268,7 @@ class Decoder(KVNode):
             asked.append(lang)
         dev = self.embed_tokens.weight.device
         ids = torch.full((len(batch),), lay.sot, dtype=torch.long, device=dev)
-        logits = self.logits(self.forward_hidden(ids, attn.positions(), attn))
+        logits = self.logits(self.forward_hidden(ids, attn.positions(), attn.attend, attn.attend_to))
         detected = logits.masked_fill(self.rules.languages[None, :], NEG_INF).argmax(dim=-1)
         wanted = upload(asked, torch.long, dev)
         lang = torch.where(wanted >= 0, wanted, detected).to(torch.int32)
@@ -285,7 +304,7 @@ class Decoder(KVNode):
                              ts_max=torch.full((), -1, dtype=torch.long, device=dev))
             pieces.append(prompt)
         ids = torch.cat(pieces).to(device=dev, dtype=torch.long)
-        packed = self.forward_hidden(ids, attn.positions(), attn)
+        packed = self.forward_hidden(ids, attn.positions(), attn.attend, attn.attend_to)
         out = self._next(self.logits(attn.last_rows(packed)), attn)
         # transformers' WhisperNoSpeechDetection: the <|nospeech|> probability of the raw logits
         # at <|startoftranscript|> (the last token of the head)
@@ -308,7 +327,7 @@ class Decoder(KVNode):
         # (a host read of a device token would wait for the step before)
         ids = torch.cat([_ids(entry, "token", self.vocab, check_range=False) for entry in batch])
         ids = ids.to(self.embed_tokens.weight.device, torch.long)
-        return self._next(self.logits(self.forward_hidden(ids, attn.positions(), attn)), attn)
+        return self._next(self.logits(self.forward_hidden(ids, attn.positions(), attn.attend, attn.attend_to)), attn)
 
     def _next(self, logits: torch.Tensor, attn: AttentionContext) -> Batch:
         """Score, pick and record one token per entry; `done` as a lazy flag of the picked tokens."""

@@ -264,6 +264,9 @@ class OnStream:
     name: Ident
     body: Block
     span: Span = field(default=_NO_SPAN, compare=False)
+    # `carry a, b`: a stream loop, run in line with the walk's body (walk-language.md 9.5);
+    # None: a block that runs beside the walk
+    carry: tuple[Ident, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,9 @@ def program_lines(op: dict[str, Any], depth: int = 0) -> list[tuple[int, str]]:
             lines += program_lines(b["body"], depth + 2)
         return lines
     if kind == "on_stream":
-        return [(depth, f"on stream {op['stream'].split(':', 1)[1]} as {op['as']}")] + program_lines(op["body"], depth + 1)
+        carry = f" carry {', '.join(op['carry'])}" if "carry" in op else ""
+        head = f"on stream {op['stream'].split(':', 1)[1]} as {op['as']}{carry}"
+        return [(depth, head)] + program_lines(op["body"], depth + 1)
     if kind == "emit":
         return [(depth, f"emit {op['output']} {'+=' if op['mode'] == 'append' else '='} {_operand(op['value'])}")]
     if kind == "acc":

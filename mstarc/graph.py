@@ -417,12 +417,23 @@ class _Dataflow:
                     self.r.uses[(vid, block.id, "fires")] = {"vkind": "stream", "consumer": None, "back": False}
         outer = self.chunks.get(block.name)
         self.chunks[block.name] = block.stream
-        self.seq(block.body, inner)
+        if block.carry is None:
+            self.seq(block.body, inner)
+        else:  # a stream loop: a loop over the chunks, its carried values with a back edge
+            first = dict(inner)
+            self.seq(block.body, first)
+            for n in (n for n in first if n in block.carry or "@" in n):
+                inner[n] = inner.get(n, frozenset()) | first[n]
+            self.seq(block.body, inner)
+            for n in block.carry:
+                if n in inner:
+                    env[n] = env.get(n, frozenset()) | inner[n]
         if outer is None:
             del self.chunks[block.name]
         else:
             self.chunks[block.name] = outer
-        # Values bound in a stream block are local to it; KV contexts it advances are not.
+        # Values bound in a stream block are local to it (a stream loop's carried ones aside);
+        # KV contexts it advances are not.
         env.update({n: d for n, d in inner.items() if "@" in n})
 
 

@@ -226,6 +226,7 @@ class OnStream:
     name: str  # the chunk's value name inside the body
     body: Seq
     span: Span = field(default=_NO_SPAN, compare=False)
+    carry: tuple[str, ...] | None = None  # a stream loop's carried values (None: a block beside the walk)
 
 
 @dataclass(frozen=True)

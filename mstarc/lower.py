@@ -454,7 +454,8 @@ class _WalkLowerer:
             return I.Parallel(pid, tuple(I.Branch(b.name.name, self.block(b.body), b.span) for b in s.branches), s.span)
         if isinstance(s, ast.OnStream):
             sid = f"{s.src.node.name}.{s.src.port.name}->{s.dst.node.name}.{s.dst.port.name}"
-            return I.OnStream(self._id("o"), sid, s.name.name, self.block(s.body), s.span)
+            carry = tuple(c.name for c in s.carry) if s.carry is not None else None
+            return I.OnStream(self._id("o"), sid, s.name.name, self.block(s.body), s.span, carry)
         if isinstance(s, ast.Emit):
             return I.Emit(s.name.name, s.op, self.operand(s.value), s.span)
         if isinstance(s, ast.Acc):

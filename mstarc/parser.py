@@ -358,7 +358,8 @@ class _ToAst:
         return ast.Branch(children[0], children[1], self._span(meta))
 
     def on_stream(self, meta, children):
-        return ast.OnStream(children[0], children[1], children[2], children[3], self._span(meta))
+        src, dst, name, carry, body = children  # carry: ("carry", names), or None when absent
+        return ast.OnStream(src, dst, name, body, self._span(meta), tuple(carry[1]) if carry else None)
 
     def emit(self, meta, children):
         return ast.Emit(children[0], children[1], children[2], self._span(meta))

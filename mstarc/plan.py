@@ -49,12 +49,16 @@ def build_plan(model: I.ModelIR, source_sha256: str) -> dict[str, Any]:
 def requires(model: I.ModelIR) -> list[str]:
     """The features beyond schema 1.1 the plan uses, which a runtime must implement to run it
     (docs/plan-format.md): `kv_reads` (a call attends to other KV contexts) and
-    `input_streams` (a walk input arrives in chunks through a stream)."""
+    `input_streams` (a walk input arrives in chunks through a stream), `stream_loops` (an
+    `on_stream` op with `carry` runs in line, a loop over the chunks)."""
     out = []
     if any(ph.reads for n in model.nodes.values() for ph in n.phases.values()):
         out.append("kv_reads")
     if any(e.from_input for e in model.edges):
         out.append("input_streams")
+    if any(isinstance(r, I.OnStream) and r.carry is not None
+           for w in model.walks.values() for r in I.iter_regions(w.body)):
+        out.append("stream_loops")
     return out
 
 

@@ -75,6 +75,8 @@ def _stmt(s: ast.Stmt, ind: int) -> list[str]:
         return out + [f"{pad}}}"]
     if isinstance(s, ast.OnStream):
         head = f"on stream {s.src.node.name}.{s.src.port.name} -> {s.dst.node.name}.{s.dst.port.name} as {s.name.name}"
+        if s.carry is not None:
+            head += " carry " + ", ".join(c.name for c in s.carry)
         return [f"{pad}{head} {{", *_block(s.body, ind + 1), f"{pad}}}"]
     if isinstance(s, ast.Emit):
         return [f"{pad}emit {s.name.name} {s.op} {format_expr(s.value)}"]
@@ -160,7 +162,8 @@ def print_regions(r: I.Region, ind: int = 0) -> str:
         return f"{pad}[{r.id}] parallel\n" + "\n".join(
             f"{pad}  branch {b.name}\n{print_regions(b.body, ind + 2)}" for b in r.branches)
     if isinstance(r, I.OnStream):
-        return f"{pad}[{r.id}] on stream {r.stream} as {r.name}\n{print_regions(r.body, ind + 1)}"
+        carry = f" carry {', '.join(r.carry)}" if r.carry is not None else ""
+        return f"{pad}[{r.id}] on stream {r.stream} as {r.name}{carry}\n{print_regions(r.body, ind + 1)}"
     if isinstance(r, I.Emit):
         return f"{pad}emit {r.output} {r.op} {_operand(r.value)}"
     if isinstance(r, I.Acc):

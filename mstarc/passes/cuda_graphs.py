@@ -205,6 +205,7 @@ def _defined_in(region: I.Region) -> set[str]:
             names.add(r.name)
         elif isinstance(r, I.OnStream):
             names.add(r.name)
+            names.update(r.carry or ())
         elif isinstance(r, I.Loop):
             names.update(r.carry)
             if r.index:

@@ -200,8 +200,11 @@ class _Scheduler:
             loop["cohort"] = cohort_mark(loop)
             return loop
         if isinstance(r, I.OnStream):
-            return {"op": "on_stream", "id": r.id, "stream": self.buffers[r.stream].id, "as": r.name,
-                    "body": self.body(v)}
+            op = {"op": "on_stream", "id": r.id, "stream": self.buffers[r.stream].id, "as": r.name,
+                  "body": self.body(v)}
+            if r.carry is not None:  # a stream loop (plan feature `stream_loops`)
+                op["carry"] = list(r.carry)
+            return op
         if isinstance(r, I.Emit):
             return {"op": "emit", "output": r.output, "mode": "append" if r.op == "+=" else "set",
                     "value": operand_json(r.value)}

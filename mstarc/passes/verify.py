@@ -214,6 +214,7 @@ class _WalkChecker:
                 self.sink.error("E030", f"default of input '{p.name}' is {p.default!r}, which is not a {p.type}", p.span,
                                 "an empty list [] is the empty tensor; other tensor defaults need the declared rank")
         env = self.inputs_env()
+        self.top = {id(r) for r in self.w.body.body}  # the statements of the walk's body itself
         self.seq(self.w.body, env, loop_depth=0)
         for out in self.w.outputs:
             if out.name not in self.emitted:
@@ -464,8 +465,41 @@ class _WalkChecker:
             return
         node = self.m.nodes.get(edge.dst_node)
         port = node.inputs.get(edge.dst_port) if node else None
-        inner[block.name] = ValueInfo(port.type if port else I.ValueType("tensor", "f32", ("N",)), None, edge.id)
+        chunk = ValueInfo(port.type if port else I.ValueType("tensor", "f32", ("N",)), None, edge.id)
+        if block.carry is not None:
+            self.stream_loop(block, edge, chunk, env, depth)
+            return
+        inner[block.name] = chunk
         self.seq(block.body, inner, depth)
+
+    def stream_loop(self, block: I.OnStream, edge: I.EdgeIR, chunk: ValueInfo, env: dict[str, ValueInfo],
+                    depth: int) -> None:
+        """`on stream ... carry NAMES`: the block runs in line, once per chunk, a loop over the
+        chunks: it sees what the walk bound before it, and rebinds the carried values."""
+        if not edge.from_input:
+            self.sink.error("E047", f"stream {edge.id} is fed by a node: a block that carries values runs in "
+                            "line and would hold up its producer", block.span,
+                            "carry only over a stream from a walk input; drop `carry` to run the block beside the walk")
+        if id(block) not in self.top:
+            self.sink.error("E047", "a block that carries values must be a statement of the walk's body itself, "
+                            "not inside a loop, branch or stream block", block.span,
+                            "a stream is drained once: move the block to the walk's body")
+        for name in block.carry or ():
+            if name not in env:
+                self.sink.error("E034", f"carried value '{name}' is not bound before the stream block", block.span)
+        outer = set(env)
+        for r in I.iter_regions(block.body):
+            if isinstance(r, I.Call):
+                for n in r.results:
+                    if n in outer and n not in block.carry:
+                        self.sink.error("E043", f"'{n}' is bound before the stream block and assigned in its body "
+                                        "without carry", r.span, f"add `carry {n}` to the block, or use a new name")
+        inner = dict(env)
+        inner[block.name] = chunk
+        self.seq(block.body, inner, depth)
+        for name in block.carry or ():  # carried values keep their (checked) type after the block
+            if name in inner and name in env:
+                env[name] = inner[name]
 
     def emit(self, e: I.Emit, env: dict[str, ValueInfo]) -> None:
         out = self.outputs.get(e.output)

@@ -306,7 +306,7 @@ class Interpreter:
             # `on stream` blocks start with their walk and run beside it, wherever they are
             # written: a consumer that started only when reached would let its producer fill
             # the buffer and stall (or, after a loop, turn streaming into batch).
-            for op in (o for o in iter_ops(self.program["program"]) if o["op"] == "on_stream"):
+            for op in (o for o in iter_ops(self.program["program"]) if o["op"] == "on_stream" and "carry" not in o):
                 buffer = self.buffers[op["stream"]]
                 yield Spawn(WalkTask(self.request, self._stream_block(op, dict(env), buffer), op["id"]))
             yield from self._region(self.program["program"], env, frame)
@@ -345,7 +345,9 @@ class Interpreter:
         elif kind == "parallel":
             yield from self._parallel(op, env, frame)
         elif kind == "on_stream":
-            pass  # started with the walk (main_task)
+            if "carry" in op:  # a stream loop: in line, here
+                yield from self._stream_loop(op, env, frame)
+            # else started with the walk (main_task)
         elif kind == "emit":
             value = self._value(op["value"], env)
             name, mode = op["output"], op["mode"]
@@ -511,6 +513,25 @@ class Interpreter:
             frame = Frame(self.request)
             yield from self._region(op["body"], inner, frame)
             frame.flush_lane()
+
+
+    def _stream_loop(self, op: dict[str, Any], env: Env, frame: Frame) -> Gen:
+        """`on stream ... carry`: the chunks one after another in this task, each run seeing the
+        walk's values and the carried ones the run before left; after the stream's end the
+        carried values are bound as a loop leaves them."""
+        buffer = self.buffers[op["stream"]]
+        frame.flush_lane()  # what came before may be what the client waits for
+        while True:
+            chunk: Chunk | None = yield WaitChunk(buffer)
+            if chunk is None:
+                return
+            inner = dict(env)
+            inner[op["as"]] = ChunkValue(chunk)
+            chunk_frame = Frame(self.request, parent=frame)
+            yield from self._region(op["body"], inner, chunk_frame)
+            chunk_frame.flush_lane()
+            for name in op["carry"]:
+                env[name] = inner[name]
 
 
 @dataclass(frozen=True)

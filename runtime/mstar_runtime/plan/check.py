@@ -267,7 +267,7 @@ def _ops() -> Mapping[str, Spec]:
                      "cohort": Opt(Obj({"call": NAME, "fed": List(Tuple((NAME, NAME))), "invariant": List(NAME),
                                         "emits": List(Tuple((NAME, NAME)))}))}),
         "parallel": Obj({"id": NAME, "branches": List(Obj({"name": NAME, "body": OP}, {"rank": Opt(RANK)}), 1)}),
-        "on_stream": Obj({"id": NAME, "stream": NAME, "as": NAME, "body": OP}),
+        "on_stream": Obj({"id": NAME, "stream": NAME, "as": NAME, "body": OP}, {"carry": List(NAME)}),
         "emit": Obj({"output": NAME, "mode": Str(("append", "set")), "value": VALUE}),
         "acc": Obj({"name": NAME, "value": VALUE}),
         "fork": Obj({"node": NAME, "src": NAME, "dst": NAME}),

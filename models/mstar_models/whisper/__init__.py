@@ -8,12 +8,15 @@
   fallback, the segments (windows.py)
 - Transcript (stateless): finish(segments, lang) -> (text, language, segments);
   detokenize(tokens) -> text (prompt.py)
+- Live (stateless): start / hear / note / settle; audio streamed in, the windows decoded as
+  their audio arrives, checked against the whole audio's features at the end (live.py)
 """
 
 from mstar_models.whisper.decoder import Decoder
 from mstar_models.whisper.encoder import Encoder
 from mstar_models.whisper.features import LogMel
+from mstar_models.whisper.live import Live
 from mstar_models.whisper.prompt import Prompt, Transcript
 from mstar_models.whisper.windows import Windows
 
-__all__ = ["Decoder", "Encoder", "LogMel", "Prompt", "Transcript", "Windows"]
+__all__ = ["Decoder", "Encoder", "Live", "LogMel", "Prompt", "Transcript", "Windows"]

@@ -91,6 +91,41 @@ def temperatures(entry: Mapping[str, Any]) -> list[float]:
     return temps
 
 
+def check_settings(entry: Mapping[str, Any], frames: int, max_attempts: int) -> None:
+    """`start`'s checks of a request's long-form settings, as RequestErrors naming the field
+    (the live walk's `live.start` and `live.settle` make them too, live.py)."""
+    if frames > N_FRAMES and not scalar(entry, "timestamps", bool):
+        raise RequestError(f"audio of {frames / 100:.2f} s is transcribed 30 s window by window, each "
+                           "starting at a timestamp the model wrote: it needs timestamps = true", "timestamps")
+    temps = temperatures(entry)
+    if len(temps) > max_attempts:
+        raise RequestError(f"{len(temps)} temperatures in all; at most {max_attempts} attempts are "
+                           "decoded per window", "fallback_temperatures")
+    ratio = scalar(entry, "compression_ratio_threshold", float, finite=True)
+    logprob = scalar(entry, "logprob_threshold", float, finite=True)
+    no_speech = scalar(entry, "no_speech_threshold", float, finite=True)
+    if ratio < 0:
+        raise RequestError(f"compression_ratio_threshold must be >= 0 (0: off), got {ratio}",
+                           "compression_ratio_threshold")
+    if logprob > 0:
+        raise RequestError(f"logprob_threshold must be <= 0 (0: off), got {logprob}", "logprob_threshold")
+    if not 0 <= no_speech <= 1:
+        raise RequestError(f"no_speech_threshold must lie in [0, 1] (0: off), got {no_speech}",
+                           "no_speech_threshold")
+    if no_speech and not logprob:
+        raise RequestError("no_speech_threshold skips a window whose mean log-probability is below "
+                           "logprob_threshold: give that too", "no_speech_threshold")
+
+
+def window_at(mel: torch.Tensor, seek: int, frames: int) -> tuple[torch.Tensor, int]:
+    """The 3,000 frames of `mel` at `seek`, zero-padded, and how many of them are audio (`cut`'s
+    window; a seek at or past the end gives an empty one)."""
+    span = max(0, min(frames - seek, N_FRAMES))
+    window = mel.new_zeros(mel.shape[0], N_FRAMES)
+    window[:, :span] = mel[:, seek : seek + span]
+    return window, span
+
+
 def window_segments(seq: Sequence[int], seek: int, span: int, tb: int) -> tuple[list[dict[str, Any]], int]:
     """transformers' `_retrieve_segment` for one window: its segments ({start, end, tokens}, in
     seconds of the whole audio) and how many frames the next window starts after this one."""
@@ -157,28 +192,7 @@ class Windows(StatelessNode):
         out: Batch = []
         for entry in batch:
             frames = scalar(entry, "frames", int)
-            if frames > N_FRAMES and not scalar(entry, "timestamps", bool):
-                raise RequestError(f"audio of {frames / 100:.2f} s is transcribed 30 s window by window, each "
-                                   "starting at a timestamp the model wrote: it needs timestamps = true",
-                                   "timestamps")
-            temps = temperatures(entry)
-            if len(temps) > self.max_attempts:
-                raise RequestError(f"{len(temps)} temperatures in all; at most {self.max_attempts} attempts are "
-                                   "decoded per window", "fallback_temperatures")
-            ratio = scalar(entry, "compression_ratio_threshold", float, finite=True)
-            logprob = scalar(entry, "logprob_threshold", float, finite=True)
-            no_speech = scalar(entry, "no_speech_threshold", float, finite=True)
-            if ratio < 0:
-                raise RequestError(f"compression_ratio_threshold must be >= 0 (0: off), got {ratio}",
-                                   "compression_ratio_threshold")
-            if logprob > 0:
-                raise RequestError(f"logprob_threshold must be <= 0 (0: off), got {logprob}", "logprob_threshold")
-            if not 0 <= no_speech <= 1:
-                raise RequestError(f"no_speech_threshold must lie in [0, 1] (0: off), got {no_speech}",
-                                   "no_speech_threshold")
-            if no_speech and not logprob:
-                raise RequestError("no_speech_threshold skips a window whose mean log-probability is below "
-                                   "logprob_threshold: give that too", "no_speech_threshold")
+            check_settings(entry, frames, self.max_attempts)
             out.append({"seek": 0, "cond": scalar(entry, "condition", bool), "segs": "[]", "finished": frames <= 0})
         return out
 
@@ -192,9 +206,7 @@ class Windows(StatelessNode):
             if seek < 0:
                 raise RequestError(f"seek must be >= 0, got {seek}", "seek")
             # a seek past the end is the speculative window after the last (thrown away): empty
-            span = max(0, min(frames - seek, N_FRAMES))
-            window = mel.new_zeros(mel.shape[0], N_FRAMES)
-            window[:, :span] = mel[:, seek : seek + span]
+            window, span = window_at(mel, seek, frames)
             head = _ids(entry, "head")
             prompted = len(head) > 1 and head[0] == lay.startofprev
             segs = _segments(entry)

@@ -210,18 +210,23 @@ def first_call_on(program: Mapping[str, Any], var: str) -> Mapping[str, Any] | N
 
 def input_rate(plan: Any, walk: str, name: str, weights: str | os.PathLike[str] = "dummy") -> int:
     """The sample rate walk input `name` is read at: that of the node its first call passes it
-    to (`node_input_rate`), from a copy built on the CPU when the node is a parameter-free
-    stateless one (a processor), else DEFAULT_INPUT_RATE. The server's chat route reads the
-    same rule off its own copy of the prompt node."""
+    to, or for a streamed input the node its stream feeds (`node_input_rate`), from a copy
+    built on the CPU when the node is a parameter-free stateless one (a processor), else
+    DEFAULT_INPUT_RATE. The server's chat route reads the same rule off its own copy of the
+    prompt node."""
     from mstar_runtime.weights import build_node, load_weights
 
-    call = first_call_on(plan.walk(walk), name)
-    if call is None or plan.node(call["node"]).engine != "stateless":
+    program = plan.walk(walk)
+    call = first_call_on(program, name)
+    sid = next((p.get("stream") for p in program["inputs"] if p["name"] == name), None)
+    # a stream id is `<walk>:<walk>.<input>-><node>.<port>`
+    target = call["node"] if call is not None else sid.split("->", 1)[1].split(".", 1)[0] if sid else None
+    if target is None or plan.node(target).engine != "stateless":
         return DEFAULT_INPUT_RATE
-    node = build_node(plan, call["node"], plan.node(call["node"]).ranks[0], "cpu")
+    node = build_node(plan, target, plan.node(target).ranks[0], "cpu")
     if any(True for _ in node.parameters()) or any(True for _ in node.buffers()):
         return DEFAULT_INPUT_RATE
-    load_weights(node, plan, call["node"], str(weights))
+    load_weights(node, plan, target, str(weights))
     return node_input_rate(node)
 
 

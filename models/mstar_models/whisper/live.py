@@ -84,6 +84,8 @@ def _json_list(entry: dict[str, Any], port: str) -> list[Any]:
 class Live(StatelessNode):
     """start / hear / note / settle; see the module docstring."""
 
+    sampling_rate = SAMPLE_RATE  # what a client's audio is resampled to for this walk (mstar_runtime.media)
+
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
         self.max_attempts = int(spec.config.get("max_attempts", 1))

@@ -249,7 +249,8 @@ class _Frame:
     `UNAUTHENTICATED` paths), request framing (400 for both Content-Length and
     Transfer-Encoding, which proxies may read differently), oversized bodies (413: refused
     before they are read when Content-Length says so, else a chunked body is read up to the
-    limit before the app sees it), uncaught exceptions (logged once; a 500 without their
+    limit before the app sees it; not on a path whose body is a streamed walk input, which
+    the route reads as it arrives), uncaught exceptions (logged once; a 500 without their
     details, and the connection stays usable), the response count by route template and
     status for `/metrics`, and the access log line."""
 
@@ -273,8 +274,9 @@ class _Frame:
         route = "other"
         try:
             headers = dict(scope.get("headers") or [])
-            refusal = self._refusal(scope, headers)
-            if refusal is None and b"content-length" not in headers and b"transfer-encoding" in headers:
+            streamed = scope.get("path") in self.state.streamed_paths
+            refusal = self._refusal(scope, headers, streamed)
+            if refusal is None and not streamed and b"content-length" not in headers and b"transfer-encoding" in headers:
                 receive, refusal = await self._buffered(receive)
             if refusal is not None:
                 await error_response(refusal)(scope, receive, counting_send)
@@ -293,7 +295,7 @@ class _Frame:
             if self.state.config.access_log:
                 access_line(scope, status[0] or 500, sent[0], time.perf_counter() - t0)
 
-    def _refusal(self, scope: Mapping[str, Any], headers: Mapping[bytes, bytes]) -> ApiError | None:
+    def _refusal(self, scope: Mapping[str, Any], headers: Mapping[bytes, bytes], streamed: bool) -> ApiError | None:
         """The 401, 400 or 413 that answers this request before the app sees it, or None."""
         digest = self.state.api_key_digest
         if digest is not None and scope.get("path") not in UNAUTHENTICATED:
@@ -304,7 +306,9 @@ class _Frame:
         if length is not None and b"transfer-encoding" in headers:
             return bad_request("the request has both Content-Length and Transfer-Encoding headers; send one "
                                "(RFC 9112, section 6.3)", None, "invalid_framing")
-        if length is not None and (not length.isdigit() or int(length) > self.state.config.max_body_bytes):
+        if length is not None and not length.isdigit():
+            return self._too_large()
+        if length is not None and not streamed and int(length) > self.state.config.max_body_bytes:
             return self._too_large()
         return None
 
@@ -496,12 +500,13 @@ def check_inputs(state: ServerState, walk: str, inputs: Mapping[str, Any], field
 
 async def start_flight(state: ServerState, request: Request, route: str, walk: str, inputs: Mapping[str, Any],
                        fields: Mapping[str, str], primary: str | None, timeout: float | None = None,
-                       streaming: bool = False) -> Flight:
+                       streaming: bool = False, receive: Any = None) -> Flight:
     """Check, admit and submit one request; the `Flight` to run it under (`async with`), with
     its prompt's token count. A value the walk's prompt node refuses (an unknown voice) is
     the 400 it would be after running, but at once rather than behind the engine's queue.
     `streaming`: the walk's streamed inputs left out of `inputs` are fed through the handle
-    (`/v1/realtime`'s audio)."""
+    (`/v1/realtime`'s audio, `serve.live`'s request body). `receive`: what the flight's
+    disconnect watch reads instead of `request.receive` (a route that reads the body itself)."""
     codec = state.codecs.get(walk)
     try:
         check_inputs(state, walk, inputs, fields)
@@ -521,7 +526,7 @@ async def start_flight(state: ServerState, request: Request, route: str, walk: s
     except Exception as e:
         state.metrics.rejected(walk)
         raise submit_error(e, fields, state.engine_problem()) from None
-    flight = Flight(state, handle, route, request.receive, fields, primary, t0)
+    flight = Flight(state, handle, route, receive or request.receive, fields, primary, t0)
     flight.client_timeout = timeout is not None
     flight.prompt_tokens = prompt_tokens
     return flight

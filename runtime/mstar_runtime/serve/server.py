@@ -49,6 +49,7 @@ from mstar_runtime.plan.routes import RouteMisfit
 from mstar_runtime.serve import app as server_app
 from mstar_runtime.serve import chat as server_chat
 from mstar_runtime.serve import images as server_images
+from mstar_runtime.serve import live as server_live
 from mstar_runtime.serve import media as server_media
 from mstar_runtime.serve import realtime as server_realtime
 from mstar_runtime.serve import transcriptions as server_transcriptions
@@ -94,6 +95,7 @@ def create_app(m: MStar, config: ServeConfig | None = None) -> FastAPI:
     server_images.install(app, state)
     server_transcriptions.install(app, state)
     server_walks.install(app, state)
+    server_live.install(app, state)
     server_realtime.install(app, state)
     server_app.finish_openapi(app, state)
     return app

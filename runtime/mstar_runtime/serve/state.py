@@ -168,6 +168,9 @@ class ServerState:
         self.loop_limits = {w: loop_limits(m.plan.walk(w)) for w in m.plan.walks}
         self.input_types = {w: input_adapters(m.plan.walk(w)) for w in m.plan.walks}  # one rule for every route
         self.flights: set[Flight] = set()
+        # paths whose body is a streamed walk input (serve.live): read as it arrives, never
+        # buffered, bounded by the walk's own limit on that input instead of max_body_bytes
+        self.streamed_paths: set[str] = set()
         self.realtime_sessions = 0  # open /v1/realtime sockets (serve.realtime)
         self.draining = False
         self._idle = asyncio.Event()

@@ -135,7 +135,10 @@ def test_partial_text_arrives_while_the_body_is_still_open(plan: Path, reference
             chunk(part)
         s.sendall(b"0\r\n\r\n")
         while not got.endswith(b"0\r\n\r\n"):
-            more = s.recv(1 << 16)
+            try:
+                more = s.recv(1 << 16)
+            except TimeoutError:
+                raise AssertionError(f"the response did not end; got {got[-2000:]!r}\n{server.output()[-3000:]}") from None
             assert more
             got += more
         s.close()

@@ -44,8 +44,9 @@ from mstar_runtime.serve.walks import _streamed, _whole, _Wire
 
 try:  # FastAPI resolves route annotations from module globals
     from fastapi import Query, Request
+    from fastapi.responses import StreamingResponse
 except ImportError:  # pragma: no cover - without the `serve` extra the module only has to import
-    Request = object  # type: ignore[assignment,misc]
+    Request = StreamingResponse = object  # type: ignore[assignment,misc]
 
     def Query(default: Any = None, **_: Any) -> Any:  # noqa: N802 - stands in for FastAPI's
         return default
@@ -86,7 +87,6 @@ def _inputs_model(walk: str, program: Mapping[str, Any], streamed: str) -> Any:
 
 
 def _install(app: FastAPI, state: ServerState, walk: str, streamed: str) -> None:
-    from fastapi.responses import StreamingResponse
     from pydantic import ValidationError
 
     program = state.plan.walk(walk)
@@ -119,7 +119,11 @@ def _install(app: FastAPI, state: ServerState, walk: str, streamed: str) -> None
         flight = await start_flight(state, request, "walk", walk, values, fields, BODY, timeout=timeout,
                                     streaming=True, receive=body.receive)
         body.start(flight, streamed)
-        response = await (_whole(flight, wire) if not stream else _streamed(flight, wire, StreamingResponse))
+
+        def streaming(content: Any, **kw: Any) -> Any:
+            return _AfterBody(content, body.read, **kw)
+
+        response = await (_whole(flight, wire) if not stream else _streamed(flight, wire, streaming))
         if body.error is not None and getattr(response, "status_code", 200) >= 400:
             return error_response(body.error)  # the body's own fault, not the cancellation it caused
         return response
@@ -127,6 +131,23 @@ def _install(app: FastAPI, state: ServerState, walk: str, streamed: str) -> None
     app.post(f"/v1/walks/{walk}/stream", tags=["native"], responses=ERROR_RESPONSES, name=f"walk_{walk}_stream",
              summary=f"Run walk '{walk}' with its input '{streamed}' streamed in as the request body "
                      "(audio/wav or raw PCM, chunked): NDJSON of its outputs as produced")(run_stream)
+
+
+class _AfterBody(StreamingResponse):  # type: ignore[misc,valid-type]
+    """A streamed response whose disconnect watch waits until the body has been read:
+    Starlette's reads the connection's messages while the response streams, and would take
+    the request body's pieces from the reader that feeds them."""
+
+    def __init__(self, content: Any, read: asyncio.Event, **kw: Any):
+        super().__init__(content, **kw)
+        self._read = read
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def after_body() -> Any:
+            await self._read.wait()
+            return await receive()
+
+        await super().__call__(scope, after_body, send)
 
 
 def _decoder(request: Request, fmt: str | None, rate: int | None) -> PcmStream:

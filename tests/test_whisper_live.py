@@ -120,8 +120,9 @@ def test_louder_audio_later_decodes_the_early_windows_again(engine: MStar) -> No
     _same_as_whole(out, engine.submit("transcribe", {"audio": audio, **SETTINGS}).result(timeout=300))
 
 
-def test_short_audio_is_decoded_once_the_stream_closes(engine: MStar) -> None:
-    audio = torch.from_numpy(_audio(6.0, seed=5))
+@pytest.mark.parametrize("samples", [16000 * 6, N_SAMPLES + 150])  # 150 samples over 30 s: still one window
+def test_short_audio_is_decoded_once_the_stream_closes(engine: MStar, samples: int) -> None:
+    audio = torch.from_numpy(_audio(31.0, seed=5)[:samples])
     live = _feed(engine, audio, timestamps=False).result(timeout=300)
     whole = engine.submit("transcribe", {"audio": audio, "max_tokens": 40}).result(timeout=300)
     _same_as_whole(live, whole)

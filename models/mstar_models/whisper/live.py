@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from mstar_models.whisper.features import HOP, N_FFT, N_FRAMES, N_SAMPLES, SAMPLE_RATE, WINDOW_SECONDS
+from mstar_models.whisper.features import HOP, N_FFT, N_FRAMES, SAMPLE_RATE, WINDOW_SECONDS
 from mstar_models.whisper.windows import FRAME_SECONDS, check_settings, window_at
 from mstar_runtime.ops.node import Batch, NodeSpec, RequestError, StatelessNode
 from mstar_runtime.ops.ports import scalar
@@ -109,7 +109,8 @@ class Live(StatelessNode):
             if not bool(torch.isfinite(part).all()):
                 raise RequestError("audio holds NaN or infinite samples", "audio")
             heard = torch.cat([heard, part.to(heard.device, torch.float32)])
-            if heard.numel() > N_SAMPLES and not scalar(entry, "timestamps", bool):
+            # `transcribe`'s rule: more than 3,000 frames (a few samples past 30 s are one window still)
+            if heard.numel() // HOP > N_FRAMES and not scalar(entry, "timestamps", bool):
                 raise RequestError("audio over 30 s is transcribed 30 s window by window, each starting at a "
                                    "timestamp the model wrote: it needs timestamps = true", "timestamps")
             ready = heard.numel() >= samples_for(scalar(entry, "seek", int))

@@ -9,10 +9,11 @@ what the runtime will see, including `transfer` ops that `schedule` inserted.
 Requires: `loop` is a `loop` op as `schedule` builds it (`acc`, `index`, `dynamic`, `until`,
           `carry` and a `seq` body of `call` / `emit` / other ops with their plan fields).
 Ensures:  `cohort_mark(loop)` is None when the loop does not qualify, else
-          `{"call", "fed", "invariant", "emits"}` as the `schedule` pass documents (the rule
-          is written out there, in its Ensures); `why_not(loop)` is None exactly when the
-          loop qualifies, else the first rule it breaks, as a sentence. Both are pure and
-          deterministic: `fed` and `invariant` sorted by input port, `emits` in body order.
+          `{"call", "fed", "invariant", "emits"}` (and `"accs"` when the loop accumulates)
+          as the `schedule` pass documents (the rule is written out there, in its Ensures);
+          `why_not(loop)` is None exactly when the loop qualifies, else the first rule it
+          breaks, as a sentence. Both are pure and deterministic: `fed` and `invariant`
+          sorted by input port, `emits` and `accs` in body order.
 Fails when: never (a loop that does not fit the rule is simply not marked).
 """
 
@@ -35,27 +36,39 @@ def why_not(loop: Mapping[str, Any]) -> str | None:
 
 
 def _analyse(loop: Mapping[str, Any]) -> tuple[Mark | None, str | None]:
-    if loop.get("acc"):
-        return None, "it accumulates values (acc " + ", ".join(a["name"] for a in loop["acc"]) + ")"
     if loop.get("index") is not None:
         return None, f"it binds an index ({loop['index']})"
     body = loop.get("body") or {}
     ops = (body.get("body") if body.get("op") == "seq" else None) or []
-    # value transfers that `schedule` placed before the call (a carried value first bound elsewhere)
+    # value transfers that `schedule` placed before the call (a carried value first bound
+    # elsewhere), and accumulations of the values the iteration starts with
     lead = next((i for i, item in enumerate(ops) if item.get("op") != "transfer"), len(ops))
-    transfers, items = ops[:lead], ops[lead:]
+    transfers, rest = ops[:lead], ops[lead:]
+    first_call = next((i for i, item in enumerate(rest) if item.get("op") != "acc"), len(rest))
+    before, items = rest[:first_call], rest[first_call:]
     if not items or items[0].get("op") != "call":
         first = items[0].get("op") if items else "nothing"
         return None, f"its body does not start with a call (it starts with {first})"
     call = items[0]
     results = {name: port for port, name in call["results"]}  # result name -> output port (last wins)
+    carry = set(loop.get("carry") or ())
     emits: list[list[str]] = []
+    accs: list[list[str]] = []
+    for item in before:
+        why = _acc(item, results, carry, accs, "in")
+        if why:
+            return None, why
     for item in items[1:]:
         kind = item.get("op")
         if kind == "call":
             return None, f"its body has a second call ({item['id']})"
+        if kind == "acc":
+            why = _acc(item, results, set(results), accs, "out")
+            if why:
+                return None, why
+            continue
         if kind != "emit":
-            return None, f"its body has a {kind} op besides the call and its emits"
+            return None, f"its body has a {kind} op besides the call, its emits and accs"
         if item.get("mode") != "append":
             return None, f"it sets output {item['output']} (only append-mode emits qualify)"
         value = item.get("value", {})
@@ -66,9 +79,9 @@ def _analyse(loop: Mapping[str, Any]) -> tuple[Mark | None, str | None]:
     for t in transfers:
         if t.get("value") not in args or t.get("dst") != call["ranks"][0]:
             return None, f"its body moves {t.get('value')} to rank {t.get('dst')}, not an argument of {call['id']} there"
-    if call.get("reads"):
-        return None, f"{call['id']} reads other KV contexts"
-    carry = set(loop.get("carry") or ())
+    names = [a[0] for a in accs]
+    if sorted(names) != sorted(a["name"] for a in loop.get("acc") or ()) or len(set(names)) != len(names):
+        return None, "its accumulations are not one acc op each in its body"
     fed: list[list[str]] = []
     invariant: list[str] = []
     for port, operand in sorted(call["args"].items()):
@@ -86,4 +99,21 @@ def _analyse(loop: Mapping[str, Any]) -> tuple[Mark | None, str | None]:
     for feed in call.get("feeds") or ():
         if feed.get("port") not in result_ports:
             return None, f"{call['id']} feeds {feed.get('port')}, which is not one of its results"
-    return {"call": call["id"], "fed": fed, "invariant": invariant, "emits": emits}, None
+    mark: Mark = {"call": call["id"], "fed": fed, "invariant": invariant, "emits": emits}
+    if accs:  # only then: the marks of loops without accs keep their bytes
+        mark["accs"] = accs
+    return mark, None
+
+
+def _acc(item: Mapping[str, Any], results: Mapping[str, str], allowed: set[str], accs: list[list[str]],
+         when: str) -> str | None:
+    """Append an acc op's `[name, output port, when]` to `accs`, or say why it does not
+    qualify. "in" (before the call): the value a carried result has as the iteration starts
+    (the loop's first value, then the previous iteration's); "out" (after it): the call's."""
+    value = item.get("value", {})
+    var = value.get("var")
+    if var not in results or var not in allowed:
+        what = "carried result" if when == "in" else "result"
+        return f"acc {item.get('name')} accumulates {var or 'a constant'}, not a {what} of the loop's call"
+    accs.append([item["name"], results[var], when])
+    return None

@@ -40,17 +40,18 @@ def build_plan(model: I.ModelIR, source_sha256: str) -> dict[str, Any]:
                          "keep": [{"node": k.node, "tag": k.tag, "as": k.as_tag} for k in t.keep]}
                         for t in model.transitions],
     }
-    needs = requires(model)
+    needs = requires(model, body["walks"])
     if needs:  # only then: a plan without them keeps its bytes
         body["requires"] = needs
     return body
 
 
-def requires(model: I.ModelIR) -> list[str]:
+def requires(model: I.ModelIR, walks: Any = None) -> list[str]:
     """The features beyond schema 1.1 the plan uses, which a runtime must implement to run it
-    (docs/plan-format.md): `kv_reads` (a call attends to other KV contexts) and
+    (docs/plan-format.md): `kv_reads` (a call attends to other KV contexts),
     `input_streams` (a walk input arrives in chunks through a stream), `stream_loops` (an
-    `on_stream` op with `carry` runs in line, a loop over the chunks)."""
+    `on_stream` op with `carry` runs in line, a loop over the chunks) and `cohort_accs` (a
+    cohort-marked loop accumulates values: its mark's `accs`, in the step programs `walks`)."""
     out = []
     if any(ph.reads for n in model.nodes.values() for ph in n.phases.values()):
         out.append("kv_reads")
@@ -59,7 +60,20 @@ def requires(model: I.ModelIR) -> list[str]:
     if any(isinstance(r, I.OnStream) and r.carry is not None
            for w in model.walks.values() for r in I.iter_regions(w.body)):
         out.append("stream_loops")
+    if walks is not None and _marks_accs(walks):
+        out.append("cohort_accs")
     return out
+
+
+def _marks_accs(value: Any) -> bool:
+    """Whether a loop op anywhere in `value` (step programs) has a cohort mark with `accs`."""
+    if isinstance(value, dict):
+        if value.get("op") == "loop" and (value.get("cohort") or {}).get("accs"):
+            return True
+        return any(_marks_accs(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_marks_accs(v) for v in value)
+    return False
 
 
 def portable_name(path: str | None) -> str | None:

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TF_WEIGHTS = "init"
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 PATHS = ("cohort", "generic")
-MARKED = {"chat", "continue", "generate_fixed", "generate_left"}
+MARKED = {"chat", "continue", "generate", "generate_fixed", "generate_left"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -198,7 +198,7 @@ def test_the_plan_marks_exactly_the_decode_loops_with_a_column_step(testfamily_p
     ("chat", {"prompt": "hi there", "max_new": 6}),  # hands off to `continue`: two marked loops
     ("generate_fixed", {"prompt": "fixed chunks", "max_new": 11}),
     ("generate_left", {"prompt": "left context", "max_new": 17}),
-    ("generate", {"prompt": "hello world", "max_new": 12}),  # its loop has an acc: never a cohort
+    ("generate", {"prompt": "hello world", "max_new": 12}),  # its loop accumulates every step's hidden
     ("flow", {"prompt": "a cat", "steps": 3}),
 ])
 def test_marked_walks_run_as_cohorts_and_the_generic_path_runs_none(
@@ -208,7 +208,10 @@ def test_marked_walks_run_as_cohorts_and_the_generic_path_runs_none(
     (c,) = run(cohort, [(walk, inputs)])
     (g,) = run(generic, [(walk, inputs)])
     assert c.state == FINISHED, c.error
-    assert_same(c, g, exact=True)  # alone, both paths batch nothing else: the same bits
+    # alone, both paths batch nothing else: the same tokens, bit for bit; the hidden states
+    # `generate` accumulates come from the cohort's attention (`decode_attention`) and the
+    # generic step's (`paged_attention`), equal to float32 rounding
+    assert_same(c, g, exact=walk != "generate")
     loops = marked_loops(cohort, c.walks_done)
     assert joined_loops(cohort) == loops
     assert (cohort.stats["cohort_steps"] > 0) == bool(loops)
@@ -221,7 +224,7 @@ def test_marked_walks_run_as_cohorts_and_the_generic_path_runs_none(
 
 # ---------------------------------------------------------------------------- batching
 def _mixed(n: int) -> list[tuple[str, dict[str, Any]]]:
-    """n requests over the marked walks (and one unmarked), different prompt lengths and max_new."""
+    """n requests over the marked walks, different prompt lengths and max_new."""
     walks = ["generate_left", "chat", "generate_fixed", "generate_left", "generate"]
     return [(walks[i % len(walks)], {"prompt": f"request {i} " + "z" * (3 * i % 11), "max_new": 2 + (5 * i) % 23})
             for i in range(n)]
@@ -242,7 +245,8 @@ def test_batched_requests_equal_each_alone(testfamily_plan: Path) -> None:
         assert_same(c, a)
         assert_same(c, g)
     for key, co in cohort.cohorts.items():
-        assert co.stats["row_steps"] > co.stats["steps"], key  # the rows really shared steps
+        # the rows really shared steps (where more than one request ran the loop at once)
+        assert co.stats["row_steps"] > co.stats["steps"] or key[3] == "generate.l1", key
     left = [co for key, co in cohort.cohorts.items() if key[3] in marked_loops(cohort, ["generate_left"])]
     assert len(left) == 1 and left[0].rows == 8
     assert left[0].stats["joins"] < sum(w == "generate_left" for w, _ in requests)  # some ran generic

@@ -66,17 +66,15 @@ def test_testfamily_marks_the_plain_decode_loops_only(testfamily: dict[str, Any]
         "continue.l1": {"call": "continue.s3", **decode},
         "generate_fixed.l1": {"call": "generate_fixed.s3", **decode},
         "generate_left.l1": {"call": "generate_left.s3", **decode},
-        "generate.l1": None,  # `acc states += hid`
+        # `acc states += hid`: every iteration's `hidden`, kept on the host by the cohort
+        "generate.l1": {"call": "generate.s3", **decode, "accs": [["states", "hidden", "out"]]},
         "flow.l1": None,  # `acc traj += x`, `index i`, three calls and a parallel
     }
     ops = loops(testfamily)
-    assert why_not(ops["generate.l1"]) == "it accumulates values (acc states)"
-    assert why_not(ops["flow.l1"]) == "it accumulates values (acc traj)"
+    assert why_not(ops["flow.l1"]) == "it binds an index (i)"
     flow = copy.deepcopy(ops["flow.l1"])
-    flow["acc"] = []
-    assert why_not(flow) == "it binds an index (i)"
     flow["index"] = None
-    assert why_not(flow) == "its body has a parallel op besides the call and its emits"
+    assert why_not(flow) == "its body has a parallel op besides the call, its emits and accs"
     for lid in ("chat.l1", "continue.l1", "generate_fixed.l1", "generate_left.l1"):
         assert why_not(ops[lid]) is None
 
@@ -167,11 +165,33 @@ def test_hand_written_cohort_with_an_invariant_port(hand: dict[str, dict[str, An
                                        "invariant": ["temperature"], "emits": [["tokens", "token"]]}
 
 
-def test_two_calls_or_an_acc_are_not_cohorts(hand: dict[str, dict[str, Any]]) -> None:
+def test_two_calls_are_not_a_cohort_and_an_acc_is_kept(hand: dict[str, dict[str, Any]]) -> None:
     assert hand["two_calls"]["cohort"] is None
     assert why_not(hand["two_calls"]) == "its body has a second call (two.s3)"
-    assert hand["acc"]["cohort"] is None
-    assert why_not(hand["acc"]) == "it accumulates values (acc states)"
+    assert hand["acc"]["cohort"] == {"call": "acc.s2", "fed": [["token", "token"]], "invariant": ["temperature"],
+                                     "emits": [["tokens", "token"]], "accs": [["states", "hidden", "out"]]}
+
+
+def test_an_acc_before_the_call_accumulates_what_each_iteration_starts_with(hand: dict[str, Any]) -> None:
+    """Whisper's decode loop: `acc fed += token` before `token = decoder.step(token = token)`
+    takes the carried token each iteration starts from ("in"); an acc of anything else
+    before the call, or of something the call does not bind after it, unmarks the loop."""
+    loop = copy.deepcopy(hand["acc"])
+    body = loop["body"]["body"]
+    acc = next(op for op in body if op["op"] == "acc")
+    body.remove(acc)
+    body.insert(0, {"op": "acc", "name": "states", "value": {"var": "token"}})
+    assert cohort_mark(loop)["accs"] == [["states", "token", "in"]]
+    body[0]["value"] = {"var": "h"}  # bound before the loop, never by the call
+    assert why_not(loop) == "acc states accumulates h, not a carried result of the loop's call"
+    body[0]["value"] = {"var": "hid"}  # a result, but not carried: its value before the call is the last one's
+    assert why_not(loop) == "acc states accumulates hid, not a carried result of the loop's call"
+    after = copy.deepcopy(hand["acc"])
+    next(op for op in after["body"]["body"] if op["op"] == "acc")["value"] = {"const": 1}
+    assert why_not(after) == "acc states accumulates a constant, not a result of the loop's call"
+    twice = copy.deepcopy(hand["acc"])
+    twice["body"]["body"].append({"op": "acc", "name": "states", "value": {"var": "hid"}})
+    assert why_not(twice) == "its accumulations are not one acc op each in its body"
 
 
 def test_each_rule_unmarks(hand: dict[str, dict[str, Any]]) -> None:
@@ -204,7 +224,7 @@ def test_each_rule_unmarks(hand: dict[str, dict[str, Any]]) -> None:
         "its body moves hidden to rank 0, not an argument of plain.s2 there"
     assert broken(lambda lp, c: lp["body"]["body"].insert(1, {"op": "transfer", "value": "token",
                                                              "src": 1, "dst": 0})) == \
-        "its body has a transfer op besides the call and its emits"
+        "its body has a transfer op besides the call, its emits and accs"
     assert broken(lambda lp, c: lp["body"].update(body=[{"op": "transfer", "value": "token", "src": 1,
                                                          "dst": 0}])) == \
         "its body does not start with a call (it starts with nothing)"

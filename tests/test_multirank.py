@@ -184,8 +184,9 @@ def test_outputs_equal_one_rank(
 
 # ----------------------------------------------------------------------- remote errors
 class _Corrupt:
-    """Rank 1's proxy, but a chosen request's decode token is out of the vocabulary: the LM's
-    embedding raises an IndexError inside the worker process (not a RequestError)."""
+    """Rank 1's proxy, but a chosen request's decode token is out of the vocabulary (a generic
+    step's input, or the fed token its cohort row joins with): the LM's embedding raises an
+    IndexError inside the worker process (not a RequestError)."""
 
     def __init__(self, inner: RemoteWorker, request_id: str):
         self.inner, self.request_id = inner, request_id
@@ -196,6 +197,12 @@ class _Corrupt:
                 if e.request_id == self.request_id:
                     e.inputs["token"] = torch.tensor([10**6], dtype=torch.int32)
         return self.inner.run_step(batch)
+
+    def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: dict[str, Any],
+                    *args: Any, **kwargs: Any) -> None:
+        if request_id == self.request_id and "token" in fed:
+            fed = {**fed, "token": torch.tensor([10**6], dtype=torch.int32)}
+        self.inner.cohort_join(key, row, request_id, tag, fed, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

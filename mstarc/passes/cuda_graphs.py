@@ -14,8 +14,12 @@ Ensures:  `model.cuda_graphs` lists one `GraphCaptureIR` per captured (node, pha
           its fixed inputs, e.g. a denoise block of latent_len tokens) is captured only at
           the buckets of at most `graph_max_tokens` rows in all (node setting, default
           16384, the runtime's cap), at least the smallest; a phase that reads other KV
-          contexts (`reads`) is never captured, neither by its shapes nor as a recurrent
-          step below (the runtime runs every reading step eagerly).
+          contexts (`reads`) is never captured by its shapes (a generic step replays one
+          context per entry, so the runtime runs every reading step of the generic path
+          eagerly), only as a recurrent step below that is the one call of a loop without
+          an index: its buckets are then those of the decode cohort that runs the loop
+          (the cohort's graph attends to the read contexts inside the capture;
+          engine/cohort_engine.py).
           A KV phase with symbolic input dims is captured too when it is a recurrent loop
           step: a loop calls it with its own outputs of the previous iteration (each carried
           input comes back from the same call through an output port of the same declared
@@ -155,12 +159,13 @@ def _recurrent_steps(model: I.ModelIR, walk: I.WalkIR) -> set[str]:
     out: set[str] = set()
     for loop in (r for r in I.iter_regions(walk.body) if isinstance(r, I.Loop)):
         defined = _defined_in(loop.body) | set(loop.carry) | ({loop.index} if loop.index else set())
-        for c in _own_calls(loop.body):
+        own = _own_calls(loop.body)
+        for c in own:
             node = model.nodes[c.node]
             if node.engine != "kv":
                 continue
             phase = node.phases[c.phase]
-            if phase.reads:  # as for fixed shapes: the runtime never replays a step that reads (engines.py)
+            if phase.reads and (len(own) > 1 or loop.index):  # only a cohort (one call, no index) replays it
                 continue
             produced = dict(zip(c.results, phase.outputs))  # value -> the output port that binds it
             fed_back, ok = False, True

@@ -46,14 +46,16 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from mstar_runtime.control.interpreter import CohortExit, EnterCohort, WalkTask, read_flag
+from mstar_runtime.control.interpreter import CohortExit, EnterCohort, WalkTask, concat, read_flag
 from mstar_runtime.control.requests import Request
 from mstar_runtime.control.streams import StreamBuffer
 from mstar_runtime.control.validate import TORCH_DTYPES
-from mstar_runtime.engine.cohort_engine import CohortResult, CohortShape
+from mstar_runtime.engine.cohort_engine import CohortRead, CohortResult, CohortShape
 from mstar_runtime.kv.block_manager import BlockManager
+from mstar_runtime.kv.block_table import pinned
 from mstar_runtime.ops.cohort import count_key
 from mstar_runtime.ops.node import RequestError, SeqPlan
+from mstar_runtime.ops.readback import resolve
 from mstar_runtime.plan.planfile import cohort_call
 
 CohortKey = tuple[str, str, tuple[int, ...], str]  # (node, phase, ranks, loop id)
@@ -104,9 +106,13 @@ class Cohort:
     def __init__(self, key: CohortKey, op: dict[str, Any], ports: dict[str, PortSpec], worker: Any,
                  bm: BlockManager, rows: int, max_len: int, max_pages: int, host: CohortHost, *,
                  kv_plan: Callable[[Mapping[str, Any]], SeqPlan] = lambda inputs: SeqPlan(1),
+                 read_rows: Callable[[str], list[tuple[list[int], int]]] | None = None,
                  flush_every: int = FLUSH_EVERY):
+        """`read_rows`: a request id -> (pages, length) of each context the loop's call reads, as
+        they are when its row joins (None: the call reads none)."""
         self.key, self.op, self.ports, self.worker, self.bm = key, op, ports, worker, bm
         self.kv_plan = kv_plan  # the call's inputs -> how a step uses the row's context (its node's kv_plan)
+        self.read_rows = read_rows
         self.tokens: int | None = None  # KV tokens a row adds per step (the first row's kv_plan says)
         self.rows, self.max_len, self.max_pages, self.flush_every = rows, max_len, max_pages, flush_every
         self.host = host
@@ -116,6 +122,10 @@ class Cohort:
         self.shape = cohort_shape(op, ports)
         self.emits: list[tuple[str, str]] = [tuple(e) for e in mark["emits"]]  # (output, port)
         self.feeds: list[tuple[str, str]] = [(f["stream"], f["port"]) for f in call.get("feeds", ())]
+        # (acc name, output port, "in" | "out", the var it accumulates): every valid step's value
+        # of the port is kept on the host; "in" accumulates the value an iteration starts with
+        acc_vars = {a["name"]: a["value"].get("var") for a in op.get("acc") or ()}
+        self.accs: list[tuple[str, str, str, str]] = [(n, p, w, acc_vars[n]) for n, p, w in mark.get("accs") or ()]
         self.until_port = self.port_of.get(op["until"]) if op.get("dynamic") else None
         self.max_iters = int(op["max"]) if op.get("max") is not None else None
         self.members: list[Member] = []  # row order
@@ -129,7 +139,7 @@ class Cohort:
         self.since = np.zeros(rows, dtype=np.int64)  # valid steps since the last flush
         self.due = np.full(rows, NEVER, dtype=np.int64)  # stream items at which to flush
         self.limit = np.full(rows, NEVER, dtype=np.int64)  # iterations it runs at most (count, or max)
-        item_ports = sorted({p for _, p in self.emits} | {p for _, p in self.feeds})
+        item_ports = sorted({p for _, p in self.emits} | {p for _, p in self.feeds} | {a[1] for a in self.accs})
         self.item_ports = item_ports
         self.nitems = {p: np.zeros(rows, dtype=np.int64) for p in item_ports}
         self.flushed = {p: np.zeros(rows, dtype=np.int64) for p in item_ports}
@@ -167,8 +177,9 @@ class Cohort:
         m = Member(request, task, enter, key, row, length, pending)
         fed = {in_port: enter.inputs[in_port] for in_port, _ in self.shape.fed}
         inv = {port: enter.inputs[port] for port in self.shape.invariant}
+        reads = self.read_rows(request.id) if self.read_rows is not None else []
         self.worker.cohort_join(self.key, row, request.id, state_tag, fed, inv, self.bm.page_table(key), length,
-                                steps=limit, tokens=plan.q_len)
+                                steps=limit, tokens=plan.q_len, reads=reads)
         self.tokens = plan.q_len
         self.members.append(m)
         self._by_request[request.id] = m
@@ -337,7 +348,8 @@ class Cohort:
         spec = self.ports[port]
         shape = (block.shape[0], *spec.row_shape) if spec.items else (block.shape[0] * (spec.row_shape or (1,))[0],
                                                                       *spec.row_shape[1:])
-        t = torch.from_numpy(np.ascontiguousarray(block)).reshape(shape)
+        # a copy: the host store's row is reused once the row leaves (another row moves in)
+        t = torch.from_numpy(np.array(block)).reshape(shape)
         dtype = spec.dtype or torch.float32
         return t if t.dtype == dtype else t.to(dtype)
 
@@ -393,6 +405,8 @@ class Cohort:
                 port = self.port_of.get(name)
                 if port is not None:
                     carry[name] = self._last_value(port, r)
+        for name, port, when, var in self.accs:
+            carry[name] = self._accumulated(m, port, when, var, valid)
         pushes = []
         for sid, port in self.feeds:
             lo, hi = int(self.pushed[port][r]), int(self.nitems[port][r])
@@ -407,6 +421,28 @@ class Cohort:
         self.stats["leaves"] += 1
         self._drop_row(m)
         self.host.row_left(m.task, CohortExit(carry, pushes, wasted=wasted))
+
+    def _accumulated(self, m: Member, port: str, when: str, var: str, valid: int) -> Any:
+        """An acc's value after the row's `valid` iterations, as the interpreter's loop makes it
+        (`concat` of one value per iteration): "out" the port's value of each, "in" the
+        var's value as each began (its value at join, then the port's of the iterations
+        before). A tensor acc that starts from a device value stays on that device: the
+        host's items go up from pinned memory, without waiting for the step in flight."""
+        spec, r = self.ports[port], m.row
+        take = valid if when == "out" else max(valid - 1, 0)
+        block = self.items[port][r, :take] if take else None
+        if spec.kind != "tensor":
+            values = [] if block is None else [v.item() for v in block.reshape(take, -1)[:, 0]]
+            return concat(([m.enter.env[var]] if when == "in" and valid else []) + values)
+        rest = self._tensor(port, block) if block is not None else None
+        if when == "out" or not valid:
+            return rest if rest is not None else concat([])
+        first = resolve(m.enter.env[var])
+        if rest is None:
+            return concat([first])
+        if isinstance(first, torch.Tensor) and first.device.type != "cpu":
+            rest = pinned(rest.numpy()).to(first.device, non_blocking=True)
+        return concat([first, rest])
 
     def _last_value(self, port: str, r: int) -> Any:
         spec = self.ports[port]
@@ -446,10 +482,11 @@ class Cohort:
         self.worker.cohort_shrink(self.key, self.n)
 
 
-def cohort_shape(op: dict[str, Any], ports: dict[str, PortSpec]) -> CohortShape:
+def cohort_shape(op: dict[str, Any], ports: dict[str, PortSpec], reads: tuple[CohortRead, ...] = ()) -> CohortShape:
     """What the worker's columns need to know of a marked loop's call (from its `cohort` mark)."""
     mark, call = op["cohort"], cohort_call(op)
-    return CohortShape(call["phase"], tuple(tuple(f) for f in mark["fed"]), tuple(mark["invariant"]), tuple(ports))
+    return CohortShape(call["phase"], tuple(tuple(f) for f in mark["fed"]), tuple(mark["invariant"]), tuple(ports),
+                       reads)
 
 
 def port_specs(node_outputs: dict[str, Any], phase_outputs: tuple[str, ...]) -> dict[str, PortSpec]:

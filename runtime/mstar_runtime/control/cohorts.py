@@ -27,6 +27,7 @@ from mstar_runtime.control.interpreter import EnterCohort, WalkTask
 from mstar_runtime.control.kv_contexts import KVContexts
 from mstar_runtime.control.requests import Request
 from mstar_runtime.control.scheduler import Standing
+from mstar_runtime.engine.cohort_engine import CohortRead
 from mstar_runtime.ops.node import RequestError, SeqPlan
 from mstar_runtime.plan.loader import Plan
 from mstar_runtime.plan.planfile import cohort_call
@@ -97,8 +98,13 @@ class Cohorts:
         group = len(ranks) > 1 and all(can_submit(self.workers[r]) for r in ranks[1:])
         worker = TPCohort(self.tp, ranks) if group else self.workers.get(ranks[0])
         info = self.plan.node(node)
-        # a call that reads other contexts has no column step (the compiler marks no such loop)
-        if (not self.enabled or info.engine != "kv" or call.get("reads") or (len(ranks) > 1 and not group)
+        read_ops = list(call.get("reads") or ())
+        reads = tuple(self._read_spec(r, ranks[0]) for r in read_ops)
+        # a context the loop reads that the plan moves between ranks (or keeps on another) is
+        # the generic step's to move or report
+        names = {f"{r['node']}@{r['tag']}" for r in read_ops}
+        elsewhere = None in reads or any(k[2] in names for k in self.contexts.moves)
+        if (not self.enabled or info.engine != "kv" or (len(ranks) > 1 and not group) or elsewhere
                 or not hasattr(worker, "cohort_open")):
             self._none.add(key)
             return None
@@ -106,7 +112,7 @@ class Cohorts:
         max_len = self.plan.kv_pool(node, ranks[0]).max_seq_len
         rows = min(self.plan.max_batch, self.row_limits.get(node, self.plan.max_batch))
         ports = port_specs(info.raw["outputs"], info.phases[phase].outputs)
-        shape = cohort_shape(op, ports)
+        shape = cohort_shape(op, ports, reads)  # type: ignore[arg-type]  # None is not among them (above)
         max_pages = -(-max_len // bm.page_size) + 1  # one more: a speculative step after the node's own limit
         if not worker.cohort_open(key, node, shape, rows, max_pages):
             self._none.add(key)
@@ -117,9 +123,22 @@ class Cohorts:
             return cls.kv_plan(phase, {p: tuple(v.shape) for p, v in inputs.items() if isinstance(v, torch.Tensor)},
                                spec)
 
+        def read_rows(request_id: str) -> list[tuple[list[int], int]]:
+            return [(s.page_table, s.kv_len) for s in self.contexts.read_slots(ranks[0], request_id, read_ops)]
+
         cohort = self.by_key[key] = Cohort(key, op, ports, worker, bm, rows, max_len, max_pages, self.host,
-                                           kv_plan=kv_plan)
+                                           kv_plan=kv_plan, read_rows=read_rows if read_ops else None)
         return cohort  # its step order is set when its first row joins (enter)
+
+    def _read_spec(self, read: dict[str, Any], rank: int) -> CohortRead | None:
+        """A context the loop's call reads, with the most pages it can span (its tag's
+        `max_len`, else its node's pool bound); None when its node has no pool on `rank`."""
+        node, tag = read["node"], read["tag"]
+        bm = self.contexts.pages.managers.get((node, rank))
+        if bm is None:
+            return None
+        most = self.plan.node(node).tag_max_len.get(tag) or self.plan.kv_pool(node, rank).max_seq_len
+        return CohortRead(node, tag, -(-most // bm.page_size))
 
     def enter(self, task: WalkTask, y: EnterCohort) -> None:
         """Make the task a row of its loop's cohort, or resume it at once with None (generic)."""

@@ -46,6 +46,36 @@ class CohortShape:
     fed: tuple[tuple[str, str], ...]  # (input port, output port that feeds it)
     invariant: tuple[str, ...]  # loop-invariant input ports
     outputs: tuple[str, ...]  # every output port of the phase, in the plan's order
+    reads: tuple[CohortRead, ...] = ()  # the contexts the phase reads, in its `reads` order
+
+
+@dataclass(frozen=True, slots=True)
+class CohortRead:
+    """A KV context every row of a cohort reads (its own request's `node@tag`), read-only."""
+
+    node: str
+    tag: str
+    max_pages: int  # pages such a context spans at most (its tag's `max_len`, else the node's)
+
+
+class ReadColumns:
+    """Row tables and lengths of one read context: written at join, moved with the row, never grown."""
+
+    def __init__(self, pool: KVPool, rows: int, max_pages: int, device: torch.device, fill_page: int):
+        self.pool = pool
+        self.table = BlockTable(rows, max_pages, device, fill_page=fill_page)
+        self.host_lens = np.zeros(rows, dtype=np.int64)
+        self.lens = torch.zeros(rows, dtype=torch.long, device=device)
+
+    def set_row(self, row: int, pages: list[int], length: int) -> None:
+        self.table.set_row(row, pages)
+        self.host_lens[row] = length
+        self.lens[row].fill_(length)
+
+    def move(self, src: int, dst: int) -> None:
+        self.table.move_row(src, dst)
+        self.host_lens[dst] = self.host_lens[src]
+        self.lens[dst] = self.lens[src]
 
 
 @dataclass
@@ -94,7 +124,14 @@ class CohortColumns:
 
     def __init__(self, pool: KVPool, phase: CohortPhase, shape: CohortShape, rows: int, max_pages: int,
                  device: torch.device, *, scale: float | None, node: str = "?", q_heads: int = 0,
-                 graphs: CohortGraphs | None = None, eager_attention: Any = None):
+                 graphs: CohortGraphs | None = None, eager_attention: Any = None,
+                 read_pools: Sequence[KVPool] = (), eager_reads: Sequence[Any] = ()):
+        """`read_pools`: the pool of each context the phase reads (`shape.reads` order);
+        `eager_reads`: a FlashInferCohortDecode per read for eager GPU steps (None entries, or
+        none at all: `decode_attention`)."""
+        if len(read_pools) != len(shape.reads):
+            raise NodeError(f"node '{node}': phase '{shape.phase}' reads {len(shape.reads)} contexts, "
+                            f"got {len(read_pools)} pools")
         self.pool, self.cphase, self.shape, self.rows = pool, phase, shape, rows
         self.tokens = phase.tokens  # KV tokens a row adds per step
         self.device, self.scale, self.node, self.q_heads = device, scale, node, q_heads
@@ -111,6 +148,8 @@ class CohortColumns:
         self.n_dev = torch.zeros((), dtype=torch.long, device=device)  # active rows, for padded (graphed) steps
         self._keys: list[str] | None = None
         self._arange = torch.arange(max(rows, self.tokens), device=device)
+        self.reads = [ReadColumns(p, rows, r.max_pages, device, 0) for r, p in zip(shape.reads, read_pools, strict=True)]
+        self.eager_reads = list(eager_reads) or [None] * len(self.reads)
 
     # ------------------------------------------------------------------ rows
     @staticmethod
@@ -127,11 +166,14 @@ class CohortColumns:
         col[row].copy_(t, non_blocking=True)
 
     def join(self, row: int, state: dict[str, Any], fed: Mapping[str, Any], invariant: Mapping[str, Any],
-             pages: list[int], length: int, steps: int | None = None, tokens: int = 1) -> None:
+             pages: list[int], length: int, steps: int | None = None, tokens: int = 1,
+             reads: Sequence[tuple[Sequence[int], int]] = ()) -> None:
         """Write a joining request's table, length, fed and invariant inputs and node columns at
-        `row`; RequestError (nothing written) when a step of it adds other than the phase's
-        `tokens` (the conductor reserves pages for `tokens`), or its loop's `steps` are more
-        than the phase's `limit` lets it run."""
+        `row`, and the (pages, length) of each context it reads; RequestError (nothing
+        written) when a step of it adds other than the phase's `tokens` (the conductor
+        reserves pages for `tokens`), its loop's `steps` are more than the phase's `limit`
+        lets it run, or a context it reads is missing, empty or larger than the cohort holds."""
+        self._check_reads(reads)
         if tokens != self.tokens:
             raise RequestError(f"node '{self.node}': a row of {tokens}-token steps, phase '{self.shape.phase}' "
                                f"adds {self.tokens} a step")
@@ -142,6 +184,8 @@ class CohortColumns:
         self.table.set_row(row, pages)
         self.host_lens[row] = length
         self.lens[row].fill_(length)
+        for rc, (read_pages, read_len) in zip(self.reads, reads, strict=True):
+            rc.set_row(row, list(read_pages), read_len)
         for port, value in fed.items():
             self._put(self.fed, port, row, value, self.rows, self.device)
         for port, value in invariant.items():
@@ -152,11 +196,25 @@ class CohortColumns:
             self._put(self.cols, name, row, value, self.rows, self.device)
         self.n = row + 1  # rows join at the end (the conductor keeps them dense)
 
+    def _check_reads(self, reads: Sequence[tuple[Sequence[int], int]]) -> None:
+        if len(reads) != len(self.reads):
+            raise RequestError(f"node '{self.node}': a row reading {len(reads)} contexts, phase '{self.shape.phase}' "
+                               f"reads {len(self.reads)}")
+        for spec, rc, (pages, length) in zip(self.shape.reads, self.reads, reads, strict=True):
+            where = f"node '{self.node}' reads {spec.node}@{spec.tag}"
+            if length < 1:
+                raise RequestError(f"{where}, which is empty")
+            if len(pages) > rc.table.max_pages or len(pages) * rc.pool.page_size < length:
+                raise RequestError(f"{where}: {length} tokens in {len(pages)} pages, the cohort holds "
+                                   f"{rc.table.max_pages} pages of {rc.pool.page_size}")
+
     def move(self, src: int, dst: int) -> None:
         """Row `src`'s whole state to row `dst` (the conductor keeps rows dense)."""
         self.table.move_row(src, dst)
         self.host_lens[dst] = self.host_lens[src]
         self.lens[dst] = self.lens[src]
+        for rc in self.reads:
+            rc.move(src, dst)
         for store in (self.fed, self.inv, self.cols):
             for col in store.values():
                 col[dst].copy_(col[src])
@@ -180,7 +238,10 @@ class CohortColumns:
             fi = self.eager_attention
             if fi is not None:
                 fi.plan(*self.table.flashinfer_arrays(self.host_lens[:n] + self.tokens, self.pool.page_size))
-            packed = self._body(n, n, eager=True, attention=fi)
+            for rc, a in zip(self.reads, self.eager_reads, strict=True):
+                if a is not None:
+                    a.plan(*rc.table.flashinfer_arrays(rc.host_lens[:n], rc.pool.page_size))
+            packed = self._body(n, n, eager=True, attention=fi, read_attention=self.eager_reads)
         else:
             self.n_dev.fill_(n)
             packed = graphs.replay(self, bucket, n)
@@ -189,9 +250,12 @@ class CohortColumns:
         return CohortResult(n, layout, Readback(ints[:n]) if ints is not None else None,
                             Readback(floats[:n]) if floats is not None else None)
 
-    def _body(self, rows: int, n: int, *, eager: bool, attention: Any = None) -> tuple[list, Any, Any]:
+    def _body(self, rows: int, n: int, *, eager: bool, attention: Any = None,
+              read_attention: Sequence[Any] = ()) -> tuple[list, Any, Any]:
         """The step over `rows` rows (n of them real; the rest are pad rows that write and read
-        only the scratch page): pure tensor code when not `eager`, so that it can be captured."""
+        only the scratch page): pure tensor code when not `eager`, so that it can be captured.
+        `read_attention`: a planned attention per read context (None entries: `decode_attention`,
+        eager steps only)."""
         pool, ps, q_len = self.pool, self.pool.page_size, self.tokens
         positions = self.lens[:rows]
         ar = self._arange[:rows]
@@ -214,11 +278,21 @@ class CohortColumns:
                 return attention.run(q, layer)
             return decode_attention(q, pool, layer, table, kv_lens, max_len, scale, q_len)
 
+        read_max = [int(rc.host_lens[:n].max()) if eager and n else 0 for rc in self.reads]
+
+        def attend_to(layer: int, q: torch.Tensor, j: int = 0) -> torch.Tensor:
+            a = read_attention[j] if read_attention else None
+            if a is not None:
+                return a.run(q, layer)
+            rc = self.reads[j]
+            return decode_attention(q, rc.pool, layer, rc.table.device, rc.lens[:rows], read_max[j], scale, q_len)
+
         inputs = {port: buf[:rows] for port, buf in self.fed.items()}
         inputs.update({port: col[:rows] for port, col in self.inv.items()})
         cols = {name: col[:rows] for name, col in self.cols.items()}
         with torch.inference_mode():
-            out = self.cphase.step(CohortStep(rows, inputs, cols, positions, attend, self.device))
+            out = self.cphase.step(CohortStep(rows, inputs, cols, positions, attend, self.device,
+                                              attend_to if self.reads else None))
             keys = self._keys or self._check(out)
             self._keys = keys
             for in_port, out_port in self.shape.fed:
@@ -272,38 +346,62 @@ class CohortGraphs:
 
     Captured on the first step, every bucket largest first in one memory pool, with no row
     active (`n_dev` = 0: every row is a pad row writing the scratch page) and the columns
-    saved and restored around the captures, so the warm-up runs change nothing real."""
+    saved and restored around the captures, so the warm-up runs change nothing real.
 
-    def __init__(self, buckets: list[int], scratch_page: int, make_attention: Any, *, capture: bool = True):
+    A phase that reads other contexts gets, per bucket, one more attention per read context
+    (`reads`: the scratch page of that context's pool and its attention factory), planned
+    from the read tables before each replay as the row's own; pad rows read one token of the
+    read pool's scratch page."""
+
+    def __init__(self, buckets: list[int], scratch_page: int, make_attention: Any, *, capture: bool = True,
+                 reads: Sequence[tuple[int, Any]] = ()):
         self.buckets = sorted(buckets)
         self.scratch_page = scratch_page
         # bucket, max_indices -> the bucket's attention: FlashInferGraphDecode, or ReferenceCohortDecode
         self.make_attention = make_attention
+        self.reads = list(reads)
         # False: the same padded step, planned the same way, run eagerly (CPU tests check the bookkeeping)
         self.capture = capture
-        self._graphs: dict[int, tuple[Any, tuple[list, Any, Any], Any]] = {}
-        self._eager: dict[int, Any] = {}
+        self._graphs: dict[int, tuple[Any, tuple[list, Any, Any], Any, list[Any]]] = {}
+        self._eager: dict[int, tuple[Any, list[Any]]] = {}
         self.replays = 0
 
     def bucket(self, n: int) -> int | None:
         i = bisect.bisect_left(self.buckets, n)
         return self.buckets[i] if i < len(self.buckets) else None
 
-    def _plan(self, cols: CohortColumns, attention: Any, bucket: int, n: int) -> None:
+    def _attention(self, cols: CohortColumns, bucket: int) -> tuple[Any, list[Any]]:
+        """A bucket's own attention and one per read context, unplanned."""
+        own = self.make_attention(bucket, bucket * max(cols.table.max_pages, -(-cols.tokens // cols.pool.page_size)))
+        return own, [make(bucket, bucket * rc.table.max_pages) for (_, make), rc in zip(self.reads, cols.reads,
+                                                                                       strict=True)]
+
+    def _plan(self, cols: CohortColumns, attention: tuple[Any, list[Any]], bucket: int, n: int) -> None:
         """Plan the bucket's attention: rows 0..n-1 from the table's host mirror, the pad rows
-        over Q tokens of the scratch page (as `graphs.pad_step` pads a fixed-block step)."""
-        ps, q = cols.pool.page_size, cols.tokens
-        indptr, indices, last = cols.table.flashinfer_arrays(cols.host_lens[:n] + q, ps)
-        pad, pad_pages = bucket - n, -(-q // ps)
+        over Q tokens of the scratch page (as `graphs.pad_step` pads a fixed-block step); and
+        each read's, the pad rows over one token of its pool's scratch page."""
+        own, reads = attention
+        q = cols.tokens
+        self._plan_one(own, cols.table, cols.host_lens[:n] + q, cols.pool.page_size, self.scratch_page, q, q,
+                       bucket, cols.q_heads)
+        for (scratch, _), rc, a in zip(self.reads, cols.reads, reads, strict=True):
+            self._plan_one(a, rc.table, rc.host_lens[:n], rc.pool.page_size, scratch, q, 1, bucket, cols.q_heads)
+
+    @staticmethod
+    def _plan_one(attention: Any, table: BlockTable, kv_lens: np.ndarray, ps: int, scratch: int, q: int,
+                  pad_tokens: int, bucket: int, q_heads: int) -> None:
+        indptr, indices, last = table.flashinfer_arrays(kv_lens, ps)
+        n = kv_lens.shape[0]
+        pad, pad_pages = bucket - n, -(-pad_tokens // ps)
         indptr = np.concatenate([indptr, indptr[-1] + pad_pages * np.arange(1, pad + 1, dtype=np.int32)])
-        indices = np.concatenate([indices, np.full(pad * pad_pages, self.scratch_page, dtype=np.int32)])
-        last = np.concatenate([last, np.full(pad, q - (pad_pages - 1) * ps, dtype=np.int32)])
+        indices = np.concatenate([indices, np.full(pad * pad_pages, scratch, dtype=np.int32)])
+        last = np.concatenate([last, np.full(pad, pad_tokens - (pad_pages - 1) * ps, dtype=np.int32)])
         qo = np.arange(0, (bucket + 1) * q, q, dtype=np.int32)
         host = pinned(np.concatenate([qo, indptr, indices, last]).astype(np.int32))
         a, m = bucket + 1, indices.shape[0]
         step = SimpleNamespace(qo_indptr=host[:a], indptr=host[a : 2 * a], indices=host[2 * a : 2 * a + m],
                                last_page_len=host[2 * a + m :])
-        attention.plan(step, cols.q_heads)
+        attention.plan(step, q_heads)
 
     def _capture(self, cols: CohortColumns) -> None:
         saved = [(t, t.clone()) for store in (cols.fed, cols.inv, cols.cols) for t in store.values()]
@@ -313,16 +411,16 @@ class CohortGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         for b in sorted(self.buckets, reverse=True):
-            attention = self.make_attention(b, b * max(cols.table.max_pages, -(-cols.tokens // cols.pool.page_size)))
+            attention = self._attention(cols, b)
             self._plan(cols, attention, b, 0)
             with torch.cuda.stream(side):
                 for _ in range(2):  # lazy inits (cuBLAS, FlashInfer JIT) must not happen inside the capture
-                    cols._body(b, 0, eager=False, attention=attention)
+                    cols._body(b, 0, eager=False, attention=attention[0], read_attention=attention[1])
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                outs = cols._body(b, 0, eager=False, attention=attention)
-            self._graphs[b] = (graph, outs, attention)
+                outs = cols._body(b, 0, eager=False, attention=attention[0], read_attention=attention[1])
+            self._graphs[b] = (graph, outs, *attention)
         for t, copy in saved:
             t.copy_(copy)
 
@@ -330,19 +428,19 @@ class CohortGraphs:
         if not self.capture:
             attention = self._eager.get(bucket)
             if attention is None:
-                attention = self._eager[bucket] = self.make_attention(
-                    bucket, bucket * max(cols.table.max_pages, -(-cols.tokens // cols.pool.page_size)))
+                attention = self._eager[bucket] = self._attention(cols, bucket)
             self._plan(cols, attention, bucket, n)
             self.replays += 1
-            return cols._body(bucket, n, eager=False, attention=attention)
+            return cols._body(bucket, n, eager=False, attention=attention[0], read_attention=attention[1])
         if not self._graphs:
             self._capture(cols)
             cols.n_dev.fill_(n)
-        graph, outs, attention = self._graphs[bucket]
-        self._plan(cols, attention, bucket, n)
+        graph, outs, own, reads = self._graphs[bucket]
+        self._plan(cols, (own, reads), bucket, n)
         graph.replay()
         self.replays += 1
         return outs
 
 
-__all__ = ["CohortColumns", "CohortGraphs", "CohortResult", "CohortShape", "ReferenceCohortDecode"]
+__all__ = ["CohortColumns", "CohortGraphs", "CohortRead", "CohortResult", "CohortShape", "ReadColumns",
+           "ReferenceCohortDecode"]

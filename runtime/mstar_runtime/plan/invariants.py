@@ -268,6 +268,14 @@ class Invariants:
                 self.add(f"{where}: its cohort emits '{out}', which is not an output of the walk")
             if port not in phase.outputs:
                 self.add(f"{where}: its cohort emits output '{port}', which {fn} does not produce")
+        accs = {a["name"] for a in op.get("acc") or ()}
+        for name, port, _ in mark.get("accs") or ():
+            if name not in accs:
+                self.add(f"{where}: its cohort accumulates '{name}', which is not an acc of the loop")
+            if port not in phase.outputs:
+                self.add(f"{where}: its cohort accumulates output '{port}', which {fn} does not produce")
+        if accs and sorted(a[0] for a in mark.get("accs") or ()) != sorted(accs):
+            self.add(f"{where}: its cohort does not accumulate every acc of the loop ({', '.join(sorted(accs))})")
 
     def transition(self, t: TransitionSpec) -> None:
         for w in (t.src, t.dst):

@@ -35,6 +35,7 @@ from typing import ClassVar
 
 import torch
 
+from mstar_runtime.engine.cohort_engine import CohortRead
 from mstar_runtime.engine.engines import KVSlots, ReadSlots
 from mstar_runtime.worker.codec import (
     MAX_INLINE_TENSOR_BYTES,
@@ -318,6 +319,7 @@ class CohortOpen:
     outputs: list[str]
     rows: int
     max_pages: int
+    reads: list[CohortRead] = field(default_factory=list)  # the contexts the phase reads, in its order
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -344,6 +346,8 @@ class CohortJoin:
     refs: dict[str, str] = field(default_factory=dict)
     steps: int | None = None
     tokens: int = 1
+    read_pages: list[list[int]] = field(default_factory=list)  # the page table of each context it reads
+    read_lens: list[int] = field(default_factory=list)  # and its length
 
 
 @dataclass(frozen=True, slots=True)
@@ -609,9 +613,10 @@ MESSAGE_TYPES: dict[str, type] = {
         EngineReady,
     )
 }
-# KVSlots and ReadSlots are the engine's records (engine/engines.py), declared once there
+# KVSlots and ReadSlots are the engine's records (engine/engines.py), CohortRead the cohort's
+# (engine/cohort_engine.py), declared once there
 STRUCT_TYPES: frozenset[type] = frozenset({StepEntry, ResultEntry, TensorMeta, KVSlots, ReadSlots, SlotCopy, ShmRef,
-                                           Value, PackedPort})
+                                           Value, PackedPort, CohortRead})
 
 
 register(MESSAGE_TYPES.values(), STRUCT_TYPES)

@@ -182,7 +182,8 @@ class _Server:
         if isinstance(msg, m.CohortStep):
             self._cohort_step(msg)
         elif isinstance(msg, m.CohortOpen):
-            shape = CohortShape(msg.phase, tuple((a, b) for a, b in msg.fed), tuple(msg.invariant), tuple(msg.outputs))
+            shape = CohortShape(msg.phase, tuple((a, b) for a, b in msg.fed), tuple(msg.invariant), tuple(msg.outputs),
+                                tuple(msg.reads))
             self.cohort_nodes[cid] = msg.node
             self._reply(msg.step_id, "",
                         lambda: w.cohort_open(cid, msg.node, shape, msg.rows, msg.max_pages))
@@ -195,7 +196,8 @@ class _Server:
             inv = {k.removeprefix("inv:"): v for k, v in values.items() if k.startswith("inv:")}
             self._reply(msg.step_id, msg.request_id,
                         lambda: w.cohort_join(cid, msg.row, msg.request_id, msg.tag, fed, inv, msg.pages, msg.length,
-                                                      msg.steps, msg.tokens))
+                                                      msg.steps, msg.tokens, list(zip(msg.read_pages, msg.read_lens,
+                                                                                      strict=True))))
         elif isinstance(msg, m.CohortLeave):
             w.cohort_leave(cid, msg.row, msg.request_id, msg.tag, msg.steps)
         elif isinstance(msg, m.CohortMove):

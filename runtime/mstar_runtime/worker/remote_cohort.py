@@ -23,7 +23,7 @@ cohort call the worker failed (it serves on), `WorkerLost` for a worker that is 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -59,13 +59,14 @@ class RemoteCohorts:
         cid = self._cohort_ids.setdefault(key, len(self._cohort_ids) + 1)
         self._cohort_names[cid] = (node, shape.phase)
         msg = m.CohortOpen(0, cid, node, shape.phase, [list(f) for f in shape.fed], list(shape.invariant),
-                           list(shape.outputs), rows, max_pages)
+                           list(shape.outputs), rows, max_pages, list(shape.reads))
         reply = self._ask(msg, node, "cohort_open", [])
         return reply.ok
 
     def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: Mapping[str, Any],
                     invariant: Mapping[str, Any], pages: list[int], length: int, steps: int | None = None,
-                    tokens: int = 1, refs: Mapping[str, str] | None = None) -> None:
+                    tokens: int = 1, reads: Sequence[tuple[Sequence[int], int]] = (),
+                    refs: Mapping[str, str] | None = None) -> None:
         """`refs` (a TP member's): `fed:<port>` -> the output of the request's last replicated
         step this worker kept, which stands in for the value (sent too with `check_refs`)."""
         cid = self._cohort_ids[key]
@@ -77,7 +78,8 @@ class RemoteCohorts:
         try:
             metas, inline, scalars, tensors = pack_values(values, self.inline_bytes, "cohort input")
             msg = m.CohortJoin(0, cid, row, request_id, tag, list(pages), length, metas, inline, scalars, refs,
-                               steps, tokens)
+                               steps, tokens, [[int(p) for p in pages] for pages, _ in reads],
+                               [int(n) for _, n in reads])
             m.encode(msg)  # a value that cannot travel fails this join here, before anything is sent
         except (TypeError, ValueError) as e:  # MessageError is a ValueError
             raise WorkerStepError(node, f"{phase} (cohort join)", f"cannot send to rank {self.rank}: {e}") from e

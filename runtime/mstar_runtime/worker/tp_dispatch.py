@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -162,7 +162,7 @@ class TPCohort:
 
     def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: Mapping[str, Any],
                     invariant: Mapping[str, Any], pages: list[int], length: int, steps: int | None = None,
-                    tokens: int = 1) -> None:
+                    tokens: int = 1, reads: Sequence[tuple[Sequence[int], int]] = ()) -> None:
         """Every rank joins the row; the first refusal (a `RequestError`, the same on every
         rank: the state it reads is the group's) is raised once all have been asked, so no
         rank is left with an answer unread. A fed value that is an output of the request's
@@ -175,9 +175,9 @@ class TPCohort:
         for w in (*self.members, self.leader):
             try:
                 if w is self.leader:
-                    w.cohort_join(key, row, request_id, tag, fed, invariant, pages, length, steps, tokens)
+                    w.cohort_join(key, row, request_id, tag, fed, invariant, pages, length, steps, tokens, reads)
                 else:
-                    w.cohort_join(key, row, request_id, tag, fed, invariant, pages, length, steps, tokens, refs)
+                    w.cohort_join(key, row, request_id, tag, fed, invariant, pages, length, steps, tokens, reads, refs)
             except (RequestError, WorkerStepError) as e:
                 errors.append(e)
         if errors:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +86,14 @@ class _PhaseStats:
     entries: int = 0
     seconds: float = 0.0
     failures: int = 0
+
+
+def _graph_attention(engine: KVCacheEngine, pool: Any, tokens: int) -> Any:
+    """The per-bucket graph attention factory of a cohort of `engine`'s node over `pool` (its
+    own, or a context it reads), or None where FlashInfer cannot serve it."""
+    if tokens == 1:
+        return engine.backend.graph_decoder(pool, engine.scale)
+    return graph_prefill(engine.backend, pool, engine.scale, tokens)
 
 
 def freeze_heap() -> None:
@@ -194,27 +202,40 @@ class Worker:
         cphase = engine.node.cohort_phase(shape.phase)
         if cphase is None:
             return False
+        peers = getattr(engine, "peers", {})
+        readers = [peers.get(r.node) for r in shape.reads]
+        if any(not isinstance(e, KVCacheEngine) for e in readers):
+            return False  # a read node not resident here: the generic step reports it
+        read_pools = [e.pool for e in readers]
         heads = int(engine.node.spec.arch_args.get("heads", 0)) // max(engine.node.spec.tp_size, 1)
         graphs = eager = None
-        if isinstance(engine.backend, FlashInferBackend) and unsupported(engine.pool) is None:
+        eager_reads: list[Any] = []
+        if isinstance(engine.backend, FlashInferBackend) and all(unsupported(p) is None
+                                                                 for p in (engine.pool, *read_pools)):
             eager = FlashInferCohortDecode(engine.backend, engine.pool, engine.scale, heads, cphase.tokens)
+            eager_reads = [FlashInferCohortDecode(engine.backend, p, engine.scale, heads, cphase.tokens)
+                           for p in read_pools]
             runner = engine.graph_runners.get(shape.phase)
-            has_scratch = engine.pool.num_pages > engine.num_pages  # pad rows need the scratch page
-            decoder = (engine.backend.graph_decoder(engine.pool, engine.scale) if cphase.tokens == 1
-                       else graph_prefill(engine.backend, engine.pool, engine.scale, cphase.tokens))
-            if runner is not None and has_scratch and decoder is not None and os.environ.get(COHORT_GRAPHS_ENV, "1") != "0":
-                graphs = CohortGraphs([b for b in runner.buckets if b <= rows] or [rows], engine.num_pages, decoder)
+            # pad rows need a scratch page in every pool they touch
+            has_scratch = all(e.pool.num_pages > e.num_pages for e in (engine, *readers))
+            decoder = _graph_attention(engine, engine.pool, cphase.tokens)
+            read_decoders = [_graph_attention(engine, p, cphase.tokens) for p in read_pools]
+            if (runner is not None and has_scratch and decoder is not None and None not in read_decoders
+                    and os.environ.get(COHORT_GRAPHS_ENV, "1") != "0"):
+                graphs = CohortGraphs([b for b in runner.buckets if b <= rows] or [rows], engine.num_pages, decoder,
+                                      reads=[(e.num_pages, d) for e, d in zip(readers, read_decoders, strict=True)])
         self._cohorts[key] = CohortColumns(engine.pool, cphase, shape, rows, max_pages, self.device,
                                            scale=engine.scale, node=node, q_heads=heads, graphs=graphs,
-                                           eager_attention=eager)
+                                           eager_attention=eager, read_pools=read_pools, eager_reads=eager_reads)
         self._cohort_engine[key] = engine
         return True
 
     def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: Mapping[str, Any],
                     invariant: Mapping[str, Any], pages: list[int], length: int, steps: int | None = None,
-                    tokens: int = 1) -> None:
+                    tokens: int = 1, reads: Sequence[tuple[Sequence[int], int]] = ()) -> None:
+        """`reads`: (pages, length) of each context the row's phase reads, in its `reads` order."""
         state = self._cohort_engine[key].state(request_id, tag)
-        self._cohorts[key].join(row, state, fed, invariant, pages, length, steps, tokens)
+        self._cohorts[key].join(row, state, fed, invariant, pages, length, steps, tokens, reads)
 
     def cohort_leave(self, key: Any, row: int, request_id: str, tag: str, steps: int) -> None:
         self._cohorts[key].leave(row, self._cohort_engine[key].state(request_id, tag), steps)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -217,6 +218,35 @@ def test_batched_requests_equal_each_alone(reference: tuple, plan: Path) -> None
         together = [h.result()["tokens"] for h in hs]
     for a, b in zip(alone, together, strict=True):
         assert a.tolist() == b.tolist()
+
+
+def test_the_decode_loop_runs_on_the_cohort_as_on_the_generic_path(reference: tuple, plan: Path) -> None:
+    """The decode loop (a step that reads @cross, accumulating its tokens and log-probs) runs as
+    a decode cohort: batched requests with timestamps, a sampled one and a long-form one with
+    the temperature fallback give the generic path's outputs bit for bit."""
+    _, folder = reference
+    requests = [{"audio": torch.from_numpy(_audio(9.0, seed=3)), "max_tokens": 30, "timestamps": True},
+                {"audio": torch.from_numpy(_audio(4.0, seed=4)), "max_tokens": 20, "temperature": 0.7, "seed": 5},
+                {"audio": torch.from_numpy(_audio(40.0, seed=6)), "max_tokens": 24, "timestamps": True,
+                 "fallback_temperatures": torch.tensor([0.2, 0.4]), "compression_ratio_threshold": 1.2,
+                 "logprob_threshold": -0.5, "condition_on_prev_tokens": True}]
+    outs = {}
+    for path in ("cohort", "generic"):
+        with MStar.load(plan, weights=folder, step_path=path) as m:
+            hs = [m.submit("transcribe", r) for r in requests]
+            outs[path] = [h.result() for h in hs]
+            steps = m.stats()["cohort_steps"]
+        assert (steps > 0) == (path == "cohort")
+    for c, g in zip(outs["cohort"], outs["generic"], strict=True):
+        assert c["tokens"].tolist() == g["tokens"].tolist()
+        # the segments' statistics to float32 rounding: the cohort attends with
+        # `decode_attention`, the generic step with `paged_attention`
+        cs, gs = json.loads(c["segments"]), json.loads(g["segments"])
+        assert len(cs) == len(gs) > 0
+        for a, b in zip(cs, gs, strict=True):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6) if isinstance(a[k], float) else a[k] == b[k], k
 
 
 # ------------------------------------------------------------------------------ bad input

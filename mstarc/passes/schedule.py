@@ -19,13 +19,14 @@ Ensures:  every region's body is emitted in a topological order of the graph's d
           `on_stream` (the buffer it drains), `emit`, `acc`, `fork`, and `transfer`
           (a value copied between ranks, placed right before the step that needs it).
           Every `loop` has a `cohort` mark (computed by `mstarc.cohorts.cohort_mark` on the
-          emitted op): null, or `{call, fed, invariant, emits}` when the loop is a
+          emitted op): null, or `{call, fed, invariant, emits[, accs]}` when the loop is a
           steady-state cohort. The rule, all of which must hold:
-            - its `acc` is empty and its `index` is null;
+            - its `index` is null;
             - its body is a `seq` of value transfers into the call (a var it takes, to its
-              rank: a carried value first bound on another rank), then one `call`, then
-              only `emit`s of mode `append` whose value is a var bound by that call (no
-              other transfer, no loop, parallel, fork, acc or second call);
+              rank: a carried value first bound on another rank), then `acc`s of carried
+              vars the call rebinds, then one `call`, then only `emit`s of mode `append`
+              and `acc`s whose value is a var bound by that call (no other transfer, no
+              loop, parallel, fork or second call), one acc op per acc of the loop;
             - (the call may run on one rank or on the ranks of its node's
               tensor-parallel group: every rank of the group runs the column step);
             - every argument of the call is a const, or a result of that call named in
@@ -35,7 +36,9 @@ Ensures:  every region's body is emitted in a topological order of the graph's d
           Then `call` is the call's id, `fed` the `[input port, output port]` pairs of the
           fed-back arguments, `invariant` the input ports of consts and invariant vars
           (both sorted by input port), `emits` the `[walk output, output port]` pairs of
-          the emits in body order. Fixed and dynamic loops both qualify.
+          the emits in body order, and `accs` (only when the loop has accs) the
+          `[acc name, output port, "in" | "out"]` of its acc ops in body order (before
+          the call, or after it). Fixed and dynamic loops both qualify.
           The program is a pure function of the IR: the same model gives the same bytes.
 Fails when: never (everything it needs was checked by earlier passes).
 """

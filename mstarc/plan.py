@@ -66,13 +66,17 @@ def requires(model: I.ModelIR, walks: Any = None) -> list[str]:
 
 
 def _marks_accs(value: Any) -> bool:
-    """Whether a loop op anywhere in `value` (step programs) has a cohort mark with `accs`."""
-    if isinstance(value, dict):
-        if value.get("op") == "loop" and (value.get("cohort") or {}).get("accs"):
-            return True
-        return any(_marks_accs(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_marks_accs(v) for v in value)
+    """Whether a loop op anywhere in `value` (step programs) has a cohort mark with `accs`;
+    iterative, as a program may nest deeper than Python's recursion limit."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            if v.get("op") == "loop" and (v.get("cohort") or {}).get("accs"):
+                return True
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
     return False
 
 

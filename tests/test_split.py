@@ -252,6 +252,13 @@ class _BadToken(_Proxy):
                 if e.request_id == self.request_id:
                     e.inputs["token"] = torch.tensor([10**6], dtype=torch.int32)
 
+    def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: dict[str, Any],
+                    *args: Any, **kwargs: Any) -> None:
+        """The same token for a decode that runs as a cohort row: the one it joins with."""
+        if request_id == self.request_id and "token" in fed:
+            fed = {**fed, "token": torch.tensor([10**6], dtype=torch.int32)}
+        self.inner.cohort_join(key, row, request_id, tag, fed, *args, **kwargs)
+
 
 def test_a_remote_step_that_fails_in_flight_fails_only_its_requests(
     plans: dict[str, Path], reference: list[dict[str, Any]]

@@ -330,7 +330,7 @@ BODY = Obj({
     "cuda_graphs": List(Obj({"key": NAME, "kind": Str(("step", "loop")), "rank": RANK, "steps": List(NAME),
                              "buckets": List(Int(1, MAX_BATCH))})),
     "walks": Map(Obj({"inputs": List(PORT_IN), "outputs": List(PORT_OUT), "streams": List(NAME), "program": OP},
-                     {"routes": List(Obj({"route": NAME, "bind": Map(Str())}))})),
+                     {"routes": List(Obj({"route": NAME, "bind": Map(Str())})), "walk": NAME})),
     "transitions": List(Obj({"src": NAME, "dst": NAME, "when": NAME,
                              "keep": List(Obj({"node": NAME, "tag": NAME, "as": NAME}))})),
 }, {"requires": List(NAME)})
@@ -484,6 +484,8 @@ def _call_names(step: str, op: Mapping[str, Any], nodes: Mapping[str, Any], n_ra
 
 
 def _walk(name: str, walk: Mapping[str, Any], out: _Out) -> None:
+    if walk.get("walk", name) != name:  # the name a finished request's record gives (outputs.py)
+        out.add(f"walks.{name}.walk", f"names walk {walk['walk']!r}, not {name!r}")
     outputs = {p["name"]: p["mode"] for p in walk["outputs"]}
     for op in _ops_of(walk["program"]):
         kind, where = op["op"], f"walks.{name}"

@@ -5,20 +5,26 @@ tokens, log-probabilities, `done` and the state its leave writes back (so a late
 step continues the same), greedy and sampled (the fixed top-k), timestamps on and off,
 `min_tokens` > 0, a row that reaches `max_tokens` and one that fills the 448 positions.
 Both paths attend through the same per-row attention over plain tensors (`Contexts`), so
-what is compared is the node's own code.
+what is compared is the node's own code. Then the `transcribe` walk on the tiny checkpoint
+through the runtime, the decode loop as a cohort and on the generic path: the same tokens,
+text, language and segments (their float statistics to float32 rounding: the paths' attention
+kernels differ).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_whisper import _audio, plan, reference  # noqa: F401 - fixtures
 
 from mstar_models.whisper.decoder import Decoder
+from mstar_runtime.api import MStar
 from mstar_runtime.ops.cohort import CohortStep
 from mstar_runtime.ops.node import AttentionContext, RequestError, SeqState
 from mstar_runtime.ops.readback import Lazy
@@ -195,3 +201,36 @@ def test_join_declines_a_context_never_prefilled(decoder: Decoder) -> None:
     assert phase is not None
     with pytest.raises(RequestError, match="never prefilled"):
         phase.join({}, {})
+
+
+# ------------------------------------------------------------------------------ the walk, both step paths
+# the cases test_whisper.py's test of both paths has not: a given language, a detected one with
+# min_tokens, 70 s of long form whose fallback is checked to have sampled
+REQUESTS = {
+    "timestamps, language given": (6.0, dict(language="de", timestamps=True)),
+    "language detected, min tokens": (9.0, dict(min_tokens=12)),
+    "long form, fallback": (70.0, dict(timestamps=True, compression_ratio_threshold=1.2,
+                                       fallback_temperatures=torch.tensor([0.4, 1.0]), seed=2)),
+}
+
+
+def test_transcribe_is_the_same_on_both_step_paths(reference: tuple, plan: Path) -> None:  # noqa: F811
+    """The `transcribe` walk on the tiny checkpoint, its requests together: the same tokens,
+    text and segments with the decode loop as a cohort and on the generic path."""
+    got: dict[str, list[dict[str, Any]]] = {}
+    for path in ("cohort", "generic"):
+        with MStar.load(plan, weights=reference[1], step_path=path) as m:
+            hs = [m.submit("transcribe", {"audio": torch.from_numpy(_audio(s, seed=i)), "max_tokens": 40, **kw})
+                  for i, (s, kw) in enumerate(REQUESTS.values())]
+            got[path] = [h.result(timeout=600) for h in hs]
+            assert (m.stats()["cohort_steps"] > 0) == (path == "cohort")
+    for name, a, b in zip(REQUESTS, got["cohort"], got["generic"], strict=True):
+        assert a["tokens"].tolist() == b["tokens"].tolist(), name
+        assert (a["text"], a["language"]) == (b["text"], b["language"]), name
+        sa, sb = json.loads(a["segments"]), json.loads(b["segments"])
+        exact = ("seek", "start", "end", "tokens", "temperature", "text")
+        assert [{k: s[k] for k in exact} for s in sa] == [{k: s[k] for k in exact} for s in sb], name
+        for k in ("avg_logprob", "compression_ratio", "no_speech_prob"):
+            assert [s[k] for s in sa] == pytest.approx([s[k] for s in sb], rel=1e-5), (name, k)
+    segments = json.loads(got["generic"][-1]["segments"])
+    assert {s["temperature"] for s in segments} - {0.0}, "no window fell back to a sampled decode"

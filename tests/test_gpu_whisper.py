@@ -46,22 +46,30 @@ def similarity(a: list[int], b: list[int]) -> float:
     return difflib.SequenceMatcher(a=a, b=b, autojunk=False).ratio()
 
 
-def real_size(tmp_path: Path) -> tuple[dict[str, Any], Conductor, Any, Any]:
-    """The walk's real variant compiled for one H200 and loaded with random weights: (its config,
-    a conductor over one worker, the encoder node, the decoder node)."""
-    out = tmp_path / "whisper.plan"
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Any, Worker]:
+    """The walk's real variant compiled for one H200 and loaded with random weights, once for
+    the module (a second worker would not fit beside the first's KV pool, which a failed
+    test's traceback keeps alive): (its config, the plan, the worker)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = tmp_path_factory.mktemp("whisper") / "whisper.plan"
     assert mstarc(["compile", str(ROOT / "models/whisper/whisper.walk"), "--variant", "real",
                    "-p", str(ROOT / "placements/h200x1.yaml"), "-o", str(out)]) == 0
     plan = load_plan(out, device="cuda")
-    worker = Worker(plan, 0, "cuda", "dummy")
-    return dict(plan.config), Conductor(plan, {0: worker}), worker.engines["encoder"].node, \
-        worker.engines["decoder"].node
+    return dict(plan.config), plan, Worker(plan, 0, "cuda", "dummy")
+
+
+def real_size(real: tuple[dict[str, Any], Any, Worker]) -> tuple[dict[str, Any], Conductor, Any, Any]:
+    """(the config, a new conductor over the module's worker, the encoder node, the decoder node)."""
+    cfg, plan, worker = real
+    return cfg, Conductor(plan, {0: worker}), worker.engines["encoder"].node, worker.engines["decoder"].node
 
 
 @pytest.mark.gpu
-def test_real_size_bf16_against_transformers_bf16_and_fp32(cuda: torch.device, tmp_path: Path) -> None:
+def test_real_size_bf16_against_transformers_bf16_and_fp32(cuda: torch.device, real: Any) -> None:
     pytest.importorskip("transformers")
-    cfg, conductor, enc, dec = real_size(tmp_path)
+    cfg, conductor, enc, dec = real_size(real)
     audio = [torch.randn(int(s * 16000), generator=torch.Generator().manual_seed(i)) * 0.1
              for i, s in enumerate((30.0, 12.5))]
     hs = [conductor.submit("transcribe", {"audio": a, "language": "en", "max_tokens": TOKENS, "min_tokens": TOKENS})
@@ -97,13 +105,13 @@ def test_real_size_bf16_against_transformers_bf16_and_fp32(cuda: torch.device, t
 
 
 @pytest.mark.gpu
-def test_real_size_long_form_against_transformers(cuda: torch.device, tmp_path: Path) -> None:
+def test_real_size_long_form_against_transformers(cuda: torch.device, real: Any) -> None:
     """70 s of audio through the long-form walk (windows seeking from timestamps, the fallback
     at temperatures that draw the greedy token, as tests/test_whisper_longform.py) against
     transformers' long-form `generate` in bf16 and fp32 on the same weights: the segment
     tokens' agreement, printed; ours must agree with fp32 about as well as transformers' bf16."""
     transformers = pytest.importorskip("transformers")
-    cfg, conductor, enc, dec = real_size(tmp_path)
+    cfg, conductor, enc, dec = real_size(real)
     audio = torch.randn(70 * 16000, generator=torch.Generator().manual_seed(7)) * 0.1
     fallback = dict(compression_ratio_threshold=1.35, logprob_threshold=-1.0)
     h = conductor.submit("transcribe", {"audio": audio, "language": "en", "timestamps": True, "max_tokens": 64,

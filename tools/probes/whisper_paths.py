@@ -51,11 +51,23 @@ def main() -> None:
     audio = [torch.randn(int(s * 16000), generator=torch.Generator().manual_seed(i)) * 0.1
              for i, s in enumerate((30.0, 12.5))]
     runs: dict[str, list[list[int]]] = {}
-    for name, path, graphs in (("generic", "generic", "1"), ("cohort eager", "cohort", "0"),
-                               ("cohort graphed", "cohort", "1")):
+    real_open = Worker.cohort_open
+    for name, path, graphs, math in (("generic", "generic", "1", ""), ("cohort eager", "cohort", "0", ""),
+                                     ("cohort graphed", "cohort", "1", ""),
+                                     ("cohort eager, reads by decode_attention", "cohort", "0", "reads"),
+                                     ("cohort eager, all by decode_attention", "cohort", "0", "all")):
         os.environ[COHORT_GRAPHS_ENV] = graphs
         worker._cohorts.clear()  # each cohort run opens its own columns (and graphs, or none)
         worker._cohort_engine.clear()
+
+        def cohort_open(self: Worker, *args: object, math: str = math) -> bool:
+            ok = real_open(self, *args)
+            for cols in self._cohorts.values():  # the float32 reference math instead of FlashInfer
+                cols.eager_reads = [None] * len(cols.reads) if math else cols.eager_reads
+                cols.eager_attention = None if math == "all" else cols.eager_attention
+            return ok
+
+        Worker.cohort_open = cohort_open  # type: ignore[method-assign]
         conductor = Conductor(plan, {0: worker}, path=path)
         hs = [conductor.submit("transcribe", {"audio": a, "language": "en", "max_tokens": TOKENS,
                                               "min_tokens": TOKENS}) for a in audio]

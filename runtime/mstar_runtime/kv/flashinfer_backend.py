@@ -283,15 +283,18 @@ class FlashInferBackend:
         self.plans += 1
 
     # ------------------------------------------------------------------ graphs
-    def graph_decoder(self, pool: KVPool, scale: float | None) -> Callable[[int, int], Any] | None:
+    def graph_decoder(self, pool: KVPool, scale: float | None, tensor_cores: bool | None = None
+                      ) -> Callable[[int, int], Any] | None:
         """A factory of per-bucket graph attention for the GraphRunner, or None when FlashInfer
-        cannot serve this pool (the runner then stays eager)."""
+        cannot serve this pool (the runner then stays eager). `tensor_cores`: the decode
+        kernel (None: the backend's `graph_tensor_cores`)."""
         reason = unsupported(pool)
         if reason is not None:
             _log_once(logging.INFO, f"flashinfer: no CUDA-graph attention for a pool with {reason}")
             return None
         sm_scale = scale if scale is not None else 1.0 / math.sqrt(pool.head_dim)
-        return lambda bucket, max_indices: FlashInferGraphDecode(self, pool, bucket, max_indices, sm_scale)
+        cores = self.graph_tensor_cores if tensor_cores is None else tensor_cores
+        return lambda bucket, max_indices: FlashInferGraphDecode(self, pool, bucket, max_indices, sm_scale, cores)
 
 
 def _effective_mask(s: SequenceAttention) -> str:
@@ -317,14 +320,15 @@ class FlashInferGraphDecode:
     indptr / indices / last_page_len buffers (device.md 2d), planned outside the graph before
     every replay; the captured `run` reads those buffers."""
 
-    def __init__(self, backend: FlashInferBackend, pool: KVPool, bucket: int, max_indices: int, scale: float):
+    def __init__(self, backend: FlashInferBackend, pool: KVPool, bucket: int, max_indices: int, scale: float,
+                 tensor_cores: bool | None = None):
         dev = pool.device
         self.pool, self.scale = pool, scale
         self.wrapper = backend.fi.BatchDecodeWithPagedKVCacheWrapper(
             backend.workspace,
             "NHD",
             use_cuda_graph=True,
-            use_tensor_cores=backend.graph_tensor_cores,
+            use_tensor_cores=backend.graph_tensor_cores if tensor_cores is None else tensor_cores,
             paged_kv_indptr_buffer=torch.empty(bucket + 1, dtype=torch.int32, device=dev),
             paged_kv_indices_buffer=torch.empty(max_indices, dtype=torch.int32, device=dev),
             paged_kv_last_page_len_buffer=torch.empty(bucket, dtype=torch.int32, device=dev),
@@ -355,14 +359,15 @@ class FlashInferCohortDecode:
     (> 1) get a paged prefill wrapper instead (FA2, as the backend's eager prefill), planned
     non-causal: a block sees its whole context and itself."""
 
-    def __init__(self, backend: FlashInferBackend, pool: KVPool, scale: float | None, q_heads: int, tokens: int = 1):
+    def __init__(self, backend: FlashInferBackend, pool: KVPool, scale: float | None, q_heads: int, tokens: int = 1,
+                 tensor_cores: bool = True):
         self.pool, self.q_heads, self.tokens = pool, q_heads, tokens
         self.scale = scale if scale is not None else 1.0 / math.sqrt(pool.head_dim)
         if tokens > 1:
             self.wrapper = backend.fi.BatchPrefillWithPagedKVCacheWrapper(backend.workspace, "NHD", backend="fa2")
         else:
             self.wrapper = backend.fi.BatchDecodeWithPagedKVCacheWrapper(backend.workspace, "NHD",
-                                                                          use_tensor_cores=True)
+                                                                          use_tensor_cores=tensor_cores)
         self.fence = _PlanFence(pool.device)
 
     def plan(self, indptr: Any, indices: Any, last: Any) -> None:

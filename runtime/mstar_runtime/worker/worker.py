@@ -88,11 +88,11 @@ class _PhaseStats:
     failures: int = 0
 
 
-def _graph_attention(engine: KVCacheEngine, pool: Any, tokens: int) -> Any:
+def _graph_attention(engine: KVCacheEngine, pool: Any, tokens: int, tensor_cores: bool | None = None) -> Any:
     """The per-bucket graph attention factory of a cohort of `engine`'s node over `pool` (its
     own, or a context it reads), or None where FlashInfer cannot serve it."""
     if tokens == 1:
-        return engine.backend.graph_decoder(pool, engine.scale)
+        return engine.backend.graph_decoder(pool, engine.scale, tensor_cores)
     return graph_prefill(engine.backend, pool, engine.scale, tokens)
 
 
@@ -213,13 +213,16 @@ class Worker:
         if isinstance(engine.backend, FlashInferBackend) and all(unsupported(p) is None
                                                                  for p in (engine.pool, *read_pools)):
             eager = FlashInferCohortDecode(engine.backend, engine.pool, engine.scale, heads, cphase.tokens)
-            eager_reads = [FlashInferCohortDecode(engine.backend, p, engine.scale, heads, cphase.tokens)
-                           for p in read_pools]
+            # a read context's attention on the CUDA-core decode kernel, whose probabilities stay
+            # float32: over Whisper's 1,500-frame cross context the tensor-core kernel's bf16
+            # probabilities moved its tokens off float32's at the 3rd (tools/probes/whisper_paths.py)
+            eager_reads = [FlashInferCohortDecode(engine.backend, p, engine.scale, heads, cphase.tokens,
+                                                  tensor_cores=False) for p in read_pools]
             runner = engine.graph_runners.get(shape.phase)
             # pad rows need a scratch page in every pool they touch
             has_scratch = all(e.pool.num_pages > e.num_pages for e in (engine, *readers))
             decoder = _graph_attention(engine, engine.pool, cphase.tokens)
-            read_decoders = [_graph_attention(engine, p, cphase.tokens) for p in read_pools]
+            read_decoders = [_graph_attention(engine, p, cphase.tokens, tensor_cores=False) for p in read_pools]
             if (runner is not None and has_scratch and decoder is not None and None not in read_decoders
                     and os.environ.get(COHORT_GRAPHS_ENV, "1") != "0"):
                 graphs = CohortGraphs([b for b in runner.buckets if b <= rows] or [rows], engine.num_pages, decoder,

@@ -2,8 +2,8 @@
 in subprocesses: the test family (tiny; text, with an API key), the tiny Qwen3-Omni (voice in,
 voice and text out; `--weights init`, so the words are noise but every node runs), the
 streaming recogniser of tests/constructs/asr.walk (its `transcribe` walk streams its audio
-input in, so the transcript starts before the client commits), and the tiny Whisper (its audio
-taken whole at the commit; slow: 448 random tokens twice).
+input in, so the transcript starts before the client commits), and the tiny Whisper (served by
+its `transcribe_live` walk, fed each append).
 
 - a two-turn voice conversation whose second turn's prompt holds the first's history: each
   turn's audio and transcript equal the native `/v1/walks/speech` route's given the prompt
@@ -13,7 +13,9 @@ taken whole at the commit; slow: 448 random tokens twice).
   request are freed within seconds), out-of-order and malformed events (each an `error` event
   naming the event and the field, the session going on), `session.update`, the API key;
 - the streamed transcription equals the walk given the whole audio, and its first delta comes
-  before the commit; Whisper's transcript is its walk's;
+  before the commit; Whisper's first window's text comes before the commit of 36 s, and its
+  completed transcript is `transcribe`'s on the whole audio; clear and disconnect cancel the
+  live request and free its pages; out-of-order events are `error` events;
 - the second text turn's prefill finds the first turn's prompt pages in the prefix cache
   (`usage.input_token_details.cached_tokens`);
 - tools/bench/realtime.py against the Qwen3-Omni server;
@@ -494,20 +496,55 @@ def test_streamed_transcription_starts_before_the_commit(asr: Server) -> None:
     s.close()
 
 
-@pytest.mark.slow
-def test_whisper_transcribes_each_commit(whisper: Server) -> None:
-    """Whisper takes its audio whole: the commit sends it, and the transcript is the walk's."""
+LIVE = "conversation.item.input_audio_transcription"
+
+
+def append_all(s: Session, samples: np.ndarray, seconds: float = 2.0) -> None:
+    """Append `samples` in pieces of `seconds`, as a client streaming a microphone does."""
+    step = int(seconds * 24000)
+    for at in range(0, len(samples), step):
+        s.send(type="input_audio_buffer.append", audio=pcm(samples[at:at + step]))
+
+
+def test_whisper_transcribes_live_before_the_commit(whisper: Server) -> None:
+    """The plan's `transcribe_live` is fed each append: the first window's text arrives before
+    the commit, and the completed transcript is `transcribe`'s on the whole audio."""
     s = Session(whisper)
-    sound = tone(0.8, 300)
-    item = speak(s, sound, pieces=3)
-    events = s.until("conversation.item.input_audio_transcription.completed")
-    assert {e["item_id"] for e in events} == {item}
-    assert any(e["type"] == "conversation.item.input_audio_transcription.delta" for e in events)
-    assert events[-1]["transcript"] == native(whisper, "transcribe", {"audio": heard(sound)})["text"]
+    sound = tone(36.0, 300)  # over one 30 s window (and the second of audio that completes it)
+    append_all(s, sound)
+    first = s.recv(300)
+    assert first["type"] == f"{LIVE}.delta" and first["delta"], first  # no commit sent yet
+    s.send(type="input_audio_buffer.commit")
+    events = s.until(f"{LIVE}.completed", 300)
+    committed = next(e for e in events if e["type"] == "input_audio_buffer.committed")
+    assert committed["item_id"] == first["item_id"] == events[-1]["item_id"]
+    whole = native(whisper, "transcribe", {"audio": heard(sound), "timestamps": True})
+    assert events[-1]["transcript"] == whole["text"]
+    # out of order: a response (the session transcribes), an empty commit, a chat item
+    assert s.error(type="response.create")["code"] == "unsupported"
+    assert s.error(type="input_audio_buffer.commit")["code"] == "input_audio_buffer_commit_empty"
     assert s.error(type="conversation.item.create", item={"type": "message", "role": "user", "content": [
         {"type": "input_text", "text": "hi"}]})["code"] == "unsupported"
+    s.alive()
     s.close()
     pages_back(whisper, sessions=0)
+
+
+def test_whisper_live_clear_and_disconnect_free_the_request(whisper: Server) -> None:
+    cancelled = 'walk="transcribe_live",outcome="cancelled"'
+    before = metric(whisper.base, "mstar_requests_total", cancelled)
+    s = Session(whisper)
+    append_all(s, tone(3.0, 300))
+    wait_for(lambda: metric(whisper.base, "mstar_requests_active") == 1, 10, "the live request")
+    s.send(type="input_audio_buffer.clear")
+    got = s.until("input_audio_buffer.cleared")
+    assert all(e["type"] != "error" for e in got), got
+    pages_back(whisper)
+    append_all(s, tone(33.0, 200))  # the first window decodes: its pages are held
+    assert s.recv(300)["type"] == f"{LIVE}.delta"
+    s.ws.close()
+    pages_back(whisper, sessions=0)
+    assert metric(whisper.base, "mstar_requests_total", cancelled) == before + 2
 
 
 # ----------------------------------------------------------------------------- the benchmark

@@ -16,13 +16,19 @@ Two kinds of session, by the plan:
   (base64 pcm16 at the plan's rate: 24 kHz for Qwen3-Omni), or `response.text.delta`, then
   `response.done`; the assistant's item joins the conversation (its transcript).
 - a transcription (a plan without a chat walk whose walk that declares `transcriptions`
-  streams its token ids: Whisper's `transcribe`, or a walk whose audio is a streamed input).
+  streams its token ids, or a walk whose audio is a streamed input).
   Committed audio goes to its `file` slot and becomes a user item whose transcript streams as
   `conversation.item.input_audio_transcription.delta` events, then `.completed`. When the
   walk streams its audio input in (`stream transcribe.audio -> ...`), the request is submitted at the first `input_audio_buffer.append` and each append
   is fed to it at once (`RequestHandle.feed`, resampled piece by piece by
   `StreamResampler`), so the model works on the first chunks while the client still
   speaks; `commit` closes the input (`close_input`), `clear` cancels the request.
+  A walk that takes its audio whole but has a live twin (`live_twin`: Whisper's
+  `transcribe_live` beside `transcribe`) is served by the twin, fed the same way: each of its
+  `partial` lines (one per decoded window) is a `.delta` of that window's text, and
+  `.completed` carries the twin's final `text`, which is the whole walk's on the same audio
+  with timestamps (the twin is asked for them: the audio may pass one 30 s window); a window
+  revised at the end is in `.completed` only (deltas are not retracted).
 
 A client event the session cannot take (malformed JSON, an unknown type, a commit of an
 empty buffer, `response.create` while a response runs, a field out of range, a value a node
@@ -99,6 +105,7 @@ except ImportError:  # pragma: no cover - without the `serve` extra the module o
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from mstar_runtime.plan.loader import Plan
     from mstar_runtime.serve.state import ServerState, SpeechWalk, WalkRole
 
 log = logging.getLogger("mstar_runtime.serve.server")
@@ -118,6 +125,8 @@ class Served:
     audio: str = "audio"  # transcribe's audio input (its `file` slot)
     streamed: bool = False  # transcribe's audio is a streamed input
     tokens_output: str | None = None  # transcribe's appended token ids
+    partial: str | None = None  # a live twin's appended JSON lines (`live_twin`), read instead of tokens
+    fed_inputs: dict[str, Any] = dataclasses.field(default_factory=dict)  # a streamed request's other inputs
     text: TokenText | None = None  # their text, or None: ids as numbers
 
     @property
@@ -148,8 +157,37 @@ def served(state: ServerState) -> Served | None:
     # an engine in its own process (--engine-process) takes inputs whole: the audio is sent at the commit
     feeds = "streaming" in inspect.signature(state.m.submit).parameters
     audio = role.slots["file"]
+    twin = live_twin(plan, role) if feeds and audio not in stream_inputs(program) else None
+    if twin is not None:
+        # the audio's length is unknown at the first append, and audio over one window seeks by
+        # timestamps (the transcriptions route's rule): a live request always asks for them
+        stamps = role.slots.get("timestamps")
+        return Served(transcribe=twin[0], audio=audio, streamed=True, partial=twin[1],
+                      fed_inputs={stamps: True} if stamps else {})
     return Served(transcribe=role.walk, audio=audio, streamed=feeds and audio in stream_inputs(program),
                   tokens_output=tokens, text=text if text.node is not None else None)
+
+
+def live_twin(plan: Plan, role: WalkRole) -> tuple[str, str] | None:
+    """The live form of a transcriptions walk that takes its audio whole (Whisper's
+    `transcribe_live` beside `transcribe`), found by its shape, not its name: another walk
+    with the same inputs, the route's audio among its streamed inputs, the same outputs set
+    at the end (`text`), and one appended text output the whole walk lacks (its `partial`
+    lines). Its walk and that output, or None."""
+    whole = plan.walk(role.walk)
+    names = [p["name"] for p in whole["inputs"]]
+    kept = {o["name"] for o in whole["outputs"]}
+    for walk in sorted(plan.walks):
+        program = plan.walk(walk)
+        if walk == role.walk or [p["name"] for p in program["inputs"]] != names \
+                or role.slots["file"] not in stream_inputs(program):
+            continue
+        outputs = {o["name"]: o for o in program["outputs"]}
+        extra = [n for n, o in outputs.items() if n not in kept and o["mode"] == "append"
+                 and o["type"].get("kind") == "str"]
+        if len(extra) == 1 and outputs.get("text", {}).get("mode") == "set" and kept <= set(outputs):
+            return walk, extra[0]
+    return None
 
 
 def install(app: FastAPI, state: ServerState) -> None:
@@ -395,7 +433,8 @@ class Session:
         walk = self.what.transcribe
         assert walk is not None
         if self.fed is None:
-            flight = await self._start(walk, {}, {self.what.audio: "audio"}, streaming=True)
+            fields = {self.what.audio: "audio"} | dict.fromkeys(self.what.fed_inputs, "session")
+            flight = await self._start(walk, dict(self.what.fed_inputs), fields, streaming=True)
             self.fed = (flight, StreamResampler(CLIENT_RATE, input_rate(self.state, walk)), new_id("item"))
             self._spawn(self._transcribe(flight, self.fed[2]))
         flight, resampler, _ = self.fed
@@ -434,6 +473,13 @@ class Session:
         try:
             async with aclosing(flight.events()) as events:
                 async for name, value in events:
+                    if name == self.what.partial and isinstance(value, str):
+                        for line in value.splitlines():  # a window's text: `transcribe_live`'s partial lines
+                            piece = json.loads(line).get("text") or ""
+                            if piece:
+                                await self.send({"type": "conversation.item.input_audio_transcription.delta",
+                                                 "event_id": new_id("event"), **base, "delta": piece})
+                        continue
                     if name != self.what.tokens_output or not isinstance(value, torch.Tensor):
                         continue
                     ids.extend(int(t) for t in value.reshape(-1).tolist())
@@ -451,7 +497,9 @@ class Session:
             await self.send({"type": "conversation.item.input_audio_transcription.completed",
                              "event_id": new_id("event"), **base, "transcript": text})
         except RequestFailed as e:
-            if e.finish_reason != "cancelled" or not self.gone.is_set():
+            # cancelled by the session (`clear`, or the socket closing): no item to report on
+            ours = e.finish_reason == "cancelled" and (self.gone.is_set() or flight.outcome == "cancelled")
+            if not ours:
                 err = flight.error_for(e)
                 await self.send({"type": "conversation.item.input_audio_transcription.failed",
                                  "event_id": new_id("event"), **base,
@@ -682,4 +730,4 @@ def _resampled(samples: torch.Tensor, rate: int) -> torch.Tensor:
     return resample(samples, CLIENT_RATE, rate)
 
 
-__all__ = ["Served", "Session", "install", "served"]
+__all__ = ["Served", "Session", "install", "live_twin", "served"]

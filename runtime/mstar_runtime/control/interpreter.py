@@ -503,17 +503,24 @@ class Interpreter:
         yield from self._region(body, env, frame)
         frame.flush_lane()
 
-    def _stream_block(self, op: dict[str, Any], env: Env, buffer: StreamBuffer) -> Gen:
+    def _stream_block(self, op: dict[str, Any], env: Env, buffer: StreamBuffer,
+                      parent: Frame | None = None) -> Gen:
+        """Run `op`'s body once for each chunk of `buffer` until the stream ends: each run in a
+        copy of `env` with the chunk bound to `op["as"]`, in its own frame (a child of `parent`,
+        none for a block spawned with the walk), its lane flushed when it ends. The names in
+        `op["carry"]` (a stream loop's; a block has none) are copied back into `env` after each
+        run, so the next run and what follows the loop see them."""
         while True:
             chunk: Chunk | None = yield WaitChunk(buffer)
             if chunk is None:
                 return
             inner = dict(env)
             inner[op["as"]] = ChunkValue(chunk)
-            frame = Frame(self.request)
-            yield from self._region(op["body"], inner, frame)
-            frame.flush_lane()
-
+            chunk_frame = Frame(self.request, parent=parent)
+            yield from self._region(op["body"], inner, chunk_frame)
+            chunk_frame.flush_lane()
+            for name in op.get("carry", ()):
+                env[name] = inner[name]
 
     def _stream_loop(self, op: dict[str, Any], env: Env, frame: Frame) -> Gen:
         """`on stream ... carry`: the chunks one after another in this task, each run seeing the
@@ -521,17 +528,7 @@ class Interpreter:
         carried values are bound as a loop leaves them."""
         buffer = self.buffers[op["stream"]]
         frame.flush_lane()  # what came before may be what the client waits for
-        while True:
-            chunk: Chunk | None = yield WaitChunk(buffer)
-            if chunk is None:
-                return
-            inner = dict(env)
-            inner[op["as"]] = ChunkValue(chunk)
-            chunk_frame = Frame(self.request, parent=frame)
-            yield from self._region(op["body"], inner, chunk_frame)
-            chunk_frame.flush_lane()
-            for name in op["carry"]:
-                env[name] = inner[name]
+        yield from self._stream_block(op, env, buffer, frame)
 
 
 @dataclass(frozen=True)

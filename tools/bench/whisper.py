@@ -51,6 +51,7 @@ from common import (  # noqa: E402
     measure_bf16_peak,
     measure_read_bandwidth,
     percentile,
+    sync,
     table,
     write_json,
 )
@@ -58,6 +59,51 @@ from common import (  # noqa: E402
 WALK = ROOT / "models/whisper/whisper.walk"
 CLIP_SECONDS = 30.0
 RATE = 16000
+
+
+def clip(i: int) -> torch.Tensor:
+    """Request i's audio: one whole window (30 s) of seeded noise."""
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(int(CLIP_SECONDS * RATE), generator=g) * 0.1
+
+
+def request(i: int, tokens: int) -> dict[str, Any]:
+    """Request i: clip i in English, exactly `tokens` generated tokens (module docstring)."""
+    return {"audio": clip(i), "language": "en", "max_tokens": tokens, "min_tokens": tokens}
+
+
+def setup(variant: str, device: str, tokens: int) -> tuple[dict[str, Any], Any, Any]:
+    """The walk's VARIANT compiled and loaded on DEVICE, one Worker (dummy weights) and its
+    Conductor: (the plan's config, worker, conductor); `tokens` checked against the decoder's positions."""
+    from mstar_runtime.control.conductor import Conductor
+    from mstar_runtime.worker.worker import Worker
+
+    plan = compile_and_load(WALK, variant, device)
+    cfg = dict(plan.config)
+    if not 1 <= tokens <= int(cfg["target_positions"]) - 4:
+        raise SystemExit(f"--tokens must lie in [1, {int(cfg['target_positions']) - 4}]")
+    worker = Worker(plan, 0, device, "dummy")
+    return cfg, worker, Conductor(plan, {0: worker})
+
+
+def transcribe(conductor: Any, batch: list[dict[str, Any]], tokens: int,
+               device: str) -> tuple[list[dict[str, Any]], float]:
+    """BATCH's `transcribe` requests submitted together and run to the end: their outputs and
+    the wall seconds (the device synchronized on both sides); each must yield `tokens` tokens."""
+    from mstar_runtime.control.conductor import FINISHED
+
+    sync(device)
+    t0 = time.perf_counter()
+    hs = [conductor.submit("transcribe", r) for r in batch]
+    conductor.run_until_idle()
+    sync(device)
+    dt = time.perf_counter() - t0
+    for h in hs:
+        if h.state != FINISHED:
+            raise SystemExit(f"transcribe failed: {h.error}")
+        if h.outputs["tokens"].numel() != tokens:
+            raise SystemExit(f"a request generated {h.outputs['tokens'].numel()} tokens, not {tokens}")
+    return [h.outputs for h in hs], dt
 
 
 def floor_model(cfg: dict[str, Any], params: dict[str, int], value_bytes: int) -> dict[str, float]:
@@ -98,46 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from mstar_models.whisper.features import N_SAMPLES, log_mel, mel_filters
-    from mstar_runtime.control.conductor import FINISHED, Conductor
-    from mstar_runtime.worker.worker import Worker
 
     budget = Budget(args.budget)
     dev = args.device
     cuda = dev.startswith("cuda")
-    plan = compile_and_load(WALK, args.variant, dev)
-    cfg = dict(plan.config)
-    if not 1 <= args.tokens <= int(cfg["target_positions"]) - 4:
-        raise SystemExit(f"--tokens must lie in [1, {int(cfg['target_positions']) - 4}]")
-    worker = Worker(plan, 0, dev, "dummy")
-    conductor = Conductor(plan, {0: worker})
+    cfg, worker, conductor = setup(args.variant, dev, args.tokens)
     nodes = {n: worker.engines[n].node for n in ("encoder", "decoder")}
     params = {n: sum(p.numel() for p in m.parameters()) for n, m in nodes.items()}
     value_bytes = next(nodes["decoder"].parameters()).element_size()
 
-    def clip(i: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(1000 + i)
-        return torch.randn(int(CLIP_SECONDS * RATE), generator=g) * 0.1
-
-    def request(i: int) -> dict[str, Any]:
-        return {"audio": clip(i), "language": "en", "max_tokens": args.tokens, "min_tokens": args.tokens}
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
     def run(batch: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float]:
-        sync()
-        t0 = time.perf_counter()
-        hs = [conductor.submit("transcribe", r) for r in batch]
-        conductor.run_until_idle()
-        sync()
-        dt = time.perf_counter() - t0
-        for h in hs:
-            if h.state != FINISHED:
-                raise SystemExit(f"transcribe failed: {h.error}")
-            if h.outputs["tokens"].numel() != args.tokens:
-                raise SystemExit(f"a request generated {h.outputs['tokens'].numel()} tokens, not {args.tokens}")
-        return [h.outputs for h in hs], dt
+        return transcribe(conductor, batch, args.tokens, dev)
 
     peak = measure_bf16_peak(dev)
     bandwidth = measure_read_bandwidth(dev)
@@ -146,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                               "tokens": args.tokens, "bf16_peak_tflops": peak / 1e12,
                               "read_bandwidth_tbs": bandwidth / 1e12, "floor": fm}
 
-    run([request(0)])  # warm-up
-    lat = [run([request(0)])[1] for _ in range(args.repeats)]
-    ours0 = run([request(0)])[0][0]["tokens"].tolist()
+    run([request(0, args.tokens)])  # warm-up
+    lat = [run([request(0, args.tokens)])[1] for _ in range(args.repeats)]
+    ours0 = run([request(0, args.tokens)])[0][0]["tokens"].tolist()
     f1 = floor_seconds(fm, 1, args.tokens, peak, bandwidth)
     report["b1"] = {"p50_ms": 1e3 * percentile(lat, 50), "p90_ms": 1e3 * percentile(lat, 90),
                     "floor_ms": 1e3 * f1["total_s"], "encode_floor_ms": 1e3 * f1["encode_s"],
@@ -157,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for b in args.batches:
-        batch = [request(i) for i in range(b)]
+        batch = [request(i, args.tokens) for i in range(b)]
         run(batch)  # warm-up at this size
         best = min(run(batch)[1] for _ in range(max(1, min(args.repeats, 3))))
         fb = floor_seconds(fm, b, args.tokens, peak, bandwidth)
@@ -186,10 +203,10 @@ def main(argv: list[str] | None = None) -> int:
             got = generate(feats)
             times = []
             for _ in range(max(1, min(args.repeats, 3))):
-                sync()
+                sync(dev)
                 t0 = time.perf_counter()
                 generate(feats)
-                sync()
+                sync(dev)
                 times.append(time.perf_counter() - t0)
             return got, times
 

@@ -8,8 +8,11 @@ what the runtime will see, including `transfer` ops that `schedule` inserted.
 
 Requires: `loop` is a `loop` op as `schedule` builds it (`acc`, `index`, `dynamic`, `until`,
           `carry` and a `seq` body of `call` / `emit` / other ops with their plan fields).
+          (The loop's index, where it has one, is an argument like an invariant one whose
+          value counts the row's iterations from 0: the runtime keeps it as a column.)
 Ensures:  `cohort_mark(loop)` is None when the loop does not qualify, else
-          `{"call", "fed", "invariant", "emits"}` (and `"accs"` when the loop accumulates)
+          `{"call", "fed", "invariant", "emits"}` (and `"accs"` when the loop accumulates,
+          `"index"` when the call takes the loop's index)
           as the `schedule` pass documents (the rule is written out there, in its Ensures);
           `why_not(loop)` is None exactly when the loop qualifies, else the first rule it
           breaks, as a sentence. Both are pure and deterministic: `fed` and `invariant`
@@ -36,8 +39,6 @@ def why_not(loop: Mapping[str, Any]) -> str | None:
 
 
 def _analyse(loop: Mapping[str, Any]) -> tuple[Mark | None, str | None]:
-    if loop.get("index") is not None:
-        return None, f"it binds an index ({loop['index']})"
     body = loop.get("body") or {}
     ops = (body.get("body") if body.get("op") == "seq" else None) or []
     # value transfers that `schedule` placed before the call (a carried value first bound
@@ -84,9 +85,12 @@ def _analyse(loop: Mapping[str, Any]) -> tuple[Mark | None, str | None]:
         return None, "its accumulations are not one acc op each in its body"
     fed: list[list[str]] = []
     invariant: list[str] = []
+    index: list[str] = []
     for port, operand in sorted(call["args"].items()):
         if "var" not in operand:
             invariant.append(port)
+        elif loop.get("index") is not None and operand["var"] == loop["index"]:
+            index.append(port)  # the row's iteration count: a column the runtime counts up
         elif operand["var"] not in results:  # the call is the only binder in such a body
             invariant.append(port)
         elif operand["var"] in carry:
@@ -102,6 +106,8 @@ def _analyse(loop: Mapping[str, Any]) -> tuple[Mark | None, str | None]:
     mark: Mark = {"call": call["id"], "fed": fed, "invariant": invariant, "emits": emits}
     if accs:  # only then: the marks of loops without accs keep their bytes
         mark["accs"] = accs
+    if index:  # likewise
+        mark["index"] = index
     return mark, None
 
 

@@ -95,11 +95,12 @@ def program_lines(op: dict[str, Any], depth: int = 0) -> list[tuple[int, str]]:
 
 def _cohort(mark: dict[str, Any]) -> str:
     """A loop's cohort mark in one phrase: `cohort: fed token<-token, invariant actions,
-    acc fed<-token (in)`."""
+    index index, acc fed<-token (in)`."""
     fed = ", ".join(f"{dst}<-{src}" for dst, src in mark["fed"]) or "none"
     invariant = f", invariant {', '.join(mark['invariant'])}" if mark["invariant"] else ""
     accs = ", ".join(f"{name}<-{port} ({when})" for name, port, when in mark.get("accs") or ())
-    return f"cohort: fed {fed}{invariant}" + (f", acc {accs}" if accs else "")
+    index = f", index {', '.join(mark['index'])}" if mark.get("index") else ""
+    return f"cohort: fed {fed}{invariant}{index}" + (f", acc {accs}" if accs else "")
 
 
 def plan_view(plan: dict[str, Any]) -> dict[str, Any]:

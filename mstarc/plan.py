@@ -50,8 +50,9 @@ def requires(model: I.ModelIR, walks: Any = None) -> list[str]:
     """The features beyond schema 1.1 the plan uses, which a runtime must implement to run it
     (docs/plan-format.md): `kv_reads` (a call attends to other KV contexts),
     `input_streams` (a walk input arrives in chunks through a stream), `stream_loops` (an
-    `on_stream` op with `carry` runs in line, a loop over the chunks) and `cohort_accs` (a
-    cohort-marked loop accumulates values: its mark's `accs`, in the step programs `walks`)."""
+    `on_stream` op with `carry` runs in line, a loop over the chunks), `cohort_accs` (a
+    cohort-marked loop accumulates values: its mark's `accs`, in the step programs `walks`)
+    and `cohort_index` (a cohort-marked loop's call takes the loop's index: its mark's `index`)."""
     out = []
     if any(ph.reads for n in model.nodes.values() for ph in n.phases.values()):
         out.append("kv_reads")
@@ -60,19 +61,20 @@ def requires(model: I.ModelIR, walks: Any = None) -> list[str]:
     if any(isinstance(r, I.OnStream) and r.carry is not None
            for w in model.walks.values() for r in I.iter_regions(w.body)):
         out.append("stream_loops")
-    if walks is not None and _marks_accs(walks):
-        out.append("cohort_accs")
+    for key in ("accs", "index"):
+        if walks is not None and _marks(walks, key):
+            out.append(f"cohort_{key}")
     return out
 
 
-def _marks_accs(value: Any) -> bool:
-    """Whether a loop op anywhere in `value` (step programs) has a cohort mark with `accs`;
+def _marks(value: Any, key: str) -> bool:
+    """Whether a loop op anywhere in `value` (step programs) has a cohort mark with `key`;
     iterative, as a program may nest deeper than Python's recursion limit."""
     stack = [value]
     while stack:
         v = stack.pop()
         if isinstance(v, dict):
-            if v.get("op") == "loop" and (v.get("cohort") or {}).get("accs"):
+            if v.get("op") == "loop" and (v.get("cohort") or {}).get(key):
                 return True
             stack.extend(v.values())
         elif isinstance(v, list):

@@ -197,8 +197,10 @@ def test_prefix_kv_and_one_velocity_equal_the_reference(reference: PI05Reference
 # ------------------------------------------------------------------------------ walk
 def test_action_chunks_equal_the_reference(engine: MStar, reference: PI05Reference) -> None:
     """Three requests with 1, 2 and 3 cameras, batched: each chunk equals LeRobot's sample_actions
-    on the same noise (missing cameras masked, the prompt padded)."""
+    on the same noise (missing cameras masked, the prompt padded). The denoise loop runs as a
+    decode cohort: every request's flow_steps steps are cohort row steps."""
     requests = [_inputs(seed, cams) for seed, cams in ((1, 1), (2, 2), (3, 3))]
+    before = engine.stats()
     handles = [engine.submit("act_noise", {"images": im, "instruction": ins, "state": st, "noise": nz})
                for im, ins, st, nz in requests]
     for h, (images, instruction, state, noise) in zip(handles, requests, strict=True):
@@ -208,6 +210,8 @@ def test_action_chunks_equal_the_reference(engine: MStar, reference: PI05Referen
         expect = reference.sample_actions(cams, masks, tokens, mask, noise[None])[0]
         torch.testing.assert_close(out["actions"], expect, atol=1e-5, rtol=1e-5)  # measured: 2.4e-7
         assert not torch.allclose(out["actions"], noise, atol=1e-2)
+    # 3 rows of flow_steps steps each: at least flow_steps cohort steps (rows may join apart)
+    assert engine.stats()["cohort_steps"] - before["cohort_steps"] >= TINY.flow_steps
 
 
 def test_seeded_noise_is_the_request_seed(engine: MStar) -> None:

@@ -16,8 +16,8 @@ Ensures:  `model.cuda_graphs` lists one `GraphCaptureIR` per captured (node, pha
           16384, the runtime's cap), at least the smallest; a phase that reads other KV
           contexts (`reads`) is never captured by its shapes (a generic step replays one
           context per entry, so the runtime runs every reading step of the generic path
-          eagerly), only as a recurrent step below that is the one call of a loop without
-          an index: its buckets are then those of the decode cohort that runs the loop
+          eagerly), only as a recurrent step below that is the one call of its loop: its
+          buckets are then those of the decode cohort that runs the loop
           (the cohort's graph attends to the read contexts inside the capture;
           engine/cohort_engine.py).
           A KV phase with symbolic input dims is captured too when it is a recurrent loop
@@ -165,7 +165,7 @@ def _recurrent_steps(model: I.ModelIR, walk: I.WalkIR) -> set[str]:
             if node.engine != "kv":
                 continue
             phase = node.phases[c.phase]
-            if phase.reads and (len(own) > 1 or loop.index):  # only a cohort (one call, no index) replays it
+            if phase.reads and len(own) > 1:  # only a cohort (its loop's one call) replays it
                 continue
             produced = dict(zip(c.results, phase.outputs))  # value -> the output port that binds it
             fed_back, ok = False, True

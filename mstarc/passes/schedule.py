@@ -19,9 +19,8 @@ Ensures:  every region's body is emitted in a topological order of the graph's d
           `on_stream` (the buffer it drains), `emit`, `acc`, `fork`, and `transfer`
           (a value copied between ranks, placed right before the step that needs it).
           Every `loop` has a `cohort` mark (computed by `mstarc.cohorts.cohort_mark` on the
-          emitted op): null, or `{call, fed, invariant, emits[, accs]}` when the loop is a
-          steady-state cohort. The rule, all of which must hold:
-            - its `index` is null;
+          emitted op): null, or `{call, fed, invariant, emits[, accs][, index]}` when the
+          loop is a steady-state cohort. The rule, all of which must hold:
             - its body is a `seq` of value transfers into the call (a var it takes, to its
               rank: a carried value first bound on another rank), then `acc`s of carried
               vars the call rebinds, then one `call`, then only `emit`s of mode `append`
@@ -30,7 +29,8 @@ Ensures:  every region's body is emitted in a topological order of the graph's d
             - (the call may run on one rank or on the ranks of its node's
               tensor-parallel group: every rank of the group runs the column step);
             - every argument of the call is a const, or a result of that call named in
-              the loop's `carry` (fed back), or a var bound nowhere in the body (invariant);
+              the loop's `carry` (fed back), or the loop's index, or a var bound nowhere
+              in the body (invariant);
             - a dynamic loop's `until` is a result of that call;
             - every `feeds` entry of the call names one of its result ports.
           Then `call` is the call's id, `fed` the `[input port, output port]` pairs of the
@@ -38,7 +38,8 @@ Ensures:  every region's body is emitted in a topological order of the graph's d
           (both sorted by input port), `emits` the `[walk output, output port]` pairs of
           the emits in body order, and `accs` (only when the loop has accs) the
           `[acc name, output port, "in" | "out"]` of its acc ops in body order (before
-          the call, or after it). Fixed and dynamic loops both qualify.
+          the call, or after it), and `index` (only when the call takes the loop's
+          index) the input ports bound to it, sorted. Fixed and dynamic loops both qualify.
           The program is a pure function of the IR: the same model gives the same bytes.
 Fails when: never (everything it needs was checked by earlier passes).
 """

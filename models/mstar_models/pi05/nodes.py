@@ -17,6 +17,8 @@
   where layer l's 50 queries attend in one softmax over the VLM's layer-l prefix K/V and
   over the chunk's own K/V (bidirectional within the chunk, kept nowhere: `keep=False`), at
   positions P .. P+49. The final adaptive norm, then `action_out_proj` in float32, gives v.
+  The denoise loop runs as a decode cohort (`cohort_phase`): every live request's chunk in
+  one step per Euler step, its index a column, captured as a CUDA graph per batch bucket.
 - `Flow` (stateless): `init(seed) -> (x)` N(0, 1) noise from the request's seed (a CPU
   generator: the same noise on every device), `start(noise) -> (x)` given noise (checked:
   [horizon, action_dim], finite), `finish(x, dims) -> (actions, dims)`.
@@ -49,6 +51,7 @@ from mstar_models.layers.embedding import VocabEmbedding
 from mstar_models.layers.init import seeded_init_
 from mstar_models.layers.mlp import GatedMLP
 from mstar_models.layers.norm import AdaptiveRMSNorm
+from mstar_runtime.ops.cohort import CohortPhase, CohortStep
 from mstar_runtime.ops.node import (
     AttentionContext,
     Batch,
@@ -263,6 +266,31 @@ class ActionExpert(_Gemma):
 
         x = x + self.dt * self.velocity(x, t, positions, attend)
         return [{"x": row} for row in x.unbind(0)]
+
+    def cohort_phase(self, phase: str) -> CohortPhase | None:
+        """`step` as a column step (runtime/mstar_runtime/ops/cohort.py): the denoise loop's
+        rows in one call, the same math as `phase_step` with the flow time from each row's
+        index column, the chunk's 50 tokens a block kept nowhere (`keep=False`) that attends
+        to the VLM's prefix and to itself (`attend_block`); no columns of its own."""
+        if phase != "step":
+            return None
+
+        def step(b: CohortStep) -> dict[str, torch.Tensor]:
+            if b.attend_block is None:
+                raise NodeError(f"node '{self.spec.name}': a cohort step of `step` needs the VLM's context "
+                                "(the engine gave no attend_block)")
+            x = b.inputs["x"].to(torch.float32)
+            # t = 1 + index dt, in float64 then rounded, as the host computes it for phase_step
+            t = (1.0 + b.inputs["index"].to(torch.float64) * self.dt).to(torch.float32)
+            positions = (b.read_lens[0][:, None] + torch.arange(self.horizon, device=x.device)).reshape(-1)
+
+            def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return b.attend_block(layer, q, k, v, 0)  # type: ignore[misc]  # checked above
+
+            return {"x": x + self.dt * self.velocity(x, t, positions, attend)}
+
+        return CohortPhase(join=lambda state, inputs: {}, step=step, leave=lambda state, cols, steps: None,
+                           tokens=self.horizon, keep=False)
 
 
 class Flow(StatelessNode):

@@ -114,6 +114,7 @@ class Cohort:
         self.kv_plan = kv_plan  # the call's inputs -> how a step uses the row's context (its node's kv_plan)
         self.read_rows = read_rows
         self.tokens: int | None = None  # KV tokens a row adds per step (the first row's kv_plan says)
+        self.keep = True  # whether a step keeps its tokens (the first row's kv_plan says): else no pages
         self.rows, self.max_len, self.max_pages, self.flush_every = rows, max_len, max_pages, flush_every
         self.host = host
         mark = op["cohort"]
@@ -162,25 +163,29 @@ class Cohort:
         return self.n < self.rows
 
     def join(self, request: Request, task: WalkTask, enter: EnterCohort, state_tag: str) -> None:
-        """Add a request as the last row (its KV context must hold at least one token).
-        RequestError declines it (nothing changes): a step of it would not add the cohort's
-        tokens and keep them, or its node's join refuses it."""
+        """Add a request as the last row (its KV context must hold at least one token, unless
+        its steps keep nothing). RequestError declines it (nothing changes): a step of it would
+        not add the cohort's tokens and keep them (or not) as the cohort's rows do, or its
+        node's join refuses it."""
         key = (request.id, state_tag)
         row = self.n
-        length = self.bm.seq_len(key)
         plan = self.kv_plan(enter.inputs)
-        if not plan.keep or plan.q_len < 1 or plan.q_len != (self.tokens or plan.q_len):
+        keep = plan.keep if self.tokens is None else self.keep
+        if plan.q_len < 1 or plan.q_len != (self.tokens or plan.q_len) or plan.keep != keep:
             raise RequestError(f"a step of {plan.q_len} tokens ({'kept' if plan.keep else 'not kept'}) in a cohort "
-                               f"of {self.tokens or plan.q_len}-token steps")
+                               f"of {self.tokens or plan.q_len}-token steps ({'kept' if keep else 'not kept'})")
+        own = key in self.bm
+        length = self.bm.seq_len(key) if own else 0
         limit = enter.count if enter.count is not None else self.max_iters
         pending = enter.env.get(self.op["until"]) if self.until_port is not None else None
         m = Member(request, task, enter, key, row, length, pending)
         fed = {in_port: enter.inputs[in_port] for in_port, _ in self.shape.fed}
         inv = {port: enter.inputs[port] for port in self.shape.invariant}
         reads = self.read_rows(request.id) if self.read_rows is not None else []
-        self.worker.cohort_join(self.key, row, request.id, state_tag, fed, inv, self.bm.page_table(key), length,
+        pages = self.bm.page_table(key) if own else []
+        self.worker.cohort_join(self.key, row, request.id, state_tag, fed, inv, pages, length,
                                 steps=limit, tokens=plan.q_len, reads=reads)
-        self.tokens = plan.q_len
+        self.tokens, self.keep = plan.q_len, plan.keep
         self.members.append(m)
         self._by_request[request.id] = m
         self._joined.append(m)
@@ -188,7 +193,7 @@ class Cohort:
             self._flags.append(m)
         self.lens[row], self.iters[row], self.valid[row], self.since[row] = length, 0, 0, 0
         self.limit[row] = NEVER if limit is None else limit
-        self.pages[row] = len(self.bm.page_table(key))
+        self.pages[row] = len(pages)
         for p in self.item_ports:
             self.nitems[p][row] = self.flushed[p][row] = self.pushed[p][row] = 0
         self.due[row] = self._next_due(m, 0)
@@ -220,7 +225,8 @@ class Cohort:
         n = self.n
         result = self.worker.cohort_step(self.key, n)
         result.index = self.step_index
-        self.lens[:n] += self.tokens or 1
+        if self.keep:
+            self.lens[:n] += self.tokens or 1
         self.iters[:n] += 1
         self.stats["steps"] += 1
         self.stats["row_steps"] += n
@@ -250,7 +256,9 @@ class Cohort:
 
     def _reserve_pages(self) -> bool:
         """The pages every row's next step writes into (one where its next token starts a page;
-        as many as its block spans); False when no row is left to step."""
+        as many as its block spans; none when it keeps nothing); False when no row is left to step."""
+        if not self.keep:
+            return bool(self.members)
         ps, q = self.bm.page_size, self.tokens or 1
         while self.members:
             n = self.n
@@ -284,7 +292,7 @@ class Cohort:
 
     def _sync_lengths(self) -> None:
         """Tell the BlockManager every row's length (a preemption may look at them)."""
-        for m in self.members:
+        for m in self.members if self.keep else ():
             self.bm.set_length(m.key, int(self.lens[m.row]))
 
     # ------------------------------------------------------------------ outputs and events
@@ -396,8 +404,9 @@ class Cohort:
         wasted = int(self.iters[r]) - valid  # read before _drop_row moves the last row here
         self.stats["wasted_steps"] += wasted
         m.request.stats.steps += int(self.iters[r])
-        self.bm.set_length(m.key, int(self.lens[r]))
-        self.bm.truncate(m.key, m.join_len + valid * (self.tokens or 1))  # the speculative step after the last valid one
+        if self.keep:
+            self.bm.set_length(m.key, int(self.lens[r]))
+            self.bm.truncate(m.key, m.join_len + valid * (self.tokens or 1))  # the speculative step after the last valid one
         self.worker.cohort_leave(self.key, r, m.key[0], m.key[1], int(self.iters[r]))
         carry = {}
         if valid:
@@ -486,7 +495,7 @@ def cohort_shape(op: dict[str, Any], ports: dict[str, PortSpec], reads: tuple[Co
     """What the worker's columns need to know of a marked loop's call (from its `cohort` mark)."""
     mark, call = op["cohort"], cohort_call(op)
     return CohortShape(call["phase"], tuple(tuple(f) for f in mark["fed"]), tuple(mark["invariant"]), tuple(ports),
-                       reads)
+                       reads, tuple(mark.get("index") or ()))
 
 
 def port_specs(node_outputs: dict[str, Any], phase_outputs: tuple[str, ...]) -> dict[str, PortSpec]:

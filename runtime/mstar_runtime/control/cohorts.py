@@ -7,7 +7,8 @@ sees the cohort as one standing group of its rows, and a cohort step replaces th
 reservation and the batched step for its rows. The node may be in a worker process (its
 cohort calls are messages, worker/remote_cohort.py) or at tp > 1 (every rank of its group
 runs each call, `tp_dispatch.TPCohort`). `path="generic"` keeps every loop in the
-interpreter. A loop that reads other contexts is never a cohort.
+interpreter. A loop whose call reads other contexts is a cohort whose rows carry their read
+tables, unless the plan moves such a context between ranks (the generic step moves it).
 
 `Cohorts` makes each loop's `Cohort` on first use and keeps the issue order of each one's
 next step (`order`), which the scheduler weighs against the ready calls. What a cohort or a
@@ -150,6 +151,17 @@ class Cohorts:
         except WorkerLost as e:
             self.host.stop(e)
 
+    @staticmethod
+    def _extends(cohort: Cohort, key: tuple[str, str], y: EnterCohort) -> bool:
+        """Whether the row's steps have a context to extend: one of at least a token, unless
+        they keep nothing (π0.5's expert); a call the node's kv_plan refuses goes generic (the
+        generic step reports it)."""
+        try:
+            keep = cohort.kv_plan(y.inputs).keep
+        except RequestError:
+            return False
+        return not keep or (key in cohort.bm and cohort.bm.seq_len(key) >= 1)
+
     def _join(self, req: Request, task: WalkTask, y: EnterCohort) -> None:
         cohort = self._cohort_for(y.op)
         call = cohort_call(y.op)
@@ -160,7 +172,7 @@ class Cohorts:
                 and not self.host.move_in(req, call["node"], tag, str(call.get("id")), tuple(call["ranks"])[0],
                                           lambda: not req.done and task in req.tasks)):
             return  # the request failed or was preempted meanwhile: its task is gone
-        if cohort is None or not cohort.has_room() or key not in cohort.bm or cohort.bm.seq_len(key) < 1:
+        if cohort is None or not cohort.has_room() or not self._extends(cohort, key, y):
             self.host.resume(task)
             return
         if cohort.n == 0:  # an idle cohort's next step is as old as this request's arrival there

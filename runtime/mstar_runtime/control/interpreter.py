@@ -465,7 +465,9 @@ class Interpreter:
         its carried values are bound and what it could not push is pushed. False: the
         conductor declined, and the caller runs the loop itself."""
         call = cohort_call(op)
-        inputs = {port: resolve(self._value(arg, env)) for port, arg in call["args"].items()}
+        # the index ports' first value (the cohort counts them up per row)
+        at = {**env, op["index"]: 0} if op.get("index") else env
+        inputs = {port: resolve(self._value(arg, at)) for port, arg in call["args"].items()}
         done: CohortExit | None = yield EnterCohort(op, env, frame, inputs, count)
         if done is None:
             return False

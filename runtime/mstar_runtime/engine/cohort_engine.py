@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from mstar_runtime.kv.attention import AttentionMetadata, KVPool, paged_attention
 from mstar_runtime.kv.block_table import BlockTable, decode_attention, pinned
@@ -47,6 +48,7 @@ class CohortShape:
     invariant: tuple[str, ...]  # loop-invariant input ports
     outputs: tuple[str, ...]  # every output port of the phase, in the plan's order
     reads: tuple[CohortRead, ...] = ()  # the contexts the phase reads, in its `reads` order
+    index: tuple[str, ...] = ()  # input ports bound to the loop's index: a column from 0, +1 a step
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,23 @@ class CohortResult:
         return out
 
 
+def _block_attention(pool: KVPool, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor,
+                     offsets: torch.Tensor, mask: torch.Tensor, rows: int, q_len: int, scale: float | None) -> torch.Tensor:
+    """Each row's Q queries over its read context's tokens (`pages`/`offsets` `[rows, K]`,
+    `mask` `[rows, K + Q]`) and the block's own K/V, in one softmax, in float32 (as the generic
+    step's read attention); pure tensor code (captured inside a cohort graph)."""
+    heads, dim = q.shape[1], q.shape[2]
+    kvh = k.shape[1]
+    compute = torch.promote_types(q.dtype, torch.float32)
+    data = pool.data[layer]
+    keys = torch.cat([data[pages, 0, offsets].to(compute), k.reshape(rows, q_len, kvh, dim).to(compute)], dim=1)
+    values = torch.cat([data[pages, 1, offsets].to(compute), v.reshape(rows, q_len, kvh, dim).to(compute)], dim=1)
+    out = F.scaled_dot_product_attention(
+        q.reshape(rows, q_len, heads, dim).to(compute).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=heads != kvh)
+    return out.transpose(1, 2).reshape(rows * q_len, heads, dim).to(q.dtype)
+
+
 def _pack(outputs: Mapping[str, torch.Tensor], keys: Sequence[str], n: int) -> tuple[list, Any, Any]:
     """The outputs as one int64 and one float32 tensor `[n, width]` (None when there is none), and their layout."""
     ints, floats, layout = [], [], []
@@ -133,7 +152,8 @@ class CohortColumns:
             raise NodeError(f"node '{node}': phase '{shape.phase}' reads {len(shape.reads)} contexts, "
                             f"got {len(read_pools)} pools")
         self.pool, self.cphase, self.shape, self.rows = pool, phase, shape, rows
-        self.tokens = phase.tokens  # KV tokens a row adds per step
+        self.tokens = phase.tokens  # KV tokens a row adds per step (or, not `keep`, attends as a block)
+        self.keep = phase.keep
         self.device, self.scale, self.node, self.q_heads = device, scale, node, q_heads
         self.graphs = graphs  # capture and replay per batch bucket (a GPU with FlashInfer), or None: eager
         self.eager_attention = eager_attention  # a FlashInferCohortDecode for eager GPU steps, or None
@@ -144,11 +164,14 @@ class CohortColumns:
         self.fed: dict[str, torch.Tensor] = {}  # read at a step's start, overwritten at its end
         self.inv: dict[str, torch.Tensor] = {}
         self.cols: dict[str, torch.Tensor] = {}
+        self.index = {port: torch.zeros(rows, dtype=torch.long, device=device) for port in shape.index}
         self.n = 0
         self.n_dev = torch.zeros((), dtype=torch.long, device=device)  # active rows, for padded (graphed) steps
         self._keys: list[str] | None = None
         self._arange = torch.arange(max(rows, self.tokens), device=device)
         self.reads = [ReadColumns(p, rows, r.max_pages, device, 0) for r, p in zip(shape.reads, read_pools, strict=True)]
+        # every token position a read table spans (attend_block gathers them all, masked by length)
+        self._read_pos = [torch.arange(rc.table.max_pages * rc.pool.page_size, device=device) for rc in self.reads]
         self.eager_reads = list(eager_reads) or [None] * len(self.reads)
 
     # ------------------------------------------------------------------ rows
@@ -190,6 +213,8 @@ class CohortColumns:
             self._put(self.fed, port, row, value, self.rows, self.device)
         for port, value in invariant.items():
             self._put(self.inv, port, row, value, self.rows, self.device)
+        for col in self.index.values():
+            col[row] = 0
         with torch.inference_mode():
             joined = self.cphase.join(state, invariant)
         for name, value in joined.items():
@@ -215,7 +240,7 @@ class CohortColumns:
         self.lens[dst] = self.lens[src]
         for rc in self.reads:
             rc.move(src, dst)
-        for store in (self.fed, self.inv, self.cols):
+        for store in (self.fed, self.inv, self.cols, self.index):
             for col in store.values():
                 col[dst].copy_(col[src])
 
@@ -245,7 +270,8 @@ class CohortColumns:
         else:
             self.n_dev.fill_(n)
             packed = graphs.replay(self, bucket, n)
-        self.host_lens[:n] += self.tokens
+        if self.keep:
+            self.host_lens[:n] += self.tokens
         layout, ints, floats = packed
         return CohortResult(n, layout, Readback(ints[:n]) if ints is not None else None,
                             Readback(floats[:n]) if floats is not None else None)
@@ -273,6 +299,9 @@ class CohortColumns:
             max_len = int(self.host_lens[:n].max()) + q_len
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if not self.keep:
+                raise NodeError(f"node '{self.node}': phase '{self.shape.phase}' keeps nothing; its step attends "
+                                "through attend_block")
             pool.write(layer, k, v, slots)
             if attention is not None:
                 return attention.run(q, layer)
@@ -281,28 +310,51 @@ class CohortColumns:
         read_max = [int(rc.host_lens[:n].max()) if eager and n else 0 for rc in self.reads]
 
         def attend_to(layer: int, q: torch.Tensor, j: int = 0) -> torch.Tensor:
+            if not self.keep:
+                raise NodeError(f"node '{self.node}': phase '{self.shape.phase}' keeps nothing; its step attends "
+                                "through attend_block")
             a = read_attention[j] if read_attention else None
             if a is not None:
                 return a.run(q, layer)
             rc = self.reads[j]
             return decode_attention(q, rc.pool, layer, rc.table.device, rc.lens[:rows], read_max[j], scale, q_len)
 
+        layouts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # read j -> its gather, once a step
+
+        def attend_block(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, j: int = 0) -> torch.Tensor:
+            if j not in layouts:
+                layouts[j] = self._block_layout(j, rows, q_len)
+            return _block_attention(self.reads[j].pool, layer, q, k, v, *layouts[j], rows, q_len, scale)
+
         inputs = {port: buf[:rows] for port, buf in self.fed.items()}
         inputs.update({port: col[:rows] for port, col in self.inv.items()})
+        inputs.update({port: col[:rows] for port, col in self.index.items()})
         cols = {name: col[:rows] for name, col in self.cols.items()}
         with torch.inference_mode():
             out = self.cphase.step(CohortStep(rows, inputs, cols, positions, attend, self.device,
-                                              attend_to if self.reads else None))
+                                              attend_to if self.reads else None,
+                                              attend_block if self.reads else None,
+                                              tuple(rc.lens[:rows] for rc in self.reads)))
             keys = self._keys or self._check(out)
             self._keys = keys
             for in_port, out_port in self.shape.fed:
                 dst = self.fed[in_port][:rows]
                 dst.copy_(out[out_port].reshape(dst.shape))
-            if eager:
-                self.lens[:rows] += q_len
-            else:
-                self.lens[:rows] += active.long() * q_len
+            for col in self.index.values():
+                col[:rows].add_(1)
+            if self.keep:  # else the block is thrown away: the row's context stays as it is
+                self.lens[:rows] += q_len if eager else active.long() * q_len
             return _pack(out, keys, rows)
+
+    def _block_layout(self, j: int, rows: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Read context j's gather for `attend_block`: every row's pages and offsets of all the
+        positions its table spans, and the mask over them (< the row's length) and the block."""
+        rc, pos = self.reads[j], self._read_pos[j]
+        ps = rc.pool.page_size
+        pages = rc.table.device[:rows][:, pos // ps].long()  # [rows, K]
+        seen = pos[None, :] < rc.lens[:rows, None]
+        mask = torch.cat([seen, torch.ones(rows, q_len, dtype=torch.bool, device=pos.device)], dim=1)
+        return pages, pos % ps, mask
 
     def _check(self, out: Mapping[str, torch.Tensor]) -> list[str]:
         keys = []
@@ -371,7 +423,10 @@ class CohortGraphs:
         return self.buckets[i] if i < len(self.buckets) else None
 
     def _attention(self, cols: CohortColumns, bucket: int) -> tuple[Any, list[Any]]:
-        """A bucket's own attention and one per read context, unplanned."""
+        """A bucket's own attention and one per read context, unplanned (none for a block that
+        keeps nothing: it attends by gathers, `attend_block`)."""
+        if not cols.keep:
+            return None, [None] * len(cols.reads)
         own = self.make_attention(bucket, bucket * max(cols.table.max_pages, -(-cols.tokens // cols.pool.page_size)))
         return own, [make(bucket, bucket * rc.table.max_pages) for (_, make), rc in zip(self.reads, cols.reads,
                                                                                        strict=True)]
@@ -381,6 +436,8 @@ class CohortGraphs:
         over Q tokens of the scratch page (as `graphs.pad_step` pads a fixed-block step); and
         each read's, the pad rows over one token of its pool's scratch page."""
         own, reads = attention
+        if own is None:
+            return
         q = cols.tokens
         self._plan_one(own, cols.table, cols.host_lens[:n] + q, cols.pool.page_size, self.scratch_page, q, q,
                        bucket, cols.q_heads)
@@ -404,7 +461,7 @@ class CohortGraphs:
         attention.plan(step, q_heads)
 
     def _capture(self, cols: CohortColumns) -> None:
-        saved = [(t, t.clone()) for store in (cols.fed, cols.inv, cols.cols) for t in store.values()]
+        saved = [(t, t.clone()) for store in (cols.fed, cols.inv, cols.cols, cols.index) for t in store.values()]
         saved.append((cols.lens, cols.lens.clone()))
         cols.n_dev.fill_(0)
         pool = torch.cuda.graph_pool_handle()

@@ -26,7 +26,14 @@ causal mask inside it: V-JEPA's frame block, `CohortPhase.tokens`):
   KV contexts (`reads` in the walk: Whisper's decoder over its `cross` context) attends to
   them through `batch.attend_to(layer, q, j)`: row r's queries over the whole of its j-th
   read context (the phase's `reads` order), writing nothing; the contexts are taken as they
-  are when the row joins (a loop never writes what its step reads). An
+  are when the row joins (a loop never writes what its step reads). A phase that keeps
+  nothing (`CohortPhase.keep` False: π0.5's action expert, a block of `tokens` that sees
+  its reads and itself and is thrown away) attends through `batch.attend_block(layer, q, k,
+  v, j)` instead: row r's Q queries in one softmax over its j-th read context and the
+  block's own Q keys (every query sees every key), writing nothing (`batch.attend` is then
+  refused: the row's own context does not grow); `batch.read_lens[j]` `[n]` gives each
+  row's length of that context. An input bound to the loop's index (the mark's `index`)
+  is `batch.inputs[port]`, int64 `[n]`: the row's step count from 0. An
   output whose type has a symbolic first dim (an item list such as Orpheus' 0-or-1-item
   `code`) is returned as `port` `[n, K]` (K = `max_items`) and `port:count` `[n]` (int: how
   many of the K are items). A bool port is `[n]`.
@@ -48,6 +55,7 @@ import torch
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 AttendTo = Callable[[int, torch.Tensor, int], torch.Tensor]
+AttendBlock = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 Columns = dict[str, torch.Tensor]
 
 
@@ -62,6 +70,8 @@ class CohortStep:
     attend: Attend  # writes the rows' new K/V and attends over each row's context
     device: torch.device
     attend_to: AttendTo | None = None  # (layer, q, j) -> attention over read context j (None: the phase reads none)
+    attend_block: AttendBlock | None = None  # (layer, q, k, v, j): read context j and the block (a phase that reads)
+    read_lens: tuple[torch.Tensor, ...] = ()  # int64 [n] per read context: its length
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,7 @@ class CohortPhase:
     leave: Callable[[dict[str, Any], Columns, int], None]
     max_items: Mapping[str, int] = field(default_factory=dict)  # item-list output port -> K
     tokens: int = 1  # KV tokens each row adds per step (> 1: a block that sees itself whole)
+    keep: bool = True  # False: the block's K/V are kept nowhere (it attends through attend_block)
     # the most steps a joining row can run, from its node state and invariant inputs (a node's
     # position bound, say), or None: unbounded. A loop that would run more is declined at join
     # (RequestError), so that the generic path reports the step that fails.
@@ -84,4 +95,4 @@ def count_key(port: str) -> str:
     return f"{port}:count"
 
 
-__all__ = ["Attend", "AttendTo", "CohortPhase", "CohortStep", "Columns", "count_key"]
+__all__ = ["Attend", "AttendBlock", "AttendTo", "CohortPhase", "CohortStep", "Columns", "count_key"]

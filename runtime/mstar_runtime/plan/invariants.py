@@ -262,6 +262,11 @@ class Invariants:
         for port in mark["invariant"]:
             if port not in phase.inputs:
                 self.add(f"{where}: its cohort holds input '{port}' invariant, which {fn} does not take")
+        for port in mark.get("index") or ():
+            if port not in phase.inputs:
+                self.add(f"{where}: its cohort counts input '{port}' as the index, which {fn} does not take")
+        if mark.get("index") and not op.get("index"):
+            self.add(f"{where}: its cohort counts an index, and the loop binds none")
         outputs = [o["name"] for o in program["outputs"]]
         for out, port in mark["emits"]:
             if out not in outputs:

@@ -121,7 +121,8 @@ def _raise_problems(path: str, problems: list[str]) -> None:
 # Plan features beyond schema 1.1 this runtime implements (docs/plan-format.md, "Required
 # features"); a plan that requires another one computes something else when its fields are
 # ignored, so it is refused before anything else is read.
-SUPPORTED_FEATURES: frozenset[str] = frozenset({"kv_reads", "input_streams", "stream_loops", "cohort_accs"})
+SUPPORTED_FEATURES: frozenset[str] = frozenset({"kv_reads", "input_streams", "stream_loops", "cohort_accs",
+                                                  "cohort_index"})
 
 
 def _check_requires(path: str, body: Mapping[str, Any]) -> None:

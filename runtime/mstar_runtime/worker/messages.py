@@ -306,7 +306,7 @@ class PackedPort:
 @dataclass(frozen=True, slots=True)
 class CohortOpen:
     """Conductor -> worker: make the device columns of cohort ``cohort`` (``node``'s
-    ``phase``, the loop's fed and invariant ports, the phase's outputs), answered by
+    ``phase``, the loop's fed, invariant and index ports, the phase's outputs), answered by
     ``CohortReply`` (``ok`` False: the node offers no column step for the phase)."""
 
     type: ClassVar[str] = "cohort_open"
@@ -320,6 +320,7 @@ class CohortOpen:
     rows: int
     max_pages: int
     reads: list[CohortRead] = field(default_factory=list)  # the contexts the phase reads, in its order
+    index: list[str] = field(default_factory=list)  # input ports bound to the loop's index
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -183,7 +183,7 @@ class _Server:
             self._cohort_step(msg)
         elif isinstance(msg, m.CohortOpen):
             shape = CohortShape(msg.phase, tuple((a, b) for a, b in msg.fed), tuple(msg.invariant), tuple(msg.outputs),
-                                tuple(msg.reads))
+                                tuple(msg.reads), tuple(msg.index))
             self.cohort_nodes[cid] = msg.node
             self._reply(msg.step_id, "",
                         lambda: w.cohort_open(cid, msg.node, shape, msg.rows, msg.max_pages))

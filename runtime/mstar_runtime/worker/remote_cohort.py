@@ -59,7 +59,7 @@ class RemoteCohorts:
         cid = self._cohort_ids.setdefault(key, len(self._cohort_ids) + 1)
         self._cohort_names[cid] = (node, shape.phase)
         msg = m.CohortOpen(0, cid, node, shape.phase, [list(f) for f in shape.fed], list(shape.invariant),
-                           list(shape.outputs), rows, max_pages, list(shape.reads))
+                           list(shape.outputs), rows, max_pages, list(shape.reads), list(shape.index))
         reply = self._ask(msg, node, "cohort_open", [])
         return reply.ok
 

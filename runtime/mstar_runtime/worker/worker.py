@@ -210,15 +210,22 @@ class Worker:
         heads = int(engine.node.spec.arch_args.get("heads", 0)) // max(engine.node.spec.tp_size, 1)
         graphs = eager = None
         eager_reads: list[Any] = []
-        if isinstance(engine.backend, FlashInferBackend) and all(unsupported(p) is None
-                                                                 for p in (engine.pool, *read_pools)):
+        runner = engine.graph_runners.get(shape.phase)
+        if not cphase.keep:
+            # a block kept nowhere attends by gathers and SDPA (`attend_block`), no FlashInfer:
+            # captured per bucket wherever the plan captures the step (a scratch page for pad rows)
+            if (runner is not None and engine.device.type == "cuda" and engine.pool.num_pages > engine.num_pages
+                    and os.environ.get(COHORT_GRAPHS_ENV, "1") != "0"):
+                graphs = CohortGraphs([b for b in runner.buckets if b <= rows] or [rows], engine.num_pages, None,
+                                      reads=[(e.num_pages, None) for e in readers])
+        elif isinstance(engine.backend, FlashInferBackend) and all(unsupported(p) is None
+                                                                   for p in (engine.pool, *read_pools)):
             eager = FlashInferCohortDecode(engine.backend, engine.pool, engine.scale, heads, cphase.tokens)
             # a read context's attention on the CUDA-core decode kernel, whose probabilities stay
             # float32: over Whisper's 1,500-frame cross context the tensor-core kernel's bf16
             # probabilities moved its tokens off float32's at the 3rd (tools/probes/whisper_paths.py)
             eager_reads = [FlashInferCohortDecode(engine.backend, p, engine.scale, heads, cphase.tokens,
                                                   tensor_cores=False) for p in read_pools]
-            runner = engine.graph_runners.get(shape.phase)
             # pad rows need a scratch page in every pool they touch
             has_scratch = all(e.pool.num_pages > e.num_pages for e in (engine, *readers))
             decoder = _graph_attention(engine, engine.pool, cphase.tokens)

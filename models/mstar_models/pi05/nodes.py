@@ -104,13 +104,15 @@ class _Gemma(KVNode):
         if self.heads % self.kv_heads or self.head_dim % 2:
             raise NodeError(f"node '{spec.name}': heads must be a multiple of kv_heads, head_dim even")
         self.factory = {"device": spec.device, "dtype": spec.dtype}
+        # on the node's device once: a host table copied up per step could not be captured
+        self.inv_freq = rotary.inv_freq(self.head_dim, ROPE_THETA).to(spec.device)
 
     @property
     def kv_geometry(self) -> KVGeometry:
         return KVGeometry(self.depth, self.kv_heads, self.head_dim)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary.rope_tables(positions, rotary.inv_freq(self.head_dim, ROPE_THETA), dtype)
+        return rotary.rope_tables(positions, self.inv_freq, dtype)
 
 
 class GemmaVLM(_Gemma):

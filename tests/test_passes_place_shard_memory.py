@@ -710,3 +710,24 @@ def test_a_codec_graph_pool_is_budgeted_per_window() -> None:
                                            "decoder_rates": [8, 8, 4, 2]}, 28)  # bf16
     assert snac_rank.graph_pool_bytes == 64 * per_window + 9 * 4 * MIB
     assert snac_rank.workspace_bytes == 64 * per_window + 256 * MIB  # a batch of windows, not 8192 "tokens"
+
+
+@needs_archs
+def test_pi05_pool_counts_the_captured_denoise_block_with_its_gathered_prefix() -> None:
+    """π0.5's expert step reads the VLM's prefix and is captured as its cohort's graphs: its
+    largest bucket (256 rows of a 50-token block) holds the block's activations and, per row,
+    the 968-token prefix gathered with the block in float32 (1 KV head, then 8 query heads,
+    head_dim 256) and two score tensors; plus 4 MiB for each of its 21 buckets. (Before, the
+    pool counted no reading step: 0 B.)"""
+    from mstarc.passes.memory import _act_bytes
+
+    path = ROOT / "models" / "pi05" / "pi05.walk"
+    model = verify(lower(parse_file(path, "pi05.walk"), "real", "pi05.walk"))
+    m = memory(shard_tp(place(model, load_placement(ROOT / "placements" / "h200x1.yaml", "h200x1.yaml"))))
+    act, logits = _act_bytes(m.nodes["expert"], m.sharding["expert"])
+    assert logits == 0  # the expert has no vocabulary
+    keys = 968 + 50
+    gathered = 2 * 4 * keys * 256 * (1 + 8) + 2 * 4 * 8 * 50 * keys
+    assert gathered == 22_021_376
+    # the only captured step of the plan (the vision tower and the VLM take symbolic shapes)
+    assert m.memory.ranks[0].graph_pool_bytes == 256 * (50 * act + gathered) + 21 * 4 * MIB

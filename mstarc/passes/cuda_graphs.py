@@ -121,6 +121,22 @@ def graphed_phases(node: I.NodeIR) -> list[I.PhaseIR]:
     return [ph for ph in node.phases.values() if _fixed_shape(node, ph)]
 
 
+def reading_steps(model: I.ModelIR) -> dict[str, tuple[str, ...]]:
+    """Per node, the phases that read other contexts and that a loop runs as its recurrent
+    step, which the pass captures (as the decode cohort's graphs) where the node is graphed:
+    what the memory pass budgets a pool for besides `graphed_phases`. The call's tag does not
+    matter here: the read context's length is its node's longest (the memory pass's)."""
+    out: dict[str, set[str]] = {}
+    for walk in model.walks.values():
+        recurrent = _recurrent_steps(model, walk)
+        for c in I.walk_calls(walk):
+            node = model.nodes[c.node]
+            graphed = node.arch is not None and node.settings.get("cuda_graphs", True) is not False
+            if graphed and c.id in recurrent and node.phases[c.phase].reads:
+                out.setdefault(c.node, set()).add(c.phase)
+    return {n: tuple(sorted(p)) for n, p in sorted(out.items())}
+
+
 def cuda_graphs(model: I.ModelIR) -> I.ModelIR:
     pl = model.placement
     cuda_ranks = {r.rank for r in pl.ranks if r.type == "cuda"}

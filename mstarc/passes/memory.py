@@ -14,7 +14,13 @@ Ensures:  `model.memory` is a `MemoryIR` with, per rank:
              or fewer for a multi-row step: B * rows stays within `graph_max_tokens`). All
              buckets of a node share one pool, captured largest first, so the largest
              bucket's activations are what the pool holds; 4 MiB per bucket covers each
-             graph's executable and private allocations.
+             graph's executable and private allocations. A phase that reads other
+             contexts and that a loop runs as its recurrent step (`reading_steps`: the
+             decode cohort captures it) counts too; a reading block (rows > 1: the
+             cohort's `attend_block`) also holds, per row, its read context gathered in
+             float32 with the block at the KV and the query heads and two score tensors:
+             2 * 4 * (read + rows) * head_dim * (kv_heads + heads) + 2 * 4 * heads * rows
+             * (read + rows), read the longest context it reads.
   workspace  the largest over the rank's arch nodes (a worker runs one step at a time) of
              rows * act + max_batch * logits, plus 256 MiB on a cuda rank with an
              arch node (FlashInfer's 128 MiB float workspace and cuBLAS workspaces).
@@ -55,7 +61,13 @@ from typing import Any
 
 from mstarc import ir as I
 from mstarc.diagnostics import DiagnosticSink
-from mstarc.passes.cuda_graphs import batch_buckets, captured_buckets, graphed_phases, step_tokens
+from mstarc.passes.cuda_graphs import (
+    batch_buckets,
+    captured_buckets,
+    graphed_phases,
+    reading_steps,
+    step_tokens,
+)
 from mstarc.passes.shard_tp import ShardSpec, tensor_bytes_per_rank
 
 GIB = 1 << 30
@@ -135,7 +147,7 @@ def memory(model: I.ModelIR) -> I.ModelIR:
     for rank in pl.ranks:
         resident = [model.nodes[n] for n in pl.resident.get(rank.rank, ())]
         weights = {n.name: node_bytes[n.name] for n in resident}
-        graph, ws = _graph_pool_and_workspace(rank.type == "cuda", resident, sharding, pl.max_batch)
+        graph, ws = _graph_pool_and_workspace(model, rank.type == "cuda", resident, sharding, pl.max_batch)
         need = sum(weights.values()) + graph + ws
         if need > rank.memory_bytes:
             too_full.add(rank.rank)
@@ -183,6 +195,16 @@ def memory(model: I.ModelIR) -> I.ModelIR:
     return dataclasses.replace(model, memory=MemoryIR(pl.page_size, tuple(out), sources))
 
 
+def _read_len(model: I.ModelIR, phase: I.PhaseIR) -> int:
+    """The longest context a reading phase attends to besides its own, in tokens (a read
+    without a tag may be of any tag of its node: the longest)."""
+    lens = [0]
+    for r in phase.reads:
+        node = model.nodes[r.node]
+        lens.append(_tag_len(node, r.tag) if r.tag is not None else max(_tag_len(node, t) for t in node.tags))
+    return max(lens)
+
+
 def _tag_len(node: I.NodeIR, tag: str) -> int:
     """The longest context of one tag: its own `max_len`, else the node's max_seq_len."""
     return node.tag_max_len.get(tag) or _setting(node, "max_seq_len", DEFAULT_MAX_SEQ_LEN)
@@ -218,16 +240,18 @@ def _one_step_tokens(model: I.ModelIR, node: I.NodeIR) -> tuple[int, str]:
     return need, parts
 
 
-def _graph_pool_and_workspace(cuda: bool, resident: list[I.NodeIR], sharding: dict[str, ShardSpec],
-                              max_batch: int) -> tuple[int, int]:
+def _graph_pool_and_workspace(model: I.ModelIR, cuda: bool, resident: list[I.NodeIR],
+                              sharding: dict[str, ShardSpec], max_batch: int) -> tuple[int, int]:
     """The two estimates of the module docstring for one rank."""
     graph = ws = 0
+    reading = reading_steps(model) if cuda else {}
     for n in resident:
         if n.arch is None:
             continue
         act, logits = _act_bytes(n, sharding[n.name])
         if cuda:
-            graph += _graph_pool(n, act, logits, max_batch)
+            phases = tuple((n.phases[p], _read_len(model, n.phases[p])) for p in reading.get(n.name, ()))
+            graph += _graph_pool(n, act, logits, max_batch, phases)
         # act is per token (an eager step holds up to max_prefill_tokens of them), or per item
         # when the arch states its peak per row (a batch holds max_batch items)
         per_item = bool(_dims(n).get("activation_elements"))
@@ -296,13 +320,33 @@ def _kv_bytes_per_token(node: I.NodeIR, spec: ShardSpec) -> int:
     return 2 * kv.layers * heads * kv.head_dim * I.DTYPE_BYTES.get(node.dtype, 2)
 
 
-def _graph_pool(node: I.NodeIR, act: int, logits: int, max_batch: int) -> int:
+def _graph_pool(node: I.NodeIR, act: int, logits: int, max_batch: int,
+                reading: tuple[tuple[I.PhaseIR, int], ...] = ()) -> int:
     """A graphed node's pool: its largest captured step (bucket x rows per request of
-    activations, bucket x logits) and each bucket's graph; 0 for a node never captured."""
+    activations, bucket x logits, and for a reading block its gathered read context) and
+    each bucket's graph; 0 for a node never captured. `reading`: its captured reading
+    phases, each with the longest context it reads (tokens)."""
     buckets = batch_buckets(max_batch)
     largest, n_buckets = 0, 0
-    for phase in graphed_phases(node):
+    phases = [(ph, None) for ph in graphed_phases(node)] + list(reading)
+    for phase, read_len in phases:
         kept = captured_buckets(node, phase, buckets)
-        largest = max(largest, kept[-1] * (step_tokens(node, phase) * act + logits))
+        q = step_tokens(node, phase)
+        gathered = _block_read_bytes(node, q, read_len) if read_len is not None and q > 1 else 0
+        per_row = q * act + logits + gathered
+        largest = max(largest, kept[-1] * per_row)
         n_buckets = max(n_buckets, len(kept))
     return largest + n_buckets * GRAPH_BYTES_PER_BUCKET if n_buckets else 0
+
+
+def _block_read_bytes(node: I.NodeIR, q: int, read_len: int) -> int:
+    """What one row of a reading block holds at once in one layer of its captured step (the
+    runtime's `attend_block`: the read context gathered with the block, in float32): K and V
+    of read_len + q tokens at the KV heads, again at the query heads (SDPA's grouped-query
+    expansion), and two [heads, q, keys] float32 score tensors."""
+    kv = node.arch.kv if node.arch is not None else None
+    if kv is None:
+        return 0
+    heads = _dims(node).get("heads", kv.kv_heads)
+    keys = read_len + q
+    return 2 * 4 * keys * kv.head_dim * (kv.kv_heads + heads) + 2 * 4 * heads * q * keys

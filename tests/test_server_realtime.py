@@ -18,7 +18,8 @@ its `transcribe_live` walk, fed each append).
   live request and free its pages; out-of-order events are `error` events;
 - the second text turn's prefill finds the first turn's prompt pages in the prefix cache
   (`usage.input_token_details.cached_tokens`);
-- tools/bench/realtime.py against the Qwen3-Omni server;
+- tools/bench/realtime.py against the Qwen3-Omni server, and against a scripted server: its TTFT
+  counts the first non-empty text delta, and a turn whose `.done` text is empty has none;
 - in process: `StreamResampler` pieces join to `media.resample` of the whole (to float32 rounding).
 """
 
@@ -560,6 +561,49 @@ def test_the_benchmark_measures_ttfa(omni: Server, tmp_path: Path) -> None:
     assert [(r["sessions"], r["turns"], r["ok"], r["failed"]) for r in runs] == [(1, 2, 2, 0), (2, 4, 4, 0)]
     for r in runs:
         assert r["ttfa"]["n"] == r["turns"] and r["ttfa_first_turn"]["n"] == r["sessions"]
+        assert r["ttft"]["n"] == r["turns"] and r["empty_transcripts"] == 0  # the tiny vocabulary decodes
         assert 0 < r["ttfa"]["min"] <= r["ttfa"]["max"] <= r["turn"]["max"] and r["audio_s_per_s"] > 0
     source = (ROOT / "tools/bench/realtime.py").read_text()
     assert "import mstar_runtime" not in source and "from mstar_runtime" not in source  # any server's protocol
+
+
+def test_the_benchmark_times_the_first_text(tmp_path: Path) -> None:
+    """A scripted server: turn 1 sends an empty transcript delta, then after 0.2 s the text;
+    turn 2 only empty deltas and an empty `.done` (random weights' ids that decode to nothing)."""
+    import asyncio
+
+    from support import load_script
+    from websockets.asyncio.server import serve
+
+    bench = load_script("tools/bench/realtime.py", "bench_realtime")
+    turn = {"n": 0}
+
+    async def script(ws: object) -> None:
+        async def send(kind: str, **event: object) -> None:
+            await ws.send(json.dumps({"type": kind, **event}))  # type: ignore[attr-defined]
+
+        await send("session.created")
+        async for raw in ws:  # type: ignore[attr-defined]
+            kind = json.loads(raw)["type"]
+            if kind == "session.update":
+                await send("session.updated")
+            elif kind == "response.create":
+                said = "hi" if turn["n"] == 0 else ""
+                turn["n"] += 1
+                await send("response.audio_transcript.delta", delta="")
+                await send("response.audio.delta", delta=base64.b64encode(bytes(480)).decode())
+                await asyncio.sleep(0.2)
+                await send("response.audio_transcript.delta", delta=said)
+                await send("response.audio_transcript.done", transcript=said)
+                await send("response.done", response={"status": "completed"})
+
+    async def measure() -> dict:
+        async with serve(script, "127.0.0.1", 0) as server:
+            port = server.sockets[0].getsockname()[1]
+            args = bench.parse_args(["--url", f"ws://127.0.0.1:{port}/v1/realtime", "--turns", "2",
+                                     "--seconds", "0.2", "--timeout", "30"])
+            return await bench.run(args, 1, [bench.voiced(0.2, 140.0)], {})
+
+    r = asyncio.run(measure())
+    assert (r["ok"], r["empty_transcripts"], r["ttfa"]["n"], r["ttft"]["n"]) == (2, 1, 2, 1)
+    assert r["ttft"]["min"] >= 0.2 > r["ttfa"]["max"]

@@ -20,9 +20,14 @@ sessions at once; `--warmup` turns of one session go first, untimed.
 
 Figures per run (p50 / p90 / p99 / mean / min / max, seconds; linear-interpolation
 percentiles): `ttfa` from the commit to the first `response.audio.delta`, `ttft` to the
-first `response.audio_transcript.delta` (or `response.text.delta`), `turn` to
+first non-empty `response.audio_transcript.delta` (or `response.text.delta`), `turn` to
 `response.done`; `ttfa_first_turn` and `ttfa_later_turns` split TTFA by turn; the audio
-received (seconds of 16-bit samples at `--sample-rate`) per second of the run. A turn is
+received (seconds of 16-bit samples at `--sample-rate`) per second of the run;
+`empty_transcripts`, the ok turns whose `response.audio_transcript.done` (or
+`response.text.done`) text is empty: they have no TTFT, so its n is the ok turns less these.
+A model whose ids decode to nothing gives such turns: Qwen3-Omni at real size with `--weights
+dummy` has no checkpoint tokenizer, and the bundled 512-id one decodes 479 of its 152,064 ids
+(random weights' tokens land elsewhere: the reply is empty, TTFT n = 0). A turn is
 `ok` when its `response.done` says `completed` or `incomplete` and no `error` event came;
 the others count under `errors` by code. Exit status 1 when any turn failed, 2 for bad usage.
 
@@ -68,6 +73,7 @@ class Turn:
     ttft: float | None = None
     turn: float | None = None
     audio_bytes: int = 0
+    text_chars: int = 0  # of the reply's text, as its `.done` event gives it
     errors: list[str] = field(default_factory=list)
 
 
@@ -144,7 +150,10 @@ async def session(args: argparse.Namespace, who: int, turns: int, audio: list[by
                     t.ttfa = now if t.ttfa is None else t.ttfa
                     t.audio_bytes += len(base64.b64decode(event.get("delta", "")))
                 elif kind in ("response.audio_transcript.delta", "response.text.delta"):
-                    t.ttft = now if t.ttft is None else t.ttft
+                    if event.get("delta"):  # an empty piece is no text yet
+                        t.ttft = now if t.ttft is None else t.ttft
+                elif kind in ("response.audio_transcript.done", "response.text.done"):
+                    t.text_chars = len(event.get("transcript" if kind.endswith("transcript.done") else "text") or "")
                 elif kind == "error":
                     t.errors.append(str(event.get("error", {}).get("code")))
                 elif kind == "response.done":
@@ -181,6 +190,7 @@ async def run(args: argparse.Namespace, sessions: int, audio: list[bytes], extra
         "ttfa": stats([t.ttfa for t in ok]), "ttft": stats([t.ttft for t in ok]), "turn": stats([t.turn for t in ok]),
         "ttfa_first_turn": stats([t.ttfa for t in ok if t.index == 0]),
         "ttfa_later_turns": stats([t.ttfa for t in ok if t.index > 0]),
+        "empty_transcripts": sum(1 for t in ok if not t.text_chars),
         "audio_s_per_s": audio_s / wall if wall > 0 else None}
 
 
@@ -288,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         measure(args.url)
     print("\n" + report(rec["runs"]))
+    empty = sum(r["empty_transcripts"] for r in rec["runs"])
+    if empty:
+        print(f"{empty} of {sum(r['ok'] for r in rec['runs'])} ok turns had an empty transcript (no TTFT)")
     return 1 if any(r["failed"] for r in rec["runs"]) else 0
 
 

@@ -284,15 +284,17 @@ class CohortColumns:
         eager steps only)."""
         pool, ps, q_len = self.pool, self.pool.page_size, self.tokens
         positions = self.lens[:rows]
-        ar = self._arange[:rows]
-        at = positions[:, None] + self._arange[None, :q_len] if q_len > 1 else positions[:, None]  # [rows, Q]
-        page = self.table.device[ar[:, None], (at // ps).clamp(max=self.table.max_pages - 1)].long()
-        slots = page * ps + at % ps
-        if not eager:
-            active = ar < self.n_dev
-            assert self.graphs is not None
-            slots = torch.where(active[:, None], slots, self.graphs.scratch_page * ps + self._arange[:q_len] % ps)
-        slots = slots.reshape(-1)  # row r's block at r*Q .. r*Q+Q-1
+        slots = active = None
+        if self.keep:  # a phase that keeps nothing has no own pages: its rows write no slot
+            ar = self._arange[:rows]
+            at = positions[:, None] + self._arange[None, :q_len] if q_len > 1 else positions[:, None]  # [rows, Q]
+            page = self.table.device[ar[:, None], (at // ps).clamp(max=self.table.max_pages - 1)].long()
+            slots = page * ps + at % ps
+            if not eager:
+                active = ar < self.n_dev
+                assert self.graphs is not None
+                slots = torch.where(active[:, None], slots, self.graphs.scratch_page * ps + self._arange[:q_len] % ps)
+            slots = slots.reshape(-1)  # row r's block at r*Q .. r*Q+Q-1
         table, scale = self.table.device, self.scale
         if eager:
             kv_lens = positions + q_len
@@ -343,7 +345,7 @@ class CohortColumns:
             for col in self.index.values():
                 col[:rows].add_(1)
             if self.keep:  # else the block is thrown away: the row's context stays as it is
-                self.lens[:rows] += q_len if eager else active.long() * q_len
+                self.lens[:rows] += q_len if active is None else active.long() * q_len
             return _pack(out, keys, rows)
 
     def _block_layout(self, j: int, rows: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

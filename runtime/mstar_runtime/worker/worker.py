@@ -213,8 +213,9 @@ class Worker:
         runner = engine.graph_runners.get(shape.phase)
         if not cphase.keep:
             # a block kept nowhere attends by gathers and SDPA (`attend_block`), no FlashInfer:
-            # captured per bucket wherever the plan captures the step (a scratch page for pad rows)
-            if (runner is not None and engine.device.type == "cuda" and engine.pool.num_pages > engine.num_pages
+            # captured per bucket wherever the plan captures the step. Pad rows need no scratch
+            # page: they write no slot, and gather from read-table rows left filled with page 0
+            if (runner is not None and engine.device.type == "cuda"
                     and os.environ.get(COHORT_GRAPHS_ENV, "1") != "0"):
                 graphs = CohortGraphs([b for b in runner.buckets if b <= rows] or [rows], engine.num_pages, None,
                                       reads=[(e.num_pages, None) for e in readers])

@@ -1,5 +1,5 @@
 """Helpers the test files share instead of each holding a copy: compiling the corpus' walks,
-loading a tools/ script, summing Prometheus samples, a SIGALRM watchdog, a stand-in flashinfer, a float32 GPU, a transformers model saved as a checkpoint folder, a CUDA-graph capture, a KV engine driven
+a plan as a cohort or a generic run takes it, loading a tools/ script, summing Prometheus samples, a SIGALRM watchdog, a stand-in flashinfer, a float32 GPU, a transformers model saved as a checkpoint folder, a CUDA-graph capture, a KV engine driven
 with a BlockManager as the conductor drives it."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from mstar_runtime.engine.engines import KVCacheEngine, KVSlots, StepEntry
 from mstar_runtime.kv.block_manager import BlockManager
+from mstar_runtime.plan.loader import Plan, without_cohorts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,6 +60,17 @@ def compile_model(out: Path, model: str, placement: str | Path = "placements/cpu
                   variant: str | None = "tiny", weights: Path | None = None) -> Path:
     """`compile_walk` of models/<model>/<model>.walk."""
     return compile_walk(out, f"models/{model}/{model}.walk", placement, variant=variant, weights=weights)
+
+
+RUNS = ("cohort", "generic")  # a plan as compiled, and without its cohort marks (the reference)
+
+
+def as_run(plan: Plan, run: str) -> Plan:
+    """`plan` as run `run` of `RUNS` takes it: "cohort", as compiled (its marked loops run as
+    decode cohorts); "generic", without its cohort marks (`without_cohorts`: every loop
+    iteration by iteration), the reference a cohort run is compared with."""
+    assert run in RUNS, run
+    return plan if run == "cohort" else without_cohorts(plan)
 
 
 def load_script(path: str | Path, name: str | None = None) -> ModuleType:

@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks in tools/bench: bandwidth and matmul floors, compiling a plan, percentiles, memory, JSON, tables.
+"""Helpers shared by the benchmarks in tools/bench: bandwidth and matmul floors, compiling a plan, a plan for a
+step path, percentiles, memory, JSON, tables.
 
 Benchmarks run as scripts (`python tools/bench/X.py`), so this module is imported as a
 sibling (`from common import ...`, the script's folder is on sys.path) or as
@@ -97,6 +98,20 @@ def compile_and_load(walk: Path, variant: str, device: str) -> Any:
         if mstarc(["compile", str(walk), "--variant", variant, "-p", str(placement), "-o", str(out)]) != 0:
             raise SystemExit("compile failed")
         return load_plan(out, device="cuda" if cuda else "cpu")
+
+
+STEP_PATHS = ("cohort", "generic")  # what a benchmark's --path / --paths may name
+
+
+def on_path(plan: Any, path: str) -> Any:
+    """The Plan a benchmark runs for step path PATH: "cohort", the plan as compiled (its marked
+    loops run as decode cohorts); "generic", the plan without its cohort marks (`without_cohorts`:
+    every loop iteration by iteration, a step call per request per step), the baseline."""
+    from mstar_runtime.plan.loader import without_cohorts
+
+    if path not in STEP_PATHS:
+        raise SystemExit(f"unknown step path {path!r}; use one of: {', '.join(STEP_PATHS)}")
+    return plan if path == "cohort" else without_cohorts(plan)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

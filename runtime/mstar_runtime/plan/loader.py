@@ -28,6 +28,8 @@ A plan of an older minor schema (before 1.1) has no `cohort` on its loops: loadi
 every such loop `"cohort": None`, so readers of a loaded plan may use `op["cohort"]`; one
 before 1.3 has no `routes` on its walks (it declares no OpenAI route): each gets `[]`. Whether
 a walk fits the routes it declares is the server's check (`plan/routes.py`, at its load).
+`without_cohorts` gives a loaded plan's copy with every mark null (a reference that runs each
+loop iteration by iteration, for tests and benchmarks).
 
 Typed parts (ranks, nodes, KV pools, streams, transitions) are frozen dataclasses; each
 also answers `view["field"]` with the body's own JSON field, for code that follows the
@@ -41,6 +43,8 @@ runs them in order, checks the hardware and is the import path of all of them.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -76,7 +80,7 @@ from mstar_runtime.plan.views import (
 __all__ = ["DEVICES", "ENGINES", "NODE_DTYPES", "PROGRAM_OPS", "SUPPORTED_FEATURES", "ArchSpec", "KVPoolSpec",
            "KeepSpec", "PhaseSpec", "Plan", "PlanError", "PlanNode", "RankMemory", "RankSpec", "ReadSpec",
            "StreamSpec", "TransitionSpec", "UnknownWalk", "WeightFile", "WeightsSpec", "iter_ops", "load_plan",
-           "planfile"]
+           "planfile", "without_cohorts"]
 
 _MAX_PROBLEMS = 20  # a broken plan usually breaks in many places; the first few say enough
 
@@ -106,6 +110,19 @@ def load_plan(
         walk.setdefault("routes", [])
     resolved = _hardware_fit(where, parts, device, kv_pages_cap)
     return Plan(path=where, device=resolved, kv_pages_cap=kv_pages_cap, body=body, **parts)
+
+
+def without_cohorts(plan: Plan) -> Plan:
+    """A copy of `plan` whose loops carry no cohort mark, as a plan from before schema 1.1
+    reads: every loop runs in the interpreter, iteration by iteration (the generic path). The
+    per-iteration reference that tests and tools/bench compare decode cohorts with; serving
+    never calls it. `plan`'s own walk programs are left as they are (they are never mutated)."""
+    walks = copy.deepcopy(dict(plan.walks))
+    for walk in walks.values():
+        for op in iter_ops(walk["program"]):
+            if op.get("op") == "loop":
+                op["cohort"] = None  # type: ignore[index]  # the copy's own dicts
+    return dataclasses.replace(plan, walks=walks)
 
 
 def _raise_problems(path: str, problems: list[str]) -> None:

@@ -1,19 +1,11 @@
 """Shared pytest options and fixtures.
 
 - `--update-goldens` rewrites golden files instead of comparing.
-- `@pytest.mark.both_paths` (on a test, or a module's `pytestmark`) runs a test twice,
-  `[cohort]` and `[generic]`, with `$MSTAR_STEP_PATH` set to that step path for it (so a
-  `Conductor` it builds, or a subprocess it starts, takes that path); the `step_path` fixture
-  says which. Unmarked tests run as before, on the default path (cohort, unless the
-  environment says otherwise). Only what the test builds follows the parameter: a
-  module-scoped engine was built before, on the default path, so mark only tests that make
-  their own conductor, `MStar` or subprocess.
 """
 
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,27 +16,6 @@ import torch
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--update-goldens", action="store_true", default=False,
                      help="rewrite tests/golden/* from the current compiler output (review the diff!)")
-
-
-STEP_PATHS = ("cohort", "generic")  # mstar_runtime.control.conductor.STEP_PATHS
-STEP_PATH_ENV = "MSTAR_STEP_PATH"  # mstar_runtime.control.conductor.STEP_PATH_ENV
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if metafunc.definition.get_closest_marker("both_paths") is not None:
-        metafunc.parametrize("step_path", STEP_PATHS, indirect=True)
-
-
-@pytest.fixture(autouse=True)
-def step_path(request: pytest.FixtureRequest) -> str:
-    """The step path of this test: its `both_paths` parameter (set in `$MSTAR_STEP_PATH` for
-    the test), else the default one. Autouse, so that it is set before the test's other
-    function-scoped fixtures build anything."""
-    path = getattr(request, "param", None)
-    if path is None:
-        return (os.environ.get(STEP_PATH_ENV) or "cohort").strip().lower()
-    request.getfixturevalue("monkeypatch").setenv(STEP_PATH_ENV, path)
-    return path
 
 
 @pytest.fixture

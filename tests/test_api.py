@@ -99,7 +99,6 @@ def test_submit_result(m: MStar) -> None:
     assert same(m.generate("generate", prompt="hello", max_new=6), out)
 
 
-@pytest.mark.both_paths  # the direct conductor takes the parameter's path; `m` the default one
 def test_outputs_match_a_direct_conductor_run(m: MStar, testfamily_plan: Path) -> None:
     from mstar_runtime.control.conductor import Conductor
     from mstar_runtime.plan.loader import load_plan

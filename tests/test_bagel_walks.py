@@ -1,7 +1,7 @@
 """BAGEL's walks end to end on the tiny variant (CPU): every walk runs and writes its outputs; t2i
 equals a dense reference loop (three contexts, the official CFG combination, our VAE decoder);
-the CFG branches that are off or that repeat gen's context cost no forward; both step paths
-give the same text."""
+the CFG branches that are off or that repeat gen's context cost no forward; the decode loops
+as cohorts give the text of the plan without its cohort marks (the generic path)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+from support import as_run
 
 from mstar_models.bagel.flow import shifted_times
 from mstar_models.bagel.reference import ReferenceConfig, ReferenceContext
 from mstar_runtime.api import MStar
+from mstar_runtime.plan.loader import load_plan
 from tests.test_bagel_flow import official_velocity
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,10 +137,10 @@ def test_branches_off_or_equal_to_gen_cost_no_forward(engine: MStar) -> None:
     assert c.entries == 2 * len(ts)
 
 
-def test_both_step_paths_give_the_same_text(plan_path: Path) -> None:
+def test_cohorts_give_the_generic_paths_text(plan_path: Path) -> None:
     texts = {}
     for path in ("cohort", "generic"):
-        with MStar.load(plan_path, weights="dummy", step_path=path) as m:
+        with MStar.from_plan(as_run(load_plan(plan_path), path), weights="dummy") as m:
             hs = [m.submit("understand", {"image": image(32, 40, i), "question": f"question {i}",
                                           "max_length": 7}) for i in range(3)]
             hs.append(m.submit("chat", {"prompt": "hello", "max_length": 9}))

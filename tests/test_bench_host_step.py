@@ -1,9 +1,10 @@
-"""The host-step benchmark (tools/bench/host_step.py) at a tiny size: its JSON, and the same tokens on both paths.
+"""The host-step benchmark (tools/bench/host_step.py) at a tiny size: its JSON, and the same tokens on both runs.
 
 No timing is asserted (the figures depend on the machine); what is checked is that the one
-command works: the walk compiles with its decode loop marked as a cohort, both step paths run
-every request to exactly the expected tokens, the cohort path runs cohort steps and the generic
-path none, and the JSON has the shape the benchmark promises.
+command works: the walk compiles with its decode loop marked as a cohort, both runs (the plan
+as compiled, and without its cohort marks) take every request to exactly the expected tokens,
+the cohort run runs cohort steps and the generic one none, and the JSON has the shape the
+benchmark promises.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def _bench() -> ModuleType:
     return load_script(SCRIPT, "host_step_bench")
 
 
-def test_host_step_bench_json_and_same_tokens_on_both_paths(tmp_path: Path) -> None:
+def test_host_step_bench_json_and_same_tokens_on_both_runs(tmp_path: Path) -> None:
     bench = _bench()
     out = tmp_path / "host_step.json"
     threads = torch.get_num_threads()
@@ -43,7 +44,7 @@ def test_host_step_bench_json_and_same_tokens_on_both_paths(tmp_path: Path) -> N
     assert returned["results"][-1]["sample"] == rec["results"][-1]["sample"]
 
 
-def test_both_paths_give_every_request_the_same_tokens(tmp_path: Path) -> None:
+def test_both_runs_give_every_request_the_same_tokens(tmp_path: Path) -> None:
     bench = _bench()
     plan = bench.compile_plan(3, tmp_path)
     outs = {}

@@ -2,7 +2,8 @@
 
 The figures mean nothing on a CPU; what is checked is that the one command the GPU machine
 runs works: the walk compiles with the end check disabled, M* and both HF modes run on the
-same weights at every batch size, on both step paths (cohort and generic), the in-process
+same weights at every batch size, on both step paths (cohort, and generic: the plan without
+its cohort marks), the in-process
 closed loop runs, every request generates exactly --tokens tokens, and the JSON has every
 figure the table prints.
 """

@@ -5,7 +5,7 @@ works and that its JSON is consistent:
 - with dummy weights (the benchmark's default): speech at B = 1 and 2, every request exactly
   --frames frames (1920 F - 555 samples: the talker's codec eos is masked), audio seconds per
   second = audio / wall, TTFA p50 <= p90 <= the wall time, RTF p50 times the audio within
-  the wall time, the talker's frames batched at B = 2; chat on both step paths (greedy and
+  the wall time, the talker's frames batched at B = 2; chat in both modes (greedy and
   top-k rows alike as cohort steps); transformers at B = 1 on the same weights with the
   same frames and tokens, its stage times within its wall time; the floors and speed-ups
   computed from the figures beside them;

@@ -20,12 +20,14 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
+from support import as_run
 
 from mstar_runtime import cli
 from mstar_runtime.api import MStar
 from mstar_runtime.cli import main, parse_text
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.outputs import safe_name, write_outputs
+from mstar_runtime.plan.loader import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +131,7 @@ def test_serve_on_a_busy_port_is_one_clear_error(testfamily_plan: Path) -> None:
         ["--requests", "x.jsonl"],  # batch without --out
         ["--walk", "generate", "--input", "novalue"],
         ["--requests", "x.jsonl", "--out", "d", "--input", "a=1"],
-        ["--walk", "generate", "--step-path", "fast"],  # not a step path
+        ["--walk", "generate", "--step-path", "generic"],  # no such option (the step-path switch is gone)
     ],
 )
 def test_bad_usage_exits_2(testfamily_plan: Path, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -215,18 +217,21 @@ def test_all_good_batch_exits_0(testfamily_plan: Path, tmp_path: Path, capsys: p
     assert "finished: 5" in capsys.readouterr().out
 
 
-def test_step_path_flag_picks_the_path_and_both_give_the_same_tokens(testfamily_plan: Path, tmp_path: Path) -> None:
+def test_a_batch_runs_marked_loops_as_cohorts_with_the_generic_paths_tokens(testfamily_plan: Path,
+                                                                            tmp_path: Path) -> None:
+    inputs = [{"prompt": f"hi {i}", "max_new": 5} for i in range(4)]
     requests = tmp_path / "chat.jsonl"
-    requests.write_text("\n".join(json.dumps({"id": f"c{i}", "walk": "chat", "inputs": {"prompt": f"hi {i}", "max_new": 5}})
-                                  for i in range(4)) + "\n")
-    tokens, cohort_steps = {}, {}
-    for path in ("cohort", "generic"):
-        out = tmp_path / path
-        assert main([str(testfamily_plan), "--requests", str(requests), "--out", str(out), "--step-path", path]) == 0
-        cohort_steps[path] = json.loads((out / "summary.json").read_text())["cohort_steps"]
-        tokens[path] = [json.loads((out / f"c{i}.tokens.json").read_text()) for i in range(4)]
-    assert cohort_steps["cohort"] > 0 and cohort_steps["generic"] == 0
-    assert tokens["cohort"] == tokens["generic"]
+    requests.write_text("\n".join(json.dumps({"id": f"c{i}", "walk": "chat", "inputs": x})
+                                  for i, x in enumerate(inputs)) + "\n")
+    out = tmp_path / "out"
+    assert main([str(testfamily_plan), "--requests", str(requests), "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["cohort_steps"] > 0
+    tokens = [json.loads((out / f"c{i}.tokens.json").read_text()) for i in range(4)]
+    # the reference: the same requests in process, on the plan without its cohort marks
+    with MStar.from_plan(as_run(load_plan(testfamily_plan, device="cpu"), "generic")) as m:
+        want = [m.submit("chat", x).result(timeout=60) for x in inputs]
+        assert m.stats()["cohort_steps"] == 0
+    assert tokens == [w["tokens"].tolist() for w in want]
 
 
 def test_missing_requests_file_exits_1(testfamily_plan: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

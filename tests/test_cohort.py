@@ -1,9 +1,10 @@
 """The cohort path (runtime/mstar_runtime/control/cohort.py) against the generic path.
 
-Every test runs one plan with one set of weights on both step paths (`Conductor(...,
-path="cohort" | "generic")`) and compares what the requests end with and what a listener
-was sent. Exact: tokens, codes, flags, the walks a request ran, stream item counts, and
-Orpheus' audio where no preemption changes its SNAC batches. To 1e-5 (`TOL`): the test
+Every test runs one plan with one set of weights twice: as compiled ("cohort": its marked
+loops run as decode cohorts) and without its cohort marks ("generic": `support.as_run`,
+every loop iteration by iteration, the reference), and compares what the requests end with
+and what a listener was sent. Exact: tokens, codes, flags, the walks a request ran, stream
+item counts, and Orpheus' audio where no preemption changes its SNAC batches. To 1e-5 (`TOL`): the test
 family's floats (the `generate` walk's hidden states, codec audio), because a cohort is
 batched with other requests than the generic scheduler would batch it with, and a batch
 changes the order of the sums (the same as batched vs alone, tests/test_conductor.py).
@@ -13,15 +14,13 @@ then depend on the context. The random `dummy` draw repeats one token forever, s
 mistake could change them.
 
 Marked loops (the compiler's `cohort` mark, docs/plan-format.md "Cohort loops"): the test
-family's chat, continue, generate_fixed and generate_left, and Orpheus' tts; not generate
-(its loop has an `acc`) nor flow. Everything is counted in engine steps, never in seconds.
+family's chat, continue, generate (its loop's `acc` kept as the mark says), generate_fixed and
+generate_left, and Orpheus' tts; not flow. Everything is counted in engine steps, never in seconds.
 Five of these first pinned bugs of the cohort path as strict xfails; they pass since the fixes.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,11 +30,12 @@ from typing import Any
 
 import pytest
 import torch
+from support import RUNS, as_run
 
 from mstar_runtime.control import conductor as conductor_module
 from mstar_runtime.control.cohort import Cohort
 from mstar_runtime.control.conductor import CANCELLED, FAILED, FINISHED, Conductor, Request
-from mstar_runtime.plan.loader import load_plan
+from mstar_runtime.plan.loader import Plan, load_plan, without_cohorts
 from mstar_runtime.plan.planfile import iter_ops
 from mstar_runtime.worker.startup import shutdown_workers, start_workers
 from mstar_runtime.worker.worker import Worker
@@ -44,7 +44,6 @@ from mstarc.cli import main as mstarc
 ROOT = Path(__file__).resolve().parents[1]
 TF_WEIGHTS = "init"
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-PATHS = ("cohort", "generic")
 MARKED = {"chat", "continue", "generate", "generate_fixed", "generate_left"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -69,11 +68,11 @@ def rank_plans(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
                         out / f"tf{n}.plan") for n in (2, 3)}
 
 
-def engine(plan_path: Path, path: str | None, *, cap: int | None = None, weights: str = TF_WEIGHTS,
+def engine(plan_path: Path, path: str, *, cap: int | None = None, weights: str = TF_WEIGHTS,
            **kw: Any) -> Conductor:
-    """A conductor on a fresh one-rank worker (`cap`: KV pages per pool)."""
+    """A conductor on a fresh one-rank worker (`cap`: KV pages per pool), on the plan as run `path` takes it."""
     plan = load_plan(plan_path, device="cpu", kv_pages_cap=cap)
-    return Conductor(plan, {0: Worker(plan, 0, "cpu", weights)}, path=path, **kw)
+    return Conductor(as_run(plan, path), {0: Worker(plan, 0, "cpu", weights)}, **kw)
 
 
 def run(conductor: Conductor, requests: list[tuple[str, dict[str, Any]]], listener: Any = None) -> list[Request]:
@@ -194,6 +193,19 @@ def test_the_plan_marks_exactly_the_decode_loops_with_a_column_step(testfamily_p
     assert {w for w in walks if marked_loops(conductor, [w])} == MARKED
 
 
+def test_without_cohorts_unmarks_a_copy_and_leaves_the_plan(testfamily_plan: Path) -> None:
+    plan = load_plan(testfamily_plan, device="cpu")
+    bare = without_cohorts(plan)
+
+    def loops(p: Plan) -> dict[str, bool]:  # loop id -> marked
+        return {op["id"]: op["cohort"] is not None for w in p.walks for op in iter_ops(p.walk(w)["program"])
+                if op.get("op") == "loop"}
+
+    assert {k.split(".")[0] for k, marked in loops(plan).items() if marked} == MARKED
+    assert loops(bare) == dict.fromkeys(loops(plan), False)  # the same loops, none marked
+    assert bare.nodes is plan.nodes and bare.path == plan.path  # only the walks differ
+
+
 @pytest.mark.parametrize("walk,inputs", [
     ("chat", {"prompt": "hi there", "max_new": 6}),  # hands off to `continue`: two marked loops
     ("generate_fixed", {"prompt": "fixed chunks", "max_new": 11}),
@@ -201,14 +213,14 @@ def test_the_plan_marks_exactly_the_decode_loops_with_a_column_step(testfamily_p
     ("generate", {"prompt": "hello world", "max_new": 12}),  # its loop accumulates every step's hidden
     ("flow", {"prompt": "a cat", "steps": 3}),
 ])
-def test_marked_walks_run_as_cohorts_and_the_generic_path_runs_none(
+def test_marked_walks_run_as_cohorts_and_equal_the_unmarked_plan(
     testfamily_plan: Path, walk: str, inputs: dict[str, Any]
 ) -> None:
     cohort, generic = engine(testfamily_plan, "cohort"), engine(testfamily_plan, "generic")
     (c,) = run(cohort, [(walk, inputs)])
     (g,) = run(generic, [(walk, inputs)])
     assert c.state == FINISHED, c.error
-    # alone, both paths batch nothing else: the same tokens, bit for bit; the hidden states
+    # alone, both runs batch nothing else: the same tokens, bit for bit; the hidden states
     # `generate` accumulates come from the cohort's attention (`decode_attention`) and the
     # generic step's (`paged_attention`), equal to float32 rounding
     assert_same(c, g, exact=walk != "generate")
@@ -279,9 +291,9 @@ def test_eos_stops_its_row_and_is_no_stream_item(testfamily_plan: Path) -> None:
                 ("generate_fixed", {"prompt": "a neighbour", "max_new": 20}),
                 ("chat", {"prompt": "and another", "max_new": 9})]
     runs = {}
-    for path in PATHS:
+    for path in RUNS:
         conductor = engine(testfamily_plan, path)
-        conductor.workers[0].engines["lm"].node.eos = tokens[k]  # both paths read the node's eos
+        conductor.workers[0].engines["lm"].node.eos = tokens[k]  # both runs read the node's eos
         runs[path] = (conductor, run(conductor, requests))
     (cohort, got), (_, want) = runs["cohort"], runs["generic"]
     assert cohort.stats["cohort_steps"] > 0
@@ -347,7 +359,7 @@ def test_a_row_that_outgrows_the_pool_alone_fails_and_the_others_finish(
                 ("chat", {"prompt": "ok", "max_new": 3})]
     runs = {}
     with counting(monkeypatch, Conductor, "free_pages") as preempted:
-        for path in PATHS:
+        for path in RUNS:
             runs[path] = run(engine(testfamily_plan, path, cap=2), requests)
     assert preempted  # on the cohort path it is a cohort step that runs out
     for path, (big, small) in runs.items():
@@ -375,8 +387,8 @@ def test_orpheus_codes_and_audio_equal_the_generic_path_and_stream_once(
     plan = load_plan(orpheus_plan, device="cpu")
     worker = Worker(plan, 0, "cpu", "dummy")
     runs = {}
-    for path in PATHS:
-        conductor = Conductor(plan, {0: worker}, path=path, preempt_every=every)
+    for path in RUNS:
+        conductor = Conductor(as_run(plan, path), {0: worker}, preempt_every=every)
         recorder = Recorder()
         runs[path] = (conductor, run(conductor, ORPHEUS, recorder), recorder)
     (cohort, got, heard), (generic, want, _) = runs["cohort"], runs["generic"]
@@ -400,7 +412,7 @@ def test_test_family_stream_chunks_arrive_once_after_preemption(testfamily_plan:
     requests = [(w, {"prompt": f"p{i}" + "y" * (2 * i), "max_new": 12 + 3 * i})
                 for i, w in enumerate(["generate_fixed", "generate_left"] * 3)]
     runs = {}
-    for path in PATHS:
+    for path in RUNS:
         recorder = Recorder()
         conductor = engine(testfamily_plan, path, preempt_every=3)
         runs[path] = (conductor, run(conductor, requests, recorder), recorder)
@@ -473,13 +485,13 @@ def test_a_timeout_mid_loop_fails_the_row_and_the_others_go_on(
 
 
 # ---------------------------------------------------------------------------- transitions
-def test_chat_hands_the_same_kv_context_to_continue_on_both_paths(testfamily_plan: Path) -> None:
+def test_chat_hands_the_same_kv_context_to_continue_as_the_generic_path(testfamily_plan: Path) -> None:
     requests = [("chat", {"prompt": "hi there", "max_new": 6}),
                 ("chat", {"prompt": "a longer first turn", "max_new": 19}),
                 ("chat", {"prompt": "one", "max_new": 1}),
                 ("continue", {"text": " alone", "max_new": 5})]
     runs = {}
-    for path in PATHS:
+    for path in RUNS:
         conductor = engine(testfamily_plan, path)
         handoffs = snapshot_handoffs(conductor)
         runs[path] = (conductor, run(conductor, requests), handoffs)
@@ -499,7 +511,7 @@ def test_a_cohort_step_short_of_pages_leaves_the_kv_context_the_generic_path_lea
     # three rows of the same length start their second page at the same step; the pool has one spare page
     requests = [("chat", {"prompt": p, "max_new": 20}) for p in ("abc", "def", "ghi")]
     runs = {}
-    for path in PATHS:
+    for path in RUNS:
         conductor = engine(testfamily_plan, path, cap=4)
         handoffs = snapshot_handoffs(conductor)
         runs[path] = (run(conductor, requests), handoffs)
@@ -579,36 +591,18 @@ def test_several_ranks_equal_one_rank_on_the_cohort_path(
     """cpu3 keeps the LM on rank 0, cpu2 puts it on a worker process (its cohort calls are
     messages, worker/remote_cohort.py): either way its loops are cohorts, and the outputs are
     one rank's cohort bits."""
-    one = {(path, every): run(engine(testfamily_plan, path, preempt_every=every), RANKS)
-           for path in PATHS for every in (None, 5)}
+    one = {every: run(engine(testfamily_plan, "cohort", preempt_every=every), RANKS) for every in (None, 5)}
     plan = load_plan(rank_plans[world], device="cpu")
     workers = start_workers(plan, TF_WEIGHTS, "cpu")
     try:
         for every in (None, 5):
-            conductor = Conductor(plan, workers, overlap=False, path="cohort", preempt_every=every)
+            conductor = Conductor(plan, workers, overlap=False, preempt_every=every)
             got = run(conductor, RANKS)
             assert conductor.stats["cohort_steps"] > 0
             if every:
                 assert conductor.stats["preemptions"] > 0
-            exact = one[("cohort", every)]
-            for h, ref, ref_cohort in zip(got, exact, one[("cohort", every)]):
+            for h, ref in zip(got, one[every]):
                 assert h.state == FINISHED, h.error
                 assert_same(h, ref, exact=True)
-                assert_same(h, ref_cohort)
     finally:
         shutdown_workers(workers)
-
-
-# ---------------------------------------------------------------------------- the both_paths marker
-def test_the_conftest_step_paths_are_the_runtimes() -> None:
-    from conftest import STEP_PATH_ENV, STEP_PATHS
-
-    assert STEP_PATHS == conductor_module.STEP_PATHS and STEP_PATH_ENV == conductor_module.STEP_PATH_ENV
-
-
-@pytest.mark.both_paths
-def test_both_paths_sets_the_step_path_of_what_the_test_builds(testfamily_plan: Path, step_path: str) -> None:
-    assert engine(testfamily_plan, None).path == step_path  # no path given: $MSTAR_STEP_PATH
-    code = f"import os; print(os.environ[{conductor_module.STEP_PATH_ENV!r}])"
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
-    assert child.stdout.strip() == step_path

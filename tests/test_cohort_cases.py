@@ -1,4 +1,5 @@
-"""Loops the cohort path serves beyond a dynamic decode (issue 24, section 1), against the generic path.
+"""Loops the cohort path serves beyond a dynamic decode (issue 24, section 1), against the generic path
+(the same plan without its cohort marks, `support.as_run`).
 
 - A fixed `Loop(n)` of one call (the compiler marks it as it marks a dynamic loop): every
   row runs its own count, leaves without a wasted step, and ends with the generic path's
@@ -18,9 +19,10 @@ from typing import Any
 
 import pytest
 import torch
+from support import as_run
 
 from mstar_runtime.control.conductor import FINISHED, Conductor, Request
-from mstar_runtime.plan.loader import load_plan
+from mstar_runtime.plan.loader import Plan, load_plan
 from mstar_runtime.plan.planfile import iter_ops
 from mstar_runtime.worker.worker import Worker
 from mstarc.cli import main as mstarc
@@ -102,8 +104,9 @@ def fixed_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _engine(plan_path: Path, path: str, **kw: Any) -> Conductor:
+    """A conductor on a fresh one-rank worker, on the plan as run `path` takes it (`support.RUNS`)."""
     plan = load_plan(plan_path, device="cpu", kv_pages_cap=kw.pop("cap", None))
-    return Conductor(plan, {0: Worker(plan, 0, "cpu", "init")}, path=path, **kw)
+    return Conductor(as_run(plan, path), {0: Worker(plan, 0, "cpu", "init")}, **kw)
 
 
 def _run(conductor: Conductor, requests: list[tuple[str, dict[str, Any]]]) -> list[Request]:
@@ -127,8 +130,8 @@ def _same(got: Request, want: Request) -> None:
             assert type(x) is type(y) and x == y, (name, x, y)
 
 
-def _marked(conductor: Conductor, walk: str) -> set[str]:
-    return {op["id"] for op in iter_ops(conductor.plan.walk(walk)["program"])
+def _marked(plan: Plan, walk: str) -> set[str]:
+    return {op["id"] for op in iter_ops(plan.walk(walk)["program"])
             if op.get("op") == "loop" and op.get("cohort") is not None}
 
 
@@ -140,7 +143,7 @@ def test_a_fixed_loop_runs_as_a_cohort_with_each_rows_own_count(fixed_plan: Path
     requests = [("fixed", {"prompt": f"fixed {i}", "n": n}) for i, n in enumerate(COUNTS)]
     cohort, generic = _engine(fixed_plan, "cohort"), _engine(fixed_plan, "generic")
     got, want = _run(cohort, requests), _run(generic, requests)
-    (loop,) = _marked(cohort, "fixed")
+    (loop,) = _marked(cohort.plan, "fixed")
     (co,) = [c for key, c in cohort.cohorts.items() if key[3] == loop]
     assert co.stats["joins"] == len(COUNTS) - 1  # n = 0 runs no iteration, so joins nothing
     assert co.stats["row_steps"] == sum(COUNTS) > co.stats["steps"]  # rows shared steps, none wasted
@@ -186,17 +189,17 @@ MOVED = [("moved", {"prompt": f"move me {i}", "max_new": m, "n": n}) for i, (m, 
 def test_a_loop_whose_context_moved_joins_the_cohort_of_its_rank(moved_plans: dict[int, Path]) -> None:
     """The plan moves lm@main from rank 0 into both loops' calls (the first loop might, for all
     the compiler knows, not have written it): it moves once, before the first loop; the second
-    loop continues rank 1's copy (the one its last write went to), on either path."""
+    loop continues rank 1's copy (the one its last write went to), as a cohort or not."""
     want = _run(_engine(moved_plans[1], "generic"), MOVED)
     plan = load_plan(moved_plans[2], device="cpu")
     consumers = {t["consumer_step"] for t in plan.body["placement"]["transfers"] if t.get("kind") == "kv"}
     assert len(consumers) == 2
+    loops = _marked(plan, "moved")
+    assert len(loops) == 2  # a transfer into the loop's call keeps its mark
     for path, every in (("cohort", None), ("cohort", 4), ("generic", None)):
-        conductor = Conductor(plan, {r: Worker(plan, r, "cpu", "init") for r in (0, 1)}, path=path,
+        conductor = Conductor(as_run(plan, path), {r: Worker(plan, r, "cpu", "init") for r in (0, 1)},
                               preempt_every=every)
         got = _run(conductor, MOVED)
-        loops = _marked(conductor, "moved")
-        assert len(loops) == 2  # a transfer into the loop's call keeps its mark
         on_one = {key[3] for key, c in conductor.cohorts.items() if key[2] == (1,) and c.stats["joins"]}
         assert on_one == (loops if path == "cohort" else set())  # both loops ran as rank 1's cohorts
         attempts = len(MOVED) + conductor.stats["preemptions"]

@@ -15,8 +15,6 @@ from mstar_runtime.control.conductor import FAILED, FINISHED, Conductor
 from mstar_runtime.plan.loader import load_plan
 from mstar_runtime.worker.worker import Worker
 
-pytestmark = pytest.mark.both_paths  # every test builds its own conductor
-
 REQUESTS: list[tuple[str, dict[str, Any]]] = [
     ("generate", {"prompt": "hello world", "max_new": 12}),
     ("generate", {"prompt": "a", "max_new": 3}),

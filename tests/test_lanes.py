@@ -19,7 +19,7 @@ from mstar_runtime.control.conductor import FINISHED, Conductor
 from mstar_runtime.control.interpreter import Frame, concat, read_flag
 from mstar_runtime.ops import readback
 from mstar_runtime.ops.readback import Lazy, Readback, resolve, upload
-from mstar_runtime.plan.loader import load_plan
+from mstar_runtime.plan.loader import load_plan, without_cohorts
 from mstar_runtime.worker.worker import Worker
 
 REQUESTS: list[tuple[str, dict[str, Any]]] = [
@@ -31,8 +31,11 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def _run(testfamily_plan: Path, requests: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+def _run(testfamily_plan: Path, requests: list[tuple[str, dict[str, Any]]], *, unmarked: bool = False) -> list[Any]:
+    """The requests on a fresh conductor; `unmarked`: on the plan without its cohort marks
+    (`without_cohorts`), so that every loop's LM steps go through the interpreter's lanes."""
     plan = load_plan(testfamily_plan, device="cpu")
+    plan = without_cohorts(plan) if unmarked else plan
     conductor = Conductor(plan, {0: Worker(plan, 0, "cpu", "dummy")})
     handles = [conductor.submit(w, dict(i)) for w, i in requests]
     conductor.run_until_idle()
@@ -44,10 +47,9 @@ def test_lazy_outputs_resolve_only_after_the_next_step_was_issued(
     testfamily_plan: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every lazy value made by LM step n of a request is resolved after that request's step n+1
-    was issued, except the last one of each loop (flushed when the loop ends). The generic
-    path's lanes: every LM loop of these walks is a cohort otherwise, whose outputs come back
-    one step late by construction (tests/test_cohort.py)."""
-    monkeypatch.setenv("MSTAR_STEP_PATH", "generic")
+    was issued, except the last one of each loop (flushed when the loop ends). On the plan
+    without its cohort marks: every LM loop of these walks is a cohort otherwise, whose
+    outputs come back one step late by construction (tests/test_cohort.py)."""
     issued: dict[str, int] = {}  # request id -> LM steps issued so far
     births: list[tuple[str, int, Lazy]] = []
     resolved_at: dict[int, int] = {}
@@ -72,7 +74,7 @@ def test_lazy_outputs_resolve_only_after_the_next_step_was_issued(
 
     monkeypatch.setattr(Worker, "run_step", run_step)
     monkeypatch.setattr(Lazy, "get", get)
-    handles = _run(testfamily_plan, REQUESTS)
+    handles = _run(testfamily_plan, REQUESTS, unmarked=True)
     assert births and len(resolved_at) > len(births) // 2
     early = [(rid, n) for rid, n, v in births if resolved_at.get(id(v), n + 1) <= n]
     # one loop per walk here (chat hands off to `continue`: two walks), so at most two early ones each
@@ -81,9 +83,12 @@ def test_lazy_outputs_resolve_only_after_the_next_step_was_issued(
     assert len(early) < len(births) // 4
 
 
-@pytest.mark.both_paths
-def test_lazy_and_plain_outputs_give_the_same_results(testfamily_plan: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    lazy = _run(testfamily_plan, REQUESTS)
+@pytest.mark.parametrize("unmarked", [False, True], ids=["cohorts", "unmarked"])
+def test_lazy_and_plain_outputs_give_the_same_results(testfamily_plan: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      unmarked: bool) -> None:
+    """As compiled (every decode loop here is a cohort: the lanes carry the prefills) and
+    without cohort marks (every LM step goes through them)."""
+    lazy = _run(testfamily_plan, REQUESTS, unmarked=unmarked)
     # the same LM, resolving its outputs at once: the interpreter's plain path
     real = tinylm.TinyLM._next_tokens
 
@@ -91,7 +96,7 @@ def test_lazy_and_plain_outputs_give_the_same_results(testfamily_plan: Path, mon
         return [{k: resolve(v) for k, v in o.items()} for o in real(self, last, attn)]
 
     monkeypatch.setattr(tinylm.TinyLM, "_next_tokens", eager)
-    plain = _run(testfamily_plan, REQUESTS)
+    plain = _run(testfamily_plan, REQUESTS, unmarked=unmarked)
     for a, b in zip(lazy, plain):
         assert a.outputs.keys() == b.outputs.keys()
         for k in a.outputs:

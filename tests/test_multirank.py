@@ -81,15 +81,15 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 
 @pytest.fixture(scope="module")
 def reference(plans: dict[int, Path]) -> dict[int | None, list[dict[str, Any]]]:
-    """One rank's outputs of REQUESTS on the cohort path, as they run (None) and with a
-    preemption every 7 steps (preemption changes who is batched with whom, so the float bits
-    are compared like for like). A marked loop runs as a cohort wherever its node is (in a
-    worker process its cohort calls are messages), so every plan compares with the cohort one."""
+    """One rank's outputs of REQUESTS, as they run (None) and with a preemption every 7 steps
+    (preemption changes who is batched with whom, so the float bits are compared like for
+    like). A marked loop runs as a cohort wherever its node is (in a worker process its
+    cohort calls are messages), so every plan compares with one rank's cohort run."""
     plan = load_plan(plans[1], device="cpu")
     worker = Worker(plan, 0, "cpu", "dummy")
     out: dict[int | None, list[dict[str, Any]]] = {}
     for every in (None, 7):
-        handles = _run(Conductor(plan, {0: worker}, preempt_every=every, path="cohort"), REQUESTS)
+        handles = _run(Conductor(plan, {0: worker}, preempt_every=every), REQUESTS)
         assert all(h.state == FINISHED for h in handles), [h.error for h in handles]
         out[every] = [h.outputs for h in handles]
     return out
@@ -208,7 +208,6 @@ class _Corrupt:
         return getattr(self.inner, name)
 
 
-@pytest.mark.both_paths
 def test_remote_errors_fail_only_their_requests(plans: dict[int, Path]) -> None:
     with _engine(plans[2]) as (conductor, workers):
         plan = conductor.plan
@@ -280,7 +279,6 @@ def test_a_cohort_step_that_fails_in_a_worker_process_fails_its_rows_and_the_wor
 
 
 # ------------------------------------------------------------------------- dying workers
-@pytest.mark.both_paths
 def test_killing_a_worker_ends_the_run(plans: dict[int, Path]) -> None:
     with _engine(plans[3]) as (conductor, workers):
         victim = workers[2].pid

@@ -54,7 +54,6 @@ def test_one_shot_writes_a_24khz_wav_of_the_generated_frames(plan: Path, tmp_pat
     assert np.abs(samples).max() > 0  # real audio, not silence
 
 
-@pytest.mark.both_paths
 def test_chunks_stream_while_the_backbone_decodes(plan: Path) -> None:
     with MStar.load(plan) as m:
         h = m.submit("tts", {"text": "Streaming speech, chunk by chunk.", "max_tokens": 90})
@@ -65,9 +64,6 @@ def test_chunks_stream_while_the_backbone_decodes(plan: Path) -> None:
     assert np.array_equal(np.concatenate([c.numpy() for c in chunks]), out["audio"].numpy())
 
 
-# both_paths: the requests alone (in-process) take the parameter's path; the batch CLI gets ENV, a
-# copy of the environment made at import, so it runs the default path: [generic] compares them across paths
-@pytest.mark.both_paths
 def test_sixteen_concurrent_requests_equal_each_alone(plan: Path, tmp_path: Path) -> None:
     texts = [f"Sentence number {i}, spoken by M star." for i in range(16)]
     voices = ["tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"]

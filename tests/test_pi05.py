@@ -22,7 +22,6 @@ from safetensors.torch import save_file
 
 from mstar_models.pi05.prompt import Prompt, discretize, prompt_text
 from mstar_runtime.api import MStar, RequestFailed
-from mstar_runtime.control.conductor import step_path
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan.loader import load_plan
 from mstar_runtime.weights import build_node, load_weights
@@ -211,8 +210,8 @@ def test_action_chunks_equal_the_reference(engine: MStar, reference: PI05Referen
         expect = reference.sample_actions(cams, masks, tokens, mask, noise[None])[0]
         torch.testing.assert_close(out["actions"], expect, atol=1e-5, rtol=1e-5)  # measured: 2.4e-7
         assert not torch.allclose(out["actions"], noise, atol=1e-2)
-    if step_path() == "cohort":  # 3 rows of flow_steps steps each: >= flow_steps cohort steps (rows may join apart)
-        assert engine.stats()["cohort_steps"] - before["cohort_steps"] >= TINY.flow_steps
+    # 3 rows of flow_steps steps each: >= flow_steps cohort steps (rows may join apart)
+    assert engine.stats()["cohort_steps"] - before["cohort_steps"] >= TINY.flow_steps
 
 
 def test_seeded_noise_is_the_request_seed(engine: MStar) -> None:

@@ -56,7 +56,6 @@ def _computed(c: Conductor) -> int:
     return s["prefix_query_tokens"] - s["prefix_hit_tokens"]
 
 
-@pytest.mark.both_paths
 def test_a_shared_system_prompt_is_computed_once_and_changes_no_bit(testfamily_plan: Path) -> None:
     off = _conductor(testfamily_plan, prefix_caching=False)
     on = _conductor(testfamily_plan)
@@ -106,7 +105,6 @@ def test_a_repeated_prompt_computes_only_its_last_block(testfamily_plan: Path) -
     assert _computed(on) - before == n - cached < n
 
 
-@pytest.mark.both_paths
 def test_requests_running_together_share_blocks_and_stay_exact(testfamily_plan: Path) -> None:
     off = _conductor(testfamily_plan, prefix_caching=False)
     on = _conductor(testfamily_plan)
@@ -141,7 +139,6 @@ def test_a_full_pool_evicts_the_least_recently_used_blocks_and_never_corrupts(te
     _equal(oldest.outputs, misses[0])
 
 
-@pytest.mark.both_paths
 def test_preemption_and_recompute_with_the_cache_stay_exact(testfamily_plan: Path) -> None:
     prompts = [SYSTEM + q for q in QUESTIONS]
     for kw in ({"preempt_every": 3}, {"cap": 12}):  # forced, then by a small pool

@@ -15,7 +15,8 @@ plan's loader; its Code2Wav is re-drawn at scales that keep the audio unclipped
   context covers the receptive field (a copy of the walk with an 8-frame sliding window and
   16 frames of history).
 - A batch of requests equals each request alone, and so does a run with forced preemption;
-  both step paths give the same outputs (the chat decode loop is a cohort); chat requests
+  the plan as compiled (the chat decode loop is a cohort) and without its cohort marks give
+  the same outputs; chat requests
   with the walk's default sampling (top-k 20, top-p 0.8) and other top-k settings decode on
   the cohort path, with no generic decode call, and give the generic path's text.
 """
@@ -33,10 +34,11 @@ from typing import Any
 import pytest
 import torch
 from qwen3_omni_lm_support import TINY_IDS, hf_model
-from support import saved_checkpoint
+from support import as_run, saved_checkpoint
 
 from mstar_runtime.api import MStar, RequestFailed
 from mstar_runtime.ops.node import RequestError
+from mstar_runtime.plan.loader import load_plan
 
 pytest.importorskip("transformers")
 from tests.test_qwen3_omni_code2wav import _randomize as unclipped_code2wav_  # noqa: E402
@@ -316,10 +318,10 @@ def test_a_batch_equals_each_request_alone(engine: MStar) -> None:
     assert together[0]["audio_out"].numel() and together[0]["text"] != together[1]["text"]
 
 
-def test_both_step_paths_give_the_same_outputs(plan_path: Path, checkpoint: Path) -> None:
+def test_cohorts_give_the_generic_paths_outputs(plan_path: Path, checkpoint: Path) -> None:
     outs: dict[str, list[dict[str, Any]]] = {}
     for path in ("cohort", "generic"):
-        with MStar.load(plan_path, weights=checkpoint, step_path=path) as m:
+        with MStar.from_plan(as_run(load_plan(plan_path), path), weights=checkpoint) as m:
             outs[path] = [h.result(timeout=120) for h in [m.submit(w, i) for w, i in REQUESTS]]
             steps = m.conductor.stats["cohort_steps"]
             assert steps > 0 if path == "cohort" else steps == 0
@@ -339,7 +341,7 @@ def test_top_k_chats_decode_on_the_cohort_path(plan_path: Path, checkpoint: Path
     there) and give the generic path's text, batched with rows of other k."""
     texts: dict[str, list[str]] = {}
     for path in ("cohort", "generic"):
-        with MStar.load(plan_path, weights=checkpoint, step_path=path) as m:
+        with MStar.from_plan(as_run(load_plan(plan_path), path), weights=checkpoint) as m:
             thinker = nodes(m)["thinker"]
             calls: list[int] = []
             original = thinker.phase_decode

@@ -203,9 +203,9 @@ def wait_healthy(job: Job, port: int) -> None:
     raise AssertionError(f"the server did not come up:\n{job.log(0)[-3000:]}\n---\n{job.log(1)[-3000:]}")
 
 
-def reference(plan: Path, requests: Sequence[tuple[str, dict[str, Any]]], step_path: str) -> list[dict[str, Any]]:
+def reference(plan: Path, requests: Sequence[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """Each request alone on one rank in this process, as the server runs them one by one."""
-    with MStar.from_plan(load_plan(plan, device="cpu"), step_path=step_path) as m:
+    with MStar.from_plan(load_plan(plan, device="cpu")) as m:
         return [m.submit(walk, dict(inputs)).result() for walk, inputs in requests]
 
 
@@ -217,13 +217,13 @@ def wired(plan: Path, walk: str, outputs: dict[str, Any]) -> dict[str, Any]:
                                   for k, v in outputs.items()}))
 
 
-def serve_and_compare(job: Job, port: int, one_rank: Path, requests: Sequence[tuple[str, dict[str, Any]]],
-                      step_path: str) -> list[dict[str, Any]]:
+def serve_and_compare(job: Job, port: int, one_rank: Path,
+                      requests: Sequence[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """The requests one by one over HTTP equal one rank's outputs; then a clean stop. The
     served outputs."""
     wait_healthy(job, port)
     pids = job.ranks()
-    want = reference(one_rank, requests, step_path)
+    want = reference(one_rank, requests)
     served = []
     for (walk, inputs), expected in zip(requests, want):
         status, body = http(port, f"/v1/walks/{walk}", {"inputs": inputs, "stream": False})
@@ -246,7 +246,7 @@ def test_one_shot_on_two_hosts_writes_what_one_process_writes(plans: dict[int, P
     assert job.wait(START_S) == [0, 0], f"{job.log(0)[-3000:]}\n---\n{job.log(1)[-3000:]}"
     job.assert_all_gone()
     # the LM is on rank 1, in a worker process (on the other host): its loop is a cohort there
-    (expected,) = reference(plans[1], [("generate", inputs)], "cohort")
+    (expected,) = reference(plans[1], [("generate", inputs)])
     plan = load_plan(plans[1], device="cpu")
     written = write_outputs(tmp_path / "ref", "generate", plan.walk("generate"), expected, plan.config)
     files = [p.name for p in written if p.name != "generate.json"]  # the record has timings
@@ -262,7 +262,7 @@ def test_three_ranks_on_two_hosts_serve_what_one_rank_computes(plans: dict[int, 
     job = Job(tmp_path, plans[3], (2, 1), ["--serve", "--port", str(port)])
     jobs.append(job)
     # every walk of the test family; the LM is on rank 0 (cohort loops), the flow head on host 1
-    serve_and_compare(job, port, plans[1], REQUESTS[:5], "cohort")
+    serve_and_compare(job, port, plans[1], REQUESTS[:5])
 
 
 # ------------------------------------------------------------------------- failing fast

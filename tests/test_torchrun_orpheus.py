@@ -42,15 +42,15 @@ def jobs() -> Iterator[list[Job]]:
         job.kill_all()
 
 
-@pytest.mark.parametrize("world,nprocs,step_path", [
-    (2, (1, 1), "cohort"),  # the backbone on rank 0: its decode loop is a cohort, as on one rank
-    (3, (2, 1), "cohort"),  # at tensor parallelism every rank of the group runs the cohort step
+@pytest.mark.parametrize("world,nprocs", [
+    (2, (1, 1)),  # the backbone on rank 0: its decode loop is a cohort, as on one rank
+    (3, (2, 1)),  # at tensor parallelism every rank of the group runs the cohort step
 ])
 def test_orpheus_on_two_hosts_speaks_as_one_rank(plans: dict[int, Path], tmp_path: Path, jobs: list[Job],
-                                                 world: int, nprocs: tuple[int, int], step_path: str) -> None:
+                                                 world: int, nprocs: tuple[int, int]) -> None:
     port = free_port()
     job = Job(tmp_path, plans[world], nprocs, ["--serve", "--port", str(port)])
     jobs.append(job)
-    served = serve_and_compare(job, port, plans[1], REQUESTS, step_path)
+    served = serve_and_compare(job, port, plans[1], REQUESTS)
     # at least one SNAC window each, so the cross-host stream and its audio were compared too
     assert all(len(o["codes"]) >= 28 and o["audio"]["samples"] > 0 for o in served)

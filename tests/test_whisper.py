@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support import as_run
 
 from mstar_models.whisper.decoder import Decoder
 from mstar_models.whisper.encoder import Encoder
@@ -223,7 +224,8 @@ def test_batched_requests_equal_each_alone(reference: tuple, plan: Path) -> None
 def test_the_decode_loop_runs_on_the_cohort_as_on_the_generic_path(reference: tuple, plan: Path) -> None:
     """The decode loop (a step that reads @cross, accumulating its tokens and log-probs) runs as
     a decode cohort: batched requests with timestamps, a sampled one and a long-form one with
-    the temperature fallback give the generic path's outputs bit for bit."""
+    the temperature fallback give the generic path's outputs (the plan without its cohort
+    marks) bit for bit."""
     _, folder = reference
     requests = [{"audio": torch.from_numpy(_audio(9.0, seed=3)), "max_tokens": 30, "timestamps": True},
                 {"audio": torch.from_numpy(_audio(4.0, seed=4)), "max_tokens": 20, "temperature": 0.7, "seed": 5},
@@ -232,7 +234,7 @@ def test_the_decode_loop_runs_on_the_cohort_as_on_the_generic_path(reference: tu
                  "logprob_threshold": -0.5, "condition_on_prev_tokens": True}]
     outs = {}
     for path in ("cohort", "generic"):
-        with MStar.load(plan, weights=folder, step_path=path) as m:
+        with MStar.from_plan(as_run(load_plan(plan), path), weights=folder) as m:
             hs = [m.submit("transcribe", r) for r in requests]
             outs[path] = [h.result() for h in hs]
             steps = m.stats()["cohort_steps"]

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from support import as_run
 from test_whisper import _audio, plan, reference  # noqa: F401 - fixtures
 
 from mstar_models.whisper.decoder import Decoder
@@ -203,8 +204,8 @@ def test_join_declines_a_context_never_prefilled(decoder: Decoder) -> None:
         phase.join({}, {})
 
 
-# ------------------------------------------------------------------------------ the walk, both step paths
-# the cases test_whisper.py's test of both paths has not: a given language, a detected one with
+# ------------------------------------------------------------------------------ the walk, cohort and generic
+# the cases test_whisper.py's cohort-against-generic test has not: a given language, a detected one with
 # min_tokens, 70 s of long form whose fallback is checked to have sampled
 REQUESTS = {
     "timestamps, language given": (6.0, dict(language="de", timestamps=True)),
@@ -214,12 +215,13 @@ REQUESTS = {
 }
 
 
-def test_transcribe_is_the_same_on_both_step_paths(reference: tuple, plan: Path) -> None:  # noqa: F811
+def test_transcribe_is_the_same_as_a_cohort_and_on_the_generic_path(reference: tuple, plan: Path) -> None:  # noqa: F811
     """The `transcribe` walk on the tiny checkpoint, its requests together: the same tokens,
-    text and segments with the decode loop as a cohort and on the generic path."""
+    text and segments with the decode loop as a cohort and on the generic path (the plan
+    without its cohort marks)."""
     got: dict[str, list[dict[str, Any]]] = {}
     for path in ("cohort", "generic"):
-        with MStar.load(plan, weights=reference[1], step_path=path) as m:
+        with MStar.from_plan(as_run(load_plan(plan), path), weights=reference[1]) as m:
             hs = [m.submit("transcribe", {"audio": torch.from_numpy(_audio(s, seed=i)), "max_tokens": 40, **kw})
                   for i, (s, kw) in enumerate(REQUESTS.values())]
             got[path] = [h.result(timeout=600) for h in hs]

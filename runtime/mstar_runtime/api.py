@@ -64,7 +64,6 @@ from mstar_runtime.control.conductor import (
     coerce_items,
     stream_inputs,
 )
-from mstar_runtime.control.conductor import step_path as resolve_step_path
 from mstar_runtime.control.requests import check_submit
 from mstar_runtime.control.validate import TORCH_DTYPES
 from mstar_runtime.ops.node import RequestError
@@ -298,16 +297,15 @@ class MStar:
 
     def __init__(self, plan: Plan, workers: Mapping[int, WorkerLike], *, shutdown: Callable[[], None] | None = None,
                  max_running: int | None = None, preempt_every: int | None = None,
-                 request_timeout: float | None = None, step_path: str | None = None,
-                 weights: str | PathLike[str] = "dummy", prefix_caching: bool = False):
-        """`step_path`: "cohort" or "generic" (docs/runtime.md, "Decode cohorts"); None: $MSTAR_STEP_PATH, else cohort.
-        `weights`: what the workers loaded, for the rate an audio file is resampled to (`input_rate`).
+                 request_timeout: float | None = None, weights: str | PathLike[str] = "dummy",
+                 prefix_caching: bool = False):
+        """`weights`: what the workers loaded, for the rate an audio file is resampled to (`input_rate`).
         `prefix_caching`: reuse the KV of prompts' shared leading blocks across requests
         (docs/runtime.md, "Prefix caching")."""
         self.plan = plan
         self._rates = media.InputRates(plan, weights)
         self._conductor = Conductor(plan, workers, max_running=max_running, preempt_every=preempt_every,
-                                    request_timeout=request_timeout, path=step_path, prefix_caching=prefix_caching)
+                                    request_timeout=request_timeout, prefix_caching=prefix_caching)
         self._shutdown = shutdown
         self._lock = threading.Condition()  # guards everything below; the engine sleeps on it
         # (command, handle, args): submit, cancel, and a streamed input's feed / close_input
@@ -326,23 +324,21 @@ class MStar:
     @classmethod
     def load(cls, plan_path: str | PathLike[str], *, weights: str | PathLike[str] = "dummy",
              device: str | None = None, max_running: int | None = None, preempt_every: int | None = None,
-             request_timeout: float | None = None, step_path: str | None = None,
-             prefix_caching: bool = False) -> MStar:
+             request_timeout: float | None = None, prefix_caching: bool = False) -> MStar:
         """Load a plan (a bad one raises `PlanError`, unchanged), start its workers and the engine."""
         plan = load_plan(plan_path, device=device)
         return cls.from_plan(plan, weights=weights, max_running=max_running, preempt_every=preempt_every,
-                             request_timeout=request_timeout, step_path=step_path, prefix_caching=prefix_caching)
+                             request_timeout=request_timeout, prefix_caching=prefix_caching)
 
     @classmethod
     def from_plan(cls, plan: Plan, *, weights: str | PathLike[str] = "dummy", max_running: int | None = None,
                   preempt_every: int | None = None, request_timeout: float | None = None,
-                  step_path: str | None = None, prefix_caching: bool = False) -> MStar:
+                  prefix_caching: bool = False) -> MStar:
         """Like `load`, for a plan already loaded (the CLI checks its inputs against it first)."""
-        resolve_step_path(step_path)  # a bad name is the caller's error, found before any worker starts
         workers, shutdown = start_workers(plan, weights)
         try:
             return cls(plan, workers, shutdown=shutdown, max_running=max_running, preempt_every=preempt_every,
-                       request_timeout=request_timeout, step_path=step_path, weights=weights,
+                       request_timeout=request_timeout, weights=weights,
                        prefix_caching=prefix_caching)
         except BaseException:
             shutdown()

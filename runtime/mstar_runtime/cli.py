@@ -412,7 +412,7 @@ def batch(m: MStar, requests: str | PathLike[str], out: str | PathLike[str]) -> 
         "mean_batch": round(st["mean_batch"], 2),
         "wasted_steps": int(st["wasted_steps"]),
         "preemptions": int(st["preemptions"]),
-        "cohort_steps": int(st.get("cohort_steps", 0)),  # decode cohort steps (0 on the generic path)
+        "cohort_steps": int(st.get("cohort_steps", 0)),  # decode cohort steps (0 where no marked loop ran as a cohort)
         "failures": sorted(run.failures, key=lambda f: f["line"]),
     }
     (out / "summary.json").write_text(json.dumps(jsonable(summary), indent=2) + "\n", encoding="utf-8")
@@ -618,9 +618,6 @@ def _env(name: str) -> dict[str, Any]:
               help="--serve: the model id clients name (default: the plan's model name).")
 @click.option("--engine-process", is_flag=True, **_env("MSTAR_ENGINE_PROCESS"),
               help="--serve: run the engine in its own process, so HTTP streaming never holds up its steps.")
-@click.option("--step-path", type=click.Choice(["cohort", "generic"]), default=None,
-              help="How marked decode loops run: 'cohort' (device-resident batches, one step for every "
-                   "request) or 'generic' (a step call per request); default $MSTAR_STEP_PATH, else cohort.")
 @click.option("--prefix-caching/--no-prefix-caching", default=False, show_default=True,
               **_env("MSTAR_PREFIX_CACHING"),
               help="Reuse the KV of prompts' shared leading blocks across requests (docs/runtime.md).")
@@ -631,8 +628,7 @@ def command(ctx: click.Context, **p: Any) -> int:
     """Run the walks of a compiled M* plan: one request, a batch file, or a server."""
     _check_usage(ctx, p)
     options = EngineOptions(weights=p["weights"], device=p["device"], threads=p["threads"],
-                            step_path=p["step_path"], preempt_every=p["preempt_every"],
-                            prefix_caching=p["prefix_caching"],
+                            preempt_every=p["preempt_every"], prefix_caching=p["prefix_caching"],
                             request_timeout=p["request_timeout"] if p["serve"] else None)
     if p["walk"] is not None:
         return run_walk(p["plan"], p["walk"], p["inputs"], out=p["out"] or "out", stream=p["stream"],

@@ -17,13 +17,12 @@ from mstar_runtime.plan.loader import Plan
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How a mode builds its engine: `mstar-run`'s --weights, --device, --threads, --step-path,
+    """How a mode builds its engine: `mstar-run`'s --weights, --device, --threads,
     --request-timeout, --prefix-caching (and the hidden --preempt-every, a debug aid)."""
 
     weights: str | PathLike[str] = "dummy"
     device: str | None = None  # default: what the plan was compiled for
     threads: int | None = None  # torch CPU threads
-    step_path: str | None = None  # default: $MSTAR_STEP_PATH, else cohort
     request_timeout: float | None = None
     preempt_every: int | None = None
     prefix_caching: bool = False
@@ -34,5 +33,4 @@ def start_engine(plan: Plan, options: EngineOptions) -> MStar:
     if options.threads is not None:
         torch.set_num_threads(options.threads)
     return MStar.from_plan(plan, weights=str(options.weights), preempt_every=options.preempt_every,
-                           request_timeout=options.request_timeout, step_path=options.step_path,
-                           prefix_caching=options.prefix_caching)
+                           request_timeout=options.request_timeout, prefix_caching=options.prefix_caching)

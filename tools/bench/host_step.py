@@ -9,11 +9,11 @@ is (token + 1) % vocab with the 1 coming out of one real paged-attention call), 
 a copy of placements/cpu.yaml whose `max_batch` is the largest batch asked for (the placement
 sets the batch limit). The benchmark checks that the compiled decode loop carries a cohort mark.
 
-What runs: two Conductors on the same plan, each with its own in-process Worker (dummy
-weights), one with `path="generic"` (each request's walk generator resumes every step, one
-StepCall per request, KV slots per entry, the node called with a list of dicts) and one with
-`path="cohort"` (the loop's requests are rows of device columns, one `CohortPhase.step` call
-over all rows). Per batch size B and repeat, on each path in turn: B requests are submitted at
+What runs: two Conductors, each with its own in-process Worker (dummy weights): "generic" on
+the plan without its cohort marks (`without_cohorts`: each request's walk generator resumes
+every step, one StepCall per request, KV slots per entry, the node called with a list of
+dicts) and "cohort" on the plan as compiled (the loop's requests are rows of device columns,
+one `CohortPhase.step` call over all rows). Per batch size B and repeat, on each path in turn: B requests are submitted at
 once, each decoding `--tokens` steps after its prefill (max_new = tokens + 1), and the
 conductor's engine loop (`Conductor.step()`) is driven to idle, every iteration timed alone.
 
@@ -61,7 +61,7 @@ from common import environment, patched_copy, table, write_json  # noqa: E402 - 
 
 from mstar_runtime.control.conductor import FINISHED, Conductor  # noqa: E402
 from mstar_runtime.plan import planfile  # noqa: E402
-from mstar_runtime.plan.loader import load_plan  # noqa: E402
+from mstar_runtime.plan.loader import load_plan, without_cohorts  # noqa: E402
 from mstar_runtime.worker.worker import Worker  # noqa: E402
 
 WALK = Path(__file__).resolve().parent / "host_step.walk"
@@ -140,14 +140,16 @@ class Probe:
 
 
 class StepPath:
-    """One step path: its conductor, in-process worker and probe."""
+    """One step path ("generic": the plan without its cohort marks; "cohort": as compiled): its
+    conductor, in-process worker and probe."""
 
     def __init__(self, plan_path: Path, path: str):
+        assert path in PATHS, path
         plan = load_plan(plan_path, device="cpu")
         self.name = path
         self.worker = Worker(plan, 0, "cpu", "dummy")
         self.probe = Probe(self.worker, self.worker.engines[NODE].node)
-        self.conductor = Conductor(plan, {0: self.worker}, path=path)
+        self.conductor = Conductor(plan if path == "cohort" else without_cohorts(plan), {0: self.worker})
         self.vocab = int(self.worker.engines[NODE].node.vocab)
 
 

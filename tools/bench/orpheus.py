@@ -13,7 +13,8 @@ What runs:
   a split by stage alike; the llm must have rank 0 among its ranks, whose engine gives the
   step times): B `tts` requests submitted at once, each generating exactly `--tokens` tokens,
   on each step path of `--paths` (`cohort`: the decode loop as a decode cohort, one graphed
-  step for all rows; `generic`: a step call per request per step; docs/runtime.md). The
+  step for all rows; `generic`: the plan without its cohort marks, a step call per request
+  per step; `common.on_path`, docs/runtime.md). The
   fixed length comes from `max_tokens` plus an end check that never fires: the walk copy
   compiled here sets `end_of_speech` beyond the vocabulary, so no token can end a request.
 - M* closed loop (`--closed-loop C1,C2`, after the batches): 4 x C requests with C in flight,
@@ -66,6 +67,7 @@ from common import (  # noqa: E402 - the sibling module, found through the line 
     environment,
     gpu_memory,
     measure_read_bandwidth,
+    on_path,
     patched_copy,
     percentile,
     reset_peak,
@@ -186,7 +188,7 @@ def run_mstar(plan: Any, workers: dict[int, Any], device: torch.device, batch: i
     from mstar_runtime.control.conductor import Conductor
 
     worker = workers[0]
-    conductor = Conductor(plan, workers, max_running=batch, path=path)
+    conductor = Conductor(on_path(plan, path), workers, max_running=batch)
     first = _FirstAudio(device)
     before = _decode_stats(worker)
     sync(device)
@@ -248,7 +250,7 @@ def run_mstar_closed(plan: Any, workers: dict[int, Any], device: torch.device, c
     server's own cost."""
     from mstar_runtime.control.conductor import RUNNING, WAITING, Conductor
 
-    conductor = Conductor(plan, workers, max_running=concurrency, path=path)
+    conductor = Conductor(on_path(plan, path), workers, max_running=concurrency)
     first = _FirstAudio(device)
     reqs: list[Any] = []
 
@@ -399,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--variant", default=None, help="walk variant (default: bench on cuda, tiny on cpu)")
     ap.add_argument("--batches", default="1,16,64,128,256")
-    ap.add_argument("--paths", default="cohort,generic", help="step paths to run M* on, comma list")
+    ap.add_argument("--paths", default="cohort,generic",
+                    help="step paths to run M* on, comma list (generic: the plan without its cohort marks)")
     ap.add_argument("--hf-batches", default="1,16,64", help="batch sizes of the HF baseline (a subset of --batches)")
     ap.add_argument("--tokens", type=int, default=256, help="tokens generated per request (fixed)")
     ap.add_argument("--placement", type=Path, default=None,

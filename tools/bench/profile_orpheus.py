@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--path", default="cohort", choices=["cohort", "generic"], help="the step path (docs/runtime.md)")
+    ap.add_argument("--path", default="cohort", choices=["cohort", "generic"],
+                    help="the step path (generic: the plan without its cohort marks; docs/runtime.md)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "profile.txt")
     args = ap.parse_args(argv)
     device = torch.device(args.device)

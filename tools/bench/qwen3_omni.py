@@ -22,9 +22,9 @@ part that fails is recorded under `errors` and the rest still runs):
     the frame period (mean interval between the talker's frame launches), per-node steps
     and mean batch sizes.
   - chat (text out), for each B of --chat-batches and mode of --chat-modes: `sampled` (the
-    walk's defaults, top-k 20: the decode loop's generic path) and `greedy` (its rows join the
-    decode cohort); `--chat-tokens` tokens at most per request (the text's own end is kept:
-    tokens are counted as generated). Text tokens/s and TTFT p50.
+    walk's defaults, top-k 20) and `greedy`, whose rows alike join the decode cohort;
+    `--chat-tokens` tokens at most per request (the text's own end is kept: tokens are
+    counted as generated). Text tokens/s and TTFT p50.
   - parity: one greedy speech request (thinker and talker; --parity-tokens, --parity-frames)
     whose text and codec codes are compared with transformers' on the same weights.
 - transformers (unless --skip-hf): `Qwen3OmniMoeForConditionalGeneration` built from the
@@ -80,6 +80,7 @@ from common import (  # noqa: E402 - the sibling module, found through the line 
     environment,
     gpu_memory,
     measure_read_bandwidth,
+    on_path,
     percentile,
     reset_peak,
     sync,
@@ -262,7 +263,7 @@ def run_requests(plan: Any, worker: Any, device: torch.device, walk: str, inputs
     """One batch of requests through a fresh conductor; what every figure is computed from."""
     from mstar_runtime.control.conductor import Conductor
 
-    conductor = Conductor(plan, {0: worker}, max_running=len(inputs), path=path)
+    conductor = Conductor(on_path(plan, path), {0: worker}, max_running=len(inputs))
     probe = _Probe(device)
     before = node_stats(worker)
     sync(device)
@@ -714,8 +715,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=int, default=128, help="codec frames (80 ms each) per speech request")
     ap.add_argument("--chat-batches", default="1,16", help="chat batch sizes; empty: no chat runs")
     ap.add_argument("--chat-tokens", type=int, default=128, help="tokens at most per chat request")
-    ap.add_argument("--chat-modes", default="sampled,greedy", help="sampled (walk defaults), greedy (cohort rows)")
-    ap.add_argument("--path", default="cohort", choices=["cohort", "generic"], help="the conductor's step path")
+    ap.add_argument("--chat-modes", default="sampled,greedy", help="sampled (walk defaults), greedy")
+    ap.add_argument("--path", default="cohort", choices=["cohort", "generic"],
+                    help="the step path (generic: the plan without its cohort marks, common.on_path)")
     ap.add_argument("--parity-tokens", type=int, default=8)
     ap.add_argument("--parity-frames", type=int, default=16)
     ap.add_argument("--skip-parity", action="store_true")

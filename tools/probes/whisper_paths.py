@@ -1,12 +1,12 @@
-"""Whisper-large-v3 (random weights, real size) on the generic step path against the decode
-cohort, eager and graphed, and against transformers in float32 on the same weights: token
+"""Whisper-large-v3 (random weights, real size) on the generic step path (the plan without its
+cohort marks) against the decode cohort, eager and graphed, and against transformers in float32 on the same weights: token
 agreement pairwise, and where each first differs.
 
     python tools/probes/whisper_paths.py            # one H200
 
 The same two clips as tests/test_gpu_whisper.py (30 s and 12.5 s of seeded noise, English,
-64 tokens each), through one Worker: a Conductor on the generic path, then one on the cohort
-path with `MSTAR_COHORT_GRAPHS=0` (eager FlashInfer), then one with graphs (the worker's
+64 tokens each), through one Worker: a Conductor on the plan without its cohort marks
+(`without_cohorts`: the generic path), then one on the plan as compiled (the cohort path) with `MSTAR_COHORT_GRAPHS=0` (eager FlashInfer), then one with graphs (the worker's
 cohort columns are dropped between them, so each opens its own). A bug of one path shows as
 its agreement with the others (and with float32) far below the bf16 noise between the rest.
 """
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from mstar_models.whisper.features import N_SAMPLES, log_mel, mel_filters  # noqa: E402
 from mstar_runtime.control.conductor import FINISHED, Conductor  # noqa: E402
-from mstar_runtime.plan.loader import load_plan  # noqa: E402
+from mstar_runtime.plan.loader import load_plan, without_cohorts  # noqa: E402
 from mstar_runtime.worker.worker import COHORT_GRAPHS_ENV, Worker  # noqa: E402
 from mstarc.cli import main as mstarc  # noqa: E402
 from tests.whisper_reference import from_nodes  # noqa: E402
@@ -68,7 +68,7 @@ def main() -> None:
             return ok
 
         Worker.cohort_open = cohort_open  # type: ignore[method-assign]
-        conductor = Conductor(plan, {0: worker}, path=path)
+        conductor = Conductor(plan if path == "cohort" else without_cohorts(plan), {0: worker})
         hs = [conductor.submit("transcribe", {"audio": a, "language": "en", "max_tokens": TOKENS,
                                               "min_tokens": TOKENS}) for a in audio]
         conductor.run_until_idle()

@@ -6,9 +6,11 @@ task yields `EnterCohort`, becomes a row, and is resumed only when it leaves; th
 sees the cohort as one standing group of its rows, and a cohort step replaces the
 reservation and the batched step for its rows. The node may be in a worker process (its
 cohort calls are messages, worker/remote_cohort.py) or at tp > 1 (every rank of its group
-runs each call, `tp_dispatch.TPCohort`). `path="generic"` keeps every loop in the
-interpreter. A loop whose call reads other contexts is a cohort whose rows carry their read
-tables, unless the plan moves such a context between ranks (the generic step moves it).
+runs each call, `tp_dispatch.TPCohort`). A marked loop stays in the interpreter (iteration
+by iteration: the generic path) only where no cohort can run it: its node is not a kv node
+or opens no column step (`cohort_open`), its TP group is not all worker processes, or the
+plan moves a context its call reads between ranks (the generic step moves it). A loop whose
+call reads other contexts is otherwise a cohort whose rows carry their read tables.
 
 `Cohorts` makes each loop's `Cohort` on first use and keeps the issue order of each one's
 next step (`order`), which the scheduler weighs against the ready calls. What a cohort or a
@@ -54,12 +56,11 @@ class Cohorts:
     """The cohorts of one conductor's marked loops (module docstring)."""
 
     def __init__(self, plan: Plan, workers: Mapping[int, Any], tp: TPDispatch, contexts: KVContexts,
-                 row_limits: Mapping[str, int], seq: itertools.count, host: CohortsHost, *, enabled: bool = True):
+                 row_limits: Mapping[str, int], seq: itertools.count, host: CohortsHost):
         """`row_limits`: a node's `max_batch` setting, where it has one; `seq`: the conductor's
-        issue-order counter (shared with its step calls); `enabled=False` (the generic path)
-        makes no cohort at all."""
+        issue-order counter (shared with its step calls)."""
         self.plan, self.workers, self.tp, self.contexts = plan, workers, tp, contexts
-        self.row_limits, self.seq, self.host, self.enabled = row_limits, seq, host, enabled
+        self.row_limits, self.seq, self.host = row_limits, seq, host
         self.by_key: dict[CohortKey, Cohort] = {}
         self._none: set[CohortKey] = set()  # marked loops that stay generic
         self.order: dict[CohortKey, int] = {}  # the issue order of each cohort's next step
@@ -86,8 +87,8 @@ class Cohorts:
 
     def _cohort_for(self, op: dict[str, Any]) -> Cohort | None:
         """The cohort of a marked loop, made on first use; None where the loop stays generic
-        (generic path forced, a node without a column step). Raises `WorkerStepError` and
-        `WorkerLost` from opening its columns on a worker process."""
+        (module docstring: a node without a column step, a read context the plan moves, ...).
+        Raises `WorkerStepError` and `WorkerLost` from opening its columns on a worker process."""
         call = cohort_call(op)
         node, phase, ranks = call["node"], call["phase"], tuple(call["ranks"])
         key: CohortKey = (node, phase, ranks, op["id"])
@@ -105,7 +106,7 @@ class Cohorts:
         # the generic step's to move or report
         names = {f"{r['node']}@{r['tag']}" for r in read_ops}
         elsewhere = None in reads or any(k[2] in names for k in self.contexts.moves)
-        if (not self.enabled or info.engine != "kv" or (len(ranks) > 1 and not group) or elsewhere
+        if (info.engine != "kv" or (len(ranks) > 1 and not group) or elsewhere
                 or not hasattr(worker, "cohort_open")):
             self._none.add(key)
             return None

@@ -57,7 +57,6 @@ many items of a streamed input the current attempt has taken into its buffer.
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -112,17 +111,6 @@ from mstar_runtime.worker.remote import EngineStopped, WorkerLost
 from mstar_runtime.worker.tp_dispatch import TPDispatch
 from mstar_runtime.worker.worker import StepBatch, WorkerStepError
 
-STEP_PATHS = ("cohort", "generic")
-STEP_PATH_ENV = "MSTAR_STEP_PATH"  # "generic" forces every loop onto the generic path
-
-
-def step_path(choice: str | None = None) -> str:
-    """The step path to use: `choice`, else $MSTAR_STEP_PATH, else "cohort"."""
-    value = (choice or os.environ.get(STEP_PATH_ENV) or "cohort").strip().lower()
-    if value not in STEP_PATHS:
-        raise ValueError(f"step path must be one of {', '.join(STEP_PATHS)}, got {value!r}")
-    return value
-
 
 class WorkerLike(Protocol):
     def run_step(self, batch: StepBatch) -> list[dict[str, Any]]: ...
@@ -142,14 +130,11 @@ class Conductor:
 
     def __init__(self, plan: Plan, workers: Mapping[int, WorkerLike], *, max_running: int | None = None,
                  preempt_every: int | None = None, request_timeout: float | None = None, overlap: bool = True,
-                 path: str | None = None, prefix_caching: bool = False):
+                 prefix_caching: bool = False):
         """`overlap=False` waits for every remote step as it is sent: the order of steps, and so
         who is batched with whom, is then exactly that of one rank (bit-exact comparisons).
-        `prefix_caching=False` never reuses KV blocks across requests (docs/runtime.md).
-        `path`: "cohort" (default; $MSTAR_STEP_PATH) runs marked loops as decode cohorts where
-        their node offers a column step; "generic" runs every loop iteration by iteration."""
+        `prefix_caching=False` never reuses KV blocks across requests (docs/runtime.md)."""
         self.plan = plan
-        self.path = step_path(path)
         self.overlap = overlap
         self.workers = dict(workers)
         limits = {name: int(n.settings["max_batch"]) for name, n in plan.nodes.items()
@@ -175,8 +160,7 @@ class Conductor:
         self.steps = StepRunner(self.workers, self.tp, self.contexts, self, overlap=overlap)
         self._inflight = self.steps.inflight  # rank -> its step sent without waiting, in send order
         self.reservations = Reservations(plan, self.contexts, self.steps, self)
-        self.cohort_set = Cohorts(plan, self.workers, self.tp, self.contexts, limits, self._seq, self,
-                                  enabled=self.path == "cohort")
+        self.cohort_set = Cohorts(plan, self.workers, self.tp, self.contexts, limits, self._seq, self)
         self.cohorts: dict[CohortKey, Cohort] = self.cohort_set.by_key
         self.broken: str | None = None  # set when a worker process was lost: the engine has stopped
         self.stalled = False  # the last step found nothing to run but requests waiting on their clients
@@ -632,6 +616,5 @@ class Conductor:
 
 
 # what other modules import from here (the request records live in control/requests.py)
-__all__ = ["CANCELLED", "FAILED", "FINISHED", "RUNNING", "STEP_PATHS", "STEP_PATH_ENV", "WAITING", "Conductor",
-           "InputFeed", "Listener", "Request", "RequestStats", "WorkerLike", "check_inputs", "coerce_items",
-           "step_path", "stream_inputs"]
+__all__ = ["CANCELLED", "FAILED", "FINISHED", "RUNNING", "WAITING", "Conductor", "InputFeed", "Listener",
+           "Request", "RequestStats", "WorkerLike", "check_inputs", "coerce_items", "stream_inputs"]

@@ -17,8 +17,8 @@ It runs until it needs something from the conductor and yields it:
 - `EnterCohort`: a loop the compiler marked as a cohort (`op["cohort"]`, fixed or dynamic) asks to run
   as a row of the conductor's decode cohort (runtime/mstar_runtime/control/cohort.py);
   resumed with a `CohortExit` when the row leaves the loop, or with `None` when the
-  conductor declines (generic path forced, the node offers no column step or refuses the
-  row, the cohort is full): the interpreter then runs the loop itself, iteration by iteration.
+  conductor declines (the node offers no column step or refuses the row, the cohort is
+  full, a context the call reads is moved): the interpreter then runs the loop itself, iteration by iteration.
 
 Side effects on the request (emits, stream pushes, accumulations) go through a `Frame`,
 so that a speculative `dynamic_loop` iteration can hold them back until the previous

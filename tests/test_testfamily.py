@@ -47,7 +47,7 @@ class PagedKV:
         self.blocks = BlockManager(num_pages, page_size)
         self.states: dict[SeqKey, dict[str, Any]] = {}
 
-    def step(self, phase: str, batch: Batch, keys: list[SeqKey]) -> Batch:
+    def step(self, phase: str, batch: Batch, keys: list[SeqKey], resolve_outputs: bool = True) -> Batch:
         plans: list[SeqPlan] = []
         for entry in batch:
             shapes = {port: tuple(v.shape) for port, v in entry.items() if isinstance(v, torch.Tensor)}
@@ -73,6 +73,8 @@ class PagedKV:
                 copy = self.blocks.truncate(key, start)
                 if copy is not None:
                     self.pool.copy_slots(copy.src, copy.dst)
+        if not resolve_outputs:
+            return out
         return [{k: resolve(v) for k, v in o.items()} for o in out]  # `code`/`done` are lazy
 
     def fork(self, src: SeqKey, dst: SeqKey) -> None:

@@ -18,7 +18,7 @@ once, each decoding `--tokens` steps after its prefill (max_new = tokens + 1), a
 conductor's engine loop (`Conductor.step()`) is driven to idle, every iteration timed alone.
 
 What is timed: the steady state only. An iteration counts when the node's decode ran on all B
-requests in it (rows seen by a wrapper around the node's `phase_decode` / cohort step): that
+requests in it (rows seen by a wrapper around the node's column step, which both paths run): that
 leaves out admission, the prefill, the iterations where requests join or have left, and the
 drain. Of those, the first `SKIP` and the last `SKIP` are dropped too (the first cohort step
 flushes the prefill's effects; the last ones see the rows leave). Host us per request-step =
@@ -26,7 +26,7 @@ the counted iterations' wall time / (iterations x B). Each B first runs once unm
 (warm-up); the figure is the median over `--repeats` runs, each path's runs interleaved.
 
 Where the time goes, from wrappers around the worker's step (`run_step` / `cohort_step`), the
-node's decode phase / cohort step and the attention calls inside it, all in us per
+node's column step and the attention calls inside it, all in us per
 request-step: `*_conductor_us` (everything outside the worker: admission checks, scheduler,
 interpreter generators, emits, cohort events), `*_engine_us` (the worker's engine around the
 node: slots, attention context, device columns, readbacks), `*_node_us` (the node's own call,
@@ -97,15 +97,15 @@ def cohort_mark(plan_path: Path) -> dict[str, Any]:
 
 
 class Probe:
-    """Wraps the worker's step entry points, the node's decode entry points (instance attributes
-    shadow the methods) and the attention they call: decode rows, and seconds in each."""
+    """Wraps the worker's step entry points, the node's column step (an instance attribute
+    shadows the method) and the attention it calls: decode rows, and seconds in each."""
 
     def __init__(self, worker: Any, node: Any):
         self.rows = 0
         self.worker_seconds = 0.0
         self.seconds = 0.0
         self.attend_seconds = 0.0
-        decode, step = node.phase_decode, node._cohort_step
+        step = node._cohort_step  # both paths run it (a generic decode through ops/column_call.py)
         run_step, cohort_step_ = worker.run_step, worker.cohort_step
 
         def timed(fn: Any, field: str) -> Any:
@@ -117,14 +117,6 @@ class Probe:
                 return out
             return call
 
-        def phase_decode(batch: Any, attn: Any) -> Any:
-            t0 = time.perf_counter()
-            attn.attend_fn = timed(attn.attend_fn, "attend_seconds")
-            out = decode(batch, attn)
-            self.seconds += time.perf_counter() - t0
-            self.rows += len(batch)
-            return out
-
         def cohort_step(b: Any) -> Any:
             t0 = time.perf_counter()
             b.attend = timed(b.attend, "attend_seconds")
@@ -133,7 +125,6 @@ class Probe:
             self.rows += b.n
             return out
 
-        node.phase_decode = phase_decode
         node._cohort_step = cohort_step  # read by `cohort_phase` when the cohort opens (after this)
         worker.run_step = timed(run_step, "worker_seconds")
         worker.cohort_step = timed(cohort_step_, "worker_seconds")

@@ -44,8 +44,8 @@ the context reaches the `max_seq_len` setting (the next decode would not fit; vL
 "length" finish). The runtime reads `done` one step late (speculative loop): a decode after
 `done` may still run; it must not fail, and its results are thrown away.
 
-`code` and `done` are `readback.Lazy` values (a `done` that a host limit raises is a plain
-True): the step returns as soon as its kernels are queued, and the runtime resolves them
+`code` and `done` are `readback.Lazy` values (a prefill's `done` that a host limit raises is
+a plain True): the step returns as soon as its kernels are queued, and the runtime resolves them
 when the request's next step has been launched (docs/runtime.md, "No host waits").
 
 Node settings: `max_seq_len` (default 4096, as the compiler's memory pass assumes);
@@ -69,7 +69,7 @@ from mstar_models.layers.mlp import GatedMLP
 from mstar_models.layers.rotary import llama3_inv_freq, rope_tables
 from mstar_runtime.ops import tp
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
-from mstar_runtime.ops.ports import config_value, decode_token, max_seq_len
+from mstar_runtime.ops.ports import config_value, max_seq_len
 from mstar_runtime.ops.readback import Lazy, Readback, upload_tensor
 from mstar_runtime.sampling import REQUIRED, SamplingParams, SamplingPorts, read_sampling, sample
 
@@ -178,7 +178,8 @@ class LlamaBackbone(DecoderNode):
         return [int(t) for t in prompt.tolist()]
 
     def cohort_phase(self, phase: str) -> Any:
-        """`decode` as a column step for decode cohorts (models/mstar_models/orpheus/cohort.py); under
+        """`decode`, written only as a column step (models/mstar_models/orpheus/cohort.py; a plain
+        batched call runs it through runtime/mstar_runtime/ops/column_call.py); under
         TP every rank of the group runs it (its all-reduces and the gathered logits inside)."""
         if phase != "decode":
             return None
@@ -206,23 +207,6 @@ class LlamaBackbone(DecoderNode):
         ids = torch.cat([prompt[seq.cached:] for (prompt, _, _), seq in zip(checked, attn.seqs)]).to(torch.long)
         hidden = attn.run_graphed(lambda i, p: self.forward_hidden(i, p, attn.attend), ids, attn.positions())
         return self._next_tokens(self.head(attn.last_rows(hidden)), attn)
-
-    def phase_decode(self, batch: Batch, attn: AttentionContext) -> Batch:
-        for entry, seq in zip(batch, attn.seqs, strict=True):
-            decode_token(entry, seq.state, "sampling")
-        ids = torch.cat([entry["token"] for entry in batch]).to(torch.long)
-        dst, src = [], []
-        for i, seq in enumerate(attn.seqs):
-            hist = seq.state["history"]
-            if hist is not None and seq.start < hist.numel():  # beyond: a decode after `done`
-                dst.append(hist[seq.start : seq.start + 1])
-                src.append(ids[i : i + 1])
-        if dst:
-            torch._foreach_copy_(dst, src)  # one launch for the batch, not one per entry
-        logits = attn.run_graphed(
-            lambda i, p: self.head(self.forward_hidden(i, p, attn.attend)), ids, attn.positions()
-        )
-        return self._next_tokens(logits, attn)
 
     # ------------------------------------------------------------------ math
     def forward_hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Orpheus' `decode` as a column step for decode cohorts (runtime/mstar_runtime/ops/cohort.py).
 
-The same step as `LlamaBackbone.phase_decode` + `_next_tokens`, for every row at once and
-with no host value: the per-request state the generic path keeps in `attn.states[i]` (its
+Orpheus' only decode: a plain batched call (`KVNode.run`) runs it as a one-step cohort
+(runtime/mstar_runtime/ops/column_call.py). Every row at once and with no host value: the
+per-request state a prefill leaves in `attn.states[i]` (its
 `SamplingParams`, `step`, `k`, `max_tokens`, `history`) becomes device columns at join and
 goes back into the state at leave:
 

@@ -6,7 +6,7 @@ queries and keys are the token's embedding (a [vocab, head_dim] table, one layer
 every value is the constant vector (1, 0, ...), so attention over any context returns (1, 0,
 ...) up to rounding and `round(out[0])` is exactly 1. So the KV path is exercised (every token's
 K/V is written to the paged pool and attended over) while the token sequence is
-deterministic, independent of the weights and the same on the generic and the cohort path.
+deterministic, independent of the weights and the same in a cohort and in a plain batched call.
 
 The module holds the `llama` arch's tensors (`mstarc.archs.llama`, which gives the node its KV
 geometry and so its KV pool; the catalogue has no smaller decoder) at the tiniest sizes
@@ -16,8 +16,9 @@ Per-(request, tag) state in `attn.states[i]`, set by `prefill` (as in `TinyLM`):
   `gen_base`: KV length at which the tag had produced 0 tokens (start + T - 1 of the prefill),
   `max_new`:  the request's token budget since that prefill.
 `done` is raised once the tag produced `max_new` tokens (its prefill's one included) or its
-context holds `max_seq_len` tokens: known on the host on the generic path, a column compare
-on the cohort path.
+context holds `max_seq_len` tokens: a column compare (after a prefill, a host fact). `decode`
+is written once, as a column step; a plain batched call runs it as a one-step cohort
+(runtime/mstar_runtime/ops/column_call.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from mstar_models.testfamily.common import seeded_init_, setting, start_reply
 from mstar_models.testfamily.lm import TinyLM, llama_model
 from mstar_runtime.ops.cohort import Attend, CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
-from mstar_runtime.ops.ports import decode_token
 
 DEFAULT_MAX_SEQ_LEN = 4096  # the compiler's default of the `max_seq_len` node setting
 
@@ -62,7 +62,7 @@ class EchoLM(DecoderNode):
         raise NodeError(f"node '{spec.name}' (EchoLM) has no phase '{phase}'")
 
     def cohort_phase(self, phase: str) -> CohortPhase | None:
-        """`decode` as a column step (ops/cohort.py): the same math as `phase_decode` over all rows."""
+        """`decode`, written only as a column step (ops/cohort.py; `run` calls it through ops/column_call.py)."""
         if phase != "decode":
             return None
         return CohortPhase(join=self._cohort_join, step=self._cohort_step, leave=lambda state, cols, steps: None)
@@ -87,12 +87,6 @@ class EchoLM(DecoderNode):
                for entry, seq in zip(batch, attn.seqs, strict=True)]
         tokens = self.next_tokens(torch.cat(ids).long(), attn.attend)
         return self._outputs(attn.last_rows(tokens), attn)
-
-    def phase_decode(self, batch: Batch, attn: AttentionContext) -> Batch:
-        for entry, seq in zip(batch, attn.seqs, strict=True):
-            decode_token(entry, seq.state, "gen_base")
-        ids = torch.cat([entry["token"] for entry in batch]).long()
-        return self._outputs(self.next_tokens(ids, attn.attend), attn)
 
     # ------------------------------------------------------------------ math
     def next_tokens(self, ids: torch.Tensor, attend: Attend) -> torch.Tensor:

@@ -30,7 +30,6 @@ from mstar_models.layers.mlp import GatedMLP
 from mstar_models.testfamily.common import seeded_init_, setting, start_reply
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
-from mstar_runtime.ops.ports import decode_token
 from mstar_runtime.ops.readback import Lazy, Readback
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -132,7 +131,7 @@ class TinyLM(DecoderNode):
         return [int(t) for t in tokens.tolist()]
 
     def cohort_phase(self, phase: str) -> CohortPhase | None:
-        """`decode` as a column step (ops/cohort.py): the same math as `phase_decode` over all rows."""
+        """`decode`, written only as a column step (ops/cohort.py; `run` calls it through ops/column_call.py)."""
         if phase != "decode":
             return None
         return CohortPhase(join=self._cohort_join, step=self._cohort_step, leave=lambda state, cols, steps: None,
@@ -162,13 +161,6 @@ class TinyLM(DecoderNode):
             self.model.embed_tokens(torch.cat(ids).long()), attn.positions(), attn.attend
         )
         return self._next_tokens(attn.last_rows(hidden), attn)
-
-    def phase_decode(self, batch: Batch, attn: AttentionContext) -> Batch:
-        for entry, seq in zip(batch, attn.seqs, strict=True):
-            decode_token(entry, seq.state, "gen_base")
-        ids = torch.cat([entry["token"] for entry in batch]).long()
-        hidden = self.forward_hidden(self.model.embed_tokens(ids), attn.positions(), attn.attend)
-        return self._next_tokens(hidden, attn)
 
     def phase_denoise(self, batch: Batch, attn: AttentionContext) -> Batch:
         xs = [entry["x"] for entry in batch]

@@ -11,7 +11,8 @@ allocates pages: the conductor's `BlockManager` does, and every entry arrives wi
    the new K/V of every entry at its slots (`keep=False` entries too: the conductor
    reserved their slots and truncates them after the step) and then runs the attention
    backend over all entries at once, with kv_len = start + q_len and each entry's mask;
-3. calls `node.run(phase, inputs, attn)` under `torch.inference_mode()`;
+3. calls `node.run(phase, inputs, attn)` under `torch.inference_mode()` (a phase the node writes
+   only as a column step runs through it: ops/column_call.py);
 4. checks the outputs: one mapping per entry, each holding every output port of the phase
    (extra keys are allowed and passed through). Anything else is a `NodeError` naming the
    node and the phase.

@@ -6,7 +6,10 @@ requests in the loop are rows of device-resident columns, and one step is one ca
 node's `CohortPhase.step` over every row at once (runtime/mstar_runtime/control/cohort.py
 drives it; runtime/mstar_runtime/engine/cohort_engine.py owns the columns). A node offers a
 phase this way through `KVNode.cohort_phase(phase)`; one that does not keeps the generic,
-list-of-dicts call (`KVNode.run`), which stays for everything else.
+list-of-dicts call (`KVNode.run`), which stays for everything else. A node that writes a
+phase only as a column step (no `phase_<name>` method) gets that call from it: `KVNode.run`
+runs the step over the batch as a one-step cohort (ops/column_call.py), so a loop phase is
+written once.
 
 The contract, for a phase whose every entry adds one KV token (a decode), or a fixed block
 of `tokens` (Q) tokens whose queries see the row's whole context and the whole block (no

@@ -14,7 +14,9 @@ with a *batch* of entries, one per request (or per KV tag of a request), for one
   the step, calling `attn.attend(layer, q, k, v)` in every attention layer. The context
   writes the new K/V into the paged pool (unless the plan says `keep=False`) and attends
   over the entry's whole KV context, for the whole mixed batch (prefill chunks and
-  single-token decodes together) in one call.
+  single-token decodes together) in one call. A loop phase offered as a column step
+  (`KVNode.cohort_phase`, ops/cohort.py) need not be written again as `phase_<name>`: `run`
+  then runs the column step over the batch (ops/column_call.py).
 
 A phase that reads other KV contexts (`reads` in the plan: pi0's action expert over the
 VLM's prefix, a decoder's cross-attention over its `cross` tag) also attends to those
@@ -51,24 +53,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from mstar_runtime.ops.column_call import run_columns
+from mstar_runtime.ops.errors import NodeError, RequestError  # noqa: F401  (re-exported: nodes import both from here)
 from mstar_runtime.ops.readback import upload
 
 Batch = list[dict[str, Any]]
-
-
-class NodeError(Exception):
-    """A node cannot build, load or run; the message names the node and the cause."""
-
-
-class RequestError(Exception):
-    """A request's input is unacceptable to a node (e.g. a prompt longer than the model allows).
-
-    Fails that request only, with this message; never the batch or the worker.
-    """
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -271,10 +260,16 @@ class KVNode(nn.Module):
         return None
 
     def run(self, phase: str, batch: Batch, attn: AttentionContext) -> Batch:
+        """One batched call of `phase`: the node's `phase_<name>` method, else its column step
+        (`cohort_phase`) run over the batch as a one-step cohort (ops/column_call.py), so that a
+        loop phase is written once."""
         method = getattr(self, f"phase_{phase}", None)
-        if method is None:
+        if method is not None:
+            return method(batch, attn)
+        cphase = self.cohort_phase(phase)
+        if cphase is None:
             raise NodeError(f"node '{self.spec.name}' ({type(self).__name__}) has no phase '{phase}'")
-        return method(batch, attn)
+        return run_columns(self.spec.name, cphase, batch, attn)
 
     def cohort_phase(self, phase: str) -> Any:
         """The phase as a column step for decode cohorts (an `ops.cohort.CohortPhase`), or None:

@@ -1,0 +1,121 @@
+"""A column step run as a plain batched call: one implementation of a loop phase for both paths.
+
+A node that offers a phase as a column step (`KVNode.cohort_phase`, ops/cohort.py) need not
+write it a second time for the list-of-dicts call: where the node has no `phase_<name>`
+method, `KVNode.run` calls `run_columns`, the batch as a cohort that lives for one step. Each entry joins (its node state and inputs become a row of columns),
+the step runs over the rows, each entry leaves (its columns go back into its node state,
+one step later), and the step's `[n, ...]` outputs become the entries' output values:
+
+- an item-list port (`port` `[n, K]` with `port:count` `[n]`): the row's first `count`
+  items, a `Lazy` tensor (the count is read back in the background);
+- a bool port (`[n]`): a `Lazy` bool, read back with the counts in one copy;
+- any other port: row i's `[...]` view, on the device.
+
+So the call never waits for the device (as a hand-written generic decode does not), and the
+interpreter's lanes resolve the lazy values a step late. This is the path of a loop the
+compiler did not mark (a body of several calls), of a cohort-capable loop whose cohort is
+full or declined the row, and of a one-off call of the phase. It runs eagerly: a marked
+loop's cohort is the path that captures CUDA graphs.
+
+Requires: every entry adds `phase.tokens` KV tokens (the node's `kv_plan` says so) and
+          carries the phase's input ports (fed-back and invariant; an index port as an int).
+Ensures:  the same outputs a cohort step gives the same rows, per entry; every entry's state
+          as `leave` writes it after one step.
+Fails when: an entry's inputs are missing or malformed, or its `join` refuses it
+          (RequestError naming the port: the conductor retries the entries one by one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mstar_runtime.ops.cohort import CohortPhase, CohortStep, count_key
+from mstar_runtime.ops.errors import NodeError, RequestError
+from mstar_runtime.ops.readback import Lazy, Readback
+
+if TYPE_CHECKING:  # ops/node.py imports this module: its types only, not at run time
+    from mstar_runtime.ops.node import AttentionContext
+
+Batch = list[dict[str, Any]]
+
+
+def run_columns(node: str, cphase: CohortPhase, batch: Batch, attn: AttentionContext) -> Batch:
+    """The phase's column step over the batch's entries as rows (module docstring)."""
+    q_len = cphase.tokens
+    for seq in attn.seqs:
+        if seq.q_len != q_len:
+            raise NodeError(f"node '{node}': an entry of {seq.q_len} tokens, the column step adds {q_len}")
+    device = attn.device
+    ports = sorted({port for entry in batch for port in entry})
+    inputs = _Inputs(node, {port: _stack(node, port, [entry.get(port) for entry in batch], device) for port in ports})
+    with torch.inference_mode():
+        joined = [cphase.join(seq.state, entry) for entry, seq in zip(batch, attn.seqs, strict=True)]
+        names = sorted(joined[0]) if joined else []
+        cols = {name: _stack(node, name, [row.get(name) for row in joined], device) for name in names}
+        positions = torch.tensor([seq.start for seq in attn.seqs], dtype=torch.long, device=device)
+        n = len(batch)
+        read_lens = tuple(torch.tensor([seq.read_lens[j] for seq in attn.seqs], dtype=torch.long, device=device)
+                          for j in range(len(attn.reads)))
+        reads = bool(attn.reads)
+        out = cphase.step(CohortStep(
+            n, inputs, cols, positions, attn.attend, device,
+            (lambda layer, q, j: attn.attend_to(layer, q, j)) if reads else None,
+            (lambda layer, q, k, v, j: attn.attend(layer, q, k, v, over=(j,))) if reads else None,
+            read_lens))
+        for i, seq in enumerate(attn.seqs):
+            cphase.leave(seq.state, {name: col[i].clone() for name, col in cols.items()}, 1)
+    return _rows(out, n)
+
+
+class _Inputs(dict):
+    """The step's input columns; one the step reads and no entry carries is the request's error."""
+
+    def __init__(self, node: str, columns: Mapping[str, torch.Tensor]):
+        super().__init__(columns)
+        self.node = node
+
+    def __missing__(self, port: str) -> torch.Tensor:
+        raise RequestError(f"node '{self.node}': input '{port}' is missing", port)
+
+
+def _stack(node: str, name: str, values: list[Any], device: torch.device) -> torch.Tensor:
+    """One value per row -> a `[n, ...]` column on the device; a RequestError naming the port
+    for a missing value or rows of different shapes."""
+    if any(v is None for v in values):
+        raise RequestError(f"node '{node}': input '{name}' is missing", name)
+    rows = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in values]
+    shape = tuple(rows[0].shape)
+    if any(tuple(r.shape) != shape for r in rows):
+        raise RequestError(f"node '{node}': '{name}' of shapes {sorted({tuple(r.shape) for r in rows})} in one "
+                           f"step (each must be {shape})", name)
+    return torch.stack([r.to(device) for r in rows])
+
+
+def _rows(out: Mapping[str, torch.Tensor], n: int) -> Batch:
+    """A step's `[n, ...]` outputs as one dict of port values per row (module docstring)."""
+    counted = [key for key in out if count_key(key) in out]
+    flags = [key for key, t in out.items() if t.dtype == torch.bool and key not in counted]
+    host_keys = [count_key(key) for key in counted] + flags
+    back = Readback(torch.stack([out[k].reshape(n).long() for k in host_keys], dim=1)) if host_keys else None
+    rows: Batch = []
+    for i in range(n):
+        row: dict[str, Any] = {}
+        for key, t in out.items():
+            if key.endswith(":count") and key[: -len(":count")] in counted:
+                continue
+            if key in counted:
+                j = host_keys.index(count_key(key))
+                row[key] = Lazy(lambda t=t, i=i, j=j: t[i, : int(back.array()[i, j])])  # type: ignore[union-attr]
+            elif key in flags:
+                j = host_keys.index(key)
+                row[key] = Lazy(lambda i=i, j=j: bool(back.array()[i, j]))  # type: ignore[union-attr]
+            else:
+                row[key] = t[i]
+        rows.append(row)
+    return rows
+
+
+__all__ = ["run_columns"]

@@ -1,0 +1,73 @@
+"""A loop phase written once, as a column step, and run as a plain batched call (ops/column_call.py).
+
+TinyLM, EchoLM and Orpheus' backbone write `decode` only as a column step: `KVNode.run`
+runs it over a batch as a one-step cohort. Its tokens against the dense reference are
+pinned in tests/test_testfamily.py (every decode there goes through it); here: that the
+nodes have no second decode, what the call returns before anything is read back, the
+node state it leaves, and its errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar_models.orpheus.backbone import LlamaBackbone
+from mstar_models.testfamily import TinyLM
+from mstar_models.testfamily import reference as R
+from mstar_models.testfamily.echo import EchoLM
+from mstar_models.testfamily.family import Family, build_family
+from mstar_runtime.ops.node import AttentionContext, NodeError, RequestError, SeqState
+from mstar_runtime.ops.readback import Lazy
+from tests.test_testfamily import PagedKV, encode
+
+
+@pytest.fixture(scope="module")
+def family() -> Family:
+    return build_family("tiny")
+
+
+@pytest.mark.parametrize("cls", [TinyLM, EchoLM, LlamaBackbone])
+def test_decode_is_written_once(cls: type) -> None:
+    assert not hasattr(cls, "phase_decode")  # the column step is the only decode
+
+
+def test_outputs_come_back_lazily_and_match_the_reference(family: Family) -> None:
+    """Counts and flags are `Lazy` (one background readback), the rest device views; two rows
+    at different depths give each its own reference step."""
+    lm, paged = family.lm, PagedKV(family.lm)
+    a, b = encode(family, "a longer first prompt", "two")
+    (out_a,) = paged.step("prefill", [{"tokens": a, "max_new": 9}], [("a", "main")])
+    (out_b,) = paged.step("prefill", [{"tokens": b, "max_new": 9}], [("b", "main")])
+    ref_a, ref_b = R.DenseKV(lm.layers), R.DenseKV(lm.layers)
+    step_a, step_b = R.ref_prefill(lm, ref_a, a, 9), R.ref_prefill(lm, ref_b, b, 9)
+    raw = _run(paged, [{"token": out_a["token"]}, {"token": out_b["token"]}], [("a", "main"), ("b", "main")])
+    assert all(isinstance(row["done"], Lazy) and isinstance(row["code"], Lazy) for row in raw)
+    assert all(isinstance(row["token"], torch.Tensor) and row["token"].shape == (1,) for row in raw)
+    for row, ref in zip(raw, (R.ref_decode(lm, ref_a, step_a.token), R.ref_decode(lm, ref_b, step_b.token))):
+        assert row["token"].tolist() == [ref.token] and row["done"].get() is ref.done
+        assert row["code"].get().tolist() == ([] if ref.code is None else [ref.code])
+        torch.testing.assert_close(row["hidden"], ref.hidden, atol=1e-5, rtol=1e-5)
+
+
+def test_errors_name_the_port(family: Family) -> None:
+    paged = PagedKV(family.lm)
+    (ids,) = encode(family, "prompt")
+    (out,) = paged.step("prefill", [{"tokens": ids, "max_new": 4}], [("r", "main")])
+    with pytest.raises(RequestError, match="never prefilled") as e:
+        _run(paged, [{"token": out["token"]}], [("fresh", "main")])
+    assert e.value.field == "token"
+    with pytest.raises(RequestError, match="input 'token' is missing"):
+        _run(paged, [{}], [("r", "main")])
+    paged.step("prefill", [{"tokens": ids, "max_new": 4}], [("s", "main")])
+    with pytest.raises(RequestError, match="'token' of shapes"):
+        _run(paged, [{"token": out["token"]}, {"token": torch.tensor([[1]], dtype=torch.int32)}],
+             [("r", "main"), ("s", "main")])
+    seq = SeqState(paged.blocks.seq_len(("r", "main")), 2, paged.states[("r", "main")])
+    with pytest.raises(NodeError, match="an entry of 2 tokens, the column step adds 1"):
+        family.lm.run("decode", [{"token": out["token"]}], AttentionContext([seq], None, torch.device("cpu")))
+
+
+def _run(paged: PagedKV, batch: list[dict], keys: list[tuple[str, str]]) -> list[dict]:
+    """`decode` through `KVNode.run` with PagedKV's attention, the outputs as the call returns them."""
+    return paged.step("decode", batch, keys, resolve_outputs=False)

@@ -5,6 +5,9 @@ runs it over a batch as a one-step cohort. Its tokens against the dense referenc
 pinned in tests/test_testfamily.py (every decode there goes through it); here: that the
 nodes have no second decode, what the call returns before anything is read back, the
 node state it leaves, and its errors.
+
+Also: that a block kept nowhere needs an empty own context (only there is the engine's
+read attention a cohort's `attend_block`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from mstar_models.testfamily import TinyLM
 from mstar_models.testfamily import reference as R
 from mstar_models.testfamily.echo import EchoLM
 from mstar_models.testfamily.family import Family, build_family
+from mstar_runtime.ops.cohort import CohortPhase
+from mstar_runtime.ops.column_call import run_columns
 from mstar_runtime.ops.node import AttentionContext, NodeError, RequestError, SeqState
 from mstar_runtime.ops.readback import Lazy
 from tests.test_testfamily import PagedKV, encode
@@ -59,6 +64,9 @@ def test_errors_name_the_port(family: Family) -> None:
     assert e.value.field == "token"
     with pytest.raises(RequestError, match="input 'token' is missing"):
         _run(paged, [{}], [("r", "main")])
+    with pytest.raises(RequestError, match="input 'token' must be a tensor or a number, got str") as e:
+        _run(paged, [{"token": "7"}], [("r", "main")])  # torch cannot stack it: before any join looks
+    assert e.value.field == "token"
     paged.step("prefill", [{"tokens": ids, "max_new": 4}], [("s", "main")])
     with pytest.raises(RequestError, match="'token' of shapes"):
         _run(paged, [{"token": out["token"]}, {"token": torch.tensor([[1]], dtype=torch.int32)}],
@@ -71,3 +79,15 @@ def test_errors_name_the_port(family: Family) -> None:
 def _run(paged: PagedKV, batch: list[dict], keys: list[tuple[str, str]]) -> list[dict]:
     """`decode` through `KVNode.run` with PagedKV's attention, the outputs as the call returns them."""
     return paged.step("decode", batch, keys, resolve_outputs=False)
+
+
+def test_a_block_kept_nowhere_needs_an_empty_own_context() -> None:
+    """`attend_block` is the engine's `attend` over the read context and the entry's own
+    context: the same as a cohort's (reads and the block) only while that context is empty."""
+    phase = CohortPhase(join=lambda state, inputs: {}, step=lambda b: {}, leave=lambda state, cols, steps: None,
+                        tokens=2, keep=False)
+    cpu = torch.device("cpu")
+    with pytest.raises(NodeError, match="an entry whose context holds 3 tokens"):
+        run_columns("n", phase, [{}], AttentionContext([SeqState(3, 2, {}, (5,))], None, cpu, reads=("vlm@main",)))
+    assert run_columns("n", phase, [{}], AttentionContext([SeqState(0, 2, {}, (5,))], None, cpu,
+                                                          reads=("vlm@main",))) == [{}]

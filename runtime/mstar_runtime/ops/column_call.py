@@ -18,7 +18,11 @@ full or declined the row, and of a one-off call of the phase. It runs eagerly: a
 loop's cohort is the path that captures CUDA graphs.
 
 Requires: every entry adds `phase.tokens` KV tokens (the node's `kv_plan` says so) and
-          carries the phase's input ports (fed-back and invariant; an index port as an int).
+          carries the phase's input ports (fed-back and invariant; an index port as an int);
+          for a phase that keeps nothing (`keep` False), an entry whose own context is empty,
+          so that `attend_block` (the engine's `attend` over read context j and the entry's
+          own context, under the plan's "full" mask) sees read context j and the block only,
+          as a cohort's does.
 Ensures:  the same outputs a cohort step gives the same rows, per entry; every entry's state
           as `leave` writes it after one step.
 Fails when: an entry's inputs are missing or malformed, or its `join` refuses it
@@ -48,6 +52,9 @@ def run_columns(node: str, cphase: CohortPhase, batch: Batch, attn: AttentionCon
     for seq in attn.seqs:
         if seq.q_len != q_len:
             raise NodeError(f"node '{node}': an entry of {seq.q_len} tokens, the column step adds {q_len}")
+        if not cphase.keep and seq.start:
+            raise NodeError(f"node '{node}': an entry whose context holds {seq.start} tokens; the column step's "
+                            "block is kept nowhere and sees only its reads and itself")
     device = attn.device
     ports = sorted({port for entry in batch for port in entry})
     inputs = _Inputs(node, {port: _stack(node, port, [entry.get(port) for entry in batch], device) for port in ports})
@@ -83,10 +90,16 @@ class _Inputs(dict):
 
 def _stack(node: str, name: str, values: list[Any], device: torch.device) -> torch.Tensor:
     """One value per row -> a `[n, ...]` column on the device; a RequestError naming the port
-    for a missing value or rows of different shapes."""
+    for a missing value, one that is no tensor or number (stacked before any `join` can check
+    it) or rows of different shapes."""
     if any(v is None for v in values):
         raise RequestError(f"node '{node}': input '{name}' is missing", name)
-    rows = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in values]
+    try:
+        rows = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in values]
+    except (TypeError, ValueError, RuntimeError):
+        bad = sorted({type(v).__name__ for v in values if not isinstance(v, torch.Tensor)})
+        raise RequestError(f"node '{node}': input '{name}' must be a tensor or a number, got {', '.join(bad)}",
+                           name) from None
     shape = tuple(rows[0].shape)
     if any(tuple(r.shape) != shape for r in rows):
         raise RequestError(f"node '{node}': '{name}' of shapes {sorted({tuple(r.shape) for r in rows})} in one "

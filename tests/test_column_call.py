@@ -7,7 +7,8 @@ nodes have no second decode, what the call returns before anything is read back,
 node state it leaves, and its errors.
 
 Also: that a block kept nowhere needs an empty own context (only there is the engine's
-read attention a cohort's `attend_block`).
+read attention a cohort's `attend_block`). π0.5's action expert writes `step` only as a
+column step too; its generic-path chunks against the reference are in tests/test_pi05.py.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ PaliGemma and Gemma with openpi's adaptive norm) on the same weights and noise:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,10 +20,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
+from support import as_run
 
+from mstar_models.pi05.nodes import ActionExpert
 from mstar_models.pi05.prompt import Prompt, discretize, prompt_text
 from mstar_runtime.api import MStar, RequestFailed
-from mstar_runtime.ops.node import RequestError
+from mstar_runtime.ops.node import AttentionContext, RequestError, SeqPlan, SeqState
 from mstar_runtime.plan.loader import load_plan
 from mstar_runtime.weights import build_node, load_weights
 from mstarc.archs import get_arch
@@ -214,6 +217,22 @@ def test_action_chunks_equal_the_reference(engine: MStar, reference: PI05Referen
     assert engine.stats()["cohort_steps"] - before["cohort_steps"] >= TINY.flow_steps
 
 
+def test_action_chunks_on_the_generic_path_equal_the_reference(plan: Path, checkpoint: Path,
+                                                               reference: PI05Reference) -> None:
+    """The plan without its cohort marks: the denoise loop step by step, each step a plain
+    batched call of `step` (its column step as a one-step cohort, ops/column_call.py: the
+    engine's read attention over the VLM's prefix and the chunk itself), no cohort step."""
+    requests = [_inputs(seed, cams) for seed, cams in ((1, 1), (3, 3))]
+    with MStar.from_plan(as_run(load_plan(plan), "generic"), weights=str(checkpoint)) as m:
+        handles = [m.submit("act_noise", {"images": im, "instruction": ins, "state": st, "noise": nz})
+                   for im, ins, st, nz in requests]
+        for h, (images, instruction, state, noise) in zip(handles, requests, strict=True):
+            cams, masks, tokens, mask = _reference_batch(images, _prompt_ids(instruction, state))
+            expect = reference.sample_actions(cams, masks, tokens, mask, noise[None])[0]
+            torch.testing.assert_close(h.result(timeout=120)["actions"], expect, atol=1e-5, rtol=1e-5)
+        assert m.stats()["cohort_steps"] == 0
+
+
 def test_seeded_noise_is_the_request_seed(engine: MStar) -> None:
     images, instruction, state, _ = _inputs(4, 2)
     noise = torch.randn(TINY.horizon, TINY.action_dim, generator=torch.Generator().manual_seed(11))
@@ -251,6 +270,37 @@ def test_bad_input_names_the_field(engine: MStar, change: dict, field: str, word
     # the engine serves the next request
     assert engine.generate("act_noise", images=images, instruction=instruction, state=state,
                            noise=noise)["actions"].shape == (TINY.horizon, TINY.action_dim)
+
+
+H, A, STEPS = TINY.horizon, TINY.action_dim, TINY.flow_steps
+CHUNK = torch.zeros(H, A)
+
+
+@pytest.mark.parametrize("entry,field,words", [
+    ({"x": torch.zeros(H, A + 1), "index": 0}, "x", f"x must be [{H}, {A}], got ({H}, {A + 1})"),
+    ({"x": CHUNK, "index": STEPS}, "index", f"index must lie in [0, {STEPS}), got {STEPS}"),
+    ({"x": CHUNK, "index": -1}, "index", "got -1"),
+    ({"x": CHUNK, "index": True}, "index", "got True"),
+    ({"x": CHUNK, "index": 1.0}, "index", "got 1.0"),
+    ({"x": CHUNK}, "index", "input 'index' is missing"),
+])
+def test_expert_step_refuses_bad_input_naming_the_port(plan: Path, checkpoint: Path, entry: dict, field: str,
+                                                       words: str) -> None:
+    """`step` is written once, as the column step: a plain call checks each entry's chunk and
+    index in its `join` (before any attention: this context has none to give) and `kv_plan`
+    a chunk of another horizon, which would not be the step's block of `horizon` tokens."""
+    expert = _node(plan, checkpoint, "expert")
+    assert isinstance(expert, ActionExpert) and not hasattr(expert, "phase_step")
+    limit = expert.cohort_phase("step").limit
+    assert limit is not None and limit({}, {}) == STEPS  # a cohort declines a longer loop; the plain call refuses
+    attn = AttentionContext([SeqState(0, H, {}, (40,))], None, torch.device("cpu"), reads=("vlm@main",))
+    with pytest.raises(RequestError, match=re.escape(words)) as e:
+        expert.run("step", [entry], attn)
+    assert e.value.field == field
+    with pytest.raises(RequestError, match=re.escape(f"x must be [{H}, {A}], got ({H - 1}, {A})")) as e:
+        ActionExpert.kv_plan("step", {"x": (H - 1, A)}, expert.spec)
+    assert e.value.field == "x"
+    assert ActionExpert.kv_plan("step", {"x": (H, A)}, expert.spec) == SeqPlan(H, mask="full", keep=False)
 
 
 def test_images_as_png_files_and_pil_images_equal_the_uint8_array(engine: MStar, tmp_path: Path) -> None:

@@ -19,6 +19,8 @@
   positions P .. P+49. The final adaptive norm, then `action_out_proj` in float32, gives v.
   The denoise loop runs as a decode cohort (`cohort_phase`): every live request's chunk in
   one step per Euler step, its index a column, captured as a CUDA graph per batch bucket.
+  That column step is the only `step`: a plain batched call (a loop without its cohort mark)
+  runs it as a one-step cohort (runtime/mstar_runtime/ops/column_call.py).
 - `Flow` (stateless): `init(seed) -> (x)` N(0, 1) noise from the request's seed (a CPU
   generator: the same noise on every device), `start(noise) -> (x)` given noise (checked:
   [horizon, action_dim], finite), `finish(x, dims) -> (actions, dims)`.
@@ -80,6 +82,12 @@ def _int(spec: NodeSpec, name: str) -> int:
         raise NodeError(f"node '{spec.name}': needs an integer '{name}' (arch argument, setting or config), "
                         f"got {value!r}")
     return value
+
+
+def _check_chunk(shape: tuple[int, ...], horizon: int, action_dim: int) -> None:
+    """An action chunk's shape must be the node's [horizon, action_dim]: a RequestError naming `x`."""
+    if shape != (horizon, action_dim):
+        raise RequestError(f"x must be [{horizon}, {action_dim}], got {shape}", "x")
 
 
 def time_features(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -217,10 +225,11 @@ class ActionExpert(_Gemma):
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
         if phase != "step":
             raise NodeError(f"node '{spec.name}' (ActionExpert) has no phase '{phase}'")
-        shape = tuple(shapes.get("x", ()))
-        if len(shape) != 2 or shape[0] < 1:
-            raise RequestError(f"x must be [horizon, action_dim], got shape {shape}", "x")
-        return SeqPlan(q_len=shape[0], mask="full", keep=False)
+        # the node's own chunk shape, so that a bad `x` fails its request here: the column step
+        # adds a block of exactly `horizon` tokens (an entry of another count is a NodeError there)
+        horizon = _int(spec, "horizon")
+        _check_chunk(tuple(shapes.get("x", ())), horizon, _int(spec, "action_dim"))
+        return SeqPlan(q_len=horizon, mask="full", keep=False)
 
     def condition(self, t: torch.Tensor) -> torch.Tensor:
         """The adaptive norms' condition rows [B, hidden] (float32) of flow times t [B]."""
@@ -248,32 +257,13 @@ class ActionExpert(_Gemma):
         out = self.norm(h, scale, shift)
         return self.action_out_proj(out.float()).reshape(b, n, self.action_dim)
 
-    def phase_step(self, batch: Batch, attn: AttentionContext) -> Batch:
-        times = []
-        for entry in batch:
-            if tuple(entry["x"].shape) != (self.horizon, self.action_dim):
-                raise RequestError(f"x must be [{self.horizon}, {self.action_dim}], got {tuple(entry['x'].shape)}", "x")
-            i = entry["index"]
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.steps:
-                raise RequestError(f"index must lie in [0, {self.steps}), got {i!r}", "index")
-            times.append(1.0 + i * self.dt)
-        dev = self.spec.device
-        x = torch.stack([entry["x"] for entry in batch]).to(dev, torch.float32)
-        t = torch.tensor(times, dtype=torch.float32, device=dev)
-        # the action tokens follow the prefix: positions P .. P + L - 1
-        positions = torch.tensor([s.read_lens[0] + i for s in attn.seqs for i in range(s.q_len)], device=dev)
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return attn.attend(layer, q, k, v, over=(0,))
-
-        x = x + self.dt * self.velocity(x, t, positions, attend)
-        return [{"x": row} for row in x.unbind(0)]
-
     def cohort_phase(self, phase: str) -> CohortPhase | None:
-        """`step` as a column step (runtime/mstar_runtime/ops/cohort.py): the denoise loop's
-        rows in one call, the same math as `phase_step` with the flow time from each row's
-        index column, the chunk's 50 tokens a block kept nowhere (`keep=False`) that attends
-        to the VLM's prefix and to itself (`attend_block`); no columns of its own."""
+        """`step`, written only as a column step (runtime/mstar_runtime/ops/cohort.py; a plain
+        batched call runs it through runtime/mstar_runtime/ops/column_call.py): the rows in one
+        call, the flow time from each row's index, the chunk's 50 tokens a block kept nowhere
+        (`keep=False`) that attends to the VLM's prefix and to itself (`attend_block`); no
+        columns of its own. A row runs at most `flow_steps` steps (`limit`: a longer loop is
+        declined, and the plain call refuses the index that is out of range)."""
         if phase != "step":
             return None
 
@@ -282,7 +272,7 @@ class ActionExpert(_Gemma):
                 raise NodeError(f"node '{self.spec.name}': a cohort step of `step` needs the VLM's context "
                                 "(the engine gave no attend_block)")
             x = b.inputs["x"].to(torch.float32)
-            # t = 1 + index dt, in float64 then rounded, as the host computes it for phase_step
+            # t = 1 + index dt, in float64 then rounded to float32 (as the reference's Python float)
             t = (1.0 + b.inputs["index"].to(torch.float64) * self.dt).to(torch.float32)
             positions = (b.read_lens[0][:, None] + torch.arange(self.horizon, device=x.device)).reshape(-1)
 
@@ -291,8 +281,22 @@ class ActionExpert(_Gemma):
 
             return {"x": x + self.dt * self.velocity(x, t, positions, attend)}
 
-        return CohortPhase(join=lambda state, inputs: {}, step=step, leave=lambda state, cols, steps: None,
-                           tokens=self.horizon, keep=False)
+        return CohortPhase(join=self._join, step=step, leave=lambda state, cols, steps: None,
+                           tokens=self.horizon, keep=False, limit=lambda state, inputs: self.steps)
+
+    def _join(self, state: dict[str, Any], inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """No columns; the host checks of the ports it is given (a RequestError naming the
+        port): in a plain call the entry's `x` and `index`; in a cohort the loop-invariant
+        inputs, neither of them (`kv_plan` checked the joining `x`, and the index column
+        counts from 0, bounded by `limit`)."""
+        if "x" in inputs:
+            x = inputs["x"]
+            _check_chunk(tuple(x.shape) if isinstance(x, torch.Tensor) else (), self.horizon, self.action_dim)
+        if "index" in inputs:
+            i = inputs["index"]
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.steps:
+                raise RequestError(f"index must lie in [0, {self.steps}), got {i!r}", "index")
+        return {}
 
 
 class Flow(StatelessNode):

@@ -3,8 +3,8 @@
 TinyLM, EchoLM and Orpheus' backbone write `decode` only as a column step: `KVNode.run`
 runs it over a batch as a one-step cohort. Its tokens against the dense reference are
 pinned in tests/test_testfamily.py (every decode there goes through it); here: that the
-nodes have no second decode, what the call returns before anything is read back, the
-node state it leaves, and its errors.
+nodes have no second decode, what the call returns before anything is read back, where its
+items come from, the node state it leaves, and its errors.
 
 Also: that a block kept nowhere needs an empty own context (only there is the engine's
 read attention a cohort's `attend_block`). π0.5's action expert writes `step` only as a
@@ -21,10 +21,11 @@ from mstar_models.testfamily import TinyLM
 from mstar_models.testfamily import reference as R
 from mstar_models.testfamily.echo import EchoLM
 from mstar_models.testfamily.family import Family, build_family
+from mstar_runtime.ops import column_call
 from mstar_runtime.ops.cohort import CohortPhase
 from mstar_runtime.ops.column_call import run_columns
 from mstar_runtime.ops.node import AttentionContext, NodeError, RequestError, SeqState
-from mstar_runtime.ops.readback import Lazy
+from mstar_runtime.ops.readback import Lazy, Readback
 from tests.test_testfamily import PagedKV, encode
 
 
@@ -39,7 +40,7 @@ def test_decode_is_written_once(cls: type) -> None:
 
 
 def test_outputs_come_back_lazily_and_match_the_reference(family: Family) -> None:
-    """Counts and flags are `Lazy` (one background readback), the rest device views; two rows
+    """Counts, flags and items are `Lazy` (background readbacks), the rest device views; two rows
     at different depths give each its own reference step."""
     lm, paged = family.lm, PagedKV(family.lm)
     a, b = encode(family, "a longer first prompt", "two")
@@ -54,6 +55,28 @@ def test_outputs_come_back_lazily_and_match_the_reference(family: Family) -> Non
         assert row["token"].tolist() == [ref.token] and row["done"].get() is ref.done
         assert row["code"].get().tolist() == ([] if ref.code is None else [ref.code])
         torch.testing.assert_close(row["hidden"], ref.hidden, atol=1e-5, rtol=1e-5)
+
+
+def test_items_are_the_readback_s_host_copy(family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An item port's values come from their own background copy (on a GPU a host tensor, as a
+    cohort's items are: a host consumer, a tokenizer, never waits), not from the step's output.
+    On the CPU the copy is the output itself, so a stand-in copies it, and the test marks the copy."""
+    copies: list[Readback] = []
+
+    class Copied(Readback):
+        def __init__(self, tensor: torch.Tensor):
+            super().__init__(tensor.clone())
+            copies.append(self)
+
+    monkeypatch.setattr(column_call, "Readback", Copied)
+    paged = PagedKV(family.lm)
+    (ids,) = encode(family, "a prompt")
+    (out,) = paged.step("prefill", [{"tokens": ids, "max_new": 9}], [("r", "main")])
+    (row,) = _run(paged, [{"token": out["token"]}], [("r", "main")])
+    (items,) = [c for c in copies if c.tensor().dtype == torch.int32]  # `code`; counts and flags are int64
+    items.tensor()[0] = -7  # what the copy holds is what the row gets
+    got = row["code"].get()
+    assert got.tolist() == [-7] and got.dtype == torch.int32  # this reply's first decode gives a code
 
 
 def test_errors_name_the_port(family: Family) -> None:

@@ -7,7 +7,9 @@ the step runs over the rows, each entry leaves (its columns go back into its nod
 one step later), and the step's `[n, ...]` outputs become the entries' output values:
 
 - an item-list port (`port` `[n, K]` with `port:count` `[n]`): the row's first `count`
-  items, a `Lazy` tensor (the count is read back in the background);
+  items, a `Lazy` host tensor (items and count are read back in the background, so a
+  consumer on the host, a tokenizer, or a stream whose ring is there, never waits for the
+  device: a cohort's items are host values too);
 - a bool port (`[n]`): a `Lazy` bool, read back with the counts in one copy;
 - any other port: row i's `[...]` view, on the device.
 
@@ -113,6 +115,7 @@ def _rows(out: Mapping[str, torch.Tensor], n: int) -> Batch:
     flags = [key for key, t in out.items() if t.dtype == torch.bool and key not in counted]
     host_keys = [count_key(key) for key in counted] + flags
     back = Readback(torch.stack([out[k].reshape(n).long() for k in host_keys], dim=1)) if host_keys else None
+    items = {key: Readback(out[key]) for key in counted}  # in their own dtype: one copy per port
     rows: Batch = []
     for i in range(n):
         row: dict[str, Any] = {}
@@ -121,7 +124,7 @@ def _rows(out: Mapping[str, torch.Tensor], n: int) -> Batch:
                 continue
             if key in counted:
                 j = host_keys.index(count_key(key))
-                row[key] = Lazy(lambda t=t, i=i, j=j: t[i, : int(back.array()[i, j])])  # type: ignore[union-attr]
+                row[key] = _lazy_items(items[key], back, i, j)  # type: ignore[arg-type]
             elif key in flags:
                 j = host_keys.index(key)
                 row[key] = Lazy(lambda i=i, j=j: bool(back.array()[i, j]))  # type: ignore[union-attr]
@@ -129,6 +132,17 @@ def _rows(out: Mapping[str, torch.Tensor], n: int) -> Batch:
                 row[key] = t[i]
         rows.append(row)
     return rows
+
+
+def _lazy_items(items: Readback, counts: Readback, row: int, col: int) -> Lazy:
+    """Row `row`'s first items, as many as column `col` of `counts` says: a host tensor
+    `[count, ...]` of the step output's dtype."""
+
+    def get() -> torch.Tensor:
+        count = int(counts.array()[row, col])
+        return items.tensor()[row, :count].clone()  # the row's own: not a view of every row's copy
+
+    return Lazy(get)
 
 
 __all__ = ["run_columns"]

@@ -51,7 +51,8 @@ def pinned(t: torch.Tensor) -> torch.Tensor:
 
 class Readback:
     """The values of a device tensor, fetched in the background: a non-blocking copy into pinned
-    host memory now, a wait for that copy (and only what was queued before it) on `values()`."""
+    host memory now, a wait for that copy (and only what was queued before it) on a read
+    (`values()`, `array()`, `tensor()`)."""
 
     __slots__ = ("_host", "_event", "_values")
 
@@ -76,6 +77,12 @@ class Readback:
         if self._event is not None:
             self._event.synchronize()
         return self._host.numpy()
+
+    def tensor(self) -> torch.Tensor:
+        """The host copy as a tensor (any dtype, bf16 too, which numpy lacks), waiting for its copy if needed."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
 
     def values(self) -> list[Any]:
         """The tensor as nested Python lists (`tolist`), waiting for its copy if needed."""

@@ -36,7 +36,7 @@ from mstar_runtime.kv.attention import paged_attention
 from mstar_runtime.kv.block_manager import BlockManager
 from mstar_runtime.ops.node import NodeError, NodeSpec, RequestError
 from mstar_runtime.ops.readback import Lazy, resolve
-from mstar_runtime.sampling import sample
+from mstar_runtime.sampling import sample, sample_columns
 
 transformers = pytest.importorskip("transformers")
 
@@ -106,11 +106,14 @@ def reference(node: MoTLanguageModel) -> ReferenceContext:
 
 
 class Runner:
-    """A node on a KVCacheEngine with a BlockManager reserving slots as the conductor does."""
+    """A node on a KVCacheEngine with a BlockManager reserving slots as the conductor does.
+    Outputs come back resolved, as the interpreter reads them (`readback.Lazy` values: the
+    column step's `decode`, and `start` on a GPU); `lazy=True` returns them as the node gives them."""
 
     def __init__(self, node: MoTLanguageModel, backend: Callable[..., torch.Tensor] | None = None,
-                 ports: dict[str, tuple[str, ...]] | None = PORTS, graphs: dict[str, list[int]] | None = None):
-        self.node = node
+                 ports: dict[str, tuple[str, ...]] | None = PORTS, graphs: dict[str, list[int]] | None = None,
+                 lazy: bool = False):
+        self.node, self.lazy = node, lazy
         self.engine = KVCacheEngine(node, PAGES, PAGE, node.spec.dtype, node.spec.device, output_ports=ports,
                                     attention_backend=backend, graphs=graphs)
         self.bm = BlockManager(PAGES, PAGE)
@@ -128,7 +131,8 @@ class Runner:
             if not plan.keep:
                 truncate.append((key, start))
         try:
-            return self.engine.run(phase, entries)
+            outs = self.engine.run(phase, entries)
+            return outs if self.lazy else [{k: resolve(v) for k, v in out.items()} for out in outs]
         finally:
             for key, start in truncate:
                 copy = self.bm.truncate(key, start)
@@ -417,20 +421,28 @@ def test_done_at_max_length_max_text_tokens_and_the_context(node: MoTLanguageMod
 
 
 def test_lazy_outputs_resolve_to_the_plain_values(node: MoTLanguageModel) -> None:
-    """The GPU's output form (readback.Lazy), exercised on the CPU: the same values once resolved."""
+    """`start`'s GPU output form (readback.Lazy), exercised on the CPU, and `decode`'s (the
+    column step's: Lazy on every device): the same values once resolved."""
     replies = {}
     for lazy in (False, True):
         n = build(weights=node)
         n.lazy_outputs = lazy
         n.head = Logits(n, force={1: VS})  # type: ignore[method-assign]
-        replies[lazy] = _reply(Runner(n), 3, max_length=3)
-    assert all(isinstance(o[k], Lazy) for o in replies[True][:2] for k in ("done", "image_start"))
-    assert replies[True][2]["done"] is True  # a host limit is a plain value
+        replies[lazy] = _reply(Runner(n, lazy=True), 3, max_length=3)
+    flags = ("emitted", "done", "image_start")
+    assert all(isinstance(o[k], Lazy) for o in (replies[True][0], *replies[False][1:]) for k in flags)
+    assert not any(isinstance(replies[False][0][k], Lazy) for k in flags)
     values = {lazy: [(int(o["token"]), resolve(o["emitted"]).tolist(), resolve(o["done"]), resolve(o["image_start"]))
                      for o in outs] for lazy, outs in replies.items()}
     assert values[True] == values[False]
-    assert [v[2:] for v in values[False][:2]] == [(False, False), (True, True)]
+    assert [v[2:] for v in values[False]] == [(False, False), (True, True), (True, False)]
     assert all(v[1] == [v[0]] for v in values[True])
+    # a `done` that a host limit raises at `start` is a plain value
+    n = build(weights=node)
+    n.lazy_outputs = True
+    r = Runner(n, lazy=True)
+    r.one("prefill_text", "r", "gen", text=text(40, 4))
+    assert r.one("start", "r", "gen", temperature=0.0, max_length=1)["done"] is True
 
 
 def test_sampling_is_seeded_and_batch_independent(node: MoTLanguageModel) -> None:
@@ -552,6 +564,13 @@ def test_bad_inputs_are_request_errors(node: MoTLanguageModel) -> None:
     r2 = Runner(node)
     with pytest.raises(RequestError, match="decode"):
         r2.one("decode", "r", "gen", token=torch.tensor([5], dtype=torch.int32))
+    # the fed-back token, checked at the column step's join before any step runs
+    r2.one("prefill_text", "s", "gen", text=text(41, 3))
+    r2.one("start", "s", "gen", temperature=0.0, max_length=5)
+    for bad in (torch.tensor([5.0]), torch.tensor([5, 6], dtype=torch.int32), 5, "five"):
+        with pytest.raises(RequestError, match="token") as err:
+            r2.one("decode", "s", "gen", token=bad)
+        assert err.value.field == "token"
     with pytest.raises(RequestError, match="2x2 = 4"):
         r2.one("denoise", "r", "gen", latent=torch.zeros(5, 16), t=0.5, height=32, width=32)
     with pytest.raises(RequestError, match="image size 80x80"):
@@ -575,10 +594,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.gpu
 def test_gpu_flashinfer_graphs_and_lazy_outputs_follow_the_reference(cuda: torch.device,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 on the GPU, FlashInfer attention (causal, full and mixed batches), CUDA-graphed
-    decode steps and Lazy outputs, against the float32 CPU reference (head_dim 128, which
-    FlashInfer is compiled for). Teacher-forced with the reference's greedy tokens, so that a
-    bf16 near-tie cannot make the two sequences diverge."""
+    """bf16 on the GPU, FlashInfer attention (causal, full and mixed batches), decode steps
+    (the column step as a plain call, in an engine with decode graphs as the plan gives it:
+    the step attends eagerly beside them) and Lazy outputs, against the float32 CPU reference
+    (head_dim 128, which FlashInfer is compiled for). Teacher-forced with the reference's
+    greedy tokens, so that a bf16 near-tie cannot make the two sequences diverge."""
     from mstar_runtime.kv.flashinfer_backend import select_backend
 
     config = {"hidden": 512, "heads": 4, "kv_heads": 2, "head_dim": 128, "intermediate": 1024}
@@ -587,15 +607,20 @@ def test_gpu_flashinfer_graphs_and_lazy_outputs_follow_the_reference(cuda: torch
     gpu.load_state_dict(cpu.state_dict(), strict=True)
     gpu.eval().requires_grad_(False)
     assert gpu.lazy_outputs
-    # the logits as the sampler gets them: outside the captured graph (a wrapped head would be
-    # called at capture only)
+    # the logits as the samplers get them (`start`'s and the column step's): outside any
+    # captured graph (a wrapped head would be called at capture only)
     rows: list[torch.Tensor] = []
 
     def recording(logits: torch.Tensor, *args: Any) -> torch.Tensor:
         rows.append(logits.clone())
         return sample(logits, *args)
 
+    def recording_columns(logits: torch.Tensor, *args: Any) -> torch.Tensor:
+        rows.append(logits.clone())
+        return sample_columns(logits, *args)
+
     monkeypatch.setattr(mot, "sample", recording)
+    monkeypatch.setattr(mot, "sample_columns", recording_columns)
     r = Runner(gpu, backend=select_backend(cuda), graphs={"decode": [1, 2, 4]})
     ref = {tag: reference(cpu) for tag in ("gen", "cfg_img")}
     t1, vit, clean, t2 = text(80, 7), randn(81, 6, 512), randn(82, 4, 16), text(83, 5)

@@ -1,10 +1,11 @@
 """A loop phase written once, as a column step, and run as a plain batched call (ops/column_call.py).
 
-TinyLM, EchoLM and Orpheus' backbone write `decode` only as a column step: `KVNode.run`
-runs it over a batch as a one-step cohort. Its tokens against the dense reference are
-pinned in tests/test_testfamily.py (every decode there goes through it); here: that the
-nodes have no second decode, what the call returns before anything is read back, where its
-items come from, the node state it leaves, and its errors.
+TinyLM, EchoLM, Orpheus' backbone and BAGEL's MoT LM write `decode` only as a column step:
+`KVNode.run` runs it over a batch as a one-step cohort. Its tokens against the dense
+reference are pinned in tests/test_testfamily.py (every decode there goes through it; BAGEL's
+against transformers and its reference in tests/test_bagel_mot.py); here: that the nodes have
+no second decode, what the call returns before anything is read back, where its items come
+from, the node state it leaves, and its errors.
 
 Also: that a block kept nowhere needs an empty own context (only there is the engine's
 read attention a cohort's `attend_block`). π0.5's action expert writes `step` only as a
@@ -16,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mstar_models.bagel.mot import MoTLanguageModel
 from mstar_models.orpheus.backbone import LlamaBackbone
 from mstar_models.testfamily import TinyLM
 from mstar_models.testfamily import reference as R
@@ -34,7 +36,7 @@ def family() -> Family:
     return build_family("tiny")
 
 
-@pytest.mark.parametrize("cls", [TinyLM, EchoLM, LlamaBackbone])
+@pytest.mark.parametrize("cls", [TinyLM, EchoLM, LlamaBackbone, MoTLanguageModel])
 def test_decode_is_written_once(cls: type) -> None:
     assert not hasattr(cls, "phase_decode")  # the column step is the only decode
 

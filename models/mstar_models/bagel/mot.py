@@ -40,8 +40,11 @@ on <|im_end|>, on <|vision_start|> (then `image_start` is true: the model asks f
 max_text_tokens) tokens have been generated (the token that reaches the limit is returned
 with done, as the official generate_text never returns it), or when the context reaches
 the `max_seq_len` setting. A decode after done still runs (the runtime reads done one step
-late). On a GPU, done and image_start are `readback.Lazy` values (Orpheus' pattern: no step
-waits for the device); on the CPU plain bools (`lazy_outputs` selects).
+late). No step waits for the device: `decode` is written once, as a column step
+(`cohort_phase`; a plain batched call runs it as a one-step cohort,
+runtime/mstar_runtime/ops/column_call.py), whose `emitted`, `done` and `image_start` are
+`readback.Lazy` values; `start`'s are too on a GPU (a `done` a host limit raises is a plain
+True), plain values on the CPU (`lazy_outputs` selects).
 
 Per-(request, tag) state in `attn.states[i]`, written only by prefills and `start`, so a
 discarded speculative decode cannot corrupt it and a fork copies it whole:
@@ -403,16 +406,6 @@ class MoTLanguageModel(KVNode):
             seq.state["gen"] = gen
         return self._generate(ids, attn)
 
-    def phase_decode(self, batch: Batch, attn: AttentionContext) -> Batch:
-        for entry, seq in zip(batch, attn.seqs, strict=True):
-            token = entry.get("token")
-            if not isinstance(token, torch.Tensor) or tuple(token.shape) != (1,) or token.dtype.is_floating_point:
-                got = tuple(token.shape) if isinstance(token, torch.Tensor) else type(token).__name__
-                raise RequestError(f"token must be an integer tensor of shape [1], got {got}", "token")
-            if "gen" not in seq.state:
-                raise RequestError("decode on a KV context without a start since its last prefill", "token")
-        return self._generate(torch.cat([entry["token"] for entry in batch]), attn)
-
     # ------------------------------------------------------------------ checks
     def _rope_base(self, state: Mapping[str, Any], start: int) -> int:
         """The RoPE position of a context's next token, from its KV start (never stored per step)."""
@@ -594,7 +587,8 @@ class MoTLanguageModel(KVNode):
 
     # ------------------------------------------------------------------ generation
     def _generate(self, ids: torch.Tensor, attn: AttentionContext) -> Batch:
-        """One token per entry (start or decode): forward, one sampler call, the done flags."""
+        """`start`'s token per entry: forward, one sampler call, the done flags (`decode` is the
+        column step, `_cohort_step`)."""
         dev = self.inv_freq.device
         seqs = attn.seqs
         gens = [seq.state["gen"] for seq in seqs]
@@ -642,15 +636,22 @@ class MoTLanguageModel(KVNode):
 
     # ------------------------------------------------------------------ cohort
     def cohort_phase(self, phase: str) -> CohortPhase | None:
-        """`decode` as a column step for decode cohorts (runtime/mstar_runtime/ops/cohort.py):
-        the same math as `phase_decode` over all rows, with the state as columns (`rope_offset`;
-        the reply's `base`, `max_new` and the sampling settings)."""
+        """`decode`, written only as a column step (runtime/mstar_runtime/ops/cohort.py; a plain
+        batched call runs it through runtime/mstar_runtime/ops/column_call.py), with the state
+        as columns (`rope_offset`; the reply's `base`, `max_new` and the sampling settings)."""
         if phase != "decode":
             return None
         return CohortPhase(join=self._cohort_join, step=self._cohort_step, leave=lambda state, cols, steps: None,
                            max_items={"emitted": 1})
 
     def _cohort_join(self, state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
+        # a plain call passes the entry's inputs, fed-back `token` included (a cohort passes
+        # only the invariant ones): its check is the host's, before any step runs
+        if "token" in inputs:
+            token = inputs["token"]
+            if not isinstance(token, torch.Tensor) or tuple(token.shape) != (1,) or token.dtype.is_floating_point:
+                got = tuple(token.shape) if isinstance(token, torch.Tensor) else type(token).__name__
+                raise RequestError(f"token must be an integer tensor of shape [1], got {got}", "token")
         gen = state.get("gen")
         if gen is None:
             raise RequestError("decode on a KV context without a start since its last prefill", "token")

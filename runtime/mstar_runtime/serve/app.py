@@ -45,11 +45,7 @@ from mstar_runtime.serve.common import (
 from mstar_runtime.serve.io import decode_image_text
 from mstar_runtime.serve.schemas import INT64_MAX, INT64_MIN
 from mstar_runtime.serve.state import default_voice
-
-try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
-    from fastapi import Request, UploadFile
-except ImportError:  # pragma: no cover - without the `serve` extra the module only has to import
-    Request = UploadFile = object  # type: ignore[assignment,misc]
+from mstar_runtime.serve.web import Request
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

@@ -91,11 +91,7 @@ from mstar_runtime.serve.media import SpeechWalk, voice_of
 from mstar_runtime.serve.schemas import MAX_STR, ChatCompletionRequest, InputAudioPart
 from mstar_runtime.serve.text import TextCodec, TextStream
 from mstar_runtime.serve.turns import message_turns, renders_turns, turn_inputs
-
-try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
-    from fastapi import Request, UploadFile
-except ImportError:  # pragma: no cover - without the `serve` extra the module only has to import
-    Request = UploadFile = object  # type: ignore[assignment,misc]
+from mstar_runtime.serve.web import Request
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -121,6 +117,19 @@ def audio_input(role: WalkRole) -> str | None:
 def system_input(role: WalkRole) -> str | None:
     """The walk input system and developer messages go to without a chat template: its `system` slot."""
     return role.slots.get("system")
+
+
+def prompt_inputs(role: WalkRole, prompt: Any, system: str | None, param: str,
+                  system_param: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """A rendered prompt (and its system text, where `render_prompt` gave one apart) as walk
+    inputs, each with the request field a node refusing it names."""
+    inputs: dict[str, Any] = {role.text_input: prompt}
+    fields = {role.text_input: param}
+    if system is not None:
+        name = system_input(role)
+        assert name is not None  # render_prompt gives a system text only then
+        inputs[name], fields[name] = system, system_param
+    return inputs, fields
 
 
 def audio_part(body: ChatCompletionRequest) -> tuple[str, InputAudioPart] | None:
@@ -422,12 +431,7 @@ def install(app: FastAPI, state: ServerState) -> None:
         by_turns = renders_turns(role) and templates.get(role.walk) is None
         # a template over a long conversation, and an image part's decoding: off the event loop
         prompt, system, image = await asyncio.to_thread(render_prompt, body, role, templates.get(role.walk), by_turns)
-        inputs: dict[str, Any] = {role.text_input: prompt}
-        fields = {role.text_input: "messages"}
-        if system is not None:
-            name = system_input(role)
-            assert name is not None  # render_prompt gives a system text only then
-            inputs[name], fields[name] = system, "messages"
+        inputs, fields = prompt_inputs(role, prompt, system, "messages", "messages")
         if image is not None:
             name = image_input(role)
             assert name is not None
@@ -468,17 +472,28 @@ def install(app: FastAPI, state: ServerState) -> None:
             created = int(time.time())
             said = SpokenReply(state, flight, speech, limit, body.audio.format, created)
             if not body.stream:
-                async with flight:
-                    return await _whole_spoken(flight, said, rid, state.model_id, created)
+                return await _whole_spoken(flight, said, rid, state.model_id, created)
             return await _streamed_spoken(flight, said, rid, state.model_id, created, body, StreamingResponse)
         reply = Reply(state, flight, role, limit)
         if not body.stream:
-            async with flight:
-                return await _whole(flight, reply, rid, state.model_id)
+            return await _whole(flight, reply, rid, state.model_id)
         return await _streamed(flight, reply, rid, state.model_id, body, StreamingResponse)
 
 
 async def _whole(flight: Flight, reply: Reply, rid: str, model: str) -> Any:
+    await flight.whole(_read_reply(flight, reply))
+    reply.end()
+    return {
+        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(reply.parts), "refusal": None},
+                     "logprobs": None, "finish_reason": reply.finish}],
+        "usage": reply.usage(),
+    }
+
+
+async def _read_reply(flight: Flight, reply: Reply) -> None:
+    """Take the request's items into `reply` up to its end or its limit; a failure after the
+    reply was complete (`after_the_reply`) is logged, not raised."""
     try:
         async with aclosing(flight.events()) as events:
             async for name, value in events:
@@ -487,17 +502,7 @@ async def _whole(flight: Flight, reply: Reply, rid: str, model: str) -> Any:
                     break  # the limit: Flight's exit cancels the rest
     except RequestFailed as e:
         if not after_the_reply(flight, e):
-            return error_response(flight.error_for(e))
-    except ClientGone:
-        return error_response(ApiError(499, "client closed the request", code="cancelled"))
-    reply.end()
-    flight.outcome = "finished"
-    return {
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(reply.parts), "refusal": None},
-                     "logprobs": None, "finish_reason": reply.finish}],
-        "usage": reply.usage(),
-    }
+            raise
 
 
 def after_the_reply(flight: Flight, e: RequestFailed) -> bool:
@@ -620,16 +625,8 @@ async def _streamed(flight: Flight, reply: Reply, rid: str, model: str, body: Ch
 
 
 async def _whole_spoken(flight: Flight, said: SpokenReply, rid: str, model: str, created: int) -> Any:
-    try:
-        async with aclosing(flight.events()) as events:
-            async for name, value in events:
-                said.take(name, value)
-    except RequestFailed as e:
-        return error_response(flight.error_for(e))
-    except ClientGone:
-        return error_response(ApiError(499, "client closed the request", code="cancelled"))
+    await flight.whole(_read_spoken(flight, said))
     said.end()
-    flight.outcome = "finished"
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": None, "refusal": None,
@@ -637,6 +634,12 @@ async def _whole_spoken(flight: Flight, said: SpokenReply, rid: str, model: str,
                      "logprobs": None, "finish_reason": said.finish}],
         "usage": said.usage(),
     }
+
+
+async def _read_spoken(flight: Flight, said: SpokenReply) -> None:
+    async with aclosing(flight.events()) as events:
+        async for name, value in events:
+            said.take(name, value)
 
 
 async def _streamed_spoken(flight: Flight, said: SpokenReply, rid: str, model: str, created: int,

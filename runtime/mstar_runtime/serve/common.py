@@ -220,12 +220,29 @@ class Flight:
             self.state.log_fault(e.message, f"request {e.request_id} (walk '{self.walk}') failed: {e.message}")
         return err
 
-    def fail_early(self, e: RequestFailed | ClientGone) -> ApiError:
-        """End a request that failed (or whose client left) before its response started: the error to send."""
-        self.finish()
+    def answer_for(self, e: RequestFailed | ClientGone) -> ApiError:
+        """The error to answer for a request that failed, or whose client left (a 499)."""
         if isinstance(e, ClientGone):
             return ApiError(499, "client closed the request", code="cancelled")
         return self.error_for(e)
+
+    def fail_early(self, e: RequestFailed | ClientGone) -> ApiError:
+        """End a request that failed (or whose client left) before its response started: the error to send."""
+        self.finish()
+        return self.answer_for(e)
+
+    async def whole(self, reading: Awaitable[T]) -> T:
+        """Run the flight (as `async with`) while `reading` (a coroutine over `outputs()` or
+        `events()`) takes the request to its end: what it returns, the outcome "finished". A
+        request that fails, or a client that leaves, raises the `ApiError` to answer instead
+        (the app's handler sends it)."""
+        async with self:
+            try:
+                result = await reading
+            except (RequestFailed, ClientGone) as e:
+                raise self.answer_for(e) from None
+            self.outcome = "finished"
+        return result
 
     async def head(self, events: AsyncIterator[tuple[str, Any]], keep: Callable[[str, Any], T | None]) -> list[T]:
         """Begin the flight and read `events` up to the first item `keep` turns into a value

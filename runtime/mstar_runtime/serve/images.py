@@ -53,12 +53,7 @@ from mstar_runtime.serve.schemas import (
     SIZE_PATTERN,
     ImageGenerationRequest,
 )
-
-try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
-    from fastapi import File, Form, Request, UploadFile
-except ImportError:  # pragma: no cover - without the `serve` extra the module only has to import
-    Request = UploadFile = object  # type: ignore[assignment,misc]
-    File = Form = None  # type: ignore[assignment]
+from mstar_runtime.serve.web import File, Form, Request, UploadFile
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -173,10 +168,8 @@ async def run_images(state: ServerState, request: Request, role: WalkRole,
 
     results = await asyncio.gather(*(one(f) for f in flights), return_exceptions=True)
     for f, r in zip(flights, results):
-        if isinstance(r, RequestFailed):
-            return error_response(f.error_for(r))
-        if isinstance(r, ClientGone):
-            return error_response(ApiError(499, "client closed the request", code="cancelled"))
+        if isinstance(r, (RequestFailed, ClientGone)):
+            return error_response(f.answer_for(r))
         if isinstance(r, BaseException):
             raise r
     pngs = [r for r in results if isinstance(r, tuple)]

@@ -41,15 +41,7 @@ from mstar_runtime.serve.common import ApiError, Flight, bad_request
 from mstar_runtime.serve.pcm_stream import PcmStream
 from mstar_runtime.serve.realtime_protocol import StreamResampler
 from mstar_runtime.serve.walks import _streamed, _whole, _Wire
-
-try:  # FastAPI resolves route annotations from module globals
-    from fastapi import Query, Request
-    from fastapi.responses import StreamingResponse
-except ImportError:  # pragma: no cover - without the `serve` extra the module only has to import
-    Request = StreamingResponse = object  # type: ignore[assignment,misc]
-
-    def Query(default: Any = None, **_: Any) -> Any:  # noqa: N802 - stands in for FastAPI's
-        return default
+from mstar_runtime.serve.web import Query, Request, StreamingResponse
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

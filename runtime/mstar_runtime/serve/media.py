@@ -45,7 +45,7 @@ from mstar_runtime.media import (  # the audio a client sends: shared with the C
     resample,
 )
 from mstar_runtime.serve.app import ERROR_RESPONSES, check_model, error_response, start_flight, walk_extras
-from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
+from mstar_runtime.serve.common import ClientGone, Flight, bad_request
 from mstar_runtime.serve.io import b64, pcm16, wav_header
 from mstar_runtime.serve.schemas import SpeechRequest
 from mstar_runtime.serve.state import (  # re-exported: the speech walk is found there
@@ -53,11 +53,7 @@ from mstar_runtime.serve.state import (  # re-exported: the speech walk is found
     is_stream,
     speech_walk,
 )
-
-try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
-    from fastapi import Request
-except ImportError:  # pragma: no cover - without the `serve` extra the module only has to import
-    Request = object  # type: ignore[assignment,misc]
+from mstar_runtime.serve.web import Request
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -129,18 +125,15 @@ def _install_speech(app: FastAPI, state: ServerState, speech_walk: SpeechWalk) -
         sse = replace(usage, prompt=flight.prompt_tokens) if body.stream_format == "sse" else None
         fmt = body.response_format
         if not body.stream and body.stream_format is None:
-            async with flight:
-                try:
-                    chunks = [pcm16(v) async for name, v in _audio(flight, role.output)]
-                except RequestFailed as e:
-                    return error_response(flight.error_for(e))
-                except ClientGone:
-                    return error_response(ApiError(499, "client closed the request", code="cancelled"))
-                flight.outcome = "finished"
-            data = b"".join(chunks)
+            data = await flight.whole(_pcm(flight, role.output))
             payload = wav_header(rate, len(data)) + data if fmt == "wav" else data
             return Response(payload, media_type=MEDIA[fmt])
         return await _stream_speech(flight, role, fmt, rate, sse, StreamingResponse)
+
+
+async def _pcm(flight: Flight, output: str) -> bytes:
+    """The whole request's audio as 16-bit PCM."""
+    return b"".join([pcm16(v) async for _, v in _audio(flight, output)])
 
 
 async def _audio(flight: Flight, output: str) -> AsyncIterator[tuple[str, Any]]:

@@ -66,6 +66,7 @@ from mstar_runtime.serve.chat import (
     SpokenReply,
     audio_input,
     input_rate,
+    prompt_inputs,
     render_prompt,
     system_input,
 )
@@ -91,11 +92,7 @@ from mstar_runtime.serve.realtime_protocol import (
 from mstar_runtime.serve.realtime_sessions import Served, live_twin, served
 from mstar_runtime.serve.schemas import ChatCompletionRequest, ChatMessage
 from mstar_runtime.serve.turns import Turn, audio_limit, fit_audio, renders_turns, turn_inputs
-
-try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
-    from fastapi import WebSocket
-except ImportError:  # pragma: no cover - without the `serve` extra the module only has to import
-    WebSocket = object  # type: ignore[assignment,misc]
+from mstar_runtime.serve.web import WebSocket
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -515,12 +512,7 @@ class Session:
         # the messages as a chat request holds them (no bound on their number: a session may be long)
         body = ChatCompletionRequest.model_construct(messages=[ChatMessage.model_validate(m) for m in messages])
         prompt, system, _ = await asyncio.to_thread(render_prompt, body, role, self.what.templates.get(role.walk))
-        inputs: dict[str, Any] = {role.text_input: prompt}
-        fields = {role.text_input: "item"}
-        if system is not None:
-            name = system_input(role)
-            assert name is not None  # render_prompt gives a system text only then
-            inputs[name], fields[name] = system, "session.instructions"
+        inputs, fields = prompt_inputs(role, prompt, system, "item", "session.instructions")
         last = self.items[-1]
         if last.role == "user" and last.audio is not None:
             name = audio_input(role)

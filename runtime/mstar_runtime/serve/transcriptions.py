@@ -60,14 +60,9 @@ import torch
 
 from mstar_runtime.api import RequestFailed
 from mstar_runtime.media import MAX_RATE, MIN_RATE, resample
-from mstar_runtime.serve.app import ERROR_RESPONSES, check_model, error_response, start_flight, walk_extras
+from mstar_runtime.serve.app import ERROR_RESPONSES, check_model, start_flight, walk_extras
 from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
-
-try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
-    from fastapi import File, Form, Request, UploadFile
-except ImportError:  # pragma: no cover - without the `serve` extra the module only has to import
-    Request = UploadFile = object  # type: ignore[assignment,misc]
-    File = Form = None  # type: ignore[assignment]
+from mstar_runtime.serve.web import File, Form, Request, UploadFile
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -331,14 +326,7 @@ def _install(app: FastAPI, state: ServerState, route: str, role: WalkRole) -> No
         flight = await start_flight(state, request, route, walk, inputs, fields, "file")
         if stream:
             return await _streamed(flight, texts, duration, slots, StreamingResponse)
-        async with flight:
-            try:
-                out = await flight.outputs()
-            except RequestFailed as e:
-                return error_response(flight.error_for(e))
-            except ClientGone:
-                return error_response(ApiError(499, "client closed the request", code="cancelled"))
-            flight.outcome = "finished"
+        out = await flight.whole(flight.outputs())
         text = transcript(out, slots, texts)
         if response_format == "text":
             return PlainTextResponse(text)

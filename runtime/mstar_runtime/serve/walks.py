@@ -33,11 +33,7 @@ from mstar_runtime.serve.app import ERROR_RESPONSES, decode_images, error_respon
 from mstar_runtime.serve.common import NOT_FOUND, ApiError, ClientGone, Flight
 from mstar_runtime.serve.io import wire_value
 from mstar_runtime.serve.schemas import WalkRequestBase, input_annotation
-
-try:  # FastAPI resolves route annotations from module globals, so these cannot be local imports
-    from fastapi import Request, UploadFile
-except ImportError:  # pragma: no cover - without the `serve` extra the module only has to import
-    Request = UploadFile = object  # type: ignore[assignment,misc]
+from mstar_runtime.serve.web import Request
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -128,16 +124,9 @@ def _install_walk(app: FastAPI, state: ServerState, walk: str, streaming: Any) -
 
 
 async def _whole(flight: Flight, wire: _Wire) -> Any:
-    async with flight:
-        try:
-            outputs = await flight.outputs()
-        except RequestFailed as e:
-            return error_response(flight.error_for(e))
-        except ClientGone:
-            return error_response(ApiError(499, "client closed the request", code="cancelled"))
-        flight.outcome = "finished"
-        return {"walk": flight.walk, "finish_reason": "stop",
-                "outputs": {k: wire.value(k, v) for k, v in outputs.items()}, "stats": _stats(flight)}
+    outputs = await flight.whole(flight.outputs())
+    return {"walk": flight.walk, "finish_reason": "stop",
+            "outputs": {k: wire.value(k, v) for k, v in outputs.items()}, "stats": _stats(flight)}
 
 
 async def _streamed(flight: Flight, wire: _Wire, streaming: Any) -> Any:

@@ -235,33 +235,21 @@ class RankZero:
     def _join(self, plan: Plan, device: str, timeout: float, within: float) -> dict[str, Any]:
         """The default group and the TP groups, watching the workers meanwhile: one that fails
         to start says why (its WorkerError) instead of leaving rank 0 waiting for it."""
-        failure: list[BaseException] = []
-        groups: dict[str, Any] = {}
 
-        def join() -> None:
-            try:
-                if device == "cuda":
-                    torch.cuda.set_device(self.tr.device(device))
-                dist.init_process_group(_backend(device), store=dist.PrefixStore("pg/", self.store), rank=0,
-                                        world_size=plan.num_ranks, timeout=timedelta(seconds=timeout))
-                groups.update(tp.build_groups(plan, 0, timedelta(seconds=timeout)))
-            except BaseException as e:  # re-raised in the caller's thread
-                failure.append(e)
+        def join() -> dict[str, Any]:
+            if device == "cuda":
+                torch.cuda.set_device(self.tr.device(device))
+            dist.init_process_group(_backend(device), store=dist.PrefixStore("pg/", self.store), rank=0,
+                                    world_size=plan.num_ranks, timeout=timedelta(seconds=timeout))
+            return tp.build_groups(plan, 0, timedelta(seconds=timeout))
 
-        t = threading.Thread(target=join, name="mstar-init-group", daemon=True)
-        t.start()
-        deadline = time.monotonic() + within
-        while t.is_alive():
-            t.join(0.1)
+        def watch() -> None:
             for w in self.peers:
                 if not w._running():
                     w.wait_ready(1.0)  # reads its WorkerError, if it sent one; WorkerLost either way
                     w._lose("closed its control connection before joining the process group")
-            if time.monotonic() > deadline:
-                raise WorkerLost(1, f"the process group did not form within {within:.0f} s")
-        if failure:
-            raise failure[0]
-        return groups
+
+        return startup.join_watched(join, watch, within, 1)
 
     # ---- the watchdog
     def _watch(self) -> None:

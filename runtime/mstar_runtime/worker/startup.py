@@ -182,34 +182,54 @@ def _join_group(
     workers make in the same order), watching the children: one that dies before joining
     would otherwise leave us waiting for the whole store timeout. Returns rank 0's
     {node: TP group}."""
-    global _OWN_GROUP
-    failure: list[BaseException] = []
-    groups: dict[str, Any] = {}
 
-    def join() -> None:
-        try:
-            dist.init_process_group(
-                "nccl" if device == "cuda" else "gloo",
-                init_method=init,
-                rank=0,
-                world_size=plan.num_ranks,
-                timeout=timedelta(seconds=max(start_timeout, op_timeout)),
-            )
-            groups.update(tp.build_groups(plan, 0))
-        except BaseException as e:  # re-raised in the caller's thread
-            failure.append(e)
+    def join() -> dict[str, Any]:
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo",
+            init_method=init,
+            rank=0,
+            world_size=plan.num_ranks,
+            timeout=timedelta(seconds=max(start_timeout, op_timeout)),
+        )
+        return tp.build_groups(plan, 0)
 
-    t = threading.Thread(target=join, name="mstar-init-group", daemon=True)
-    t.start()
-    deadline = time.monotonic() + start_timeout
-    while t.is_alive():
-        t.join(0.1)
+    def watch() -> None:
         for w in remotes:
             if w.proc.poll() is not None:
                 w._lose("exited before joining the process group")
+
+    def joined() -> None:
+        global _OWN_GROUP
+        _OWN_GROUP = dist.is_initialized()  # also when only the TP groups failed: shutdown ends it
+
+    return join_watched(join, watch, start_timeout, remotes[0].rank, joined)
+
+
+def join_watched(join: Callable[[], dict[str, Any]], watch: Callable[[], None], within: float, rank: int,
+                 joined: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Run `join` (rank 0 forming the process group and the TP groups) in a thread while
+    `watch` looks at the workers every 0.1 s: it raises `WorkerLost` for one that died
+    before joining, which would otherwise leave us waiting for the whole store timeout.
+    `joined` runs once the thread has ended, before what it raised is raised here; past
+    `within` seconds, `WorkerLost` (naming `rank`) is raised without it. `join`'s result."""
+    failure: list[BaseException] = []
+    groups: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            groups.update(join())
+        except BaseException as e:  # re-raised in the caller's thread
+            failure.append(e)
+
+    t = threading.Thread(target=run, name="mstar-init-group", daemon=True)
+    t.start()
+    deadline = time.monotonic() + within
+    while t.is_alive():
+        t.join(0.1)
+        watch()
         if time.monotonic() > deadline:
-            raise WorkerLost(remotes[0].rank, f"the process group did not form within {start_timeout:.0f} s")
-    _OWN_GROUP = dist.is_initialized()  # also when only the TP groups failed: shutdown ends it
+            raise WorkerLost(rank, f"the process group did not form within {within:.0f} s")
+    joined()
     if failure:
         raise failure[0]
     return groups

@@ -8,6 +8,7 @@ sibling (`from common import ...`, the script's folder is on sys.path) or as
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -82,6 +83,23 @@ def measure_bf16_peak(device: str, n: int = 8192, repeats: int = 20) -> float:
     del a, b
     torch.cuda.empty_cache()
     return 2.0 * n**3 * repeats / seconds
+
+
+def reference_parser(description: str, batches: list[int], compile_help: str,
+                     own: Callable[[argparse.ArgumentParser], Any]) -> argparse.ArgumentParser:
+    """The options of a benchmark that times a walk, at each of `batches` sizes, against its
+    model's reference (pi05.py, whisper.py); `own` adds the benchmark's own, after --repeats."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--variant", default="real")
+    ap.add_argument("--batches", type=int, nargs="*", default=batches)
+    ap.add_argument("--repeats", type=int, default=5)
+    own(ap)
+    ap.add_argument("--compile-reference", action="store_true", help=compile_help)
+    ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for the optional parts")
+    ap.add_argument("--out", type=Path, required=True)
+    return ap
 
 
 def compile_and_load(walk: Path, variant: str, device: str) -> Any:

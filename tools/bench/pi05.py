@@ -29,7 +29,6 @@ Writes the figures as JSON and prints a table. `--budget` seconds bounds the opt
 
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 import sys
@@ -50,6 +49,7 @@ from common import (  # noqa: E402
     measure_bf16_peak,
     measure_read_bandwidth,
     percentile,
+    reference_parser,
     table,
     write_json,
 )
@@ -74,16 +74,8 @@ def floor_model(cfg: dict[str, Any], params: dict[str, int], prompt: int, camera
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--variant", default="real")
-    ap.add_argument("--batches", type=int, nargs="*", default=[8, 32, 128])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--prompt-tokens", type=int, default=200)
-    ap.add_argument("--compile-reference", action="store_true", help="also time the reference under torch.compile")
-    ap.add_argument("--no-reference", action="store_true")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for the optional parts")
-    ap.add_argument("--out", type=Path, required=True)
+    ap = reference_parser(__doc__.split("\n")[0], [8, 32, 128], "also time the reference under torch.compile",
+                          lambda ap: ap.add_argument("--prompt-tokens", type=int, default=200))
     args = ap.parse_args(argv)
 
     from mstar_models.pi05.prompt import prompt_text

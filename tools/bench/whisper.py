@@ -31,7 +31,6 @@ Writes the figures as JSON and prints a table. `--budget` seconds bounds the opt
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -51,6 +50,7 @@ from common import (  # noqa: E402
     measure_bf16_peak,
     measure_read_bandwidth,
     percentile,
+    reference_parser,
     sync,
     table,
     write_json,
@@ -130,17 +130,8 @@ def floor_seconds(fm: dict[str, float], b: int, tokens: int, peak: float, bandwi
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--variant", default="real")
-    ap.add_argument("--batches", type=int, nargs="*", default=[16, 64])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--compile-reference", action="store_true", help="also time the reference with a static cache, "
-                                                                     "compiled")
-    ap.add_argument("--no-reference", action="store_true")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for the optional parts")
-    ap.add_argument("--out", type=Path, required=True)
+    ap = reference_parser(__doc__.split("\n")[0], [16, 64], "also time the reference with a static cache, compiled",
+                          lambda ap: ap.add_argument("--tokens", type=int, default=128))
     args = ap.parse_args(argv)
 
     from mstar_models.whisper.features import N_SAMPLES, log_mel, mel_filters

@@ -128,45 +128,32 @@ def test_sharded_index_loads_and_converts_dtype(
     assert all(torch.equal(sd[n], rest[n]) for n in rest)
 
 
-def test_missing_tensor(plan: Plan, weights: dict[str, torch.Tensor], tmp_path: Path) -> None:
-    del weights["model.layers.1.mlp.up_proj.weight"]
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        pytest.param("model.layers.1.mlp.up_proj.weight", None,
+                     "node 'lm': tensor 'model.layers.1.mlp.up_proj.weight' is missing from "
+                     "the checkpoint in '.*' \\(files: model.safetensors\\)", id="missing_tensor"),
+        pytest.param("flow_out.bias", None, "tensor 'flow_out.bias' is missing",
+                     id="missing_glue_tensor_outside_the_arch"),
+        pytest.param("model.layers.0.self_attn.k_proj.weight", torch.zeros(8, 32),
+                     r"tensor 'model.layers.0.self_attn.k_proj.weight' in 'model.safetensors' "
+                     r"has shape \[8, 32\]; the plan expects \[16, 32\]", id="wrong_shape"),
+        pytest.param("model.layers.0.self_attn.rotary.inv_freq", torch.zeros(4),
+                     "checkpoint tensor 'model.layers.0.self_attn.rotary.inv_freq' in "
+                     "'model.safetensors' is not a tensor of this node or of any node", id="extra_tensor"),
+    ],
+)
+def test_checkpoint_that_does_not_fit(plan: Plan, weights: dict[str, torch.Tensor], tmp_path: Path,
+                                      name: str, value: torch.Tensor | None, message: str) -> None:
+    """A single-file checkpoint with one tensor missing (`value` None), misshapen or extra
+    (`value` in its place): the error names it."""
+    if value is None:
+        del weights[name]
+    else:
+        weights[name] = value
     save_file(weights, str(tmp_path / "model.safetensors"))
-    with pytest.raises(
-        WeightsError,
-        match="node 'lm': tensor 'model.layers.1.mlp.up_proj.weight' is missing from "
-        "the checkpoint in '.*' \\(files: model.safetensors\\)",
-    ):
-        lm(plan, tmp_path)
-
-
-def test_missing_glue_tensor_outside_the_arch(
-    plan: Plan, weights: dict[str, torch.Tensor], tmp_path: Path
-) -> None:
-    del weights["flow_out.bias"]
-    save_file(weights, str(tmp_path / "model.safetensors"))
-    with pytest.raises(WeightsError, match="tensor 'flow_out.bias' is missing"):
-        lm(plan, tmp_path)
-
-
-def test_wrong_shape(plan: Plan, weights: dict[str, torch.Tensor], tmp_path: Path) -> None:
-    weights["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 32)
-    save_file(weights, str(tmp_path / "model.safetensors"))
-    with pytest.raises(
-        WeightsError,
-        match=r"tensor 'model.layers.0.self_attn.k_proj.weight' in 'model.safetensors' "
-        r"has shape \[8, 32\]; the plan expects \[16, 32\]",
-    ):
-        lm(plan, tmp_path)
-
-
-def test_extra_tensor(plan: Plan, weights: dict[str, torch.Tensor], tmp_path: Path) -> None:
-    weights["model.layers.0.self_attn.rotary.inv_freq"] = torch.zeros(4)
-    save_file(weights, str(tmp_path / "model.safetensors"))
-    with pytest.raises(
-        WeightsError,
-        match="checkpoint tensor 'model.layers.0.self_attn.rotary.inv_freq' in "
-        "'model.safetensors' is not a tensor of this node or of any node",
-    ):
+    with pytest.raises(WeightsError, match=message):
         lm(plan, tmp_path)
 
 

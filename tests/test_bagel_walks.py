@@ -5,14 +5,12 @@ as cohorts give the text of the plan without its cohort marks (the generic path)
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from support import as_run
+from support import as_run, compile_model
 
 from mstar_models.bagel.flow import shifted_times
 from mstar_models.bagel.reference import ReferenceConfig, ReferenceContext
@@ -20,17 +18,12 @@ from mstar_runtime.api import MStar
 from mstar_runtime.plan.loader import load_plan
 from tests.test_bagel_flow import official_velocity
 
-ROOT = Path(__file__).resolve().parents[1]
 SIZE = {"height": 64, "width": 48}
 
 
 @pytest.fixture(scope="module")
 def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("bagel") / "bagel.plan"
-    subprocess.run([sys.executable, "-m", "mstarc.cli", "compile", str(ROOT / "models/bagel/bagel.walk"),
-                    "--variant", "tiny", "--placement", str(ROOT / "placements/cpu.yaml"), "-o", str(out)],
-                   check=True, capture_output=True)
-    return out
+    return compile_model(tmp_path_factory.mktemp("bagel") / "bagel.plan", "bagel")
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ Qwen3-Omni thinker); a small pool evicts and never corrupts; preemption stays ex
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,6 @@ from mstar_runtime.serve.metrics import Metrics
 from mstar_runtime.worker.worker import Worker
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-ROOT = Path(__file__).resolve().parents[1]
 
 SYSTEM = "You are terse. Answer in one line, please. "  # 2 full blocks of 16 with bos
 QUESTIONS = ["Why is the sky blue?", "What is a prime?", "Why is the sky blue?", "Who wrote Hamlet?"]
@@ -190,11 +187,7 @@ def test_orpheus_hit_equals_miss(orpheus_plan: Path) -> None:
 # ------------------------------------------------------------------------------ BAGEL
 @pytest.fixture(scope="module")
 def bagel_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("bagel_pc") / "bagel.plan"
-    subprocess.run([sys.executable, "-m", "mstarc.cli", "compile", str(ROOT / "models/bagel/bagel.walk"),
-                    "--variant", "tiny", "--placement", str(ROOT / "placements/cpu.yaml"), "-o", str(out)],
-                   check=True, capture_output=True)
-    return out
+    return compile_model(tmp_path_factory.mktemp("bagel_pc") / "bagel.plan", "bagel")
 
 
 def _picture(h: int, w: int, seed: int) -> torch.Tensor:

@@ -5,8 +5,6 @@ turn) computes only the rest, and its outputs equal those with the cache off, bi
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,13 +12,12 @@ from typing import Any
 import pytest
 import torch
 from qwen3_omni_lm_support import hf_model
-from support import saved_checkpoint
+from support import compile_model, saved_checkpoint
 
 from mstar_runtime.api import MStar
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"temperature": 0.0, "top_k": 0}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,11 +29,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("qwen3_omni_pc") / "tiny.plan"
-    subprocess.run([sys.executable, "-m", "mstarc.cli", "compile", str(ROOT / "models/qwen3_omni/qwen3_omni.walk"),
-                    "--variant", "tiny", "--placement", str(ROOT / "placements/cpu.yaml"), "-o", str(out)],
-                   check=True, capture_output=True)
-    return out
+    return compile_model(tmp_path_factory.mktemp("qwen3_omni_pc") / "tiny.plan", "qwen3_omni")
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import torch
 from qwen3_omni_lm_support import TINY_IDS, hf_model
-from support import as_run, saved_checkpoint
+from support import as_run, compile_walk, saved_checkpoint
 
 from mstar_runtime.api import MStar, RequestFailed
 from mstar_runtime.ops.node import RequestError
@@ -49,12 +49,6 @@ SPF, TRIM = 1920, 555  # samples per codec frame, and what one decode trims at i
 ATOL = 1e-5  # fp32 audio in [-1, 1]: float rounding of other batch shapes (test_qwen3_omni_code2wav.py)
 GREEDY = {"temperature": 0.0, "top_k": 0}
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def compile_walk(source: Path, out: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "mstarc.cli", "compile", str(source), "--variant", "tiny",
-                    "--placement", str(ROOT / "placements/cpu.yaml"), "-o", str(out)], check=True, capture_output=True)
-    return out
 
 
 # ------------------------------------------------------------------------------ fixtures
@@ -72,7 +66,7 @@ def checkpoint(hf: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return compile_walk(WALK, tmp_path_factory.mktemp("qwen3_omni") / "tiny.plan")
+    return compile_walk(tmp_path_factory.mktemp("qwen3_omni") / "tiny.plan", WALK)
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +236,7 @@ def test_streamed_code2wav_equals_one_full_decode(checkpoint: Path, tmp_path: Pa
     assert text.count("    c2w_left = 4\n", tiny) == 1
     copy = text[:tiny] + text[tiny:].replace("    c2w_left = 4\n", "    c2w_left = 16\n    c2w_sliding_window = 8\n")
     (tmp_path / "qwen3_omni.walk").write_text(copy, encoding="utf-8")
-    plan = compile_walk(tmp_path / "qwen3_omni.walk", tmp_path / "w8.plan")
+    plan = compile_walk(tmp_path / "w8.plan", tmp_path / "qwen3_omni.walk")
     with MStar.load(plan, weights=checkpoint) as m, Windows(m) as w:
         out = m.generate("speech", prompt="a longer answer, please", max_tokens=6, talker_max_frames=26, seed=4)
         node = nodes(m)["code2wav"]

@@ -67,6 +67,7 @@ from mstar_models.layers.embedding import LMHead, VocabEmbedding, lm_logits
 from mstar_models.layers.init import seeded_init_
 from mstar_models.layers.mlp import GatedMLP
 from mstar_models.layers.rotary import llama3_inv_freq, rope_tables
+from mstar_runtime.kv.prefix_cache import token_keys
 from mstar_runtime.ops import tp
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
 from mstar_runtime.ops.ports import config_value, max_seq_len
@@ -172,10 +173,7 @@ class LlamaBackbone(DecoderNode):
     @classmethod
     def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: NodeSpec) -> list[int] | None:
         """A prefill's KV depends on its prompt's token ids (and what precedes them) only."""
-        prompt = inputs.get("prompt")
-        if phase != "prefill" or not isinstance(prompt, torch.Tensor) or prompt.dim() != 1:
-            return None
-        return [int(t) for t in prompt.tolist()]
+        return token_keys(inputs.get("prompt")) if phase == "prefill" else None
 
     def cohort_phase(self, phase: str) -> Any:
         """`decode`, written only as a column step (models/mstar_models/orpheus/cohort.py; a plain

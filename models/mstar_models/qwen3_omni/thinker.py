@@ -80,7 +80,7 @@ from mstar_models.layers.rotary import inv_freq, mrope_tables
 from mstar_models.qwen3_omni.lm_common import attention_sizes, grids, rows, token_ids
 from mstar_models.qwen3_omni.positions import default_mrope_section, rope_index
 from mstar_models.qwen3_omni.tokens import TokenIds
-from mstar_runtime.kv.prefix_cache import media_key
+from mstar_runtime.kv.prefix_cache import media_key, token_keys
 from mstar_runtime.ops import tp
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
@@ -232,11 +232,10 @@ class ThinkerMoE(DecoderNode):
         grids and deepstack rows). A speech prefill's keys stop before its first multimodal position:
         the talker's prompt takes the tapped hidden state there, which a cached block does not
         keep (so a conversation reuses its system prompt and the text before its first clip)."""
-        ids = inputs.get("ids")
-        if phase not in PREFILLS or not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+        keys = token_keys(inputs.get("ids")) if phase in PREFILLS else None
+        if keys is None:
             return None
         tok = TokenIds.from_spec(spec)
-        keys = [int(t) for t in ids.tolist()]
         if phase == "prefill_speech":
             mm = set(tok.multimodal)
             return keys[: next((i for i, k in enumerate(keys) if k in mm), len(keys))]

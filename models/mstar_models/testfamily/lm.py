@@ -28,6 +28,7 @@ from mstar_models.layers.embedding import VocabEmbedding
 from mstar_models.layers.linear import Weight
 from mstar_models.layers.mlp import GatedMLP
 from mstar_models.testfamily.common import seeded_init_, setting, start_reply
+from mstar_runtime.kv.prefix_cache import token_keys
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
 from mstar_runtime.ops.readback import Lazy, Readback
@@ -125,10 +126,7 @@ class TinyLM(DecoderNode):
     @classmethod
     def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: NodeSpec) -> list[int] | None:
         """A prefill's KV depends on its token ids (and what precedes them) only: they are its keys."""
-        tokens = inputs.get("tokens")
-        if phase != "prefill" or not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
-            return None
-        return [int(t) for t in tokens.tolist()]
+        return token_keys(inputs.get("tokens")) if phase == "prefill" else None
 
     def cohort_phase(self, phase: str) -> CohortPhase | None:
         """`decode`, written only as a column step (ops/cohort.py; `run` calls it through ops/column_call.py)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +40,14 @@ def block_hashes(parent: bytes, keys: Sequence[int], page_size: int) -> list[byt
         parent = hashlib.blake2b(parent + row.tobytes(), digest_size=16).digest()
         out.append(parent)
     return out
+
+
+def token_keys(value: Any) -> list[int] | None:
+    """The content keys of a prefill's token ids (a 1-D tensor): the ids themselves; None for
+    anything else (a prefill of no such input is not cached)."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 1:
+        return None
+    return [int(t) for t in value.tolist()]
 
 
 def media_key(tensor: torch.Tensor, *extra: int) -> int:

@@ -16,11 +16,14 @@ Run from the repository root (deterministic: the same corpus gives the same file
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_tokenizer import byte_level_bpe, out_path  # noqa: E402 - the sibling module, found through the line above
 
 OUT = Path(__file__).resolve().parent.parent / "models" / "mstar_models" / "bagel" / "tokenizer_tiny.json"
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"]
@@ -41,31 +44,20 @@ CORPUS = [
 
 
 def build() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + MERGES, initial_alphabet=alphabet,
-                                  special_tokens=[], show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
+    tok = byte_level_bpe(QWEN2_SPLIT, CORPUS, 256 + MERGES)
     tok.add_special_tokens(SPECIALS)
     return tok
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
+    out = out_path(__doc__, OUT)
     tok = build()
     ids = [tok.token_to_id(s) for s in SPECIALS]
     if ids != list(range(296, 300)):
         raise SystemExit(f"specials landed at {ids}, not 296..299: change MERGES")
     data = json.loads(tok.to_str())
-    args.out.write_text(json.dumps(data, ensure_ascii=False, indent=None, sort_keys=True) + "\n")
-    print(f"wrote {args.out}: {tok.get_vocab_size()} ids")
+    out.write_text(json.dumps(data, ensure_ascii=False, indent=None, sort_keys=True) + "\n")
+    print(f"wrote {out}: {tok.get_vocab_size()} ids")
 
 
 if __name__ == "__main__":

@@ -15,11 +15,14 @@ Run from the repository root (deterministic: the same corpus gives the same file
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_tokenizer import byte_level_bpe, out_path  # noqa: E402 - the sibling module, found through the line above
 
 OUT = Path(__file__).resolve().parent.parent / "models" / "orpheus" / "tokenizer_tiny.json"
 BOS, BOS_ID = "<|begin_of_text|>", 128000
@@ -71,21 +74,7 @@ CORPUS = [
 
 
 def build() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=256 + MERGES,
-        min_frequency=2,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer)
+    tok = byte_level_bpe(LLAMA3_SPLIT, CORPUS, 256 + MERGES, min_frequency=2)
     spec = json.loads(tok.to_str())
     vocab = spec["model"]["vocab"]
     if len(vocab) != 256 + MERGES or max(vocab.values()) >= BOS_ID:
@@ -119,13 +108,11 @@ def build() -> Tokenizer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args(argv)
+    out = out_path(__doc__, OUT, argv)
     tok = build()
-    args.out.write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    out.write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
     print(
-        f"wrote {args.out}: {tok.get_vocab_size()} tokens (text ids 0..{256 + MERGES - 1}, {BOS} = {BOS_ID})"
+        f"wrote {out}: {tok.get_vocab_size()} tokens (text ids 0..{256 + MERGES - 1}, {BOS} = {BOS_ID})"
     )
     return 0
 

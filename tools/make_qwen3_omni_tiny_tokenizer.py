@@ -19,11 +19,14 @@ Run from the repository root (deterministic: the same corpus gives the same file
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, normalizers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_tokenizer import byte_level_bpe, out_path  # noqa: E402 - the sibling module, found through the line above
 
 OUT = Path(__file__).resolve().parent.parent / "models" / "mstar_models" / "qwen3_omni" / "tokenizer_tiny.json"
 TEXT_TOKENS = 479  # 256 bytes + 223 merges; ids 479..511 are the added tokens
@@ -66,23 +69,9 @@ CORPUS = [
 
 
 def build() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TEXT_TOKENS,
-        min_frequency=2,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
     # the role words repeated so that BPE learns each as one token
-    tok.train_from_iterator(CORPUS * 2 + [" ".join(ROLES)] * 40, trainer)
+    tok = byte_level_bpe(QWEN2_SPLIT, CORPUS * 2 + [" ".join(ROLES)] * 40, TEXT_TOKENS, min_frequency=2,
+                         normalizer=normalizers.NFC())
     spec = json.loads(tok.to_str())
     vocab = spec["model"]["vocab"]
     if len(vocab) != TEXT_TOKENS:
@@ -103,13 +92,11 @@ def build() -> Tokenizer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args(argv)
+    out = out_path(__doc__, OUT, argv)
     tok = build()
-    args.out.write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    out.write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
     roles = {r: tok.token_to_id(r) for r in ROLES}
-    print(f"wrote {args.out}: {tok.get_vocab_size()} tokens (text ids 0..{TEXT_TOKENS - 1}, "
+    print(f"wrote {out}: {tok.get_vocab_size()} tokens (text ids 0..{TEXT_TOKENS - 1}, "
           f"added {TEXT_TOKENS}..{TEXT_TOKENS + len(ADDED) - 1}); roles {roles}")
     return 0
 

@@ -10,6 +10,9 @@ from, the node state it leaves, and its errors.
 Also: that a block kept nowhere needs an empty own context (only there is the engine's
 read attention a cohort's `attend_block`). π0.5's action expert writes `step` only as a
 column step too; its generic-path chunks against the reference are in tests/test_pi05.py.
+
+And a step that reads another context (as Whisper's decoder `step` reads its `cross`
+context) through a plain call: its `attend_to`, and an empty read context refused.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from mstar_models.testfamily import reference as R
 from mstar_models.testfamily.echo import EchoLM
 from mstar_models.testfamily.family import Family, build_family
 from mstar_runtime.ops import column_call
-from mstar_runtime.ops.cohort import CohortPhase
+from mstar_runtime.ops.cohort import CohortPhase, CohortStep
 from mstar_runtime.ops.column_call import run_columns
 from mstar_runtime.ops.node import AttentionContext, NodeError, RequestError, SeqState
 from mstar_runtime.ops.readback import Lazy, Readback
@@ -117,3 +120,38 @@ def test_a_block_kept_nowhere_needs_an_empty_own_context() -> None:
         run_columns("n", phase, [{}], AttentionContext([SeqState(3, 2, {}, (5,))], None, cpu, reads=("vlm@main",)))
     assert run_columns("n", phase, [{}], AttentionContext([SeqState(0, 2, {}, (5,))], None, cpu,
                                                           reads=("vlm@main",))) == [{}]
+
+
+def _reading_phase() -> CohortPhase:
+    """A column step that reads one context: its output is `attend_to` of its token as a query,
+    and the read context's length per row."""
+
+    def step(b: CohortStep) -> dict[str, torch.Tensor]:
+        assert b.attend_to is not None
+        q = b.inputs["token"].float().reshape(b.n, 1, 1)
+        return {"read": b.attend_to(0, q, 0).reshape(b.n, 1), "length": b.read_lens[0]}
+
+    return CohortPhase(join=lambda state, inputs: {}, step=step, leave=lambda state, cols, steps: None)
+
+
+def test_a_reading_step_attends_through_the_context_and_refuses_an_empty_one() -> None:
+    """A plain call's `attend_to(layer, q, j)` is the context's attention over its j-th read
+    context (Whisper's cross-attention); an entry whose read context is empty is refused, as
+    a cohort's join refuses the row, not given a zero attention."""
+    calls: list[tuple] = []
+
+    def read(layer: int, q: torch.Tensor, k: object, v: object, over: tuple[int, ...]) -> torch.Tensor:
+        calls.append((layer, k, v, over))
+        return q * 10
+
+    def context(lens: list[int]) -> AttentionContext:
+        seqs = [SeqState(3, 1, {}, read_lens=(n,)) for n in lens]
+        return AttentionContext(seqs, None, torch.device("cpu"), reads=("src@main",), read_fn=read)
+
+    batch = [{"token": torch.tensor([2], dtype=torch.int32)}, {"token": torch.tensor([5], dtype=torch.int32)}]
+    out = run_columns("n", _reading_phase(), batch, context([4, 7]))
+    assert [row["read"].tolist() for row in out] == [[20.0], [50.0]]
+    assert [int(row["length"]) for row in out] == [4, 7]
+    assert calls == [(0, None, None, (0,))]
+    with pytest.raises(RequestError, match="node 'n' reads src@main, which is empty"):
+        run_columns("n", _reading_phase(), batch, context([4, 0]))

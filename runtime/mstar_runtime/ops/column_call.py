@@ -28,7 +28,8 @@ Requires: every entry adds `phase.tokens` KV tokens (the node's `kv_plan` says s
 Ensures:  the same outputs a cohort step gives the same rows, per entry; every entry's state
           as `leave` writes it after one step.
 Fails when: an entry's inputs are missing or malformed, or its `join` refuses it
-          (RequestError naming the port: the conductor retries the entries one by one).
+          (RequestError naming the port: the conductor retries the entries one by one);
+          a context an entry reads is empty (RequestError, as a cohort declines the row).
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def run_columns(node: str, cphase: CohortPhase, batch: Batch, attn: AttentionCon
         if not cphase.keep and seq.start:
             raise NodeError(f"node '{node}': an entry whose context holds {seq.start} tokens; the column step's "
                             "block is kept nowhere and sees only its reads and itself")
+        # as a cohort's join refuses such a row (engine/cohort_engine.py): attention over an
+        # empty context would give zeros, a wrong answer rather than an error
+        for name, length in zip(attn.reads, seq.read_lens, strict=True):
+            if length < 1:
+                raise RequestError(f"node '{node}' reads {name}, which is empty")
     device = attn.device
     ports = sorted({port for entry in batch for port in entry})
     inputs = _Inputs(node, {port: _stack(node, port, [entry.get(port) for entry in batch], device) for port in ports})

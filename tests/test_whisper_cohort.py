@@ -1,11 +1,16 @@
 """Whisper's decoder `step` as a cohort column step (models/mstar_models/whisper/cohort.py) on CPU.
 
-The column step over several rows gives the generic `phase_step`'s numbers bit for bit:
-tokens, log-probabilities, `done` and the state its leave writes back (so a later generic
-step continues the same), greedy and sampled (the fixed top-k), timestamps on and off,
-`min_tokens` > 0, a row that reaches `max_tokens` and one that fills the 448 positions.
-Both paths attend through the same per-row attention over plain tensors (`Contexts`), so
-what is compared is the node's own code. Then the `transcribe` walk on the tiny checkpoint
+The column step is the decoder's only `step`. Over several rows, as a cohort (its columns
+kept over the steps) and in plain calls (`Decoder.run`: each call joins the host state,
+steps once and leaves it, ops/column_call.py), it gives bit for bit the numbers of the
+host-side pick that prefill makes of its first token (`_next`, per-entry state; the way the
+deleted `phase_step` went): tokens, log-probabilities, `done` and the state its leave writes
+back (so a later plain call continues the same), greedy and sampled (the fixed top-k),
+timestamps on and off, `min_tokens` > 0, a row that reaches `max_tokens` and one that fills
+the 448 positions. Every path attends through the same per-row attention over plain tensors
+(`Contexts`), so what is compared is the node's own code. A plain call's errors name the
+port: a context never prefilled, a malformed fed token; a step before `listen` (its `cross`
+context empty) is refused. Then the `transcribe` walk on the tiny checkpoint
 through the runtime, the decode loop as a cohort and on the generic path: the same tokens,
 text, language and segments (their float statistics to float32 rounding: the paths' attention
 kernels differ).
@@ -145,29 +150,47 @@ def _prefill(dec: Decoder, rows: list[str]) -> tuple[Contexts, list[dict[str, An
     return ctx, states, torch.cat([o["token"] for o in out])
 
 
-def _generic_step(dec: Decoder, ctx: Contexts, states: list[dict[str, Any]], tokens: torch.Tensor) -> tuple:
+def _plain_step(dec: Decoder, ctx: Contexts, states: list[dict[str, Any]], tokens: torch.Tensor) -> tuple:
+    """One `step` as the generic path calls it: `Decoder.run` over the entries (a one-step
+    cohort of the column step: ops/column_call.py)."""
     with torch.inference_mode():
         out = dec.run("step", [{"token": t.reshape(1)} for t in tokens], ctx.context(states, [1] * len(states)))
+    return _results(out)
+
+
+def _host_step(dec: Decoder, ctx: Contexts, states: list[dict[str, Any]], tokens: torch.Tensor) -> tuple:
+    """The reference: the layer loop, then the host-side pick that prefill makes of its first
+    token (`_next`: the state per entry, `sampling.sample`, a top-k per row), as the
+    `phase_step` that the column step replaced did it."""
+    attn = ctx.context(states, [1] * len(states))
+    with torch.inference_mode():
+        hidden = dec.forward_hidden(tokens.long(), attn.positions(), attn.attend, attn.attend_to)
+        return _results(dec._next(dec.logits(hidden), attn))
+
+
+def _results(out: list[dict[str, Any]]) -> tuple:
     done = [o["done"].get() if isinstance(o["done"], Lazy) else o["done"] for o in out]
     return (torch.cat([o["token"] for o in out]), torch.cat([o["logprob"] for o in out]), torch.tensor(done))
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_column_step_equals_the_generic_step(decoder: Decoder, case: str) -> None:
+def test_column_step_equals_the_host_pick_as_a_cohort_and_in_plain_calls(decoder: Decoder, case: str) -> None:
     rows = CASES[case]
     ctx, states, first = _prefill(decoder, rows)
-    g_ctx, g_states = copy.deepcopy(ctx), copy.deepcopy(states)
+    g_ctx, g_states = copy.deepcopy(ctx), copy.deepcopy(states)  # plain calls
+    h_ctx, h_states = copy.deepcopy(ctx), copy.deepcopy(states)  # the host reference
     phase = decoder.cohort_phase("step")
     assert phase is not None and decoder.cohort_phase("prefill") is None
     with torch.inference_mode():
         joined = [phase.join(st, {}) for st in states]
         cols = {name: torch.stack([j[name] for j in joined]) for name in joined[0]}
     ctx.q_lens = [1] * len(rows)
-    g_tokens, c_tokens = first, first[:, None]
+    g_tokens, h_tokens, c_tokens = first, first, first[:, None]
     eot = decoder.layout.eot
     stops, ends = torch.zeros(len(rows), dtype=torch.bool), torch.zeros(len(rows), dtype=torch.bool)
     for _ in range(STEPS):
-        g_tokens, g_logprob, g_done = _generic_step(decoder, g_ctx, g_states, g_tokens)
+        g_tokens, g_logprob, g_done = _plain_step(decoder, g_ctx, g_states, g_tokens)
+        h_tokens, h_logprob, h_done = _host_step(decoder, h_ctx, h_states, h_tokens)
         positions = torch.tensor([ctx.length(r) for r in range(len(rows))])
         with torch.inference_mode():
             out = phase.step(CohortStep(len(rows), {"token": c_tokens}, cols, positions, ctx.attend,
@@ -176,25 +199,27 @@ def test_column_step_equals_the_generic_step(decoder: Decoder, case: str) -> Non
         assert out["token"].shape == (len(rows), 1) and out["token"].dtype == torch.int32
         assert out["logprob"].shape == (len(rows), 1) and out["logprob"].dtype == torch.float32
         assert out["done"].shape == (len(rows),) and out["done"].dtype == torch.bool
-        assert torch.equal(out["token"][:, 0], g_tokens)
-        assert torch.equal(out["logprob"][:, 0], g_logprob)
-        assert torch.equal(out["done"], g_done)
-        assert torch.isfinite(g_logprob).all()
-        stops |= g_done & (g_tokens != eot)
-        ends |= g_tokens == eot
+        for tokens, logprob, done in ((g_tokens, g_logprob, g_done), (h_tokens, h_logprob, h_done)):
+            assert torch.equal(out["token"][:, 0], tokens)
+            assert torch.equal(out["logprob"][:, 0], logprob)
+            assert torch.equal(out["done"], done)
+        assert torch.isfinite(h_logprob).all()
+        stops |= h_done & (h_tokens != eot)
+        ends |= h_tokens == eot
     if case == "mixed":  # every cause of `done` came up: <|endoftext|>, max_tokens, the 448 positions
         assert stops.tolist() == [False, False, False, True, True]
         assert ends.tolist() == [True, True, False, False, True]
     with torch.inference_mode():
         for r, st in enumerate(states):
             phase.leave(st, {name: col[r].clone() for name, col in cols.items()}, STEPS)
-    for st, g in zip(states, g_states, strict=True):
-        assert st["n"] == g["n"] == STEPS + 1
+    for st, g, h in zip(states, g_states, h_states, strict=True):
+        assert st["n"] == g["n"] == h["n"] == STEPS + 1
         for k in ("last", "penult", "ts_max"):
-            assert torch.equal(st[k], g[k]), k
-    # a later generic step continues where the cohort stopped
-    assert all(torch.equal(a, b) for a, b in zip(_generic_step(decoder, ctx, states, c_tokens[:, 0]),
-                                                 _generic_step(decoder, g_ctx, g_states, g_tokens), strict=True))
+            assert torch.equal(st[k], g[k]) and torch.equal(st[k], h[k]), k
+    # a later plain call continues where the cohort stopped, as the reference does
+    after = _plain_step(decoder, ctx, states, c_tokens[:, 0])
+    for other in (_plain_step(decoder, g_ctx, g_states, g_tokens), _host_step(decoder, h_ctx, h_states, h_tokens)):
+        assert all(torch.equal(a, b) for a, b in zip(after, other, strict=True))
 
 
 def test_join_declines_a_context_never_prefilled(decoder: Decoder) -> None:
@@ -202,6 +227,31 @@ def test_join_declines_a_context_never_prefilled(decoder: Decoder) -> None:
     assert phase is not None
     with pytest.raises(RequestError, match="never prefilled"):
         phase.join({}, {})
+
+
+def test_step_is_written_once() -> None:
+    assert not hasattr(Decoder, "phase_step")  # the column step is the only `step`
+
+
+@pytest.mark.parametrize("token", [torch.tensor([3.0]), torch.tensor([1, 2]), torch.tensor(3), 3,
+                                   torch.tensor([True])])
+def test_a_plain_step_names_a_malformed_token(decoder: Decoder, token: Any) -> None:
+    ctx, states, _ = _prefill(decoder, ["greedy"])
+    with pytest.raises(RequestError, match="token must be one integer token id of shape") as err:
+        decoder.run("step", [{"token": token}], ctx.context(states, [1]))
+    assert err.value.field == "token"
+
+
+def test_a_plain_step_refuses_a_context_never_prefilled_or_an_empty_cross(decoder: Decoder) -> None:
+    ctx, states, first = _prefill(decoder, ["greedy"])
+    with pytest.raises(RequestError, match="never prefilled") as err:
+        decoder.run("step", [{"token": first}], ctx.context([{}], [1]))
+    assert err.value.field == "token"
+    attn = ctx.context(states, [1])
+    attn.seqs[0].read_lens = (0,)  # `listen` has not written the window's cross K/V
+    with pytest.raises(RequestError, match="reads decoder@cross, which is empty"):
+        decoder.run("step", [{"token": first}], attn)
+    assert states[0]["n"] == 1  # nothing was stepped
 
 
 # ------------------------------------------------------------------------------ the walk, cohort and generic

@@ -1,12 +1,14 @@
-"""Whisper's decoder `step` as a column step for decode cohorts (runtime/mstar_runtime/ops/cohort.py).
+"""Whisper's decoder `step`, written once: a column step (runtime/mstar_runtime/ops/cohort.py).
 
-The same step as `Decoder.phase_step` + `_next`, for every row at once and with no host
-value: the per-(request, text) state the generic path keeps in `attn.states[i]` becomes
-device columns at join and goes back into the state at leave:
+A decode cohort runs it over its rows; `Decoder.run` runs it over a plain batch as a one-step
+cohort (runtime/mstar_runtime/ops/column_call.py). It scores and picks as prefill does its
+first token (`Decoder._next`), for every row at once and with no host value: the
+per-(request, text) state that prefill writes into `attn.states[i]` becomes device columns
+at join and goes back into the state at leave:
 
   sampling columns        temperature, top_k, top_p, penalty, greedy, seed, step
-                          (`sampling.SamplingColumns`; `step` starts at `n`, as the generic
-                          path draws with step index n)
+                          (`sampling.SamplingColumns`; `step` starts at `n`: the draw
+                          of token n has step index n, as prefill's of token 0 has 0)
   n                       tokens generated so far
   last, penult, ts_max    the last two generated tokens and the highest timestamp (-1: none)
   timestamps              the timestamp rules on or off
@@ -15,7 +17,11 @@ device columns at join and goes back into the state at leave:
 Self-attention goes through `CohortStep.attend` (the row's `text` context), cross-attention
 through `CohortStep.attend_to(layer, q, 0)` (its `cross` context, the phase's one `reads`),
 in the decoder's own layer loop (`Decoder.forward_hidden`). Outputs per row: `token` [1],
-`logprob` [1], `done`.
+`logprob` [1], `done`. Join refuses (RequestError naming `token`) a text context never
+prefilled and, in a plain call (where it sees the entry's fed token), a token that is not
+one integer id of shape [1]; its range is not read (it is this node's own output, on the
+device: a host read would wait for the step before). A step whose `cross` context is empty
+(before `listen`) is refused by column_call, as by a cohort's join.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ def step_phase(node: Decoder) -> CohortPhase:
     def join(state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
         if "begin" not in state:
             raise RequestError("a decoder step on a text context that was never prefilled", "token")
+        if "token" in inputs:  # a plain call's entry (a cohort's join sees no fed input)
+            _check_token(inputs["token"])
         cols = sampling_row(state["sampling"], state["n"])  # host values: uploaded without a wait
         cols.update({k: state[k].reshape(()) for k in _STATE})
         cols.update(n=torch.tensor(state["n"]), timestamps=torch.tensor(state["timestamps"]),
@@ -86,3 +94,12 @@ def step_phase(node: Decoder) -> CohortPhase:
         return {"token": tokens.to(torch.int32)[:, None], "logprob": logprob, "done": done}
 
     return CohortPhase(join=join, step=step, leave=leave)
+
+
+def _check_token(token: Any) -> None:
+    """The fed token's shape and dtype (not its range: see the module docstring)."""
+    if not isinstance(token, torch.Tensor) or tuple(token.shape) != (1,) or token.dtype.is_floating_point \
+            or token.dtype == torch.bool:
+        got = f"{token.dtype} of shape {tuple(token.shape)}" if isinstance(token, torch.Tensor) \
+            else type(token).__name__
+        raise RequestError(f"token must be one integer token id of shape [1], got {got}", "token")

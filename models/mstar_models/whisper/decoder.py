@@ -42,11 +42,12 @@ generated tokens, or when the sequence reaches the 448 target positions (transfo
 `max_length`); a decode after `done` (the runtime's speculative step) runs on clamped
 positions and its results are thrown away.
 
-`step` runs one of two ways with the same numbers (tests/test_whisper_cohort.py): the generic
-`phase_step` over a list of entries (`_next`: host state per entry, `done` a lazy flag), or,
-when the runtime runs the decode loop as a cohort, the column step of cohort.py over
-device-resident columns (`cohort_phase`). Both go through one layer loop, `forward_hidden`,
-given the two attentions (self over `text`, cross over the `cross` context it reads).
+`step` is written once, as the column step of cohort.py (`cohort_phase`): a decode cohort
+runs it over its device-resident columns, and `run` runs it over a plain batch of entries as
+a one-step cohort (runtime/mstar_runtime/ops/column_call.py; a row the cohort declines, the
+plan without its cohort marks). `prefill` picks its first token from the per-entry host
+state (`_next`). Every phase goes through one layer loop, `forward_hidden`, given the two
+attentions (self over `text`, cross over the `cross` context it reads).
 
 Per-(request, text) state: `begin` (the prompt's length), `timestamps`, `max_new`, `min_new`, `n` (tokens
 generated), `sampling` (the `SamplingParams` that `read_sampling` gives), and device scalars
@@ -225,8 +226,8 @@ class Decoder(KVNode):
         return F.linear(hidden, self.embed_tokens.weight).float()
 
     def cohort_phase(self, phase: str) -> CohortPhase | None:
-        """`step` as a column step for decode cohorts (cohort.py): the same math as `phase_step`
-        over all rows; every other phase runs through `run` only."""
+        """`step`, written only as a column step (cohort.py; `run` calls it through
+        ops/column_call.py); every other phase is a `phase_<name>` method."""
         if phase != "step":
             return None
         from mstar_models.whisper.cohort import step_phase  # cohort.py imports this module
@@ -318,19 +319,9 @@ class Decoder(KVNode):
             o["no_speech"] = no_speech[i : i + 1]
         return out
 
-    def phase_step(self, batch: Batch, attn: AttentionContext) -> Batch:
-        self._check_cross(attn)
-        for seq in attn.seqs:
-            if "begin" not in seq.state:
-                raise RequestError("a decoder step on a text context that was never prefilled", "token")
-        # the fed token is this node's own output: its shape is checked, its range is not read
-        # (a host read of a device token would wait for the step before)
-        ids = torch.cat([_ids(entry, "token", self.vocab, check_range=False) for entry in batch])
-        ids = ids.to(self.embed_tokens.weight.device, torch.long)
-        return self._next(self.logits(self.forward_hidden(ids, attn.positions(), attn.attend, attn.attend_to)), attn)
-
     def _next(self, logits: torch.Tensor, attn: AttentionContext) -> Batch:
-        """Score, pick and record one token per entry; `done` as a lazy flag of the picked tokens."""
+        """Score, pick and record prefill's first token per entry; `done` as a lazy flag of the
+        picked tokens (a later token is the column step's, cohort.py)."""
         states = attn.states
         dev = logits.device
         n = upload([st["n"] for st in states], torch.long, dev)
@@ -379,11 +370,11 @@ def _token(entry: Mapping[str, Any], port: str) -> int:
     raise RequestError(f"{port} must be one integer token id, got {type(value).__name__}", port)
 
 
-def _ids(entry: Mapping[str, Any], port: str, vocab: int, check_range: bool = True) -> torch.Tensor:
+def _ids(entry: Mapping[str, Any], port: str, vocab: int) -> torch.Tensor:
     t = entry.get(port)
     if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
         raise RequestError(f"{port} must be a 1-D tensor of integer token ids", port)
-    if check_range and t.numel():
+    if t.numel():
         lo, hi = t.aminmax()
         if int(lo) < 0 or int(hi) >= vocab:
             raise RequestError(f"{port} token ids must lie in [0, {vocab}), got [{int(lo)}, {int(hi)}]", port)

@@ -41,7 +41,7 @@ import torch
 
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, count_key
 from mstar_runtime.ops.errors import NodeError, RequestError
-from mstar_runtime.ops.readback import Lazy, Readback
+from mstar_runtime.ops.readback import Lazy, Readback, upload, upload_tensor
 
 if TYPE_CHECKING:  # ops/node.py imports this module: its types only, not at run time
     from mstar_runtime.ops.node import AttentionContext
@@ -70,9 +70,9 @@ def run_columns(node: str, cphase: CohortPhase, batch: Batch, attn: AttentionCon
         joined = [cphase.join(seq.state, entry) for entry, seq in zip(batch, attn.seqs, strict=True)]
         names = sorted(joined[0]) if joined else []
         cols = {name: _stack(node, name, [row.get(name) for row in joined], device) for name in names}
-        positions = torch.tensor([seq.start for seq in attn.seqs], dtype=torch.long, device=device)
+        positions = upload([seq.start for seq in attn.seqs], torch.long, device)
         n = len(batch)
-        read_lens = tuple(torch.tensor([seq.read_lens[j] for seq in attn.seqs], dtype=torch.long, device=device)
+        read_lens = tuple(upload([seq.read_lens[j] for seq in attn.seqs], torch.long, device)
                           for j in range(len(attn.reads)))
         reads = bool(attn.reads)
         out = cphase.step(CohortStep(
@@ -112,6 +112,8 @@ def _stack(node: str, name: str, values: list[Any], device: torch.device) -> tor
     if any(tuple(r.shape) != shape for r in rows):
         raise RequestError(f"node '{node}': '{name}' of shapes {sorted({tuple(r.shape) for r in rows})} in one "
                            f"step (each must be {shape})", name)
+    if all(r.device.type == "cpu" for r in rows):  # a join's host values: one upload that waits for nothing
+        return upload_tensor(torch.stack(rows), device)
     return torch.stack([r.to(device) for r in rows])
 
 

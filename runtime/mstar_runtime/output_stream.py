@@ -7,6 +7,7 @@ process client's `ClientHandle` (engine_process.py) are its subclasses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -109,28 +110,44 @@ class OutputStream:
                 raise TimeoutError(f"request '{self.id}' did not finish within {timeout} s")
         return self._outcome()
 
+    @contextlib.contextmanager
+    def _reading(self, wake: Callable[[], None] | None = None) -> Iterator[None]:
+        """Count a stream as reading (`_readers`) while it reads, with `wake` among the
+        `_watchers` where it has one (an asyncio reader's wake-up)."""
+        with self._cond:
+            self._readers += 1
+            if wake is not None:
+                self._watchers.append(wake)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if wake in self._watchers:
+                    self._watchers.remove(wake)
+
+    def _hand_out(self, items: list[tuple[str, Any]], start: int) -> Iterator[tuple[str, Any]]:
+        """Yield `items` (the chunks from index `start` on), each counted as read (`_read`) once
+        the stream asks for the next: the reader has taken it."""
+        for i, item in enumerate(items, start + 1):
+            yield item
+            self._read(i)
+
     def stream(self) -> Iterator[tuple[str, Any]]:
         """`(output name, value)` for each appended output item, in order, as it is produced
         (from the start of the request, whenever iteration starts). Ends with the request;
         raises `RequestFailed` at the end if it failed."""
-        with self._cond:
-            self._readers += 1
-        try:
+        with self._reading():
             i = 0
             while True:
                 with self._cond:
                     while i >= len(self._chunks) and not self._done:
                         self._cond.wait()
                     items, done = self._chunks[i:], self._done
-                for item in items:
-                    yield item
-                    i += 1
-                    self._read(i)
+                yield from self._hand_out(items, i)
+                i += len(items)
                 if done:
                     break
-        finally:
-            with self._cond:
-                self._readers -= 1
         if self.state != FINISHED:
             raise self._failure()
 
@@ -151,29 +168,20 @@ class OutputStream:
         def wake() -> None:
             _call_in_loop(loop, changed.set)
 
-        with self._cond:
-            self._watchers.append(wake)
-            self._readers += 1
-        try:
+        with self._reading(wake):
             i = 0
             while True:
                 # clear before reading: a chunk that lands after the read sets it again
                 changed.clear()
                 with self._cond:
                     items, done = self._chunks[i:], self._done
-                for item in items:
+                for item in self._hand_out(items, i):
                     yield item
-                    i += 1
-                    self._read(i)
+                i += len(items)
                 if done:
                     break
                 if not items:
                     await changed.wait()
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if wake in self._watchers:
-                    self._watchers.remove(wake)
         if self.state != FINISHED:
             raise self._failure()
 

@@ -175,9 +175,11 @@ def gqa_checks(heads: int, kv_heads: int) -> None:
     require(heads % kv_heads == 0, f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})", "kv_heads")
 
 
-# The sizes of every GQA decoder arch (Llama, BAGEL's MoT; Qwen3-Omni's add their own).
-DECODER_ARGS: dict[str, Arg] = {"layers": INT(), "hidden": INT(), "heads": INT(), "kv_heads": INT(),
-                                "head_dim": INT(), "intermediate": INT(), "vocab": INT()}
+# The sizes of a stack of GQA decoder layers, and of every GQA decoder arch: those and its
+# vocabulary (Llama, BAGEL's MoT, π0.5's Gemma; Qwen3-Omni's add their own).
+LAYER_ARGS: dict[str, Arg] = {"layers": INT(), "hidden": INT(), "heads": INT(), "kv_heads": INT(),
+                              "head_dim": INT(), "intermediate": INT()}
+DECODER_ARGS: dict[str, Arg] = {**LAYER_ARGS, "vocab": INT()}
 _DECODER_DIMS = ("layers", "hidden", "heads", "kv_heads", "head_dim")
 
 

@@ -30,7 +30,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mstarc.archs._common import INT, Tensors, decoder_attention, gqa_checks, parse_args, require
+from mstarc.archs._common import (
+    DECODER_ARGS,
+    INT,
+    LAYER_ARGS,
+    Tensors,
+    decoder_attention,
+    gqa_checks,
+    parse_args,
+    require,
+)
 from mstarc.archs.spec import ArchSpec, KVGeometry
 
 POLICY = "model"  # LeRobot's PI05Policy.model
@@ -48,25 +57,8 @@ SIGLIP_ARGS = {
     "projection": INT(),  # the VLM's width
 }
 
-GEMMA_ARGS = {
-    "layers": INT(),
-    "hidden": INT(),
-    "heads": INT(),
-    "kv_heads": INT(),
-    "head_dim": INT(),
-    "intermediate": INT(),
-    "vocab": INT(),
-}
-
-EXPERT_ARGS = {
-    "layers": INT(),
-    "hidden": INT(),
-    "heads": INT(),
-    "kv_heads": INT(),
-    "head_dim": INT(),
-    "intermediate": INT(),
-    "action_dim": INT(),
-}
+GEMMA_ARGS = DECODER_ARGS
+EXPERT_ARGS = {**LAYER_ARGS, "action_dim": INT()}  # the VLM's layer sizes; actions in place of a vocabulary
 
 
 def pi05_siglip(args: Mapping[str, Any], dtype: str) -> ArchSpec:

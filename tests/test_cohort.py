@@ -98,6 +98,17 @@ def assert_same(got: Request, want: Request, *, exact: bool = False) -> None:
             assert type(x) is type(y) and x == y, (name, x, y)
 
 
+def assert_finished_alike(conductor: Conductor, got: list[Request], want: list[Request],
+                          but: Request | None = None) -> None:
+    """Every request of `got` but `but` finished as its twin in `want` (`assert_same`), and the
+    conductor holds no KV page and no cohort row any more."""
+    for h, g in zip(got, want, strict=True):
+        if h is not but:
+            assert h.state == FINISHED, h.error
+            assert_same(h, g)
+    assert conductor.kv.used_pages() == 0 and all(co.n == 0 for co in conductor.cohorts.values())
+
+
 def marked_loops(conductor: Conductor, walks: list[str]) -> set[str]:
     """The ids of the loops of `walks` that the plan marks as cohort loops."""
     return {op["id"] for w in walks for op in iter_ops(conductor.plan.walk(w)["program"])
@@ -325,10 +336,7 @@ def test_forced_preemption_gives_identical_outputs(
         got = run(cohort, PREEMPT)
     assert cohort.stats["preemptions"] > 0 and cohort.stats["cohort_steps"] > 0
     assert any(removed)  # a preemption took a request out of its cohort mid-loop
-    for c, g in zip(got, want):
-        assert c.state == FINISHED, c.error
-        assert_same(c, g)
-    assert cohort.kv.used_pages() == 0 and all(co.n == 0 for co in cohort.cohorts.values())
+    assert_finished_alike(cohort, got, want)
 
 
 def _long(n: int) -> list[tuple[str, dict[str, Any]]]:
@@ -346,10 +354,7 @@ def test_a_cohort_step_out_of_pages_preempts_and_loses_nothing(
         got = run(small, requests)
     assert preempted and all(preempted)  # cohort steps ran out of pages, and each freed some
     assert small.stats["preemptions"] > 0
-    for c, g in zip(got, want):
-        assert c.state == FINISHED, c.error
-        assert_same(c, g)
-    assert small.kv.used_pages() == 0 and all(co.n == 0 for co in small.cohorts.values())
+    assert_finished_alike(small, got, want)
 
 
 def test_a_row_that_outgrows_the_pool_alone_fails_and_the_others_finish(
@@ -455,11 +460,7 @@ def test_cancel_mid_loop_stops_the_row_and_the_others_go_on(testfamily_plan: Pat
     assert target.state == CANCELLED and target.finish_reason == "cancelled"
     assert row_of(conductor, target) is None  # its row is gone at once
     conductor.run_until_idle()
-    for h, g in zip(handles, want):
-        if h is not target:
-            assert h.state == FINISHED, h.error
-            assert_same(h, g)
-    assert conductor.kv.used_pages() == 0 and all(co.n == 0 for co in conductor.cohorts.values())
+    assert_finished_alike(conductor, handles, want, but=target)
 
 
 def test_a_timeout_mid_loop_fails_the_row_and_the_others_go_on(
@@ -477,11 +478,7 @@ def test_a_timeout_mid_loop_fails_the_row_and_the_others_go_on(
     conductor.run_until_idle()
     assert target.state == FAILED and target.finish_reason == "timeout"
     assert "timed out after 5.0 s" in target.error
-    for h, g in zip(handles, want):
-        if h is not target:
-            assert h.state == FINISHED, h.error
-            assert_same(h, g)
-    assert conductor.kv.used_pages() == 0 and all(co.n == 0 for co in conductor.cohorts.values())
+    assert_finished_alike(conductor, handles, want, but=target)
 
 
 # ---------------------------------------------------------------------------- transitions

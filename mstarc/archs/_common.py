@@ -171,6 +171,25 @@ def gelu_mlp(t: Tensors, prefix: str, dim: int, ffn: int) -> None:
     t.linear(f"{prefix}fc2", dim, ffn, True, "row")
 
 
+def encoder_layers(t: Tensors, prefix: str, layers: int, dim: int, ffn: int, norms: tuple[str, str],
+                   mlp: str) -> None:
+    """`layers` ViT / Whisper-style encoder layers `{prefix}.{i}`, each its self-attention,
+    the bias norm `norms[0]`, its GELU MLP (under `mlp`: "mlp.", or "" for fc1 / fc2 at the
+    layer's top level) and the bias norm `norms[1]`, in that order (BAGEL's SigLIP,
+    Qwen3-Omni's audio tower)."""
+    for i in range(layers):
+        p = f"{prefix}.{i}"
+        encoder_attention(t, f"{p}.self_attn", dim)
+        t.norm(f"{p}.{norms[0]}", dim, bias=True)
+        gelu_mlp(t, f"{p}.{mlp}", dim, ffn)
+        t.norm(f"{p}.{norms[1]}", dim, bias=True)
+
+
+def encoder_dims(layers: int, dim: int, heads: int, ffn: int) -> dict[str, int]:
+    """The dims of an encoder arch (full attention, no KV): its head_dim is dim / heads."""
+    return {"layers": layers, "hidden": dim, "heads": heads, "head_dim": dim // heads, "intermediate": ffn}
+
+
 def gqa_checks(heads: int, kv_heads: int) -> None:
     require(heads % kv_heads == 0, f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})", "kv_heads")
 

@@ -25,8 +25,8 @@ from mstarc.archs._common import (
     decoder_args,
     decoder_attention,
     decoder_spec,
-    encoder_attention,
-    gelu_mlp,
+    encoder_dims,
+    encoder_layers,
     parse_args,
     require,
     swiglu,
@@ -97,19 +97,13 @@ def bagel_vit(args: Mapping[str, Any], dtype: str) -> ArchSpec:
     # the conv patch embedding converted to Linear: [hidden, 3 * patch * patch], (h, w, c) order
     t.linear(f"{vm}.embeddings.patch_embedding", h, a["channels"] * a["patch"] ** 2)
     t.add(f"{vm}.embeddings.position_embedding.weight", (positions, h))
-    for i in range(a["layers"]):
-        p = f"{vm}.encoder.layers.{i}"
-        encoder_attention(t, f"{p}.self_attn", h)
-        t.norm(f"{p}.layer_norm1", h, bias=True)
-        gelu_mlp(t, f"{p}.mlp.", h, a["intermediate"])
-        t.norm(f"{p}.layer_norm2", h, bias=True)
+    encoder_layers(t, f"{vm}.encoder.layers", a["layers"], h, a["intermediate"],
+                   ("layer_norm1", "layer_norm2"), "mlp.")
     t.norm(f"{vm}.post_layernorm", h, bias=True)
     t.linear("connector.fc1", a["llm_hidden"], h)
     t.linear("connector.fc2", a["llm_hidden"], a["llm_hidden"])
     t.add("vit_pos_embed.pos_embed", (positions, a["llm_hidden"]))
-    dims = {"layers": a["layers"], "hidden": h, "heads": a["heads"], "head_dim": h // a["heads"],
-            "intermediate": a["intermediate"]}
-    return t.spec(dims, None)
+    return t.spec(encoder_dims(a["layers"], h, a["heads"], a["intermediate"]), None)
 
 
 ARCHS = {"bagel_mot": bagel_mot, "bagel_vit": bagel_vit}

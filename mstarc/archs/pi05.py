@@ -36,6 +36,7 @@ from mstarc.archs._common import (
     LAYER_ARGS,
     Tensors,
     decoder_attention,
+    encoder_dims,
     gqa_checks,
     parse_args,
     require,
@@ -83,9 +84,7 @@ def pi05_siglip(args: Mapping[str, Any], dtype: str) -> ArchSpec:
         t.linear(f"{p}.mlp.fc2", h, a["intermediate"], True, "row")
     t.norm(f"{vm}.post_layernorm", h, bias=True)
     t.linear(f"{PALIGEMMA}.multi_modal_projector.linear", a["projection"], h)
-    dims = {"layers": a["layers"], "hidden": h, "heads": a["heads"], "head_dim": h // a["heads"],
-            "intermediate": a["intermediate"]}
-    return t.spec(dims, None)
+    return t.spec(encoder_dims(a["layers"], h, a["heads"], a["intermediate"]), None)
 
 
 def _gemma_layer(t: Tensors, p: str, a: Mapping[str, int], adaptive: bool) -> None:

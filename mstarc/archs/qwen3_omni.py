@@ -25,8 +25,8 @@ from mstarc.archs._common import (
     decoder_attention,
     decoder_dims,
     decoder_spec,
-    encoder_attention,
-    gelu_mlp,
+    encoder_dims,
+    encoder_layers,
     gqa_checks,
     parse_args,
     require,
@@ -187,18 +187,12 @@ def qwen3_omni_audio(args: Mapping[str, Any], dtype: str) -> ArchSpec:
     t.conv(f"{at}.conv2d3", c, c, (3, 3))
     freq = (((a["mel_bins"] + 1) // 2 + 1) // 2 + 1) // 2  # mel bins after three stride-2 convs
     t.linear(f"{at}.conv_out", d, c * freq, bias=False)
-    for i in range(a["layers"]):
-        p = f"{at}.layers.{i}"
-        encoder_attention(t, f"{p}.self_attn", d)
-        t.norm(f"{p}.self_attn_layer_norm", d, bias=True)
-        gelu_mlp(t, f"{p}.", d, a["ffn"])
-        t.norm(f"{p}.final_layer_norm", d, bias=True)
+    encoder_layers(t, f"{at}.layers", a["layers"], d, a["ffn"],
+                   ("self_attn_layer_norm", "final_layer_norm"), "")
     t.norm(f"{at}.ln_post", d, bias=True)
     t.linear(f"{at}.proj1", d, d)
     t.linear(f"{at}.proj2", a["out_dim"], d)
-    dims = {"layers": a["layers"], "hidden": d, "heads": a["heads"], "head_dim": d // a["heads"],
-            "intermediate": a["ffn"]}
-    return t.spec(dims, None)
+    return t.spec(encoder_dims(a["layers"], d, a["heads"], a["ffn"]), None)
 
 
 def _merger(t: Tensors, p: str, hidden: int, merged: int, out_dim: int, postshuffle: bool) -> None:
@@ -232,9 +226,7 @@ def qwen3_omni_vision(args: Mapping[str, Any], dtype: str) -> ArchSpec:
     _merger(t, f"{v}.merger", h, merged, a["out_dim"], postshuffle=False)
     for j in range(len(a["deepstack"])):
         _merger(t, f"{v}.merger_list.{j}", h, merged, a["out_dim"], postshuffle=True)
-    dims = {"layers": a["depth"], "hidden": h, "heads": a["heads"], "head_dim": h // a["heads"],
-            "intermediate": a["intermediate"]}
-    return t.spec(dims, None)
+    return t.spec(encoder_dims(a["depth"], h, a["heads"], a["intermediate"]), None)
 
 
 ARCHS = {

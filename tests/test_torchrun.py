@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_multirank import REQUESTS
+from test_multirank import REQUESTS, _gone
 
 from mstar_runtime.api import MStar
 from mstar_runtime.outputs import write_outputs
@@ -77,15 +77,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def gone(pid: int) -> bool:
-    """True once `pid` has exited (a zombie counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def children(pid: int) -> list[int]:
@@ -152,16 +143,16 @@ class Job:
     def assert_all_gone(self, within: float = 20.0) -> None:
         self.watch()
         deadline = time.monotonic() + within
-        while time.monotonic() < deadline and not all(gone(p) for p in self.seen):
+        while time.monotonic() < deadline and not all(_gone(p) for p in self.seen):
             time.sleep(0.1)
-        left = sorted(p for p in self.seen if not gone(p))
+        left = sorted(p for p in self.seen if not _gone(p))
         assert not left, f"still running: {left}\n{self.log(0)[-2000:]}\n---\n{self.log(1)[-2000:]}"
 
     def kill_all(self) -> None:
         """Teardown: SIGKILL, by pid, whatever of this job still runs (after a failed test)."""
         self.watch()
         for pid in self.seen:
-            if not gone(pid):
+            if not _gone(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -346,7 +337,7 @@ def test_killing_the_first_agent_ends_the_other_host(plans: dict[int, Path], tmp
     log = job.log(1)
     assert "the conductor's connection ended" in log or "The connection to the C10d store has failed" in log, log
     job.assert_all_gone()
-    assert all(gone(p) for p in pids.values())
+    assert all(_gone(p) for p in pids.values())
 
 
 def test_a_launch_that_does_not_match_the_plan_fails_on_every_rank(plans: dict[int, Path], tmp_path: Path,

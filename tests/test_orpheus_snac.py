@@ -129,6 +129,18 @@ def replay_randn(seed: int, batch: int, lengths: list[int]) -> list[torch.Tensor
     return [torch.randn((batch, 1, t)) for t in lengths]
 
 
+def noisy_decodes(ref: torch.nn.Module, ours: SnacDecoder, windows: torch.Tensor,
+                  seed: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The codes of `windows` (`reference_layers`, batched), the reference's decode of them
+    after torch.manual_seed(seed), and ours with the same noise replayed (`replay_randn`)."""
+    codes = [torch.cat(c) for c in zip(*(reference_layers(w.tolist()) for w in windows), strict=True)]
+    with torch.inference_mode():
+        torch.manual_seed(seed)
+        want = ref.decode(codes)
+        got = ours.decode(codes, replay_randn(seed, len(windows), ours.noise_lens))
+    return codes, want, got
+
+
 @pytest.fixture(scope="module")
 def tiny_ref() -> torch.nn.Module:
     return reference(TINY)
@@ -182,12 +194,8 @@ def test_parity_without_noise() -> None:
 
 def test_parity_with_noise(tiny_ref: torch.nn.Module) -> None:
     ours = ours_from(tiny_ref, TINY)
-    windows = random_windows(3, seed=4)
-    codes = [torch.cat(c) for c in zip(*(reference_layers(w.tolist()) for w in windows), strict=True)]
+    codes, want, got = noisy_decodes(tiny_ref, ours, random_windows(3, seed=4), 11)
     with torch.inference_mode():
-        torch.manual_seed(11)
-        want = tiny_ref.decode(codes)
-        got = ours.decode(codes, replay_randn(11, 3, ours.noise_lens))
         quiet = ours.decode(codes, None)
     torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
     assert (quiet - want).abs().max() > 100 * ATOL  # the noise matters, so the replay is tested
@@ -330,12 +338,7 @@ def test_convert_then_load_from_snac_subfolder(tmp_path: Path, plan: Plan, form:
     assert json.loads((tmp_path / "weights/snac/config.json").read_text()) == TINY
     module = plan_node(plan)
     load_weights(module, plan, "snac", tmp_path / "weights")  # reads weights/snac/
-    windows = random_windows(2, seed=19)
-    codes = [torch.cat(c) for c in zip(*(reference_layers(w.tolist()) for w in windows), strict=True)]
-    with torch.inference_mode():
-        torch.manual_seed(21)
-        want = ref.decode(codes)
-        got = module.decode(codes, replay_randn(21, 2, module.noise_lens))
+    _, want, got = noisy_decodes(ref, module, random_windows(2, seed=19), 21)
     torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
 
 

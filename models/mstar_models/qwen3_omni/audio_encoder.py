@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
-from mstar_runtime.ops.ports import setting_value
+from mstar_runtime.ops.ports import arch_values, setting_value
 
 # released thinker_config.audio_config values the arch line does not carry
 N_WINDOW = 50  # chunks of 2 * n_window mel frames
@@ -267,7 +267,4 @@ class AudioEncoder(StatelessNode):
 
 def _args(spec: NodeSpec) -> dict[str, int]:
     names = ("layers", "dim", "heads", "ffn", "mel_bins", "conv_dim", "out_dim")
-    missing = [n for n in names if n not in spec.arch_args]
-    if missing:
-        raise NodeError(f"node '{spec.name}': its arch line lacks {', '.join(missing)} (qwen3_omni_audio arguments)")
-    return {n: int(spec.arch_args[n]) for n in names}
+    return {n: int(v) for n, v in arch_values(spec, names, "qwen3_omni_audio").items()}

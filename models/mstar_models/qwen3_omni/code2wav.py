@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
-from mstar_runtime.ops.ports import setting_value
+from mstar_runtime.ops.ports import arch_values, setting_value
 
 SLIDING_WINDOW = 72  # released code2wav_config.sliding_window
 ROPE_THETA = 10000.0  # released code2wav_config.rope_parameters.rope_theta
@@ -361,10 +361,6 @@ def _decoded_length(frames: int, rates: Sequence[int], ratios: Sequence[int]) ->
 def _args(spec: NodeSpec) -> dict[str, Any]:
     names = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "codebook_size", "quantizers",
              "upsampling_ratios", "upsample_rates", "decoder_dim")
-    missing = [n for n in names if n not in spec.arch_args]
-    if missing:
-        raise NodeError(f"node '{spec.name}': its arch line lacks {', '.join(missing)} "
-                        "(qwen3_omni_code2wav arguments)")
-    out = {n: spec.arch_args[n] for n in names}
+    out = arch_values(spec, names, "qwen3_omni_code2wav")
     out["head_dim"] = int(out["head_dim"])  # the walk computes it as hidden / heads
     return out

@@ -32,6 +32,7 @@ from torch import nn
 
 from mstar_models.qwen3_omni.audio_encoder import Segments
 from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops.ports import arch_values
 
 ROPE_THETA = 10000.0  # the vision config's default rope_parameters (axial)
 LN_EPS = 1e-6
@@ -252,9 +253,6 @@ class VisionEncoder(StatelessNode):
 def _args(spec: NodeSpec) -> dict[str, Any]:
     names = ("depth", "hidden", "heads", "intermediate", "patch", "temporal_patch", "merge", "positions",
              "deepstack", "out_dim")
-    missing = [n for n in names if n not in spec.arch_args]
-    if missing:
-        raise NodeError(f"node '{spec.name}': its arch line lacks {', '.join(missing)} (qwen3_omni_vision arguments)")
-    out: dict[str, Any] = {n: spec.arch_args[n] for n in names}
+    out = arch_values(spec, names, "qwen3_omni_vision")
     out["in_channels"] = int(spec.arch_args.get("in_channels", 3))
     return out

@@ -38,6 +38,15 @@ def config_value(
     return default
 
 
+def arch_values(spec: NodeSpec, names: tuple[str, ...], arch: str) -> dict[str, Any]:
+    """The node's `arch` arguments `names`, every one required: a NodeError names all that its
+    arch line lacks (as arguments of the arch `arch`)."""
+    missing = [n for n in names if n not in spec.arch_args]
+    if missing:
+        raise NodeError(f"node '{spec.name}': its arch line lacks {', '.join(missing)} ({arch} arguments)")
+    return {n: spec.arch_args[n] for n in names}
+
+
 def setting_value(spec: NodeSpec, name: str, default: Any, config_prefix: str = "") -> Any:
     """A node setting `name` (the `.walk`'s), else the model config's `config_prefix + name`, else `default`."""
     if name in spec.settings:

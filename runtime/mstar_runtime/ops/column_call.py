@@ -34,8 +34,8 @@ Fails when: an entry's inputs are missing or malformed, or its `join` refuses it
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -43,8 +43,28 @@ from mstar_runtime.ops.cohort import CohortPhase, CohortStep, count_key
 from mstar_runtime.ops.errors import NodeError, RequestError
 from mstar_runtime.ops.readback import Lazy, Readback, upload, upload_tensor
 
-if TYPE_CHECKING:  # ops/node.py imports this module: its types only, not at run time
-    from mstar_runtime.ops.node import AttentionContext
+
+class _Seq(Protocol):
+    """What the call reads of one entry (`ops.node.SeqState`)."""
+
+    start: int
+    q_len: int
+    state: dict[str, Any]
+    read_lens: tuple[int, ...]
+
+
+class AttentionContext(Protocol):
+    """What the call needs of a KV step's `ops.node.AttentionContext` (ops/node.py imports
+    this module, so the class itself is not imported here)."""
+
+    seqs: Sequence[_Seq]
+    reads: tuple[str, ...]
+    device: torch.device
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               over: Sequence[int | str] = ()) -> torch.Tensor: ...
+
+    def attend_to(self, layer: int, q: torch.Tensor, context: int | str = 0) -> torch.Tensor: ...
 
 Batch = list[dict[str, Any]]
 

@@ -155,3 +155,16 @@ def test_a_reading_step_attends_through_the_context_and_refuses_an_empty_one() -
     assert calls == [(0, None, None, (0,))]
     with pytest.raises(RequestError, match="node 'n' reads src@main, which is empty"):
         run_columns("n", _reading_phase(), batch, context([4, 0]))
+
+
+@pytest.mark.parametrize("token", [torch.tensor([1.0]), torch.tensor([1, 2], dtype=torch.int32),
+                                   torch.tensor([True]), 7])
+def test_a_malformed_fed_token_is_the_request_s_error(family: Family, token: object) -> None:
+    """A plain call's join sees the fed token (a cohort's does not): one integer id of shape [1]
+    (ops.ports.fed_token, the check every decode's join makes), else a RequestError on it."""
+    paged = PagedKV(family.lm)
+    (ids,) = encode(family, "prompt")
+    paged.step("prefill", [{"tokens": ids, "max_new": 4}], [("r", "main")])
+    with pytest.raises(RequestError, match="token must be one integer token id of shape") as e:
+        _run(paged, [{"token": token}], [("r", "main")])
+    assert e.value.field == "token"

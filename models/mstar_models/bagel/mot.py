@@ -94,7 +94,7 @@ from mstar_runtime.ops.node import (
     RequestError,
     SeqPlan,
 )
-from mstar_runtime.ops.ports import config_value, max_seq_len, scalar
+from mstar_runtime.ops.ports import config_value, fed_token, max_seq_len, scalar
 from mstar_runtime.ops.readback import Lazy, Readback, upload_tensor
 from mstar_runtime.sampling import (
     REQUIRED,
@@ -647,11 +647,7 @@ class MoTLanguageModel(KVNode):
     def _cohort_join(self, state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
         # a plain call passes the entry's inputs, fed-back `token` included (a cohort passes
         # only the invariant ones): its check is the host's, before any step runs
-        if "token" in inputs:
-            token = inputs["token"]
-            if not isinstance(token, torch.Tensor) or tuple(token.shape) != (1,) or token.dtype.is_floating_point:
-                got = tuple(token.shape) if isinstance(token, torch.Tensor) else type(token).__name__
-                raise RequestError(f"token must be an integer tensor of shape [1], got {got}", "token")
+        fed_token(inputs)
         gen = state.get("gen")
         if gen is None:
             raise RequestError("decode on a KV context without a start since its last prefill", "token")

@@ -24,6 +24,7 @@ import torch
 
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import RequestError
+from mstar_runtime.ops.ports import fed_token
 from mstar_runtime.sampling import SamplingColumns, sample_columns, sampling_row
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ def decode_phase(node: LlamaBackbone) -> CohortPhase:
     def join(state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
         if "sampling" not in state:
             raise RequestError("decode on a KV context that was never prefilled", "token")
+        fed_token(inputs)  # a plain call's entry: its fed token (a cohort's join sees none)
         cols = sampling_row(state["sampling"], state["step"])  # host values: uploaded without a wait
         hist = torch.full((width,), -1, dtype=torch.long, device=device)
         if state["history"] is not None:

@@ -32,6 +32,7 @@ from mstar_models.testfamily.common import seeded_init_, setting, start_reply
 from mstar_models.testfamily.lm import TinyLM, llama_model
 from mstar_runtime.ops.cohort import Attend, CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
+from mstar_runtime.ops.ports import fed_token
 
 DEFAULT_MAX_SEQ_LEN = 4096  # the compiler's default of the `max_seq_len` node setting
 
@@ -70,6 +71,7 @@ class EchoLM(DecoderNode):
     def _cohort_join(self, state: dict, inputs: Mapping) -> Columns:
         if "gen_base" not in state:
             raise RequestError("decode on a KV context that was never prefilled", "token")
+        fed_token(inputs)  # a plain call's entry: its fed token (a cohort's join sees none)
         dev = self.model.embed_tokens.weight.device
         return {"gen_base": torch.tensor(state["gen_base"], device=dev),
                 "max_new": torch.tensor(state["max_new"], device=dev)}

@@ -31,6 +31,7 @@ from mstar_models.testfamily.common import seeded_init_, setting, start_reply
 from mstar_runtime.kv.prefix_cache import token_keys
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
+from mstar_runtime.ops.ports import fed_token
 from mstar_runtime.ops.readback import Lazy, Readback
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -138,6 +139,7 @@ class TinyLM(DecoderNode):
     def _cohort_join(self, state: dict, inputs: Mapping) -> Columns:
         if "gen_base" not in state:
             raise RequestError("decode on a KV context that was never prefilled", "token")
+        fed_token(inputs)  # a plain call's entry: its fed token (a cohort's join sees none)
         return {"gen_base": torch.tensor(state["gen_base"]), "max_new": torch.tensor(state["max_new"])}
 
     def _cohort_step(self, b: CohortStep) -> dict[str, torch.Tensor]:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from mstar_models.whisper.decoder import NEG_INF, whisper_scores
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import NodeError, RequestError
+from mstar_runtime.ops.ports import fed_token
 from mstar_runtime.sampling import SamplingColumns, sample_columns, sampling_row
 
 if TYPE_CHECKING:
@@ -52,8 +53,7 @@ def step_phase(node: Decoder) -> CohortPhase:
     def join(state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
         if "begin" not in state:
             raise RequestError("a decoder step on a text context that was never prefilled", "token")
-        if "token" in inputs:  # a plain call's entry (a cohort's join sees no fed input)
-            _check_token(inputs["token"])
+        fed_token(inputs)  # a plain call's entry (a cohort's join sees no fed input)
         cols = sampling_row(state["sampling"], state["n"])  # host values: uploaded without a wait
         cols.update({k: state[k].reshape(()) for k in _STATE})
         cols.update(n=torch.tensor(state["n"]), timestamps=torch.tensor(state["timestamps"]),
@@ -96,10 +96,3 @@ def step_phase(node: Decoder) -> CohortPhase:
     return CohortPhase(join=join, step=step, leave=leave)
 
 
-def _check_token(token: Any) -> None:
-    """The fed token's shape and dtype (not its range: see the module docstring)."""
-    if not isinstance(token, torch.Tensor) or tuple(token.shape) != (1,) or token.dtype.is_floating_point \
-            or token.dtype == torch.bool:
-        got = f"{token.dtype} of shape {tuple(token.shape)}" if isinstance(token, torch.Tensor) \
-            else type(token).__name__
-        raise RequestError(f"token must be one integer token id of shape [1], got {got}", "token")

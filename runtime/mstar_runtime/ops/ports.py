@@ -74,6 +74,21 @@ def decode_token(entry: Mapping[str, Any], state: Mapping[str, Any], prefilled: 
     return token
 
 
+def fed_token(inputs: Mapping[str, Any], port: str = "token") -> None:
+    """A column step's `join` check of a decode's fed-back token, where `inputs` holds it (a
+    plain batched call: ops/column_call.py passes the whole entry; a cohort's rows pass only
+    their invariant inputs, the token being the loop's own output): one integer id of shape
+    [1], else a RequestError naming the port. Its range is the node's to check, if it must."""
+    if port not in inputs:
+        return
+    token = inputs[port]
+    if not isinstance(token, torch.Tensor) or tuple(token.shape) != (1,) or token.dtype.is_floating_point \
+            or token.dtype == torch.bool:
+        got = f"{token.dtype} of shape {tuple(token.shape)}" if isinstance(token, torch.Tensor) \
+            else type(token).__name__
+        raise RequestError(f"{port} must be one integer token id of shape [1], got {got}", port)
+
+
 def scalar(
     entry: Mapping[str, Any],
     port: str,

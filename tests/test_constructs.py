@@ -1,5 +1,5 @@
-"""The constructs of issue 16, section 2, compiled like the corpus: tests/constructs/*.walk on
-every placement, and what each pass makes of them.
+"""The constructs of issue 16, section 2, compiled like the corpus: models/asr/ and models/vla/
+on every placement, and what each pass makes of them.
 
 - a KV context written by one node and read by another (`phase ... reads vlm`: VLA);
 - a step that reads two contexts of its node (a decoder's own and its cross-attention tag,
@@ -30,14 +30,14 @@ from mstarc.placement import parse_placement
 from mstarc.plan import build_plan
 
 ROOT = Path(__file__).resolve().parent.parent
-CONSTRUCTS = sorted((ROOT / "tests" / "constructs").glob("*.walk"))
+CONSTRUCTS = [ROOT / "models" / name / f"{name}.walk" for name in ("asr", "vla")]
 PLACEMENTS = sorted(p.stem for p in (ROOT / "placements").glob("*.yaml"))
 PAIRS = [(w.stem, p) for w in CONSTRUCTS for p in PLACEMENTS]
 CPU = "devices: {count: 1, type: cpu, memory_gib: 16}\n"
 
 
 def model(name: str, variant: str = "real") -> I.ModelIR:
-    path = ROOT / "tests" / "constructs" / f"{name}.walk"
+    path = ROOT / "models" / name / f"{name}.walk"
     return lower(parse(path.read_text(), f"{name}.walk"), variant, f"{name}.walk")
 
 
@@ -62,7 +62,7 @@ def test_compiles_on_every_placement(name: str, placement: str, tmp_path: Path,
     monkeypatch.chdir(ROOT)
     variant = "tiny" if placement == "cpu" else "real"
     plan = tmp_path / "plan.bin"
-    assert main(["compile", f"tests/constructs/{name}.walk", "--variant", variant, "-p",
+    assert main(["compile", f"models/{name}/{name}.walk", "--variant", variant, "-p",
                  f"placements/{placement}.yaml", "-o", str(plan), "--verify-each"]) == 0, capsys.readouterr().err
     for fmt in ("text", "markdown", "dot", "json"):
         assert main(["explain", str(plan), "--format", fmt]) == 0
@@ -98,7 +98,7 @@ def test_spread_places_the_reader_with_its_context() -> None:
 
 
 def test_reader_on_other_ranks_is_e056() -> None:
-    src = (ROOT / "tests/constructs/vla.walk").read_text()
+    src = (ROOT / "models/vla/vla.walk").read_text()
     got = errors(src, "devices: {count: 2, type: cuda, memory_gib: 80}\nmodels: {vla: {nodes: {expert: 1}}}\n")
     assert got == ["E056: step 'act.s4' (expert.denoise) reads vlm@main on ranks [1], but 'act.s1' wrote it "
                    "on ranks [0]"]
@@ -119,7 +119,7 @@ def test_decoder_pool_counts_both_contexts() -> None:
 
 
 def test_pool_smaller_than_both_contexts_is_e061() -> None:
-    src = (ROOT / "tests/constructs/asr.walk").read_text().replace("max_source = 1500", "max_source = 150000")
+    src = (ROOT / "models/asr/asr.walk").read_text().replace("max_source = 1500", "max_source = 150000")
     got = errors(src, "devices: {count: 1, type: cuda, memory_gib: 24}\n")
     assert len(got) == 1 and got[0].startswith("E061: rank 0 (cuda cuda, 24.0 GiB): the KV pool of node 'decoder'")
     assert "fewer than the 150448 tokens one step holds at once (text 448 + cross 150000)" in got[0]

@@ -22,8 +22,8 @@ PAGES = {
     "orpheus": "models/orpheus/orpheus.walk",
     "vjepa2": "models/vjepa2/vjepa2.walk",
     "testfamily": "models/testfamily/testfamily.walk",
-    "vla": "tests/constructs/vla.walk",
-    "asr": "tests/constructs/asr.walk",
+    "vla": "models/vla/vla.walk",
+    "asr": "models/asr/asr.walk",
     "whisper": "models/whisper/whisper.walk",
     "pi05": "models/pi05/pi05.walk",
 }

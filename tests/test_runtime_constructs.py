@@ -1,5 +1,5 @@
 """The runtime side of issue 16's constructs, on CPU, through the compiled corpus walks of
-tests/constructs/ and their nodes (models/mstar_models/vla, models/mstar_models/asr):
+models/vla/ and models/asr/ and their nodes (models/mstar_models/vla, models/mstar_models/asr):
 
 - the loader's `requires` check (refuses a feature it does not implement, naming it) and
   its invariants on `reads`, tag bounds and streamed inputs;
@@ -47,7 +47,7 @@ def compile_walk(name: str, out: Path, placement: str | None = None) -> Path:
     else:
         where = out.with_suffix(".yaml")
         where.write_text(placement)
-    assert mstarc(["compile", str(ROOT / f"tests/constructs/{name}.walk"), "--variant", "tiny", "-p", str(where),
+    assert mstarc(["compile", str(ROOT / f"models/{name}/{name}.walk"), "--variant", "tiny", "-p", str(where),
                    "-o", str(out)]) == 0
     return out
 
@@ -543,7 +543,7 @@ def test_nodes_hold_the_real_size_arch_tensors(model: str, tmp_path: Path) -> No
     import importlib
 
     out = tmp_path / f"{model}.plan"
-    assert mstarc(["compile", str(ROOT / f"tests/constructs/{model}.walk"), "--variant", "real", "-p",
+    assert mstarc(["compile", str(ROOT / f"models/{model}/{model}.walk"), "--variant", "real", "-p",
                    str(ROOT / "placements/h200x1.yaml"), "-o", str(out)]) == 0
     body = planfile.read(out)
     for name, info in body["nodes"].items():

@@ -1,4 +1,4 @@
-"""The transcription route on a walk that binds only its required slots (tests/constructs/asr.walk:
+"""The transcription route on a walk that binds only its required slots (models/asr/asr.walk:
 `serves transcriptions(file = audio, tokens = text)`, its `text` output being token ids): the
 transcript is its ids (no `text` slot, no detokenize), and a field whose slot the walk does not
 bind is a 400 naming the field, never ignored. In process (httpx over ASGI)."""
@@ -29,7 +29,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from mstarc.cli import main as mstarc
 
     plan = tmp_path_factory.mktemp("asr") / "asr.plan"
-    assert mstarc(["compile", str(ROOT / "tests/constructs/asr.walk"), "--variant", "tiny",
+    assert mstarc(["compile", str(ROOT / "models/asr/asr.walk"), "--variant", "tiny",
                    "-p", str(ROOT / "placements/cpu.yaml"), "-o", str(plan)]) == 0
     m = MStar.load(plan, weights="dummy")
     try:

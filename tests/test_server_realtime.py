@@ -1,7 +1,7 @@
 """`/v1/realtime` (issue 28, part 1) with a real WebSocket client (`websockets`) against servers
 in subprocesses: the test family (tiny; text, with an API key), the tiny Qwen3-Omni (voice in,
 voice and text out; `--weights init`, so the words are noise but every node runs), the
-streaming recogniser of tests/constructs/asr.walk (its `transcribe` walk streams its audio
+streaming recogniser of models/asr/asr.walk (its `transcribe` walk streams its audio
 input in, so the transcript starts before the client commits), and the tiny Whisper (served by
 its `transcribe_live` walk, fed each append).
 
@@ -83,7 +83,7 @@ def whisper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def asr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    plan = _compile(ROOT / "tests/constructs/asr.walk", tmp_path_factory.mktemp("rt-asr") / "asr.plan")
+    plan = _compile(ROOT / "models/asr/asr.walk", tmp_path_factory.mktemp("rt-asr") / "asr.plan")
     with serving(plan) as s:
         yield s
 

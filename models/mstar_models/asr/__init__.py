@@ -1,4 +1,4 @@
-"""A streaming speech recogniser in the shape of an encoder-decoder (tests/constructs/asr.walk):
+"""A streaming speech recogniser in the shape of an encoder-decoder (models/asr/asr.walk):
 the node classes its plan names `mstar_models.asr.<Class>`.
 
 - Encoder (stateless): encode(samples) -> (states); one chunk of audio to encoder frames

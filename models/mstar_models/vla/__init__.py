@@ -1,4 +1,4 @@
-"""A vision-language-action model in the shape of pi0 (tests/constructs/vla.walk): the node
+"""A vision-language-action model in the shape of pi0 (models/vla/vla.walk): the node
 classes its plan names `mstar_models.vla.<Class>`.
 
 - Backbone (kv): prefill(prompt) -> (); a Llama-layout VLM whose context the expert reads

@@ -649,6 +649,7 @@ def test_the_bundled_tokenizer_is_what_the_script_builds() -> None:
     script = load_script(path)
     built: Callable[[], Any] = script.build
     assert built().to_str(pretty=True) + "\n" == BUNDLED_TOKENIZER.read_text(encoding="utf-8")
+    assert script.OUT.resolve() == BUNDLED_TOKENIZER.resolve()  # its default writes the bundled file
 
 
 # ------------------------------------------------------------------ bf16, and real size on GPU

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_tokenizer import byte_level_bpe, out_path  # noqa: E402 - the sibling module, found through the line above
 
-OUT = Path(__file__).resolve().parent.parent / "models" / "orpheus" / "tokenizer_tiny.json"
+OUT = Path(__file__).resolve().parent.parent / "models" / "mstar_models" / "orpheus" / "tokenizer_tiny.json"
 BOS, BOS_ID = "<|begin_of_text|>", 128000
 MERGES = 256  # on top of the 256 byte tokens: a 512-entry text vocabulary
 # Llama 3's pre-tokenizer split (its tokenizer.json, `pre_tokenizer.pretokenizers[0]`)

@@ -94,5 +94,3 @@ def step_phase(node: Decoder) -> CohortPhase:
         return {"token": tokens.to(torch.int32)[:, None], "logprob": logprob, "done": done}
 
     return CohortPhase(join=join, step=step, leave=leave)
-
-

@@ -2,9 +2,10 @@
 
 A node that offers a phase as a column step (`KVNode.cohort_phase`, ops/cohort.py) need not
 write it a second time for the list-of-dicts call: where the node has no `phase_<name>`
-method, `KVNode.run` calls `run_columns`, the batch as a cohort that lives for one step. Each entry joins (its node state and inputs become a row of columns),
-the step runs over the rows, each entry leaves (its columns go back into its node state,
-one step later), and the step's `[n, ...]` outputs become the entries' output values:
+method, `KVNode.run` calls `run_columns`, the batch as a cohort that lives for one step.
+Each entry joins (its node state and inputs become a row of columns), the step runs over
+the rows, each entry leaves (its columns go back into its node state, one step later), and
+the step's `[n, ...]` outputs become the entries' output values:
 
 - an item-list port (`port` `[n, K]` with `port:count` `[n]`): the row's first `count`
   items, a `Lazy` host tensor (items and count are read back in the background, so a
@@ -65,6 +66,7 @@ class AttentionContext(Protocol):
                over: Sequence[int | str] = ()) -> torch.Tensor: ...
 
     def attend_to(self, layer: int, q: torch.Tensor, context: int | str = 0) -> torch.Tensor: ...
+
 
 Batch = list[dict[str, Any]]
 
@@ -141,23 +143,18 @@ def _rows(out: Mapping[str, torch.Tensor], n: int) -> Batch:
     """A step's `[n, ...]` outputs as one dict of port values per row (module docstring)."""
     counted = [key for key in out if count_key(key) in out]
     flags = [key for key, t in out.items() if t.dtype == torch.bool and key not in counted]
-    host_keys = [count_key(key) for key in counted] + flags
-    back = Readback(torch.stack([out[k].reshape(n).long() for k in host_keys], dim=1)) if host_keys else None
+    # one readback of every count and flag, `[n, len(host_cols)]`, and the column of each
+    host_cols = {key: j for j, key in enumerate([count_key(key) for key in counted] + flags)}
+    back = Readback(torch.stack([out[k].reshape(n).long() for k in host_cols], dim=1)) if host_cols else None
     items = {key: Readback(out[key]) for key in counted}  # in their own dtype: one copy per port
+    plain = [key for key in out if key not in items and key not in host_cols]
     rows: Batch = []
     for i in range(n):
-        row: dict[str, Any] = {}
-        for key, t in out.items():
-            if key.endswith(":count") and key[: -len(":count")] in counted:
-                continue
-            if key in counted:
-                j = host_keys.index(count_key(key))
-                row[key] = _lazy_items(items[key], back, i, j)  # type: ignore[arg-type]
-            elif key in flags:
-                j = host_keys.index(key)
-                row[key] = Lazy(lambda i=i, j=j: bool(back.array()[i, j]))  # type: ignore[union-attr]
-            else:
-                row[key] = t[i]
+        row: dict[str, Any] = {key: out[key][i] for key in plain}
+        for key in counted:
+            row[key] = _lazy_items(items[key], back, i, host_cols[count_key(key)])  # type: ignore[arg-type]
+        for key in flags:
+            row[key] = Lazy(lambda i=i, j=host_cols[key]: bool(back.array()[i, j]))  # type: ignore[union-attr]
         rows.append(row)
     return rows
 

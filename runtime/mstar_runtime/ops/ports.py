@@ -63,12 +63,11 @@ def max_seq_len(spec: NodeSpec) -> int:
 
 def decode_token(entry: Mapping[str, Any], state: Mapping[str, Any], prefilled: str, port: str = "token"
                  ) -> torch.Tensor:
-    """A decode step's fed-back token: a tensor of shape [1] at `port`, on a KV context whose
-    state holds `prefilled` (what the node's prefill sets); a RequestError naming the port otherwise."""
+    """A decode step's fed-back token: one integer id of shape [1] at `port` (`fed_token`'s
+    check), on a KV context whose state holds `prefilled` (what the node's prefill sets); a
+    RequestError naming the port otherwise."""
     token = entry.get(port)
-    if not isinstance(token, torch.Tensor) or tuple(token.shape) != (1,):
-        shape = tuple(token.shape) if isinstance(token, torch.Tensor) else type(token).__name__
-        raise RequestError(f"{port} must be a tensor of shape [1], got {shape}", port)
+    fed_token({port: token}, port)  # an absent token is refused as a NoneType
     if prefilled not in state:
         raise RequestError("decode on a KV context that was never prefilled", port)
     return token

@@ -339,6 +339,19 @@ def test_forced_preemption_gives_identical_outputs(
     assert_finished_alike(cohort, got, want)
 
 
+@pytest.mark.parametrize("every", [1, 7])
+def test_forced_preemption_on_the_per_iteration_path_gives_identical_outputs(testfamily_plan: Path,
+                                                                              every: int) -> None:
+    """The path a loop takes when no cohort runs it (the plan without its marks: every decode
+    a plain batched call through ops/column_call.py, its state joined and left each step):
+    preempted and recomputed, the requests finish as they do unpreempted."""
+    want = run(engine(testfamily_plan, "generic"), PREEMPT)
+    generic = engine(testfamily_plan, "generic", preempt_every=every)
+    got = run(generic, PREEMPT)
+    assert generic.stats["preemptions"] > 0 and generic.stats["cohort_steps"] == 0
+    assert_finished_alike(generic, got, want)
+
+
 def _long(n: int) -> list[tuple[str, dict[str, Any]]]:
     walks = ["chat", "generate_fixed", "generate_left"]
     return [(walks[i % 3], {"prompt": f"prompt number {i} " + "q" * (3 * i), "max_new": 30}) for i in range(n)]
@@ -601,5 +614,23 @@ def test_several_ranks_equal_one_rank_on_the_cohort_path(
             for h, ref in zip(got, one[every]):
                 assert h.state == FINISHED, h.error
                 assert_same(h, ref, exact=True)
+    finally:
+        shutdown_workers(workers)
+
+
+def test_several_ranks_equal_one_rank_on_the_per_iteration_path(testfamily_plan: Path,
+                                                                 rank_plans: dict[int, Path]) -> None:
+    """The LM on a worker process (cpu2) with its plan's loops unmarked: each decode is a plain
+    step message, run there through ops/column_call.py; the outputs are one rank's."""
+    one = run(engine(testfamily_plan, "generic"), RANKS)
+    plan = load_plan(rank_plans[2], device="cpu")
+    workers = start_workers(plan, TF_WEIGHTS, "cpu")
+    try:
+        conductor = Conductor(without_cohorts(plan), workers, overlap=False)
+        got = run(conductor, RANKS)
+        assert conductor.stats["cohort_steps"] == 0
+        for h, ref in zip(got, one):
+            assert h.state == FINISHED, h.error
+            assert_same(h, ref, exact=True)
     finally:
         shutdown_workers(workers)

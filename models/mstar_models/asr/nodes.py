@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_models.layers.attention import Attention
+from mstar_models.layers.attention import Attention, cross_plan
 from mstar_models.layers.decoder import DecoderNode
 from mstar_models.layers.linear import Weight
 from mstar_models.layers.norm import RMSNorm
@@ -159,10 +159,7 @@ class Decoder(DecoderNode):
     @classmethod
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
         if phase == "listen":
-            shape = tuple(shapes.get("states", ()))
-            if len(shape) != 2:
-                raise RequestError(f"states must be [frames, hidden], got shape {shape}", "states")
-            return SeqPlan(q_len=shape[0], mask="full")
+            return cross_plan(shapes)
         if phase == "step":
             return SeqPlan(q_len=1)
         raise NodeError(f"node '{spec.name}' (Decoder) has no phase '{phase}'")

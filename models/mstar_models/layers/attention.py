@@ -9,7 +9,8 @@ dense one (Qwen3-Omni's code predictor), so the module is pure tensor code a CUD
 capture.
 
 `MultiHeadAttention` is the rotary-free kind with biases (Whisper): q/k/v fused, `out_proj`,
-and the queries or the keys and values alone for a cross-attention.
+and the queries or the keys and values alone for a cross-attention. `cross_plan` is the KV
+plan of the phase that stores a cross-attention's keys and values (a decoder's `listen`).
 
 Tensor parallelism (`Attention`): built with this rank's heads and KV heads (`tp.MegatronLayout`), q/k/v
 are column-parallel and `o_proj` row-parallel (all-reduced over `group`; None at tp 1).
@@ -22,7 +23,7 @@ all of them at once, and `out(o, expert)` on each expert's rows of the result.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from torch import nn
 from mstar_models.layers.linear import FusedRows, RowParallel
 from mstar_models.layers.norm import RMSNorm
 from mstar_models.layers.rotary import apply_rope
+from mstar_runtime.ops.node import RequestError, SeqPlan
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -102,3 +104,12 @@ class MultiHeadAttention(FusedRows):
         k, v = F.linear(x, self.fused_weight()[rows:], None if fb is None else fb[rows:]).split(self.sizes[1:], dim=-1)
         shape = (*x.shape[:-1], self.heads, self.head_dim)
         return k.reshape(shape), v.reshape(shape)
+
+
+def cross_plan(shapes: Mapping[str, tuple[int, ...]], port: str = "states") -> SeqPlan:
+    """The KV plan of a phase that stores the encoder states at `port` ([frames, hidden]) as a
+    cross-attention's keys and values: one entry a frame, all written at once (mask "full")."""
+    shape = tuple(shapes.get(port, ()))
+    if len(shape) != 2:
+        raise RequestError(f"{port} must be [frames, hidden], got shape {shape}", port)
+    return SeqPlan(q_len=shape[0], mask="full")

@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_models.layers.attention import cross_plan
 from mstar_models.layers.init import seeded_init_
 from mstar_models.whisper.common import LN_EPS, Layer, Sizes
 from mstar_models.whisper.tokens import Layout, layout_of
@@ -189,10 +190,7 @@ class Decoder(KVNode):
     @classmethod
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
         if phase == "listen":
-            shape = tuple(shapes.get("states", ()))
-            if len(shape) != 2:
-                raise RequestError(f"states must be [frames, hidden], got shape {shape}", "states")
-            return SeqPlan(q_len=shape[0], mask="full")
+            return cross_plan(shapes)
         if phase == "detect" or phase == "step":
             return SeqPlan(q_len=1)
         if phase == "prefill":

@@ -140,6 +140,21 @@ def capture(fn: Callable[..., Any], *args: Any) -> tuple[torch.cuda.CUDAGraph, A
     return graph, out
 
 
+@contextlib.contextmanager
+def no_host_syncs(on: bool = True, *, drain: bool = True) -> Iterator[None]:
+    """With `on`, CUDA's sync debug mode is "error" inside the block: a call that makes the host
+    wait for the GPU raises. `drain` first waits for the work queued before the block (a test
+    that queued work on purpose, to see that the block does not wait for it, passes False)."""
+    if on:
+        if drain:
+            torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 class KVDriver:
     """An engine plus the BlockManager a conductor would run beside it: one `main` KV context
     per request id, slots reserved as the conductor reserves them."""

@@ -17,6 +17,7 @@ import random
 
 import pytest
 import torch
+from support import no_host_syncs
 
 from mstar_runtime.kv.attention import AttentionMetadata, KVPool, paged_attention
 from mstar_runtime.kv.block_manager import BlockManager
@@ -136,14 +137,10 @@ def test_decode_step_has_no_host_sync(cuda: torch.device) -> None:
     q = torch.randn(3, 24, DIM, device=cuda, dtype=DT)
     backend.prepare(pool, meta)
     backend(q, pool, 0, meta, None)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_syncs():
         backend.prepare(pool, meta)
         for layer in range(pool.num_layers):
             backend(q, pool, layer, meta, None)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 # ------------------------------------------------------------------------------- sampler
@@ -159,13 +156,9 @@ def test_sampler_on_gpu_matches_cpu_and_never_syncs(cuda: torch.device, rng: ran
     assert torch.equal(uniforms(cols.seed, cols.step).cpu(), uniforms(cols.seed.cpu(), cols.step.cpu()))
     gl = logits.to(cuda)
     sample_columns(gl, cols)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_syncs():
         cols = columns_of(params, [h.to(cuda, non_blocking=True) for h in hists], steps, cuda)
         gpu = sample_columns(gl, cols)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     same = (gpu.cpu() == cpu).float().mean()
     # float32 softmax/cumsum differ in the last bits between devices: an inverse-CDF draw that
     # lands within that distance of a token boundary may pick the neighbour; all others agree

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import KVDriver
+from support import KVDriver, no_host_syncs
 
 from mstar_models.testfamily import TinyLM
 from mstar_models.testfamily.family import CONFIGS, node_spec
@@ -135,13 +135,8 @@ def test_a_replayed_step_equals_the_reference_and_never_syncs(cuda: torch.device
         ref_pool = KVPool(2, pages, PAGE, 8, 128, torch.bfloat16, cuda)
         ref_pool.data.copy_(pool.data)
         bound = runner.bind(attn, meta, slots)
-        if runner._state:
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_syncs(bool(runner._state)):
             got = bound(fn, x, kv)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         # the reference: the same two layers with paged_attention over the same writes
         n = len(lens)
         slot_t = torch.tensor(slots, device=cuda)
@@ -237,11 +232,8 @@ def test_snac_replay_from_host_codes_never_syncs_and_overlaps_the_current_stream
     torch.cuda._sleep(int(1e9))  # ~0.5 s of GPU time queued on the current stream
     queued = torch.cuda.Event()
     queued.record()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_syncs(drain=False):
         out = graphed.run("decode", entries)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     side_done = False
     while not queued.query():
         side_done = side_done or runner._side.query()

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import KVDriver
+from support import KVDriver, no_host_syncs
 
 from mstar_models.vjepa2.predictor import ACPredictor
 from mstar_runtime.engine.engines import KVCacheEngine
@@ -92,12 +92,8 @@ def test_fixed_block_replays_equal_the_reference_and_never_sync(cuda: torch.devi
         bound = runner.bind(attn, meta, slots)
         if runner._state:
             _poison(runner)
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_syncs(bool(runner._state)):
             got = bound(fn, x, kv)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         rows = n * q_tokens
         slot_t = torch.tensor(slots, device=cuda)
         ref_pool.write(0, kv.view(rows, 8, 64), kv.view(rows, 8, 64), slot_t)
@@ -201,13 +197,9 @@ def test_a_graphed_engine_step_never_syncs(engines: dict[str, KVDriver], cuda: t
     for step in range(4):
         items = [(r, {"frame": carry[r]["frame"], "state": carry[r]["state"], "actions": x["actions"]})
                  for r, x in reqs.items()]
-        if step >= 2:  # after the capture (step 0) and one replay that warmed the host allocator
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        # from step 2: after the capture (step 0) and one replay that warmed the host allocator
+        with no_host_syncs(step >= 2):
             outs = d.step("step", items)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         carry = {r: o for r, o in zip(reqs, outs)}
     runner = d.engine.graph_runners["step"]
     assert runner.replays == 4 and runner.failed is None

@@ -201,3 +201,36 @@ def bound_layer_equals_paged(runner: Any, pool: Any, meta: Any, slots: list[int]
     ref_pool.write(0, k, k, slots)
     torch.testing.assert_close(out, paged_attention(q, ref_pool, 0, meta), atol=1e-5, rtol=1e-5)
     return out
+
+
+def two_layers_bound_and_paged(runner: Any, pool: Any, meta: Any, slots: list[int], x: torch.Tensor,
+                               kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two attention layers over rows x [N, heads * head_dim] (keys = values = `kv`
+    [N, kv_heads * head_dim]; the second layer's queries half the first's output) through
+    `runner.bind`, and the reference: the same layers as `paged_attention` over a copy of `pool`
+    taken before, with the same writes. A replay (the runner holds its graphs) runs inside
+    `no_host_syncs`. Returns the runner's rows and the reference's, [N, heads * head_dim] each."""
+    from mstar_runtime.kv.attention import KVPool, paged_attention
+    from mstar_runtime.ops.node import AttentionContext
+
+    n, dim = x.shape[0], pool.head_dim
+    q, k = x.view(n, -1, dim), kv.view(n, pool.kv_heads, dim)
+    attn = AttentionContext([], lambda *a: None, pool.device)  # type: ignore[arg-type]
+
+    def fn(x_rows: torch.Tensor, kv_rows: torch.Tensor) -> torch.Tensor:
+        rows = x_rows.shape[0]
+        kv_ = kv_rows.view(rows, pool.kv_heads, dim)
+        h = attn.attend(0, x_rows.view(rows, -1, dim), kv_, kv_)
+        return attn.attend(1, h * 0.5, kv_, kv_).reshape(rows, -1)
+
+    ref_pool = KVPool(pool.num_layers, pool.num_pages, pool.page_size, pool.kv_heads, pool.head_dim,
+                      pool.dtype, pool.device)
+    ref_pool.data.copy_(pool.data)
+    bound = runner.bind(attn, meta, slots)
+    with no_host_syncs(bool(runner._state)):
+        got = bound(fn, x, kv)
+    slot_t = torch.tensor(slots, device=pool.device)
+    ref_pool.write(0, k, k, slot_t)
+    h = paged_attention(q, ref_pool, 0, meta)
+    ref_pool.write(1, k, k, slot_t)
+    return got, paged_attention(h * 0.5, ref_pool, 1, meta).reshape(n, -1)

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import KVDriver, no_host_syncs
+from support import KVDriver, no_host_syncs, two_layers_bound_and_paged
 
 from mstar_models.testfamily import TinyLM
 from mstar_models.testfamily.family import CONFIGS, node_spec
@@ -116,13 +116,6 @@ def test_a_replayed_step_equals_the_reference_and_never_syncs(cuda: torch.device
     make = backend.graph_decoder(pool, None)
     assert make is not None
     runner = GraphRunner(pool, (1, 2, 4, 8), make, scratch_page=scratch, capture=True, name="raw")
-    attn = AttentionContext([], lambda *a: None, cuda)  # type: ignore[arg-type]
-
-    def fn(x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        h = attn.attend(0, x.view(n, 24, 128), kv.view(n, 8, 128), kv.view(n, 8, 128))
-        return attn.attend(1, h * 0.5, kv.view(n, 8, 128), kv.view(n, 8, 128)).reshape(n, -1)
-
     def step(lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         bm = BlockManager(scratch, PAGE)
         tables, slots = [], []
@@ -132,19 +125,7 @@ def test_a_replayed_step_equals_the_reference_and_never_syncs(cuda: torch.device
         meta = AttentionMetadata.build([1] * len(lens), lens, tables)
         x = torch.randn(len(lens), 24 * 128, device=cuda, dtype=torch.bfloat16)
         kv = torch.randn(len(lens), 8 * 128, device=cuda, dtype=torch.bfloat16)
-        ref_pool = KVPool(2, pages, PAGE, 8, 128, torch.bfloat16, cuda)
-        ref_pool.data.copy_(pool.data)
-        bound = runner.bind(attn, meta, slots)
-        with no_host_syncs(bool(runner._state)):
-            got = bound(fn, x, kv)
-        # the reference: the same two layers with paged_attention over the same writes
-        n = len(lens)
-        slot_t = torch.tensor(slots, device=cuda)
-        ref_pool.write(0, kv.view(n, 8, 128), kv.view(n, 8, 128), slot_t)
-        h = paged_attention(x.view(n, 24, 128), ref_pool, 0, meta)
-        ref_pool.write(1, kv.view(n, 8, 128), kv.view(n, 8, 128), slot_t)
-        want = paged_attention(h * 0.5, ref_pool, 1, meta).reshape(n, -1)
-        return got, want
+        return two_layers_bound_and_paged(runner, pool, meta, slots, x, kv)
 
     for lens in ([5, 17, 300], [1, 2, 3, 4, 5, 6, 7], [40], [33, 1500]):
         got, want = step(lens)

@@ -203,7 +203,7 @@ def bound_layer_equals_paged(runner: Any, pool: Any, meta: Any, slots: list[int]
     return out
 
 
-def two_layers_bound_and_paged(runner: Any, pool: Any, meta: Any, slots: list[int], x: torch.Tensor,
+def two_layers_vs_paged(runner: Any, pool: Any, meta: Any, slots: list[int], x: torch.Tensor,
                                kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two attention layers over rows x [N, heads * head_dim] (keys = values = `kv`
     [N, kv_heads * head_dim]; the second layer's queries half the first's output) through
@@ -234,3 +234,24 @@ def two_layers_bound_and_paged(runner: Any, pool: Any, meta: Any, slots: list[in
     h = paged_attention(q, ref_pool, 0, meta)
     ref_pool.write(1, k, k, slot_t)
     return got, paged_attention(h * 0.5, ref_pool, 1, meta).reshape(n, -1)
+
+
+def poison_graph_outputs(runner: Any) -> None:
+    """NaN into every static output `runner` (a GraphRunner) captured, before a replay: an output
+    the replay leaves unwritten then shows. A runner that does not capture holds None there."""
+    with torch.inference_mode():  # the captured outputs are inference tensors
+        for b in runner._state.values():
+            for t in b.outputs if isinstance(b.outputs, tuple) else (b.outputs,):
+                if isinstance(t, torch.Tensor):
+                    t.fill_(float("nan"))
+
+
+def assert_graphed_agree(results: dict[str, list[dict[str, Any]]], port: str, where: str) -> None:
+    """The `eager` and `graphs` engines' `port` outputs of one step against the `reference`
+    engine's: finite, within a relative L2 error of 2e-2 (bf16). `where` names the step."""
+    ref = torch.cat([o[port] for o in results["reference"]]).float()
+    for name in ("eager", "graphs"):
+        got = torch.cat([o[port] for o in results[name]]).float()
+        assert torch.isfinite(got).all(), f"{where}: {name} gave non-finite values"
+        err = float((got - ref).norm() / ref.norm())
+        assert err < 2e-2, f"{where}: {name} relative error {err:.2e}"

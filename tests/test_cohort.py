@@ -35,10 +35,12 @@ from support import RUNS, as_run
 from mstar_runtime.control import conductor as conductor_module
 from mstar_runtime.control.cohort import Cohort
 from mstar_runtime.control.conductor import CANCELLED, FAILED, FINISHED, Conductor, Request
+from mstar_runtime.engine.cohort_engine import JoinRow
+from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan.loader import Plan, load_plan, without_cohorts
 from mstar_runtime.plan.planfile import iter_ops
 from mstar_runtime.worker.startup import shutdown_workers, start_workers
-from mstar_runtime.worker.worker import Worker
+from mstar_runtime.worker.worker import Worker, WorkerStepError
 from mstarc.cli import main as mstarc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,6 +275,84 @@ def test_batched_requests_equal_each_alone(testfamily_plan: Path) -> None:
     left = [co for key, co in cohort.cohorts.items() if key[3] in marked_loops(cohort, ["generate_left"])]
     assert len(left) == 1 and left[0].rows == 8
     assert left[0].stats["joins"] < sum(w == "generate_left" for w, _ in requests)  # some ran generic
+
+
+class JoinSpy:
+    """A one-rank worker that records the request ids of each cohort join call; it refuses a
+    call holding a request of `refuse` (a RequestError, as a node's join: naming the row when
+    `named`, else no row) and fails one holding a request of `fail` (a WorkerStepError naming it)."""
+
+    def __init__(self, inner: Worker, named: bool = True):
+        self.inner, self.named = inner, named
+        self.calls: list[list[str]] = []
+        self.refuse: set[str] = set()
+        self.fail: set[str] = set()
+
+    def cohort_join(self, key: Any, first: int, rows: list[JoinRow]) -> None:
+        ids = [r.request_id for r in rows]
+        self.calls.append(ids)
+        for rid in ids:
+            if rid in self.refuse:
+                err = RequestError("a row this node's join refuses")
+                if self.named:
+                    err.request_ids = [rid]  # type: ignore[attr-defined]
+                raise err
+            if rid in self.fail:
+                err = WorkerStepError(key[0], key[1], "the join failed")
+                err.request_ids = [rid]  # type: ignore[attr-defined]
+                raise err
+        self.inner.cohort_join(key, first, rows)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+ONE_LOOP = [("generate_left", {"prompt": f"joins together {i}", "max_new": 6 + i}) for i in range(6)]
+
+
+def _spied(plan_path: Path, named: bool = True) -> tuple[Conductor, JoinSpy]:
+    plan = load_plan(plan_path, device="cpu")
+    spy = JoinSpy(Worker(plan, 0, "cpu", TF_WEIGHTS), named)
+    return Conductor(plan, {0: spy}), spy  # type: ignore[dict-item]
+
+
+def test_requests_prefilled_together_join_their_cohort_in_one_call(testfamily_plan: Path) -> None:
+    want = run(engine(testfamily_plan, "generic"), ONE_LOOP)
+    conductor, spy = _spied(testfamily_plan)
+    got = run(conductor, ONE_LOOP)
+    assert_finished_alike(conductor, got, want)
+    assert sorted(rid for call in spy.calls for rid in call) == sorted(h.id for h in got)  # each joined once
+    assert max(len(call) for call in spy.calls) > 1  # the prefill batch's rows joined together
+    assert sum(co.stats["joins"] for co in conductor.cohorts.values()) == len(ONE_LOOP)
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed"])
+def test_a_row_the_join_refuses_runs_generic_and_the_others_join_without_it(testfamily_plan: Path,
+                                                                             named: bool) -> None:
+    """Unnamed: the refusal does not say whose row it is; the rows are asked one by one."""
+    want = run(engine(testfamily_plan, "generic"), ONE_LOOP)
+    conductor, spy = _spied(testfamily_plan, named)
+    got = [conductor.submit(walk, dict(inputs)) for walk, inputs in ONE_LOOP]
+    bad = got[2].id
+    spy.refuse.add(bad)
+    conductor.run_until_idle()
+    assert_finished_alike(conductor, got, want)  # the refused request ran its loop generic, to the same end
+    joined = [rid for call in spy.calls if bad not in call for rid in call]
+    assert sorted(joined) == sorted(h.id for h in got if h.id != bad)
+    assert sum(co.stats["joins"] for co in conductor.cohorts.values()) == len(ONE_LOOP) - 1
+    if named:  # one retry, without it
+        first = next(call for call in spy.calls if bad in call)
+        assert len(first) > 1 and [rid for rid in first if rid != bad] in spy.calls
+
+
+def test_a_row_the_worker_fails_to_join_fails_alone(testfamily_plan: Path) -> None:
+    want = run(engine(testfamily_plan, "generic"), ONE_LOOP)
+    conductor, spy = _spied(testfamily_plan)
+    got = [conductor.submit(walk, dict(inputs)) for walk, inputs in ONE_LOOP]
+    spy.fail.add(got[3].id)
+    conductor.run_until_idle()
+    assert got[3].state == FAILED and "the join failed" in got[3].error
+    assert_finished_alike(conductor, got, want, but=got[3])
 
 
 def test_each_dynamic_loop_stops_at_its_own_step(testfamily_plan: Path) -> None:

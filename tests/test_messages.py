@@ -99,9 +99,13 @@ def samples() -> list[Message]:
         # decode cohorts in a worker process (mstar_runtime.worker.remote_cohort)
         codec.CohortOpen(step_id=3, cohort=1, node="llm", phase="decode", fed=[["token", "token"]],
                          invariant=["speaker"], outputs=["token", "code", "done"], rows=64, max_pages=129),
-        codec.CohortJoin(step_id=4, cohort=1, row=5, request_id="r", tag="main", pages=[3, 9], length=17,
-                         values=[TensorMeta("inv:speaker", "bfloat16", [256])],
-                         inline={"fed:token": torch.tensor([[42]], dtype=torch.int32)}, scalars={"inv:voice": "tara"}),
+        codec.CohortJoin(step_id=4, cohort=1, first=5, rows=[
+            codec.CohortJoinRow(request_id="r", tag="main", pages=[3, 9], length=17,
+                                values=[TensorMeta("inv:speaker", "bfloat16", [256])],
+                                inline={"fed:token": torch.tensor([[42]], dtype=torch.int32)},
+                                scalars={"inv:voice": "tara"}),
+            codec.CohortJoinRow(request_id="s", tag="main", pages=[], length=0, values=[], refs={"fed:token": "token"},
+                                steps=4, tokens=2, read_pages=[[1]], read_lens=[3])]),
         codec.CohortReply(step_id=3, rank=1, ok=False),
         codec.CohortLeave(cohort=1, row=5, request_id="r", tag="main", steps=12),
         codec.CohortMove(cohort=1, src=7, dst=5),

@@ -9,6 +9,7 @@ latents, stream items, KV forks and the chat -> continue hand-off all cross proc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from mstar_runtime.control.conductor import FAILED, FINISHED, Conductor
+from mstar_runtime.engine.cohort_engine import JoinRow
 from mstar_runtime.engine.engines import StepEntry
 from mstar_runtime.plan.loader import load_plan
 from mstar_runtime.worker import messages as m
@@ -198,11 +200,10 @@ class _Corrupt:
                     e.inputs["token"] = torch.tensor([10**6], dtype=torch.int32)
         return self.inner.run_step(batch)
 
-    def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: dict[str, Any],
-                    *args: Any, **kwargs: Any) -> None:
-        if request_id == self.request_id and "token" in fed:
-            fed = {**fed, "token": torch.tensor([10**6], dtype=torch.int32)}
-        self.inner.cohort_join(key, row, request_id, tag, fed, *args, **kwargs)
+    def cohort_join(self, key: Any, first: int, rows: list[JoinRow], *args: Any) -> None:
+        rows = [dataclasses.replace(r, fed={**r.fed, "token": torch.tensor([10**6], dtype=torch.int32)})
+                if r.request_id == self.request_id and "token" in r.fed else r for r in rows]
+        self.inner.cohort_join(key, first, rows, *args)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -250,11 +251,10 @@ class _CorruptJoin:
     def __init__(self, inner: RemoteWorker, request_id: str):
         self.inner, self.request_id = inner, request_id
 
-    def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: dict[str, Any], *rest: Any,
-                    **kw: Any) -> None:
-        if request_id == self.request_id:
-            fed = {k: torch.full_like(torch.as_tensor(v), 10**6) for k, v in fed.items()}
-        self.inner.cohort_join(key, row, request_id, tag, fed, *rest, **kw)
+    def cohort_join(self, key: Any, first: int, rows: list[JoinRow], *rest: Any) -> None:
+        rows = [dataclasses.replace(r, fed={k: torch.full_like(torch.as_tensor(v), 10**6) for k, v in r.fed.items()})
+                if r.request_id == self.request_id else r for r in rows]
+        self.inner.cohort_join(key, first, rows, *rest)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -19,6 +19,7 @@ without waiting (`RemoteWorker.submit`) and runs the backbone's next decode mean
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -38,6 +39,7 @@ from mstar_runtime.api import MStar
 from mstar_runtime.control.conductor import CANCELLED, FAILED, FINISHED, Conductor
 from mstar_runtime.control.interpreter import StepCall
 from mstar_runtime.control.scheduler import Scheduler
+from mstar_runtime.engine.cohort_engine import JoinRow
 from mstar_runtime.engine.engines import StepEntry
 from mstar_runtime.plan.loader import load_plan
 from mstar_runtime.worker import messages as m
@@ -252,12 +254,11 @@ class _BadToken(_Proxy):
                 if e.request_id == self.request_id:
                     e.inputs["token"] = torch.tensor([10**6], dtype=torch.int32)
 
-    def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: dict[str, Any],
-                    *args: Any, **kwargs: Any) -> None:
+    def cohort_join(self, key: Any, first: int, rows: list[JoinRow], *args: Any) -> None:
         """The same token for a decode that runs as a cohort row: the one it joins with."""
-        if request_id == self.request_id and "token" in fed:
-            fed = {**fed, "token": torch.tensor([10**6], dtype=torch.int32)}
-        self.inner.cohort_join(key, row, request_id, tag, fed, *args, **kwargs)
+        rows = [dataclasses.replace(r, fed={**r.fed, "token": torch.tensor([10**6], dtype=torch.int32)})
+                if r.request_id == self.request_id and "token" in r.fed else r for r in rows]
+        self.inner.cohort_join(key, first, rows, *args)
 
 
 def test_a_remote_step_that_fails_in_flight_fails_only_its_requests(

@@ -39,7 +39,7 @@ row could not push when it leaves is handed to its task, which pushes it with ba
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,7 +50,7 @@ from mstar_runtime.control.interpreter import CohortExit, EnterCohort, WalkTask,
 from mstar_runtime.control.requests import Request
 from mstar_runtime.control.streams import StreamBuffer
 from mstar_runtime.control.validate import TORCH_DTYPES
-from mstar_runtime.engine.cohort_engine import CohortRead, CohortResult, CohortShape
+from mstar_runtime.engine.cohort_engine import CohortRead, CohortResult, CohortShape, JoinRow
 from mstar_runtime.kv.block_manager import BlockManager
 from mstar_runtime.kv.block_table import pinned
 from mstar_runtime.ops.cohort import count_key
@@ -86,6 +86,17 @@ class PortSpec:
     kind: str  # "tensor" | "bool" | "int" | "float"
     dtype: torch.dtype | None
     row_shape: tuple[int, ...]  # of one step's value (items: of one item)
+
+
+@dataclass(frozen=True, eq=False)
+class Joining:
+    """A request entering a marked loop (`Cohort.join`): its task, its `EnterCohort`, the tag
+    of the KV context its steps extend."""
+
+    request: Request
+    task: WalkTask
+    enter: EnterCohort
+    tag: str
 
 
 @dataclass(eq=False)
@@ -159,45 +170,60 @@ class Cohort:
     def n(self) -> int:
         return len(self.members)
 
-    def has_room(self) -> bool:
-        return self.n < self.rows
+    def join(self, joining: Sequence[Joining]) -> None:
+        """Add requests as the last rows, in order, in one worker call (each one's KV context
+        must hold at least one token, unless its steps keep nothing): all of them or none.
+        RequestError declines one (its `request_ids` name it) and nothing changes: a step of
+        it would not add the cohort's tokens and keep them (or not) as the cohort's rows do,
+        or its node's join refuses it; a WorkerStepError (the worker failed the join) and
+        WorkerLost change nothing here either."""
+        first = self.n
+        tokens, keep = self.tokens, self.keep
+        rows: list[JoinRow] = []
+        members: list[Member] = []
+        for j in joining:
+            plan = self.kv_plan(j.enter.inputs)
+            row_keep = plan.keep if tokens is None else keep
+            if plan.q_len < 1 or plan.q_len != (tokens or plan.q_len) or plan.keep != row_keep:
+                err = RequestError(f"a step of {plan.q_len} tokens ({'kept' if plan.keep else 'not kept'}) in a "
+                                   f"cohort of {tokens or plan.q_len}-token steps ({'kept' if row_keep else 'not kept'})")
+                err.request_ids = [j.request.id]  # type: ignore[attr-defined]
+                raise err
+            tokens, keep = plan.q_len, plan.keep
+            rows.append(self._join_row(j, plan.q_len))
+            members.append(Member(j.request, j.task, j.enter, (j.request.id, j.tag), first + len(members),
+                                  rows[-1].length,
+                                  j.enter.env.get(self.op["until"]) if self.until_port is not None else None))
+        if not rows:
+            return
+        self.worker.cohort_join(self.key, first, rows)
+        self.tokens, self.keep = tokens, keep
+        end = first + len(rows)
+        for a in (self.iters, self.valid, self.since, *self.nitems.values(), *self.flushed.values(),
+                  *self.pushed.values()):
+            a[first:end] = 0
+        self.lens[first:end] = [r.length for r in rows]
+        self.pages[first:end] = [len(r.pages) for r in rows]
+        self.limit[first:end] = [NEVER if r.steps is None else r.steps for r in rows]
+        for m in members:
+            self.members.append(m)
+            self._by_request[m.request.id] = m
+            self._joined.append(m)
+            if m.pending_flag is not None:
+                self._flags.append(m)
+            self.due[m.row] = self._next_due(m, m.row)
+        self.stats["joins"] += len(members)
 
-    def join(self, request: Request, task: WalkTask, enter: EnterCohort, state_tag: str) -> None:
-        """Add a request as the last row (its KV context must hold at least one token, unless
-        its steps keep nothing). RequestError declines it (nothing changes): a step of it would
-        not add the cohort's tokens and keep them (or not) as the cohort's rows do, or its
-        node's join refuses it."""
-        key = (request.id, state_tag)
-        row = self.n
-        plan = self.kv_plan(enter.inputs)
-        keep = plan.keep if self.tokens is None else self.keep
-        if plan.q_len < 1 or plan.q_len != (self.tokens or plan.q_len) or plan.keep != keep:
-            raise RequestError(f"a step of {plan.q_len} tokens ({'kept' if plan.keep else 'not kept'}) in a cohort "
-                               f"of {self.tokens or plan.q_len}-token steps ({'kept' if keep else 'not kept'})")
+    def _join_row(self, j: Joining, tokens: int) -> JoinRow:
+        """What the worker's columns need of a joining request (its context as the BlockManager has it)."""
+        key = (j.request.id, j.tag)
         own = key in self.bm
-        length = self.bm.seq_len(key) if own else 0
-        limit = enter.count if enter.count is not None else self.max_iters
-        pending = enter.env.get(self.op["until"]) if self.until_port is not None else None
-        m = Member(request, task, enter, key, row, length, pending)
-        fed = {in_port: enter.inputs[in_port] for in_port, _ in self.shape.fed}
-        inv = {port: enter.inputs[port] for port in self.shape.invariant}
-        reads = self.read_rows(request.id) if self.read_rows is not None else []
-        pages = self.bm.page_table(key) if own else []
-        self.worker.cohort_join(self.key, row, request.id, state_tag, fed, inv, pages, length,
-                                steps=limit, tokens=plan.q_len, reads=reads)
-        self.tokens, self.keep = plan.q_len, plan.keep
-        self.members.append(m)
-        self._by_request[request.id] = m
-        self._joined.append(m)
-        if pending is not None:
-            self._flags.append(m)
-        self.lens[row], self.iters[row], self.valid[row], self.since[row] = length, 0, 0, 0
-        self.limit[row] = NEVER if limit is None else limit
-        self.pages[row] = len(pages)
-        for p in self.item_ports:
-            self.nitems[p][row] = self.flushed[p][row] = self.pushed[p][row] = 0
-        self.due[row] = self._next_due(m, 0)
-        self.stats["joins"] += 1
+        enter = j.enter
+        return JoinRow(j.request.id, j.tag, {in_port: enter.inputs[in_port] for in_port, _ in self.shape.fed},
+                       {port: enter.inputs[port] for port in self.shape.invariant},
+                       self.bm.page_table(key) if own else [], self.bm.seq_len(key) if own else 0,
+                       enter.count if enter.count is not None else self.max_iters, tokens,
+                       self.read_rows(j.request.id) if self.read_rows is not None else [])
 
     def remove(self, request: Request) -> bool:
         """Drop a request's row without resuming it (preempted, cancelled, failed). True if it was here."""
@@ -513,4 +539,4 @@ def port_specs(node_outputs: dict[str, Any], phase_outputs: tuple[str, ...]) -> 
     return specs
 
 
-__all__ = ["Cohort", "CohortHost", "CohortKey", "PortSpec", "cohort_shape", "port_specs"]
+__all__ = ["Cohort", "CohortHost", "CohortKey", "Joining", "PortSpec", "cohort_shape", "port_specs"]

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mstar_runtime.control.cohort import Cohort, CohortHost, CohortKey, cohort_shape, port_specs
+from mstar_runtime.control.cohort import Cohort, CohortHost, CohortKey, Joining, cohort_shape, port_specs
 from mstar_runtime.control.interpreter import EnterCohort, WalkTask
 from mstar_runtime.control.kv_contexts import KVContexts
 from mstar_runtime.control.requests import Request
@@ -65,6 +65,8 @@ class Cohorts:
         self._none: set[CohortKey] = set()  # marked loops that stay generic
         self.order: dict[CohortKey, int] = {}  # the issue order of each cohort's next step
         self._fresh: set[CohortKey] = set()  # cohorts that just stepped: their next step's order is set later
+        # tasks that entered a marked loop since the last `join_entered`, each with its issue order then
+        self._entering: list[tuple[WalkTask, EnterCohort, int]] = []
 
     def standing(self) -> dict[CohortKey, Standing]:
         """The cohorts with rows, as the scheduler weighs them (after `renumber`)."""
@@ -143,14 +145,59 @@ class Cohorts:
         return CohortRead(node, tag, -(-most // bm.page_size))
 
     def enter(self, task: WalkTask, y: EnterCohort) -> None:
-        """Make the task a row of its loop's cohort, or resume it at once with None (generic)."""
-        req: Request = task.request  # type: ignore[assignment]  # the conductor's tasks run for its Requests
+        """The task enters its marked loop: it joins with the others that entered since the
+        last `join_entered` (rows that join together are written in one worker call)."""
+        self._entering.append((task, y, next(self.seq)))
+
+    @property
+    def entering(self) -> bool:
+        """Whether tasks wait for `join_entered`."""
+        return bool(self._entering)
+
+    def join_entered(self) -> None:
+        """Make each entered task a row of its loop's cohort, or resume it at once with None
+        (generic); those of one cohort join in one call, in the order they entered."""
+        entering, self._entering = self._entering, []
+        groups: dict[CohortKey, list[Joining]] = {}
         try:
-            self._join(req, task, y)
-        except WorkerStepError as e:  # a worker process failed the open or the join: this request fails
-            self.host.fail(req, str(e))
+            for task, y, seq in entering:
+                req: Request = task.request  # type: ignore[assignment]  # the conductor's tasks run for its Requests
+                if req.done or task not in req.tasks:  # failed or preempted since it entered
+                    continue
+                try:
+                    cohort, tag = self._admit(req, task, y, groups)
+                except WorkerStepError as e:  # a worker process failed the open: this request fails
+                    self.host.fail(req, str(e))
+                    continue
+                if cohort is None:
+                    continue
+                group = groups.setdefault(cohort.key, [])
+                if cohort.n == 0 and not group:  # an idle cohort's next step is as old as this request's arrival
+                    self.order[cohort.key] = seq
+                group.append(Joining(req, task, y, tag))
+            for key, group in groups.items():
+                self._join(self.by_key[key], group)
         except WorkerLost as e:
             self.host.stop(e)
+
+    def _admit(self, req: Request, task: WalkTask, y: EnterCohort,
+               groups: Mapping[CohortKey, list[Joining]]) -> tuple[Cohort | None, str]:
+        """The cohort the task joins and its context's tag; None (the task resumed, or gone)
+        where it runs the loop generic. Raises `WorkerStepError` and `WorkerLost` from
+        opening the cohort."""
+        cohort = self._cohort_for(y.op)
+        call = cohort_call(y.op)
+        tag = call.get("tag") or "main"
+        # a context the plan moves to the loop's rank is copied there first, as before a generic step
+        if (cohort is not None and self.contexts.moves
+                and not self.host.move_in(req, call["node"], tag, str(call.get("id")), tuple(call["ranks"])[0],
+                                          lambda: not req.done and task in req.tasks)):
+            return None, tag  # the request failed or was preempted meanwhile: its task is gone
+        if (cohort is None or cohort.n + len(groups.get(cohort.key, ())) >= cohort.rows
+                or not self._extends(cohort, (req.id, tag), y)):
+            self.host.resume(task)
+            return None, tag
+        return cohort, tag
 
     @staticmethod
     def _extends(cohort: Cohort, key: tuple[str, str], y: EnterCohort) -> bool:
@@ -163,23 +210,29 @@ class Cohorts:
             return False
         return not keep or (key in cohort.bm and cohort.bm.seq_len(key) >= 1)
 
-    def _join(self, req: Request, task: WalkTask, y: EnterCohort) -> None:
-        cohort = self._cohort_for(y.op)
-        call = cohort_call(y.op)
-        tag = call.get("tag") or "main"
-        key = (req.id, tag)
-        # a context the plan moves to the loop's rank is copied there first, as before a generic step
-        if (cohort is not None and self.contexts.moves
-                and not self.host.move_in(req, call["node"], tag, str(call.get("id")), tuple(call["ranks"])[0],
-                                          lambda: not req.done and task in req.tasks)):
-            return  # the request failed or was preempted meanwhile: its task is gone
-        if cohort is None or not cohort.has_room() or not self._extends(cohort, key, y):
-            self.host.resume(task)
+    def _join(self, cohort: Cohort, group: list[Joining]) -> None:
+        """Join the group in one call; a row the cohort refuses (`RequestError`: the generic
+        loop runs it, and reports any real input error itself) or the worker fails to take
+        (`WorkerStepError`: that request fails) leaves, and the others join without it. An
+        error that names no row of the group is retried row by row (a join writes nothing
+        before its checks pass), so that it reaches only the row it is about."""
+        while group:
+            try:
+                cohort.join(group)
+            except (RequestError, WorkerStepError) as e:
+                named = set(getattr(e, "request_ids", None) or ())
+                bad = [j for j in group if j.request.id in named]
+                if not bad and len(group) > 1:
+                    for j in group:
+                        self._join(cohort, [j])
+                    return
+                for j in bad or group:
+                    if isinstance(e, RequestError):
+                        self.host.resume(j.task)
+                    else:
+                        self.host.fail(j.request, str(e))
+                group = [j for j in group if j not in bad] if bad else []
+                continue
+            for j in group:
+                j.request.homes[(cohort.key[0], j.tag)] = cohort.key[2][0]
             return
-        if cohort.n == 0:  # an idle cohort's next step is as old as this request's arrival there
-            self.order[cohort.key] = next(self.seq)
-        try:
-            cohort.join(req, task, y, tag)
-            req.homes[(call["node"], tag)] = cohort.key[2][0]
-        except RequestError:  # a row the column step cannot take (its node's join refused it): the generic loop
-            self.host.resume(task)  # runs it, and reports any real input error itself

@@ -330,11 +330,16 @@ class Conductor:
 
     # ------------------------------------------------------------------ tasks
     def _drive(self) -> None:
-        while self.ready:
-            task, value, exc = self.ready.popleft()
-            if task.request.done or task not in task.request.tasks:
-                continue
-            self._advance(task, value, exc)
+        """Advance every ready task; those that entered a marked loop join its cohort once no
+        task is ready (together: a prefill batch's requests join in one worker call), which
+        may make more ready (a row the cohort cannot take goes on generic)."""
+        while self.ready or self.cohort_set.entering:
+            while self.ready:
+                task, value, exc = self.ready.popleft()
+                if task.request.done or task not in task.request.tasks:
+                    continue
+                self._advance(task, value, exc)
+            self.cohort_set.join_entered()
 
     def _advance(self, task: WalkTask, value: Any, exc: BaseException | None) -> None:
         req = task.request

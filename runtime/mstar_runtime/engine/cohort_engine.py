@@ -69,15 +69,50 @@ class ReadColumns:
         self.host_lens = np.zeros(rows, dtype=np.int64)
         self.lens = torch.zeros(rows, dtype=torch.long, device=device)
 
-    def set_row(self, row: int, pages: list[int], length: int) -> None:
-        self.table.set_row(row, pages)
-        self.host_lens[row] = length
-        self.lens[row].fill_(length)
+    def set_rows(self, first: int, rows: Sequence[tuple[Sequence[int], int]]) -> None:
+        """(pages, length) of rows `first`, `first + 1`, ...: one upload for the tables, one for the lengths."""
+        end = first + len(rows)
+        self.table.set_rows(first, [pages for pages, _ in rows])
+        self.host_lens[first:end] = [length for _, length in rows]
+        self.lens[first:end].copy_(pinned(self.host_lens[first:end]), non_blocking=True)
 
     def move(self, src: int, dst: int) -> None:
         self.table.move_row(src, dst)
         self.host_lens[dst] = self.host_lens[src]
         self.lens[dst] = self.lens[src]
+
+
+@dataclass(frozen=True, slots=True)
+class JoinRow:
+    """One request joining a cohort (`CohortColumns.join_rows`; the worker's `cohort_join`
+    finds its node state by `request_id` and `tag`, and a refusal names `request_id`)."""
+
+    request_id: str
+    tag: str
+    fed: Mapping[str, Any]  # fed input port -> its value for the first step
+    invariant: Mapping[str, Any]  # loop-invariant input port -> value
+    pages: Sequence[int]  # its own context's page table
+    length: int  # and that context's tokens
+    steps: int | None = None  # the most steps its loop may run (None: the cohort's bound)
+    tokens: int = 1  # KV tokens each of its steps adds
+    reads: Sequence[tuple[Sequence[int], int]] = ()  # (pages, length) of each context it reads, in `reads` order
+
+
+# per column name: the column (made for the first joining row where the cohort has none yet)
+# and each joining row's value, in row order
+_Values = dict[str, tuple[torch.Tensor, list[torch.Tensor]]]
+
+
+def _write_rows(dst: torch.Tensor, values: Sequence[torch.Tensor]) -> None:
+    """`dst[i] = values[i]` (already of `dst`'s dtype) in one copy: host values for a GPU
+    column stacked into one pinned buffer, so that the upload waits for no step in flight;
+    values on the column's device stacked straight into it."""
+    if dst.is_cuda and all(v.device.type == "cpu" for v in values):
+        src = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)
+        torch.stack(list(values), out=src)
+        dst.copy_(src, non_blocking=True)
+    else:
+        torch.stack([v.to(dst.device, non_blocking=True) for v in values], out=dst)
 
 
 @dataclass
@@ -175,51 +210,92 @@ class CohortColumns:
         self.eager_reads = list(eager_reads) or [None] * len(self.reads)
 
     # ------------------------------------------------------------------ rows
-    @staticmethod
-    def _put(store: dict[str, torch.Tensor], name: str, row: int, value: Any, rows: int, device: torch.device) -> None:
-        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-        if name not in store:
-            store[name] = torch.zeros((rows, *t.shape), dtype=t.dtype, device=device)
-        col = store[name]
-        if tuple(col.shape[1:]) != tuple(t.shape):
-            raise NodeError(f"cohort column '{name}': a row of shape {tuple(t.shape)}, the column holds {tuple(col.shape[1:])}")
-        t = t.to(dtype=col.dtype)
-        if t.device.type == "cpu" and device.type == "cuda":
-            t = t.pin_memory()  # a non-blocking upload: a join never waits for the steps in flight
-        col[row].copy_(t, non_blocking=True)
-
     def join(self, row: int, state: dict[str, Any], fed: Mapping[str, Any], invariant: Mapping[str, Any],
-             pages: list[int], length: int, steps: int | None = None, tokens: int = 1,
+             pages: Sequence[int], length: int, steps: int | None = None, tokens: int = 1,
              reads: Sequence[tuple[Sequence[int], int]] = ()) -> None:
-        """Write a joining request's table, length, fed and invariant inputs and node columns at
-        `row`, and the (pages, length) of each context it reads; RequestError (nothing
-        written) when a step of it adds other than the phase's `tokens` (the conductor
-        reserves pages for `tokens`), its loop's `steps` are more than the phase's `limit`
-        lets it run, or a context it reads is missing, empty or larger than the cohort holds."""
-        self._check_reads(reads)
-        if tokens != self.tokens:
-            raise RequestError(f"node '{self.node}': a row of {tokens}-token steps, phase '{self.shape.phase}' "
-                               f"adds {self.tokens} a step")
-        if self.cphase.limit is not None and steps is not None:
-            room = self.cphase.limit(state, invariant)
-            if steps > room:
-                raise RequestError(f"node '{self.node}': a row of {steps} steps, its context has room for {room}")
-        self.table.set_row(row, pages)
-        self.host_lens[row] = length
-        self.lens[row].fill_(length)
-        for rc, (read_pages, read_len) in zip(self.reads, reads, strict=True):
-            rc.set_row(row, list(read_pages), read_len)
-        for port, value in fed.items():
-            self._put(self.fed, port, row, value, self.rows, self.device)
-        for port, value in invariant.items():
-            self._put(self.inv, port, row, value, self.rows, self.device)
+        """One row's `join_rows` (its refusals, and what it writes)."""
+        self.join_rows(row, [JoinRow("", "", fed, invariant, pages, length, steps, tokens, reads)], [state])
+
+    def join_rows(self, first: int, rows: Sequence[JoinRow], states: Sequence[dict[str, Any]]) -> None:
+        """Write the joining rows at `first`, `first + 1`, ... (rows join at the end: the
+        conductor keeps them dense), each with its node state in `states`: its table, length,
+        fed and invariant inputs, node columns (`CohortPhase.join`, run per row) and the
+        (pages, length) of each context it reads, every column in one upload for all rows.
+
+        Every row is checked before anything is written, so a refusal leaves the cohort as it
+        was: RequestError (with `request_ids`, the refused row's) when a step of a row adds
+        other than the phase's `tokens` (the conductor reserves pages for `tokens`), its
+        loop's `steps` are more than the phase's `limit` lets it run, a context it reads is
+        missing, empty or larger than the cohort holds, or the node's join refuses it;
+        NodeError when a value's shape is not its column's (or another joining row's)."""
+        if len(states) != len(rows):
+            raise NodeError(f"node '{self.node}': {len(rows)} joining rows with {len(states)} node states")
+        if first < 0 or first + len(rows) > self.rows:
+            raise NodeError(f"node '{self.node}': rows {first}..{first + len(rows) - 1} join a cohort of "
+                            f"{self.rows} rows")
+        if not rows:
+            return
+        fed, inv, cols = self._checked_rows(rows, states)
+        end = first + len(rows)
+        self.table.set_rows(first, [r.pages for r in rows])
+        self.host_lens[first:end] = [r.length for r in rows]
+        self.lens[first:end].copy_(pinned(self.host_lens[first:end]), non_blocking=True)
+        for j, rc in enumerate(self.reads):
+            rc.set_rows(first, [r.reads[j] for r in rows])
+        for store, values in ((self.fed, fed), (self.inv, inv), (self.cols, cols)):
+            for name, (col, column) in values.items():
+                store[name] = col
+                _write_rows(col[first:end], column)
         for col in self.index.values():
-            col[row] = 0
-        with torch.inference_mode():
-            joined = self.cphase.join(state, invariant)
-        for name, value in joined.items():
-            self._put(self.cols, name, row, value, self.rows, self.device)
-        self.n = row + 1  # rows join at the end (the conductor keeps them dense)
+            col[first:end].zero_()
+        self.n = end
+
+    def _checked_rows(self, rows: Sequence[JoinRow], states: Sequence[dict[str, Any]]) -> tuple[_Values, _Values, _Values]:
+        """Each row checked (join_rows' refusals) and its node columns made; per store, each
+        name's column (made here when new) and its rows' values. Writes nothing."""
+        fed: _Values = {}
+        inv: _Values = {}
+        cols: _Values = {}
+        for row, state in zip(rows, states, strict=True):
+            try:
+                self._check_row(row, state)
+                with torch.inference_mode():
+                    joined = self.cphase.join(state, row.invariant)
+            except RequestError as e:
+                if getattr(e, "request_ids", None) is None and row.request_id:
+                    e.request_ids = [row.request_id]  # type: ignore[attr-defined]
+                raise
+            for store, values, target in ((self.fed, row.fed, fed), (self.inv, row.invariant, inv),
+                                          (self.cols, joined, cols)):
+                for name, value in values.items():
+                    self._take(store, target, name, value, row.request_id)
+        return fed, inv, cols
+
+    def _check_row(self, row: JoinRow, state: dict[str, Any]) -> None:
+        self._check_reads(row.reads)
+        if row.tokens != self.tokens:
+            raise RequestError(f"node '{self.node}': a row of {row.tokens}-token steps, phase '{self.shape.phase}' "
+                               f"adds {self.tokens} a step")
+        if self.cphase.limit is not None and row.steps is not None:
+            room = self.cphase.limit(state, row.invariant)
+            if row.steps > room:
+                raise RequestError(f"node '{self.node}': a row of {row.steps} steps, its context has room for {room}")
+
+    def _take(self, store: dict[str, torch.Tensor], target: _Values, name: str, value: Any, request_id: str) -> None:
+        """One row's value of column `name`, as the column's dtype, added to `target`; a column
+        the cohort does not hold yet is made (not yet stored) from the first row's value."""
+        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        if name not in target:
+            col = store.get(name)
+            if col is None:
+                col = torch.zeros((self.rows, *t.shape), dtype=t.dtype, device=self.device)
+            target[name] = (col, [])
+        col, column = target[name]
+        if tuple(col.shape[1:]) != tuple(t.shape):
+            whose = f" (request '{request_id}')" if request_id else ""
+            raise NodeError(f"cohort column '{name}': a row of shape {tuple(t.shape)}{whose}, the column holds "
+                            f"{tuple(col.shape[1:])}")
+        column.append(t if t.dtype == col.dtype else t.to(dtype=col.dtype))
 
     def _check_reads(self, reads: Sequence[tuple[Sequence[int], int]]) -> None:
         if len(reads) != len(self.reads):

@@ -18,6 +18,7 @@ Per step the attention needs, for the n active rows with context lengths `kv_len
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -34,12 +35,18 @@ class BlockTable:
         self.host = np.full((rows, max_pages), fill_page, dtype=np.int32)
         self.device = torch.full((rows, max_pages), fill_page, dtype=torch.int32, device=device)
 
-    def set_row(self, row: int, pages: list[int]) -> None:
-        if len(pages) > self.max_pages:
-            raise AttentionError(f"a row holds at most {self.max_pages} pages, got {len(pages)}")
-        self.host[row] = self.fill_page
-        self.host[row, : len(pages)] = pages
-        self.device[row].copy_(pinned(self.host[row]), non_blocking=True)
+    def set_rows(self, first: int, tables: Sequence[Sequence[int]]) -> None:
+        """The tables of rows `first`, `first + 1`, ...: checked first (nothing written when one
+        is too long), then one upload from pinned memory that does not wait for the device."""
+        longest = max((len(pages) for pages in tables), default=0)
+        if longest > self.max_pages:
+            raise AttentionError(f"a row holds at most {self.max_pages} pages, got {longest}")
+        end = first + len(tables)
+        block = self.host[first:end]
+        block[:] = self.fill_page
+        for i, pages in enumerate(tables):
+            block[i, : len(pages)] = pages
+        self.device[first:end].copy_(pinned(block), non_blocking=True)
 
     def add_pages(self, rows: np.ndarray, cols: np.ndarray, pages: np.ndarray) -> None:
         """`table[rows[i], cols[i]] = pages[i]` for a few rows at once: one upload from pinned

@@ -324,19 +324,14 @@ class CohortOpen:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class CohortJoin:
-    """Conductor -> worker: request ``request_id``'s context ``tag`` becomes row ``row``
-    (its page table, its KV length, its fed ``fed:<port>`` and invariant ``inv:<port>``
-    inputs, split as a step's inputs: ``values`` follow the frame over torch.distributed;
-    ``refs`` as a ``StepEntry``'s: inputs this worker kept from the request's last replicated
+class CohortJoinRow:
+    """One row of a ``CohortJoin``: request ``request_id``'s context ``tag`` (its page table,
+    its KV length, its fed ``fed:<port>`` and invariant ``inv:<port>`` inputs, split as a
+    ``StepEntry``'s: ``values`` follow the frame over torch.distributed, in row order, in the
+    join's one buffer; ``refs`` inputs this worker kept from the request's last replicated
     step, a TP member's own copy); ``steps`` the most steps the row may take (None: the
-    cohort's bound), ``tokens`` the tokens each of its steps adds; answered by
-    ``CohortReply``, or ``StepRejected`` when the node's join refuses the row."""
+    cohort's bound), ``tokens`` the tokens each of its steps adds."""
 
-    type: ClassVar[str] = "cohort_join"
-    step_id: int
-    cohort: int
-    row: int
     request_id: str
     tag: str
     pages: list[int]
@@ -349,6 +344,19 @@ class CohortJoin:
     tokens: int = 1
     read_pages: list[list[int]] = field(default_factory=list)  # the page table of each context it reads
     read_lens: list[int] = field(default_factory=list)  # and its length
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CohortJoin:
+    """Conductor -> worker: ``rows`` become rows ``first``, ``first + 1``, ... of cohort
+    ``cohort``, all of them or none; answered by ``CohortReply``, or ``StepRejected`` (naming
+    the row's request) when the node refuses one of them."""
+
+    type: ClassVar[str] = "cohort_join"
+    step_id: int
+    cohort: int
+    first: int
+    rows: list[CohortJoinRow]
 
 
 @dataclass(frozen=True, slots=True)
@@ -617,7 +625,7 @@ MESSAGE_TYPES: dict[str, type] = {
 # KVSlots and ReadSlots are the engine's records (engine/engines.py), CohortRead the cohort's
 # (engine/cohort_engine.py), declared once there
 STRUCT_TYPES: frozenset[type] = frozenset({StepEntry, ResultEntry, TensorMeta, KVSlots, ReadSlots, SlotCopy, ShmRef,
-                                           Value, PackedPort, CohortRead})
+                                           Value, PackedPort, CohortJoinRow, CohortRead})
 
 
 register(MESSAGE_TYPES.values(), STRUCT_TYPES)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mstar_runtime.engine import engines
-from mstar_runtime.engine.cohort_engine import CohortShape
+from mstar_runtime.engine.cohort_engine import CohortShape, JoinRow
 from mstar_runtime.ops import tp
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan.loader import load_plan
@@ -185,19 +185,22 @@ class _Server:
             shape = CohortShape(msg.phase, tuple((a, b) for a, b in msg.fed), tuple(msg.invariant), tuple(msg.outputs),
                                 tuple(msg.reads), tuple(msg.index))
             self.cohort_nodes[cid] = msg.node
-            self._reply(msg.step_id, "",
+            self._reply(msg.step_id, [],
                         lambda: w.cohort_open(cid, msg.node, shape, msg.rows, msg.max_pages))
         elif isinstance(msg, m.CohortJoin):
-            received = recv_tensors(msg.values, 0, self.comm, self.device)  # first: the buffer was sent
-            values = unpack_values(msg.values, received, msg.inline, msg.scalars, self.device)
-            if msg.refs:
-                values.update(self._kept_inputs(self.cohort_nodes.get(cid, "?"), msg, values))
-            fed = {k.removeprefix("fed:"): v for k, v in values.items() if k.startswith("fed:")}
-            inv = {k.removeprefix("inv:"): v for k, v in values.items() if k.startswith("inv:")}
-            self._reply(msg.step_id, msg.request_id,
-                        lambda: w.cohort_join(cid, msg.row, msg.request_id, msg.tag, fed, inv, msg.pages, msg.length,
-                                                      msg.steps, msg.tokens, list(zip(msg.read_pages, msg.read_lens,
-                                                                                      strict=True))))
+            received = recv_tensors([v for r in msg.rows for v in r.values], 0, self.comm, self.device)  # first
+            rows, at = [], 0
+            for r in msg.rows:
+                values = unpack_values(r.values, received[at: at + len(r.values)], r.inline, r.scalars, self.device)
+                at += len(r.values)
+                if r.refs:
+                    values.update(self._kept_inputs(self.cohort_nodes.get(cid, "?"), r, values))
+                rows.append(JoinRow(r.request_id, r.tag,
+                                    {k.removeprefix("fed:"): v for k, v in values.items() if k.startswith("fed:")},
+                                    {k.removeprefix("inv:"): v for k, v in values.items() if k.startswith("inv:")},
+                                    r.pages, r.length, r.steps, r.tokens,
+                                    list(zip(r.read_pages, r.read_lens, strict=True))))
+            self._reply(msg.step_id, [r.request_id for r in msg.rows], lambda: w.cohort_join(cid, msg.first, rows))
         elif isinstance(msg, m.CohortLeave):
             w.cohort_leave(cid, msg.row, msg.request_id, msg.tag, msg.steps)
         elif isinstance(msg, m.CohortMove):
@@ -208,13 +211,15 @@ class _Server:
             w.cohort_add_pages(cid, np.array(msg.rows, dtype=np.int64), np.array(msg.cols, dtype=np.int64),
                                np.array(msg.pages, dtype=np.int64))
 
-    def _reply(self, step_id: int, request_id: str, call: Any) -> None:
+    def _reply(self, step_id: int, request_ids: list[str], call: Any) -> None:
         """Run an answered cohort call: `CohortReply` (ok: what it returned, None counting as
-        True), `StepRejected` for a node's RequestError, `WorkerError` for anything else."""
+        True), `StepRejected` for a node's RequestError (naming the requests it names, else
+        `request_ids`), `WorkerError` for anything else."""
         try:
             ok = call()
         except RequestError as e:
-            write_frame(self.out, m.StepRejected(step_id, self.rank, str(e), e.field, [request_id]))
+            ids = getattr(e, "request_ids", None) or request_ids
+            write_frame(self.out, m.StepRejected(step_id, self.rank, str(e), e.field, list(ids)))
             return
         except Exception as e:
             write_frame(self.out, m.WorkerError(self.rank, _error_text(e), step_id))
@@ -258,7 +263,7 @@ class _Server:
         self.out.flush()
         send_tensors(tensors, 0, self.comm)
 
-    def _kept_inputs(self, node: str, wire: m.StepEntry | m.CohortJoin, sent: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    def _kept_inputs(self, node: str, wire: m.StepEntry | m.CohortJoinRow, sent: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """The inputs `wire.refs` names, from this rank's own outputs of the request's last
         replicated step. A value sent as well (the conductor's `check_refs`) must be equal."""
         kept = self.kept.get((node, wire.request_id, wire.tag), {})

@@ -7,7 +7,7 @@ marked loop of a node in a worker process runs as a cohort there (the worker pro
 `Worker` holds the columns and runs the step, runtime/mstar_runtime/worker/process.py):
 
     open:   CohortOpen frame -> CohortReply (ok: the node offers a column step)
-    join:   CohortJoin frame -> dist.send(values) ; worker: CohortReply, or StepRejected
+    join:   CohortJoin frame (every joining row) -> dist.send(values) ; worker: CohortReply, or StepRejected
     step:   CohortStep frame ; worker: CohortStepped frame (the packed readback inline,
             or over torch.distributed when it is over the inline limit)
     leave, move, shrink, add pages: one frame each, no answer
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mstar_runtime.engine.cohort_engine import CohortResult, CohortShape
+from mstar_runtime.engine.cohort_engine import CohortResult, CohortShape, JoinRow
 from mstar_runtime.ops.readback import Readback
 from mstar_runtime.worker import messages as m
 from mstar_runtime.worker.wire import pack_values, recv_tensors, unpack_values
@@ -63,27 +63,50 @@ class RemoteCohorts:
         reply = self._ask(msg, node, "cohort_open", [])
         return reply.ok
 
-    def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: Mapping[str, Any],
-                    invariant: Mapping[str, Any], pages: list[int], length: int, steps: int | None = None,
-                    tokens: int = 1, reads: Sequence[tuple[Sequence[int], int]] = (),
-                    refs: Mapping[str, str] | None = None) -> None:
-        """`refs` (a TP member's): `fed:<port>` -> the output of the request's last replicated
-        step this worker kept, which stands in for the value (sent too with `check_refs`)."""
+    def cohort_join(self, key: Any, first: int, rows: Sequence[JoinRow],
+                    refs: Sequence[Mapping[str, str]] | None = None) -> None:
+        """All the rows in one `CohortJoin` (their tensors in one buffer after it). `refs` (a
+        TP member's), per row: `fed:<port>` -> the output of the request's last replicated
+        step this worker kept, which stands in for the value (sent too with `check_refs`). A
+        row whose value cannot travel fails the join here, before anything is sent: a
+        WorkerStepError whose `request_ids` name it."""
         cid = self._cohort_ids[key]
         node, phase = self._cohort_names[cid]
-        values = {**{f"fed:{k}": v for k, v in fed.items()}, **{f"inv:{k}": v for k, v in invariant.items()}}
-        refs = dict(refs or {})
+        what = f"{phase} (cohort join)"
+        wire: list[m.CohortJoinRow] = []
+        tensors: list[torch.Tensor] = []
+        for i, row in enumerate(rows):
+            try:
+                one, ts = self._join_row(row, dict(refs[i]) if refs else {})
+            except (TypeError, ValueError) as e:  # MessageError is a ValueError
+                raise self._unsendable(node, what, e, [row]) from e
+            wire.append(one)
+            tensors.extend(ts)
+        msg = m.CohortJoin(0, cid, first, wire)
+        try:
+            m.encode(msg)  # a value that cannot travel fails the join here, before anything is sent
+        except ValueError as e:
+            for i, one in enumerate(wire):  # whose value it is
+                try:
+                    m.encode(m.CohortJoin(0, cid, first + i, [one]))
+                except ValueError as row_e:
+                    raise self._unsendable(node, what, row_e, [rows[i]]) from row_e
+            raise self._unsendable(node, what, e, rows) from e
+        self._ask(msg, node, what, tensors)
+
+    def _unsendable(self, node: str, what: str, e: Exception, rows: Sequence[JoinRow]) -> WorkerStepError:
+        err = WorkerStepError(node, what, f"cannot send to rank {self.rank}: {e}")
+        err.request_ids = [r.request_id for r in rows]  # type: ignore[attr-defined]
+        return err
+
+    def _join_row(self, row: JoinRow, refs: dict[str, str]) -> tuple[m.CohortJoinRow, list[torch.Tensor]]:
+        values = {**{f"fed:{k}": v for k, v in row.fed.items()}, **{f"inv:{k}": v for k, v in row.invariant.items()}}
         if refs and not self.check_refs:  # a referenced value stays on the worker (no read of the leader's device)
             values = {k: v for k, v in values.items() if k not in refs}
-        try:
-            metas, inline, scalars, tensors = pack_values(values, self.inline_bytes, "cohort input")
-            msg = m.CohortJoin(0, cid, row, request_id, tag, list(pages), length, metas, inline, scalars, refs,
-                               steps, tokens, [[int(p) for p in pages] for pages, _ in reads],
-                               [int(n) for _, n in reads])
-            m.encode(msg)  # a value that cannot travel fails this join here, before anything is sent
-        except (TypeError, ValueError) as e:  # MessageError is a ValueError
-            raise WorkerStepError(node, f"{phase} (cohort join)", f"cannot send to rank {self.rank}: {e}") from e
-        self._ask(msg, node, f"{phase} (cohort join)", tensors)
+        metas, inline, scalars, tensors = pack_values(values, self.inline_bytes, "cohort input")
+        return m.CohortJoinRow(row.request_id, row.tag, [int(p) for p in row.pages], row.length, metas, inline,
+                               scalars, refs, row.steps, row.tokens, [[int(p) for p in pages] for pages, _ in row.reads],
+                               [int(n) for _, n in row.reads]), tensors
 
     def cohort_leave(self, key: Any, row: int, request_id: str, tag: str, steps: int) -> None:
         self._post(m.CohortLeave(self._cohort_ids[key], row, request_id, tag, steps))

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mstar_runtime.engine.cohort_engine import JoinRow
 from mstar_runtime.engine.engines import StepEntry
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.worker.remote import WorkerLost, can_submit
@@ -160,28 +161,30 @@ class TPCohort:
     def cohort_open(self, key: Any, node: str, shape: Any, rows: int, max_pages: int) -> bool:
         return all(self._all("cohort_open", key, node, shape, rows, max_pages))
 
-    def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: Mapping[str, Any],
-                    invariant: Mapping[str, Any], pages: list[int], length: int, steps: int | None = None,
-                    tokens: int = 1, reads: Sequence[tuple[Sequence[int], int]] = ()) -> None:
-        """Every rank joins the row; the first refusal (a `RequestError`, the same on every
+    def cohort_join(self, key: Any, first: int, rows: Sequence[JoinRow]) -> None:
+        """Every rank joins the rows; the first refusal (a `RequestError`, the same on every
         rank: the state it reads is the group's) is raised once all have been asked, so no
         rank is left with an answer unread. A fed value that is an output of the request's
         last step of the node (its prefill's token) is a reference for the members, as in
         `TPDispatch.run`: each uses its own copy, and the leader's device is not read."""
-        latest = self.dispatch._latest.get((key[0], request_id, tag)) or {}
-        refs = {f"fed:{port}": out for port, v in fed.items() for out, lv in latest.items() if lv is v}
-        self.dispatch.refs_sent += len(refs) * len(self.members)
+        refs = [self._refs(key[0], r) for r in rows]
+        self.dispatch.refs_sent += sum(len(r) for r in refs) * len(self.members)
         errors = []
         for w in (*self.members, self.leader):
             try:
                 if w is self.leader:
-                    w.cohort_join(key, row, request_id, tag, fed, invariant, pages, length, steps, tokens, reads)
+                    w.cohort_join(key, first, rows)
                 else:
-                    w.cohort_join(key, row, request_id, tag, fed, invariant, pages, length, steps, tokens, reads, refs)
+                    w.cohort_join(key, first, rows, refs)
             except (RequestError, WorkerStepError) as e:
                 errors.append(e)
         if errors:
             raise errors[0]
+
+    def _refs(self, node: str, row: JoinRow) -> dict[str, str]:
+        """`fed:<port>` -> the output of the row's request's last step of `node` that the value is."""
+        latest = self.dispatch._latest.get((node, row.request_id, row.tag)) or {}
+        return {f"fed:{port}": out for port, v in row.fed.items() for out, lv in latest.items() if lv is v}
 
     def cohort_leave(self, key: Any, row: int, request_id: str, tag: str, steps: int) -> None:
         self._all("cohort_leave", key, row, request_id, tag, steps)

@@ -8,7 +8,7 @@ in every process). The conductor drives it with `run_step(StepBatch)`, plus the 
 bookkeeping its BlockManagers decide (`fork`, `copy_slots`, `free`; `export_kv` and
 `import_kv` for a KV context the plan moves between ranks), and, for decode
 cohorts, the `cohort_*` calls: open (the device columns of a marked loop, if its node offers
-a column step), join / leave / move a row, add pages, and step all rows at once
+a column step), join rows (several in one call) / leave / move a row, add pages, and step all rows at once
 (engine/cohort_engine.py). A worker process serves the same calls as messages
 (worker/process.py; the conductor's side in worker/remote_cohort.py), and a tensor-parallel
 node's cohort makes them on every rank of its group (`tp_dispatch.TPCohort`); `key` is
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from mstar_runtime.engine.cohort_engine import CohortColumns, CohortGraphs, CohortResult, CohortShape
+from mstar_runtime.engine.cohort_engine import CohortColumns, CohortGraphs, CohortResult, CohortShape, JoinRow
 from mstar_runtime.engine.engines import (
     AttentionBackend,
     KVCacheEngine,
@@ -241,12 +241,12 @@ class Worker:
         self._cohort_engine[key] = engine
         return True
 
-    def cohort_join(self, key: Any, row: int, request_id: str, tag: str, fed: Mapping[str, Any],
-                    invariant: Mapping[str, Any], pages: list[int], length: int, steps: int | None = None,
-                    tokens: int = 1, reads: Sequence[tuple[Sequence[int], int]] = ()) -> None:
-        """`reads`: (pages, length) of each context the row's phase reads, in its `reads` order."""
-        state = self._cohort_engine[key].state(request_id, tag)
-        self._cohorts[key].join(row, state, fed, invariant, pages, length, steps, tokens, reads)
+    def cohort_join(self, key: Any, first: int, rows: Sequence[JoinRow]) -> None:
+        """Rows `first`, `first + 1`, ... join (`CohortColumns.join_rows`: all or none; a
+        refusal is a RequestError whose `request_ids` name the refused row)."""
+        engine = self._cohort_engine[key]
+        states = [engine.state(r.request_id, r.tag) for r in rows]
+        self._cohorts[key].join_rows(first, rows, states)
 
     def cohort_leave(self, key: Any, row: int, request_id: str, tag: str, steps: int) -> None:
         self._cohorts[key].leave(row, self._cohort_engine[key].state(request_id, tag), steps)

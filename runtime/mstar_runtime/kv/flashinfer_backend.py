@@ -60,8 +60,9 @@ prefill per step with one entry per row: 258 queries over a few thousand keys ea
 whole step as one block-causal entry would need a q x kv custom mask whose 32-bit offsets
 overflow (BENCHMARKS.md: "negative dimension").
 
-The wrappers added here wait, before re-planning, for their previous plan's upload (a
-`_PlanFence` event): FlashInfer's plan writes its schedule into one pinned host buffer per
+Every wrapper here waits, before re-planning, for its previous plan's upload (a
+`_PlanFence` event; the backend's own decode and prefill wrappers too, which prefix caching's
+chunks plan once per chunk within one step): FlashInfer's plan writes its schedule into one pinned host buffer per
 wrapper and queues a copy of it, so a host that runs a step ahead of the GPU must not
 overwrite that buffer before the queued copy has read it. The wait is an event query in
 steady state (the copy has long run); it blocks only when the host is a whole step ahead.
@@ -191,6 +192,9 @@ class FlashInferBackend:
                               flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                              backend=long_prefill_backend))
         self._step: _Step | None = None
+        # per wrapper: its last plan's upload (module docstring), which a re-plan waits for: prefix
+        # caching's chunks plan the prefill wrapper once per chunk within one step
+        self._fences = {id(w): _PlanFence(self.device) for w in (self._decode, self._prefill, self._prefill_long)}
         # per pool: (q heads, scale) seen at its last call, so the next steps plan in prepare()
         self._learnt: dict[int, tuple[int, float]] = {}
         self._failed: set[tuple[str, bool, bool]] = set()  # (mode, custom mask, long) whose plan failed once
@@ -259,8 +263,11 @@ class FlashInferBackend:
         try:
             if step.mode == "decode":
                 indptr, indices, last = host[: n + 1], host[n + 1 : n + 1 + m], host[n + 1 + m :]
+                fence = self._fences[id(self._decode)]
+                fence.wait()
                 self._decode.plan(indptr, indices, last, q_heads, pool.kv_heads, pool.head_dim,
                                   pool.page_size, **common)
+                fence.record()
             else:
                 qo, kv = host[: n + 1], host[n + 1 : 2 * n + 2]
                 indices, last = host[2 * n + 2 : 2 * n + 2 + m], host[2 * n + 2 + m :]
@@ -271,8 +278,11 @@ class FlashInferBackend:
                     qo, kv, indices, last = (t.to(dev) for t in (qo, kv, indices, last))
                     mask = _custom_mask(step.meta, dev)
                 wrapper = self._prefill_long if step.long else self._prefill
+                fence = self._fences[id(wrapper)]
+                fence.wait()
                 wrapper.plan(qo, kv, indices, last, q_heads, pool.kv_heads, pool.head_dim,
                              pool.page_size, causal=step.causal, custom_mask=mask, **common)
+                fence.record()
         except Exception as e:  # noqa: BLE001 - any planning failure: the reference computes the same
             _log_once(logging.WARNING, f"flashinfer: {step.mode} plan failed ({type(e).__name__}: {e}); "
                       "this step kind uses the reference attention")

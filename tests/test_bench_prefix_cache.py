@@ -2,8 +2,8 @@
 (a shared prefix) and Qwen3-Omni (a conversation's second turn).
 
 No timing is asserted (the figures depend on the machine): the one command runs, the hit
-requests found the shared prefix's blocks cached and the misses none, both gave the same
-outputs, and the JSON has the shape the benchmark promises."""
+requests found the shared prefix's blocks cached and the misses (and the cache-off run) none,
+miss and hit gave the same outputs, and the JSON has the shape the benchmark promises."""
 
 from __future__ import annotations
 
@@ -20,16 +20,18 @@ def _run(tmp_path: Path, *args: str) -> dict[str, Any]:
     bench = load_script(ROOT / "tools" / "bench" / "prefix_cache.py", "prefix_cache_bench")
     out = tmp_path / "pc.json"
     assert bench.main(["--device", "cpu", "--prefix-tokens", "60", "--requests", "2", "--warmup", "1",
-                       "--out", str(out), *args]) == 0
+                       "--prefix-chunk", "32", "--out", str(out), *args]) == 0
     return json.loads(out.read_text())
 
 
 def _check(rec: dict[str, Any], first: str) -> None:
-    miss, hit = rec["results"]
-    assert (miss["mode"], hit["mode"]) == ("miss", "hit")
-    assert miss["cached_tokens"] == 0 and hit["cached_tokens"] >= rec["prefix_tokens"] // 16 * 16 - 16 > 0
-    assert rec["same_outputs"] is True and rec["ratio_miss_over_hit"] > 0
-    assert miss[f"{first}_p50_ms"] > 0 and hit[f"{first}_p50_ms"] > 0
+    off, miss, hit = rec["results"]
+    assert (off["mode"], miss["mode"], hit["mode"]) == ("off", "miss", "hit") and rec["prefix_chunk"] == 32
+    assert off["cached_tokens"] == miss["cached_tokens"] == 0
+    assert hit["cached_tokens"] >= rec["prefix_tokens"] // 32 * 32 - 32 > 0 and hit["cached_tokens"] % 32 == 0
+    assert rec["same_outputs"] is True and rec["ratio_miss_over_hit"] > 0 and rec["ratio_off_over_hit"] > 0
+    assert isinstance(rec["same_as_off"], bool)
+    assert all(r[f"{first}_p50_ms"] > 0 for r in (off, miss, hit))
 
 
 def test_prefix_cache_bench_orpheus(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from support import fake_flashinfer as install_fake_flashinfer
 
 from mstar_models.testfamily import TinyLM
 from mstar_models.testfamily.family import CONFIGS, node_spec
-from mstar_runtime.engine.engines import KVCacheEngine
+from mstar_runtime.engine.engines import KVCacheEngine, KVSlots, StepEntry
 from mstar_runtime.engine.graphs import GraphRunner, ReferenceBucketDecode, graph_buckets, pad_decode
 from mstar_runtime.kv import flashinfer_backend as fib
 from mstar_runtime.kv.attention import (
@@ -344,3 +344,24 @@ def test_long_prefills_plan_and_run_on_the_second_wrapper(
     monkeypatch.setenv(fib.LONG_PREFILL_ENV, "fa2")  # one module: the same wrapper
     one = fib.FlashInferBackend("cpu")
     assert one._prefill_long is one._prefill
+
+
+def test_prefix_chunks_plan_flashinfer_once_per_piece(fake_flashinfer: types.ModuleType) -> None:
+    """A prefill with prefix caching's chunk (engine/chunked.py) on the FlashInfer backend: the
+    prefill wrapper is planned once per chunk, before that chunk's layers, with the chunk's
+    rows over the pages before it; the K/V written equal the reference backend's chunks."""
+    lm = tiny_lm(TinyLM)
+    engines = [KVCacheEngine(lm, PAGES, PAGE, torch.float32, "cpu", output_ports=PORTS),
+               KVCacheEngine(lm, PAGES, PAGE, torch.float32, "cpu", output_ports=PORTS,
+                             attention_backend=fib.FlashInferBackend("cpu"))]
+    tokens = torch.arange(3, 14)  # 11 tokens: chunks of 4 at [0, 4), [4, 8), [8, 11)
+    bm = BlockManager(PAGES, PAGE)
+    slots = bm.append(("r", "main"), 11)
+    kv = KVSlots(0, 11, slots, bm.page_table(("r", "main")), chunk=PAGE)
+    outs = [e.run("prefill", [StepEntry("r", None, {"tokens": tokens, "max_new": 2}, kv)]) for e in engines]
+    assert resolve(outs[0])[0]["token"].tolist() == resolve(outs[1])[0]["token"].tolist()
+    torch.testing.assert_close(engines[1].pool.data, engines[0].pool.data, atol=1e-5, rtol=1e-5)
+    layers = engines[0].pool.num_layers
+    plan, run = "plan prefill causal=True custom=False", "run FakePrefill"
+    # the first chunk plans at its first layer (the head count is learnt there), the others in prepare
+    assert _FakeWrapper.calls == ([plan] + [run] * layers) * 3

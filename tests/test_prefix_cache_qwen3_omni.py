@@ -35,7 +35,7 @@ def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engines(plan_path: Path, checkpoint: Path) -> Iterator[tuple[MStar, MStar]]:
     with MStar.load(plan_path, weights=checkpoint, prefix_caching=False) as off, \
-            MStar.load(plan_path, weights=checkpoint, prefix_caching=True) as on:
+            MStar.load(plan_path, weights=checkpoint, prefix_caching=True, prefix_chunk=16) as on:
         yield off, on
 
 

@@ -63,14 +63,14 @@ def _compile(walk: Path, out: Path) -> Path:
 @pytest.fixture(scope="module")
 def family(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     plan = compile_plan(tmp_path_factory.mktemp("rt-family"), extra=())
-    with serving(plan, "--api-key", KEY, "--prefix-caching") as s:
+    with serving(plan, "--api-key", KEY, "--prefix-caching", "--prefix-chunk", "16") as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     plan = _compile(ROOT / "models/qwen3_omni/qwen3_omni.walk", tmp_path_factory.mktemp("rt-omni") / "q.plan")
-    with serving(plan, "--request-timeout", "120", "--prefix-caching") as s:
+    with serving(plan, "--request-timeout", "120", "--prefix-caching", "--prefix-chunk", "16") as s:
         yield s
 
 

@@ -65,6 +65,7 @@ from mstar_runtime.control.conductor import (
     stream_inputs,
 )
 from mstar_runtime.control.requests import check_submit
+from mstar_runtime.control.scheduler import DEFAULT_PREFIX_CHUNK, check_prefix_chunk
 from mstar_runtime.control.validate import TORCH_DTYPES
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.output_stream import OutputStream, RequestFailed
@@ -298,14 +299,15 @@ class MStar:
     def __init__(self, plan: Plan, workers: Mapping[int, WorkerLike], *, shutdown: Callable[[], None] | None = None,
                  max_running: int | None = None, preempt_every: int | None = None,
                  request_timeout: float | None = None, weights: str | PathLike[str] = "dummy",
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, prefix_chunk: int = DEFAULT_PREFIX_CHUNK):
         """`weights`: what the workers loaded, for the rate an audio file is resampled to (`input_rate`).
-        `prefix_caching`: reuse the KV of prompts' shared leading blocks across requests
-        (docs/runtime.md, "Prefix caching")."""
+        `prefix_caching`: reuse the KV of prompts' shared leading blocks across requests, in
+        multiples of `prefix_chunk` tokens (docs/runtime.md, "Prefix caching")."""
         self.plan = plan
         self._rates = media.InputRates(plan, weights)
         self._conductor = Conductor(plan, workers, max_running=max_running, preempt_every=preempt_every,
-                                    request_timeout=request_timeout, prefix_caching=prefix_caching)
+                                    request_timeout=request_timeout, prefix_caching=prefix_caching,
+                                    prefix_chunk=prefix_chunk)
         self._shutdown = shutdown
         self._lock = threading.Condition()  # guards everything below; the engine sleeps on it
         # (command, handle, args): submit, cancel, and a streamed input's feed / close_input
@@ -324,22 +326,28 @@ class MStar:
     @classmethod
     def load(cls, plan_path: str | PathLike[str], *, weights: str | PathLike[str] = "dummy",
              device: str | None = None, max_running: int | None = None, preempt_every: int | None = None,
-             request_timeout: float | None = None, prefix_caching: bool = False) -> MStar:
+             request_timeout: float | None = None, prefix_caching: bool = False,
+             prefix_chunk: int = DEFAULT_PREFIX_CHUNK) -> MStar:
         """Load a plan (a bad one raises `PlanError`, unchanged), start its workers and the engine."""
         plan = load_plan(plan_path, device=device)
         return cls.from_plan(plan, weights=weights, max_running=max_running, preempt_every=preempt_every,
-                             request_timeout=request_timeout, prefix_caching=prefix_caching)
+                             request_timeout=request_timeout, prefix_caching=prefix_caching,
+                             prefix_chunk=prefix_chunk)
 
     @classmethod
     def from_plan(cls, plan: Plan, *, weights: str | PathLike[str] = "dummy", max_running: int | None = None,
                   preempt_every: int | None = None, request_timeout: float | None = None,
-                  prefix_caching: bool = False) -> MStar:
-        """Like `load`, for a plan already loaded (the CLI checks its inputs against it first)."""
+                  prefix_caching: bool = False, prefix_chunk: int = DEFAULT_PREFIX_CHUNK) -> MStar:
+        """Like `load`, for a plan already loaded (the CLI checks its inputs against it first).
+        A `prefix_chunk` that is not a positive multiple of the plan's page size (with prefix
+        caching on) is a `PrefixChunkError` (a ValueError) before any worker starts."""
+        if prefix_caching:
+            check_prefix_chunk(prefix_chunk, plan.page_size)
         workers, shutdown = start_workers(plan, weights)
         try:
             return cls(plan, workers, shutdown=shutdown, max_running=max_running, preempt_every=preempt_every,
                        request_timeout=request_timeout, weights=weights,
-                       prefix_caching=prefix_caching)
+                       prefix_caching=prefix_caching, prefix_chunk=prefix_chunk)
         except BaseException:
             shutdown()
             raise

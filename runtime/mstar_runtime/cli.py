@@ -45,6 +45,7 @@ from tqdm import tqdm
 from mstar_runtime import media, untrusted
 from mstar_runtime.api import MStar, RequestFailed, RequestHandle
 from mstar_runtime.cli_support import CONTEXT_SETTINGS, run_command, version_option
+from mstar_runtime.control.scheduler import DEFAULT_PREFIX_CHUNK, PrefixChunkError, check_prefix_chunk
 from mstar_runtime.control.validate import TORCH_DTYPES, validate_inputs
 from mstar_runtime.engine_options import EngineOptions, start_engine
 from mstar_runtime.ops.node import NodeError, RequestError
@@ -479,6 +480,8 @@ def run_server(plan: str | PathLike[str], config: ServeConfig | None = None, *,
         from mstar_runtime.plan.routes import RouteMisfit, served_routes
 
         loaded = load_plan(plan, device=options.device)  # a bad plan is one line here, before a process starts
+        if options.prefix_caching:  # so is a prefix chunk the plan's pages do not divide
+            check_prefix_chunk(options.prefix_chunk, loaded.page_size)
         try:  # a walk that does not fit a route it declares, too: before the weights load
             served_routes(loaded.walks)
         except RouteMisfit as e:
@@ -529,7 +532,7 @@ def _guard(fn: Callable[[], Any]) -> Any:
 def _startup_errors() -> tuple[type[BaseException], ...]:
     """What loading can fail with for reasons the user can fix: a bad plan, weights or input,
     and a worker process that did not start (when the multi-rank runtime is installed)."""
-    errors: tuple[type[BaseException], ...] = (PlanError, NodeError, RequestError)
+    errors: tuple[type[BaseException], ...] = (PlanError, NodeError, RequestError, PrefixChunkError)
     try:
         from mstar_runtime.worker.remote import WorkerLost
     except ImportError:
@@ -621,6 +624,11 @@ def _env(name: str) -> dict[str, Any]:
 @click.option("--prefix-caching/--no-prefix-caching", default=False, show_default=True,
               **_env("MSTAR_PREFIX_CACHING"),
               help="Reuse the KV of prompts' shared leading blocks across requests (docs/runtime.md).")
+@click.option("--prefix-chunk", type=click.IntRange(min=1), default=DEFAULT_PREFIX_CHUNK, show_default=True,
+              metavar="N", **_env("MSTAR_PREFIX_CHUNK"),
+              help="With --prefix-caching: prefill keyed prompts in chunks of N tokens (a multiple of the "
+                   "plan's page size) and reuse cached KV up to a multiple of N, so a hit computes the same bits "
+                   "as its miss (docs/runtime.md).")
 @click.option("--preempt-every", type=click.IntRange(min=1), hidden=True)  # debug: force preemptions
 @version_option(PROG)
 @click.pass_context
@@ -629,6 +637,7 @@ def command(ctx: click.Context, **p: Any) -> int:
     _check_usage(ctx, p)
     options = EngineOptions(weights=p["weights"], device=p["device"], threads=p["threads"],
                             preempt_every=p["preempt_every"], prefix_caching=p["prefix_caching"],
+                            prefix_chunk=p["prefix_chunk"],
                             request_timeout=p["request_timeout"] if p["serve"] else None)
     if p["walk"] is not None:
         return run_walk(p["plan"], p["walk"], p["inputs"], out=p["out"] or "out", stream=p["stream"],

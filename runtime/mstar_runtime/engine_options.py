@@ -12,13 +12,14 @@ from os import PathLike
 import torch
 
 from mstar_runtime.api import MStar
+from mstar_runtime.control.scheduler import DEFAULT_PREFIX_CHUNK
 from mstar_runtime.plan.loader import Plan
 
 
 @dataclass(frozen=True)
 class EngineOptions:
     """How a mode builds its engine: `mstar-run`'s --weights, --device, --threads,
-    --request-timeout, --prefix-caching (and the hidden --preempt-every, a debug aid)."""
+    --request-timeout, --prefix-caching, --prefix-chunk (and the hidden --preempt-every, a debug aid)."""
 
     weights: str | PathLike[str] = "dummy"
     device: str | None = None  # default: what the plan was compiled for
@@ -26,6 +27,7 @@ class EngineOptions:
     request_timeout: float | None = None
     preempt_every: int | None = None
     prefix_caching: bool = False
+    prefix_chunk: int = DEFAULT_PREFIX_CHUNK
 
 
 def start_engine(plan: Plan, options: EngineOptions) -> MStar:
@@ -33,4 +35,5 @@ def start_engine(plan: Plan, options: EngineOptions) -> MStar:
     if options.threads is not None:
         torch.set_num_threads(options.threads)
     return MStar.from_plan(plan, weights=str(options.weights), preempt_every=options.preempt_every,
-                           request_timeout=options.request_timeout, prefix_caching=options.prefix_caching)
+                           request_timeout=options.request_timeout, prefix_caching=options.prefix_caching,
+                           prefix_chunk=options.prefix_chunk)

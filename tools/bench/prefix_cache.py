@@ -5,9 +5,12 @@
     python tools/bench/prefix_cache.py --device cpu --variant tiny --prefix-tokens 80 --requests 2   # smoke
     python tools/bench/prefix_cache.py --model qwen3_omni --device cpu --prefix-tokens 80 --requests 2
 
-One request at a time (B = 1, so each figure is one prefill alone), through a Conductor with
-one in-process Worker and dummy weights, on a cache-off conductor (miss) and a cache-on one
-(hit); each first runs `--warmup` untimed requests of another prefix (allocator, kernels).
+One request at a time (B = 1, so each figure is one prefill alone), through Conductors over
+one in-process Worker and dummy weights, in three modes: `off` (the cache off: the one-piece
+prefill), `miss` (the cache on, each timed request on a fresh conductor that holds nothing:
+its prefill in chunks of `--prefix-chunk` tokens, docs/runtime.md "Prefix caching") and `hit`
+(the cache on, the shared prefix cached); each first runs `--warmup` untimed requests of
+another prefix (allocator, kernels).
 
 - `--model orpheus` (default): the Orpheus walk (tools/bench/orpheus.py's copy whose end check
   never fires, variant `bench` by default: real sizes, audio codes only). Every request's
@@ -25,9 +28,12 @@ one in-process Worker and dummy weights, on a cache-off conductor (miss) and a c
 
 A listener synchronises the device at the output it times, so a figure covers the kernels
 before it. Printed and written to the JSON (--out, default $OUT/prefix_cache.json): p50 and
-mean of each figure per mode, the ratio miss / hit of the TTFT p50, the prompt and cached
-token counts, and `same_outputs`: whether every timed request's outputs (codes; text) were
-equal on both (seeded sampling: a hit that changed a logit's last bits could flip a token).
+mean of each figure per mode (`results`: off, miss, hit), the ratios miss / hit and off / hit
+of the TTFT p50, the prompt and cached token counts, `same_outputs`: whether every timed
+request's outputs (codes; text) were equal in miss and hit (seeded sampling: a hit that
+changed a logit's last bits could flip a token; the chunks are what keeps them equal), and
+`same_as_off`: whether they were equal to the cache-off run too (not promised on a GPU: the
+one-piece prefill runs other kernels than the chunks).
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, sync, table, write_json  # noqa: E402 - the sibling modules, found through the line above
+
+from mstar_runtime.control.scheduler import DEFAULT_PREFIX_CHUNK  # noqa: E402 - after the path line, with the others
 
 SENTENCE = "Speech models read a long description of the voice and the scene before they say a word. "
 QUESTIONS = ("What do you hear now?", "Say it once more, slowly.", "And now in a whisper?", "Louder, please!",
@@ -95,6 +103,32 @@ def run(conductor: Any, walk: str, inputs: list[dict[str, Any]], device: torch.d
         out.append({**times, "cached_tokens": req.stats.cached_tokens,
                     "outputs": {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in kept.items()}})
     return out
+
+
+MODES = ("off", "miss", "hit")
+
+
+def run_mode(mode: str, setup: dict[str, Any], chunk: int, device: torch.device,
+             names: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The timed requests of one mode (module docstring), after its warm-up requests."""
+    from mstar_runtime.control.conductor import Conductor
+
+    plan, worker, walk = setup["plan"], setup["worker"], setup["walk"]
+
+    def conductor() -> Any:
+        return Conductor(plan, {0: worker}, max_running=1, prefix_caching=mode != "off", prefix_chunk=chunk)
+
+    first = conductor()
+    run(first, walk, setup["warm"], device, names)
+    if mode == "off":
+        return run(first, walk, setup["timed"], device, names)
+    if mode == "miss":  # a conductor that holds nothing for each: every request computes its prompt
+        return [run(first if i == 0 else conductor(), walk, [x], device, names)[0]
+                for i, x in enumerate(setup["timed"])]
+    if setup.get("interleave"):  # each conversation's first turn, then its second
+        return [run(first, walk, [a, b], device, names)[1] for a, b in zip(setup["before_hit"], setup["timed"])]
+    run(first, walk, setup["before_hit"], device, names)
+    return run(first, walk, setup["timed"], device, names)
 
 
 def orpheus_setup(args: argparse.Namespace, tmp: Path, device: torch.device) -> dict[str, Any]:
@@ -157,29 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=2, help="tokens per request (Qwen3-Omni: text tokens)")
     ap.add_argument("--frames", type=int, default=8, help="Qwen3-Omni: codec frames per request")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix-chunk", type=int, default=DEFAULT_PREFIX_CHUNK,
+                    help="tokens of a prefill chunk with the cache on (a multiple of the page size)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "prefix_cache.json")
     args = ap.parse_args(argv)
     if not 1 <= args.requests <= len(QUESTIONS) - 1 or args.prefix_tokens < 1 or args.tokens < 1:
         ap.error(f"--requests must lie in [1, {len(QUESTIONS) - 1}], --prefix-tokens and --tokens be >= 1")
-    from mstar_runtime.control.conductor import Conductor
-
     device = torch.device(args.device)
     names = FIRSTS[args.model]
     with tempfile.TemporaryDirectory() as tmp:
         setup = (orpheus_setup if args.model == "orpheus" else qwen3_omni_setup)(args, Path(tmp), device)
-    plan, worker, walk = setup["plan"], setup["worker"], setup["walk"]
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for mode in ("miss", "hit"):
-        conductor = Conductor(plan, {0: worker}, max_running=1, prefix_caching=mode == "hit")
-        run(conductor, walk, setup["warm"], device, names)
-        if mode == "hit" and setup.get("interleave"):  # each conversation's first turn, then its second
-            runs[mode] = [run(conductor, walk, [a, b], device, names)[1]
-                          for a, b in zip(setup["before_hit"], setup["timed"])]
-        else:
-            if mode == "hit":
-                run(conductor, walk, setup["before_hit"], device, names)
-            runs[mode] = run(conductor, walk, setup["timed"], device, names)
-        del conductor
+    runs = {mode: run_mode(mode, setup, args.prefix_chunk, device, names) for mode in MODES}
     rows = []
     for mode, rs in runs.items():
         row: dict[str, Any] = {"mode": mode, "cached_tokens": statistics.median(r["cached_tokens"] for r in rs)}
@@ -189,15 +211,19 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{n}_mean_ms"] = statistics.fmean(ms) if ms else None
         rows.append(row)
     key = f"{names[0]}_p50_ms"
+    p50 = {row["mode"]: row[key] for row in rows}
     rec = {"model": args.model, "results": rows, "prefix_tokens": setup["prefix_tokens"], "requests": args.requests,
-           "ratio_miss_over_hit": rows[0][key] / rows[1][key],
+           "prefix_chunk": args.prefix_chunk, "ratio_miss_over_hit": p50["miss"] / p50["hit"],
+           "ratio_off_over_hit": p50["off"] / p50["hit"],
            "same_outputs": all(a["outputs"] == b["outputs"] for a, b in zip(runs["miss"], runs["hit"])),
+           "same_as_off": all(a["outputs"] == b["outputs"] for a, b in zip(runs["off"], runs["hit"])),
            "meta": {"variant": args.variant, "device": str(device), "tokens": args.tokens, "env": environment(device)}}
     cols = [("mode", "mode", 0)] + [(f"{n}_p50_ms", f"first {n} p50 ms", 1) for n in names] + [
         (f"{n}_mean_ms", f"{n} mean ms", 1) for n in names] + [("cached_tokens", "cached tokens", 0)]
     print(table(rows, cols))
-    print(f"{args.model}: prefix {setup['prefix_tokens']} tokens; miss / hit = {rec['ratio_miss_over_hit']:.2f}x "
-          f"(first {names[0]}); same outputs: {rec['same_outputs']}")
+    print(f"{args.model}: prefix {setup['prefix_tokens']} tokens, chunk {args.prefix_chunk}; miss / hit = "
+          f"{rec['ratio_miss_over_hit']:.2f}x, off / hit = {rec['ratio_off_over_hit']:.2f}x (first {names[0]}); "
+          f"same outputs (miss, hit): {rec['same_outputs']}; same as off: {rec['same_as_off']}")
     write_json(args.out, rec)
     return 0
 

@@ -4,39 +4,44 @@
     python tools/probes/prefix_hit_miss.py --device cpu --variant tiny --prefix-tokens 80 --requests 3   # smoke
 
 One process, one Worker and dummy weights (tools/bench/prefix_cache.py's `orpheus_setup`: a
-shared prefix of about `--prefix-tokens` tokens plus a short question per request), three
-Conductors over that worker, one request at a time:
-- `miss`: cache off; request 0 (prefix + question 1) is computed whole, as every request after it.
+shared prefix of about `--prefix-tokens` tokens plus a short question per request), Conductors
+over that worker, one request at a time:
+- `off`: cache off; request 0 (prefix + question 1) is computed in one piece, as every request after it.
+- `miss`: cache on, every request on a fresh conductor that holds nothing: request 0 is computed
+  whole, in chunks of `--prefix-chunk` tokens at absolute multiples of it (docs/runtime.md,
+  "Prefix caching"), as every request after it.
 - `hit`: cache on, warmed by prefix + question 0, so request 0 finds the prefix's full pages
-  cached (computed by a prompt of another length) and its prefill computes the suffix only.
+  cached (computed by a prompt of another length) up to a multiple of the chunk, and its
+  prefill computes the rest only, in the same chunks as the miss.
 - `split`: cache on, fresh: request 0 twice. The first (`split_first`) is computed whole, as
   the miss (a control: it must equal the miss bit for bit); the second (`split`) finds the
   pages of that very computation, so it is "the prompt in two pieces": prefix pages equal to
   the miss's, the rest computed apart (and timed as often as the others, on those pages).
-  miss vs split isolates the suffix's own kernels (GEMMs of another row count, paged
-  attention over cached pages); split vs hit, what pages computed by another prompt change.
+  With the chunks miss, split and hit must all be equal; off vs miss shows what the chunks
+  change against the one-piece prefill (on a GPU: other kernels, other last bits).
 
 Taps (instance attributes over the llm node's `phase_prefill`/`head` and the worker's
 `run_step`/`cohort_step`, removed at the end; the runtime is unchanged): per llm prefill
-its cached tokens, the attention wrapper FlashInfer planned, CUDA-event time of the step
+its cached tokens, its pieces (`pieces`: (q_len, kv_len) of each chunk that ran apart, or of
+the whole step), the attention wrapper FlashInfer planned last, CUDA-event time of the step
 (`step_gpu_ms`), host time inside it (`step_host_ms`), the host time from submit to it
 (`before_step_ms`: the prompt node, admission, the prefix lookup) and from its return to
 the worker's next call (`after_step_ms`: the commit of the pages' hashes, the decode join).
 Request 0 of each mode also keeps the last prefill row's hidden state and float32 logits
 (the first token's distribution) and, from the pool by the step's page table, K and V of
 the first, middle and last layer; it and the profiled last request are left out of the
-times. The last request of miss and hit runs under torch.profiler:
-`profile_{miss,hit}.txt` under --out, the top 25 kernels by device time and CPU ops by CPU time.
+times. The last request of off, miss and hit runs under torch.profiler:
+`profile_{off,miss,hit}.txt` under --out, the top 25 kernels by device time and CPU ops by CPU time.
 
 Printed at the end: a table of every llm prefill (label, cached tokens, attention, the four
 times: a first-call cost such as a kernel built on first use shows in its row), then the
 summary, also written to `summary.json` under --out (default $OUT/prefix_probe, else a
 temporary folder) with those rows as `records`. `compare.{miss_vs_hit, miss_vs_split,
-miss_vs_split_first, split_vs_hit}`: `logits_max_abs`, `argmax_equal`, `hidden_max_abs` (the
+miss_vs_split_first, split_vs_hit, off_vs_miss}`: `logits_max_abs`, `argmax_equal`, `hidden_max_abs` (the
 last prefill row), `first_code_equal` and `codes_equal` (the drawn codes), `kv_prefix` /
 `kv_suffix` (per kept layer, max |dK| and |dV| over the positions before / from `cut`, the
 first position either run computed after cached pages); `modes.<mode>`: `cached_tokens`,
-`attention` (the wrapper request 0's prefill ran on), the medians of the four times and of
+`attention` (the wrapper request 0's prefill ran on last), `pieces`, the medians of the four times and of
 `first_code_ms` (submit -> first code on the host, the bench's figure).
 """
 
@@ -59,8 +64,11 @@ sys.path.insert(0, str(ROOT / "tools" / "bench"))
 from common import environment, sync, table, write_json  # noqa: E402 - tools/bench, found through the line above
 from prefix_cache import orpheus_setup, run  # noqa: E402
 
+from mstar_runtime.control.scheduler import DEFAULT_PREFIX_CHUNK  # noqa: E402 - after the path lines
+from mstar_runtime.engine.chunked import ChunkedRows  # noqa: E402
+
 NODE = "llm"
-PAIRS = (("miss", "hit"), ("miss", "split"), ("miss", "split_first"), ("split", "hit"))
+PAIRS = (("miss", "hit"), ("miss", "split"), ("miss", "split_first"), ("split", "hit"), ("off", "miss"))
 
 
 class Tap:
@@ -87,6 +95,9 @@ class Tap:
                 self._inside = False
             st = getattr(self.engine.backend, "_step", None)  # FlashInferBackend's plan of this step
             rec["attention"] = "reference" if st is None else f"{st.mode} long={st.long} causal={st.causal}"
+            runner = attn.graph_runner
+            rec["pieces"] = ([[s.q_len, s.kv_len] for p in runner.pieces for s in p.meta.seqs]
+                             if isinstance(runner, ChunkedRows) else [[s.q_len, s.start + s.q_len] for s in attn.seqs])
             if self.keep:
                 s, pool = attn.extra["metadata"].seqs[0], self.engine.pool
                 rec["kv"] = {i: [t.clone() for t in pool.gather(i, s.page_table, s.kv_len)] for i in self.layers}
@@ -208,7 +219,7 @@ def summarise(first: dict[str, Any], timed: list[dict[str, Any]]) -> dict[str, A
     """A mode's request 0 facts and the medians of its timed requests."""
     recs = [t["rec"] for t in timed]
     row: dict[str, Any] = {"cached_tokens": first["cached_tokens"], "attention": first["rec"].get("attention"),
-                           "timed_requests": len(timed), "first_code_ms": med([t.get("codes_ms") for t in timed])}
+                           "pieces": first["rec"].get("pieces"), "timed_requests": len(timed), "first_code_ms": med([t.get("codes_ms") for t in timed])}
     for key in ("step_gpu_ms", "step_host_ms", "before_step_ms", "after_step_ms"):
         row[key] = med([r.get(key) for r in recs])
     return row
@@ -224,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix-chunk", type=int, default=DEFAULT_PREFIX_CHUNK,
+                    help="tokens of a prefill chunk with the cache on (a multiple of the page size)")
     ap.add_argument("--out", type=Path, default=None, help="folder (default $OUT/prefix_probe, else a temp dir)")
     args = ap.parse_args(argv)
     if not 3 <= args.requests <= 7:
@@ -240,17 +253,22 @@ def main(argv: list[str] | None = None) -> int:
     tap = Tap(worker, device)
     firsts: dict[str, dict[str, Any]] = {}
     modes: dict[str, Any] = {}
+    def new(cache: bool = True) -> Any:
+        return Conductor(plan, {0: worker}, max_running=1, prefix_caching=cache, prefix_chunk=args.prefix_chunk)
+
     try:
-        for mode in ("miss", "hit"):
-            conductor = Conductor(plan, {0: worker}, max_running=1, prefix_caching=mode == "hit")
+        for mode in ("off", "miss", "hit"):
+            conductor = new(mode != "off")
             for i, x in enumerate(setup["warm"] + (setup["before_hit"] if mode == "hit" else [])):
                 request(conductor, walk, x, tap, f"{mode}-warm{i}")
+            # a miss: each request on a conductor that holds nothing
+            again = (lambda: new()) if mode == "miss" else (lambda c=conductor: c)
             firsts[mode] = request(conductor, walk, xs[0], tap, mode, keep=True)
-            timed = [request(conductor, walk, x, tap, f"{mode}{i}") for i, x in enumerate(xs[1:-1], 1)]
-            request(conductor, walk, xs[-1], tap, f"{mode}-profiled", profile=out / f"profile_{mode}.txt")
+            timed = [request(again(), walk, x, tap, f"{mode}{i}") for i, x in enumerate(xs[1:-1], 1)]
+            request(again(), walk, xs[-1], tap, f"{mode}-profiled", profile=out / f"profile_{mode}.txt")
             modes[mode] = (firsts[mode], timed)
             del conductor
-        conductor = Conductor(plan, {0: worker}, max_running=1, prefix_caching=True)
+        conductor = new()
         for i, x in enumerate(setup["warm"]):
             request(conductor, walk, x, tap, f"split-warm{i}")
         firsts["split_first"] = request(conductor, walk, xs[0], tap, "split_first", keep=True)
@@ -262,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         tap.resolve()
     finally:
         tap.close()
-    rec = {"prefix_tokens": setup["prefix_tokens"], "prompt_tokens": int(firsts["miss"]["rec"]["kv"][0][0].shape[0]),
+    rec = {"prefix_tokens": setup["prefix_tokens"], "prefix_chunk": args.prefix_chunk,
+           "prompt_tokens": int(firsts["miss"]["rec"]["kv"][0][0].shape[0]),
            "kv_layers": tap.layers, "compare": {f"{a}_vs_{b}": compare(firsts[a], firsts[b]) for a, b in PAIRS},
            "modes": {m: summarise(f, t) for m, (f, t) in modes.items()},
            "records": [{k: v for k, v in r.items() if k not in ("kv", "hidden", "logits")} for r in tap.records],

@@ -154,12 +154,12 @@ class TinyLM(DecoderNode):
 
     # ------------------------------------------------------------------ phases
     def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
-        # a prefix found cached (`seq.cached`) is in the KV already: only the rest is computed
+        # a prefix found cached (`seq.cached`) is in the KV already: only the rest is computed,
+        # through run_graphed (a row-wise function: prefix caching's chunks cut it, engine/chunked.py)
         ids = [start_reply(entry, seq, self.vocab, self.max_context, "max_context")[seq.cached:]
                for entry, seq in zip(batch, attn.seqs, strict=True)]
-        hidden = self.forward_hidden(
-            self.model.embed_tokens(torch.cat(ids).long()), attn.positions(), attn.attend
-        )
+        hidden = attn.run_graphed(lambda i, p: self.forward_hidden(self.model.embed_tokens(i), p, attn.attend),
+                                  torch.cat(ids).long(), attn.positions())
         return self._next_tokens(attn.last_rows(hidden), attn)
 
     def phase_denoise(self, batch: Batch, attn: AttentionContext) -> Batch:

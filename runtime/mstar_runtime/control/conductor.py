@@ -99,7 +99,7 @@ from mstar_runtime.control.requests import (
     stream_inputs,
 )
 from mstar_runtime.control.reservations import Reservations
-from mstar_runtime.control.scheduler import GroupKey, Scheduler
+from mstar_runtime.control.scheduler import DEFAULT_PREFIX_CHUNK, GroupKey, Scheduler
 from mstar_runtime.control.steps import StepRunner
 from mstar_runtime.control.stream_waits import StreamWaits
 from mstar_runtime.control.streams import StreamBuffer, StreamError, policy_from_spec
@@ -130,10 +130,12 @@ class Conductor:
 
     def __init__(self, plan: Plan, workers: Mapping[int, WorkerLike], *, max_running: int | None = None,
                  preempt_every: int | None = None, request_timeout: float | None = None, overlap: bool = True,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, prefix_chunk: int = DEFAULT_PREFIX_CHUNK):
         """`overlap=False` waits for every remote step as it is sent: the order of steps, and so
         who is batched with whom, is then exactly that of one rank (bit-exact comparisons).
-        `prefix_caching=False` never reuses KV blocks across requests (docs/runtime.md)."""
+        `prefix_caching=False` never reuses KV blocks across requests; with it on, keyed prefills
+        run in chunks of `prefix_chunk` tokens and a hit reuses a multiple of them
+        (docs/runtime.md, "Prefix caching"; not a positive multiple of the page size: ValueError)."""
         self.plan = plan
         self.overlap = overlap
         self.workers = dict(workers)
@@ -143,7 +145,7 @@ class Conductor:
         self.max_running = max_running or plan.max_batch
         self.preempt_every = preempt_every
         self.request_timeout = request_timeout
-        self.contexts = KVContexts(plan, self.workers, prefix_caching)
+        self.contexts = KVContexts(plan, self.workers, prefix_caching, prefix_chunk)
         self.kv = self.contexts.pages
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 from mstar_runtime.control.interpreter import ForkKV
 from mstar_runtime.control.requests import Request
-from mstar_runtime.control.scheduler import KVPages
+from mstar_runtime.control.scheduler import DEFAULT_PREFIX_CHUNK, KVPages
 from mstar_runtime.engine.engines import ReadSlots
 from mstar_runtime.ops.node import KVNode, NodeSpec
 from mstar_runtime.plan.loader import Plan
@@ -60,11 +60,12 @@ class KVWorker(Protocol):
 class KVContexts:
     """Every KV pool's page tables and the operations on a request's contexts (module docstring)."""
 
-    def __init__(self, plan: Plan, workers: Mapping[int, KVWorker], prefix_caching: bool = False):
+    def __init__(self, plan: Plan, workers: Mapping[int, KVWorker], prefix_caching: bool = False,
+                 prefix_chunk: int = DEFAULT_PREFIX_CHUNK):
         self.plan = plan
         self.workers = workers
         self.pages = KVPages({(name, rank): (plan.kv_pages(name, rank), plan.page_size)
-                              for name, rank in plan.kv_pools()}, prefix_caching)
+                              for name, rank in plan.kv_pools()}, prefix_caching, prefix_chunk)
         self._classes: dict[str, type[KVNode]] = {}
         self._specs: dict[str, NodeSpec] = {}
         # the plan's KV-context moves (placement.transfers of kind "kv") -> source rank

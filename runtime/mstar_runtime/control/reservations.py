@@ -11,8 +11,9 @@ that would take one of its contexts past it, naming the node and tag, before any
 reserved. A context the plan moves to a call's rank is copied there first (`move_in`).
 
 Prefix caching (`KVPages.prefix_caching`): a call whose node gives its tokens' content keys
-(`KVNode.prefix_content`) shares the cached pages of its leading full blocks, and its step
-computes the rest only (at least one token, so that the step has logits to sample from);
+(`KVNode.prefix_content`) shares the cached pages of its leading full blocks, up to a multiple
+of the prefix chunk (`KVPages.prefix_chunk`), and its step computes the rest only (at least one
+token, so that the step has logits to sample from), a causal one in chunks (engine/chunked.py);
 `RequestStats.cached_tokens` counts what a request found. The blocks it writes become
 findable once its step has finished (`StepRunner`, `KVPages.commit`).
 """

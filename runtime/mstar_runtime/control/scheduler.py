@@ -14,7 +14,10 @@ beside it runs at the latest after `max_wait` cohort steps.
 
 `KVPages` holds the `BlockManager` of every KV node and turns an entry's `SeqPlan` into
 the `KVSlots` the worker writes to. It never preempts by itself: when a reservation fails
-it raises `OutOfPages`, and the conductor decides whom to preempt.
+it raises `OutOfPages`, and the conductor decides whom to preempt. With prefix caching it
+also holds the prefix chunk (`prefix_chunk`, default `DEFAULT_PREFIX_CHUNK`): a hit's cached
+length is rounded down to a multiple of it, and a keyed causal entry's `KVSlots.chunk` is set
+to it, so that the worker computes the rest in those chunks (engine/chunked.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,21 @@ from mstar_runtime.kv.block_manager import BlockManager, OutOfPages, SlotCopy
 from mstar_runtime.ops.node import SeqPlan
 
 GroupKey = tuple[str, str, tuple[int, ...]]
+
+DEFAULT_PREFIX_CHUNK = 512  # tokens: the prefix chunk with prefix caching on (`KVPages`)
+
+
+class PrefixChunkError(ValueError):
+    """A prefix chunk that is not a positive multiple of the KV page size."""
+
+
+def check_prefix_chunk(chunk: Any, page_size: int, node: Any = None) -> int:
+    """`chunk` when it is a positive multiple of `page_size`, else a `PrefixChunkError` naming the setting."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk % page_size:
+        pool = f" of node {node[0] if isinstance(node, tuple) else node!r}" if node is not None else ""
+        raise PrefixChunkError(f"prefix_chunk (--prefix-chunk) must be a positive multiple of the KV page "
+                               f"size{pool} ({page_size} tokens), got {chunk!r}")
+    return chunk
 
 
 @dataclass
@@ -99,25 +117,39 @@ class Scheduler:
 class KVPages:
     """The conductor's view of every KV pool: page tables per (request, tag) for each KV node."""
 
-    def __init__(self, pools: dict[str, tuple[int, int]], prefix_caching: bool = False):
-        """pools: node -> (num_pages, page_size). `prefix_caching`: reuse cached KV blocks (block_manager.py)."""
+    def __init__(self, pools: dict[Any, tuple[int, int]], prefix_caching: bool = False,
+                 prefix_chunk: int = DEFAULT_PREFIX_CHUNK):
+        """pools: node -> (num_pages, page_size). `prefix_caching`: reuse cached KV blocks
+        (block_manager.py); `prefix_chunk`: then a keyed causal prefill is computed in chunks
+        of this many tokens at absolute multiples of it, and a hit reuses cached tokens up to
+        such a multiple only (docs/runtime.md, "Prefix caching"): a positive multiple of every
+        pool's page size, else a `PrefixChunkError` naming the setting."""
         self.prefix_caching = prefix_caching
+        self.prefix_chunk = prefix_chunk if prefix_caching else 0
+        if prefix_caching:
+            for node, (_, size) in pools.items():
+                check_prefix_chunk(prefix_chunk, size, node)
         self.managers = {node: BlockManager(pages, size, prefix_caching) for node, (pages, size) in pools.items()}
 
     def reserve(self, node: str, key: tuple[str, str], plan: SeqPlan, keys: list[int] | None = None) -> KVSlots:
         """The entry's slots; with `keys` (the content keys of its leading tokens, all or some:
-        prefix caching) the cached leading blocks are shared and only the rest is reserved, at
-        least one token."""
+        prefix caching) the cached leading blocks are shared, up to a multiple of the prefix
+        chunk, and only the rest is reserved, at least one token; a causal entry's rest is then
+        computed chunk by chunk (`KVSlots.chunk`)."""
         bm = self.managers[node]
         start = bm.seq_len(key) if key in bm else 0
         content = bm.version(key)  # before the append: what the queries attend to besides themselves
-        cached = 0
+        cached, chunk = 0, 0
         if keys is not None and plan.keep and len(keys) <= plan.q_len:  # keys of the leading tokens
-            cached, slots = bm.append_cached(key, keys, plan.q_len - 1, plan.q_len)  # raises OutOfPages, changing nothing
+            # raises OutOfPages, changing nothing
+            cached, slots = bm.append_cached(key, keys, plan.q_len - 1, plan.q_len, align=self.prefix_chunk)
+            # a full or block mask lets earlier queries see later keys of the step: never cut
+            chunk = self.prefix_chunk if plan.mask == "causal" else 0
         else:
             slots = bm.append(key, plan.q_len)  # raises OutOfPages, changing nothing
         return KVSlots(start=start + cached, q_len=plan.q_len - cached, slots=slots, page_table=bm.page_table(key),
-                       mask=plan.mask, block_size=plan.block_size, keep=plan.keep, content=content, cached=cached)
+                       mask=plan.mask, block_size=plan.block_size, keep=plan.keep, content=content, cached=cached,
+                       chunk=chunk)
 
     def commit(self, node: str, key: tuple[str, str]) -> None:
         """The step that wrote `key`'s tokens finished: their full blocks may be found by others."""
@@ -170,4 +202,5 @@ class KVPages:
         return sum(bm.num_pages for bm in self.managers.values())
 
 
-__all__ = ["KVPages", "OutOfPages", "Scheduler", "Standing", "group_key"]
+__all__ = ["DEFAULT_PREFIX_CHUNK", "KVPages", "OutOfPages", "Scheduler", "PrefixChunkError", "Standing",
+           "check_prefix_chunk", "group_key"]

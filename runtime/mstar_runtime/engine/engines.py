@@ -26,6 +26,13 @@ neither writes again, is such a twin.
 Entries with `q_len == 0` (a phase that adds no KV) are part of the batch but not of the
 attention metadata; they must not call `attend`.
 
+Prefix caching's chunks (`KVSlots.chunk`, engine/chunked.py): a step with an entry that has
+one and needs more than one piece binds `chunked.ChunkedRows` as `attn.graph_runner`: the
+node's `attn.run_graphed(fn, ...)` then runs `fn` once per piece (each chunk of such an entry
+alone, the other entries together), its `attend` and `write` going to the piece's own
+metadata and slots (a backend's `prepare` is called per piece); attention outside
+`run_graphed` covers the whole step (its plan made only then, as in a graphed step).
+
 Reads (plan feature `kv_reads`): an entry of a phase that reads other KV contexts comes with
 `KVSlots.reads`, one `ReadSlots` per context (node, tag, length and page table, as the
 conductor's BlockManager of that node holds them), in the phase's `reads` order. The pool of
@@ -78,6 +85,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mstar_runtime.engine.chunked import ChunkedRows, plan_pieces
 from mstar_runtime.engine.graphs import GraphRunner, graph_runners, graph_step_tokens
 from mstar_runtime.engine.stateless_graphs import Capture, StatelessGraphRunner, stateless_graph_runners
 from mstar_runtime.kv.attention import (
@@ -126,6 +134,9 @@ class KVSlots:
     # Prefix caching: leading tokens of the entry's inputs whose K/V were found cached and are
     # not computed (`start` counts them already; the node skips them: `SeqState.cached`).
     cached: int = 0
+    # Prefix caching's chunk (0: none): the entry's rows run through the node's `run_graphed`
+    # in pieces that end at absolute multiples of it, each piece alone (engine/chunked.py).
+    chunk: int = 0
 
 
 @dataclass(slots=True)
@@ -365,30 +376,44 @@ class KVCacheEngine(_Engine):
         reads = self._reads(phase, kvs)
         runner = self.graph_runners.get(phase)
         graphed = not reads and runner is not None and runner.accepts(meta, len(entries))
+        # prefix caching's chunks: the node's run_graphed rows in pieces (engine/chunked.py)
+        pieces = None if graphed or reads else plan_pieces(attending)
+        lazy = graphed or pieces is not None
         pool, backend, scale = self.pool, self.backend, self.scale
         prepare = getattr(backend, "prepare", None)
         eager: dict[str, torch.Tensor] = {}
+        piece: list[Any] = []  # [metadata, slots] of the piece that runs now; empty: the whole step
 
         def eager_slots() -> torch.Tensor:
-            # Built once per step, and in a graphed step only if the node attends outside
-            # run_graphed; then the backend's per-step plan is made here too, before first use.
+            # Built once per step, and in a graphed or chunked step only if the node attends
+            # outside run_graphed; then the backend's per-step plan is made here too, before first use.
             if "slots" not in eager:
                 eager["slots"] = upload(flat, torch.long, self.device)  # no stream sync on a GPU
-                if graphed and prepare is not None:
+                if lazy and prepare is not None:
                     prepare(pool, meta)
             return eager["slots"]
 
-        if not graphed:
+        if not lazy:
             eager_slots()
             if prepare is not None:
                 prepare(pool, meta)
 
+        def use(m: AttentionMetadata | None, slots: Sequence[int]) -> None:
+            piece.clear()
+            if m is not None:
+                piece.extend((m, upload(list(slots), torch.long, self.device)))
+                if prepare is not None:
+                    prepare(pool, m)  # a backend that plans per step plans per piece (the whole step's again on use)
+
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if piece:
+                pool.write(layer, k, v, piece[1])
+                return backend(q, pool, layer, piece[0], scale)
             pool.write(layer, k, v, eager_slots())
             return backend(q, pool, layer, meta, scale)
 
         def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            pool.write(layer, k, v, eager_slots())
+            pool.write(layer, k, v, piece[1] if piece else eager_slots())
 
         seqs = [SeqState(kv.start, kv.q_len, self.state(e.request_id, e.tag), tuple(r.kv_len for r in kv.reads),
                          kv.cached) for e, kv in zip(entries, kvs)]
@@ -412,6 +437,8 @@ class KVCacheEngine(_Engine):
         if graphed:
             assert runner is not None
             attn.graph_runner = runner.bind(attn, meta, flat)
+        elif pieces is not None:
+            attn.graph_runner = ChunkedRows(self.name, pieces, meta.num_tokens, use)
         with torch.inference_mode():
             outputs = self.node.run(phase, [e.inputs for e in entries], attn)
         return check_outputs(self.name, phase, outputs, len(entries), ports)

@@ -27,8 +27,8 @@ keys of its tokens (`append(..., content=keys)`). While every token of a sequenc
 key, each of its full pages gets a chained block hash; `commit` (called once the step that
 wrote them has finished) makes them findable. `append_cached` first looks the new tokens'
 full blocks up, from a page boundary of a sequence whose tokens are all known, and shares the
-cached pages it finds (refcount, as a fork does) instead of new ones; only the rest is
-reserved. A page no sequence holds stays cached, counted free, until a new page is needed
+cached pages it finds (refcount, as a fork does; with `align`, only as many as end the sequence
+at a multiple of it: the prefix chunk) instead of new ones; only the rest is reserved. A page no sequence holds stays cached, counted free, until a new page is needed
 and no never-cached page is left: then the least recently used one is evicted. A truncation
 that cuts into a cached page this sequence alone holds makes it uncached (it is about to be
 written again); a shared one is copied first, as always, and stays cached. Appends without
@@ -180,12 +180,14 @@ class BlockManager:
         return [table[pos // ps] * ps + pos % ps for pos in range(start, start + n_tokens)]
 
     def append_cached(self, key: SeqKey, content: Sequence[int], max_cached: int,
-                      n_tokens: int | None = None) -> tuple[int, list[int]]:
+                      n_tokens: int | None = None, align: int = 0) -> tuple[int, list[int]]:
         """``append`` of ``n_tokens`` tokens (default ``len(content)``; ``content`` keys the
         leading ones, the others have none) that first shares the cached pages of their leading
-        full blocks (at most ``max_cached`` tokens of them; module docstring). Returns the tokens
-        found cached and the slots of the others. Raises ``OutOfPages`` (and changes nothing)
-        when the pool cannot hold the rest."""
+        full blocks (at most ``max_cached`` tokens of them; module docstring). ``align`` (a
+        multiple of the page size, 0: none): the cached run is cut back so that the context
+        then ends at a multiple of it (the prefix chunk, docs/runtime.md "Prefix caching").
+        Returns the tokens found cached and the slots of the others. Raises ``OutOfPages`` (and
+        changes nothing) when the pool cannot hold the rest."""
         n, ps, prefix = len(content) if n_tokens is None else n_tokens, self.page_size, self.prefix
         if not 0 <= len(content) <= n:
             raise KVCacheError(f"sequence {key}: {len(content)} content keys for {n} token(s)")
@@ -197,6 +199,8 @@ class BlockManager:
             mine = self._hashes.get(key, [])
             hashes = block_hashes(mine[-1] if mine else ROOT, content[: min(n, max_cached) // ps * ps], ps)
             pages = prefix.lookup(hashes)
+            if align and pages:  # end the cached run at a chunk boundary (absolute positions)
+                pages = pages[: max(0, (have + len(pages) * ps) // align * align - have) // ps]
         cached = len(pages) * ps
         growth = self.pages_needed(have + n) - len(self._tables.get(key, ())) - len(pages)
         free = self.free_pages - sum(1 for p in pages if self._refcount[p] == 0)

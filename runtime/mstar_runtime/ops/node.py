@@ -34,10 +34,13 @@ phase's order (`"vlm@main"`), `attn.seqs[i].read_lens` gives their lengths per e
 Prefix caching (docs/runtime.md, "Prefix caching"): a node whose phase's KV depends only on
 what its inputs hold says so with `prefix_content(phase, inputs, spec)`, a content key per
 new token (its id; `prefix_cache.media_key` for a position that holds an embedding). The
-conductor then shares cached pages for the leading full blocks it finds, and the step gets
-`seq.cached` > 0: the first `cached` tokens of the entry's inputs are in the KV already
-(`seq.start` counts them), and the node computes the other `seq.q_len` only, at positions
-`start ..`. A node without `prefix_content` never sees `cached` > 0.
+conductor then shares cached pages for the leading full blocks it finds (up to a multiple of
+the prefix chunk), and the step gets `seq.cached` > 0: the first `cached` tokens of the
+entry's inputs are in the KV already (`seq.start` counts them), and the node computes the
+other `seq.q_len` only, at positions `start ..`. A node without `prefix_content` never sees
+`cached` > 0. With the cache on, the rows such a causal step computes inside `run_graphed`
+run in chunks at absolute multiples of the prefix chunk (engine/chunked.py), so that a hit
+computes them in the same pieces as its miss: a node's prefill should run its layers there.
 
 Per-(request, tag) state that is not KV (a RoPE offset, sampling history, an RNG) lives in
 `attn.states[i]`: a dict the engine keeps with the KV context, copies on `fork` and drops
@@ -110,7 +113,8 @@ class AttentionContext:
     attend_fn: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     device: torch.device
     extra: dict[str, Any] = field(default_factory=dict)
-    # Set by an engine that replays CUDA graphs; None runs `fn` eagerly (CPU, prefill, big batches).
+    # Set by an engine that replays CUDA graphs or runs prefix caching's chunks (`run_graphed`);
+    # None runs `fn` eagerly, whole (CPU, prefill, big batches).
     graph_runner: Callable[..., Any] | None = None
     # The contexts this step reads besides its own ("node@tag", the phase's `reads` order),
     # the engine's attention over them, and its store-only write (see the module docstring).
@@ -194,7 +198,9 @@ class AttentionContext:
         whose outputs are tensors (or a tuple of them) with the same first dim. An engine
         that captures CUDA graphs (the plan's `cuda-graphs` pass says which steps) pads the
         inputs into static buffers of the batch bucket, captures `fn` once per bucket and
-        replays it; everywhere else `fn` simply runs. Sampling and other host logic stay
+        replays it; a step with prefix caching's chunks runs `fn` once per chunk over its rows
+        and joins the outputs (engine/chunked.py); everywhere else `fn` simply runs. So `fn`
+        must treat its rows independently but for `attend`. Sampling and other host logic stay
         outside `fn`, in `run`.
         """
         if self.graph_runner is None:

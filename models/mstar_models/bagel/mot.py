@@ -662,9 +662,7 @@ class MoTLanguageModel(KVNode):
         logits = self._step_logits(ids, b.positions + c["rope_offset"], b.attend)
         step = b.positions - c["base"]
         # no history: BAGEL has no repetition penalty, so the sampler skips that stage
-        sc = SamplingColumns(temperature=c["temperature"], top_k=c["top_k"], top_p=c["top_p"], penalty=c["penalty"],
-                             greedy=c["greedy"], seed=c["seed"], step=step, history=None)
-        tokens = sample_columns(logits, sc)
+        tokens = sample_columns(logits, SamplingColumns.from_cohort(c, step))
         limit = (step + 1 >= c["max_new"]) | (b.positions + 1 >= self.max_seq_len)
         opens = tokens == self.vision_start
         tok32 = tokens.to(torch.int32)[:, None]

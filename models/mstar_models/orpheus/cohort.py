@@ -64,9 +64,7 @@ def decode_phase(node: LlamaBackbone) -> CohortPhase:
             vocab = torch.arange(logits.shape[1], device=logits.device)[None, :]
             allowed = ((vocab >= lo[:, None]) & (vocab < lo[:, None] + node.codebook)) | (vocab == node.eos)
             logits = logits.masked_fill(~allowed, float("-inf"))
-        sc = SamplingColumns(temperature=c["temperature"], top_k=c["top_k"], top_p=c["top_p"], penalty=c["penalty"],
-                             greedy=c["greedy"], seed=c["seed"], step=c["step"], history=c["history"])
-        tokens = sample_columns(logits, sc)
+        tokens = sample_columns(logits, SamplingColumns.from_cohort(c, history=c["history"]))
         codes = tokens - lo
         is_code = (codes >= 0) & (codes < node.codebook)
         c["k"].add_(is_code.long())

@@ -522,9 +522,7 @@ class ThinkerMoE(DecoderNode):
         ids = b.inputs["token"].reshape(-1).to(torch.long)
         logits = self._step_logits(ids, b.positions.to(torch.float32) + c["delta"], b.attend)
         # no repetition penalty in the thinker: the sampler skips that stage without a history
-        sc = SamplingColumns(temperature=c["temperature"], top_k=c["top_k"], top_p=c["top_p"], penalty=c["penalty"],
-                             greedy=c["greedy"], seed=c["seed"], step=c["step"], history=None)
-        tokens = sample_columns(logits, sc)
+        tokens = sample_columns(logits, SamplingColumns.from_cohort(c))
         c["step"].add_(1)
         done = (c["step"] >= c["max_tokens"]) | (b.positions + 1 >= self.max_seq_len) | \
             (tokens == self.tok.im_end_token_id)

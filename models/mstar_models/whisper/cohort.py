@@ -74,9 +74,7 @@ def step_phase(node: Decoder) -> CohortPhase:
         logits = node.logits(node.forward_hidden(ids, b.positions, b.attend, b.attend_to))
         scores = whisper_scores(logits, node.rules, c["n"], c["last"], c["penult"], c["ts_max"], c["timestamps"],
                                 c["min_new"])
-        sc = SamplingColumns(temperature=c["temperature"], top_k=c["top_k"], top_p=c["top_p"], penalty=c["penalty"],
-                             greedy=c["greedy"], seed=c["seed"], step=c["step"], history=None)
-        tokens = sample_columns(scores, sc)
+        tokens = sample_columns(scores, SamplingColumns.from_cohort(c))
         # the log-probability under the scores a sampled row drew from (its top-k kept), as `_next`
         kept = scores
         if top_k:

@@ -9,7 +9,7 @@ way every stage runs for every row and a step is fixed tensor code: capturable, 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +31,15 @@ class SamplingColumns:
     seed: torch.Tensor  # i64 [n], the seed's bits
     step: torch.Tensor  # i64 [n]
     history: torch.Tensor | None  # i64 [n, L], -1 = no token; None: no row has a penalty
+
+    @classmethod
+    def from_cohort(cls, cols: Mapping[str, torch.Tensor], step: torch.Tensor | None = None,
+                    history: torch.Tensor | None = None) -> SamplingColumns:
+        """The columns of a decode cohort whose rows `sampling_row` gave at join: its `step`
+        column unless the node passes its own, and `history` (None: no repetition penalty)."""
+        return cls(temperature=cols["temperature"], top_k=cols["top_k"], top_p=cols["top_p"],
+                   penalty=cols["penalty"], greedy=cols["greedy"], seed=cols["seed"],
+                   step=cols["step"] if step is None else step, history=history)
 
 
 def _row_values(params: SamplingParams) -> tuple[float, int, float]:

@@ -183,3 +183,17 @@ def test_a_body_that_is_no_object_says_so(app: Any, content: bytes) -> None:
 def test_image_errors_do_not_show_object_reprs(app: Any) -> None:
     err = error(call(app, "/v1/walks/edit", {"inputs": {"prompt": "x", "image": "aGk="}}))
     assert " at 0x" not in err["message"], err
+
+
+@pytest.mark.parametrize(("kind", "text", "want"), [
+    ("int", " 12 ", 12), ("int", "-3", -3), ("int", "1.5", "1.5"), ("int", "1_0", "1_0"),
+    ("float", "0.25", 0.25), ("float", "1e3", 1000.0), ("float", "fast", "fast"),
+    ("bool", "True", True), ("bool", "false", False), ("bool", "1", "1"), (None, " 7", " 7"),
+])
+def test_a_form_field_reads_as_its_inputs_kind_or_stays_text(kind: str | None, text: str, want: Any) -> None:
+    """Multipart fields (image edits, transcriptions) through one reader: text that does not read
+    as the kind stays as sent, for the input's check to refuse by name."""
+    from mstar_runtime.serve.io import form_value
+
+    got = form_value(kind, text)
+    assert got == want and type(got) is type(want)

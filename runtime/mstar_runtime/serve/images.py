@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any
@@ -45,7 +44,7 @@ from mstar_runtime.api import RequestFailed
 from mstar_runtime.control.bounds import image_grid
 from mstar_runtime.serve.app import ERROR_RESPONSES, check_model, error_response, start_flight, walk_extras
 from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
-from mstar_runtime.serve.io import b64, decode_image, png_bytes
+from mstar_runtime.serve.io import b64, decode_image, form_value, png_bytes
 from mstar_runtime.serve.schemas import (
     INT64_MAX,
     INT64_MIN,
@@ -65,7 +64,6 @@ NO_URL = ("response_format 'url' is not served: this server has no file host; us
 # form fields of an edit the route reads itself (the rest are walk inputs)
 EDIT_FIELDS = {"image", "image[]", "prompt", "model", "mask", "n", "size", "response_format", "seed",
                "output_format", "quality", "user"}
-_INT = re.compile(r"^[+-]?[0-9]+$")
 
 
 def install(app: FastAPI, state: ServerState) -> None:
@@ -256,17 +254,8 @@ def _form_value(declared: Mapping[str, Any] | None, text: str) -> Any:
     kind = (declared or {}).get("kind")
     if kind == "tensor":  # a list's elements (`key[]` fields), by the tensor's dtype
         kind = "int" if declared and declared.get("dtype") in ("i32", "i64", "u8") else "float"
-    stripped = text.strip()
-    if kind == "int" and _INT.match(stripped):
-        return int(stripped)
-    if kind in ("float", None):  # None: an unknown field (refused by name) or a list such as cfg_interval
-        try:
-            return float(stripped)
-        except ValueError:
-            return text
-    if kind == "bool" and stripped.lower() in ("true", "false"):
-        return stripped.lower() == "true"
-    return text
+    # None: an unknown field (refused by name) or a list such as cfg_interval, read as a float
+    return form_value("float" if kind is None else kind, text)
 
 
 async def _read_image(upload: Any, param: str) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import re
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +26,23 @@ from mstar_runtime.media import decode_image  # shared with the CLI and the API
 from mstar_runtime.outputs import DEFAULT_SAMPLE_RATE, is_audio_name, jsonable
 
 STREAMING_SIZE = 0xFFFFFFFF
+_INT = re.compile(r"^[+-]?[0-9]+$")
+
+
+def form_value(kind: str | None, text: str) -> Any:
+    """A multipart form field's text as a walk input of `kind` ("int", "float", "bool") wants it,
+    where it reads as one; otherwise the text as sent, which the input's check then refuses by name."""
+    stripped = text.strip()
+    if kind == "int" and _INT.match(stripped):
+        return int(stripped)
+    if kind == "float":
+        try:
+            return float(stripped)
+        except ValueError:
+            return text
+    if kind == "bool" and stripped.lower() in ("true", "false"):
+        return stripped.lower() == "true"
+    return text
 
 
 def sample_rate(config: Mapping[str, Any]) -> int:

@@ -62,6 +62,7 @@ from mstar_runtime.api import RequestFailed
 from mstar_runtime.media import MAX_RATE, MIN_RATE, resample
 from mstar_runtime.serve.app import ERROR_RESPONSES, check_model, start_flight, walk_extras
 from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
+from mstar_runtime.serve.io import form_value
 from mstar_runtime.serve.web import File, Form, Request, UploadFile
 
 if TYPE_CHECKING:
@@ -202,21 +203,8 @@ def _text_node(plan: Plan, walk: str, output: str) -> str | None:
 
 
 def _form_value(kind: str | None, value: Any) -> Any:
-    """A form field's text as its walk input's type wants it, where it reads as one; otherwise
-    as sent (a file, or text the input's check then refuses by name)."""
-    if not isinstance(value, str):
-        return value
-    text = value.strip()
-    try:
-        if kind == "int":
-            return int(text)
-        if kind == "float":
-            return float(text)
-    except ValueError:
-        return value
-    if kind == "bool" and text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    return value
+    """A form field as its walk input's type wants it (`io.form_value`); a file as sent."""
+    return form_value(kind, value) if isinstance(value, str) else value
 
 
 def subtitle_time(seconds: float, sep: str) -> str:

@@ -1,7 +1,8 @@
 """Prefix caching on the tiny Qwen3-Omni thinker (transformers' tiny checkpoint, as
 tests/test_qwen3_omni_walks.py loads it): a chat whose prompt shares leading blocks with an
 earlier one (the same image under another question, a repeated audio question, an earlier
-turn) computes only the rest, and its outputs equal those with the cache off, bit for bit."""
+turn) computes only the rest, and its outputs equal those with the cache off, bit for bit; its
+prefill runs in the prefix chunks, a hit in those of its miss."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from qwen3_omni_lm_support import hf_model
 from support import compile_model, saved_checkpoint
 
 from mstar_runtime.api import MStar
+from mstar_runtime.engine.chunked import ChunkedRows, chunk_spans
 
 pytest.importorskip("transformers")
 
@@ -115,3 +117,35 @@ def test_speech_prefills_hit_before_their_first_media_position(engines: tuple[MS
         _equal(h.result(timeout=300), miss)
         cached.append(h.stats["cached_tokens"])
     assert cached[0] == 0 and cached[1] > 0 and cached[3] > 0, cached
+
+
+def test_the_thinker_prefills_in_chunks_and_a_hit_runs_the_chunks_of_its_miss(
+        engines: tuple[MStar, MStar], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the cache on the thinker's prefill rows run in chunks of 16 (engine/chunked.py):
+    a miss in all of them from position 0, a hit in those from its cached length (a multiple
+    of 16) on, as its own miss would; speech too (the tap and the text rows cut alike)."""
+    _, on = engines
+    pieces: list[list[tuple[int, int]]] = []
+    call = ChunkedRows.__call__
+
+    def record(self: ChunkedRows, fn: Any, *rows: torch.Tensor) -> Any:
+        pieces.append([(s.q_len, s.kv_len) for p in self.pieces for s in p.meta.seqs])
+        return call(self, fn, *rows)
+
+    monkeypatch.setattr(ChunkedRows, "__call__", record)
+    talker = {"talker_do_sample": False, "talker_max_frames": 4}
+    for walk, extra in (("chat", {}), ("speech", talker)):
+        first = {"system": f"{walk.title()}: speak as a ship's captain would, short and loud, all the voyage.",
+                 "prompt": "Where are we sailing to?", "max_tokens": 3, **GREEDY, **extra}
+        second = {**first, "prompt": "Where are we sailing to, captain, and when will we see the coast again?"}
+        pieces.clear()
+        miss = on.submit(walk, dict(first))
+        miss.result(timeout=300)
+        hit = on.submit(walk, dict(second))
+        hit.result(timeout=300)
+        cached = hit.stats["cached_tokens"]
+        assert miss.stats["cached_tokens"] == 0 and cached > 0 and cached % 16 == 0
+        assert len(pieces) == 2, pieces
+        for got, done in zip(pieces, (0, cached)):
+            n = got[-1][1]
+            assert got == [(b - a, b) for a, b in chunk_spans(done, n - done, 16)], (walk, got)

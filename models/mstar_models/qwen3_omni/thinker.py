@@ -26,6 +26,9 @@ Prefill (models/qwen3_omni/qwen3_omni.walk, node `thinker`):
 - deepstack: `deepstack` [D, Nv, hidden] row d is added to the output of layer d at the
   image positions (D <= layers);
 - the next token is sampled from the last position's logits.
+The layers run through `attn.run_graphed` over per-token rows (the embeddings, the positions,
+and with images the deepstack rows and an image-row mask): with prefix caching the engine runs
+them in the prefix chunks (runtime/mstar_runtime/engine/chunked.py), a hit as its miss.
 Decode feeds one token at KV index j with position j + delta in all three components.
 Every step returns `token` [1] (on the device, fed back to the next decode), `emitted` (the
 same id as a host item for the text stream, a `readback.Lazy`) and `done`. `decode` is also
@@ -282,13 +285,17 @@ class ThinkerMoE(DecoderNode):
         h: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionContext,
-        deepstack: list[tuple[torch.Tensor, torch.Tensor]] = (),  # type: ignore[assignment]
+        deepstack: torch.Tensor | None = None,
+        at_image: torch.Tensor | None = None,
         tap: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Packed input rows h [N, hidden] at positions [3, N] -> final-normed hidden [N, hidden].
 
-        `deepstack[d]` = (row index, rows) added after layer d; `tap` (a list) receives the
-        hidden state at index `accept_hidden_layer` of HF's hidden_states tuple."""
+        `deepstack` [N, D, hidden]: row i's column d is added after layer d where `at_image` [N]
+        (bool) is set (the sum index_add gives; a row of its own, so that the rows may be cut:
+        `_prefill`); `tap` (a list) receives the hidden state at index `accept_hidden_layer` of
+        HF's hidden_states tuple."""
+        depth = 0 if deepstack is None else deepstack.shape[1]
         cos, sin = self.tables(positions)
         if tap is not None and self.tap == 0:
             tap.append(h)
@@ -296,9 +303,9 @@ class ThinkerMoE(DecoderNode):
         def after(i: int, x: torch.Tensor) -> torch.Tensor:
             if tap is not None and i + 1 == self.tap and self.tap < self.layers:
                 tap.append(x)  # before this layer's deepstack addition, as HF records it
-            if i < len(deepstack):
-                idx, add = deepstack[i]
-                x = x.index_add(0, idx, add)
+            if i < depth:
+                assert deepstack is not None and at_image is not None
+                x = torch.where(at_image[:, None], x + deepstack[:, i], x)
             return x
 
         out = self.model.forward_layers(h, cos, sin, attn.attend, after)
@@ -330,27 +337,34 @@ class ThinkerMoE(DecoderNode):
         if audio_at:
             h = h.index_copy(0, upload(audio_at, torch.long, dev), torch.cat([p.audio for p in computed]))
         image_idx = upload(image_at, torch.long, dev) if image_at else None
+        rows = [h, torch.cat([p.positions for p in computed], dim=1).to(dev).T]  # one row per token
         if image_idx is not None:
-            h = h.index_copy(0, image_idx, torch.cat([p.image for p in computed]))
-        deep: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if image_idx is not None:
-            depth = max(p.deepstack.shape[0] for p in computed)
-            for d in range(depth):
-                # an entry without images contributes no rows; one whose deepstack is shallower
-                # (or absent) adds nothing at this layer
-                parts = [p.deepstack[d] if d < p.deepstack.shape[0] else torch.zeros_like(p.image)
-                         for p in computed if p.image.shape[0]]
-                deep.append((image_idx, torch.cat(parts)))
-        positions = torch.cat([p.positions for p in computed], dim=1).to(dev)
-        tap: list[torch.Tensor] | None = [] if speech else None
-        hidden = self.forward_embeds(h, positions, attn, deep, tap)
+            h = rows[0] = h.index_copy(0, image_idx, torch.cat([p.image for p in computed]))
+        depth = max(p.deepstack.shape[0] for p in computed) if image_idx is not None else 0
+        if depth:
+            assert image_idx is not None
+            # an entry without images contributes no rows; one whose deepstack is shallower (or
+            # absent) adds zeros at the layers it lacks
+            parts = [torch.stack([p.deepstack[d] if d < p.deepstack.shape[0] else torch.zeros_like(p.image)
+                                  for d in range(depth)], dim=1) for p in computed if p.image.shape[0]]
+            deep = h.new_zeros(h.shape[0], depth, h.shape[1]).index_copy(0, image_idx, torch.cat(parts))
+            rows += [deep, torch.zeros(h.shape[0], dtype=torch.bool, device=dev).index_fill(0, image_idx, True)]
+
+        def layers(x: torch.Tensor, pos: torch.Tensor, *image: torch.Tensor) -> Any:
+            tap: list[torch.Tensor] | None = [] if speech else None
+            out = self.forward_embeds(x, pos.T, attn, *image, tap=tap)
+            return out if tap is None else (out, tap[0])
+
+        # through run_graphed, a row-wise function: with prefix caching its rows run in the
+        # prefix chunks (runtime/mstar_runtime/engine/chunked.py), as a hit's and its miss's are
+        hidden, tapped = attn.run_graphed(layers, *rows) if speech else (attn.run_graphed(layers, *rows), None)
         for p, seq in zip(prompts, attn.seqs, strict=True):
             seq.state.clear()
             seq.state.update(sampling=p.params, max_tokens=p.max_tokens, step=0, delta=p.delta)
         out = self._next_tokens(self.logits(attn.last_rows(hidden)), attn, speech)
         if speech:
-            assert tap is not None
-            for o, p, e, t, seq in zip(out, prompts, attn.split(h), attn.split(tap[0]), attn.seqs):
+            assert tapped is not None
+            for o, p, e, t, seq in zip(out, prompts, attn.split(h), attn.split(tapped), attn.seqs):
                 if seq.cached:  # no multimodal position among them (prefix_content): embeddings only
                     e = torch.cat([self.embed(p.ids[: seq.cached]), e])
                     t = torch.cat([t.new_zeros(seq.cached, t.shape[1]), t])

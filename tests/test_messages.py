@@ -56,6 +56,8 @@ def samples() -> list[Message]:
                 ),
                 StepEntry("req-2", "cfg_text", [], {}),
                 StepEntry("req-3", None, [], kv=KVSlots(0, 1, [16], [1, 7], "block_causal", 4)),
+                # a prefix-cache hit's rest, to be computed in chunks of 32 (engine/chunked.py)
+                StepEntry("req-4", None, [], kv=KVSlots(48, 9, list(range(48, 57)), [0, 1, 2, 3], cached=48, chunk=32)),
             ],
         ),
         StepResult(

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from mstar_models.tokenizers import load_tokenizer
 from mstar_runtime.ops.node import NodeError, NodeSpec
 
 # whisper-large-v3's 100 languages in token order (transformers' tokenization_whisper.LANGUAGES)
@@ -151,13 +152,6 @@ def byte_tokenizer(layout: Layout) -> Tokenizer:
     specials = special_tokens(layout)
     tok.add_special_tokens([AddedToken(specials[i], special=True) for i in sorted(specials)])
     return tok
-
-
-def load_tokenizer(path: Path) -> Tokenizer:
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the library raises a bare Exception for unreadable or corrupt files
-        raise NodeError(f"cannot read tokenizer '{path}': {e}") from None
 
 
 def checkpoint_tokenizer(source: str) -> Tokenizer | None:

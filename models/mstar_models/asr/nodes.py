@@ -36,7 +36,7 @@ from mstar_models.layers.attention import Attention, cross_plan
 from mstar_models.layers.decoder import DecoderNode
 from mstar_models.layers.linear import Weight
 from mstar_models.layers.norm import RMSNorm
-from mstar_models.testfamily.common import seeded_init_, setting
+from mstar_models.testfamily.common import llama_sizes, seeded_init_, setting
 from mstar_models.testfamily.lm import apply_rope, llama_model, rope_tables
 from mstar_runtime.ops.node import (
     AttentionContext,
@@ -47,6 +47,7 @@ from mstar_runtime.ops.node import (
     SeqPlan,
     StatelessNode,
 )
+from mstar_runtime.ops.ports import one_rank
 
 ROPE_THETA = 10000.0
 RMS_EPS = 1e-5
@@ -63,12 +64,9 @@ class _Sizes:
     """The `llama` arch's sizes of a node."""
 
     def __init__(self, spec: NodeSpec):
-        if spec.tp_size != 1:
-            raise NodeError(f"node '{spec.name}' does not shard; place it with tp=1")
-        g = lambda name: int(setting(spec, name))  # noqa: E731 - a local shorthand
-        self.hidden, self.layers, self.vocab = g("hidden"), g("layers"), g("vocab")
-        self.heads, self.kv_heads, self.head_dim = g("heads"), g("kv_heads"), g("head_dim")
-        self.intermediate = g("intermediate")
+        one_rank(spec)
+        self.vocab, self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim = llama_sizes(spec)
+        self.intermediate = int(setting(spec, "intermediate"))
         if self.heads % self.kv_heads or self.head_dim % 2:
             raise NodeError(f"node '{spec.name}': heads must be a multiple of kv_heads, head_dim even")
 

@@ -94,7 +94,7 @@ from mstar_runtime.ops.node import (
     RequestError,
     SeqPlan,
 )
-from mstar_runtime.ops.ports import config_value, fed_token, max_seq_len, scalar
+from mstar_runtime.ops.ports import config_value, fed_token, max_seq_len, one_rank, scalar
 from mstar_runtime.ops.readback import Lazy, Readback, upload_tensor
 from mstar_runtime.sampling import (
     REQUIRED,
@@ -234,9 +234,7 @@ class MoTLanguageModel(KVNode):
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
-        if spec.tp_size != 1:
-            raise NodeError(f"node '{spec.name}' (MoTLanguageModel) does not shard; place it with tp=1, "
-                            f"not {spec.tp_size}")
+        one_rank(spec, "MoTLanguageModel")
         g = lambda name, *default: config_value(spec, name, *default, owner="MoTLanguageModel")  # noqa: E731
         self.vocab, self.hidden, self.layers = int(g("vocab")), int(g("hidden")), int(g("layers"))
         self.heads, self.kv_heads, self.head_dim = int(g("heads")), int(g("kv_heads")), int(g("head_dim"))

@@ -65,6 +65,7 @@ from mstar_runtime.ops.node import (
     SeqPlan,
     StatelessNode,
 )
+from mstar_runtime.ops.ports import one_rank
 
 ROPE_THETA = 10000.0  # Gemma's
 RMS_EPS = 1e-6
@@ -104,8 +105,7 @@ class _Gemma(KVNode):
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
-        if spec.tp_size != 1:
-            raise NodeError(f"node '{spec.name}' ({type(self).__name__}) does not shard; place it with tp=1")
+        one_rank(spec, type(self).__name__)
         self.hidden, self.depth = _int(spec, "hidden"), _int(spec, "layers")
         self.heads, self.kv_heads, self.head_dim = _int(spec, "heads"), _int(spec, "kv_heads"), _int(spec, "head_dim")
         self.intermediate = _int(spec, "intermediate")

@@ -30,6 +30,7 @@ from torch import nn
 from mstar_models.layers.init import seeded_init_
 from mstar_models.layers.mlp import Mlp
 from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops.ports import one_rank
 
 LN_EPS = 1e-6  # SigLIP's layer_norm_eps
 
@@ -114,8 +115,7 @@ class SiglipTower(StatelessNode):
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
-        if spec.tp_size != 1:
-            raise NodeError(f"node '{spec.name}' (SiglipTower) does not shard; place it with tp=1")
+        one_rank(spec, "SiglipTower")
         dim, heads = _int(spec, "hidden"), _int(spec, "heads")
         self.image, self.patch, self.channels = _int(spec, "image"), _int(spec, "patch"), _int(spec, "channels", 3)
         self.cameras = _int(spec, "cameras")

@@ -25,6 +25,13 @@ def setting(spec: NodeSpec, name: str) -> Any:
     return config_value(spec, name, note=" (neither an arch argument nor config)")
 
 
+def llama_sizes(spec: NodeSpec) -> tuple[int, int, int, int, int, int]:
+    """(vocab, hidden, layers, heads, kv_heads, head_dim) of a node on the `llama` arch, as ints."""
+    vocab, hidden, layers, heads, kv_heads, head_dim = (
+        int(setting(spec, n)) for n in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim"))
+    return vocab, hidden, layers, heads, kv_heads, head_dim
+
+
 def start_reply(entry: Mapping[str, Any], seq: Any, vocab: int, limit: int, limit_name: str) -> torch.Tensor:
     """A prefill entry's `tokens` (1-D, non-empty, ids in [0, vocab), its context within `limit`,
     the setting named `limit_name`) and `max_new` (>= 1), checked as RequestErrors naming the

@@ -28,11 +28,11 @@ from collections.abc import Mapping
 import torch
 
 from mstar_models.layers.decoder import DecoderNode
-from mstar_models.testfamily.common import seeded_init_, setting, start_reply
+from mstar_models.testfamily.common import llama_sizes, seeded_init_, setting, start_reply
 from mstar_models.testfamily.lm import TinyLM, llama_model
 from mstar_runtime.ops.cohort import Attend, CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
-from mstar_runtime.ops.ports import fed_token
+from mstar_runtime.ops.ports import fed_token, one_rank
 
 DEFAULT_MAX_SEQ_LEN = 4096  # the compiler's default of the `max_seq_len` node setting
 
@@ -42,16 +42,13 @@ class EchoLM(DecoderNode):
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
-        if spec.tp_size != 1:
-            raise NodeError(f"node '{spec.name}' (EchoLM) does not shard; place it with tp=1, not {spec.tp_size}")
-        g = lambda name: setting(spec, name)  # noqa: E731 - a local shorthand
-        self.vocab, self.hidden, self.layers = int(g("vocab")), int(g("hidden")), int(g("layers"))
-        self.heads, self.kv_heads, self.head_dim = int(g("heads")), int(g("kv_heads")), int(g("head_dim"))
+        one_rank(spec, "EchoLM")
+        self.vocab, self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim = llama_sizes(spec)
         if self.heads != 1 or self.kv_heads != 1 or self.hidden != self.head_dim:
             raise NodeError(f"node '{spec.name}' (EchoLM): needs heads = kv_heads = 1 and hidden = head_dim")
         self.max_seq_len = int(spec.settings.get("max_seq_len", DEFAULT_MAX_SEQ_LEN))
         self.model = llama_model(self.vocab, self.hidden, self.layers, 1, 1, self.head_dim,
-                                 int(g("intermediate")), 1e-6)
+                                 int(setting(spec, "intermediate")), 1e-6)
         seeded_init_(self, spec)
         self.to(device=spec.device, dtype=spec.dtype)
 

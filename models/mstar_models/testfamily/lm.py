@@ -27,11 +27,11 @@ from mstar_models.layers.decoder import Decoder, DecoderNode
 from mstar_models.layers.embedding import VocabEmbedding
 from mstar_models.layers.linear import Weight
 from mstar_models.layers.mlp import GatedMLP
-from mstar_models.testfamily.common import seeded_init_, setting, start_reply
+from mstar_models.testfamily.common import llama_sizes, seeded_init_, setting, start_reply
 from mstar_runtime.kv.prefix_cache import token_keys
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
-from mstar_runtime.ops.ports import fed_token
+from mstar_runtime.ops.ports import fed_token, one_rank
 from mstar_runtime.ops.readback import Lazy, Readback
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -72,13 +72,9 @@ class TinyLM(DecoderNode):
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
-        if spec.tp_size != 1:
-            raise NodeError(
-                f"node '{spec.name}' (TinyLM) does not shard; place it with tp=1, not {spec.tp_size}"
-            )
+        one_rank(spec, "TinyLM")
         g = lambda name: setting(spec, name)  # noqa: E731 - a local shorthand
-        self.vocab, self.hidden, self.layers = int(g("vocab")), int(g("hidden")), int(g("layers"))
-        self.heads, self.kv_heads, self.head_dim = int(g("heads")), int(g("kv_heads")), int(g("head_dim"))
+        self.vocab, self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim = llama_sizes(spec)
         self.rope_theta, self.eps = float(g("rope_theta")), float(g("rms_eps"))
         self.eos, self.codebook, self.max_context = int(g("eos")), int(g("codebook")), int(g("max_context"))
         self.latent_dim = int(g("latent_dim"))

@@ -27,7 +27,7 @@ from torch import nn
 
 from mstar_models.layers.decoder import DecoderNode
 from mstar_models.layers.linear import Weight
-from mstar_models.testfamily.common import as_int, seeded_init_, setting
+from mstar_models.testfamily.common import as_int, llama_sizes, seeded_init_, setting
 from mstar_models.testfamily.lm import llama_model, rope_tables
 from mstar_runtime.ops.node import (
     AttentionContext,
@@ -38,6 +38,7 @@ from mstar_runtime.ops.node import (
     SeqPlan,
     StatelessNode,
 )
+from mstar_runtime.ops.ports import one_rank
 
 ROPE_THETA = 10000.0  # Gemma's, the pi0 VLM's
 RMS_EPS = 1e-6
@@ -59,15 +60,12 @@ class _Llama(DecoderNode):
 
     def __init__(self, spec: NodeSpec):
         super().__init__(spec)
-        if spec.tp_size != 1:
-            raise NodeError(f"node '{spec.name}' ({type(self).__name__}) does not shard; place it with tp=1")
-        g = lambda name: int(setting(spec, name))  # noqa: E731 - a local shorthand
-        self.hidden, self.layers, self.vocab = g("hidden"), g("layers"), g("vocab")
-        self.heads, self.kv_heads, self.head_dim = g("heads"), g("kv_heads"), g("head_dim")
+        one_rank(spec, type(self).__name__)
+        self.vocab, self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim = llama_sizes(spec)
         if self.heads % self.kv_heads or self.head_dim % 2:
             raise NodeError(f"node '{spec.name}': heads must be a multiple of kv_heads, head_dim even")
         self.model = llama_model(self.vocab, self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim,
-                                 g("intermediate"), RMS_EPS)
+                                 int(setting(spec, "intermediate")), RMS_EPS)
         self.lm_head = Weight.empty(self.vocab, self.hidden)
 
     def forward_hidden(self, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:

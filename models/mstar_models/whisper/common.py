@@ -11,6 +11,7 @@ from torch import nn
 
 from mstar_models.layers.attention import MultiHeadAttention
 from mstar_runtime.ops.node import NodeError, NodeSpec
+from mstar_runtime.ops.ports import one_rank
 
 LN_EPS = 1e-5  # nn.LayerNorm's default, as transformers' Whisper layers use
 
@@ -19,8 +20,7 @@ class Sizes:
     """The `whisper_encoder` / `whisper_decoder` arch sizes of a node."""
 
     def __init__(self, spec: NodeSpec, *names: str):
-        if spec.tp_size != 1:
-            raise NodeError(f"node '{spec.name}' does not shard; place it with tp=1")
+        one_rank(spec)
         a = spec.arch_args
         try:
             self.layers, self.hidden = int(a["layers"]), int(a["hidden"])

@@ -54,6 +54,14 @@ def setting_value(spec: NodeSpec, name: str, default: Any, config_prefix: str = 
     return spec.config.get(config_prefix + name, default)
 
 
+def one_rank(spec: NodeSpec, owner: str = "") -> None:
+    """Refuse a tensor-parallel placement of a node that does not shard: a NodeError naming the
+    node (and its class `owner`, when given) and the tp it was placed with."""
+    if spec.tp_size != 1:
+        where = f"node '{spec.name}' ({owner})" if owner else f"node '{spec.name}'"
+        raise NodeError(f"{where} does not shard; place it with tp=1, not {spec.tp_size}")
+
+
 def max_seq_len(spec: NodeSpec) -> int:
     """The `max_seq_len` setting, read as the compiler reads it (a positive int, else the default)."""
     value = spec.settings.get("max_seq_len", DEFAULT_MAX_SEQ_LEN)

@@ -7,7 +7,9 @@ One warm-up run, then the same run (B requests of --tokens tokens, the `bench` v
 weights, as tools/bench/orpheus.py runs M*) twice: under cProfile (host Python: which
 functions of the conductor, engine, node and sampler cost what per step) and under
 torch.profiler (per-op CPU and CUDA time, and the GPU's busy time against the wall time:
-a step whose GPU is idle most of the wall time is bound by the host).
+a step whose GPU is idle most of the wall time is bound by the host). Before the cProfile
+tables: the host stages per request (`STAGES`: the cohort joins, the prefill phase, the
+stream flushes, ...), named alike on older trees, so two trees' runs compare line by line.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     prof.enable()
     run_mstar(plan, workers, device, args.batch, args.tokens, 3, args.path)
     prof.disable()
+    stages(pstats.Stats(prof), args.batch, report)
     for key in ("tottime", "cumulative"):
         print(f"\n==== cProfile, B={args.batch}, {args.tokens} tokens, by {key}", file=report)
         pstats.Stats(prof, stream=report).sort_stats(key).print_stats(30)
@@ -80,6 +83,32 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(text)
     print(text)
     return 0
+
+
+# the host stages a B = 256 run spends its time in, as (what, file, function): the same names
+# on trees before and after batched joins (Cohort.join took one row, then every row entering)
+STAGES = (
+    ("cohort joins", "control/cohort.py", "join"),
+    ("prefill phase", "orpheus/backbone.py", "phase_prefill"),
+    ("stream flushes", "control/cohort.py", "_flush"),
+    ("cohort leaves", "control/cohort.py", "_leave"),
+    ("lane effects", "control/interpreter.py", "flush_lane"),
+    ("cohort step calls", "control/cohort.py", "step"),  # launch, and the previous step's events
+)
+
+
+def stages(stats: pstats.Stats, batch: int, report: io.StringIO) -> None:
+    """Cumulative host seconds of each of `STAGES` over the profiled run, and per request."""
+    print(f"\n==== host stages (cProfile, cumulative over the run; B = {batch})", file=report)
+    print(f"{'stage':<22}{'calls':>9}{'seconds':>10}{'ms/request':>12}", file=report)
+    table = stats.stats  # type: ignore[attr-defined]  # (file, line, function) -> (cc, nc, tt, ct, callers)
+    for what, path, func in STAGES:
+        rows = [v for (f, _, fn), v in table.items() if fn == func and f.replace(os.sep, "/").endswith(path)]
+        if not rows:
+            print(f"{what:<22}{'-':>9}", file=report)
+            continue
+        calls, seconds = sum(r[1] for r in rows), sum(r[3] for r in rows)
+        print(f"{what:<22}{calls:>9}{seconds:>10.3f}{1e3 * seconds / batch:>12.3f}", file=report)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from support import compile_walk, load_script
 
 from mstar_models.orpheus import LlamaBackbone, PromptBuilder
-from mstar_models.orpheus.backbone import llama3_inv_freq
+from mstar_models.orpheus.backbone import _upload_prompts, llama3_inv_freq
 from mstar_models.orpheus.prompt import BUNDLED_TOKENIZER, VOICES
 from mstar_runtime.engine.engines import KVCacheEngine, KVSlots, StepEntry
 from mstar_runtime.kv.block_manager import BlockManager
@@ -276,6 +276,17 @@ def test_a_mixed_batch_equals_each_request_alone(plan: Plan, hf: Any) -> None:
     for rid in requests:
         assert tokens_of(got[rid]) == alone[rid][0], rid
         torch.testing.assert_close(torch.cat(logits[rid]), alone[rid][1], rtol=RTOL, atol=ATOL)
+
+
+def test_a_batchs_prompts_go_up_together_as_they_are() -> None:
+    """`_upload_prompts`: host prompts of one dtype as views of one upload; any other mix one by one."""
+    one = [torch.arange(n, dtype=torch.int32) + 10 * n for n in (3, 1, 5)]
+    got = _upload_prompts(one, torch.device("cpu"))
+    assert [t.tolist() for t in got] == [t.tolist() for t in one] and all(t.dtype == torch.int32 for t in got)
+    assert len({t.untyped_storage().data_ptr() for t in got}) == 1  # one buffer
+    mixed = [torch.arange(3, dtype=torch.int32), torch.arange(2, dtype=torch.int64)]
+    got = _upload_prompts(mixed, torch.device("cpu"))
+    assert [(t.tolist(), t.dtype) for t in got] == [(t.tolist(), t.dtype) for t in mixed]
 
 
 # ------------------------------------------------------------------------------ sampling

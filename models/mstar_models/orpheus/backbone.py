@@ -193,16 +193,19 @@ class LlamaBackbone(DecoderNode):
         # prompt is checked and remembered whole, its other tokens computed
         checked = [self._check_prefill(entry, seq.start - seq.cached, seq.q_len + seq.cached)
                    for entry, seq in zip(batch, attn.seqs)]
-        for (prompt, params, max_tokens), seq in zip(checked, attn.seqs, strict=True):
+        device = self.inv_freq.device
+        prompts = _upload_prompts([prompt for prompt, _, _ in checked], device)
+        ks = torch.zeros(len(batch), dtype=torch.long, device=device).unbind(0)  # one fill for every entry's `k`
+        for (_, params, max_tokens), prompt, k, seq in zip(checked, prompts, ks, attn.seqs, strict=True):
             seq.state.clear()
             seq.state.update(
                 sampling=params,
                 max_tokens=max_tokens,
                 step=0,
-                k=torch.zeros((), dtype=torch.long, device=self.inv_freq.device),
+                k=k,
                 history=self._new_history(prompt, seq.start - seq.cached, max_tokens, params),
             )
-        ids = torch.cat([prompt[seq.cached:] for (prompt, _, _), seq in zip(checked, attn.seqs)]).to(torch.long)
+        ids = torch.cat([prompt[seq.cached:] for prompt, seq in zip(prompts, attn.seqs)]).to(torch.long)
         hidden = attn.run_graphed(lambda i, p: self.forward_hidden(i, p, attn.attend), ids, attn.positions())
         return self._next_tokens(self.head(attn.last_rows(hidden)), attn)
 
@@ -252,7 +255,7 @@ class LlamaBackbone(DecoderNode):
                 f"prompt token ids must lie in [0, {self.vocab}), got [{int(lo)}, {int(hi)}]", "prompt"
             )
         params = read_sampling(entry, SAMPLING_PORTS)
-        return upload_tensor(prompt, self.inv_freq.device), params, params.max_tokens
+        return prompt, params, params.max_tokens
 
     def _new_history(
         self, prompt: torch.Tensor, start: int, max_tokens: int, params: SamplingParams
@@ -308,3 +311,11 @@ class LlamaBackbone(DecoderNode):
                 "done": True if limit else Lazy(lambda i=i: back.values()[0][i] == self.eos),
             })
         return out
+
+
+def _upload_prompts(prompts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The batch's prompts on `device`: host prompts of one dtype joined on the host and sent in
+    one upload from pinned memory (each prompt a view of it), others one upload each."""
+    if len(prompts) > 1 and all(p.device.type == "cpu" and p.dtype == prompts[0].dtype for p in prompts):
+        return list(upload_tensor(torch.cat(prompts), device).split([p.numel() for p in prompts]))
+    return [upload_tensor(p, device) for p in prompts]

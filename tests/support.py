@@ -73,6 +73,17 @@ def as_run(plan: Plan, run: str) -> Plan:
     return plan if run == "cohort" else without_cohorts(plan)
 
 
+def run_generate(c: Any, prompt: str, max_new: int = 4) -> Any:
+    """The test family's `generate` walk for `prompt` on conductor `c`, run until idle: its
+    handle, which must have finished."""
+    from mstar_runtime.control.conductor import FINISHED
+
+    h = c.submit("generate", {"prompt": prompt, "max_new": max_new})
+    c.run_until_idle()
+    assert h.state == FINISHED, h.error
+    return h
+
+
 def load_script(path: str | Path, name: str | None = None) -> ModuleType:
     """A script under tools/ (no package on sys.path) as a module named `name` (default: the file's
     stem), registered in sys.modules, where dataclasses look their module up."""

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from support import compile_model
+from support import compile_model, run_generate
 
 from mstar_runtime.api import MStar
 from mstar_runtime.control.conductor import FINISHED, Conductor
@@ -48,11 +48,8 @@ def _miss(plan_path: Path, walk: str, inputs: dict[str, Any]) -> Any:
     return h
 
 
-def _one(c: Conductor, prompt: str, max_new: int = 10) -> Any:
-    h = c.submit("generate", {"prompt": prompt, "max_new": max_new})
-    c.run_until_idle()
-    assert h.state == FINISHED, h.error
-    return h
+def _one(c: Conductor, prompt: str) -> Any:
+    return run_generate(c, prompt, max_new=10)
 
 
 def _equal(a: dict[str, Any], b: dict[str, Any]) -> None:

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+from support import run_generate
 
 from mstar_runtime.api import MStar
 from mstar_runtime.cli import EngineOptions, run_walk
-from mstar_runtime.control.conductor import FINISHED, Conductor
+from mstar_runtime.control.conductor import Conductor
 from mstar_runtime.control.scheduler import KVPages, PrefixChunkError
 from mstar_runtime.engine.chunked import chunk_spans, plan_pieces
 from mstar_runtime.engine.engines import KVSlots
@@ -71,13 +72,6 @@ def engine(testfamily_plan: Path) -> Iterator[Any]:
     yield make
 
 
-def _run(c: Conductor, prompt: str, max_new: int = 4) -> Any:
-    h = c.submit("generate", {"prompt": prompt, "max_new": max_new})
-    c.run_until_idle()
-    assert h.state == FINISHED, h.error
-    return h
-
-
 def test_chunk_spans_end_at_absolute_multiples() -> None:
     assert chunk_spans(0, 45, 16) == [(0, 16), (16, 32), (32, 45)]
     assert chunk_spans(20, 30, 16) == [(20, 32), (32, 48), (48, 50)]
@@ -123,12 +117,12 @@ def test_a_miss_and_a_hit_run_the_same_pieces_from_the_first_uncached_boundary(e
     a, b = SHARED + "Why is the sky blue today?", SHARED + "Who wrote Hamlet, and in which year?"
     n = len(b.encode()) + 1  # bos + bytes
     warm, rec = engine(prefix_caching=True, prefix_chunk=chunk)
-    _run(warm, a)
+    run_generate(warm, a)
     rec.take()
-    hit = _run(warm, b)
+    hit = run_generate(warm, b)
     hit_pieces, hit_attn = rec.take()
     cold, rec2 = engine(prefix_caching=True, prefix_chunk=chunk)
-    miss = _run(cold, b)
+    miss = run_generate(cold, b)
     miss_pieces, miss_attn = rec2.take()
     assert hit.stats.cached_tokens == 32 and miss.stats.cached_tokens == 0
     assert miss_pieces == [(0, 32), (32, 64), (64, n)]
@@ -139,16 +133,16 @@ def test_a_miss_and_a_hit_run_the_same_pieces_from_the_first_uncached_boundary(e
         assert torch.equal(hit.outputs[k], miss.outputs[k]), k
     # a chunk of one page: the same prompt hits every full shared page
     fine, rec3 = engine(prefix_caching=True, prefix_chunk=PS)
-    _run(fine, a)
-    assert _run(fine, b).stats.cached_tokens == 48
+    run_generate(fine, a)
+    assert run_generate(fine, b).stats.cached_tokens == 48
 
 
 def test_with_the_cache_off_a_prefill_is_one_piece(engine: Any) -> None:
     c, rec = engine(prefix_caching=False, prefix_chunk=PS)  # the chunk means nothing without the cache
     prompt = SHARED + "Why is the sky blue today?"
     n = len(prompt.encode()) + 1
-    _run(c, prompt)
-    _run(c, prompt)
+    run_generate(c, prompt)
+    run_generate(c, prompt)
     assert rec.take() == ([(0, n), (0, n)], [((n, n),), ((n, n),)])
 
 

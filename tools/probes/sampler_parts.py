@@ -2,7 +2,8 @@
 
     python tools/probes/sampler_parts.py [--rows 64 256] [--vocab 156940]
 
-Times (CUDA events, median of 20) the whole stage for Orpheus' settings (T 0.6, top-p 0.8,
+Times (CUDA events, median of 20) the whole stage (`sample_columns`: on a GPU with Triton the
+fused kernel; and the same stage through the torch ops, `draw_torch`) for Orpheus' settings (T 0.6, top-p 0.8,
 repetition penalty 1.3 over 256 ids) and its parts, and the kernels a sort-free top-p would be
 made of (torch.topk at several k, a per-row histogram by scatter_add), on flat logits (what
 random weights give) and peaked ones (what a trained model gives): a probe for the sampler's
@@ -52,6 +53,10 @@ def measure(b: int, kind: str, scale: float, vocab: int) -> dict[str, float]:
     key = f"B{b}-{kind}"
     out[f"{key} stage"] = timed(lambda: st.sample_columns(logits, cols))
     pen = st._penalised(logits, cols)
+    uu = torch.rand(b, device="cuda", dtype=torch.float64)
+    out[f"{key} stage torch ops"] = timed(lambda: st.draw_torch(st._penalised(logits, cols), cols, uu))
+    if st.fused.available():
+        out[f"{key} fused kernel"] = timed(lambda: st.fused.sample_rows(pen, cols.top_k, cols.top_p, cols.greedy, uu))
     out[f"{key} penalty+temperature"] = timed(lambda: st._penalised(logits, cols))
     out[f"{key} top-k/top-p"] = timed(lambda: st._top_k_top_p(pen, cols.top_k, cols.top_p))
     out[f"{key} sort"] = timed(lambda: torch.sort(pen, dim=-1, stable=True))

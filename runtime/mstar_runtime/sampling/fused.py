@@ -43,10 +43,17 @@ if triton is not None:
 
     @triton.jit
     def keys_of(x):
-        """float32 -> int64 keys in [0, 2**32) that order as the floats do (-0.0 as +0.0)."""
-        b = x.to(tl.uint32, bitcast=True).to(tl.int64)
-        key = tl.where(b >= 0x80000000, 0xFFFFFFFF - b, b + 0x80000000)
-        return tl.where(b == 0x80000000, 0x80000000, key)
+        """float32 -> uint32 keys that order as the floats do (-0.0 as +0.0): sign set, all bits
+        flipped; else the sign bit set. int32 arithmetic, since 64-bit integers cost twice."""
+        i = x.to(tl.int32, bitcast=True)
+        i = tl.where(i == -2147483648, 0, i)
+        return (i ^ ((i >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
+
+    @triton.jit
+    def value_of(key):
+        """keys_of's inverse."""
+        k = key.to(tl.int32, bitcast=True)
+        return tl.where(k < 0, k ^ -2147483648, ~k).to(tl.float32, bitcast=True)
 
     @triton.jit
     def digit_sums(row, vocab, m, lo_key, prefix, shift, COUNT: tl.constexpr, MASS: tl.constexpr,
@@ -61,9 +68,9 @@ if triton is not None:
             offs = start + tl.arange(0, BLOCK)
             valid = offs < vocab
             x = tl.load(row + offs, mask=valid, other=float("-inf"))
-            key = keys_of(x)
-            hit = valid & (key >= lo_key) & ((key >> (shift + 4)) == prefix)
-            onehot = tl.where(hit, (key >> shift) & 15, 16)[:, None] == digits[None, :]
+            t = keys_of(x) >> shift  # two shifts: a uint32 shifted by 32 (the first level) is undefined
+            hit = valid & (keys_of(x) >= lo_key) & ((t >> 4) == prefix)
+            onehot = tl.where(hit, (t & 15).to(tl.int32), 16)[:, None] == digits[None, :]
             if COUNT:
                 cnt += onehot.to(tl.int32)
             if MASS:
@@ -74,15 +81,15 @@ if triton is not None:
     def kth_key(row, vocab, m, rank, BLOCK: tl.constexpr):
         """The key of the entry of ascending rank `rank` (0-based)."""
         digits = tl.arange(0, 16)
-        prefix = tl.zeros([], dtype=tl.int64)
-        below = tl.zeros([], dtype=tl.int64)
+        prefix = tl.zeros([], dtype=tl.uint32)
+        below = tl.zeros([], dtype=tl.int32)
         for level in range(8):
             shift = 28 - 4 * level
             cnt, _ = digit_sums(row, vocab, m, 0, prefix, shift, True, False, BLOCK)
-            cum = tl.cumsum(cnt, axis=0).to(tl.int64)
+            cum = tl.cumsum(cnt, axis=0)
             d = tl.min(tl.where(below + cum > rank, digits, 15), axis=0)
-            below += tl.sum(tl.where(digits < d, cnt, 0), axis=0).to(tl.int64)
-            prefix = prefix * 16 + d
+            below += tl.sum(tl.where(digits < d, cnt, 0), axis=0)
+            prefix = prefix * 16 + d.to(tl.uint32)
         return prefix
 
     @triton.jit
@@ -105,17 +112,17 @@ if triton is not None:
         below = tl.zeros([], dtype=tl.float32)
         d = mass_digit(mass, below, q)
         below += tl.sum(tl.where(digits < d, mass, 0.0), axis=0)
-        prefix = d.to(tl.int64)
+        prefix = d.to(tl.uint32)
         for level in range(1, 7):
             _, mass = digit_sums(row, vocab, m, lo_key, prefix, 28 - 4 * level, False, True, BLOCK)
             d = mass_digit(mass, below, q)
             below += tl.sum(tl.where(digits < d, mass, 0.0), axis=0)
-            prefix = prefix * 16 + d
+            prefix = prefix * 16 + d.to(tl.uint32)
         cnt, mass = digit_sums(row, vocab, m, lo_key, prefix, 0, True, True, BLOCK)
         d = mass_digit(mass, below, q)
         below += tl.sum(tl.where(digits < d, mass, 0.0), axis=0)
         ties = tl.sum(tl.where(digits == d, cnt, 0), axis=0)
-        return prefix * 16 + d, below, ties, q, total
+        return prefix * 16 + d.to(tl.uint32), below, ties, q, total
 
     @triton.jit
     def nth_equal(row, vocab, key_want, n, SCAN: tl.constexpr):
@@ -188,14 +195,13 @@ if triton is not None:
         token = arg
         bad = tl.sum(nans, axis=0) > 0
         if (not bad) & (tl.load(greedy + r) == 0):
-            cut_key = tl.zeros([], dtype=tl.int64)
+            cut_key = tl.zeros([], dtype=tl.uint32)
             cut_id = tl.zeros([], dtype=tl.int32)
             if (k > 0) & (k < vocab):
-                cut_key = kth_key(row, vocab, m, vocab - k, BLOCK)
+                cut_key = kth_key(row, vocab, m, (vocab - k).to(tl.int32), BLOCK)
             if p < 1.0:
                 v, below, ties, q, kept_total = top_p_cut(row, vocab, m, cut_key, p, BLOCK)
-                bits = tl.where(v >= 0x80000000, v - 0x80000000, 0xFFFFFFFF - v)
-                e_v = tl.exp(bits.to(tl.uint32).to(tl.float32, bitcast=True) - m)
+                e_v = tl.exp(value_of(v) - m)
                 room = tl.where(e_v > 0, (q - below) / e_v, 0.0)
                 dropped = tl.minimum(tl.maximum(tl.minimum(room, 2e9).to(tl.int32), 0), ties - 1)
                 cut_key = v
@@ -216,14 +222,15 @@ def available() -> bool:
 
 
 def sample_rows(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, greedy: torch.Tensor,
-                u: torch.Tensor) -> torch.Tensor:
+                u: torch.Tensor, *, block: int = _BLOCK, scan: int = _SCAN, warps: int = 8) -> torch.Tensor:
     """One token id per row (int64 [n]) from float32 scores [n, V] (after penalty and temperature),
-    the rows' top-k (int64), top-p (float32), greedy flags and uniforms (float64)."""
+    the rows' top-k (int64), top-p (float32), greedy flags and uniforms (float64). `block`, `scan`
+    and `warps`: the launch's shape (tools/probes/sampler_parts.py times others)."""
     n, vocab = scores.shape
     if scores.dtype != torch.float32 or scores.stride(1) != 1:
         raise ValueError(f"need float32 scores with unit stride, got {scores.dtype}, strides {scores.stride()}")
     out = torch.empty(n, dtype=torch.int64, device=scores.device)
     if n:
-        sample_kernel[(n,)](scores, scores.stride(0), vocab, top_k, top_p, greedy, u, out, BLOCK=_BLOCK, SCAN=_SCAN,
-                            num_warps=8)
+        sample_kernel[(n,)](scores, scores.stride(0), vocab, top_k, top_p, greedy, u, out, BLOCK=block, SCAN=scan,
+                            num_warps=warps)
     return out

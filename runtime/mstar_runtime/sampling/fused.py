@@ -1,29 +1,38 @@
-"""The sampling stage's top-k, top-p and draw as one Triton kernel per row, without a sort (GPU).
+"""The sampling stage's top-k, top-p and draw as Triton kernels, without a sort (GPU).
 
 `stage.sample_columns` calls `sample_rows` on a CUDA device when Triton is there; it takes the
 float32 scores after the repetition penalty and the temperature and returns the same tokens as
-the torch ops (`stage._top_k_top_p` and `stage.pick_from_cdf`) up to float rounding: a draw that
-lands within rounding distance of a token boundary, or a top-p cut whose cumulative mass is
-within rounding of 1 - top_p, may take the neighbour (as the torch ops' own GPU scan already does
-against the CPU's). tests/test_sampling_fused_gpu.py pins that on real-size rows.
+the torch ops (`stage.draw_torch`) up to float rounding: a draw that lands within rounding
+distance of a token boundary, or a top-p cut whose cumulative mass is within rounding of
+1 - top_p, may take the neighbour (as the torch ops' own GPU scan already does against the
+CPU's). tests/test_sampling_stage.py pins that on rows of Orpheus' vocabulary.
 
-One program per row walks the row in blocks, its state in registers (each lane keeps its own
-sums over the row and the lanes are reduced once per pass, which a reduction per block would
-not afford at one program per row):
-1. the maximum and its first index (a greedy row's token; a row with a NaN draws token 0, as
-   the torch path's padding rows do);
-2. top-k (0 < k < vocab): the k-th largest value as the torch path takes it (ties stay), by a
-   radix select over the float32 bits in order-preserving form: 8 passes of 4-bit digits, each
-   counting the row's entries per digit among those that share the digits found so far;
-3. top-p (p < 1): the same radix select weighted by exp(x - max) finds the value v* where the
-   ascending cumulative mass first exceeds (1 - p) * total (the first kept entry of the torch
-   path's stable ascending sort), and how many entries equal to v* are dropped (ties go by id,
-   lowest first, as a stable sort orders them): a scan finds the first kept id;
-4. the draw: the first entry, in vocabulary order, whose cumulative mass (float64, kept entries
-   only) exceeds u * kept mass, u the row's (seed, step) uniform (past the end by rounding: the
-   row's maximum). The scans of 3 and 4 sum whole blocks up to the one they need.
-Every sum is a fixed tree inside one program, so a row draws the same token every run and in
-any batch. Kept entries are those above the cut value, or equal to it at an id >= the cut id.
+Each row is cut into `S` segments (`segments_for`: about 16, by the vocabulary alone, so that a
+row's sums do not depend on the batch, and a few rows still keep many multiprocessors busy) and
+every launch runs one program per (row, segment). The row's decisions are
+not kept in a state that a launch writes and the next reads: each launch replays them from the
+per-segment partial sums of the launches before it (a few hundred numbers, summed over the
+segments in a fixed order), so every program of every launch finds the same ones.
+1. `seg_max`: each segment's maximum, its first index and its NaN count (a greedy row's token
+   is the row's first maximum; a row with a NaN draws token 0, as the torch path's padding
+   rows do).
+2. `seg_count`, 8 launches: top-k (0 < k < vocab) as the torch path takes it (the k-th largest
+   value; ties stay), by a radix select over the float32 bits in order-preserving form: 4 bits
+   a launch, each counting its segment's entries per digit among those that share the digits
+   chosen so far.
+3. `seg_mass`, 8 launches: top-p (p < 1), the same radix select weighted by exp(x - max): the
+   value v* where the ascending cumulative mass first exceeds (1 - p) * total (the first kept
+   entry of the torch path's stable ascending sort), and how many of the entries equal to v*
+   are dropped (ties go by id, lowest first, as a stable sort orders them). A row with p = 1
+   runs the first launch only (its kept mass).
+4. `seg_draw`: each segment's kept mass follows from those partials (the digits above the
+   chosen one at each level are the entries above v*); the program whose segment holds
+   u * kept mass (u the row's (seed, step) uniform) scans it and writes the token: the first
+   kept entry, in vocabulary order, whose cumulative mass (float64) exceeds it (past the end by
+   rounding: the row's maximum, always kept).
+Within a program each lane keeps its own sums over the segment and the lanes are reduced once
+(a reduction per block is latency a program cannot hide). Every sum is a fixed tree, so a row
+draws the same token every run and in any batch (another segment count may round otherwise).
 """
 
 from __future__ import annotations
@@ -37,7 +46,9 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 _BLOCK = 512  # entries a radix pass handles at once: [_BLOCK, 16] digit accumulators in registers
-_SCAN = 4096  # entries a scan (max, tie search, draw) handles at once
+_SCAN = 2048  # entries a scan (maximum, draw) handles at once
+_LEVELS = 8  # 4-bit digits of a 32-bit key
+_NONE = 2147483647
 
 if triton is not None:
 
@@ -56,20 +67,104 @@ if triton is not None:
         return tl.where(k < 0, k ^ -2147483648, ~k).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def digit_sums(row, vocab, m, lo_key, prefix, shift, COUNT: tl.constexpr, MASS: tl.constexpr,
+    def row_max(pmax, parg, pnan, r, S, SP: tl.constexpr):
+        """(max, its first index, whether the row has a NaN) from the segments' partials."""
+        s = tl.arange(0, SP)
+        on = s < S
+        vals = tl.load(pmax + r * S + s, mask=on, other=float("-inf"))
+        m = tl.max(vals, axis=0)
+        arg = tl.min(tl.where(on & (vals == m), tl.load(parg + r * S + s, mask=on, other=_NONE), _NONE), axis=0)
+        bad = tl.sum(tl.load(pnan + r * S + s, mask=on, other=0), axis=0) > 0
+        return m, tl.where(arg == _NONE, 0, arg), bad
+
+    @triton.jit
+    def level_sums(part, r, level, S, SP: tl.constexpr):
+        """A level's per-digit sums over the segments (fixed order), and the [SP, 16] partials."""
+        s = tl.arange(0, SP)
+        d = tl.arange(0, 16)
+        tile = tl.load(part + ((r * 8 + level) * S + s[:, None]) * 16 + d[None, :], mask=(s < S)[:, None], other=0)
+        return tl.sum(tile, axis=0), tile
+
+    @triton.jit
+    def replay_count(cnt, r, levels, rank, S, SP: tl.constexpr):
+        """The first `levels` digits of the key of ascending rank `rank` (0-based), as a prefix."""
+        digits = tl.arange(0, 16)
+        prefix = tl.zeros([], dtype=tl.uint32)
+        below = tl.zeros([], dtype=tl.int32)
+        for level in range(levels):
+            c, _ = level_sums(cnt, r, level, S, SP)
+            d = tl.min(tl.where(below + tl.cumsum(c, axis=0) > rank, digits, 15), axis=0)
+            below += tl.sum(tl.where(digits < d, c, 0), axis=0)
+            prefix = prefix * 16 + d.to(tl.uint32)
+        return prefix
+
+    @triton.jit
+    def mass_digit(mass, below, q):
+        """The first digit at which below + the cumulative mass exceeds q (past the end by
+        rounding: the last digit with mass)."""
+        digits = tl.arange(0, 16)
+        last = tl.max(tl.where(mass > 0, digits, 0), axis=0)
+        return tl.min(tl.where((below + tl.cumsum(mass, axis=0) > q) & (mass > 0), digits, last), axis=0)
+
+    @triton.jit
+    def replay_mass(mass_part, r, levels, p, S, SP: tl.constexpr):
+        """(prefix of the first `levels` digits of v*, the mass below that range, q, the total)."""
+        digits = tl.arange(0, 16)
+        m0, _ = level_sums(mass_part, r, 0, S, SP)
+        total = tl.sum(m0, axis=0)
+        q = (1.0 - p) * total
+        prefix = tl.zeros([], dtype=tl.uint32)
+        below = tl.zeros([], dtype=tl.float32)
+        for level in range(levels):
+            ms, _ = level_sums(mass_part, r, level, S, SP)
+            d = mass_digit(ms, below, q)
+            below += tl.sum(tl.where(digits < d, ms, 0.0), axis=0)
+            prefix = prefix * 16 + d.to(tl.uint32)
+        return prefix, below, q, total
+
+    @triton.jit
+    def row_cut(cnt, top_k, r, vocab, S, SP: tl.constexpr):
+        """The top-k cut key of row r (0: top-k off), replayed from the count partials."""
+        k = tl.load(top_k + r)
+        on = (k > 0) & (k < vocab)
+        return tl.where(on, replay_count(cnt, r, tl.where(on, 8, 0), (vocab - k).to(tl.int32), S, SP), 0)
+
+    @triton.jit
+    def seg_max(scores, stride, vocab, seg, S, pmax, parg, pnan, SCAN: tl.constexpr):
+        r = tl.program_id(0)
+        s = tl.program_id(1)
+        row = scores + r.to(tl.int64) * stride
+        lo = s * seg
+        hi = tl.minimum(lo + seg, vocab)
+        best = tl.full([SCAN], float("-inf"), tl.float32)
+        best_at = tl.full([SCAN], _NONE, tl.int32)
+        nans = tl.zeros([SCAN], dtype=tl.int32)
+        for start in range(lo, hi, SCAN):
+            offs = start + tl.arange(0, SCAN)
+            x = tl.load(row + offs, mask=offs < hi, other=float("-inf"))
+            nans += (x != x).to(tl.int32)
+            better = x > best
+            best = tl.where(better, x, best)
+            best_at = tl.where(better, offs, best_at)
+        m = tl.max(best, axis=0)
+        tl.store(pmax + r * S + s, m)
+        tl.store(parg + r * S + s, tl.min(tl.where(best == m, best_at, _NONE), axis=0))
+        tl.store(pnan + r * S + s, tl.sum(nans, axis=0))
+
+    @triton.jit
+    def digit_sums(row, lo, hi, m, lo_key, prefix, shift, COUNT: tl.constexpr, MASS: tl.constexpr,
                    BLOCK: tl.constexpr):
-        """Per 4-bit digit at `shift`: the count and the exp(x - m) mass of the entries whose key
-        is >= lo_key and whose digits above `shift` equal `prefix`. Each lane accumulates its own
-        [16] sums over the row; one reduction at the end (a reduction per block costs more)."""
+        """Per 4-bit digit at `shift`: the count and the exp(x - m) mass of the entries in
+        [lo, hi) whose key is >= lo_key and whose digits above `shift` equal `prefix`."""
         digits = tl.arange(0, 16)
         cnt = tl.zeros([BLOCK, 16], dtype=tl.int32)
         mass = tl.zeros([BLOCK, 16], dtype=tl.float32)
-        for start in range(0, vocab, BLOCK):
+        for start in range(lo, hi, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            valid = offs < vocab
-            x = tl.load(row + offs, mask=valid, other=float("-inf"))
-            t = keys_of(x) >> shift  # two shifts: a uint32 shifted by 32 (the first level) is undefined
-            hit = valid & (keys_of(x) >= lo_key) & ((t >> 4) == prefix)
+            x = tl.load(row + offs, mask=offs < hi, other=float("-inf"))
+            key = keys_of(x)
+            t = key >> shift  # then >> 4: a uint32 shifted by 32 (the first level) is undefined
+            hit = (offs < hi) & (key >= lo_key) & ((t >> 4) == prefix)
             onehot = tl.where(hit, (t & 15).to(tl.int32), 16)[:, None] == digits[None, :]
             if COUNT:
                 cnt += onehot.to(tl.int32)
@@ -78,142 +173,113 @@ if triton is not None:
         return tl.sum(cnt, axis=0), tl.sum(mass, axis=0)
 
     @triton.jit
-    def kth_key(row, vocab, m, rank, BLOCK: tl.constexpr):
-        """The key of the entry of ascending rank `rank` (0-based)."""
-        digits = tl.arange(0, 16)
-        prefix = tl.zeros([], dtype=tl.uint32)
-        below = tl.zeros([], dtype=tl.int32)
-        for level in range(8):
-            shift = 28 - 4 * level
-            cnt, _ = digit_sums(row, vocab, m, 0, prefix, shift, True, False, BLOCK)
-            cum = tl.cumsum(cnt, axis=0)
-            d = tl.min(tl.where(below + cum > rank, digits, 15), axis=0)
-            below += tl.sum(tl.where(digits < d, cnt, 0), axis=0)
-            prefix = prefix * 16 + d.to(tl.uint32)
-        return prefix
-
-    @triton.jit
-    def mass_digit(mass, below, q):
-        """The first digit at which below + the cumulative mass exceeds q (rounding past the end:
-        the last digit with mass)."""
-        digits = tl.arange(0, 16)
-        cum = tl.cumsum(mass, axis=0)
-        last = tl.max(tl.where(mass > 0, digits, 0), axis=0)
-        return tl.min(tl.where((below + cum > q) & (mass > 0), digits, last), axis=0)
-
-    @triton.jit
-    def top_p_cut(row, vocab, m, lo_key, p, BLOCK: tl.constexpr):
-        """(v*, the mass below it, its entries' count, q, the total): the key where the ascending
-        cumulative mass of the entries >= lo_key first exceeds q = (1 - p) * total."""
-        digits = tl.arange(0, 16)
-        _, mass = digit_sums(row, vocab, m, lo_key, 0, 28, False, True, BLOCK)
-        total = tl.sum(mass, axis=0)
-        q = (1.0 - p) * total
-        below = tl.zeros([], dtype=tl.float32)
-        d = mass_digit(mass, below, q)
-        below += tl.sum(tl.where(digits < d, mass, 0.0), axis=0)
-        prefix = d.to(tl.uint32)
-        for level in range(1, 7):
-            _, mass = digit_sums(row, vocab, m, lo_key, prefix, 28 - 4 * level, False, True, BLOCK)
-            d = mass_digit(mass, below, q)
-            below += tl.sum(tl.where(digits < d, mass, 0.0), axis=0)
-            prefix = prefix * 16 + d.to(tl.uint32)
-        cnt, mass = digit_sums(row, vocab, m, lo_key, prefix, 0, True, True, BLOCK)
-        d = mass_digit(mass, below, q)
-        below += tl.sum(tl.where(digits < d, mass, 0.0), axis=0)
-        ties = tl.sum(tl.where(digits == d, cnt, 0), axis=0)
-        return prefix * 16 + d.to(tl.uint32), below, ties, q, total
-
-    @triton.jit
-    def nth_equal(row, vocab, key_want, n, SCAN: tl.constexpr):
-        """The id of the n-th (0-based) entry whose key is key_want, in vocabulary order: block
-        counts up to the block that holds it, then one scan inside it."""
-        seen = tl.zeros([], dtype=tl.int32)
-        start = tl.zeros([], dtype=tl.int32)
-        go = True
-        while go:
-            offs = start + tl.arange(0, SCAN)
-            x = tl.load(row + offs, mask=offs < vocab, other=float("-inf"))
-            c = tl.sum(((offs < vocab) & (keys_of(x) == key_want)).to(tl.int32), axis=0)
-            go = (seen + c <= n) & (start + SCAN < vocab)
-            seen = tl.where(go, seen + c, seen)
-            start = tl.where(go, start + SCAN, start)
-        offs = start + tl.arange(0, SCAN)
-        x = tl.load(row + offs, mask=offs < vocab, other=float("-inf"))
-        eq = ((offs < vocab) & (keys_of(x) == key_want)).to(tl.int32)
-        run = seen + tl.cumsum(eq, axis=0)
-        found = tl.min(tl.where((eq > 0) & (run == n + 1), offs, 2147483647), axis=0)
-        return tl.where(found == 2147483647, 0, found)
-
-    @triton.jit
-    def draw(row, vocab, m, cut_key, cut_id, target, fallback, SCAN: tl.constexpr):
-        """The first kept entry whose cumulative mass (float64) exceeds target: block sums up to
-        the block where it is crossed, then one scan inside it. `fallback` (the row's maximum,
-        always kept) when rounding puts target past the kept mass."""
-        run = tl.zeros([], dtype=tl.float64)
-        start = tl.zeros([], dtype=tl.int32)
-        go = True
-        while go:
-            offs = start + tl.arange(0, SCAN)
-            x = tl.load(row + offs, mask=offs < vocab, other=float("-inf"))
-            key = keys_of(x)
-            kept = (offs < vocab) & ((key > cut_key) | ((key == cut_key) & (offs >= cut_id)))
-            s = tl.sum(tl.where(kept, tl.exp(x - m), 0.0).to(tl.float64), axis=0)
-            go = (run + s <= target) & (start + SCAN < vocab)
-            run = tl.where(go, run + s, run)
-            start = tl.where(go, start + SCAN, start)
-        offs = start + tl.arange(0, SCAN)
-        x = tl.load(row + offs, mask=offs < vocab, other=float("-inf"))
-        key = keys_of(x)
-        kept = (offs < vocab) & ((key > cut_key) | ((key == cut_key) & (offs >= cut_id)))
-        w = tl.where(kept, tl.exp(x - m), 0.0).to(tl.float64)
-        cdf = run + tl.cumsum(w, axis=0)
-        found = tl.min(tl.where((cdf > target) & (w > 0), offs, 2147483647), axis=0)
-        return tl.where(found == 2147483647, fallback, found)
-
-    @triton.jit
-    def sample_kernel(scores, stride, vocab, top_k, top_p, greedy, u, out,
-                      BLOCK: tl.constexpr, SCAN: tl.constexpr):
+    def seg_count(scores, stride, vocab, seg, S, pmax, parg, pnan, greedy, top_k, cnt, level,
+                  SP: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0)
-        row = scores + r.to(tl.int64) * stride
-        # 1. the maximum and its first index (per lane, then across lanes), NaNs
-        best = tl.full([SCAN], float("-inf"), tl.float32)
-        best_at = tl.zeros([SCAN], dtype=tl.int32)
-        nans = tl.zeros([SCAN], dtype=tl.int32)
-        for start in range(0, vocab, SCAN):
-            offs = start + tl.arange(0, SCAN)
-            x = tl.load(row + offs, mask=offs < vocab, other=float("-inf"))
-            nans += (x != x).to(tl.int32)
-            better = x > best
-            best = tl.where(better, x, best)
-            best_at = tl.where(better, offs, best_at)
-        m = tl.max(best, axis=0)
-        arg = tl.min(tl.where(best == m, best_at, 2147483647), axis=0)
-        arg = tl.where(arg == 2147483647, 0, arg)
+        s = tl.program_id(1)
         k = tl.load(top_k + r)
+        _, _, bad = row_max(pmax, parg, pnan, r, S, SP)
+        if (not bad) & (tl.load(greedy + r) == 0) & (k > 0) & (k < vocab):
+            prefix = replay_count(cnt, r, level, (vocab - k).to(tl.int32), S, SP)
+            row = scores + r.to(tl.int64) * stride
+            c, _ = digit_sums(row, s * seg, tl.minimum(s * seg + seg, vocab), 0.0, 0, prefix, 28 - 4 * level,
+                              True, False, BLOCK)
+            tl.store(cnt + ((r * 8 + level) * S + s) * 16 + tl.arange(0, 16), c)
+
+    @triton.jit
+    def seg_mass(scores, stride, vocab, seg, S, pmax, parg, pnan, greedy, top_k, top_p, cnt, mass, ties, level,
+                 SP: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        s = tl.program_id(1)
         p = tl.load(top_p + r)
-        token = arg
-        bad = tl.sum(nans, axis=0) > 0
+        m, _, bad = row_max(pmax, parg, pnan, r, S, SP)
+        if (not bad) & (tl.load(greedy + r) == 0) & ((p < 1.0) | (level == 0)):
+            lo_key = row_cut(cnt, top_k, r, vocab, S, SP)
+            prefix, _, _, _ = replay_mass(mass, r, level, p, S, SP)
+            row = scores + r.to(tl.int64) * stride
+            c, ms = digit_sums(row, s * seg, tl.minimum(s * seg + seg, vocab), m, lo_key, prefix, 28 - 4 * level,
+                               level == 7, True, BLOCK)
+            tl.store(mass + ((r * 8 + level) * S + s) * 16 + tl.arange(0, 16), ms)
+            if level == 7:
+                tl.store(ties + (r * S + s) * 16 + tl.arange(0, 16), c)
+
+    @triton.jit
+    def seg_draw(scores, stride, vocab, seg, S, pmax, parg, pnan, greedy, top_k, top_p, u, cnt, mass, ties, out,
+                 SP: tl.constexpr, SCAN: tl.constexpr):
+        r = tl.program_id(0)
+        s = tl.program_id(1)
+        p = tl.load(top_p + r)
+        m, arg, bad = row_max(pmax, parg, pnan, r, S, SP)
+        token = tl.where(bad, 0, arg)
+        mine = s == 0  # who writes the token when no scan is needed
         if (not bad) & (tl.load(greedy + r) == 0):
-            cut_key = tl.zeros([], dtype=tl.uint32)
-            cut_id = tl.zeros([], dtype=tl.int32)
-            if (k > 0) & (k < vocab):
-                cut_key = kth_key(row, vocab, m, (vocab - k).to(tl.int32), BLOCK)
+            segs = tl.arange(0, SP)
+            digits = tl.arange(0, 16)
+            cut_key = row_cut(cnt, top_k, r, vocab, S, SP)
+            _, m0 = level_sums(mass, r, 0, S, SP)
+            kept = tl.sum(m0, axis=1)  # p = 1: everything at or above the top-k cut
+            dropped_here = tl.zeros([SP], dtype=tl.int32)
             if p < 1.0:
-                v, below, ties, q, kept_total = top_p_cut(row, vocab, m, cut_key, p, BLOCK)
-                e_v = tl.exp(value_of(v) - m)
+                # v*'s digits, and each segment's mass above v* (the digits above each chosen one)
+                _, below, q, _ = replay_mass(mass, r, 8, p, S, SP)
+                prefix = tl.zeros([], dtype=tl.uint32)
+                kept = tl.zeros([SP], dtype=tl.float32)
+                walk = tl.zeros([], dtype=tl.float32)
+                for level in range(8):
+                    ms, tile = level_sums(mass, r, level, S, SP)
+                    d = mass_digit(ms, walk, q)
+                    walk += tl.sum(tl.where(digits < d, ms, 0.0), axis=0)
+                    kept += tl.sum(tl.where(digits[None, :] > d, tile, 0.0), axis=1)
+                    prefix = prefix * 16 + d.to(tl.uint32)
+                    last_d = d
+                cut_key = prefix
+                e_v = tl.exp(value_of(prefix) - m)
+                tie_tile = tl.load(ties + (r * S + segs[:, None]) * 16 + digits[None, :], mask=(segs < S)[:, None], other=0)
+                seg_ties = tl.sum(tl.where(digits[None, :] == last_d, tie_tile, 0), axis=1)
                 room = tl.where(e_v > 0, (q - below) / e_v, 0.0)
-                dropped = tl.minimum(tl.maximum(tl.minimum(room, 2e9).to(tl.int32), 0), ties - 1)
-                cut_key = v
-                if dropped > 0:
-                    cut_id = nth_equal(row, vocab, v, dropped, SCAN)
-                mass = (kept_total - below - dropped.to(tl.float32) * e_v).to(tl.float64)
-            else:
-                _, kmass = digit_sums(row, vocab, m, cut_key, 0, 28, False, True, BLOCK)
-                mass = tl.sum(kmass, axis=0).to(tl.float64)
-            token = draw(row, vocab, m, cut_key, cut_id, tl.load(u + r) * mass, arg, SCAN)
-        token = tl.where(bad, 0, token)
-        tl.store(out + r, token.to(tl.int64))
+                drop = tl.minimum(tl.maximum(tl.minimum(room, 2e9).to(tl.int32), 0), tl.sum(seg_ties, axis=0) - 1)
+                before = tl.cumsum(seg_ties, axis=0) - seg_ties
+                dropped_here = tl.minimum(tl.maximum(drop - before, 0), seg_ties)
+                kept += (seg_ties - dropped_here).to(tl.float32) * e_v
+            kept64 = tl.where(segs < S, kept, 0.0).to(tl.float64)
+            target = tl.load(u + r) * tl.sum(kept64, axis=0)
+            ends = tl.cumsum(kept64, axis=0)
+            crossing = tl.min(tl.where((ends > target) & (kept64 > 0) & (segs < S), segs, _NONE), axis=0)
+            mine = tl.where(crossing == _NONE, s == 0, s == crossing)
+            if s == crossing:
+                start_mass = tl.sum(tl.where(segs == s, ends - kept64, 0.0), axis=0)
+                skip = tl.sum(tl.where(segs == s, dropped_here, 0), axis=0)
+                row = scores + r.to(tl.int64) * stride
+                token = scan_segment(row, s * seg, tl.minimum(s * seg + seg, vocab), m, cut_key, skip,
+                                     start_mass, target, arg, SCAN)
+        if mine:
+            tl.store(out + r, token.to(tl.int64))
+
+    @triton.jit
+    def scan_segment(row, lo, hi, m, cut_key, skip, run, target, fallback, SCAN: tl.constexpr):
+        """The first kept entry of [lo, hi) at which run + the cumulative mass (float64) exceeds
+        target. Kept: key above cut_key, or equal to it past the segment's first `skip` such
+        entries. Block sums up to the block that crosses, then one scan inside it."""
+        start = lo
+        seen = tl.zeros([], dtype=tl.int32)
+        go = True
+        while go:
+            offs = start + tl.arange(0, SCAN)
+            x = tl.load(row + offs, mask=offs < hi, other=float("-inf"))
+            key = keys_of(x)
+            tie = (offs < hi) & (key == cut_key)
+            rank = seen + tl.cumsum(tie.to(tl.int32), axis=0)
+            kept = (offs < hi) & ((key > cut_key) | (tie & (rank > skip)))
+            w = tl.where(kept, tl.exp(x - m), 0.0).to(tl.float64)
+            total = tl.sum(w, axis=0)
+            go = (run + total <= target) & (start + SCAN < hi)
+            if go:
+                run += total
+                seen += tl.sum(tie.to(tl.int32), axis=0)
+                start += SCAN
+        cdf = run + tl.cumsum(w, axis=0)
+        found = tl.min(tl.where((cdf > target) & (w > 0), offs, _NONE), axis=0)
+        return tl.where(found == _NONE, fallback, found)
 
 
 def available() -> bool:
@@ -221,16 +287,46 @@ def available() -> bool:
     return triton is not None
 
 
+_SEGMENTS = 16
+
+
+def segments_for(vocab: int) -> int:
+    """Segments a row is cut into: `_SEGMENTS`, fewer for a vocabulary of fewer _BLOCKs. Never
+    the batch size: a row's sums, and so its token, must not depend on the other rows."""
+    return max(1, min(_SEGMENTS, vocab // _BLOCK))
+
+
 def sample_rows(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, greedy: torch.Tensor,
-                u: torch.Tensor, *, block: int = _BLOCK, scan: int = _SCAN, warps: int = 8) -> torch.Tensor:
+                u: torch.Tensor, *, segments: int | None = None, block: int = _BLOCK, scan: int = _SCAN,
+                warps: int = 8) -> torch.Tensor:
     """One token id per row (int64 [n]) from float32 scores [n, V] (after penalty and temperature),
-    the rows' top-k (int64), top-p (float32), greedy flags and uniforms (float64). `block`, `scan`
-    and `warps`: the launch's shape (tools/probes/sampler_parts.py times others)."""
+    the rows' top-k (int64), top-p (float32), greedy flags and uniforms (float64). `segments`
+    (default `segments_for`), `block`, `scan` and `warps`: the launches' shape, for
+    tools/probes/sampler_parts.py to time others (the same tokens up to rounding)."""
     n, vocab = scores.shape
     if scores.dtype != torch.float32 or scores.stride(1) != 1:
         raise ValueError(f"need float32 scores with unit stride, got {scores.dtype}, strides {scores.stride()}")
     out = torch.empty(n, dtype=torch.int64, device=scores.device)
-    if n:
-        sample_kernel[(n,)](scores, scores.stride(0), vocab, top_k, top_p, greedy, u, out, BLOCK=block, SCAN=scan,
-                            num_warps=warps)
+    if not n:
+        return out
+    S = segments or segments_for(vocab)
+    per = -(-vocab // S)
+    seg = -(-per // block) * block  # a whole number of blocks a segment
+    S = -(-vocab // seg)
+    SP = triton.next_power_of_2(S)
+    dev = scores.device
+    pmax = torch.empty(n * S, dtype=torch.float32, device=dev)
+    parg = torch.empty(n * S, dtype=torch.int32, device=dev)
+    pnan = torch.empty(n * S, dtype=torch.int32, device=dev)
+    cnt = torch.zeros(n * _LEVELS * S * 16, dtype=torch.int32, device=dev)
+    mass = torch.zeros(n * _LEVELS * S * 16, dtype=torch.float32, device=dev)
+    ties = torch.zeros(n * S * 16, dtype=torch.int32, device=dev)
+    grid = (n, S)
+    row = (scores, scores.stride(0), vocab, seg, S, pmax, parg, pnan)
+    seg_max[grid](*row, SCAN=scan, num_warps=warps)
+    for level in range(_LEVELS):
+        seg_count[grid](*row, greedy, top_k, cnt, level, SP=SP, BLOCK=block, num_warps=warps)
+    for level in range(_LEVELS):
+        seg_mass[grid](*row, greedy, top_k, top_p, cnt, mass, ties, level, SP=SP, BLOCK=block, num_warps=warps)
+    seg_draw[grid](*row, greedy, top_k, top_p, u, cnt, mass, ties, out, SP=SP, SCAN=scan, num_warps=warps)
     return out

@@ -139,25 +139,32 @@ def test_orpheus_vocabulary_on_the_gpu_eager_and_captured(kind: str) -> None:
         assert torch.equal(out, sample_columns(x, fresh)), r
 
 
-@pytest.mark.gpu
-def test_the_gpu_kernel_draws_the_torch_ops_tokens_and_a_row_its_own_alone() -> None:
-    """256 rows of Orpheus' vocabulary: `sample_columns` (on a GPU with Triton, the fused kernel)
-    against the torch ops (`draw_torch`) on the same scores and uniforms, every row that is not
-    ambiguous equal; and a row drawn alone gives the token it drew in the batch."""
-    from mstar_runtime.sampling import stage, uniforms
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+@pytest.mark.gpu
+def test_the_fused_kernels_draw_the_stages_tokens_and_a_row_its_own_alone() -> None:
+    """256 rows of Orpheus' vocabulary: `sampling.fused` against the stage (`sample_columns`,
+    the torch ops) on the same logits, settings, seeds and steps, every row that is not
+    ambiguous equal; captured in a CUDA graph, the same tokens; a row drawn alone, its token."""
+    from mstar_runtime.sampling import fused, stage, uniforms
+
+    if not torch.cuda.is_available() or not fused.available():
+        pytest.skip("needs CUDA and Triton")
     dev, n = torch.device("cuda"), 256
     x = torch.cat([orpheus_logits(kind, n // 4, seed=9) for kind in ("peaked", "bf16", "audio")]
                   + [orpheus_logits("bf16", n // 4, seed=10) * 0.2]).to(dev)
     params = [SamplingParams(0.6, 0, 0.8, 1.3, seed=b) for b in range(n // 2)] + mixed_params(n // 2, ORPHEUS_V, 11)
     cols = columns_of(params, histories(params, ORPHEUS_V, 12), list(range(n)), dev)
-    got = sample_columns(x, cols)
-    want = stage.draw_torch(stage._penalised(x, cols), cols, uniforms(cols.seed, cols.step))
+
+    def drawn(c: SamplingColumns, rows: slice = slice(None)) -> torch.Tensor:
+        return fused.sample_rows(stage._penalised(x[rows], c), c.top_k, c.top_p, c.greedy, uniforms(c.seed, c.step))
+
+    got, want = drawn(cols), sample_columns(x, cols)
     amb = ambiguous_rows(x.cpu(), SamplingColumns(**{f: None if t is None else t.cpu() for f, t in vars(cols).items()}))
     bad = (got.cpu() != want.cpu()) & ~amb
     assert not bool(bad.any()), f"rows {bad.nonzero().flatten().tolist()}"
+    graph, out = capture(drawn, cols)
+    graph.replay()
+    assert torch.equal(out, got)
     for b in (0, 77, 200, n - 1):
-        one = columns_of([params[b]], [None if cols.history is None else cols.history[b].cpu()], [b], dev)
-        assert int(sample_columns(x[b : b + 1], one)) == int(got[b]), b
+        hist = [None if cols.history is None else cols.history[b][cols.history[b] >= 0].cpu()]
+        assert int(drawn(columns_of([params[b]], hist, [b], dev), slice(b, b + 1))) == int(got[b]), b

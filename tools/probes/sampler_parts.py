@@ -2,8 +2,9 @@
 
     python tools/probes/sampler_parts.py [--rows 64 256] [--vocab 156940]
 
-Times (CUDA events, median of 20) the whole stage (`sample_columns`: on a GPU with Triton the
-fused kernel; and the same stage through the torch ops, `draw_torch`) for Orpheus' settings (T 0.6, top-p 0.8,
+Times (CUDA events, median of 20) the whole stage (and, where Triton is, the candidate
+`sampling.fused` kernels on the penalised scores at several launch shapes, and both captured
+in a CUDA graph) for Orpheus' settings (T 0.6, top-p 0.8,
 repetition penalty 1.3 over 256 ids) and its parts, and the kernels a sort-free top-p would be
 made of (torch.topk at several k, a per-row histogram by scatter_add), on flat logits (what
 random weights give) and peaked ones (what a trained model gives): a probe for the sampler's
@@ -40,7 +41,7 @@ def timed(fn, reps: int = 20) -> float:
 
 def measure(b: int, kind: str, scale: float, vocab: int) -> dict[str, float]:
     """The stage and its parts for b rows of one kind of logits (ms), and the nucleus sizes."""
-    from mstar_runtime.sampling import SamplingParams
+    from mstar_runtime.sampling import SamplingParams, fused
     from mstar_runtime.sampling import stage as st
     from mstar_runtime.sampling.columns import columns_of
 
@@ -53,10 +54,8 @@ def measure(b: int, kind: str, scale: float, vocab: int) -> dict[str, float]:
     key = f"B{b}-{kind}"
     out[f"{key} stage"] = timed(lambda: st.sample_columns(logits, cols))
     pen = st._penalised(logits, cols)
-    uu = torch.rand(b, device="cuda", dtype=torch.float64)
-    out[f"{key} stage torch ops"] = timed(lambda: st.draw_torch(st._penalised(logits, cols), cols, uu))
-    if st.fused.available():
-        out[f"{key} fused kernel"] = timed(lambda: st.fused.sample_rows(pen, cols.top_k, cols.top_p, cols.greedy, uu))
+    if fused.available():
+        out.update(fused_shapes(key, logits, pen, cols))
     out[f"{key} penalty+temperature"] = timed(lambda: st._penalised(logits, cols))
     out[f"{key} top-k/top-p"] = timed(lambda: st._top_k_top_p(pen, cols.top_k, cols.top_p))
     out[f"{key} sort"] = timed(lambda: torch.sort(pen, dim=-1, stable=True))
@@ -79,6 +78,32 @@ def measure(b: int, kind: str, scale: float, vocab: int) -> dict[str, float]:
     nucleus = (probs.sort(-1, descending=True).values.cumsum(-1) < 0.8).sum(-1).float()
     out[f"{key} nucleus-size-mean"] = nucleus.mean().item()
     out[f"{key} nucleus-size-max"] = nucleus.max().item()
+    return out
+
+
+FUSED_SHAPES = [(None, 512, 8), (8, 512, 8), (32, 512, 8), (16, 256, 4), (16, 256, 8), (16, 1024, 8), (16, 512, 16)]
+
+
+def fused_shapes(key: str, logits: torch.Tensor, pen: torch.Tensor, cols: object) -> dict[str, float]:
+    """The candidate `sampling.fused` kernels: eager at several (segments, block, warps), and
+    the default shape and the stage each captured in a CUDA graph (what a decode step runs)."""
+    from mstar_runtime.sampling import fused
+    from mstar_runtime.sampling import stage as st
+
+    out: dict[str, float] = {}
+    u = torch.rand(pen.shape[0], device="cuda", dtype=torch.float64)
+    for segs, block, warps in FUSED_SHAPES:
+        run = lambda s=segs, b=block, w=warps: fused.sample_rows(pen, cols.top_k, cols.top_p, cols.greedy, u,  # noqa: E731
+                                                                 segments=s, block=b, warps=w)
+        out[f"{key} fused S={segs or 'default'} block={block} warps={warps}"] = timed(run)
+    for name, fn in (("fused", lambda: fused.sample_rows(pen, cols.top_k, cols.top_p, cols.greedy, u)),
+                     ("stage", lambda: st.sample_columns(logits, cols))):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        out[f"{key} {name} captured"] = timed(graph.replay)
     return out
 
 

@@ -11,8 +11,8 @@ penalty over its history); the stage turns them into one token per row:
              `columns_of` for a one-off call);
 - `stage`:   `sample_columns(logits, cols)`, the whole-batch, capturable stage, and
              `sample(logits, params, histories, steps)` for per-row Python settings;
-- `fused`:   the stage's top-k, top-p and draw as one Triton kernel per row (a GPU with
-             Triton), which `sample_columns` takes there; the torch ops are its reference;
+- `fused`:   top-k, top-p and the draw as Triton kernels without a sort (a GPU with Triton):
+             a candidate for the stage's GPU path, checked against it, not yet what it runs;
 - `seeds`:   the draw's only randomness, `uniform(seed, step)`, on the host and on tensors.
 
 Qwen3-Omni's code predictor draws over its own top-50 prefix with `pick_from_cdf` (its

@@ -1,11 +1,17 @@
-"""The sampling stage's top-k, top-p and draw as Triton kernels, without a sort (GPU).
+"""Top-k, top-p and the draw of the sampling stage as Triton kernels, without a sort (GPU).
 
-`stage.sample_columns` calls `sample_rows` on a CUDA device when Triton is there; it takes the
-float32 scores after the repetition penalty and the temperature and returns the same tokens as
-the torch ops (`stage.draw_torch`) up to float rounding: a draw that lands within rounding
-distance of a token boundary, or a top-p cut whose cumulative mass is within rounding of
-1 - top_p, may take the neighbour (as the torch ops' own GPU scan already does against the
-CPU's). tests/test_sampling_stage.py pins that on rows of Orpheus' vocabulary.
+`sample_rows` takes the float32 scores after the repetition penalty and the temperature
+(`stage._penalised`) and the rows' uniforms, and draws the tokens `stage.sample_columns` draws
+up to float rounding: a draw that lands within rounding distance of a token boundary, or a
+top-p cut whose cumulative mass is within rounding of 1 - top_p, may take the neighbour (as the
+torch ops' own GPU scan already does against the CPU's). tests/test_sampling_fused.py checks it
+in Triton's interpreter on the CPU, tests/test_sampling_stage.py on the GPU at Orpheus' size.
+
+It is a candidate for the stage's GPU path, not yet what the stage runs: the torch ops sort
+the whole vocabulary (2.8 of 6.2 ms at B = 256 on an H200), and this form has not been timed on
+a GPU (`tools/probes/sampler_parts.py` times it). Its first form, one program per row, drew
+the same tokens on the H200 but took 5.5 ms at B = 1 and 12.3 ms at B = 256 (eager): one
+multiprocessor per row, latency-bound. Hence the segments below.
 
 Each row is cut into `S` segments (`segments_for`: about 16, by the vocabulary alone, so that a
 row's sums do not depend on the batch, and a few rows still keep many multiprocessors busy) and

@@ -14,9 +14,7 @@ value stay), top-p (ascending stable sort, drop the prefix whose cumulative prob
 
 The draw is inverse-CDF with one uniform number per row, `seeds.uniforms(seed, step)`: the
 token is the first, in vocabulary order, whose cumulative probability (float64, over the
-processed distribution) exceeds it. On a GPU with Triton, top-k, top-p and the draw run as one
-kernel per row (`fused`: radix selects over the float bits instead of a sort of the vocabulary)
-that draws the same tokens up to float rounding; the torch ops below are its reference. (Gumbel-max with a hash per vocabulary entry gives the
+processed distribution) exceeds it. (Gumbel-max with a hash per vocabulary entry gives the
 same distribution and the same independence, but pays ~20 integer kernels over n x V per
 step; one uniform per row pays one.)
 """
@@ -28,7 +26,6 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from mstar_runtime.sampling import fused
 from mstar_runtime.sampling.columns import SamplingColumns, columns_of
 from mstar_runtime.sampling.params import SamplingParams
 from mstar_runtime.sampling.seeds import uniforms
@@ -68,21 +65,9 @@ def _check_shapes(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 
 def sample_columns(logits: torch.Tensor, cols: SamplingColumns) -> torch.Tensor:
-    """The stage: one token id per row (int64 [n]) from the rows' device columns. On a GPU with
-    Triton, top-k, top-p and the draw are one kernel per row (`fused`: no sort); elsewhere the
-    torch ops of `draw_torch`."""
-    x = _penalised(logits, cols)
-    u = uniforms(cols.seed, cols.step)
-    if x.is_cuda and fused.available():
-        return fused.sample_rows(x, cols.top_k, cols.top_p, cols.greedy, u)
-    return draw_torch(x, cols, u)
-
-
-def draw_torch(x: torch.Tensor, cols: SamplingColumns, u: torch.Tensor) -> torch.Tensor:
-    """Top-k, top-p and the draw of `sample_columns` as torch ops, from the penalised float32
-    scores `x` and the rows' uniforms `u`: the CPU's stage, and the GPU kernel's reference."""
-    scores = _top_k_top_p(x, cols.top_k, cols.top_p)
-    return torch.where(cols.greedy, scores.argmax(dim=-1), pick_from_cdf(scores, u))
+    """The stage: one token id per row (int64 [n]) from the rows' device columns."""
+    scores = _top_k_top_p(_penalised(logits, cols), cols.top_k, cols.top_p)
+    return torch.where(cols.greedy, scores.argmax(dim=-1), pick_from_cdf(scores, uniforms(cols.seed, cols.step)))
 
 
 # ------------------------------------------------------------------------------ processing

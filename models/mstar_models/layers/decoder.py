@@ -10,6 +10,11 @@ the stack's prefix (`layers.{i}.self_attn.q_proj.weight`, `layers.{i}.mlp.*`,
 `DecoderNode` is the base of a KV node built on the stack (`self.model`): the engine sizes the
 node's KV pool from the stack's layers and this rank's KV heads.
 
+FP8 weights (`Decoder.quantize_fp8_`, `DecoderNode.quantize_weights("fp8")`, which the loader
+calls after filling the weights when the plan says so): every layer's q/k/v, o_proj,
+gate/up and down_proj become E4M3 with per-output-channel scales (`layers.fp8`); the
+embedding, the norms and the LM head stay in the checkpoint's dtype.
+
 `forward_layers` is pure tensor code whose only attention is `attend`, so an engine may
 capture it in a CUDA graph. Each residual add is fused with the norm after it
 (`fused.add_rms_norm`: one kernel on a GPU; the last with the final norm). With
@@ -76,6 +81,16 @@ class Decoder(nn.Module):
         attn = self.layers[0].self_attn
         return KVGeometry(len(self.layers), attn.kv_heads, attn.head_dim)
 
+    def quantize_fp8_(self) -> None:
+        """Every layer's attention and MLP projections to FP8 (`FusedRows.quantize_fp8_`); a
+        layer whose MLP has no FP8 form (a sparse MoE) is refused before any is changed."""
+        for i, layer in enumerate(self.layers):
+            if not callable(getattr(layer.mlp, "quantize_fp8_", None)):
+                raise TypeError(f"layer {i}'s MLP ({type(layer.mlp).__name__}) has no FP8 form")
+        for layer in self.layers:
+            layer.self_attn.quantize_fp8_()
+            layer.mlp.quantize_fp8_()
+
     def forward_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                        after_layer: AfterLayer | None = None) -> torch.Tensor:
         """Packed rows h [N, hidden] with their RoPE tables [N, 1, head_dim] -> final-normed [N, hidden]."""
@@ -115,3 +130,10 @@ class DecoderNode(KVNode):
     @property
     def kv_geometry(self) -> KVGeometry:
         return self.model.kv_geometry
+
+    def quantize_weights(self, fmt: str) -> None:
+        """The loader's load-time transform for the plan's `quantized` format: "fp8" quantizes
+        the decoder stack's projections (`Decoder.quantize_fp8_`)."""
+        if fmt != "fp8":
+            raise ValueError(f"node '{self.spec.name}': no weights format '{fmt}' (known: fp8)")
+        self.model.quantize_fp8_()

@@ -12,6 +12,13 @@ and the loader narrows each checkpoint tensor to this rank's part by the plan's 
   are this rank's features and need no collective;
 - row-parallel: `RowParallel`, built with this rank's input columns; its output is a partial
   sum, all-reduced over the node's TP group (a no-op at tp 1, where the group is None).
+
+FP8 weights (`mstar_models.layers.fp8`): `quantize_fp8_()` on a `Weight` or a `FusedRows`
+turns its loaded weights into E4M3 values with one float32 scale per output row (buffers
+`weight_scale`, `fused{key}_scale`); their forwards then run `fp8.fp8_linear`. The
+checkpoint names keep pointing at the weights (now E4M3 views), so a loader can tell which
+tensors were quantized. A row-parallel weight's scales are whole on every rank (its rows
+are not split), a column-parallel one's are this rank's rows.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_models.layers import fp8
 from mstar_runtime.ops import tp
 
 
@@ -33,14 +41,27 @@ class Weight(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.register_buffer("weight_scale", None, persistent=False)  # [rows, 1] once quantized to FP8
 
     @staticmethod
     def empty(rows: int, cols: int, bias: bool = False, **factory: Any) -> Weight:
         """A [rows, cols] weight (and [rows] bias) with uninitialised storage."""
         return Weight(torch.empty(rows, cols, **factory), torch.empty(rows, **factory) if bias else None)
 
+    def quantize_fp8_(self) -> None:
+        """Replace the weight by its E4M3 values and keep one float32 scale per row (fp8.quantize_rows)."""
+        q, scale = fp8.quantize_rows(self.weight.data)
+        self.weight.data = q
+        self.register_buffer("weight_scale", scale, persistent=False)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T (+ bias): the FP8 GEMM once quantized."""
+        if self.weight_scale is not None:
+            return fp8.fp8_linear(x, self.weight, self.weight_scale, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.bias)
 
 
 class RowParallel(Weight):
@@ -51,7 +72,7 @@ class RowParallel(Weight):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tp.all_reduce(F.linear(x, self.weight), self.group)
+        return tp.all_reduce(self.linear(x, None), self.group)
 
 
 class FusedRows(nn.Module):
@@ -100,6 +121,24 @@ class FusedRows(nn.Module):
         """The [sum rows_i, cols] storage of group `key`."""
         return getattr(self, f"fused{key}")
 
+    def scale_of(self, key: str = "") -> torch.Tensor | None:
+        """Group `key`'s float32 scales [sum rows_i, 1] once quantized to FP8, else None."""
+        return getattr(self, f"fused{key}_scale", None)
+
+    def quantize_fp8_(self) -> None:
+        """Quantize every fused group (one scale per output row, so each part keeps its own
+        rows' scales) and every other `Weight` child (o_proj, down_proj) to FP8; the parts'
+        weights become E4M3 views of the fused buffer, and the bf16 storage is freed."""
+        for key in self._groups:
+            q, scale = fp8.quantize_rows(self.fused_weight(key))
+            self.register_buffer(f"fused{key}", q, persistent=False)
+            self.register_buffer(f"fused{key}_scale", scale, persistent=False)
+            self._point_parts(key)
+        parts = {name for names in self._groups.values() for name in names}
+        for name, child in self.named_children():
+            if isinstance(child, Weight) and name not in parts:
+                child.quantize_fp8_()
+
     def _views(self, key: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         ws = self.fused_weight(key).split(self._sizes[key])
         fb = getattr(self, f"fused{key}_bias")
@@ -107,15 +146,19 @@ class FusedRows(nn.Module):
         biased = self._biased[key]
         return [(w, b if name in biased else None) for name, w, b in zip(self._groups[key], ws, bs, strict=True)]
 
+    def _point_parts(self, key: str) -> None:
+        """Point group `key`'s parts' parameters back at their rows of the fused storage."""
+        for name, (w, b) in zip(self._groups[key], self._views(key), strict=True):
+            part = getattr(self, name)
+            part.weight.data = w
+            if b is not None:
+                part.bias.data = b
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FusedRows:
         # a conversion (.to, .to_empty) gives each parameter storage of its own: point them back
         super()._apply(fn, recurse)
         for key, names in self._groups.items():
-            for name, (w, b) in zip(names, self._views(key), strict=True):
-                part = getattr(self, name)
-                part.weight.data = w
-                if b is not None:
-                    part.bias.data = b
+            self._point_parts(key)
             fb = getattr(self, f"fused{key}_bias")
             if fb is not None and len(self._biased[key]) < len(names):
                 # .to_empty leaves the bias-less parts' slices undefined: they must add nothing
@@ -126,9 +169,10 @@ class FusedRows(nn.Module):
         return self
 
     def project(self, x: torch.Tensor, key: str = "") -> tuple[torch.Tensor, ...]:
-        """x [..., cols] -> one output per part of group `key`, from one matmul."""
-        return tuple(F.linear(x, self.fused_weight(key), getattr(self, f"fused{key}_bias"))
-                     .split(self._sizes[key], dim=-1))
+        """x [..., cols] -> one output per part of group `key`, from one matmul (FP8 once quantized)."""
+        w, b, scale = self.fused_weight(key), getattr(self, f"fused{key}_bias"), self.scale_of(key)
+        y = F.linear(x, w, b) if scale is None else fp8.fp8_linear(x, w, scale, b)
+        return tuple(y.split(self._sizes[key], dim=-1))
 
 
 class StackedWeights(nn.ModuleList):

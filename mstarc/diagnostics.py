@@ -72,6 +72,7 @@ CODES: dict[str, str] = {
     "E056": "KV context read on other ranks",
     "E057": "bad host layout",
     "E058": "tensor-parallel group spans hosts",
+    "E059": "weights format the node cannot hold",
     # memory (E06x)
     "E060": "model does not fit the device",
     "E061": "KV pool too small",

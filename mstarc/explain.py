@@ -136,7 +136,8 @@ def plan_view(plan: dict[str, Any]) -> dict[str, Any]:
             node_rows.append({
                 "name": name, "engine": n["engine"], "impl": n["impl"], "tp": shard.get("tp", 1),
                 "params": n["arch"]["params"] if n["arch"] else 0,
-                "weights": human_bytes(mem.get("node_weights", {}).get(name)),
+                "weights": human_bytes(mem.get("node_weights", {}).get(name))
+                + (" (fp8)" if n.get("quantized") else ""),
                 "kv_per_token": human_bytes(kv["bytes_per_token"]) if kv else "-",
                 "kv_tokens": kv["tokens"] if kv else None, "kv_pages": kv["pages"] if kv else None,
                 "tags": ", ".join(t + (f" (max_len {n['tag_max_len'][t]})" if t in n.get("tag_max_len", {}) else "")

@@ -38,7 +38,9 @@ _SHORTHAND_KEYS = ("count", "type", "name", "memory_gib", "hbm_tb_s")
 _HOSTS_SHORTHAND_KEYS = ("count", "devices")
 _HOST_KEYS = ("ranks",)
 _MODEL_KEYS = ("nodes", "walks")
-_NODE_KEYS = ("rank", "ranks", "tp")
+_NODE_KEYS = ("rank", "ranks", "tp", "weights")
+# `weights:` of a node entry: how its weights are held, if not in the checkpoint's dtype
+WEIGHT_FORMATS = ("fp8",)
 _WALK_KEYS = ("nodes", "branches")
 _NO_SPAN = Span.unknown()
 # Bounds of values the plan records (far above any device; keeps every size a 64-bit integer).
@@ -111,6 +113,9 @@ class NodePlacement:
     group: RankGroup
     tp: int
     tp_span: Span = field(default=_NO_SPAN, compare=False)  # the tp value, else the ranks value
+    # `weights: fp8`: the arch's FP8-able projections held as E4M3 (None: the checkpoint's dtype)
+    weights: str | None = None
+    weights_span: Span = field(default=_NO_SPAN, compare=False)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -575,4 +580,13 @@ class _Reader:
                                 f"not a multiple of its tp {tp}", tp_span,
                                 "list tp ranks per tensor-parallel group (several groups are replicas)")
                 return None
-        return NodePlacement(name, g, tp, tp_span)
+        weights, weights_span = None, _NO_SPAN
+        if "weights" in d:
+            weights_span = self.span(d["weights"][1])
+            weights = self.string(d["weights"][1], f"'weights' of {what}")
+            if weights is not None and weights not in WEIGHT_FORMATS:
+                self.sink.error("E050", f"'weights' of {what} is '{weights}'; the only format is "
+                                f"{', '.join(WEIGHT_FORMATS)}", weights_span,
+                                "leave 'weights' out to keep the checkpoint's dtype")
+                return None
+        return NodePlacement(name, g, tp, tp_span, weights, weights_span)

@@ -17,6 +17,7 @@ from typing import Any
 from mstar_runtime.plan import planfile
 from mstarc import __version__
 from mstarc import ir as I
+from mstarc.passes.shard_tp import fp8_tensors
 
 
 def build_plan(model: I.ModelIR, source_sha256: str) -> dict[str, Any]:
@@ -51,8 +52,10 @@ def requires(model: I.ModelIR, walks: Any = None) -> list[str]:
     (docs/plan-format.md): `kv_reads` (a call attends to other KV contexts),
     `input_streams` (a walk input arrives in chunks through a stream), `stream_loops` (an
     `on_stream` op with `carry` runs in line, a loop over the chunks), `cohort_accs` (a
-    cohort-marked loop accumulates values: its mark's `accs`, in the step programs `walks`)
-    and `cohort_index` (a cohort-marked loop's call takes the loop's index: its mark's `index`)."""
+    cohort-marked loop accumulates values: its mark's `accs`, in the step programs `walks`),
+    `cohort_index` (a cohort-marked loop's call takes the loop's index: its mark's `index`)
+    and `fp8_weights` (a node's `quantized`: weights the loader turns into FP8, which a
+    runtime that ignored it would run in bf16 with memory sized for FP8)."""
     out = []
     if any(ph.reads for n in model.nodes.values() for ph in n.phases.values()):
         out.append("kv_reads")
@@ -64,6 +67,8 @@ def requires(model: I.ModelIR, walks: Any = None) -> list[str]:
     for key in ("accs", "index"):
         if walks is not None and _marks(walks, key):
             out.append(f"cohort_{key}")
+    if model.placement is not None and any(v == "fp8" for v in model.placement.node_weights.values()):
+        out.append("fp8_weights")
     return out
 
 
@@ -116,7 +121,16 @@ def _node(model: I.ModelIR, node: I.NodeIR) -> dict[str, Any]:
         "ranks": list(model.placement.node_ranks.get(node.name, ())),
         "arch": arch,
         "shard": shard.to_json() if shard is not None else None,
-    } | ({"tag_max_len": dict(sorted(node.tag_max_len.items()))} if node.tag_max_len else {})
+    } | ({"tag_max_len": dict(sorted(node.tag_max_len.items()))} if node.tag_max_len else {}) | _quantized(model, node)
+
+
+def _quantized(model: I.ModelIR, node: I.NodeIR) -> dict[str, Any]:
+    """`quantized` of a node under the placement's `weights: fp8` (only then: other plans keep their bytes)."""
+    names = fp8_tensors(model, node.name)
+    if not names:
+        return {}
+    return {"quantized": {"format": "fp8_e4m3", "scales": "per_output_channel", "activations": "per_token",
+                          "tensors": sorted(names)}}
 
 
 def _phase(ph: I.PhaseIR) -> dict[str, Any]:

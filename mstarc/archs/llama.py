@@ -3,10 +3,16 @@
 Owns `llama`: embed_tokens, per layer q/k/v/o (no bias), RMSNorms and a SwiGLU MLP, the final
 norm, and `lm_head.weight` only when the head is not tied (Orpheus ties it, so its
 checkpoint has no lm_head: 3,300,867,072 parameters).
+
+Its FP8-able weights (`ArchSpec.fp8`, a placement's `weights: fp8`) are every layer's seven
+projections, which `mstar_models.layers.decoder.Decoder.quantize_fp8_` quantizes; the
+embedding, the head and the norms stay in the checkpoint's dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,7 +50,12 @@ def llama(args: Mapping[str, Any], dtype: str) -> ArchSpec:
     t.norm("model.norm", h)
     if not a["tie_embeddings"]:
         t.add("lm_head.weight", (a["vocab"], h), "vocab")
-    return decoder_spec(t, a, intermediate=a["intermediate"], vocab=a["vocab"])
+    spec = decoder_spec(t, a, intermediate=a["intermediate"], vocab=a["vocab"])
+    return dataclasses.replace(spec, fp8=tuple(x.name for x in spec.tensors if _FP8.fullmatch(x.name)))
+
+
+# the decoder layers' projection weights (not their biases): what `weights: fp8` quantizes
+_FP8 = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
 
 
 ARCHS = {"llama": llama}

@@ -43,6 +43,10 @@ class ArchSpec:
     # not a token-wise transformer, e.g. a codec decoding a window), for the memory pass.
     dims: Mapping[str, int] = field(hash=False)
     kv: KVGeometry | None  # None for stateless archs
+    # The 2-D weights a node of this arch can hold as FP8 (a placement's `weights: fp8`): the
+    # decoder layers' projections its implementation quantizes at load; empty: none (the
+    # compiler refuses `weights: fp8` for it, E059)
+    fp8: tuple[str, ...] = field(default=(), hash=False)
 
     def param_count(self) -> int:
         return sum(t.numel for t in self.tensors)

@@ -5,6 +5,9 @@ Ensures:  `model.memory` is a `MemoryIR` with, per rank:
   weights    the sum over the node instances resident there of their per-rank bytes after
              sharding; when `model.checkpoint.tensors` is non-empty each arch tensor found
              there is sized from the checkpoint's dtype and shape instead of the arch's.
+             Under the placement's `weights: fp8` the node's FP8 tensors count one byte per
+             element and a float32 scale per output row (`shard_tp.stored_bytes`): what the
+             node holds once the loader has quantized them.
   graph pool (cuda ranks only) for every graphed node there (an arch, `cuda_graphs` not
              false, a phase whose inputs all have fixed shapes and that reads no other
              context, as the cuda-graphs pass captures them): the largest over its graphed
@@ -68,7 +71,7 @@ from mstarc.passes.cuda_graphs import (
     reading_steps,
     step_tokens,
 )
-from mstarc.passes.shard_tp import ShardSpec, tensor_bytes_per_rank
+from mstarc.passes.shard_tp import ShardSpec, fp8_tensors, stored_bytes
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -280,13 +283,15 @@ def _node_weight_bytes(model: I.ModelIR, sharding: dict[str, ShardSpec]) -> tupl
                 sources[name] = "arch"
             continue
         total = found = 0
+        fp8 = fp8_tensors(model, name)
         for t in node.arch.tensors:
             dtype, shape = ck.get(t.name, (t.dtype, tuple(t.shape)))
             found += t.name in ck
             numel = 1
             for d in shape:
                 numel *= int(d)
-            total += tensor_bytes_per_rank(numel, _DTYPE_BYTES.get(dtype, 2), spec.splits[t.name])
+            rows = int(shape[0]) if shape else 1
+            total += stored_bytes(numel, rows, _DTYPE_BYTES.get(dtype, 2), spec.splits[t.name], t.name in fp8)
         out[name] = total
         sources[name] = "checkpoint" if found == len(node.arch.tensors) else ("arch" if not found else "mixed")
     return out, sources

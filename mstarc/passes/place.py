@@ -128,6 +128,10 @@ class PlacementIR:
     tp_spans: dict[str, Span] = field(default_factory=dict, compare=False)  # node -> YAML tp/ranks value
     hosts: tuple[tuple[int, ...], ...] = ()  # each host's ranks; empty: one host (no `hosts` key)
     cross_host: tuple[CrossHostIR, ...] = ()
+    # node -> its `weights:` format ("fp8"), for the nodes whose entry gives one; the plan
+    # records it in the node (`quantized`), not here
+    node_weights: dict[str, str] = field(default_factory=dict)
+    weights_spans: dict[str, Span] = field(default_factory=dict, compare=False)  # node -> the YAML value
 
     def to_json(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}
@@ -183,9 +187,11 @@ def place(model: I.ModelIR, spec: PlacementSpec) -> I.ModelIR:
     host = {r: h for h, rs in enumerate(hosts) for r in rs}
     cross = tuple(CrossHostIR(t, host[t.src_rank], host[t.dst_rank], *_carried_bytes(model, carried[t]))
                   for t in transfers if hosts and host[t.src_rank] != host[t.dst_rank])
+    weighted = {n: e for n, e in section.nodes.items() if e.weights is not None and n in model.nodes}
     return dataclasses.replace(model, graph=graph, placement=PlacementIR(
         spec.name, ranks, spec.kv_memory_fraction, spec.page_size, spec.max_batch, node_ranks, node_tp,
-        call_ranks, resident, transfers, tp_spans, hosts, cross))
+        call_ranks, resident, transfers, tp_spans, hosts, cross,
+        {n: e.weights for n, e in weighted.items()}, {n: e.weights_span for n, e in weighted.items()}))
 
 
 def _carried_bytes(model: I.ModelIR, value: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:

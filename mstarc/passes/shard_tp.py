@@ -15,6 +15,11 @@ Ensures:  `model.sharding[node]` is a `ShardSpec` for every node (tp 1 included,
           KV heads: when tp does not divide kv_heads but is a multiple of it, each rank keeps
           one KV head (vLLM's replication): k/v projections are then cut into kv_heads parts,
           not tp, and `kv_replicas` = tp / kv_heads ranks hold each head.
+          FP8 weights (the placement's `weights: fp8` for the node): each tensor of the arch's
+          `fp8` list counts one byte per element of this rank's part plus a float32 scale
+          per output row it holds (a row-split tensor keeps all its rows, so all its scales).
+Fails when (E059, at the YAML `weights` value): `weights: fp8` for a node whose arch has no
+          FP8-able weights (no arch, or one whose implementation does not quantize its layers).
 Fails when (E052, at the YAML `tp` value, naming the node, the dimension and its size):
           tp does not divide heads, intermediate, moe_intermediate or vocab; tp neither
           divides nor is a multiple of kv_heads; a split tensor's dimension is not
@@ -49,14 +54,36 @@ def tensor_bytes_per_rank(numel: int, itemsize: int, split: TensorSplit) -> int:
     return -(-numel // split.parts) * itemsize
 
 
+FP8_SCALE_BYTES = 4  # one float32 scale per output row
+
+
+def stored_bytes(numel: int, rows: int, itemsize: int, split: TensorSplit, fp8: bool) -> int:
+    """One rank's bytes of a tensor of `numel` elements and `rows` output rows (dim 0): in its
+    dtype, or as FP8 values plus one float32 scale per row this rank holds."""
+    if not fp8:
+        return tensor_bytes_per_rank(numel, itemsize, split)
+    local_rows = -(-rows // split.parts) if split.dim == 0 else rows
+    return tensor_bytes_per_rank(numel, 1, split) + local_rows * FP8_SCALE_BYTES
+
+
+def fp8_tensors(model: I.ModelIR, name: str) -> frozenset[str]:
+    """The tensors of node `name` held as FP8 (its arch's `fp8` list under `weights: fp8`)."""
+    node = model.nodes[name]
+    if model.placement.node_weights.get(name) != "fp8" or node.arch is None:
+        return frozenset()
+    return frozenset(node.arch.fp8)
+
+
 def shard_tp(model: I.ModelIR) -> I.ModelIR:
     sink = DiagnosticSink()
     pl = model.placement
     out: dict[str, ShardSpec] = {}
+    for name in pl.node_weights:
+        _check_weights_format(model.nodes[name], pl.node_weights[name], pl.weights_spans[name], sink)
     for name, node in model.nodes.items():
         tp = pl.node_tp.get(name, 1)
         span = pl.tp_spans.get(name, pl.ranks[0].span if pl.ranks else Span.unknown())
-        spec = _shard_node(node, tp, pl.node_ranks.get(name, (0,)), span, sink)
+        spec = _shard_node(node, tp, pl.node_ranks.get(name, (0,)), span, sink, fp8_tensors(model, name))
         if spec is not None:
             out[name] = spec
     sink.check()
@@ -72,8 +99,18 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, MAX_DEVICES + 1) if n % d == 0) + ", ..."
 
 
+def _check_weights_format(node: I.NodeIR, fmt: str, span: Span, sink: DiagnosticSink) -> None:
+    """E059: `weights: fp8` for a node whose arch lists no FP8-able weights."""
+    if node.arch is not None and node.arch.fp8:
+        return
+    what = f"its arch '{node.arch_name}' has no FP8-able weights" if node.arch is not None else "it has no arch"
+    sink.error("E059", f"node '{node.name}' cannot hold {fmt} weights: {what}", span,
+               "weights: fp8 applies to a decoder whose layers quantize at load (the llama arch); "
+               "leave 'weights' out for this node")
+
+
 def _shard_node(node: I.NodeIR, tp: int, ranks: tuple[int, ...], span: Span,
-                sink: DiagnosticSink) -> ShardSpec | None:
+                sink: DiagnosticSink, fp8: frozenset[str] = frozenset()) -> ShardSpec | None:
     arch = node.arch
     if arch is None:
         if tp > 1:
@@ -109,7 +146,8 @@ def _shard_node(node: I.NodeIR, tp: int, ranks: tuple[int, ...], span: Span,
                            f"of node '{node.name}'", span, f"use a tp that divides {size}: {_divisors(size)}")
             bad_sizes.add((split.dim, t.shape[split.dim]))
         splits[t.name] = split
-        total += tensor_bytes_per_rank(_numel(t.shape), I.DTYPE_BYTES.get(t.dtype, 2), split)
+        total += stored_bytes(_numel(t.shape), t.shape[0] if t.shape else 1, I.DTYPE_BYTES.get(t.dtype, 2), split,
+                              t.name in fp8)
     if len(sink.diagnostics) > errors_before:
         return None
     replicated_kv = bool(kv_heads) and kv_heads % tp != 0

@@ -38,6 +38,14 @@ one (Orpheus' SNAC codec): when the source is a folder, that node's tensors are 
 `folder / checkpoint_subdir`, with every check above. The compiler scans sub-folders too and
 lists their files as `<subdir>/<file>`; each folder is hash-checked against its own files.
 
+FP8. When the plan's node has `quantized` (a placement's `weights: fp8`; feature
+`fp8_weights`), the weights are first filled as above in the checkpoint's dtype, from any
+source, and then `module.quantize_weights("fp8")` turns them into E4M3 with per-channel
+scales (`mstar_models.layers.fp8`): the checkpoint and its names are unchanged, the
+quantization is a load-time transform. A class without `quantize_weights` is refused, and
+so is one whose E4M3 tensors afterwards are not exactly the plan's `quantized.tensors`
+(the memory the plan was sized for).
+
 Hook. After a folder's tensors are copied, `load_weights` calls `module.on_weights(source)`
 (the weights source as given, a string) when the node's class defines `on_weights`: a node
 that needs other files of the checkpoint reads them there (Orpheus' PromptBuilder takes the
@@ -174,7 +182,37 @@ def _sliced_shape(shape: tuple[int, ...], slices: tuple[slice, ...]) -> tuple[in
 
 # ------------------------------------------------------------------------------- loading
 def load_weights(module: nn.Module, plan: Plan, node: str, source: str | Path) -> None:
-    """Fill `module` (an instance of plan node `node`) from `source`; see the module docstring."""
+    """Fill `module` (an instance of plan node `node`) from `source`, then quantize what the
+    plan's `quantized` names; see the module docstring."""
+    _fill_weights(module, plan, node, source)
+    info = plan.node(node)
+    if info.weights_format is not None:
+        quantize_node(module, node, info.weights_format, info.quantized_tensors)
+
+
+def quantize_node(module: nn.Module, node: str, fmt: str, expected: Iterable[str]) -> None:
+    """The load-time transform of the plan's `quantized`: the node's own `quantize_weights`,
+    then a check that the E4M3 tensors (by checkpoint name) are the plan's list."""
+    if fmt != "fp8_e4m3":
+        raise WeightsError(f"node '{node}': unknown weights format '{fmt}' in the plan (known: fp8_e4m3)")
+    if not callable(getattr(type(module), "quantize_weights", None)):
+        raise WeightsError(f"node '{node}' ({type(module).__name__}) cannot hold FP8 weights: its class has no "
+                           "quantize_weights; compile it without `weights: fp8` in the placement")
+    with torch.no_grad():
+        try:
+            module.quantize_weights("fp8")  # type: ignore[operator]
+        except (TypeError, ValueError) as e:
+            raise WeightsError(f"node '{node}' ({type(module).__name__}) cannot hold FP8 weights: {e}") from e
+    got = {name for name, (t, _) in _module_tensors(module).items() if t.dtype == torch.float8_e4m3fn}
+    want = set(expected)
+    if got != want:
+        diff = sorted(got ^ want)
+        raise WeightsError(f"node '{node}' ({type(module).__name__}) quantized {len(got)} tensors to FP8 where the "
+                           f"plan names {len(want)} (first difference: '{diff[0]}'): its memory was sized for the "
+                           "plan's list")
+
+
+def _fill_weights(module: nn.Module, plan: Plan, node: str, source: str | Path) -> None:
     info = plan.node(node)
     tensors = _module_tensors(module)
     spec = getattr(module, "spec", None)

@@ -297,7 +297,10 @@ NODE = Obj({
                       "kv_replicas": Int(1, MAX_DEVICES), "bytes_per_rank": Int(),
                       "collectives": List(Obj({"op": Str(("all_reduce", "all_gather")), "after": Str(),
                                                "count": Int()}))})),
-}, {"tag_max_len": Map(Int(1, INT_MAX))})
+}, {"tag_max_len": Map(Int(1, INT_MAX)),
+    # feature fp8_weights: the arch tensors the loader turns into FP8 (docs/plan-format.md)
+    "quantized": Obj({"format": Str(("fp8_e4m3",)), "scales": Str(("per_output_channel",)),
+                      "activations": Str(("per_token",)), "tensors": List(NAME, 1)})})
 KV_POOL = Obj({"node": NAME, "pages": Int(1, MAX_KV_PAGES), "tokens": Int(1), "bytes_per_token": Int(1),
                "max_seq_len": Int(1), "bytes": Int(1)})
 BODY = Obj({

@@ -97,6 +97,11 @@ class Invariants:
                 self.add(f"node '{node.name}' is placed on rank {rank}, out of range 0..{self.n_ranks - 1}")
             elif not self.resident(node.name, rank):
                 self.add(f"node '{node.name}' is placed on rank {rank} but is not resident there")
+        if node.quantized_tensors:
+            shapes = {t.name: t.shape for t in node.arch.tensors} if node.arch is not None else {}
+            odd = [t for t in node.quantized_tensors if len(shapes.get(t, ())) != 2]
+            if odd:
+                self.add(f"node '{node.name}' quantizes '{odd[0]}', which is not a 2-D tensor of its arch")
         if node.engine != "kv":
             return
         if node.arch is None or node.arch.kv is None:

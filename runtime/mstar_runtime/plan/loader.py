@@ -139,7 +139,7 @@ def _raise_problems(path: str, problems: list[str]) -> None:
 # features"); a plan that requires another one computes something else when its fields are
 # ignored, so it is refused before anything else is read.
 SUPPORTED_FEATURES: frozenset[str] = frozenset({"kv_reads", "input_streams", "stream_loops", "cohort_accs",
-                                                  "cohort_index"})
+                                                  "cohort_index", "fp8_weights"})
 
 
 def _check_requires(path: str, body: Mapping[str, Any]) -> None:

@@ -181,6 +181,7 @@ def _parse_node(r: _Reader, name: str, d: Any) -> PlanNode:
         phases[pname] = PhaseSpec(pname, r.strs(p, "inputs", pw), r.strs(p, "outputs", pw), tuple(reads))
     tag_max_len = {tag: r.get(d["tag_max_len"], tag, "int", f"{where}.tag_max_len")
                    for tag in r.get(d, "tag_max_len", "dict", where, optional=True) or {}}
+    quantized = r.get(d, "quantized", "dict", where, optional=True)
     arch = None
     a = r.get(d, "arch", "dict", where, optional=True)
     if a is not None:
@@ -229,6 +230,8 @@ def _parse_node(r: _Reader, name: str, d: Any) -> PlanNode:
         shard,
         d,
         MappingProxyType(tag_max_len),
+        None if quantized is None else r.get(quantized, "format", "str", f"{where}.quantized"),
+        () if quantized is None else r.strs(quantized, "tensors", f"{where}.quantized"),
     )
 
 

@@ -103,6 +103,10 @@ class PlanNode(_RawView):
     raw: Mapping[str, Any] = field(repr=False)
     # tag -> the most tokens its contexts may hold, for the tags with their own `max_len`
     tag_max_len: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # `quantized` (feature fp8_weights): the format ("fp8_e4m3") and the arch tensors the
+    # loader turns into it after filling the weights; None and () for a node without
+    weights_format: str | None = None
+    quantized_tensors: tuple[str, ...] = ()
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -48,3 +48,20 @@ def test_orpheus_bench_smoke_on_cpu(tmp_path: Path) -> None:
     c = rec["mstar_closed"]["2"]
     assert c["requests"] == 8 and c["generated_tokens"] == 8 * 16 and c["tokens_per_s"] > 0 and c["vs_lockstep"] > 0
     assert c["rtf_p50"] > 0 and c["cohort_steps"] > 0  # (16 tokens make no audio window: no TTFA)
+
+
+def test_orpheus_bench_fp8_on_cpu(tmp_path: Path) -> None:
+    """`--fp8`: the llm compiled with `weights: fp8`, the parity figure printed and recorded, no HF."""
+    out = tmp_path / "orpheus.json"
+    cmd = [sys.executable, str(ROOT / "tools/bench/orpheus.py"), "--device", "cpu", "--variant", "tiny",
+           "--batches", "1", "--tokens", "8", "--paths", "cohort", "--fp8", "--parity-tokens", "8", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "FP8 parity against bf16 on the same weights, 8 greedy tokens" in proc.stdout
+    assert "M* cohort fp8" in proc.stdout
+    rec = json.loads(out.read_text())
+    assert rec["errors"] == [] and rec["weights"] == "fp8" and rec["hf"] == {}
+    fig = rec["fp8_parity"]
+    assert fig["tokens"] == 8 and 0 < fig["max_logit_error_rel"] < 0.1 and 0 <= fig["greedy_agreement"] <= 1
+    assert rec["mstar"]["1"]["generated_tokens"] == 8

@@ -115,6 +115,9 @@ EOF
 #   tests    pytest -m gpu
 #   bench    tools/bench/orpheus.py, then tools/bench/vjepa2.py if time is left
 #   orpheus  tools/bench/orpheus.py only
+#   fp8      pytest -m gpu on tests/test_gpu_fp8.py and tests/test_fp8.py, then tools/bench/orpheus.py
+#            at FP8_BATCHES (default 1,16,64; 128 tokens, cohort path, no HF) twice: bf16
+#            ($OUT/orpheus_bf16.json), then --fp8 with the parity figure ($OUT/orpheus_fp8.json)
 #   bagel    pytest -m gpu on tests/test_bagel_*.py, then tools/bench/bagel.py $BAGEL_ARGS
 #            (the official inferencer too when `.official/` was carried: tools/official_bagel.sh)
 #   qwen3    pytest -m gpu on tests/test_qwen3_omni_*.py, then tools/bench/qwen3_omni.py $QWEN3_ARGS
@@ -161,6 +164,20 @@ if [[ "$STAGES" == *" bench "* || "$STAGES" == *" orpheus "* ]]; then
   # shellcheck disable=SC2086  # word splitting of the argument lists is intended
   timeout $(( left < 300 ? left : 300 )) $PY tools/bench/orpheus.py $ORPHEUS_ARGS --out "$OUT/orpheus.json"
   rc=$?; echo "orpheus bench exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+fi
+
+if [[ "$STAGES" == *" fp8 "* ]]; then
+  stage "pytest -m gpu tests/test_gpu_fp8.py tests/test_fp8.py"
+  timeout 200 $PY -m pytest -m "gpu or not gpu" -q -rfEs tests/test_gpu_fp8.py tests/test_fp8.py
+  rc=$?; echo "fp8 tests exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+  for w in bf16 fp8; do
+    stage "tools/bench/orpheus.py ($w)"
+    flag=""; [ "$w" = fp8 ] && flag="--fp8"
+    # shellcheck disable=SC2086
+    timeout 170 $PY tools/bench/orpheus.py --skip-hf --paths cohort --tokens 128 --batches "${FP8_BATCHES:-1,16,64}" \
+      $flag --out "$OUT/orpheus_$w.json"
+    rc=$?; echo "orpheus $w bench exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+  done
 fi
 
 if [[ "$STAGES" == *" bench "* ]] && [ -f tools/bench/vjepa2.py ]; then

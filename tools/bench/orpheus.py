@@ -3,6 +3,7 @@
     python tools/bench/orpheus.py                                   # H200: real size, B = 1, 16, 64, 128, 256
     python tools/bench/orpheus.py --device cpu --variant tiny --batches 1,2 --tokens 16   # smoke
     python tools/bench/orpheus.py --placement placements/h200x2_tp2.yaml --skip-hf        # 2 GPUs, tp 2
+    python tools/bench/orpheus.py --fp8 --skip-hf                   # the llm's weights in FP8, with the parity figure
 
 What runs:
 - M*: the walk compiled with `python -m mstarc.cli` for `--placement` (default
@@ -39,6 +40,14 @@ Figures per system and batch size (all in the JSON written to --out, default $OU
   context) / the read bandwidth of a 4 GiB `x.sum()` measured in the same run; bytes of one
   rank's shard under TP (the ranks read theirs at the same time);
 - GPU memory (peak allocated, reserved, device used).
+With `--fp8` the placement is the given one with `weights: fp8` on the llm (the decoder's
+projections in E4M3, per-channel scales, activations per token: docs/placement.md), and
+before the runs the parity figure is printed and recorded (`fp8_parity`): a bf16 and an
+FP8 llm built from the same dummy weights, the bf16 one continues `--parity-tokens` tokens
+greedily from the first prompt, both are run teacher-forced over that sequence (dense causal
+attention, full vocabulary), and the figure is the largest |logit difference| (also over the
+bf16 logits' largest magnitude) and the share of the positions where both pick the same
+greedy token. HF does not run with `--fp8` (it would be handed E4M3 tensors).
 The JSON is rewritten after every measurement, so a run cut short keeps what it measured;
 `--budget-s` skips HF runs that would not fit (recorded as skipped).
 """
@@ -104,11 +113,27 @@ def default_placement(device: str) -> Path:
     return ROOT / ("placements/cpu.yaml" if device == "cpu" else "placements/h200x1.yaml")
 
 
+def fp8_placement(placement: Path, workdir: Path) -> Path:
+    """A copy of `placement` with `weights: fp8` on Orpheus' llm (its entry's ranks kept; none
+    given: the placement's default rank)."""
+    import yaml
+
+    doc = yaml.safe_load(placement.read_text())
+    nodes = doc.setdefault("models", {}).setdefault("orpheus", {}).setdefault("nodes", {})
+    entry = nodes.get("llm", doc.get("default_rank", 0))
+    if entry == "spread":
+        raise SystemExit(f"{placement}: --fp8 needs the llm's rank; give `models.orpheus.nodes.llm`")
+    nodes["llm"] = {**(entry if isinstance(entry, dict) else {"rank": entry}), "weights": "fp8"}
+    out = workdir / f"{placement.stem}_fp8.yaml"
+    out.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return out
+
+
 def compile_plan(variant: str, placement: Path, workdir: Path) -> Path:
     """The walk with an end check that never fires, compiled by the CLI for `placement`."""
     walk = patched_copy(WALK, r"(\bend_of_speech\s*=\s*)\d+", rf"\g<1>{NEVER_EOS}", "end_of_speech = N",
                         workdir / "orpheus.walk")
-    out = workdir / f"orpheus-{variant}.plan"
+    out = workdir / f"orpheus-{variant}-{placement.stem}.plan"
     cmd = [sys.executable, "-m", "mstarc.cli", "compile", str(walk), "--variant", variant,
            "-p", str(placement), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -172,6 +197,67 @@ def prompt_ids(node: Any, n: int) -> list[torch.Tensor]:
     """The token ids the M* prompt node builds for request i's (text, voice): HF gets the same."""
     out = node.run("build", [{"text": TEXTS[i % len(TEXTS)], "voice": VOICES[i % len(VOICES)]} for i in range(n)])
     return [o["tokens"].to("cpu", torch.long) for o in out]
+
+
+# ------------------------------------------------------------------------------ FP8 parity
+def _dense_attend(heads: int) -> Any:
+    """Causal attention over one sequence's rows [N, heads, hd] (K/V [N, kv_heads, hd]), no cache."""
+    import torch.nn.functional as F
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             is_causal=True, enable_gqa=True)
+        return out.transpose(0, 1).reshape(q.shape[0], heads, -1)
+
+    return attend
+
+
+def sequence_logits(node: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Float32 logits [N, vocab] of the llm node over one sequence of token ids [N] (positions 0..N-1)."""
+    positions = torch.arange(ids.numel(), device=ids.device)
+    hidden = node.forward_hidden(ids, positions, _dense_attend(node.local_heads))
+    return node.head(hidden)
+
+
+def fp8_parity(ref: Any, fp8: Any, prompt: torch.Tensor, tokens: int) -> dict[str, Any]:
+    """The FP8 llm against the bf16 one on the same weights: `ref` continues `prompt` greedily
+    for `tokens` tokens; then both run teacher-forced over that sequence, and at each of the
+    `tokens` positions that predict a generated token the logits are compared (full vocabulary)."""
+    device = ref.inv_freq.device
+    ids = prompt.to(device, torch.long)
+    with torch.inference_mode():
+        for _ in range(tokens):  # the reference's own greedy continuation (no cache: plain and exact)
+            ids = torch.cat([ids, sequence_logits(ref, ids)[-1:].argmax(-1)])
+        seq, first = ids[:-1], prompt.numel() - 1
+        a, b = sequence_logits(ref, seq)[first:], sequence_logits(fp8, seq)[first:]
+    err = (b - a).abs()
+    agree = (a.argmax(-1) == b.argmax(-1)).float()
+    return {"tokens": tokens, "prompt_tokens": int(prompt.numel()), "max_logit_error": float(err.max()),
+            "mean_logit_error": float(err.mean()), "max_logit_error_rel": float(err.max() / a.abs().max()),
+            "greedy_agreement": float(agree.mean()),
+            # the first position where the FP8 model's greedy token differs (tokens: none)
+            "first_disagreement": int((agree == 0).nonzero()[0, 0]) if bool((agree == 0).any()) else tokens}
+
+
+def measure_fp8_parity(bf16_plan: Any, fp8_plan: Any, device: torch.device, tokens: int) -> dict[str, Any]:
+    """`fp8_parity` for the llm of the two plans (dummy weights, built here at tp 1 on rank 0's device)."""
+    from mstar_runtime.weights import build_node, load_weights
+
+    prompter = build_node(bf16_plan, "prompt", 0, device)
+    load_weights(prompter, bf16_plan, "prompt", "dummy")
+    prompt = prompt_ids(prompter, 1)[0]
+    nodes = []
+    for plan in (bf16_plan, fp8_plan):
+        node = build_node(plan, "llm", 0, device)
+        load_weights(node, plan, "llm", "dummy")  # the fp8 plan's loader quantizes after filling
+        nodes.append(node.eval())
+    try:
+        return fp8_parity(nodes[0], nodes[1], prompt, tokens)
+    finally:
+        del nodes
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------ M*
@@ -414,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--closed-loop", default="",
                     help="concurrencies of an in-process closed loop (4 x C requests each, one submitted as one "
                          "finishes: serve.py's load without HTTP), comma list; empty: none")
+    ap.add_argument("--fp8", action="store_true",
+                    help="the llm's weights in FP8 (the placement with `weights: fp8` on it); prints the parity "
+                         "figure against bf16 on the same weights; no HF runs")
+    ap.add_argument("--parity-tokens", type=int, default=64, help="greedy tokens the --fp8 parity figure covers")
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "orpheus.json")
     args = ap.parse_args(argv)
@@ -422,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     variant = args.variant or ("bench" if device.type == "cuda" else "tiny")
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
-    modes = [] if args.skip_hf else [m for m in args.hf_modes.split(",") if m.strip()]
+    modes = [] if args.skip_hf or args.fp8 else [m for m in args.hf_modes.split(",") if m.strip()]
     placement = (args.placement or default_placement(device.type)).resolve()
     torch.backends.cuda.matmul.allow_tf32 = False
     rec: dict[str, Any] = {
@@ -430,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         "env": environment(device), "variant": variant, "tokens": args.tokens, "batches": batches,
         "placement": os.path.relpath(placement, ROOT),
         "sampling": SAMPLING, "eos": "disabled: end_of_speech set beyond the vocabulary", "mstar": {}, "hf": {},
-        "errors": [],
+        "errors": [], "weights": "fp8" if args.fp8 else "checkpoint dtype",
     }
     save = lambda: write_json(args.out, rec)  # noqa: E731 - after every measurement
 
@@ -440,8 +530,20 @@ def main(argv: list[str] | None = None) -> int:
     from mstar_runtime.worker.startup import shutdown_workers, start_workers
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-orpheus-"))
-    plan = load_plan(compile_plan(variant, placement, workdir), device=device.type,
-                     kv_pages_cap=None if device.type == "cuda" else 4096)
+    cap = None if device.type == "cuda" else 4096
+    plan = load_plan(compile_plan(variant, fp8_placement(placement, workdir) if args.fp8 else placement, workdir),
+                     device=device.type, kv_pages_cap=cap)
+    if args.fp8:
+        if plan.node("llm").tp_of(plan.node("llm").ranks[0])[1] != 1:
+            rec["errors"].append("fp8 parity: measured at tp 1 only; the llm is sharded here")
+        else:
+            bf16 = load_plan(compile_plan(variant, placement, workdir), device=device.type, kv_pages_cap=cap)
+            rec["fp8_parity"] = fp8 = measure_fp8_parity(bf16, plan, device, args.parity_tokens)
+            print(f"FP8 parity against bf16 on the same weights, {fp8['tokens']} greedy tokens (teacher-forced): "
+                  f"max |logit error| {fp8['max_logit_error']:.4f} ({fp8['max_logit_error_rel']:.2%} of the largest "
+                  f"|logit|), mean {fp8['mean_logit_error']:.4f}; greedy agreement {fp8['greedy_agreement']:.1%} "
+                  f"(first difference at token {fp8['first_disagreement']})", flush=True)
+        save()
     if 0 not in plan.node("llm").ranks:
         raise SystemExit(f"{placement}: the llm must have rank 0 among its ranks (this process reads its "
                          f"engine's step times); it is on {list(plan.node('llm').ranks)}")
@@ -622,7 +724,7 @@ def summary(args: argparse.Namespace, rec: dict[str, Any], save: Any, batches: l
         m = rec["mstar"].get(str(b))
         for key, r in rec["mstar"].items():
             if key == str(b) or key.startswith(f"{b}:"):
-                rows.append({"system": f"M* {r.get('path', '')}", **r, "mem": r.get("peak_allocated_gib")})
+                rows.append({"system": f"M* {r.get('path', '')}" + (" fp8" if args.fp8 else ""), **r, "mem": r.get("peak_allocated_gib")})
         for mode in ("dynamic", "static"):
             h = rec["hf"].get(mode, {}).get(str(b))
             if h and "skipped" not in h:

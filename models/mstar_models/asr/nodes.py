@@ -89,6 +89,12 @@ class Encoder(StatelessNode):
         seeded_init_(self, spec)
         self.to(device=spec.device, dtype=spec.dtype)
 
+    def quantize_weights(self, fmt: str) -> None:
+        """`weights: fp8` (the loader, after filling): the stack's projections, as a DecoderNode's."""
+        if fmt != "fp8":
+            raise ValueError(f"node '{self.spec.name}': no weights format '{fmt}' (known: fp8)")
+        self.model.quantize_fp8_()
+
     def frames_of(self, n: int) -> int:
         return -(-n // self.frame)
 

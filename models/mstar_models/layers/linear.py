@@ -129,10 +129,12 @@ class FusedRows(nn.Module):
         """Quantize every fused group (one scale per output row, so each part keeps its own
         rows' scales) and every other `Weight` child (o_proj, down_proj) to FP8; the parts'
         weights become E4M3 views of the fused buffer, and the bf16 storage is freed."""
-        for key in self._groups:
+        for key, names in self._groups.items():
             q, scale = fp8.quantize_rows(self.fused_weight(key))
             self.register_buffer(f"fused{key}", q, persistent=False)
             self.register_buffer(f"fused{key}_scale", scale, persistent=False)
+            for name in names:  # a part called alone (a cross-attention's k/v) runs the FP8 GEMM too
+                getattr(self, name).register_buffer("weight_scale", None, persistent=False)
             self._point_parts(key)
         parts = {name for names in self._groups.values() for name in names}
         for name, child in self.named_children():
@@ -147,12 +149,16 @@ class FusedRows(nn.Module):
         return [(w, b if name in biased else None) for name, w, b in zip(self._groups[key], ws, bs, strict=True)]
 
     def _point_parts(self, key: str) -> None:
-        """Point group `key`'s parts' parameters back at their rows of the fused storage."""
-        for name, (w, b) in zip(self._groups[key], self._views(key), strict=True):
+        """Point group `key`'s parts' parameters (and FP8 scales) back at their rows of the fused storage."""
+        scale = self.scale_of(key)
+        scales = scale.split(self._sizes[key]) if scale is not None else [None] * len(self._groups[key])
+        for name, (w, b), sc in zip(self._groups[key], self._views(key), scales, strict=True):
             part = getattr(self, name)
             part.weight.data = w
             if b is not None:
                 part.bias.data = b
+            if sc is not None:
+                part.weight_scale = sc
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FusedRows:
         # a conversion (.to, .to_empty) gives each parameter storage of its own: point them back

@@ -114,11 +114,10 @@ if triton is not None:
 
     @triton.jit
     def replay_mass(mass_part, r, levels, p, S, SP: tl.constexpr):
-        """(prefix of the first `levels` digits of v*, the mass below that range, q, the total)."""
+        """The first `levels` digits of v* (the top-p cut), as a prefix."""
         digits = tl.arange(0, 16)
         m0, _ = level_sums(mass_part, r, 0, S, SP)
-        total = tl.sum(m0, axis=0)
-        q = (1.0 - p) * total
+        q = (1.0 - p) * tl.sum(m0, axis=0)
         prefix = tl.zeros([], dtype=tl.uint32)
         below = tl.zeros([], dtype=tl.float32)
         for level in range(levels):
@@ -126,7 +125,7 @@ if triton is not None:
             d = mass_digit(ms, below, q)
             below += tl.sum(tl.where(digits < d, ms, 0.0), axis=0)
             prefix = prefix * 16 + d.to(tl.uint32)
-        return prefix, below, q, total
+        return prefix
 
     @triton.jit
     def row_cut(cnt, top_k, r, vocab, S, SP: tl.constexpr):
@@ -201,13 +200,41 @@ if triton is not None:
         m, _, bad = row_max(pmax, parg, pnan, r, S, SP)
         if (not bad) & (tl.load(greedy + r) == 0) & ((p < 1.0) | (level == 0)):
             lo_key = row_cut(cnt, top_k, r, vocab, S, SP)
-            prefix, _, _, _ = replay_mass(mass, r, level, p, S, SP)
+            prefix = replay_mass(mass, r, level, p, S, SP)
             row = scores + r.to(tl.int64) * stride
             c, ms = digit_sums(row, s * seg, tl.minimum(s * seg + seg, vocab), m, lo_key, prefix, 28 - 4 * level,
                                level == 7, True, BLOCK)
             tl.store(mass + ((r * 8 + level) * S + s) * 16 + tl.arange(0, 16), ms)
             if level == 7:
                 tl.store(ties + (r * S + s) * 16 + tl.arange(0, 16), c)
+
+    @triton.jit
+    def top_p_segments(mass, ties, r, p, m, S, SP: tl.constexpr):
+        """(v*, each segment's kept mass, each segment's dropped entries equal to v*) from the
+        mass partials: at every level the digits above the chosen one hold entries above v*."""
+        segs = tl.arange(0, SP)
+        digits = tl.arange(0, 16)
+        m0, _ = level_sums(mass, r, 0, S, SP)
+        q = (1.0 - p) * tl.sum(m0, axis=0)
+        prefix = tl.zeros([], dtype=tl.uint32)
+        kept = tl.zeros([SP], dtype=tl.float32)
+        below = tl.zeros([], dtype=tl.float32)
+        d = tl.zeros([], dtype=tl.int32)
+        for level in range(8):
+            ms, tile = level_sums(mass, r, level, S, SP)
+            d = mass_digit(ms, below, q)
+            below += tl.sum(tl.where(digits < d, ms, 0.0), axis=0)
+            kept += tl.sum(tl.where(digits[None, :] > d, tile, 0.0), axis=1)
+            prefix = prefix * 16 + d.to(tl.uint32)
+        e_v = tl.exp(value_of(prefix) - m)
+        tie_tile = tl.load(ties + (r * S + segs[:, None]) * 16 + digits[None, :], mask=(segs < S)[:, None], other=0)
+        seg_ties = tl.sum(tl.where(digits[None, :] == d, tie_tile, 0), axis=1)
+        # ties of v* go by id, lowest first: the first `drop` of them (over the segments in order)
+        room = tl.where(e_v > 0, (q - below) / e_v, 0.0)
+        drop = tl.minimum(tl.maximum(tl.minimum(room, 2e9).to(tl.int32), 0), tl.sum(seg_ties, axis=0) - 1)
+        before = tl.cumsum(seg_ties, axis=0) - seg_ties
+        dropped_here = tl.minimum(tl.maximum(drop - before, 0), seg_ties)
+        return prefix, kept + (seg_ties - dropped_here).to(tl.float32) * e_v, dropped_here
 
     @triton.jit
     def seg_draw(scores, stride, vocab, seg, S, pmax, parg, pnan, greedy, top_k, top_p, u, cnt, mass, ties, out,
@@ -220,33 +247,12 @@ if triton is not None:
         mine = s == 0  # who writes the token when no scan is needed
         if (not bad) & (tl.load(greedy + r) == 0):
             segs = tl.arange(0, SP)
-            digits = tl.arange(0, 16)
             cut_key = row_cut(cnt, top_k, r, vocab, S, SP)
             _, m0 = level_sums(mass, r, 0, S, SP)
             kept = tl.sum(m0, axis=1)  # p = 1: everything at or above the top-k cut
             dropped_here = tl.zeros([SP], dtype=tl.int32)
             if p < 1.0:
-                # v*'s digits, and each segment's mass above v* (the digits above each chosen one)
-                _, below, q, _ = replay_mass(mass, r, 8, p, S, SP)
-                prefix = tl.zeros([], dtype=tl.uint32)
-                kept = tl.zeros([SP], dtype=tl.float32)
-                walk = tl.zeros([], dtype=tl.float32)
-                for level in range(8):
-                    ms, tile = level_sums(mass, r, level, S, SP)
-                    d = mass_digit(ms, walk, q)
-                    walk += tl.sum(tl.where(digits < d, ms, 0.0), axis=0)
-                    kept += tl.sum(tl.where(digits[None, :] > d, tile, 0.0), axis=1)
-                    prefix = prefix * 16 + d.to(tl.uint32)
-                    last_d = d
-                cut_key = prefix
-                e_v = tl.exp(value_of(prefix) - m)
-                tie_tile = tl.load(ties + (r * S + segs[:, None]) * 16 + digits[None, :], mask=(segs < S)[:, None], other=0)
-                seg_ties = tl.sum(tl.where(digits[None, :] == last_d, tie_tile, 0), axis=1)
-                room = tl.where(e_v > 0, (q - below) / e_v, 0.0)
-                drop = tl.minimum(tl.maximum(tl.minimum(room, 2e9).to(tl.int32), 0), tl.sum(seg_ties, axis=0) - 1)
-                before = tl.cumsum(seg_ties, axis=0) - seg_ties
-                dropped_here = tl.minimum(tl.maximum(drop - before, 0), seg_ties)
-                kept += (seg_ties - dropped_here).to(tl.float32) * e_v
+                cut_key, kept, dropped_here = top_p_segments(mass, ties, r, p, m, S, SP)
             kept64 = tl.where(segs < S, kept, 0.0).to(tl.float64)
             target = tl.load(u + r) * tl.sum(kept64, axis=0)
             ends = tl.cumsum(kept64, axis=0)

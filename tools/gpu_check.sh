@@ -173,8 +173,9 @@ if [[ "$STAGES" == *" fp8 "* ]]; then
   for w in bf16 fp8; do
     stage "tools/bench/orpheus.py ($w)"
     flag=""; [ "$w" = fp8 ] && flag="--fp8"
+    left=$(( 540 - ($(date +%s) - START) )); [ "$w" = bf16 ] && left=$(( left / 2 ))  # half each
     # shellcheck disable=SC2086
-    timeout 170 $PY tools/bench/orpheus.py --skip-hf --paths cohort --tokens 128 --batches "${FP8_BATCHES:-1,16,64}" \
+    timeout $(( left > 60 ? left : 60 )) $PY tools/bench/orpheus.py --skip-hf --paths cohort --tokens 128 --batches "${FP8_BATCHES:-1,16,64}" \
       $flag --out "$OUT/orpheus_$w.json"
     rc=$?; echo "orpheus $w bench exit code $rc"; [ $rc -eq 0 ] || STATUS=1
   done

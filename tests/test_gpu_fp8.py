@@ -71,3 +71,17 @@ def test_tiny_orpheus_fp8_parity_on_the_gpu(hopper: torch.device, tmp_path: Path
     fig = cpu_tests._bench().fp8_parity(nodes[0], nodes[1], prompt, 64)
     assert 0 < fig["max_logit_error_rel"] <= cpu_tests.MAX_LOGIT_ERROR_REL, fig
     assert fig["greedy_agreement"] >= cpu_tests.MIN_AGREEMENT, fig
+
+
+def test_the_compiled_activation_quantization_is_the_eager_one(hopper: torch.device) -> None:
+    """One compiled kernel for the per-token quantization (fp8.quantize_activations): the eager
+    math's scales, and its E4M3 codes to within one step (a division rounded differently)."""
+    gen = torch.Generator(device=hopper).manual_seed(9)
+    for m, k in ((1, 3072), (7, 8192), (64, 3072)):
+        x = torch.randn(m, k, device=hopper, generator=gen).to(torch.bfloat16)
+        x[0, :5] = 0.0
+        qc, sc = fp8.quantize_activations(x)
+        qe, se = fp8.quantize_rows(x)
+        assert qc.dtype == torch.float8_e4m3fn and sc.shape == (m, 1)
+        torch.testing.assert_close(sc, se, rtol=1e-6, atol=0)
+        assert bool(((qc.float() - qe.float()).abs() <= qe.float().abs() * 2.0**-3 + 2.0**-9).all())

@@ -91,6 +91,13 @@ class _Fused:
             return self.fn(first, *args)
 
 
+def fuse(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (pure tensor code, its first argument a tensor) run as the ops above are: one
+    `torch.compile`d kernel on a CUDA tensor, the eager math elsewhere or when compiling fails;
+    for model code's own elementwise chains (`mstar_models.layers.fp8`'s activation quantization)."""
+    return _Fused(fn)
+
+
 rms_norm = _Fused(rms_norm_ref)
 add_rms_norm = _Fused(add_rms_norm_ref)
 rope = _Fused(rope_ref)

@@ -81,7 +81,9 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     if _scaled_mm_fits(x, q):
         # q.t() is [k, n] column-major, as _scaled_mm wants its second operand; row-wise scales
         # are [m, 1] and [1, n] float32
-        out = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.t(), out_dtype=torch.bfloat16)
+        # row-major xq (a compiled kernel keeps its input's strides: a strided x would give a strided xq)
+        out = torch._scaled_mm(xq.contiguous(), q.t(), scale_a=xs.contiguous(), scale_b=scale.t(),
+                               out_dtype=torch.bfloat16)
     else:
         out = (dequantize_rows(xq, xs) @ dequantize_rows(q, scale).t()).to(x.dtype)
     if bias is not None:

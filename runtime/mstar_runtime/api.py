@@ -65,7 +65,7 @@ from mstar_runtime.control.conductor import (
     stream_inputs,
 )
 from mstar_runtime.control.requests import check_submit
-from mstar_runtime.control.scheduler import DEFAULT_PREFIX_CHUNK, check_prefix_chunk
+from mstar_runtime.control.scheduler import DEFAULT_PREFIX_CHUNK, check_prefix_chunk, check_window_gather
 from mstar_runtime.control.validate import TORCH_DTYPES
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.output_stream import OutputStream, RequestFailed
@@ -299,15 +299,17 @@ class MStar:
     def __init__(self, plan: Plan, workers: Mapping[int, WorkerLike], *, shutdown: Callable[[], None] | None = None,
                  max_running: int | None = None, preempt_every: int | None = None,
                  request_timeout: float | None = None, weights: str | PathLike[str] = "dummy",
-                 prefix_caching: bool = False, prefix_chunk: int = DEFAULT_PREFIX_CHUNK):
+                 prefix_caching: bool = False, prefix_chunk: int = DEFAULT_PREFIX_CHUNK, window_gather: int = 0):
         """`weights`: what the workers loaded, for the rate an audio file is resampled to (`input_rate`).
         `prefix_caching`: reuse the KV of prompts' shared leading blocks across requests, in
-        multiples of `prefix_chunk` tokens (docs/runtime.md, "Prefix caching")."""
+        multiples of `prefix_chunk` tokens (docs/runtime.md, "Prefix caching"). `window_gather`:
+        a codec window may wait up to that many steps for other requests' windows to join its
+        call (docs/runtime.md, "Window gather"; 0: off)."""
         self.plan = plan
         self._rates = media.InputRates(plan, weights)
         self._conductor = Conductor(plan, workers, max_running=max_running, preempt_every=preempt_every,
                                     request_timeout=request_timeout, prefix_caching=prefix_caching,
-                                    prefix_chunk=prefix_chunk)
+                                    prefix_chunk=prefix_chunk, window_gather=window_gather)
         self._shutdown = shutdown
         self._lock = threading.Condition()  # guards everything below; the engine sleeps on it
         # (command, handle, args): submit, cancel, and a streamed input's feed / close_input
@@ -327,27 +329,30 @@ class MStar:
     def load(cls, plan_path: str | PathLike[str], *, weights: str | PathLike[str] = "dummy",
              device: str | None = None, max_running: int | None = None, preempt_every: int | None = None,
              request_timeout: float | None = None, prefix_caching: bool = False,
-             prefix_chunk: int = DEFAULT_PREFIX_CHUNK) -> MStar:
+             prefix_chunk: int = DEFAULT_PREFIX_CHUNK, window_gather: int = 0) -> MStar:
         """Load a plan (a bad one raises `PlanError`, unchanged), start its workers and the engine."""
         plan = load_plan(plan_path, device=device)
         return cls.from_plan(plan, weights=weights, max_running=max_running, preempt_every=preempt_every,
                              request_timeout=request_timeout, prefix_caching=prefix_caching,
-                             prefix_chunk=prefix_chunk)
+                             prefix_chunk=prefix_chunk, window_gather=window_gather)
 
     @classmethod
     def from_plan(cls, plan: Plan, *, weights: str | PathLike[str] = "dummy", max_running: int | None = None,
                   preempt_every: int | None = None, request_timeout: float | None = None,
-                  prefix_caching: bool = False, prefix_chunk: int = DEFAULT_PREFIX_CHUNK) -> MStar:
+                  prefix_caching: bool = False, prefix_chunk: int = DEFAULT_PREFIX_CHUNK,
+                  window_gather: int = 0) -> MStar:
         """Like `load`, for a plan already loaded (the CLI checks its inputs against it first).
         A `prefix_chunk` that is not a positive multiple of the plan's page size (with prefix
-        caching on) is a `PrefixChunkError` (a ValueError) before any worker starts."""
+        caching on) is a `PrefixChunkError`, a `window_gather` that is not an int from 0 to 8 a
+        `WindowGatherError` (both ValueErrors), before any worker starts."""
+        check_window_gather(window_gather)
         if prefix_caching:
             check_prefix_chunk(prefix_chunk, plan.page_size)
         workers, shutdown = start_workers(plan, weights)
         try:
             return cls(plan, workers, shutdown=shutdown, max_running=max_running, preempt_every=preempt_every,
                        request_timeout=request_timeout, weights=weights,
-                       prefix_caching=prefix_caching, prefix_chunk=prefix_chunk)
+                       prefix_caching=prefix_caching, prefix_chunk=prefix_chunk, window_gather=window_gather)
         except BaseException:
             shutdown()
             raise

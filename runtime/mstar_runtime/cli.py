@@ -45,7 +45,12 @@ from tqdm import tqdm
 from mstar_runtime import media, untrusted
 from mstar_runtime.api import MStar, RequestFailed, RequestHandle
 from mstar_runtime.cli_support import CONTEXT_SETTINGS, run_command, version_option
-from mstar_runtime.control.scheduler import DEFAULT_PREFIX_CHUNK, PrefixChunkError, check_prefix_chunk
+from mstar_runtime.control.scheduler import (
+    DEFAULT_PREFIX_CHUNK,
+    MAX_WAIT,
+    PrefixChunkError,
+    check_prefix_chunk,
+)
 from mstar_runtime.control.validate import TORCH_DTYPES, validate_inputs
 from mstar_runtime.engine_options import EngineOptions, start_engine
 from mstar_runtime.ops.node import NodeError, RequestError
@@ -629,6 +634,10 @@ def _env(name: str) -> dict[str, Any]:
               help="With --prefix-caching: prefill keyed prompts in chunks of N tokens (a multiple of the "
                    "plan's page size) and reuse cached KV up to a multiple of N, so a hit computes the same bits "
                    "as its miss (docs/runtime.md).")
+@click.option("--window-gather", type=click.IntRange(0, MAX_WAIT), default=0, show_default=True, metavar="N",
+              **_env("MSTAR_WINDOW_GATHER"),
+              help="Let a codec window call (SNAC, Code2Wav) that is not full wait up to N engine steps for "
+                   "other requests' windows to join it, while other work runs (0: off; docs/runtime.md).")
 @click.option("--preempt-every", type=click.IntRange(min=1), hidden=True)  # debug: force preemptions
 @version_option(PROG)
 @click.pass_context
@@ -637,7 +646,7 @@ def command(ctx: click.Context, **p: Any) -> int:
     _check_usage(ctx, p)
     options = EngineOptions(weights=p["weights"], device=p["device"], threads=p["threads"],
                             preempt_every=p["preempt_every"], prefix_caching=p["prefix_caching"],
-                            prefix_chunk=p["prefix_chunk"],
+                            prefix_chunk=p["prefix_chunk"], window_gather=p["window_gather"],
                             request_timeout=p["request_timeout"] if p["serve"] else None)
     if p["walk"] is not None:
         return run_walk(p["plan"], p["walk"], p["inputs"], out=p["out"] or "out", stream=p["stream"],

@@ -19,7 +19,8 @@ from mstar_runtime.plan.loader import Plan
 @dataclass(frozen=True)
 class EngineOptions:
     """How a mode builds its engine: `mstar-run`'s --weights, --device, --threads,
-    --request-timeout, --prefix-caching, --prefix-chunk (and the hidden --preempt-every, a debug aid)."""
+    --request-timeout, --prefix-caching, --prefix-chunk, --window-gather (and the hidden
+    --preempt-every, a debug aid)."""
 
     weights: str | PathLike[str] = "dummy"
     device: str | None = None  # default: what the plan was compiled for
@@ -28,6 +29,7 @@ class EngineOptions:
     preempt_every: int | None = None
     prefix_caching: bool = False
     prefix_chunk: int = DEFAULT_PREFIX_CHUNK
+    window_gather: int = 0  # steps a codec window may wait for others (docs/runtime.md, "Window gather")
 
 
 def start_engine(plan: Plan, options: EngineOptions) -> MStar:
@@ -36,4 +38,4 @@ def start_engine(plan: Plan, options: EngineOptions) -> MStar:
         torch.set_num_threads(options.threads)
     return MStar.from_plan(plan, weights=str(options.weights), preempt_every=options.preempt_every,
                            request_timeout=options.request_timeout, prefix_caching=options.prefix_caching,
-                           prefix_chunk=options.prefix_chunk)
+                           prefix_chunk=options.prefix_chunk, window_gather=options.window_gather)

@@ -99,7 +99,13 @@ from mstar_runtime.control.requests import (
     stream_inputs,
 )
 from mstar_runtime.control.reservations import Reservations
-from mstar_runtime.control.scheduler import DEFAULT_PREFIX_CHUNK, GroupKey, Scheduler
+from mstar_runtime.control.scheduler import (
+    DEFAULT_PREFIX_CHUNK,
+    GroupKey,
+    Scheduler,
+    check_window_gather,
+    window_phases,
+)
 from mstar_runtime.control.steps import StepRunner
 from mstar_runtime.control.stream_waits import StreamWaits
 from mstar_runtime.control.streams import StreamBuffer, StreamError, policy_from_spec
@@ -130,18 +136,21 @@ class Conductor:
 
     def __init__(self, plan: Plan, workers: Mapping[int, WorkerLike], *, max_running: int | None = None,
                  preempt_every: int | None = None, request_timeout: float | None = None, overlap: bool = True,
-                 prefix_caching: bool = False, prefix_chunk: int = DEFAULT_PREFIX_CHUNK):
+                 prefix_caching: bool = False, prefix_chunk: int = DEFAULT_PREFIX_CHUNK, window_gather: int = 0):
         """`overlap=False` waits for every remote step as it is sent: the order of steps, and so
         who is batched with whom, is then exactly that of one rank (bit-exact comparisons).
         `prefix_caching=False` never reuses KV blocks across requests; with it on, keyed prefills
         run in chunks of `prefix_chunk` tokens and a hit reuses a multiple of them
-        (docs/runtime.md, "Prefix caching"; not a positive multiple of the page size: ValueError)."""
+        (docs/runtime.md, "Prefix caching"; not a positive multiple of the page size: ValueError).
+        `window_gather`: a codec window may wait up to that many steps for other requests'
+        windows to join its call (scheduler.py; 0: off; not an int from 0 to 8: ValueError)."""
         self.plan = plan
         self.overlap = overlap
         self.workers = dict(workers)
         limits = {name: int(n.settings["max_batch"]) for name, n in plan.nodes.items()
                   if isinstance(n.settings.get("max_batch"), int) and not isinstance(n.settings.get("max_batch"), bool)}
-        self.scheduler = Scheduler(max_batch=plan.max_batch, node_limits=limits)
+        self.scheduler = Scheduler(max_batch=plan.max_batch, node_limits=limits,
+                                   gather=check_window_gather(window_gather), windows=window_phases(plan))
         self.max_running = max_running or plan.max_batch
         self.preempt_every = preempt_every
         self.request_timeout = request_timeout
@@ -277,7 +286,8 @@ class Conductor:
         self._drive()
         self.cohort_set.renumber()
         standing = self.cohort_set.standing()
-        picked = self.scheduler.next_group(self.pending, busy=self._inflight.keys(), standing=standing)
+        running = [r.id for r in self.running] if self.scheduler.gather else ()
+        picked = self.scheduler.next_group(self.pending, busy=self._inflight.keys(), standing=standing, running=running)
         if picked is not None and picked[0] in self.cohorts:
             self._run_cohort(picked[0])
             return True

@@ -12,6 +12,18 @@ passed over by choice, so its count stands still. A decode cohort with rows
 next step, under the same rules: a large cohort runs step after step, and a prefill waiting
 beside it runs at the latest after `max_wait` cohort steps.
 
+The window gather (`gather`, off at 0; docs/runtime.md, "Window gather"): a codec window
+(a call of a stateless node's phase fed by a chunked stream, `window_phases`: SNAC,
+Code2Wav) released by one request is usually soon followed by windows of the others, at
+other decode steps. A window group with fewer calls than its batch limit is then left out
+of the choice, so that those windows join it, while its most passed-over call has been
+passed over fewer than `gather` times (the bound: at most `gather` other steps run before
+it), and only while a running request with no call in the group could bring one, and
+something else runs meanwhile (another group, or a step in flight on a busy rank); else,
+or once full, it runs as before. Counting steps, not time: windows are released by decode
+steps (Orpheus: each request every 7), and the count makes the choice the same on every
+machine. At most `max_wait`, past which the starvation rule runs a call anyway.
+
 `KVPages` holds the `BlockManager` of every KV node and turns an entry's `SeqPlan` into
 the `KVSlots` the worker writes to. It never preempts by itself: when a reservation fails
 it raises `OutOfPages`, and the conductor decides whom to preempt. With prefix caching it
@@ -34,6 +46,7 @@ from mstar_runtime.ops.node import SeqPlan
 GroupKey = tuple[str, str, tuple[int, ...]]
 
 DEFAULT_PREFIX_CHUNK = 512  # tokens: the prefix chunk with prefix caching on (`KVPages`)
+MAX_WAIT = 8  # times a ready call may be passed over before its group must run (`Scheduler.max_wait`)
 
 
 class PrefixChunkError(ValueError):
@@ -47,6 +60,31 @@ def check_prefix_chunk(chunk: Any, page_size: int, node: Any = None) -> int:
         raise PrefixChunkError(f"prefix_chunk (--prefix-chunk) must be a positive multiple of the KV page "
                                f"size{pool} ({page_size} tokens), got {chunk!r}")
     return chunk
+
+
+class WindowGatherError(ValueError):
+    """A window gather bound that is not an int from 0 to `MAX_WAIT`."""
+
+
+def check_window_gather(steps: Any) -> int:
+    """`steps` when it is an int from 0 to `MAX_WAIT`, else a `WindowGatherError` naming the setting."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= MAX_WAIT:
+        raise WindowGatherError(f"window_gather (--window-gather) must be an int from 0 (off) to {MAX_WAIT} "
+                                f"(the steps a codec window may wait for others; a call passed over {MAX_WAIT} "
+                                f"times runs anyway), got {steps!r}")
+    return steps
+
+
+def window_phases(plan: Any) -> frozenset[tuple[str, str]]:
+    """(node, phase) of every codec window call: a stateless node's phase that takes the end
+    of a chunked stream's edge (an edge with a chunk policy) as an input."""
+    out: set[tuple[str, str]] = set()
+    for edge in plan.body.get("edges", ()):
+        node, port = edge["dst"]
+        if edge.get("policy") is None or plan.node(node).engine != "stateless":
+            continue
+        out.update((node, name) for name, phase in plan.node(node).phases.items() if port in phase.inputs)
+    return frozenset(out)
 
 
 @dataclass
@@ -67,15 +105,21 @@ def group_key(call: StepCall) -> GroupKey:
 class Scheduler:
     max_batch: int
     node_limits: dict[str, int] = field(default_factory=dict)  # a node's own `max_batch` setting
-    max_wait: int = 8  # times a ready call may be passed over before its group must run
+    max_wait: int = MAX_WAIT  # times a ready call may be passed over before its group must run
+    gather: int = 0  # the window gather's bound in steps (module docstring); 0: off
+    windows: frozenset[tuple[str, str]] = frozenset()  # (node, phase) of the codec window calls
     _passed: dict[int, int] = field(default_factory=dict)  # call seq -> times passed over
 
     def next_group(
         self, ready: Iterable[StepCall], busy: Collection[int] = (), standing: Mapping[Any, Standing] | None = None,
+        running: Collection[str] = (),
     ) -> tuple[Any, list[StepCall]] | None:
         """The next group to run and its calls (at most the batch limit), or None. `busy`:
         ranks that cannot take a step now. `standing`: decode cohorts with rows (key ->
-        `Standing`), candidates like a group of their size; one picked comes back with no calls."""
+        `Standing`), candidates like a group of their size; one picked comes back with no calls.
+        `running`: the ids of the running requests (the window gather holds a window group
+        only while one of them has no call in it). None also when every group is held by the
+        gather while a busy rank's step may bring more windows."""
         groups: dict[Any, list[Any]] = {}
         held: dict[int, int] = {}  # calls waiting for a busy rank keep their pass count
         blocked = frozenset(busy)
@@ -96,6 +140,13 @@ class Scheduler:
         if not groups:
             self._passed = held
             return None
+        gathering = self._gathering(groups, running)
+        if gathering and len(gathering) == len(groups):
+            if blocked:  # a step in flight may bring windows: the conductor waits for it, counting nothing
+                self._passed = {**{c.seq: self._passed.get(c.seq, 0) for cs in groups.values() for c in cs},
+                                **held}
+                return None
+            gathering = set()  # nothing else runs meanwhile: holding would only add latency
         # the oldest call that has been passed over max_wait times forces its group (not only the
         # oldest call of all: one waiting for a busy rank keeps its count and may be older)
         passed = self._passed
@@ -103,15 +154,35 @@ class Scheduler:
         if starving:
             oldest = min(starving, key=lambda c: c.seq)
             key = oldest.key if isinstance(oldest, Standing) else group_key(oldest)
-        else:  # the biggest batch; among equals, the one with the oldest call
-            key = max(groups, key=lambda k: (sizes[k], -min(c.seq for c in groups[k])))
-        limit = min(self.max_batch, self.node_limits.get(key[0], self.max_batch))
+        else:  # the biggest batch not gathering; among equals, the one with the oldest call
+            key = max((k for k in groups if k not in gathering),
+                      key=lambda k: (sizes[k], -min(c.seq for c in groups[k])))
+        limit = self._limit(key[0])
         calls = sorted(groups[key], key=lambda c: c.seq)[:limit]
         chosen = {c.seq for c in calls}
         self._passed = {c.seq: self._passed.get(c.seq, 0) + 1
                         for cs in groups.values() for c in cs if c.seq not in chosen}
         self._passed.update(held)
         return key, [c for c in calls if not isinstance(c, Standing)]
+
+    def _limit(self, node: str) -> int:
+        return min(self.max_batch, self.node_limits.get(node, self.max_batch))
+
+    def _gathering(self, groups: Mapping[Any, list[Any]], running: Collection[str]) -> set[Any]:
+        """The window groups the gather holds this time (module docstring): not full, passed
+        over fewer than `gather` times, and with a running request that has no call in them."""
+        if not self.gather:
+            return set()
+        out = set()
+        for key, calls in groups.items():
+            if (key[0], key[1]) not in self.windows or len(calls) >= self._limit(key[0]):
+                continue
+            if max(self._passed.get(c.seq, 0) for c in calls) >= self.gather:
+                continue
+            ids = {c.request_id for c in calls}
+            if any(rid not in ids for rid in running):
+                out.add(key)
+        return out
 
 
 class KVPages:
@@ -202,5 +273,5 @@ class KVPages:
         return sum(bm.num_pages for bm in self.managers.values())
 
 
-__all__ = ["DEFAULT_PREFIX_CHUNK", "KVPages", "OutOfPages", "Scheduler", "PrefixChunkError", "Standing",
-           "check_prefix_chunk", "group_key"]
+__all__ = ["DEFAULT_PREFIX_CHUNK", "MAX_WAIT", "KVPages", "OutOfPages", "Scheduler", "PrefixChunkError", "Standing",
+           "WindowGatherError", "check_prefix_chunk", "check_window_gather", "group_key", "window_phases"]

@@ -143,8 +143,8 @@ class Scheduler:
         gathering = self._gathering(groups, running)
         if gathering and len(gathering) == len(groups):
             if blocked:  # a step in flight may bring windows: the conductor waits for it, counting nothing
-                self._passed = {**{c.seq: self._passed.get(c.seq, 0) for cs in groups.values() for c in cs},
-                                **held}
+                self._passed = {**{c.seq: self._passed[c.seq] for cs in groups.values() for c in cs
+                                   if c.seq in self._passed}, **held}
                 return None
             gathering = set()  # nothing else runs meanwhile: holding would only add latency
         # the oldest call that has been passed over max_wait times forces its group (not only the

@@ -136,6 +136,37 @@ def test_padded_decode_equals_the_unpadded_run(drivers: tuple[KVDriver, KVDriver
     assert graphed.engine.pool.data[:, PAGES].abs().sum() > 0  # ... and they did write it
 
 
+def test_a_column_step_replays_through_the_runner() -> None:
+    """TinyLM writes `decode` only as a column step: a plain call with a graph runner bound
+    runs it through `run_graphed` (ops/column_call.py: inputs, columns and positions as rows;
+    the columns as the step left them come back), so the padded replay gives the unpadded
+    eager run's tokens, flags and hidden states, and beyond the largest bucket it runs eagerly."""
+    plain = tiny_lm(TinyLM)
+    twin = tiny_lm(TinyLM)
+    twin.load_state_dict(plain.state_dict())
+    a = KVDriver(KVCacheEngine(plain, PAGES, PAGE, torch.float32, "cpu", output_ports=PORTS), PAGES, PAGE)
+    b = KVDriver(KVCacheEngine(twin, PAGES, PAGE, torch.float32, "cpu", output_ports=PORTS,
+                               graphs={"decode": BUCKETS}, capture_graphs=False), PAGES, PAGE)
+    runner = b.engine.graph_runners["decode"]
+    prompts = [torch.randint(16, 272, (2 + i,), generator=torch.Generator().manual_seed(i)) for i in range(9)]
+    tokens: dict[str, torch.Tensor] = {}
+    for d in (a, b):
+        outs = d.step("prefill", [(f"r{i}", {"tokens": p, "max_new": 12}, len(p)) for i, p in enumerate(prompts)])
+        tokens = {f"r{i}": o["token"] for i, o in enumerate(outs)}
+    replays = 0
+    for group in [[0, 1, 2], [4], list(range(9)), [5, 6, 7, 8, 0]] * 2:
+        items = [(f"r{i}", {"token": tokens[f"r{i}"]}, 1) for i in group]
+        x_out, y_out = a.step("decode", items), b.step("decode", items)
+        replays += len(group) <= max(BUCKETS)
+        for i, x, y in zip(group, x_out, y_out, strict=True):
+            assert x["token"].tolist() == y["token"].tolist() and resolve(x["done"]) == resolve(y["done"]), i
+            assert resolve(x["code"]).tolist() == resolve(y["code"]).tolist(), i
+            torch.testing.assert_close(x["hidden"], y["hidden"], atol=1e-5, rtol=1e-5)
+            tokens[f"r{i}"] = x["token"]
+    assert runner.replays == replays > 0
+    torch.testing.assert_close(b.engine.pool.data[:, :PAGES], a.engine.pool.data, atol=1e-5, rtol=1e-5)
+
+
 def test_run_graphed_checks_its_inputs(drivers: tuple[KVDriver, KVDriver]) -> None:
     _, graphed = drivers
     pool = graphed.engine.pool

@@ -25,7 +25,7 @@ A step that is one piece anyway (one entry, one chunk) runs as it is.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,10 +105,13 @@ class ChunkedRows:
                                 f"token of the step ({self.rows}), got {got}")
         outs: list[tuple[torch.Tensor, ...]] = []
         single = False
+        keys: list[str] | None = None  # a dict's keys: its values are joined as a tuple's
         try:
             for piece in self.pieces:
                 self.use(piece.meta, piece.slots)
                 out = fn(*(_take(t, piece.rows) for t in tensors))
+                if isinstance(out, Mapping):
+                    keys, out = list(out), tuple(out.values())
                 single = not isinstance(out, tuple)
                 outs.append(self._checked((out,) if single else out, piece.num_rows))
         finally:
@@ -119,6 +122,8 @@ class ChunkedRows:
                     for (lo, hi), off in zip(piece.rows, _offsets(piece.rows)))
         merged = tuple(torch.cat([outs[j][k][off : off + hi - lo] for lo, hi, j, off in at])
                        for k in range(len(outs[0])))
+        if keys is not None:
+            return dict(zip(keys, merged, strict=True))
         return merged[0] if single else merged
 
     def _checked(self, out: tuple[Any, ...], rows: int) -> tuple[torch.Tensor, ...]:

@@ -75,7 +75,7 @@ WARMUP_RUNS = 2  # before each capture: lazy inits (cuBLAS handles, FlashInfer J
 
 
 def first_rows(outputs: Any, bucket: int, n: int, node: str, what: str) -> Any:
-    """The first `n` rows of a replay's static outputs (a tensor or a tuple of them), cloned:
+    """The first `n` rows of a replay's static outputs (a tensor, a tuple or a dict of them), cloned:
     the next replay overwrites them. `node` and `what` name the output in the error for one
     that is not a tensor with a row per bucket entry (formatted only then: this runs every step)."""
 
@@ -85,6 +85,8 @@ def first_rows(outputs: Any, bucket: int, n: int, node: str, what: str) -> Any:
             raise NodeError(f"node '{node}': {what} must be a tensor with one row per entry, got {got} for a bucket of {bucket}")
         return t[:n].clone()
 
+    if isinstance(outputs, Mapping):
+        return {key: cut(t) for key, t in outputs.items()}
     return tuple(cut(t) for t in outputs) if isinstance(outputs, tuple) else cut(outputs)
 
 
@@ -317,6 +319,9 @@ class GraphRunner:
                             self.name, self.failed, "decode" if q == 1 else f"{q}-token")
                 return fn(*tensors)  # this step, eagerly, through the engine's own attention
         b = self._state[step.bucket]
+        if len(tensors) != len(b.inputs):
+            raise NodeError(f"node '{self.name}': run_graphed got {len(tensors)} inputs; its graphs were captured "
+                            f"with {len(b.inputs)}")
         for buf, t in zip(b.inputs, tensors, strict=True):
             if buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype:
                 raise NodeError(f"node '{self.name}': run_graphed inputs changed shape or dtype since capture "

@@ -16,9 +16,15 @@ the step's `[n, ...]` outputs become the entries' output values:
 
 So the call never waits for the device (as a hand-written generic decode does not), and the
 interpreter's lanes resolve the lazy values a step late. This is the path of a loop the
-compiler did not mark (a body of several calls), of a cohort-capable loop whose cohort is
-full or declined the row, and of a one-off call of the phase. It runs eagerly: a marked
-loop's cohort is the path that captures CUDA graphs.
+compiler did not mark (a body of several calls: Qwen3-Omni's speech loop), of a
+cohort-capable loop whose cohort is full or declined the row, and of a one-off call of the
+phase. Where the engine bound a graph runner to the step (the plan's `cuda-graphs` pass
+captures the phase) and the step adds one token over the row's own context, it runs through
+`attn.run_graphed`: the fed inputs, the columns and the positions are its rows, so on a GPU
+one CUDA graph per batch bucket replays it (the entries' ports are the walk's wiring, the
+same every step: a replay runs no Python, so what the step checks it checks at capture; a
+step whose inputs differ from the captured ones is refused by the runner). Otherwise (no
+runner, a block of several tokens, a step that reads other contexts) it runs eagerly.
 
 Requires: every entry adds `phase.tokens` KV tokens (the node's `kv_plan` says so) and
           carries the phase's input ports (fed-back and invariant; an index port as an int);
@@ -61,6 +67,9 @@ class AttentionContext(Protocol):
     seqs: Sequence[_Seq]
     reads: tuple[str, ...]
     device: torch.device
+    graph_runner: Any
+
+    def run_graphed(self, fn: Any, *tensors: torch.Tensor) -> Any: ...
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                over: Sequence[int | str] = ()) -> torch.Tensor: ...
@@ -97,14 +106,47 @@ def run_columns(node: str, cphase: CohortPhase, batch: Batch, attn: AttentionCon
         read_lens = tuple(upload([seq.read_lens[j] for seq in attn.seqs], torch.long, device)
                           for j in range(len(attn.reads)))
         reads = bool(attn.reads)
-        out = cphase.step(CohortStep(
-            n, inputs, cols, positions, attn.attend, device,
-            (lambda layer, q, j: attn.attend_to(layer, q, j)) if reads else None,
-            (lambda layer, q, k, v, j: attn.attend(layer, q, k, v, over=(j,))) if reads else None,
-            read_lens))
+        if _graphable(cphase, attn):
+            out, cols = _graphed(node, cphase, inputs, cols, positions, attn)
+        else:
+            out = cphase.step(CohortStep(
+                n, inputs, cols, positions, attn.attend, device,
+                (lambda layer, q, j: attn.attend_to(layer, q, j)) if reads else None,
+                (lambda layer, q, k, v, j: attn.attend(layer, q, k, v, over=(j,))) if reads else None,
+                read_lens))
         for i, seq in enumerate(attn.seqs):
             cphase.leave(seq.state, {name: col[i].clone() for name, col in cols.items()}, 1)
-    return _rows(out, n)
+    return rows_of(out, n)
+
+
+_COLUMN = "cols/"  # the prefix of a graphed step's columns among its outputs (no port name has a '/')
+
+
+def _graphable(cphase: CohortPhase, attn: AttentionContext) -> bool:
+    """Whether the step goes through `attn.run_graphed`: the engine bound a runner (the plan
+    captures the phase) and the step is one a runner replays, a one-token step over the row's
+    own context (a block of several tokens, a block kept nowhere and a step that reads other
+    contexts run eagerly, as the engine runs such generic steps)."""
+    return attn.graph_runner is not None and cphase.tokens == 1 and cphase.keep and not attn.reads
+
+
+def _graphed(node: str, cphase: CohortPhase, inputs: Mapping[str, torch.Tensor], cols: Mapping[str, torch.Tensor],
+             positions: torch.Tensor, attn: AttentionContext) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The step through `attn.run_graphed` (on a GPU one CUDA graph per batch bucket, as a
+    hand-written generic decode's forward runs): the inputs, the columns and the positions go
+    in as rows; the outputs and the columns as the step left them come out (a captured step
+    updates the runner's copies of the columns, not these)."""
+    ports, names = list(inputs), list(cols)
+
+    def fn(pos: torch.Tensor, *rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        fed = _Inputs(node, dict(zip(ports, rows[: len(ports)], strict=True)))
+        own = dict(zip(names, rows[len(ports):], strict=True))
+        out = cphase.step(CohortStep(pos.shape[0], fed, own, pos, attn.attend, attn.device))
+        return {**out, **{_COLUMN + name: col for name, col in own.items()}}
+
+    got = attn.run_graphed(fn, positions, *inputs.values(), *cols.values())
+    out = {key: t for key, t in got.items() if not key.startswith(_COLUMN)}
+    return out, {name: got[_COLUMN + name] for name in names}
 
 
 class _Inputs(dict):
@@ -139,8 +181,10 @@ def _stack(node: str, name: str, values: list[Any], device: torch.device) -> tor
     return torch.stack([r.to(device) for r in rows])
 
 
-def _rows(out: Mapping[str, torch.Tensor], n: int) -> Batch:
-    """A step's `[n, ...]` outputs as one dict of port values per row (module docstring)."""
+def rows_of(out: Mapping[str, torch.Tensor], n: int) -> Batch:
+    """A step's `[n, ...]` outputs as one dict of port values per row (module docstring); also
+    what a node's prefill may give for the outputs it shares with its column step (Qwen3-Omni's
+    thinker), so that the two come back alike."""
     counted = [key for key in out if count_key(key) in out]
     flags = [key for key, t in out.items() if t.dtype == torch.bool and key not in counted]
     # one readback of every count and flag, `[n, len(host_cols)]`, and the column of each
@@ -170,4 +214,4 @@ def _lazy_items(items: Readback, counts: Readback, row: int, col: int) -> Lazy:
     return Lazy(get)
 
 
-__all__ = ["run_columns"]
+__all__ = ["rows_of", "run_columns"]

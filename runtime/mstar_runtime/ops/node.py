@@ -195,7 +195,7 @@ class AttentionContext:
 
         `fn` must be pure tensor code whose only attention is `self.attend`, whose inputs
         are the packed per-token tensors given here (first dim = tokens of the batch) and
-        whose outputs are tensors (or a tuple of them) with the same first dim. An engine
+        whose outputs are tensors (or a tuple or a dict of them) with the same first dim. An engine
         that captures CUDA graphs (the plan's `cuda-graphs` pass says which steps) pads the
         inputs into static buffers of the batch bucket, captures `fn` once per bucket and
         replays it; a step with prefix caching's chunks runs `fn` once per chunk over its rows

@@ -1,6 +1,7 @@
 """A loop phase written once, as a column step, and run as a plain batched call (ops/column_call.py).
 
-TinyLM, EchoLM, Orpheus' backbone and BAGEL's MoT LM write `decode` only as a column step:
+TinyLM, EchoLM, Orpheus' backbone and BAGEL's MoT LM write `decode` only as a column step
+(Qwen3-Omni's thinker its `decode` and `decode_speech`, its talker `frame` and `frame_pad`):
 `KVNode.run` runs it over a batch as a one-step cohort. Its tokens against the dense
 reference are pinned in tests/test_testfamily.py (every decode there goes through it; BAGEL's
 against transformers and its reference in tests/test_bagel_mot.py); here: that the nodes have
@@ -22,6 +23,8 @@ import torch
 
 from mstar_models.bagel.mot import MoTLanguageModel
 from mstar_models.orpheus.backbone import LlamaBackbone
+from mstar_models.qwen3_omni.talker import TalkerMoE
+from mstar_models.qwen3_omni.thinker import ThinkerMoE
 from mstar_models.testfamily import TinyLM
 from mstar_models.testfamily import reference as R
 from mstar_models.testfamily.echo import EchoLM
@@ -42,6 +45,14 @@ def family() -> Family:
 @pytest.mark.parametrize("cls", [TinyLM, EchoLM, LlamaBackbone, MoTLanguageModel])
 def test_decode_is_written_once(cls: type) -> None:
     assert not hasattr(cls, "phase_decode")  # the column step is the only decode
+
+
+@pytest.mark.parametrize(("cls", "phases"), [(ThinkerMoE, ("decode", "decode_speech")),
+                                             (TalkerMoE, ("frame", "frame_pad"))])
+def test_qwen3_omni_loop_phases_are_written_once(cls: type, phases: tuple[str, ...]) -> None:
+    """The speech loop's two calls a step run their column steps as plain calls (the parity
+    with transformers: tests/test_qwen3_omni_lm.py)."""
+    assert not any(hasattr(cls, f"phase_{p}") for p in phases)
 
 
 def test_outputs_come_back_lazily_and_match_the_reference(family: Family) -> None:

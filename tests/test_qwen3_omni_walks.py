@@ -292,20 +292,21 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def test_a_batch_equals_each_request_alone(engine: MStar) -> None:
     talker = nodes(engine)["talker"]
     sizes: list[int] = []
-    original = talker.phase_frame
+    original = talker.run
 
-    def counted(batch: list[dict], attn: Any) -> list[dict]:
-        sizes.append(len(batch))
-        return original(batch, attn)
+    def counted(phase: str, batch: list[dict], attn: Any) -> list[dict]:
+        if phase == "frame":
+            sizes.append(len(batch))
+        return original(phase, batch, attn)
 
-    talker.phase_frame = counted
+    talker.run = counted
     try:
         # queued while the engine thread waits for its (reentrant) lock: admitted together
         with engine._lock:
             handles = [engine.submit(walk, inputs) for walk, inputs in REQUESTS]
         together = [h.result(timeout=120) for h in handles]
     finally:
-        del talker.phase_frame
+        del talker.run  # the class's own method again
     assert max(sizes) == 2  # the two speech requests' text frames ran as one talker step
     alone = [engine.submit(walk, inputs).result(timeout=120) for walk, inputs in REQUESTS]
     assert all(same(a, b) for a, b in zip(together, alone, strict=True))
@@ -331,20 +332,23 @@ TOP_K_CHATS: list[dict[str, Any]] = [
 
 
 def test_top_k_chats_decode_on_the_cohort_path(plan_path: Path, checkpoint: Path) -> None:
-    """Top-k rows join the thinker's decode cohort (the generic `phase_decode` never runs
-    there) and give the generic path's text, batched with rows of other k."""
+    """Top-k rows join the thinker's decode cohort (no plain `decode` call runs there: the
+    generic run's go through ops/column_call.py) and give the generic path's text, batched
+    with rows of other k."""
     texts: dict[str, list[str]] = {}
     for path in ("cohort", "generic"):
         with MStar.from_plan(as_run(load_plan(plan_path), path), weights=checkpoint) as m:
             thinker = nodes(m)["thinker"]
             calls: list[int] = []
-            original = thinker.phase_decode
+            original = thinker.run
 
-            def counted(batch: list[dict], attn: Any, original: Any = original, calls: list[int] = calls) -> list[dict]:
-                calls.append(len(batch))
-                return original(batch, attn)
+            def counted(phase: str, batch: list[dict], attn: Any, original: Any = original,
+                        calls: list[int] = calls) -> list[dict]:
+                if phase == "decode":
+                    calls.append(len(batch))
+                return original(phase, batch, attn)
 
-            thinker.phase_decode = counted
+            thinker.run = counted
             with m._lock:  # admitted together: one cohort of four rows with different k
                 handles = [m.submit("chat", inputs) for inputs in TOP_K_CHATS]
             texts[path] = [h.result(timeout=120)["text"] for h in handles]

@@ -28,11 +28,12 @@ Phases (models/qwen3_omni/qwen3_omni.walk, node `talker`):
   `codec_embedding(code 0)`] (greedy, or HF's top-k 50 / top-p 0.8 when `do_sample`).
   `frame` is the frame's codes [1, code_groups], or no row for a codec-eos frame (HF never
   decodes one).
-- `frame_pad() -> (frame, done)`: the same with the projected `tts_pad` as the text; also a
-  decode cohort's column step (`cohort_phase`).
-A frame is one tensor function with no host read, which the runtime runs through
-`attn.run_graphed` (on a GPU one CUDA graph per batch bucket: the talker step, the 15
-predictor steps and all sampling in one launch) or as a cohort step (likewise captured).
+- `frame_pad() -> (frame, done)`: the same with the projected `tts_pad` as the text.
+Both are written once, as column steps (`cohort_phase`; `frame_math`, one tensor function
+with no host read): the tts_pad loop runs `frame_pad` as a decode cohort, and a plain batched
+call runs either as a one-step cohort (runtime/mstar_runtime/ops/column_call.py); on a GPU
+each is one CUDA graph per batch bucket (the talker step, the 15 predictor steps and all
+sampling in one launch).
 Positions: `positions` in prefill; a frame at KV index j has j + delta in all three
 components, delta = (last prefill position + 1) - S (the talker's 3-D rule, HF's
 `compute_3d_position_ids`). transformers 5.24 itself fails on a talker prompt with both audio
@@ -84,7 +85,7 @@ from mstar_models.qwen3_omni.tokens import TokenIds
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
 from mstar_runtime.ops.ports import config_value, max_seq_len
-from mstar_runtime.ops.readback import Lazy, Readback, upload
+from mstar_runtime.ops.readback import upload
 from mstar_runtime.sampling import (
     REQUIRED,
     SamplingColumns,
@@ -266,58 +267,6 @@ class TalkerMoE(DecoderNode):
         return (states.to(device=dev, dtype=dt), mm.to(device=dev, dtype=torch.bool), pos.to(device=dev,
                 dtype=torch.float32), speaker, params, max_frames)
 
-    def phase_frame(self, batch: Batch, attn: AttentionContext) -> Batch:
-        texts = []
-        for entry in batch:
-            text = entry.get("text")
-            if not isinstance(text, torch.Tensor) or tuple(text.shape) != (1, self.thinker_hidden):
-                raise RequestError(f"text must be one item [1, {self.thinker_hidden}]", "text")
-            texts.append(text)
-        self._check_prefilled(attn)
-        text = torch.cat(texts).to(device=self.freq.device, dtype=self.codec_head.weight.dtype)
-        return self._frames(text, attn, project=True)
-
-    def phase_frame_pad(self, batch: Batch, attn: AttentionContext) -> Batch:
-        self._check_prefilled(attn)
-        return self._frames(torch.stack([st["pad"] for st in attn.states]), attn, project=False)
-
-    def _check_prefilled(self, attn: AttentionContext) -> None:
-        if any("sampling" not in st for st in attn.states):
-            raise RequestError("a talker frame on a context that was never prefilled", "text")
-
-    # ------------------------------------------------------------------ one frame, generic path
-    def _frames(self, text: torch.Tensor, attn: AttentionContext, *, project: bool) -> Batch:
-        """One frame for every entry: the per-request state stacked into the frame's columns,
-        `frame_math` through `attn.run_graphed` (one CUDA graph per batch bucket on a GPU), the
-        new state written back as row views (no device read)."""
-        states, seqs, dev = attn.states, attn.seqs, self.freq.device
-        rows = [_host_row(st, seq.start) for st, seq in zip(states, seqs, strict=True)]
-        ints = upload([v for r in rows for v in r[0]], torch.long, dev).view(len(rows), -1)
-        floats = upload([v for r in rows for v in r[1]], torch.float32, dev).view(len(rows), -1)
-        flags = upload([v for r in rows for v in r[2]], torch.bool, dev).view(len(rows), -1)
-        codec = torch.stack([st["codec"] for st in states])
-        seen = torch.stack([st["seen"] for st in states])
-        finished = torch.stack([st["finished"] for st in states])
-
-        def fn(text: torch.Tensor, codec: torch.Tensor, seen: torch.Tensor, finished: torch.Tensor,
-               ints: torch.Tensor, floats: torch.Tensor, flags: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            x = self.text_projection(text) if project else text
-            cols = FrameColumns.unpack(ints, floats, flags)
-            out = self.frame_math(x, codec, seen, finished, cols, floats[:, 0], attn.attend)
-            return out.frame, out.feedback, out.seen, out.finished, out.done
-
-        frame, feedback, seen, finished, done = attn.run_graphed(fn, text, codec, seen, finished, ints, floats, flags)
-        back = Readback(torch.stack([frame[:, 0] != self.tok.codec_eos_token_id, done], dim=1))
-        out: Batch = []
-        for i, st in enumerate(states):
-            st.update(codec=feedback[i], seen=seen[i], finished=finished[i])
-            st["frames"] += 1
-            st["cp_draws"] += self.groups - 1
-            f = frame[i : i + 1]
-            out.append({"frame": Lazy(lambda f=f, i=i: f if back.values()[i][0] else f[:0]),
-                        "done": Lazy(lambda i=i: bool(back.values()[i][1]))})
-        return out
-
     # ------------------------------------------------------------------ one frame, the math
     def frame_math(self, text: torch.Tensor, codec: torch.Tensor, seen: torch.Tensor, finished: torch.Tensor,
                    cols: FrameColumns, positions: torch.Tensor, attend: Any) -> FrameOutputs:
@@ -345,20 +294,26 @@ class TalkerMoE(DecoderNode):
             seen=seen.scatter(1, code0[:, None], True), finished=ended,
             done=ended | (cols.frames + 1 >= cols.max_frames))
 
-    # ------------------------------------------------------------------ one frame, decode cohort
+    # ------------------------------------------------------------------ one frame, a column step
     def cohort_phase(self, phase: str) -> CohortPhase | None:
-        """`frame_pad` as a column step (runtime/mstar_runtime/ops/cohort.py): the tts_pad loop
-        after the text, whose body is that one call, runs as a decode cohort. `frame` is not
-        offered: its loop also runs the thinker, so the compiler never marks it."""
-        if phase != "frame_pad":
+        """`frame` and `frame_pad`, written only as column steps (runtime/mstar_runtime/ops/cohort.py):
+        the tts_pad loop after the text, whose body is that one call, runs as a decode cohort;
+        the speech loop's frames (its body also runs the thinker, so the compiler never marks
+        it) and the first frame run as a one-step cohort (ops/column_call.py; on a GPU through
+        the phase's CUDA graphs, the talker step, the predictor's 15 and all sampling in one)."""
+        if phase not in ("frame", "frame_pad"):
             return None
-        return CohortPhase(join=self._cohort_join, step=self._cohort_step, leave=self._cohort_leave,
-                           max_items={"frame": 1})
+        project = phase == "frame"
+        return CohortPhase(join=self._cohort_join, step=lambda b: self._cohort_step(b, project),
+                           leave=self._cohort_leave, max_items={"frame": 1})
 
     def _cohort_join(self, state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
+        text = inputs.get("text")  # a plain call's entry of `frame` holds it (a cohort's join sees none)
+        if text is not None and (not isinstance(text, torch.Tensor) or tuple(text.shape) != (1, self.thinker_hidden)):
+            raise RequestError(f"text must be one item [1, {self.thinker_hidden}]", "text")
         if "sampling" not in state:
             raise RequestError("a talker frame on a context that was never prefilled", "text")
-        ints, floats, flags = _host_row(state, 0)
+        ints, floats, flags = _host_row(state)
         return {"ints": torch.tensor(ints, dtype=torch.long), "floats": torch.tensor(floats, dtype=torch.float32),
                 "flags": torch.tensor(flags, dtype=torch.bool), "codec": state["codec"], "seen": state["seen"],
                 "finished": state["finished"], "pad": state["pad"]}
@@ -368,11 +323,17 @@ class TalkerMoE(DecoderNode):
         state["frames"] += steps
         state["cp_draws"] += steps * (self.groups - 1)
 
-    def _cohort_step(self, b: CohortStep) -> dict[str, torch.Tensor]:
+    def _cohort_step(self, b: CohortStep, project: bool) -> dict[str, torch.Tensor]:
+        """One frame per row: on the thinker's item (`frame`: `text` [n, 1, thinker hidden],
+        through `text_projection`) or on the projected tts_pad (`frame_pad`)."""
         c = b.cols
+        if project:
+            text = self.text_projection(b.inputs["text"].reshape(b.n, -1).to(self.codec_head.weight.dtype))
+        else:
+            text = c["pad"]
         cols = FrameColumns.unpack(c["ints"], c["floats"], c["flags"])
-        positions = b.positions.to(torch.float32) + c["floats"][:, 0]
-        out = self.frame_math(c["pad"], c["codec"], c["seen"], c["finished"], cols, positions, b.attend)
+        positions = b.positions.to(torch.float32) + c["floats"][:, _DELTA]
+        out = self.frame_math(text, c["codec"], c["seen"], c["finished"], cols, positions, b.attend)
         c["codec"].copy_(out.feedback)
         c["seen"].copy_(out.seen)
         c["finished"].copy_(out.finished)
@@ -384,18 +345,18 @@ class TalkerMoE(DecoderNode):
 
 # ------------------------------------------------------------------------------ frame columns
 # The integer, float and flag columns of a frame, one row per request (`_host_row` builds a
-# row from the node state; the cohort keeps them as its columns, the generic path uploads them).
+# row from the node state at join; the column step keeps them as its columns).
 _FRAMES, _MAX_FRAMES, _TOP_K, _SEED, _CP_SEED, _CP_DRAWS = range(6)
 _DELTA, _TEMPERATURE, _TOP_P, _PENALTY = range(4)
 _GREEDY, _CP_GREEDY = range(2)
 
 
-def _host_row(st: Mapping[str, Any], start: int) -> tuple[list[int], list[float], list[bool]]:
-    """A request's frame columns from its talker state; `start` is its KV length (the generic
-    path's position; a cohort adds its own positions to the delta column instead)."""
+def _host_row(st: Mapping[str, Any]) -> tuple[list[int], list[float], list[bool]]:
+    """A request's frame columns from its talker state (the step adds each row's position to
+    its delta column)."""
     p: SamplingParams = st["sampling"]
     ints = [st["frames"], st["max_frames"], 0 if p.greedy else p.top_k, st["seed"], st["cp_seed"], st["cp_draws"]]
-    floats = [start + float(st["delta"]), 1.0 if p.greedy else p.temperature, 1.0 if p.greedy else p.top_p,
+    floats = [float(st["delta"]), 1.0 if p.greedy else p.temperature, 1.0 if p.greedy else p.top_p,
               p.repetition_penalty]
     return ints, floats, [p.greedy, st["cp_greedy"]]
 

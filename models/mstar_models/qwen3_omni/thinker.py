@@ -31,8 +31,11 @@ and with images the deepstack rows and an image-row mask): with prefix caching t
 them in the prefix chunks (runtime/mstar_runtime/engine/chunked.py), a hit as its miss.
 Decode feeds one token at KV index j with position j + delta in all three components.
 Every step returns `token` [1] (on the device, fed back to the next decode), `emitted` (the
-same id as a host item for the text stream, a `readback.Lazy`) and `done`. `decode` is also
-offered as a decode cohort's column step (`cohort_phase`, at tp 1), top-k sampling included.
+same id as a host item for the text stream, a `readback.Lazy`) and `done`. `decode` and
+`decode_speech` are written once, as column steps (`cohort_phase`, top-k sampling included):
+a decode cohort runs them, and a plain batched call runs them as a one-step cohort
+(runtime/mstar_runtime/ops/column_call.py; on a GPU through the phase's CUDA graphs). The
+prefill's first token comes back as their outputs do (`_outputs`).
 
 Speech phases also give what the talker reads (`talker.TalkerMoE`):
 - at prefill, the talker's prompt (`_talker_prompt`; HF `generate`'s `_get_talker_user_parts`
@@ -55,8 +58,8 @@ Speech phases also give what the talker reads (`talker.TalkerMoE`):
 Per-(request, tag) state (`attn.states[i]`), written by prefill: `sampling` (SamplingParams),
 `max_tokens`, `step` (tokens sampled so far: the sampler step of the next draw), `delta`
 (the MRoPE delta of the context). `done` is raised on `<|im_end|>`, at `max_tokens`, or when
-the context reaches the `max_seq_len` setting; it and the token's end-of-text check are
-`readback.Lazy`, so no step waits on the device. A decode after `done` (the runtime's
+the context reaches the `max_seq_len` setting; a decode's `done` and the prefill's
+end-of-text check are `readback.Lazy`, so no step waits on the device. A decode after `done` (the runtime's
 speculative step) runs and its results are thrown away.
 
 Settings: `max_seq_len` (default 4096), `moe_kernel` (auto | grouped | padded | loop).
@@ -86,9 +89,10 @@ from mstar_models.qwen3_omni.tokens import TokenIds
 from mstar_runtime.kv.prefix_cache import media_key, token_keys
 from mstar_runtime.ops import tp
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
+from mstar_runtime.ops.column_call import rows_of
 from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
-from mstar_runtime.ops.ports import config_value, decode_token, max_seq_len
-from mstar_runtime.ops.readback import Lazy, Readback, upload
+from mstar_runtime.ops.ports import config_value, fed_token, max_seq_len
+from mstar_runtime.ops.readback import upload
 from mstar_runtime.sampling import (
     REQUIRED,
     SamplingColumns,
@@ -261,12 +265,6 @@ class ThinkerMoE(DecoderNode):
     def phase_prefill_speech(self, batch: Batch, attn: AttentionContext) -> Batch:
         return self._prefill(batch, attn, speech=True)
 
-    def phase_decode(self, batch: Batch, attn: AttentionContext) -> Batch:
-        return self._decode(batch, attn, speech=False)
-
-    def phase_decode_speech(self, batch: Batch, attn: AttentionContext) -> Batch:
-        return self._decode(batch, attn, speech=True)
-
     # ------------------------------------------------------------------ math
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [N, hidden] (vocab-parallel under TP)."""
@@ -360,8 +358,9 @@ class ThinkerMoE(DecoderNode):
         hidden, tapped = attn.run_graphed(layers, *rows) if speech else (attn.run_graphed(layers, *rows), None)
         for p, seq in zip(prompts, attn.seqs, strict=True):
             seq.state.clear()
-            seq.state.update(sampling=p.params, max_tokens=p.max_tokens, step=0, delta=p.delta)
-        out = self._next_tokens(self.logits(attn.last_rows(hidden)), attn, speech)
+            # `step`: the sampler step of the next draw (the prefill's is 0)
+            seq.state.update(sampling=p.params, max_tokens=p.max_tokens, step=1, delta=p.delta)
+        out = self._first_tokens(self.logits(attn.last_rows(hidden)), prompts, attn, speech)
         if speech:
             assert tapped is not None
             for o, p, e, t, seq in zip(out, prompts, attn.split(h), attn.split(tapped), attn.seqs):
@@ -457,72 +456,60 @@ class ThinkerMoE(DecoderNode):
         positions, _ = rope_index(talker_ids, self.talker_tok, p.grids)
         return {"states": states, "mm": mm, "positions": positions[:, :-1].to(dev)}
 
-    # ------------------------------------------------------------------ decode
-    def _decode(self, batch: Batch, attn: AttentionContext, speech: bool) -> Batch:
-        for entry, seq in zip(batch, attn.seqs, strict=True):
-            decode_token(entry, seq.state, "sampling")
-        dev = self.freq.device
-        ids = torch.cat([entry["token"] for entry in batch]).to(device=dev, dtype=torch.long)
-        pos = upload([s.start + float(s.state["delta"]) for s in attn.seqs], torch.float32, dev)
+    # ------------------------------------------------------------------ sampling
+    def _first_tokens(self, logits: torch.Tensor, prompts: list[_Prompt], attn: AttentionContext,
+                      speech: bool) -> Batch:
+        """The prefill's first token per entry (one sampler call, at sampler step 0), its
+        outputs as the decode's column step gives them (`_outputs`); `done` is True where a
+        limit ends the reply at its first token (a host fact), else lazy (the end-of-text check)."""
+        n = len(prompts)
+        tokens = sample(logits, [p.params for p in prompts], [None] * n, [0] * n)
+        limits = [p.max_tokens <= 1 or seq.start + seq.q_len >= self.max_seq_len
+                  for p, seq in zip(prompts, attn.seqs, strict=True)]
+        done = (tokens == self.tok.im_end_token_id) | upload(limits, torch.bool, tokens.device)
+        out = rows_of(self._outputs(tokens, done, speech), n)
+        for row, limit in zip(out, limits, strict=True):
+            if limit:
+                row["done"] = True
+        return out
 
-        def step(i: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-            return self._step_logits(i, p, attn.attend)
-
-        return self._next_tokens(attn.run_graphed(step, ids, pos), attn, speech)
+    def _outputs(self, tokens: torch.Tensor, done: torch.Tensor, speech: bool) -> dict[str, torch.Tensor]:
+        """A step's outputs as columns from its sampled ids [n] (int64) and stop flags [n]: `token`
+        (fed back), `emitted` (the text stream's item) and `done`; for speech also `item`, the
+        talker's text item [n, 1, hidden]: the new token's embedding, or on the step that ends
+        the text (`done`: <|im_end|> or a limit) tts_eos's (in the vocab: checked by the speech
+        prefill). One embedding lookup (under TP split by vocab rows: one all-reduce)."""
+        tok32 = tokens.to(torch.int32)[:, None]
+        out = {"token": tok32, "emitted": tok32, "emitted:count": torch.ones_like(tokens), "done": done}
+        if speech:
+            out["item"] = self.embed(torch.where(done, self.tok.tts_eos_token_id, tokens))[:, None]
+        return out
 
     def _step_logits(self, ids: torch.Tensor, positions: torch.Tensor, attend: Any) -> torch.Tensor:
         """Logits [B, vocab] of one text token per row at float positions [B] (equal in t, h, w)."""
         cos, sin = self.tables(positions[None, :].expand(3, -1))
         return self.logits(self.model.forward_layers(self.embed(ids), cos, sin, attend))
 
-    # ------------------------------------------------------------------ sampling
-    def _next_tokens(self, logits: torch.Tensor, attn: AttentionContext, speech: bool) -> Batch:
-        """Sample one token per entry (one sampler call); `done` and the end-of-text check are lazy."""
-        states = attn.states
-        tokens = sample(logits, [st["sampling"] for st in states], [None] * len(states), [st["step"] for st in states])
-        back = Readback(tokens)
-        eos = self.tok.im_end_token_id
-        limits = []
-        for st, seq in zip(states, attn.seqs):
-            st["step"] += 1
-            limits.append(st["step"] >= st["max_tokens"] or seq.start + seq.q_len >= self.max_seq_len)
-        tok32 = tokens.to(torch.int32)
-        items = self._items(tokens, limits) if speech else None
-        out: Batch = []
-        for i, limit in enumerate(limits):
-            o: dict[str, Any] = {
-                "token": tok32[i : i + 1],
-                "emitted": Lazy(lambda i=i: torch.tensor(back.values()[i : i + 1], dtype=torch.int32)),
-                "done": True if limit else Lazy(lambda i=i: back.values()[i] == eos),
-            }
-            if items is not None:
-                o["item"] = items[i : i + 1]
-            out.append(o)
-        return out
-
-    def _items(self, tokens: torch.Tensor, limits: list[bool]) -> torch.Tensor:
-        """The talker's text item of each entry: the new token's embedding, or tts_eos's on the last step."""
-        tts_eos = self.tok.tts_eos_token_id  # in the vocab: checked by the speech prefill
-        last = (tokens == self.tok.im_end_token_id) | upload(limits, torch.bool, tokens.device)
-        # one lookup (under TP the embedding is split by vocab rows: one all-reduce)
-        return self.embed(torch.where(last, tts_eos, tokens))
-
     # ------------------------------------------------------------------ cohort
     def cohort_phase(self, phase: str) -> CohortPhase | None:
-        """`decode` as a column step for decode cohorts (runtime/mstar_runtime/ops/cohort.py): the
-        math of `phase_decode` over every row, the state as columns (the sampling settings and
-        sampler step, `max_tokens`, the MRoPE `delta`). The speech decode is not offered: its
-        loop also runs the talker, so the compiler never marks it. At tp > 1 every rank of the
-        group runs the step (`tp_dispatch.TPCohort`): the embedding's and layers' all-reduces
-        and the gathered logits are inside it, so every rank samples the same token."""
-        if phase != "decode":
+        """`decode` and `decode_speech`, written only as column steps (runtime/mstar_runtime/ops/cohort.py):
+        one token per row, the state as columns (the sampling settings and sampler step,
+        `max_tokens`, the MRoPE `delta`); `decode_speech` also gives the talker's `item`. A
+        plain batched call runs them as a one-step cohort (ops/column_call.py): the speech
+        loop (its body also runs the talker, so the compiler never marks it) and a chat
+        decode no cohort takes. At tp > 1 every rank of the group runs the step
+        (`tp_dispatch.TPCohort`, or the plain call on every rank): the embedding's and layers'
+        all-reduces and the gathered logits are inside it, so every rank samples the same token."""
+        if phase not in DECODES:
             return None
-        return CohortPhase(join=self._cohort_join, step=self._cohort_step, leave=self._cohort_leave,
-                           max_items={"emitted": 1})
+        speech = phase == "decode_speech"
+        return CohortPhase(join=self._cohort_join, step=lambda b: self._cohort_step(b, speech),
+                           leave=self._cohort_leave, max_items={"emitted": 1})
 
     def _cohort_join(self, state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
         if "sampling" not in state:
             raise RequestError("decode on a KV context that was never prefilled", "token")
+        fed_token(inputs)  # a plain call's entry: its fed token (a cohort's join sees none)
         cols = sampling_row(state["sampling"], state["step"])
         cols.update(max_tokens=torch.tensor(state["max_tokens"]),
                     delta=torch.tensor(float(state["delta"]), dtype=torch.float32))
@@ -531,7 +518,7 @@ class ThinkerMoE(DecoderNode):
     def _cohort_leave(self, state: dict[str, Any], cols: Columns, steps: int) -> None:
         state["step"] += steps
 
-    def _cohort_step(self, b: CohortStep) -> dict[str, torch.Tensor]:
+    def _cohort_step(self, b: CohortStep, speech: bool) -> dict[str, torch.Tensor]:
         c = b.cols
         ids = b.inputs["token"].reshape(-1).to(torch.long)
         logits = self._step_logits(ids, b.positions.to(torch.float32) + c["delta"], b.attend)
@@ -540,5 +527,4 @@ class ThinkerMoE(DecoderNode):
         c["step"].add_(1)
         done = (c["step"] >= c["max_tokens"]) | (b.positions + 1 >= self.max_seq_len) | \
             (tokens == self.tok.im_end_token_id)
-        tok32 = tokens.to(torch.int32)[:, None]
-        return {"token": tok32, "emitted": tok32, "emitted:count": torch.ones_like(tokens), "done": done}
+        return self._outputs(tokens, done, speech)

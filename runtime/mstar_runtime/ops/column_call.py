@@ -114,8 +114,11 @@ def run_columns(node: str, cphase: CohortPhase, batch: Batch, attn: AttentionCon
                 (lambda layer, q, j: attn.attend_to(layer, q, j)) if reads else None,
                 (lambda layer, q, k, v, j: attn.attend(layer, q, k, v, over=(j,))) if reads else None,
                 read_lens))
+        # each row's views: the columns are this call's own (stacked, or the runner's
+        # copies), so a leave may keep them, as a hand-written step kept its rows' views, and
+        # no row pays a copy per column (a clone is a kernel launch on a GPU)
         for i, seq in enumerate(attn.seqs):
-            cphase.leave(seq.state, {name: col[i].clone() for name, col in cols.items()}, 1)
+            cphase.leave(seq.state, {name: col[i] for name, col in cols.items()}, 1)
     return rows_of(out, n)
 
 

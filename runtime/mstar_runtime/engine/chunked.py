@@ -90,7 +90,8 @@ class ChunkedRows:
     """The step's `attn.graph_runner` when it runs in pieces: `(fn, *tensors)` runs `fn` once
     per piece over the piece's rows, `use(meta, slots)` pointing the step's attention at the
     piece first (and `use(None, ())` back at the whole step after the last), and returns `fn`'s
-    outputs (a tensor or a tuple of them, a row per input row) put back in the step's row order."""
+    outputs (a tensor, a tuple or a dict of them, a row per input row) put back in the step's
+    row order."""
 
     def __init__(self, name: str, pieces: list[Piece], rows: int,
                  use: Callable[[AttentionMetadata | None, Sequence[int]], None]):

@@ -24,6 +24,7 @@ import pytest
 import torch
 from support import compile_model
 
+from mstar_runtime import cli
 from mstar_runtime.api import MStar
 from mstar_runtime.cli import main
 from mstar_runtime.control.conductor import FINISHED, Conductor
@@ -226,6 +227,20 @@ def test_bad_values_are_refused_naming_the_setting(family: tuple[Plan, Worker], 
     with pytest.raises(ValueError, match="window_gather"):
         MStar.from_plan(plan, window_gather=bad)  # before any worker starts
     assert check_window_gather(MAX_WAIT) == MAX_WAIT and check_window_gather(0) == 0
+
+
+def test_the_flag_and_its_variable_reach_the_engine_options(testfamily_plan: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--window-gather` / `MSTAR_WINDOW_GATHER` and `--prefix-chunk` / `MSTAR_PREFIX_CHUNK`
+    become `EngineOptions`' fields (the walk itself is not run)."""
+    seen: list[EngineOptions] = []
+    monkeypatch.setattr(cli, "run_walk", lambda *args, options, **kw: seen.append(options) or 0)
+    walk = [str(testfamily_plan), "--walk", "generate", "--input", "prompt=hi"]
+    assert main([*walk, "--window-gather", "3", "--prefix-caching", "--prefix-chunk", "48"]) == 0
+    monkeypatch.setenv("MSTAR_WINDOW_GATHER", "5")
+    monkeypatch.setenv("MSTAR_PREFIX_CHUNK", "64")
+    assert main(walk) == 0
+    assert [(o.window_gather, o.prefix_caching, o.prefix_chunk) for o in seen] == [(3, True, 48), (5, False, 64)]
 
 
 def test_the_cli_flag_reaches_the_conductor(testfamily_plan: Path, family: tuple[Plan, Worker],

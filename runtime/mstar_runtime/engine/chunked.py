@@ -13,7 +13,7 @@ attending through the piece's own metadata (q_len its rows, kv_len its end: the 
 pieces before it wrote, and its own rows) and writing its own slots. A miss and a hit then
 run every piece from the hit's first uncached boundary on with the same rows, keys and
 kernels: the suffix's K/V, the logits and the draws are the same bits. The entries without a
-chunk (decodes, not-kept or non-causal queries) run together as one more piece, after them.
+chunk (decodes, unkeyed prefills, not-kept or non-causal queries) run together as one more piece, after them.
 
 Every layer of a piece runs before the next piece starts, so a piece sees, in every layer,
 the K/V the pieces before it wrote. That is why the cut is made around `fn`, the node's

@@ -37,7 +37,7 @@ from mstar_runtime.sampling import fused, stage
 from mstar_runtime.sampling.columns import SamplingColumns
 from mstar_runtime.sampling.seeds import uniforms
 x = torch.load(sys.argv[1])
-cols = SamplingColumns(**{k: (None if v is None else v) for k, v in torch.load(sys.argv[2]).items()})
+cols = SamplingColumns(**torch.load(sys.argv[2]))
 out = {}
 for segments in (None, 1, 3):
     got = fused.sample_rows(stage._penalised(x, cols), cols.top_k, cols.top_p, cols.greedy,

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 from test_sampling_stage import ambiguous_rows, gen, histories, mixed_params
 
 from mstar_runtime.sampling import SamplingParams, columns_of, sample_columns
@@ -32,12 +33,14 @@ ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 3001  # 5 segments of 640 entries by default (fused.segments_for)
 
 DRIVER = """
-import json, sys, torch
+import dataclasses, json, sys
+from safetensors.torch import load_file
 from mstar_runtime.sampling import fused, stage
 from mstar_runtime.sampling.columns import SamplingColumns
 from mstar_runtime.sampling.seeds import uniforms
-x = torch.load(sys.argv[1])
-cols = SamplingColumns(**torch.load(sys.argv[2]))
+saved = load_file(sys.argv[1])
+x = saved.pop("x")
+cols = SamplingColumns(**{f.name: saved.get(f.name) for f in dataclasses.fields(SamplingColumns)})
 out = {}
 for segments in (None, 1, 3):
     got = fused.sample_rows(stage._penalised(x, cols), cols.top_k, cols.top_p, cols.greedy,
@@ -63,10 +66,10 @@ def cases() -> tuple[torch.Tensor, list[SamplingParams]]:
 def test_the_kernels_draw_the_stages_tokens_in_the_interpreter(tmp_path: Path) -> None:
     x, params = cases()
     cols = columns_of(params, histories(params, VOCAB, 6), [7 * b + 3 for b in range(len(params))], "cpu")
-    torch.save(x, tmp_path / "x.pt")
-    torch.save(vars(cols), tmp_path / "cols.pt")
+    # safetensors, not torch.save: no pickle crosses to the subprocess (a None column is left out)
+    save_file({"x": x, **{k: v for k, v in vars(cols).items() if v is not None}}, tmp_path / "cases.safetensors")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "runtime"), str(ROOT)])}
-    run = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path / "x.pt"), str(tmp_path / "cols.pt")],
+    run = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path / "cases.safetensors")],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     drawn = json.loads(run.stdout.strip().splitlines()[-1])

@@ -167,6 +167,32 @@ def test_a_column_step_replays_through_the_runner() -> None:
     torch.testing.assert_close(b.engine.pool.data[:, :PAGES], a.engine.pool.data, atol=1e-5, rtol=1e-5)
 
 
+def test_a_column_step_whose_ports_differ_from_the_captured_ones_runs_eagerly() -> None:
+    """A replay runs the captured step, which reads each tensor where the captured entries'
+    ports put it (sorted by name): a step whose entries carry other ports ('z' sorts after
+    'token', 'a' before it) would feed 'z' as the token. So the call names its tensors and
+    such a step runs eagerly, with the eager run's tokens; a step like the captured one
+    replays again."""
+    plain, twin = tiny_lm(TinyLM), tiny_lm(TinyLM)
+    twin.load_state_dict(plain.state_dict())
+    a = KVDriver(KVCacheEngine(plain, PAGES, PAGE, torch.float32, "cpu", output_ports=PORTS), PAGES, PAGE)
+    b = KVDriver(KVCacheEngine(twin, PAGES, PAGE, torch.float32, "cpu", output_ports=PORTS,
+                               graphs={"decode": BUCKETS}, capture_graphs=False), PAGES, PAGE)
+    runner = b.engine.graph_runners["decode"]
+    prompts = [torch.randint(16, 272, (3 + i,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    tokens: dict[str, torch.Tensor] = {}
+    for d in (a, b):
+        outs = d.step("prefill", [(f"r{i}", {"tokens": p, "max_new": 12}, len(p)) for i, p in enumerate(prompts)])
+        tokens = {f"r{i}": o["token"] for i, o in enumerate(outs)}
+    for extra, replays, renamed in (("a", 1, 0), ("z", 1, 1), ("a", 2, 1)):
+        items = [(rid, {"token": t, extra: torch.full_like(t, 7)}, 1) for rid, t in tokens.items()]
+        x_out, y_out = a.step("decode", items), b.step("decode", items)
+        assert (runner.replays, runner.renamed) == (replays, renamed), extra
+        for rid, x, y in zip(tokens, x_out, y_out, strict=True):
+            assert x["token"].tolist() == y["token"].tolist(), (extra, rid)
+            tokens[rid] = x["token"]
+
+
 def test_run_graphed_checks_its_inputs(drivers: tuple[KVDriver, KVDriver]) -> None:
     _, graphed = drivers
     pool = graphed.engine.pool

@@ -98,7 +98,8 @@ class ChunkedRows:
         self.name, self.pieces, self.rows, self.use = name, pieces, rows, use
         self.calls = 0  # run_graphed calls served in pieces (tests, probes)
 
-    def __call__(self, fn: Callable[..., Any], *tensors: torch.Tensor) -> Any:
+    def __call__(self, fn: Callable[..., Any], *tensors: torch.Tensor, names: tuple[str, ...] | None = None) -> Any:
+        del names  # each piece runs fn itself: nothing is captured that the names could contradict
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != self.rows:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__

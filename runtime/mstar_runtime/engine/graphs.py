@@ -37,7 +37,10 @@ What a step does:
    bucket's static input buffers (non-blocking, from the host arrays), copy the new tokens'
    pages/offsets into its static index buffers, `plan()` the bucket's attention (always
    outside the graph), replay, and return the outputs' first n * Q rows (cloned: the static
-   outputs are overwritten by the next replay).
+   outputs are overwritten by the next replay). A caller that names its tensors
+   (`run_graphed(..., names=)`: a column step, whose fn reads its ports by name) gets a step
+   whose names differ from the captured ones run eagerly: the captured fn would read them in
+   the captured step's places.
 
 Inside the graph the node's `attn.attend(layer, q, k, v)` is routed to `_attend_static`: the
 KV write is an index_put into `pool.data[layer]` at the static page/offset buffers, and the
@@ -255,6 +258,10 @@ class GraphRunner:
         self.q_heads: int | None = None
         self.replays = 0  # steps served from this runner (for stats and tests)
         self.failed: str | None = None  # why capture failed; the runner then declines every step
+        # the names of the captured step's tensors, where its caller gave them (a column step:
+        # its fn follows its ports), and the steps run eagerly because theirs differed
+        self.names: tuple[str, ...] | None = None
+        self.renamed = 0
         self._state: dict[int, _Bucket] = {}
         self._mempool: Any = None
 
@@ -298,7 +305,7 @@ class GraphRunner:
 
     # ------------------------------------------------------------------ the step
     def _run(self, attn: AttentionContext, step: PaddedStep, fn: Callable[..., Any],
-             *tensors: torch.Tensor) -> Any:
+             *tensors: torch.Tensor, names: tuple[str, ...] | None = None) -> Any:
         q = self.tokens
         n, rows = step.real, step.real * q
         for i, t in enumerate(tensors):
@@ -310,6 +317,7 @@ class GraphRunner:
         if self.failed is not None:
             return fn(*tensors)
         if not self._state:
+            self.names = names
             try:
                 self._prepare_all(attn, fn, tensors)
             except Exception as e:  # noqa: BLE001 - a graph that cannot be captured must not fail serving
@@ -318,6 +326,14 @@ class GraphRunner:
                 log.warning("node '%s': CUDA-graph capture failed (%s); its %s steps run eagerly",
                             self.name, self.failed, "decode" if q == 1 else f"{q}-token")
                 return fn(*tensors)  # this step, eagerly, through the engine's own attention
+        elif names != self.names:
+            # a replay runs the captured fn, which reads its tensors by the captured names'
+            # places: this step's would land in other inputs' buffers
+            if not self.renamed:
+                log.warning("node '%s': a step's tensors %s differ from the captured %s; such steps run eagerly",
+                            self.name, list(names or ()), list(self.names or ()))
+            self.renamed += 1
+            return fn(*tensors)
         b = self._state[step.bucket]
         if len(tensors) != len(b.inputs):
             raise NodeError(f"node '{self.name}': run_graphed got {len(tensors)} inputs; its graphs were captured "

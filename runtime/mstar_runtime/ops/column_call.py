@@ -21,9 +21,12 @@ cohort-capable loop whose cohort is full or declined the row, and of a one-off c
 phase. Where the engine bound a graph runner to the step (the plan's `cuda-graphs` pass
 captures the phase) and the step adds one token over the row's own context, it runs through
 `attn.run_graphed`: the fed inputs, the columns and the positions are its rows, so on a GPU
-one CUDA graph per batch bucket replays it (the entries' ports are the walk's wiring, the
-same every step: a replay runs no Python, so what the step checks it checks at capture; a
-step whose inputs differ from the captured ones is refused by the runner). Otherwise (no
+one CUDA graph per batch bucket replays it. A replay runs no Python, so what the step
+checks it checks at capture, and the captured step reads its tensors where the captured
+entries' ports put them: the call names its tensors (its ports and columns) to the runner,
+and a step whose names differ from the captured step's runs eagerly (the entries' ports are
+the walk's wiring, the same every step, so only a step that breaks that pays for it; one
+with the same names but other shapes or dtypes is the runner's NodeError). Otherwise (no
 runner, a block of several tokens, a step that reads other contexts) it runs eagerly.
 
 Requires: every entry adds `phase.tokens` KV tokens (the node's `kv_plan` says so) and
@@ -147,7 +150,8 @@ def _graphed(node: str, cphase: CohortPhase, inputs: Mapping[str, torch.Tensor],
         out = cphase.step(CohortStep(pos.shape[0], fed, own, pos, attn.attend, attn.device))
         return {**out, **{_COLUMN + name: col for name, col in own.items()}}
 
-    got = attn.run_graphed(fn, positions, *inputs.values(), *cols.values())
+    got = attn.run_graphed(fn, positions, *inputs.values(), *cols.values(),
+                           names=("positions", *ports, *(_COLUMN + name for name in names)))
     out = {key: t for key, t in got.items() if not key.startswith(_COLUMN)}
     return out, {name: got[_COLUMN + name] for name in names}
 

@@ -190,7 +190,8 @@ class AttentionContext:
             raise NodeError("this step reads no other KV context (its phase has no `reads`)")
         return self.read_fn(layer, q, k, v, over)
 
-    def run_graphed(self, fn: Callable[..., Any], *tensors: torch.Tensor) -> Any:
+    def run_graphed(self, fn: Callable[..., Any], *tensors: torch.Tensor, names: tuple[str, ...] | None = None
+                    ) -> Any:
         """Run the tensor function `fn(*tensors)` -- a node's forward without its host logic.
 
         `fn` must be pure tensor code whose only attention is `self.attend`, whose inputs
@@ -202,10 +203,16 @@ class AttentionContext:
         and joins the outputs (engine/chunked.py); everywhere else `fn` simply runs. So `fn`
         must treat its rows independently but for `attend`. Sampling and other host logic stay
         outside `fn`, in `run`.
+
+        `names`: where what `fn` computes depends on more than its code (a column step reads
+        its tensors by the ports the step's entries carry), the tensors' names; a replay runs
+        the captured `fn`, so a step whose names differ from the captured step's runs eagerly.
         """
         if self.graph_runner is None:
             return fn(*tensors)
-        return self.graph_runner(fn, *tensors)
+        if names is None:
+            return self.graph_runner(fn, *tensors)
+        return self.graph_runner(fn, *tensors, names=names)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ token's own embedding, so the argmax moves little; the logit error is the figure
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ import torch
 from support import compile_walk, load_script
 
 from mstar_models.layers import fp8
-from mstar_models.layers.linear import FusedRows, RowParallel
+from mstar_models.layers.linear import FusedRows, RowParallel, Weight
 from mstar_models.layers.mlp import GatedMLP
 from mstar_models.orpheus import LlamaBackbone
 from mstar_runtime.plan import loader
@@ -144,6 +145,35 @@ def test_fused_and_row_parallel_weights_quantize_under_their_names() -> None:
     assert mlp.gate_proj.weight.data_ptr() == mlp.fused.data_ptr()
     assert mlp.up_proj.weight_scale.data_ptr() == mlp.scale_of()[96:].data_ptr()
     assert isinstance(RowParallel(4, 16), FusedRows) is False  # a RowParallel is a Weight: quantize_fp8_ of its own
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.float()],
+                         ids=["to-bf16", "half", "float"])
+def test_a_dtype_conversion_after_quantizing_keeps_the_fp8_weights_and_scales(
+        convert: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
+    """E4M3 weights cast to bf16, or float32 scales cast to bf16 or fp16 (small ones go subnormal),
+    would change every output row (by 1-3 % here) or, on a GPU, fail the FP8 GEMM: a conversion
+    moves them and keeps their dtypes, so the module gives the same outputs; what is not FP8
+    (a bias) converts as asked."""
+    mlp = GatedMLP(64, 96)
+    biased = Weight(torch.randn(32, 64) * 1e-3, torch.randn(32))
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        mlp.fused.copy_(torch.randn(192, 64, generator=gen) * 1e-3)
+        mlp.down_proj.weight.copy_(torch.randn(64, 96, generator=gen) * 1e-3)
+    mlp.quantize_fp8_()
+    biased.quantize_fp8_()
+    x = torch.randn(5, 64, generator=gen)
+    before, scales, bias_before = mlp(x), mlp.scale_of().clone(), biased(x)
+    convert(mlp)
+    convert(biased)
+    e4m3 = [mlp.fused, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, biased.weight]
+    assert all(t.dtype == torch.float8_e4m3fn for t in e4m3)
+    assert all(t.dtype == torch.float32 for t in (mlp.scale_of(), mlp.down_proj.weight_scale, biased.weight_scale))
+    assert torch.equal(mlp.scale_of(), scales) and mlp.gate_proj.weight.data_ptr() == mlp.fused.data_ptr()
+    assert torch.equal(mlp(x), before)
+    assert biased.bias.dtype == convert(torch.nn.Linear(1, 1)).weight.dtype  # the bias converts
+    torch.testing.assert_close(biased(x), bias_before, atol=1e-2, rtol=1e-2)  # the bias's own rounding
 
 
 # ------------------------------------------------------------------------------ the compiler

@@ -23,12 +23,21 @@ as one compiled kernel (`mstar_runtime.ops.fused.fuse`, as the norms do; compile
 CUDA-graph runner's warm-up): at batch 1 a step has 112 of these GEMMs, and five 2-3 us
 kernels each would cost more than FP8 saves on the weight reads.
 
+A module conversion after quantizing (`.to(dtype)`, `.half()`, `.float()`) must not reach the
+FP8 weights or their scales: E4M3 values cast to bf16 are no longer what the FP8 GEMM reads,
+and float32 scales cast to bf16 or fp16 lose digits (small ones underflow in fp16), so every
+output row would be off. `keeping(fn, tensors)` is the conversion the quantized modules apply
+(`Weight._apply`, `FusedRows._apply` in layers/linear.py): those tensors move to the
+conversion's device and keep their dtype; everything else converts as asked.
+
 `torch._scaled_mm` needs its second operand column-major (q is [out, in] row-major, so q.t()
 is) and `in` and `out` multiples of 16 (every Llama projection is); other shapes take the
 dequantized path.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -90,3 +99,20 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], q.shape[0])
+
+
+def keeping(fn: Callable[[torch.Tensor], torch.Tensor], kept: Collection[torch.Tensor]
+            ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`fn` (a `Module._apply` conversion) for every tensor but those of `kept` (FP8 weights and
+    their scales): where `fn` would change one's dtype, it moves to `fn`'s device and keeps its
+    dtype (module docstring); a conversion that keeps the dtype (a device move, `to_empty`,
+    `share_memory_`) applies as it is."""
+    ids = {id(t) for t in kept}
+
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in ids:
+            return fn(t)
+        probe = fn(t.new_empty(0))  # what fn does to this dtype, without converting the tensor
+        return fn(t) if probe.dtype == t.dtype else t.to(probe.device)
+
+    return apply

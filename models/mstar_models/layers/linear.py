@@ -15,7 +15,8 @@ and the loader narrows each checkpoint tensor to this rank's part by the plan's 
 
 FP8 weights (`mstar_models.layers.fp8`): `quantize_fp8_()` on a `Weight` or a `FusedRows`
 turns its loaded weights into E4M3 values with one float32 scale per output row (buffers
-`weight_scale`, `fused{key}_scale`); their forwards then run `fp8.fp8_linear`. The
+`weight_scale`, `fused{key}_scale`); their forwards then run `fp8.fp8_linear`, and a later
+`.to(dtype)` of the module moves those but keeps their dtypes (`fp8.keeping`). The
 checkpoint names keep pointing at the weights (now E4M3 views), so a loader can tell which
 tensors were quantized. A row-parallel weight's scales are whole on every rank (its rows
 are not split), a column-parallel one's are this rank's rows.
@@ -53,6 +54,12 @@ class Weight(nn.Module):
         q, scale = fp8.quantize_rows(self.weight.data)
         self.weight.data = q
         self.register_buffer("weight_scale", scale, persistent=False)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Weight:
+        # once quantized, a dtype conversion must leave the E4M3 weight and its scales as they are
+        if self.weight_scale is not None:
+            fn = fp8.keeping(fn, (self.weight, self.weight_scale))
+        return super()._apply(fn, recurse)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias): the FP8 GEMM once quantized."""
@@ -161,8 +168,11 @@ class FusedRows(nn.Module):
                 part.weight_scale = sc
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FusedRows:
-        # a conversion (.to, .to_empty) gives each parameter storage of its own: point them back
-        super()._apply(fn, recurse)
+        # a conversion (.to, .to_empty) gives each parameter storage of its own: point them back;
+        # a dtype conversion leaves the quantized groups' E4M3 buffers and scales as they are
+        quantized = [t for key in self._groups if (sc := self.scale_of(key)) is not None
+                     for t in (self.fused_weight(key), sc)]
+        super()._apply(fp8.keeping(fn, quantized) if quantized else fn, recurse)
         for key, names in self._groups.items():
             self._point_parts(key)
             fb = getattr(self, f"fused{key}_bias")

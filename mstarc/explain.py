@@ -95,12 +95,23 @@ def program_lines(op: dict[str, Any], depth: int = 0) -> list[tuple[int, str]]:
 
 def _cohort(mark: dict[str, Any]) -> str:
     """A loop's cohort mark in one phrase: `cohort: fed token<-token, invariant actions,
-    index index, acc fed<-token (in)`."""
+    index index, acc fed<-token (in)`; a chain's links each so, after its call's id, with
+    the inputs it takes from an earlier link: `cohort chain: s7 fed token<-token | s8 fed
+    none, chained text<-s7.item`."""
+    if "links" not in mark:
+        return f"cohort: {_link(mark)}"
+    ids = [link["call"] for link in mark["links"]]
+    return "cohort chain: " + " | ".join(f"{link['call']} {_link(link, ids)}" for link in mark["links"])
+
+
+def _link(mark: dict[str, Any], ids: list[str] | None = None) -> str:
+    """One call's part of a cohort mark (`ids`: the calls of its chain, which `chained` refers to)."""
     fed = ", ".join(f"{dst}<-{src}" for dst, src in mark["fed"]) or "none"
     invariant = f", invariant {', '.join(mark['invariant'])}" if mark["invariant"] else ""
     accs = ", ".join(f"{name}<-{port} ({when})" for name, port, when in mark.get("accs") or ())
     index = f", index {', '.join(mark['index'])}" if mark.get("index") else ""
-    return f"cohort: fed {fed}{invariant}{index}" + (f", acc {accs}" if accs else "")
+    chained = ", ".join(f"{dst}<-{(ids or [])[at]}.{src}" for dst, at, src in mark.get("chained") or ())
+    return f"fed {fed}{invariant}{index}" + (f", acc {accs}" if accs else "") + (f", chained {chained}" if chained else "")
 
 
 def plan_view(plan: dict[str, Any]) -> dict[str, Any]:

@@ -53,7 +53,9 @@ def requires(model: I.ModelIR, walks: Any = None) -> list[str]:
     `input_streams` (a walk input arrives in chunks through a stream), `stream_loops` (an
     `on_stream` op with `carry` runs in line, a loop over the chunks), `cohort_accs` (a
     cohort-marked loop accumulates values: its mark's `accs`, in the step programs `walks`),
-    `cohort_index` (a cohort-marked loop's call takes the loop's index: its mark's `index`)
+    `cohort_index` (a cohort-marked loop's call takes the loop's index: its mark's `index`),
+    `cohort_chains` (a cohort-marked loop of several calls: its mark's `links`; a runtime
+    that read only the single-call fields would step the first call alone)
     and `fp8_weights` (a node's `quantized`: weights the loader turns into FP8, which a
     runtime that ignored it would run in bf16 with memory sized for FP8)."""
     out = []
@@ -64,9 +66,9 @@ def requires(model: I.ModelIR, walks: Any = None) -> list[str]:
     if any(isinstance(r, I.OnStream) and r.carry is not None
            for w in model.walks.values() for r in I.iter_regions(w.body)):
         out.append("stream_loops")
-    for key in ("accs", "index"):
+    for key in ("accs", "index", "links"):
         if walks is not None and _marks(walks, key):
-            out.append(f"cohort_{key}")
+            out.append("cohort_chains" if key == "links" else f"cohort_{key}")
     if model.placement is not None and any(v == "fp8" for v in model.placement.node_weights.values()):
         out.append("fp8_weights")
     return out
@@ -79,7 +81,8 @@ def _marks(value: Any, key: str) -> bool:
     while stack:
         v = stack.pop()
         if isinstance(v, dict):
-            if v.get("op") == "loop" and (v.get("cohort") or {}).get(key):
+            mark = v.get("cohort") if v.get("op") == "loop" else None
+            if mark and any(link.get(key) for link in [mark, *(mark.get("links") or ())]):
                 return True
             stack.extend(v.values())
         elif isinstance(v, list):

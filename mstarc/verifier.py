@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from mstar_runtime.plan.planfile import iter_ops
+from mstar_runtime.plan.planfile import cohort_links, iter_ops
 from mstarc import ir as I
 
 
@@ -96,7 +96,8 @@ def check_ir(model: I.ModelIR) -> list[str]:
                     continue
                 if "cohort" not in op:
                     errs.append(f"loop {op['id']} has no cohort mark")
-                elif op["cohort"] is not None and op["cohort"]["call"] not in {
-                        c.get("id") for c in op["body"]["body"] if c["op"] == "call"}:
-                    errs.append(f"loop {op['id']} is marked a cohort of {op['cohort']['call']}, not one of its calls")
+                elif op["cohort"] is not None:
+                    calls = {c.get("id") for c in op["body"]["body"] if c["op"] == "call"}
+                    errs += [f"loop {op['id']} is marked a cohort of {link['call']}, not one of its calls"
+                             for link in cohort_links(op["cohort"]) if link["call"] not in calls]
     return errs

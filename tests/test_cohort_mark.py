@@ -1,7 +1,7 @@
 """The `schedule` pass marks steady-state loops ("decode cohorts"); `load_plan` checks the mark.
 
 The rule is in the Ensures of `mstarc/passes/schedule.py` and in docs/plan-format.md
-("Cohort loops"): one single-rank call, then append-mode emits of its results; every
+("Cohort loops"): one call, then append-mode emits of its results; every
 argument a const, a carried result of that call, the loop's index (the mark's `index`) or a
 value bound outside the loop; accs of the call's results; a dynamic loop's flag is a result of
 the call.
@@ -69,10 +69,10 @@ def test_testfamily_marks_the_plain_decode_loops_only(testfamily: dict[str, Any]
         "generate_left.l1": {"call": "generate_left.s3", **decode},
         # `acc states += hid`: every iteration's `hidden`, kept on the host by the cohort
         "generate.l1": {"call": "generate.s3", **decode, "accs": [["states", "hidden", "out"]]},
-        "flow.l1": None,  # `acc traj += x`, `index i`, three calls and a parallel
+        "flow.l1": None,  # `acc traj += x`, `index i`, three calls (two stateless) and a parallel
     }
     ops = loops(testfamily)
-    assert why_not(ops["flow.l1"]) == "its body has a parallel op besides the call, its emits and accs"
+    assert why_not(ops["flow.l1"]) == "its call flow.s6 is flow.time, a stateless node's (a chain's calls are kv calls)"
     for lid in ("chat.l1", "continue.l1", "generate_fixed.l1", "generate_left.l1"):
         assert why_not(ops[lid]) is None
 
@@ -163,9 +163,11 @@ def test_hand_written_cohort_with_an_invariant_port(hand: dict[str, dict[str, An
                                        "invariant": ["temperature"], "emits": [["tokens", "token"]]}
 
 
-def test_two_calls_are_not_a_cohort_and_an_acc_is_kept(hand: dict[str, dict[str, Any]]) -> None:
+def test_a_stateless_second_call_is_not_a_cohort_and_an_acc_is_kept(hand: dict[str, dict[str, Any]]) -> None:
     assert hand["two_calls"]["cohort"] is None
-    assert why_not(hand["two_calls"]) == "its body has a second call (two.s3)"
+    # a chain's calls are kv calls (tests/test_cohort_chain.py): `tok` is stateless
+    assert why_not(hand["two_calls"]) == \
+        "its call two.s3 is tok.detokenize, a stateless node's (a chain's calls are kv calls)"
     assert hand["acc"]["cohort"] == {"call": "acc.s2", "fed": [["token", "token"]], "invariant": ["temperature"],
                                      "emits": [["tokens", "token"]], "accs": [["states", "hidden", "out"]]}
 

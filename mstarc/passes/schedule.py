@@ -20,7 +20,7 @@ Ensures:  every region's body is emitted in a topological order of the graph's d
           (a value copied between ranks, placed right before the step that needs it).
           Every `loop` has a `cohort` mark (computed by `mstarc.cohorts.cohort_mark` on the
           emitted op): null, or `{call, fed, invariant, emits[, accs][, index]}` when the
-          loop is a steady-state cohort. The rule, all of which must hold:
+          loop is a steady-state cohort (`{links: [...]}` of such marks for a chain). The rule, all of which must hold:
             - its body is a `seq` of value transfers into the call (a var it takes, to its
               rank: a carried value first bound on another rank), then `acc`s of carried
               vars the call rebinds, then one `call`, then only `emit`s of mode `append`
@@ -40,6 +40,14 @@ Ensures:  every region's body is emitted in a topological order of the graph's d
           `[acc name, output port, "in" | "out"]` of its acc ops in body order (before
           the call, or after it), and `index` (only when the call takes the loop's
           index) the input ports bound to it, sorted. Fixed and dynamic loops both qualify.
+          A body of several calls (a chain) qualifies by the same rule read per call, where
+          every call is a kv call (a non-null tag) on its own node and the first call's
+          ranks, no result name is bound twice, an argument may be a result of an earlier
+          call (`chained`), a carried argument is fed back from its own call only, an emit
+          or an "out" acc follows the call it takes, and `until` is any call's result; its
+          mark is `{links: [...]}`, one such mark per call in body order, with `chained`
+          (`[input port, link, output port]`, sorted) on a link that takes an earlier one's
+          result (docs/plan-format.md, "Cohort loops": chains).
           The program is a pure function of the IR: the same model gives the same bytes.
 Fails when: never (everything it needs was checked by earlier passes).
 """

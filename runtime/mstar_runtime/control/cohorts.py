@@ -10,7 +10,8 @@ runs each call, `tp_dispatch.TPCohort`). A marked loop stays in the interpreter 
 by iteration: the generic path) only where no cohort can run it: its node is not a kv node
 or opens no column step (`cohort_open`), its TP group is not all worker processes, or the
 plan moves a context its call reads between ranks (the generic step moves it). A loop whose
-call reads other contexts is otherwise a cohort whose rows carry their read tables.
+call reads other contexts is otherwise a cohort whose rows carry their read tables. A chain
+(a mark of several calls, `links`) never gets here: the interpreter runs it itself for now.
 
 `Cohorts` makes each loop's `Cohort` on first use and keeps the issue order of each one's
 next step (`order`), which the scheduler weighs against the ready calls. What a cohort or a

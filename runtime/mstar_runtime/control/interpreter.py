@@ -14,7 +14,8 @@ It runs until it needs something from the conductor and yields it:
 - `ForkKV`: copy a KV context of this request to another tag (shared pages). In a
   speculative iteration a fork is preceded by one that keeps the destination under a backup
   tag, so that throwing the iteration away can undo it (`ForkUndo` in the KV log).
-- `EnterCohort`: a loop the compiler marked as a cohort (`op["cohort"]`, fixed or dynamic) asks to run
+- `EnterCohort`: a loop the compiler marked as a cohort of one call (`op["cohort"]`, fixed or
+  dynamic; a chain of several calls runs here for now) asks to run
   as a row of the conductor's decode cohort (runtime/mstar_runtime/control/cohort.py);
   resumed with a `CohortExit` when the row leaves the loop, or with `None` when the
   conductor declines (the node offers no column step or refuses the row, the cohort is
@@ -259,6 +260,14 @@ class Frame:
         raise WalkError(f"acc {name} outside of a loop")  # the compiler rejects this; defensive
 
 
+def _single_cohort(op: dict[str, Any]) -> bool:
+    """Whether a loop asks to run as a cohort row: its mark is a single call's. A chain's mark
+    (`links`: a body of several calls, Qwen3-Omni's speech loop) runs here, iteration by
+    iteration, each call a batched step (docs/runtime.md, "Decode cohorts": chains)."""
+    mark = op.get("cohort")
+    return mark is not None and "links" not in mark
+
+
 def read_flag(value: Any) -> bool:
     """A stop flag's truth. A tensor read here is the one host sync of a speculative loop step."""
     value = resolve(value)
@@ -406,7 +415,7 @@ class Interpreter:
             name = op["count"].get("var")
             limit = f"0..{op['max']}" if op.get("max") is not None else ">= 0"
             raise RequestError(f"'{name}' = {count} is outside {limit} (the bound of loop {op['id']})", name)
-        if op.get("cohort") is not None and count > 0:
+        if _single_cohort(op) and count > 0:
             done = yield from self._enter_cohort(op, env, frame, count)
             if done:
                 return
@@ -431,7 +440,7 @@ class Interpreter:
         undone (the destination's context was kept under a backup tag before each), its
         effects dropped, and one wasted step is counted.
         """
-        if op.get("cohort") is not None:
+        if _single_cohort(op):
             done = yield from self._enter_cohort(op, env, frame, None)
             if done:
                 return

@@ -35,6 +35,7 @@ MAX_KV_PAGES = 1 << 32  # pages of one KV pool: 2^32 pages of one token is far p
 MAX_CHUNK_ITEMS = 1 << 20  # items of one chunk of a chunk policy (a policy parameter)
 MAX_STREAM_ITEMS = 1 << 24  # items a stream buffer holds (its capacity)
 MAX_LOOP_BOUND = 1 << 31  # iterations of one loop
+MAX_CHAIN_LINKS = 64  # calls of one chained cohort mark (a loop body's calls)
 MAX_KV_DIM = 1 << 20  # layers, KV heads or head dim of a KV geometry
 NODE_DTYPES = ("bf16", "f16", "f32")  # a node's compute and weights dtype (the loader's NODE_DTYPES)
 # chunk policies: required parameters, optional ones, the smallest value of each
@@ -254,6 +255,25 @@ POLICY = Tagged("kind", lambda: {kind: Obj({p: Int(policy_param_min(p), MAX_CHUN
                                  for kind, req in POLICY_PARAMS.items()})
 
 
+_MARK = {"call": NAME, "fed": List(Tuple((NAME, NAME))), "invariant": List(NAME), "emits": List(Tuple((NAME, NAME)))}
+_MARK_OPTIONAL = {"accs": List(Tuple((NAME, NAME, Str(("in", "out"))))), "index": List(NAME)}
+# a link of a chained mark: a single-call mark, plus the inputs it takes from an earlier link
+# of the same iteration ([input port, link, output port])
+_LINK = Obj(_MARK, {**_MARK_OPTIONAL, "chained": List(Tuple((NAME, Int(0, MAX_CHAIN_LINKS - 1), NAME)))})
+
+
+@dataclass(frozen=True)
+class CohortMark(Spec):
+    """A loop's cohort mark: one call's (`call`, `fed`, ...), or a chain's (`links`, two or
+    more of them; docs/plan-format.md, "Cohort loops")."""
+
+    def check(self, v: Any, path: str, out: _Out) -> None:
+        if isinstance(v, dict) and "links" in v:
+            Obj({"links": List(_LINK, 2, MAX_CHAIN_LINKS)}).check(v, path, out)
+        else:
+            Obj(_MARK, _MARK_OPTIONAL).check(v, path, out)
+
+
 def _ops() -> Mapping[str, Spec]:
     return {
         "seq": Obj({"body": List(OP)}),
@@ -264,10 +284,7 @@ def _ops() -> Mapping[str, Spec]:
         "loop": Obj({"id": NAME, "dynamic": Bool(), "count": Opt(VALUE), "max": Opt(Int(0, MAX_LOOP_BOUND)),
                      "until": Opt(NAME), "index": Opt(NAME), "carry": List(NAME), "body": OP},
                     {"acc": List(Obj({"name": NAME, "value": VALUE})), "graph": Opt(NAME),
-                     "cohort": Opt(Obj({"call": NAME, "fed": List(Tuple((NAME, NAME))), "invariant": List(NAME),
-                                        "emits": List(Tuple((NAME, NAME)))},
-                                       {"accs": List(Tuple((NAME, NAME, Str(("in", "out"))))),
-                                        "index": List(NAME)}))}),
+                     "cohort": Opt(CohortMark())}),
         "parallel": Obj({"id": NAME, "branches": List(Obj({"name": NAME, "body": OP}, {"rank": Opt(RANK)}), 1)}),
         "on_stream": Obj({"id": NAME, "stream": NAME, "as": NAME, "body": OP}, {"carry": List(NAME)}),
         "emit": Obj({"output": NAME, "mode": Str(("append", "set")), "value": VALUE}),

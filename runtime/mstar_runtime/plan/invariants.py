@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from mstar_runtime.plan.planfile import iter_ops
+from mstar_runtime.plan.planfile import cohort_links, iter_ops
 from mstar_runtime.plan.views import PhaseSpec, PlanNode, TransitionSpec
 
 PROGRAM_OPS = ("seq", "call", "parallel", "loop", "on_stream", "emit", "acc", "fork", "transfer")
@@ -243,21 +243,38 @@ class Invariants:
                          f"the walk that starts at that input")
 
     def cohort(self, walk: str, program: Mapping[str, Any], op: Mapping[str, Any]) -> None:
-        """A non-null cohort mark names a call of the loop's own body and ports of its phase
+        """A non-null cohort mark names calls of the loop's own body and ports of their phases;
+        a chain's links name distinct calls, each `chained` input an earlier link's output
         (its shape is the schema's, checked before)."""
         mark = op.get("cohort")
         if mark is None:
             return  # not a cohort, or a plan from before schema 1.1
         where = f"walk '{walk}' loop '{op['id']}'"
         items = op["body"]["body"] if op["body"]["op"] == "seq" else []
+        links = cohort_links(mark)
+        phases: list[PhaseSpec | None] = []
+        accs: list[str] = []
+        for k, link in enumerate(links):
+            phases.append(self._cohort_link(where, program, op, items, link, phases, k if "links" in mark else None))
+            accs += [a[0] for a in link.get("accs") or ()]
+        if len({link["call"] for link in links}) != len(links):
+            self.add(f"{where}: its cohort names a call twice")
+        names = {a["name"] for a in op.get("acc") or ()}
+        if names and sorted(accs) != sorted(names):
+            self.add(f"{where}: its cohort does not accumulate every acc of the loop ({', '.join(sorted(names))})")
+
+    def _cohort_link(self, where: str, program: Mapping[str, Any], op: Mapping[str, Any], items: list[Any],
+                     mark: Mapping[str, Any], earlier: list[PhaseSpec | None], k: int | None) -> PhaseSpec | None:
+        """One single-call mark (link `k` of a chain, None: the loop's one call); its phase, or
+        None where the call is not found (reported) or names no phase (its own check reports it)."""
         call = next((c for c in items if c["op"] == "call" and c["id"] == mark["call"]), None)
         if call is None:
             self.add(f"{where}: its cohort names call {mark['call'][:40]!r}, which is not a call of the loop's body")
-            return
+            return None
         node = self.nodes.get(call["node"])
         phase = node.phases.get(call["phase"]) if node is not None else None
         if node is None or phase is None:
-            return  # the call's own check reports it
+            return None
         fn = f"{node.name}.{phase.name}"
         for dst, src in mark["fed"]:
             if dst not in phase.inputs:
@@ -272,6 +289,14 @@ class Invariants:
                 self.add(f"{where}: its cohort counts input '{port}' as the index, which {fn} does not take")
         if mark.get("index") and not op.get("index"):
             self.add(f"{where}: its cohort counts an index, and the loop binds none")
+        for dst, at, src in mark.get("chained") or ():
+            source = earlier[at] if k is not None and at < k else None
+            if dst not in phase.inputs:
+                self.add(f"{where}: its cohort chains input '{dst}', which {fn} does not take")
+            if k is None or at >= k:
+                self.add(f"{where}: its cohort chains {fn}'s '{dst}' to link {at}, not an earlier link of the chain")
+            elif source is not None and src not in source.outputs:
+                self.add(f"{where}: its cohort chains {fn}'s '{dst}' to output '{src}', which link {at} does not produce")
         outputs = [o["name"] for o in program["outputs"]]
         for out, port in mark["emits"]:
             if out not in outputs:
@@ -284,8 +309,7 @@ class Invariants:
                 self.add(f"{where}: its cohort accumulates '{name}', which is not an acc of the loop")
             if port not in phase.outputs:
                 self.add(f"{where}: its cohort accumulates output '{port}', which {fn} does not produce")
-        if accs and sorted(a[0] for a in mark.get("accs") or ()) != sorted(accs):
-            self.add(f"{where}: its cohort does not accumulate every acc of the loop ({', '.join(sorted(accs))})")
+        return phase
 
     def transition(self, t: TransitionSpec) -> None:
         for w in (t.src, t.dst):

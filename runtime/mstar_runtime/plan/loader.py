@@ -13,8 +13,9 @@
 3. invariants across sections: every `call` of every walk program names an existing node
    and phase, a KV tag of that node, ranks in range on which the node is resident; every
    `on_stream` names a stream of the plan; every kv node has KV geometry and pages on each
-   of its ranks; transitions name walks; a loop's `cohort` mark, when not null, names a
-   call of the loop's own body and ports of that call's phase; a call's `reads` (contexts
+   of its ranks; transitions name walks; a loop's `cohort` mark, when not null, names
+   calls of the loop's own body and ports of their phases (a chain's `chained` inputs an
+   earlier link's outputs); a call's `reads` (contexts
    it attends to besides its own) match its phase's, name KV tags of kv nodes with a pool on
    the call's ranks, and never the call's own context; a tag's `max_len` is a positive int
    of a tag of the node; a walk input with a `stream` names a stream of that walk whose edge
@@ -139,7 +140,7 @@ def _raise_problems(path: str, problems: list[str]) -> None:
 # features"); a plan that requires another one computes something else when its fields are
 # ignored, so it is refused before anything else is read.
 SUPPORTED_FEATURES: frozenset[str] = frozenset({"kv_reads", "input_streams", "stream_loops", "cohort_accs",
-                                                  "cohort_index", "fp8_weights"})
+                                                  "cohort_index", "cohort_chains", "fp8_weights"})
 
 
 def _check_requires(path: str, body: Mapping[str, Any]) -> None:

@@ -129,6 +129,12 @@ def iter_ops(region: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
         yield from iter_ops(region["body"])
 
 
+def cohort_links(mark: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The single-call marks of a (non-null) `cohort` mark: its `links` for a chain (a body of
+    several calls), else the mark itself (docs/plan-format.md, "Cohort loops")."""
+    return list(mark["links"]) if "links" in mark else [mark]
+
+
 def cohort_call(loop: Mapping[str, Any]) -> dict[str, Any]:
     """The call a loop's (non-null) `cohort` mark names: the one call of its body, which may
     start with value transfers into it (docs/plan-format.md, "Cohort loops")."""

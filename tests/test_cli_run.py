@@ -342,6 +342,30 @@ def test_usage_errors_name_the_environment_variable(testfamily_plan: Path, monke
     assert "mstar-run: error: Invalid value for '--port' (env var: 'MSTAR_PORT'): 70000" in err
 
 
+def test_a_prefix_chunk_without_prefix_caching_is_refused(testfamily_plan: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """It would be ignored: a usage error naming the flag, or the variable when the environment
+    set it; a bad value names the flag (and the variable) whether caching is on or not."""
+    walk = [str(testfamily_plan), "--walk", "chat", "--input", "prompt=hi", "--input", "max_new=2",
+            "--out", str(tmp_path)]
+
+    def usage(*argv: str) -> str:
+        with pytest.raises(SystemExit) as e:
+            main([*walk, *argv])
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
+    assert "mstar-run: error: --prefix-chunk goes with --prefix-caching" in usage("--prefix-chunk", "64")
+    assert "Invalid value for '--prefix-chunk' (env var: 'MSTAR_PREFIX_CHUNK'): 0" in usage("--prefix-chunk", "0")
+    monkeypatch.setenv("MSTAR_PREFIX_CHUNK", "64")
+    assert "mstar-run: error: MSTAR_PREFIX_CHUNK goes with --prefix-caching (MSTAR_PREFIX_CACHING=1)" in usage()
+    assert main([*walk, "--no-prefix-caching"]) == 0  # caching turned off for this run: the variable waits
+    assert main([*walk, "--prefix-caching"]) == 0
+    assert main([*walk, "--prefix-caching", "--prefix-chunk", "3"]) == 1  # not a multiple of the pages
+    assert "must be a positive multiple of the KV page size" in capsys.readouterr().err
+
+
 def test_server_options_from_the_environment_do_not_block_other_modes(
         testfamily_plan: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # set for a server in the same shell; a one-shot run ignores them (on the command line: usage error)

@@ -239,8 +239,9 @@ def test_the_flag_and_its_variable_reach_the_engine_options(testfamily_plan: Pat
     assert main([*walk, "--window-gather", "3", "--prefix-caching", "--prefix-chunk", "48"]) == 0
     monkeypatch.setenv("MSTAR_WINDOW_GATHER", "5")
     monkeypatch.setenv("MSTAR_PREFIX_CHUNK", "64")
+    monkeypatch.setenv("MSTAR_PREFIX_CACHING", "1")
     assert main(walk) == 0
-    assert [(o.window_gather, o.prefix_caching, o.prefix_chunk) for o in seen] == [(3, True, 48), (5, False, 64)]
+    assert [(o.window_gather, o.prefix_caching, o.prefix_chunk) for o in seen] == [(3, True, 48), (5, True, 64)]
 
 
 def test_the_cli_flag_reaches_the_conductor(testfamily_plan: Path, family: tuple[Plan, Worker],

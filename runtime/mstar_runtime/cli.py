@@ -576,11 +576,26 @@ def _check_usage(ctx: click.Context, p: Mapping[str, Any]) -> None:
         raise click.UsageError("--input goes with --walk (a batch file carries its own inputs)", ctx)
     if p["stream"] and p["walk"] is None:
         raise click.UsageError("--stream goes with --walk", ctx)
+    _check_prefix_chunk_usage(ctx, p)
     if not p["serve"]:  # only what the command line set: an environment meant for a server may be set
         given = [f"--{name.replace('_', '-')}" for name in SERVER_OPTIONS
                  if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
         if given:
             raise click.UsageError(f"server options go with --serve (got {', '.join(given)})", ctx)
+
+
+def _check_prefix_chunk_usage(ctx: click.Context, p: Mapping[str, Any]) -> None:
+    """A prefix chunk set without prefix caching would be ignored: refused, as vLLM refuses
+    inconsistent flags. From the environment too, unless the command line turned caching off
+    (an environment set up for caching, one run without it)."""
+    if p["prefix_caching"]:
+        return
+    source, caching = ctx.get_parameter_source("prefix_chunk"), ctx.get_parameter_source("prefix_caching")
+    if source is click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError("--prefix-chunk goes with --prefix-caching (without it no prompt is chunked)", ctx)
+    if source is click.core.ParameterSource.ENVIRONMENT and caching is not click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError("MSTAR_PREFIX_CHUNK goes with --prefix-caching (MSTAR_PREFIX_CACHING=1); "
+                               "set that too, or unset MSTAR_PREFIX_CHUNK", ctx)
 
 
 def _env(name: str) -> dict[str, Any]:

@@ -38,15 +38,7 @@ from mstar_models.layers.linear import Weight
 from mstar_models.layers.norm import RMSNorm
 from mstar_models.testfamily.common import llama_sizes, seeded_init_, setting
 from mstar_models.testfamily.lm import apply_rope, llama_model, rope_tables
-from mstar_runtime.ops.node import (
-    AttentionContext,
-    Batch,
-    NodeError,
-    NodeSpec,
-    RequestError,
-    SeqPlan,
-    StatelessNode,
-)
+from mstar_runtime.ops import node
 from mstar_runtime.ops.ports import one_rank
 
 ROPE_THETA = 10000.0
@@ -55,7 +47,7 @@ WHISPER_FRAME = 320  # samples of one encoder frame at 16 kHz (20 ms)
 FRAMES_PER_TOKEN = 2  # the decoder writes at most one token per this many frames heard
 
 
-def frame_samples(spec: NodeSpec) -> int:
+def frame_samples(spec: node.NodeSpec) -> int:
     chunk = spec.config.get("chunk_samples")
     return max(1, min(WHISPER_FRAME, int(chunk) // 4)) if isinstance(chunk, int) else WHISPER_FRAME
 
@@ -63,23 +55,23 @@ def frame_samples(spec: NodeSpec) -> int:
 class _Sizes:
     """The `llama` arch's sizes of a node."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         one_rank(spec)
         self.vocab, self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim = llama_sizes(spec)
         self.intermediate = int(setting(spec, "intermediate"))
         if self.heads % self.kv_heads or self.head_dim % 2:
-            raise NodeError(f"node '{spec.name}': heads must be a multiple of kv_heads, head_dim even")
+            raise node.NodeError(f"node '{spec.name}': heads must be a multiple of kv_heads, head_dim even")
 
 
-class Encoder(StatelessNode):
+class Encoder(node.StatelessNode):
     """encode(samples: f32[N]) -> (states: [F, hidden]) for one chunk of audio."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.sizes = s = _Sizes(spec)
         mel_bins = spec.settings.get("mel_bins")
         if not isinstance(mel_bins, int) or isinstance(mel_bins, bool) or mel_bins < 1:
-            raise NodeError(f"node '{spec.name}': mel_bins must be a positive int, got {mel_bins!r}")
+            raise node.NodeError(f"node '{spec.name}': mel_bins must be a positive int, got {mel_bins!r}")
         self.frame = frame_samples(spec)
         self.frontend = nn.Conv1d(1, mel_bins, self.frame, stride=self.frame, bias=False)
         self.proj_in = nn.Linear(mel_bins, s.hidden)
@@ -98,10 +90,10 @@ class Encoder(StatelessNode):
     def frames_of(self, n: int) -> int:
         return -(-n // self.frame)
 
-    def phase_encode(self, batch: Batch) -> Batch:
+    def phase_encode(self, batch: node.Batch) -> node.Batch:
         for entry in batch:
             if entry["samples"].dim() != 1:
-                raise RequestError(f"samples must be 1-D, got shape {tuple(entry['samples'].shape)}", "samples")
+                raise node.RequestError(f"samples must be 1-D, got shape {tuple(entry['samples'].shape)}", "samples")
         out: list[torch.Tensor | None] = [None] * len(batch)
         groups: dict[int, list[int]] = {}
         for i, entry in enumerate(batch):  # chunks of one length are encoded together
@@ -146,7 +138,7 @@ class Decoder(DecoderNode):
     """listen(states: [F, hidden]) -> () @cross; step() -> (token: i32[1], done: bool) @text,
     reading @cross."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.sizes = s = _Sizes(spec)
         self.max_text = int(spec.settings.get("max_seq_len", 0)) or None
@@ -161,18 +153,19 @@ class Decoder(DecoderNode):
         self.to(device=spec.device, dtype=spec.dtype)
 
     @classmethod
-    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: node.NodeSpec) -> node.SeqPlan:
         if phase == "listen":
             return cross_plan(shapes)
         if phase == "step":
-            return SeqPlan(q_len=1)
-        raise NodeError(f"node '{spec.name}' (Decoder) has no phase '{phase}'")
+            return node.SeqPlan(q_len=1)
+        raise node.NodeError(f"node '{spec.name}' (Decoder) has no phase '{phase}'")
 
-    def phase_listen(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_listen(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         s = self.sizes
         for entry in batch:
             if entry["states"].dim() != 2 or entry["states"].shape[1] != s.hidden:
-                raise RequestError(f"states must be [frames, {s.hidden}], got {tuple(entry['states'].shape)}", "states")
+                raise node.RequestError(f"states must be [frames, {s.hidden}], got {tuple(entry['states'].shape)}",
+                                        "states")
         x = torch.cat([entry["states"] for entry in batch]).to(device=self.spec.device, dtype=self.spec.dtype)
         for i, layer in enumerate(self.model.layers):
             k = layer.encoder_attn.k_proj(x).view(-1, s.kv_heads, s.head_dim)
@@ -180,15 +173,15 @@ class Decoder(DecoderNode):
             attn.write(i, k, v)
         return [{} for _ in batch]
 
-    def phase_step(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_step(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         s, dev = self.sizes, self.spec.device
         prev = []
         for seq in attn.seqs:
             if self.max_text is not None and seq.start > self.max_text:
-                raise RequestError(f"the transcript is longer than the {self.max_text} tokens of node "
-                                   f"'{self.spec.name}'s text context (max_seq_len)")
+                raise node.RequestError(f"the transcript is longer than the {self.max_text} tokens of node "
+                                        f"'{self.spec.name}'s text context (max_seq_len)")
             if seq.read_lens[0] == 0:
-                raise RequestError("a decoder step before any audio was heard (its cross context is empty)")
+                raise node.RequestError("a decoder step before any audio was heard (its cross context is empty)")
             out = seq.state.get("tokens")
             if out is None:  # the tokens by position; sized for one step past the bound
                 out = seq.state["tokens"] = torch.zeros((self.max_text or 4096) + 2, dtype=torch.long, device=dev)
@@ -210,7 +203,7 @@ class Decoder(DecoderNode):
         h = self.model.norm(h)
         tokens = F.linear(h, self.lm_head.weight).argmax(dim=-1)
         eot = tokens == self.eot
-        out_batch: Batch = []
+        out_batch: node.Batch = []
         for j, seq in enumerate(attn.seqs):
             seq.state["tokens"][seq.start] = tokens[j]
             caught_up = seq.start + 1 >= seq.read_lens[0] // FRAMES_PER_TOKEN

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from mstar_runtime.ops.node import Batch, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 
 PATCH_DIM = 64  # 2 x 2 latent patch x 16 FLUX channels at real size; the config says per variant
 RENORM_TYPES = ("global", "channel", "text_channel")
@@ -77,23 +77,23 @@ def combine(v: torch.Tensor, v_text: torch.Tensor | None, v_img: torch.Tensor | 
     return out * scale
 
 
-class FlowStep(StatelessNode):
+class FlowStep(node.StatelessNode):
     """noise / schedule / time / guide / step; see the module docstring."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.patch_dim = int(spec.config.get("patch_dim", PATCH_DIM))
         self.max_latent = int(spec.config["max_latent_size"])
         self.max_timesteps = int(spec.config["max_timesteps"])
 
     # ------------------------------------------------------------------ phases
-    def phase_noise(self, batch: Batch) -> Batch:
+    def phase_noise(self, batch: node.Batch) -> node.Batch:
         out = []
         for e in batch:
             h, w = self._grid(e)
             seed, skip = _int(e, "seed"), _int(e, "skip", 0)
             if skip < 0:
-                raise RequestError(f"skip must be >= 0, got {skip}", "skip")
+                raise node.RequestError(f"skip must be >= 0, got {skip}", "skip")
             g = torch.Generator().manual_seed(seed)
             if skip:
                 torch.randn(skip, generator=g)  # the draws an earlier node took from this stream
@@ -101,22 +101,22 @@ class FlowStep(StatelessNode):
             out.append({"latent": x.to(self.spec.device)})
         return out
 
-    def phase_schedule(self, batch: Batch) -> Batch:
+    def phase_schedule(self, batch: node.Batch) -> node.Batch:
         return [{"steps": self._timesteps(e) - 1} for e in batch]
 
-    def phase_time(self, batch: Batch) -> Batch:
+    def phase_time(self, batch: node.Batch) -> node.Batch:
         out = []
         for e in batch:
             n, i, shift = self._timesteps(e), _int(e, "index"), _float(e, "shift")
             if not shift > 0:
-                raise RequestError(f"shift must be > 0, got {shift}", "shift")
+                raise node.RequestError(f"shift must be > 0, got {shift}", "shift")
             if not 0 <= i < n - 1:
-                raise RequestError(f"index {i} is outside the {n - 1} Euler steps", "index")
+                raise node.RequestError(f"index {i} is outside the {n - 1} Euler steps", "index")
             t = shifted_times(n, shift)
             out.append({"t": float(t[i]), "dt": float(t[i] - t[i + 1])})
         return out
 
-    def phase_guide(self, batch: Batch) -> Batch:
+    def phase_guide(self, batch: node.Batch) -> node.Batch:
         out = []
         for e in batch:
             x, t = _latent(e, "latent", self.patch_dim), _float(e, "t")
@@ -127,19 +127,19 @@ class FlowStep(StatelessNode):
             out.append({"q_text": x if text else empty, "q_img": x if img else empty})
         return out
 
-    def phase_step(self, batch: Batch) -> Batch:
+    def phase_step(self, batch: node.Batch) -> node.Batch:
         out = []
         for e in batch:
             x = _latent(e, "latent", self.patch_dim)
             v = _latent(e, "v", self.patch_dim)
             v_text, v_img = _latent(e, "v_text", self.patch_dim), _latent(e, "v_img", self.patch_dim)
             if v.shape != x.shape or any(b.shape[0] not in (0, x.shape[0]) for b in (v_text, v_img)):
-                raise RequestError(f"velocities {tuple(v.shape)}, {tuple(v_text.shape)}, {tuple(v_img.shape)} "
-                                   f"do not match the latent {tuple(x.shape)}", "v")
+                raise node.RequestError(f"velocities {tuple(v.shape)}, {tuple(v_text.shape)}, {tuple(v_img.shape)} "
+                                        f"do not match the latent {tuple(x.shape)}", "v")
             renorm = e.get("cfg_renorm_type")
             if renorm not in RENORM_TYPES:
-                raise RequestError(f"cfg_renorm_type must be one of {', '.join(RENORM_TYPES)}, got {renorm!r}",
-                                   "cfg_renorm_type")
+                raise node.RequestError(f"cfg_renorm_type must be one of {', '.join(RENORM_TYPES)}, got {renorm!r}",
+                                        "cfg_renorm_type")
             t, dt = _float(e, "t"), _float(e, "dt")
             text_scale, img_scale = _float(e, "cfg_text_scale"), _float(e, "cfg_img_scale")
             on = in_interval(t, _float(e, "cfg_interval_start"), _float(e, "cfg_interval_end"))
@@ -156,29 +156,29 @@ class FlowStep(StatelessNode):
         most = 16 * self.max_latent
         for name, px in (("height", h), ("width", w)):
             if px < 16 or px % 16 or px > most:
-                raise RequestError(f"{name} must be a multiple of 16 in 16..{most} (the plan's "
-                                   f"max_latent_size is {self.max_latent}), got {px}", name)
+                raise node.RequestError(f"{name} must be a multiple of 16 in 16..{most} (the plan's "
+                                        f"max_latent_size is {self.max_latent}), got {px}", name)
         return h // 16, w // 16
 
     def _timesteps(self, e: dict[str, Any]) -> int:
         n = _int(e, "num_timesteps")
         if not 2 <= n <= self.max_timesteps + 1:
-            raise RequestError(f"num_timesteps must be in 2..{self.max_timesteps + 1} (the plan's "
-                               f"max_timesteps is {self.max_timesteps} Euler steps), got {n}", "num_timesteps")
+            raise node.RequestError(f"num_timesteps must be in 2..{self.max_timesteps + 1} (the plan's "
+                                    f"max_timesteps is {self.max_timesteps} Euler steps), got {n}", "num_timesteps")
         return n
 
 
 def _int(e: dict[str, Any], port: str, default: int | None = None) -> int:
     value = e.get(port, default)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"{port} must be an integer, got {type(value).__name__}", port)
+        raise node.RequestError(f"{port} must be an integer, got {type(value).__name__}", port)
     return value
 
 
 def _float(e: dict[str, Any], port: str) -> float:
     value = e.get(port)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RequestError(f"{port} must be a finite number, got {value!r}", port)
+        raise node.RequestError(f"{port} must be a finite number, got {value!r}", port)
     return float(value)
 
 
@@ -186,5 +186,5 @@ def _latent(e: dict[str, Any], port: str, dim: int) -> torch.Tensor:
     x = e.get(port)
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != dim:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise RequestError(f"{port} must be a [tokens, {dim}] latent, got {got}", port)
+        raise node.RequestError(f"{port} must be a [tokens, {dim}] latent, got {got}", port)
     return x

@@ -81,38 +81,19 @@ from mstar_models.layers.embedding import LMHead, VocabEmbedding, lm_logits
 from mstar_models.layers.init import seeded_init_
 from mstar_models.layers.mlp import GatedMLP
 from mstar_models.layers.norm import RMSNorm
+from mstar_runtime import sampling
 from mstar_runtime.kv.prefix_cache import media_key
-from mstar_runtime.ops import fused
+from mstar_runtime.ops import fused, node
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
-from mstar_runtime.ops.node import (
-    AttentionContext,
-    Batch,
-    KVGeometry,
-    KVNode,
-    NodeError,
-    NodeSpec,
-    RequestError,
-    SeqPlan,
-)
 from mstar_runtime.ops.ports import config_value, fed_token, max_seq_len, one_rank, scalar
 from mstar_runtime.ops.readback import Lazy, Readback, upload_tensor
-from mstar_runtime.sampling import (
-    REQUIRED,
-    SamplingColumns,
-    SamplingParams,
-    SamplingPorts,
-    read_sampling,
-    sample,
-    sample_columns,
-    sampling_row,
-)
 
 VAE_DOWNSAMPLE = 8  # FLUX VAE: pixels per latent pixel per side
 TIME_MAX_PERIOD = 10000.0  # DiT's timestep embedding
 EXPERTS = ("", "_moe_gen")  # und, gen: the checkpoint's name suffixes
 SPECIAL_IDS = ("bos_id", "eos_id", "vision_start_id", "vision_end_id")
 # the text generation's sampling ports: temperature, and `max_length` as its token limit
-SAMPLING_PORTS = SamplingPorts(temperature=REQUIRED, limit="max_length", finite=True)
+SAMPLING_PORTS = sampling.SamplingPorts(temperature=sampling.REQUIRED, limit="max_length", finite=True)
 
 
 # --------------------------------------------------------------------------------- modules
@@ -200,7 +181,7 @@ class Route:
 def _shape(shapes: Mapping[str, tuple[int, ...]], port: str, ndim: int) -> tuple[int, ...]:
     shape = tuple(int(d) for d in shapes.get(port, ()))
     if len(shape) != ndim:
-        raise RequestError(f"input '{port}' must have {ndim} dim(s), got shape {shape}", port)
+        raise node.RequestError(f"input '{port}' must have {ndim} dim(s), got shape {shape}", port)
     return shape
 
 
@@ -229,10 +210,10 @@ def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- node
-class MoTLanguageModel(KVNode):
+class MoTLanguageModel(node.KVNode):
     """BAGEL's MoT LLM node; see the module docstring for its phases, state and settings."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         one_rank(spec, "MoTLanguageModel")
         g = lambda name, *default: config_value(spec, name, *default, owner="MoTLanguageModel")  # noqa: E731
@@ -248,11 +229,12 @@ class MoTLanguageModel(KVNode):
         self.max_seq_len = max_seq_len(spec)
         self.max_text_tokens = int(g("max_text_tokens", self.max_seq_len))
         if self.heads % self.kv_heads or self.head_dim % 2 or self.timestep_dim % 2:
-            raise NodeError(f"node '{spec.name}': heads ({self.heads}) must be a multiple of kv_heads "
-                            f"({self.kv_heads}); head_dim ({self.head_dim}) and timestep_dim even")
+            raise node.NodeError(f"node '{spec.name}': heads ({self.heads}) must be a multiple of kv_heads "
+                                 f"({self.kv_heads}); head_dim ({self.head_dim}) and timestep_dim even")
         bad = [k for k in SPECIAL_IDS if not 0 <= int(g(k)) < self.vocab]
         if bad:
-            raise NodeError(f"node '{spec.name}': special token id(s) {', '.join(bad)} outside the vocab {self.vocab}")
+            raise node.NodeError(f"node '{spec.name}': special token id(s) {', '.join(bad)} outside the vocab "
+                                 f"{self.vocab}")
 
         # Built on the meta device, then given real (uninitialised) storage: 14 B parameters must
         # not pay for torch's default init only to be overwritten by the loader.
@@ -290,40 +272,40 @@ class MoTLanguageModel(KVNode):
 
     # ------------------------------------------------------------------ contract
     @property
-    def kv_geometry(self) -> KVGeometry:
-        return KVGeometry(self.layers, self.kv_heads, self.head_dim)
+    def kv_geometry(self) -> node.KVGeometry:
+        return node.KVGeometry(self.layers, self.kv_heads, self.head_dim)
 
     @classmethod
-    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: node.NodeSpec) -> node.SeqPlan:
         if phase in ("start", "decode"):
-            return SeqPlan(q_len=1)
+            return node.SeqPlan(q_len=1)
         if phase == "prefill_text":
             (n,) = _shape(shapes, "text", 1)
             if n < 1:
-                raise RequestError("text must be a non-empty token list", "text")
-            plan = SeqPlan(q_len=n)
+                raise node.RequestError("text must be a non-empty token list", "text")
+            plan = node.SeqPlan(q_len=n)
         elif phase in ("prefill_vit", "prefill_vae", "denoise"):
             port = {"prefill_vit": "vit", "prefill_vae": "clean", "denoise": "latent"}[phase]
             n, width = _shape(shapes, port, 2)
             want = int(config_value(spec, "hidden" if port == "vit" else "patch_dim", owner="MoTLanguageModel"))
             if width != want:
-                raise RequestError(f"input '{port}' must be [n, {want}], got [{n}, {width}]", port)
+                raise node.RequestError(f"input '{port}' must be [n, {want}], got [{n}, {width}]", port)
             if n == 0 and phase == "denoise":
                 # an empty latent switches this CFG branch off: no queries, no KV
-                return SeqPlan(q_len=0, mask="full", keep=False)
+                return node.SeqPlan(q_len=0, mask="full", keep=False)
             if n < 1:
-                raise RequestError(f"input '{port}' must hold at least one token", port)
-            plan = SeqPlan(q_len=n + 2, mask="full", keep=phase != "denoise")
+                raise node.RequestError(f"input '{port}' must hold at least one token", port)
+            plan = node.SeqPlan(q_len=n + 2, mask="full", keep=phase != "denoise")
         else:
-            raise NodeError(f"node '{spec.name}' (MoTLanguageModel) has no phase '{phase}'")
+            raise node.NodeError(f"node '{spec.name}' (MoTLanguageModel) has no phase '{phase}'")
         limit = max_seq_len(spec)
         if plan.q_len > limit:
             port = {"prefill_text": "text", "prefill_vit": "vit", "prefill_vae": "clean"}.get(phase, "latent")
-            raise RequestError(f"{plan.q_len} tokens do not fit a context of max_seq_len {limit}", port)
+            raise node.RequestError(f"{plan.q_len} tokens do not fit a context of max_seq_len {limit}", port)
         return plan
 
     @classmethod
-    def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: NodeSpec) -> list[int] | None:
+    def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: node.NodeSpec) -> list[int] | None:
         """Prefix caching: a text block's keys are its ids; a ViT block's (its two markers and
         its rows, through the understanding expert) the `media_key` of the rows for all of
         them. VAE blocks (the generation expert) are not keyed: the chain ends there."""
@@ -337,7 +319,7 @@ class MoTLanguageModel(KVNode):
         return None
 
     # ------------------------------------------------------------------ phases
-    def phase_prefill_text(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_prefill_text(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         # a prefix found cached (`seq.cached` leading tokens) is in the KV already: checked
         # whole, computed from there (the positions of a context count from its first token)
         ids = [self._check_text(entry, seq.start - seq.cached, seq.q_len + seq.cached)[seq.cached:]
@@ -350,7 +332,7 @@ class MoTLanguageModel(KVNode):
             seq.state.pop("gen", None)
         return [{} for _ in batch]
 
-    def phase_prefill_vit(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_prefill_vit(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         dt, dev = self.spec.dtype, self.inv_freq.device
         rows = []
         for entry, seq in zip(batch, attn.seqs, strict=True):
@@ -358,7 +340,7 @@ class MoTLanguageModel(KVNode):
             if not isinstance(vit, torch.Tensor) or vit.dim() != 2 or vit.shape[1] != self.hidden \
                     or not vit.dtype.is_floating_point or vit.shape[0] < 1:
                 got = tuple(vit.shape) if isinstance(vit, torch.Tensor) else type(vit).__name__
-                raise RequestError(f"vit must be a float tensor [N >= 1, {self.hidden}], got {got}", "vit")
+                raise node.RequestError(f"vit must be a float tensor [N >= 1, {self.hidden}], got {got}", "vit")
             self._check_block(seq.start - seq.cached, seq.q_len + seq.cached, vit.shape[0], "vit")
             rows.append(upload_tensor(vit, dev).to(dt))
         marks = self._markers(len(batch))
@@ -372,7 +354,7 @@ class MoTLanguageModel(KVNode):
         self._after_block(attn, bases)
         return [{} for _ in batch]
 
-    def phase_prefill_vae(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_prefill_vae(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         blocks = [self._check_latent(entry, seq.start, seq.q_len, "clean") for entry, seq in zip(batch, attn.seqs)]
         bases = [self._rope_base(seq.state, seq.start) for seq in attn.seqs]
         hu, pos_u, hg, pos_g, route = self._latent_blocks(blocks, bases, [0.0] * len(blocks))
@@ -380,12 +362,12 @@ class MoTLanguageModel(KVNode):
         self._after_block(attn, bases)
         return [{} for _ in batch]
 
-    def phase_denoise(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_denoise(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         blocks = [self._check_latent(entry, seq.start, seq.q_len, "latent") for entry, seq in zip(batch, attn.seqs)]
         live = [i for i, b in enumerate(blocks) if b[0].shape[0]]
         times = [scalar(batch[i], "t", float, finite=True) for i in live]
         dev = self.inv_freq.device
-        out: Batch = [{"velocity": torch.zeros(0, self.patch_dim, dtype=torch.float32, device=dev)} for _ in batch]
+        out: node.Batch = [{"velocity": torch.zeros(0, self.patch_dim, dtype=torch.float32, device=dev)} for _ in batch]
         if not live:  # every branch is off: nothing to attend, nothing to compute
             return out
         bases = [self._rope_base(attn.seqs[i].state, attn.seqs[i].start) for i in live]
@@ -396,7 +378,7 @@ class MoTLanguageModel(KVNode):
             out[i] = {"velocity": v}
         return out
 
-    def phase_start(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_start(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         gens = [self._check_start(entry) for entry in batch]
         ids = torch.full((len(batch),), self.bos, dtype=torch.long)
         for seq, gen in zip(attn.seqs, gens, strict=True):
@@ -409,31 +391,31 @@ class MoTLanguageModel(KVNode):
         """The RoPE position of a context's next token, from its KV start (never stored per step)."""
         return start + int(state.get("rope_offset", 0))
 
-    def _after_block(self, attn: AttentionContext, bases: list[int]) -> None:
+    def _after_block(self, attn: node.AttentionContext, bases: list[int]) -> None:
         for seq, base in zip(attn.seqs, bases):  # the block took q_len KV tokens and one position
             seq.state["rope_offset"] = base + 1 - (seq.start + seq.q_len)
             seq.state.pop("gen", None)
 
     def _check_fit(self, start: int, q_len: int, port: str) -> None:
         if start + q_len > self.max_seq_len:
-            raise RequestError(f"a context of {start + q_len} tokens exceeds max_seq_len {self.max_seq_len}", port)
+            raise node.RequestError(f"a context of {start + q_len} tokens exceeds max_seq_len {self.max_seq_len}", port)
 
     def _check_block(self, start: int, q_len: int, n: int, port: str) -> None:
         if q_len != n + 2:
-            raise NodeError(f"node '{self.spec.name}': a block of {n} tokens got {q_len} KV slots, not {n + 2}")
+            raise node.NodeError(f"node '{self.spec.name}': a block of {n} tokens got {q_len} KV slots, not {n + 2}")
         self._check_fit(start, q_len, port)
 
     def _check_text(self, entry: Mapping[str, Any], start: int, q_len: int) -> torch.Tensor:
         text = entry.get("text")
         if not isinstance(text, torch.Tensor) or text.dim() != 1 or text.numel() == 0 \
                 or text.dtype.is_floating_point or text.dtype == torch.bool:
-            raise RequestError("text must be a 1-D, non-empty tensor of integer token ids", "text")
+            raise node.RequestError("text must be a 1-D, non-empty tensor of integer token ids", "text")
         if text.numel() != q_len:
-            raise NodeError(f"node '{self.spec.name}': text of {text.numel()} tokens got {q_len} KV slots")
+            raise node.NodeError(f"node '{self.spec.name}': text of {text.numel()} tokens got {q_len} KV slots")
         self._check_fit(start, q_len, "text")
         lo, hi = text.aminmax()  # free for host tensors; one read for a device one
         if int(lo) < 0 or int(hi) >= self.vocab:
-            raise RequestError(f"token ids must lie in [0, {self.vocab}), got [{int(lo)}, {int(hi)}]", "text")
+            raise node.RequestError(f"token ids must lie in [0, {self.vocab}), got [{int(lo)}, {int(hi)}]", "text")
         return upload_tensor(text, self.inv_freq.device)
 
     def _check_latent(self, entry: Mapping[str, Any], start: int, q_len: int,
@@ -443,26 +425,26 @@ class MoTLanguageModel(KVNode):
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.patch_dim \
                 or not x.dtype.is_floating_point:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise RequestError(f"{port} must be a float tensor [M, {self.patch_dim}], got {got}", port)
+            raise node.RequestError(f"{port} must be a float tensor [M, {self.patch_dim}], got {got}", port)
         m = x.shape[0]
         if m == 0 and port == "latent":
             if q_len:
-                raise NodeError(f"node '{self.spec.name}': an empty latent got {q_len} KV slots")
+                raise node.NodeError(f"node '{self.spec.name}': an empty latent got {q_len} KV slots")
             return x, 0, 0
         height, width = scalar(entry, "height", int), scalar(entry, "width", int)
         h, w = height // self.latent_downsample, width // self.latent_downsample
         if not (1 <= h <= self.max_latent and 1 <= w <= self.max_latent):
             side = self.latent_downsample * self.max_latent
-            raise RequestError(f"image size {height}x{width} must be {self.latent_downsample}..{side} px per side",
-                               "height")
+            raise node.RequestError(f"image size {height}x{width} must be {self.latent_downsample}..{side} px per side",
+                                    "height")
         if m != h * w:
-            raise RequestError(f"{port} has {m} tokens; a {height}x{width} image has {h}x{w} = {h * w}", port)
+            raise node.RequestError(f"{port} has {m} tokens; a {height}x{width} image has {h}x{w} = {h * w}", port)
         self._check_block(start, q_len, m, port)
         return upload_tensor(x, self.inv_freq.device), h, w
 
     def _check_start(self, entry: Mapping[str, Any]) -> dict[str, Any]:
         # a fixed seed for the whole reply: read_sampling gives a request without one a fresh one
-        params = read_sampling(entry, SAMPLING_PORTS)
+        params = sampling.read_sampling(entry, SAMPLING_PORTS)
         return {"params": params, "max_new": min(params.max_tokens, self.max_text_tokens)}
 
     # ------------------------------------------------------------------ packing
@@ -584,7 +566,7 @@ class MoTLanguageModel(KVNode):
                                       attend)[0])
 
     # ------------------------------------------------------------------ generation
-    def _generate(self, ids: torch.Tensor, attn: AttentionContext) -> Batch:
+    def _generate(self, ids: torch.Tensor, attn: node.AttentionContext) -> node.Batch:
         """`start`'s token per entry: forward, one sampler call, the done flags (`decode` is the
         column step, `_cohort_step`)."""
         dev = self.inv_freq.device
@@ -594,13 +576,13 @@ class MoTLanguageModel(KVNode):
         logits = attn.run_graphed(lambda i, p: self._step_logits(i, p, attn.attend),
                                   upload_tensor(ids.to(torch.long), dev), positions)
         steps = [seq.start - gen["base"] for seq, gen in zip(seqs, gens)]
-        tokens = sample(logits, [gen["params"] for gen in gens], [None] * len(seqs), steps)
+        tokens = sampling.sample(logits, [gen["params"] for gen in gens], [None] * len(seqs), steps)
         tok32 = tokens.to(torch.int32)
         # host facts: tokens generated after this step, and the context after it
         limits = [step + 1 >= gen["max_new"] or seq.start + 1 >= self.max_seq_len
                   for seq, gen, step in zip(seqs, gens, steps)]
         ends = (self.eos, self.vision_start)
-        out: Batch = []
+        out: node.Batch = []
         if self.lazy_outputs:
             back = Readback(tokens)
             for i, limit in enumerate(limits):
@@ -621,7 +603,7 @@ class MoTLanguageModel(KVNode):
     def export_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The state as flat values for another rank: `gen`'s `SamplingParams` as its fields."""
         gen = state.get("gen")
-        if gen is not None and isinstance(gen.get("params"), SamplingParams):
+        if gen is not None and isinstance(gen.get("params"), sampling.SamplingParams):
             state = {**state, "gen": {**gen, "params": dataclasses.asdict(gen["params"])}}
         return super().export_state(state)
 
@@ -629,7 +611,7 @@ class MoTLanguageModel(KVNode):
         state = super().import_state(values)
         params = state.get("gen", {}).get("params")
         if isinstance(params, dict):
-            state["gen"]["params"] = SamplingParams(**params)
+            state["gen"]["params"] = sampling.SamplingParams(**params)
         return state
 
     # ------------------------------------------------------------------ cohort
@@ -648,8 +630,8 @@ class MoTLanguageModel(KVNode):
         fed_token(inputs)
         gen = state.get("gen")
         if gen is None:
-            raise RequestError("decode on a KV context without a start since its last prefill", "token")
-        cols = sampling_row(gen["params"], 0)  # `step` is derived from the KV position instead
+            raise node.RequestError("decode on a KV context without a start since its last prefill", "token")
+        cols = sampling.sampling_row(gen["params"], 0)  # `step` is derived from the KV position instead
         cols.update(rope_offset=torch.tensor(int(state.get("rope_offset", 0))), base=torch.tensor(gen["base"]),
                     max_new=torch.tensor(gen["max_new"]))
         return cols
@@ -660,7 +642,7 @@ class MoTLanguageModel(KVNode):
         logits = self._step_logits(ids, b.positions + c["rope_offset"], b.attend)
         step = b.positions - c["base"]
         # no history: BAGEL has no repetition penalty, so the sampler skips that stage
-        tokens = sample_columns(logits, SamplingColumns.from_cohort(c, step))
+        tokens = sampling.sample_columns(logits, sampling.SamplingColumns.from_cohort(c, step))
         limit = (step + 1 >= c["max_new"]) | (b.positions + 1 >= self.max_seq_len)
         opens = tokens == self.vision_start
         tok32 = tokens.to(torch.int32)[:, None]

@@ -36,7 +36,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from mstar_models.tokenizers import load_tokenizer
-from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 
 BUNDLED_TOKENIZER = Path(__file__).resolve().parent / "tokenizer_tiny.json"
 CHECKPOINT_TOKENIZER = "tokenizer.json"
@@ -55,10 +55,10 @@ THINK_PROMPTS = {
 REPLACEMENT = "\ufffd"  # what a byte-level decoder gives for an incomplete UTF-8 sequence
 
 
-class Tokenizer(StatelessNode):
+class Tokenizer(node.StatelessNode):
     """encode / system / detokenize / reencode; see the module docstring."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.ids = {k: int(spec.config[k]) for k in SPECIALS}
         self.vocab = int(spec.config["vocab"])
@@ -74,12 +74,12 @@ class Tokenizer(StatelessNode):
         own = {k: tok.token_to_id(name) for k, name in SPECIALS.items()}
         if any(v is None for v in own.values()):
             missing = [SPECIALS[k] for k, v in own.items() if v is None]
-            raise NodeError(f"node '{self.spec.name}': tokenizer '{path}' lacks {', '.join(missing)}")
+            raise node.NodeError(f"node '{self.spec.name}': tokenizer '{path}' lacks {', '.join(missing)}")
         if not remap:
             for k, want in self.ids.items():
                 if own[k] != want:
-                    raise NodeError(f"node '{self.spec.name}': tokenizer '{path}' has {SPECIALS[k]} at id "
-                                    f"{own[k]}, the plan's config says {k} = {want}")
+                    raise node.NodeError(f"node '{self.spec.name}': tokenizer '{path}' has {SPECIALS[k]} at id "
+                                         f"{own[k]}, the plan's config says {k} = {want}")
         # tokenizer id -> model id, for the (bundled) tokenizer whose specials sit elsewhere
         self._to_model = {own[k]: self.ids[k] for k in SPECIALS} if remap else {}
         self._to_tok = {v: k for k, v in self._to_model.items()}
@@ -98,20 +98,20 @@ class Tokenizer(StatelessNode):
         return self.tokenizer.decode([self._to_tok.get(i, i) for i in ids], skip_special_tokens=True)
 
     # ------------------------------------------------------------------ phases
-    def phase_encode(self, batch: Batch) -> Batch:
+    def phase_encode(self, batch: node.Batch) -> node.Batch:
         return [{"ids": ids} for ids in self.segment([_text(e, "text") for e in batch])]
 
-    def phase_system(self, batch: Batch) -> Batch:
+    def phase_system(self, batch: node.Batch) -> node.Batch:
         kinds = [e.get("kind") for e in batch]
         for k in kinds:
             if k not in THINK_PROMPTS:
-                raise RequestError(f"kind must be one of {', '.join(sorted(THINK_PROMPTS))}, got {k!r}", "kind")
+                raise node.RequestError(f"kind must be one of {', '.join(sorted(THINK_PROMPTS))}, got {k!r}", "kind")
         return [{"ids": ids} for ids in self.segment([THINK_PROMPTS[k] for k in kinds])]
 
-    def phase_detokenize(self, batch: Batch) -> Batch:
+    def phase_detokenize(self, batch: node.Batch) -> node.Batch:
         return [{"piece": self._piece(e)} for e in batch]
 
-    def phase_reencode(self, batch: Batch) -> Batch:
+    def phase_reencode(self, batch: node.Batch) -> node.Batch:
         texts = [self.decode(_ids(e, "reasoning", self.vocab)) for e in batch]
         return [{"ids": ids} for ids in self.segment(texts)]
 
@@ -119,8 +119,8 @@ class Tokenizer(StatelessNode):
         ids = _ids(entry, "tokens", self.vocab)
         context = int(entry.get("tokens:context", 0))
         if not 0 <= context < len(ids) or len(ids) - context != 1:
-            raise RequestError(f"detokenize takes a chunk of one new token after its context, got "
-                               f"{len(ids)} token(s) with context {context}", "tokens")
+            raise node.RequestError(f"detokenize takes a chunk of one new token after its context, got "
+                                    f"{len(ids)} token(s) with context {context}", "tokens")
         before, now = self.decode(ids[:context]), self.decode(ids)
         # A character still incomplete at the end waits for its last byte; one that was held
         # back before (the earlier text ended in U+FFFD) is given now.
@@ -138,15 +138,15 @@ def _common(a: str, b: str) -> str:
 def _text(entry: dict[str, Any], port: str) -> str:
     text = entry.get(port)
     if not isinstance(text, str):
-        raise RequestError(f"{port} must be a string, got {type(text).__name__}", port)
+        raise node.RequestError(f"{port} must be a string, got {type(text).__name__}", port)
     return text
 
 
 def _ids(entry: dict[str, Any], port: str, vocab: int) -> list[int]:
     value = entry.get(port)
     if not isinstance(value, torch.Tensor) or value.dim() != 1:
-        raise RequestError(f"{port} must be a 1-D tensor of token ids", port)
+        raise node.RequestError(f"{port} must be a 1-D tensor of token ids", port)
     ids = [int(i) for i in value.tolist()]
     if any(not 0 <= i < vocab for i in ids):
-        raise RequestError(f"{port} holds a token id outside 0..{vocab - 1}", port)
+        raise node.RequestError(f"{port} holds a token id outside 0..{vocab - 1}", port)
     return ids

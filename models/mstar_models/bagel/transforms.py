@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mstar_runtime.ops.node import RequestError
+from mstar_runtime.ops import node
 
 DEFAULT_MAX_PIXELS = 14 * 14 * 9 * 1024  # the official default (1,806,336)
 
@@ -34,16 +34,16 @@ DEFAULT_MAX_PIXELS = 14 * 14 * 9 * 1024  # the official default (1,806,336)
 def check_image(image: object, field: str = "image") -> torch.Tensor:
     """`image` itself if it is a non-empty RGB uint8 tensor [H, W, 3]; else a RequestError naming `field`."""
     if not isinstance(image, torch.Tensor):
-        raise RequestError(f"'{field}' must be an RGB image (uint8 tensor [H, W, 3]), got {type(image).__name__}",
-                           field)
+        raise node.RequestError(f"'{field}' must be an RGB image (uint8 tensor [H, W, 3]), got {type(image).__name__}",
+                                field)
     if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3:
-        raise RequestError(
+        raise node.RequestError(
             f"'{field}' must be an RGB image (uint8 tensor [H, W, 3]), got "
             f"{str(image.dtype).removeprefix('torch.')} {list(image.shape)}",
             field,
         )
     if image.shape[0] == 0 or image.shape[1] == 0:
-        raise RequestError(f"'{field}' is empty ({image.shape[0]} x {image.shape[1]} pixels)", field)
+        raise node.RequestError(f"'{field}' is empty ({image.shape[0]} x {image.shape[1]} pixels)", field)
     return image
 
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_models.bagel.transforms import ImageTransform
-from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 from mstar_runtime.ops.readback import upload_tensor
 
 SCALE_FACTOR = 0.3611  # FLUX AE scale_factor (official load_ae)
@@ -162,20 +162,20 @@ class VaeGeometry:
     max_latent_size: int  # latent tokens per side
 
     @classmethod
-    def from_spec(cls, spec: NodeSpec) -> VaeGeometry:
+    def from_spec(cls, spec: node.NodeSpec) -> VaeGeometry:
         a, cfg = spec.arch_args, spec.config
         try:
             geo = cls(int(a["ch"]), tuple(int(m) for m in a["ch_mult"]), int(a["res_blocks"]),
                       int(a["z_channels"]), int(cfg.get("latent_patch_size", 2)), int(cfg["max_latent_size"]))
         except (KeyError, TypeError, ValueError) as e:
-            raise NodeError(f"node '{spec.name}': the FLUX VAE needs arch args ch, ch_mult, res_blocks, "
-                            f"z_channels and config max_latent_size ({type(e).__name__}: {e})") from None
+            raise node.NodeError(f"node '{spec.name}': the FLUX VAE needs arch args ch, ch_mult, res_blocks, "
+                                 f"z_channels and config max_latent_size ({type(e).__name__}: {e})") from None
         widths = [geo.ch * m for m in geo.ch_mult]
         if not geo.ch_mult or any(w <= 0 or w % NORM_GROUPS for w in [geo.ch, *widths]):
-            raise NodeError(f"node '{spec.name}': VAE widths {[geo.ch, *widths]} must be positive multiples "
-                            f"of {NORM_GROUPS} (GroupNorm)")
+            raise node.NodeError(f"node '{spec.name}': VAE widths {[geo.ch, *widths]} must be positive multiples "
+                                 f"of {NORM_GROUPS} (GroupNorm)")
         if geo.res_blocks < 1 or geo.z_channels < 1 or geo.patch < 1 or geo.max_latent_size < 1:
-            raise NodeError(f"node '{spec.name}': bad VAE geometry {geo}")
+            raise node.NodeError(f"node '{spec.name}': bad VAE geometry {geo}")
         return geo
 
     @property
@@ -289,17 +289,17 @@ def _check_image(value: Any, port: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 3 or value.shape[2] != 3:
         got = (f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor)
                else f"a {type(value).__name__}")
-        raise RequestError(f"FLUX VAE: '{port}' must be an RGB image (uint8 tensor [H, W, 3]), got {got}", port)
+        raise node.RequestError(f"FLUX VAE: '{port}' must be an RGB image (uint8 tensor [H, W, 3]), got {got}", port)
     if value.shape[0] < 1 or value.shape[1] < 1:
-        raise RequestError(f"FLUX VAE: '{port}' is an empty image ({list(value.shape)})", port)
+        raise node.RequestError(f"FLUX VAE: '{port}' is an empty image ({list(value.shape)})", port)
     return value
 
 
 def _check_int(value: Any, port: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"FLUX VAE: '{port}' must be an integer, got {value!r}", port)
+        raise node.RequestError(f"FLUX VAE: '{port}' must be an integer, got {value!r}", port)
     if not low <= value <= high:
-        raise RequestError(f"FLUX VAE: '{port}' = {value} is outside [{low}, {high}]", port)
+        raise node.RequestError(f"FLUX VAE: '{port}' = {value} is outside [{low}, {high}]", port)
     return value
 
 
@@ -310,10 +310,10 @@ def vae_transform(geo: VaeGeometry) -> ImageTransform:
 
 
 # -------------------------------------------------------------------------------- nodes
-class FluxVaeEncoder(StatelessNode):
+class FluxVaeEncoder(node.StatelessNode):
     """image u8 [H, W, 3] + seed -> sampled, scaled, patchified latent f32 [h*w, p*p*z]."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.geo = VaeGeometry.from_spec(spec)
         self.encoder = Encoder(self.geo, spec.device, spec.dtype)
@@ -344,15 +344,15 @@ class FluxVaeEncoder(StatelessNode):
         resized = self.transform.resize(image)
         h, w = int(resized.shape[0]), int(resized.shape[1])
         if h % self.geo.stride or w % self.geo.stride or max(h, w) > self.geo.max_side:
-            raise NodeError(f"node '{self.spec.name}': the VAE transform gave {h}x{w}, not multiples of "
-                            f"{self.geo.stride} within {self.geo.max_side}")
+            raise node.NodeError(f"node '{self.spec.name}': the VAE transform gave {h}x{w}, not multiples of "
+                                 f"{self.geo.stride} within {self.geo.max_side}")
         return resized
 
-    def phase_resize(self, batch: Batch) -> Batch:
+    def phase_resize(self, batch: node.Batch) -> node.Batch:
         images = [_check_image(e.get("image"), "image") for e in batch]
         return [{"resized": self._resize(img)} for img in images]
 
-    def phase_encode(self, batch: Batch) -> Batch:
+    def phase_encode(self, batch: node.Batch) -> node.Batch:
         images = [_check_image(e.get("image"), "image") for e in batch]
         seeds = [_check_int(e.get("seed"), "seed", SEED_MIN, SEED_MAX) for e in batch]
         resized = [self._resize(img) for img in images]
@@ -372,10 +372,10 @@ class FluxVaeEncoder(StatelessNode):
         ]
 
 
-class FluxVaeDecoder(StatelessNode):
+class FluxVaeDecoder(node.StatelessNode):
     """latent f32 [h*w, p*p*z] + pixel height / width -> image u8 [height, width, 3]."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.geo = VaeGeometry.from_spec(spec)
         self.decoder = Decoder(self.geo, spec.device, spec.dtype)
@@ -392,7 +392,7 @@ class FluxVaeDecoder(StatelessNode):
         for port in ("height", "width"):
             v = _check_int(entry.get(port), port, geo.stride, geo.max_side)
             if v % geo.stride:
-                raise RequestError(f"FLUX VAE: '{port}' = {v} is not a multiple of {geo.stride}", port)
+                raise node.RequestError(f"FLUX VAE: '{port}' = {v} is not a multiple of {geo.stride}", port)
             sizes.append(v)
         h, w = sizes[0] // geo.stride, sizes[1] // geo.stride
         lat = entry.get("latent")
@@ -400,11 +400,11 @@ class FluxVaeDecoder(StatelessNode):
         if not isinstance(lat, torch.Tensor) or not lat.is_floating_point() or list(lat.shape) != want:
             got = (f"a {lat.dtype} tensor of shape {list(lat.shape)}" if isinstance(lat, torch.Tensor)
                    else f"a {type(lat).__name__}")
-            raise RequestError(f"FLUX VAE: 'latent' for a {sizes[0]}x{sizes[1]} image must be a float tensor "
-                               f"{want}, got {got}", "latent")
+            raise node.RequestError(f"FLUX VAE: 'latent' for a {sizes[0]}x{sizes[1]} image must be a float tensor "
+                                    f"{want}, got {got}", "latent")
         return h, w
 
-    def phase_decode(self, batch: Batch) -> Batch:
+    def phase_decode(self, batch: node.Batch) -> node.Batch:
         grids = [self._check(e) for e in batch]
         images: list[torch.Tensor | None] = [None] * len(batch)
         s = self.geo.stride

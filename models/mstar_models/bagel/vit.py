@@ -39,7 +39,7 @@ from mstar_models.bagel.transforms import ImageTransform, check_image, normalize
 from mstar_models.layers.init import seeded_init_
 from mstar_models.layers.linear import FusedRows
 from mstar_models.layers.mlp import Mlp
-from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 from mstar_runtime.ops.readback import upload_tensor
 
 LN_EPS = 1e-6  # vit_config.json layer_norm_eps (siglip-so400m)
@@ -155,10 +155,10 @@ class Packed:
 
 
 # ------------------------------------------------------------------------------ node
-class SiglipNaViT(StatelessNode):
+class SiglipNaViT(node.StatelessNode):
     """`encode(image u8 [H, W, 3]) -> tokens [grid_h * grid_w, llm_hidden]`; see the module docstring."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         a = spec.arch_args
         try:
@@ -166,9 +166,9 @@ class SiglipNaViT(StatelessNode):
             self.patch, self.side = int(a["patch"]), int(a["max_patches_per_side"])
             self.llm_hidden, channels = int(a["llm_hidden"]), int(a.get("channels", 3))
         except (KeyError, TypeError, ValueError) as e:
-            raise NodeError(f"node '{spec.name}' (SiglipNaViT): bad or missing arch argument: {e}") from e
+            raise node.NodeError(f"node '{spec.name}' (SiglipNaViT): bad or missing arch argument: {e}") from e
         if channels != 3 or dim % heads or self.llm_hidden % 4:
-            raise NodeError(
+            raise node.NodeError(
                 f"node '{spec.name}' (SiglipNaViT): needs 3 channels, hidden % heads == 0 and "
                 f"llm_hidden % 4 == 0 (sin-cos table); got channels {channels}, hidden {dim}, heads {heads}, "
                 f"llm_hidden {self.llm_hidden}"
@@ -190,8 +190,8 @@ class SiglipNaViT(StatelessNode):
             img = self.transform.resize(img.cpu())
             gh, gw = img.shape[0] // p, img.shape[1] // p
             if gh > self.side or gw > self.side:  # the transform's long-side cap rules this out
-                raise RequestError(f"'image' resizes to a {gh} x {gw} patch grid, more than the "
-                                   f"{self.side} x {self.side} position table", "image")
+                raise node.RequestError(f"'image' resizes to a {gh} x {gw} patch grid, more than the "
+                                        f"{self.side} x {self.side} position table", "image")
             # [gh, p, gw, q, c] -> [gh, gw, p, q, c]: the official (h, w, p, q, c) token layout
             patches.append(img.reshape(gh, p, gw, p, 3).permute(0, 2, 1, 3, 4).reshape(gh * gw, -1))
             positions.append((torch.arange(gh)[:, None] * self.side + torch.arange(gw)).flatten())
@@ -241,6 +241,6 @@ class SiglipNaViT(StatelessNode):
         return out
 
     # ------------------------------------------------------------------ phases
-    def phase_encode(self, batch: Batch) -> Batch:
+    def phase_encode(self, batch: node.Batch) -> node.Batch:
         images = [check_image(entry.get("image"), "image") for entry in batch]  # all before any work
         return [{"tokens": t} for t in self.encode_images(images)]

@@ -53,18 +53,8 @@ from mstar_models.layers.embedding import VocabEmbedding
 from mstar_models.layers.init import seeded_init_
 from mstar_models.layers.mlp import GatedMLP
 from mstar_models.layers.norm import AdaptiveRMSNorm
+from mstar_runtime.ops import node
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep
-from mstar_runtime.ops.node import (
-    AttentionContext,
-    Batch,
-    KVGeometry,
-    KVNode,
-    NodeError,
-    NodeSpec,
-    RequestError,
-    SeqPlan,
-    StatelessNode,
-)
 from mstar_runtime.ops.ports import one_rank
 
 ROPE_THETA = 10000.0  # Gemma's
@@ -77,18 +67,18 @@ UNUSED_HEADS = (POLICY_PREFIX + "paligemma_with_expert.paligemma.lm_head.weight"
                 POLICY_PREFIX + "paligemma_with_expert.gemma_expert.lm_head.weight")
 
 
-def _int(spec: NodeSpec, name: str) -> int:
+def _int(spec: node.NodeSpec, name: str) -> int:
     value = spec.arch_args.get(name, spec.settings.get(name, spec.config.get(name)))
     if isinstance(value, bool) or not isinstance(value, int):
-        raise NodeError(f"node '{spec.name}': needs an integer '{name}' (arch argument, setting or config), "
-                        f"got {value!r}")
+        raise node.NodeError(f"node '{spec.name}': needs an integer '{name}' (arch argument, setting or config), "
+                             f"got {value!r}")
     return value
 
 
 def _check_chunk(shape: tuple[int, ...], horizon: int, action_dim: int) -> None:
     """An action chunk's shape must be the node's [horizon, action_dim]: a RequestError naming `x`."""
     if shape != (horizon, action_dim):
-        raise RequestError(f"x must be [{horizon}, {action_dim}], got {shape}", "x")
+        raise node.RequestError(f"x must be [{horizon}, {action_dim}], got {shape}", "x")
 
 
 def time_features(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -100,24 +90,24 @@ def time_features(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([angles.sin(), angles.cos()], dim=1).to(torch.float32)
 
 
-class _Gemma(KVNode):
+class _Gemma(node.KVNode):
     """The Gemma attention layout both KV nodes share (the expert reads the VLM's pages layer by layer)."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         one_rank(spec, type(self).__name__)
         self.hidden, self.depth = _int(spec, "hidden"), _int(spec, "layers")
         self.heads, self.kv_heads, self.head_dim = _int(spec, "heads"), _int(spec, "kv_heads"), _int(spec, "head_dim")
         self.intermediate = _int(spec, "intermediate")
         if self.heads % self.kv_heads or self.head_dim % 2:
-            raise NodeError(f"node '{spec.name}': heads must be a multiple of kv_heads, head_dim even")
+            raise node.NodeError(f"node '{spec.name}': heads must be a multiple of kv_heads, head_dim even")
         self.factory = {"device": spec.device, "dtype": spec.dtype}
         # on the node's device once: a host table copied up per step could not be captured
         self.inv_freq = rotary.inv_freq(self.head_dim, ROPE_THETA).to(spec.device)
 
     @property
-    def kv_geometry(self) -> KVGeometry:
-        return KVGeometry(self.depth, self.kv_heads, self.head_dim)
+    def kv_geometry(self) -> node.KVGeometry:
+        return node.KVGeometry(self.depth, self.kv_heads, self.head_dim)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary.rope_tables(positions, self.inv_freq, dtype)
@@ -128,7 +118,7 @@ class GemmaVLM(_Gemma):
 
     checkpoint_prefix: ClassVar[str] = "model.paligemma_with_expert.paligemma.model."
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.vocab = _int(spec, "vocab")
         self.max_prefix = int(spec.settings.get("max_seq_len", 0)) or None
@@ -139,30 +129,30 @@ class GemmaVLM(_Gemma):
         seeded_init_(self, spec.name)
 
     @classmethod
-    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: node.NodeSpec) -> node.SeqPlan:
         if phase != "prefill":
-            raise NodeError(f"node '{spec.name}' (GemmaVLM) has no phase '{phase}'")
+            raise node.NodeError(f"node '{spec.name}' (GemmaVLM) has no phase '{phase}'")
         images, prompt = tuple(shapes.get("images", ())), tuple(shapes.get("prompt", ()))
         if len(images) != 3 or images[0] < 1:
-            raise RequestError(f"images must be [cameras, tokens, width] features, got shape {images}", "images")
+            raise node.RequestError(f"images must be [cameras, tokens, width] features, got shape {images}", "images")
         if len(prompt) != 1 or prompt[0] < 1:
-            raise RequestError(f"prompt must be a 1-D, non-empty token list, got shape {prompt}", "prompt")
-        return SeqPlan(q_len=images[0] * images[1] + prompt[0], mask="full")
+            raise node.RequestError(f"prompt must be a 1-D, non-empty token list, got shape {prompt}", "prompt")
+        return node.SeqPlan(q_len=images[0] * images[1] + prompt[0], mask="full")
 
-    def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_prefill(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         rows = []
         for entry, seq in zip(batch, attn.seqs, strict=True):
             images, tokens = entry["images"], entry["prompt"]
             if images.dim() != 3 or images.shape[-1] != self.hidden:
-                raise RequestError(f"images must be [cameras, tokens, {self.hidden}], got {tuple(images.shape)}",
-                                   "images")
+                raise node.RequestError(f"images must be [cameras, tokens, {self.hidden}], got {tuple(images.shape)}",
+                                        "images")
             if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab:
-                raise RequestError(f"prompt token ids must lie in [0, {self.vocab})", "prompt")
+                raise node.RequestError(f"prompt token ids must lie in [0, {self.vocab})", "prompt")
             if seq.start != 0:
-                raise RequestError("the VLM's context already holds a prefix: one prefill per request", "prompt")
+                raise node.RequestError("the VLM's context already holds a prefix: one prefill per request", "prompt")
             if self.max_prefix is not None and seq.q_len > self.max_prefix:
-                raise RequestError(f"a prefix of {seq.q_len} tokens is longer than max_seq_len {self.max_prefix} "
-                                   f"of node '{self.spec.name}'", "prompt")
+                raise node.RequestError(f"a prefix of {seq.q_len} tokens is longer than max_seq_len {self.max_prefix} "
+                                        f"of node '{self.spec.name}'", "prompt")
             rows.append((images, tokens))
         h = self.prefix_embeddings(rows)
         cos, sin = self.rope(attn.positions(), h.dtype)
@@ -199,7 +189,7 @@ class ActionExpert(_Gemma):
     # tensors under it would refuse the two heads the released file holds
     unused_checkpoint_tensors: ClassVar[tuple[str, ...]] = UNUSED_HEADS
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.horizon, self.action_dim = _int(spec, "horizon"), _int(spec, "action_dim")
         self.steps = _int(spec, "flow_steps")
@@ -222,14 +212,14 @@ class ActionExpert(_Gemma):
         return (EXPERT_PREFIX if name.startswith(("layers.", "norm.")) else POLICY_PREFIX) + name
 
     @classmethod
-    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: node.NodeSpec) -> node.SeqPlan:
         if phase != "step":
-            raise NodeError(f"node '{spec.name}' (ActionExpert) has no phase '{phase}'")
+            raise node.NodeError(f"node '{spec.name}' (ActionExpert) has no phase '{phase}'")
         # the node's own chunk shape, so that a bad `x` fails its request here: the column step
         # adds a block of exactly `horizon` tokens (an entry of another count is a NodeError there)
         horizon = _int(spec, "horizon")
         _check_chunk(tuple(shapes.get("x", ())), horizon, _int(spec, "action_dim"))
-        return SeqPlan(q_len=horizon, mask="full", keep=False)
+        return node.SeqPlan(q_len=horizon, mask="full", keep=False)
 
     def condition(self, t: torch.Tensor) -> torch.Tensor:
         """The adaptive norms' condition rows [B, hidden] (float32) of flow times t [B]."""
@@ -269,8 +259,8 @@ class ActionExpert(_Gemma):
 
         def step(b: CohortStep) -> dict[str, torch.Tensor]:
             if b.attend_block is None:
-                raise NodeError(f"node '{self.spec.name}': a cohort step of `step` needs the VLM's context "
-                                "(the engine gave no attend_block)")
+                raise node.NodeError(f"node '{self.spec.name}': a cohort step of `step` needs the VLM's context "
+                                     "(the engine gave no attend_block)")
             x = b.inputs["x"].to(torch.float32)
             # t = 1 + index dt, in float64 then rounded to float32 (as the reference's Python float)
             t = (1.0 + b.inputs["index"].to(torch.float64) * self.dt).to(torch.float32)
@@ -295,41 +285,41 @@ class ActionExpert(_Gemma):
         if "index" in inputs:
             i = inputs["index"]
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.steps:
-                raise RequestError(f"index must lie in [0, {self.steps}), got {i!r}", "index")
+                raise node.RequestError(f"index must lie in [0, {self.steps}), got {i!r}", "index")
         return {}
 
 
-class Flow(StatelessNode):
+class Flow(node.StatelessNode):
     """init(seed: int) -> (x); start(noise) -> (x); finish(x, dims: int) -> (actions, dims).
     x, noise, actions: f32[horizon, action_dim]."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.shape = (_int(spec, "horizon"), _int(spec, "action_dim"))
 
-    def phase_init(self, batch: Batch) -> Batch:
+    def phase_init(self, batch: node.Batch) -> node.Batch:
         out = []
         for entry in batch:
             seed = entry["seed"]
             if isinstance(seed, torch.Tensor) and seed.numel() == 1:
                 seed = seed.item()
             if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-                raise RequestError(f"seed must be an integer in [0, 2^63), got {seed!r}", "seed")
+                raise node.RequestError(f"seed must be an integer in [0, 2^63), got {seed!r}", "seed")
             gen = torch.Generator().manual_seed(seed)
             out.append({"x": torch.randn(self.shape, generator=gen, dtype=torch.float32).to(self.spec.device)})
         return out
 
-    def phase_start(self, batch: Batch) -> Batch:
+    def phase_start(self, batch: node.Batch) -> node.Batch:
         out = []
         for entry in batch:
             noise = entry["noise"]
             if not isinstance(noise, torch.Tensor) or tuple(noise.shape) != self.shape:
                 got = tuple(noise.shape) if isinstance(noise, torch.Tensor) else type(noise).__name__
-                raise RequestError(f"noise must be f32[{self.shape[0]}, {self.shape[1]}], got {got}", "noise")
+                raise node.RequestError(f"noise must be f32[{self.shape[0]}, {self.shape[1]}], got {got}", "noise")
             if not bool(torch.isfinite(noise).all()):
-                raise RequestError("noise holds NaN or infinite values", "noise")
+                raise node.RequestError("noise holds NaN or infinite values", "noise")
             out.append({"x": noise.to(self.spec.device, torch.float32)})
         return out
 
-    def phase_finish(self, batch: Batch) -> Batch:
+    def phase_finish(self, batch: node.Batch) -> node.Batch:
         return [{"actions": entry["x"], "dims": entry["dims"]} for entry in batch]

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 
 BOS = 2  # Gemma's <bos>
 BYTE_OFFSET = 3  # the byte tokenizer's id of byte 0 (after <pad>, <eos>, <bos>)
@@ -47,20 +47,20 @@ def prompt_text(instruction: str, state: np.ndarray) -> str:
     return f"Task: {cleaned}, State: {' '.join(map(str, discretize(state)))};\nAction: "
 
 
-class Prompt(StatelessNode):
+class Prompt(node.StatelessNode):
     """build(instruction: str, state: f32[S]) -> (tokens: i32[T]); see the module docstring."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         try:
             self.state_dim = int(spec.settings.get("state_dim", spec.config["action_dim"]))
             self.max_prompt = int(spec.settings.get("max_prompt", spec.config["max_prompt"]))
             self.vocab = int(spec.config["vocab"])
         except KeyError as e:
-            raise NodeError(f"node '{spec.name}' (Prompt): the model config has no {e}") from None
+            raise node.NodeError(f"node '{spec.name}' (Prompt): the model config has no {e}") from None
         if self.vocab < BYTE_OFFSET + 256:
-            raise NodeError(f"node '{spec.name}' (Prompt): the byte tokenizer needs a vocabulary of at least "
-                            f"{BYTE_OFFSET + 256} ids, the model has {self.vocab}")
+            raise node.NodeError(f"node '{spec.name}' (Prompt): the byte tokenizer needs a vocabulary of at least "
+                                 f"{BYTE_OFFSET + 256} ids, the model has {self.vocab}")
         self.tokenizer: Tokenizer | None = None
 
     def on_weights(self, source: str) -> None:
@@ -70,7 +70,7 @@ class Prompt(StatelessNode):
             try:
                 self.tokenizer = Tokenizer.from_file(str(path))
             except Exception as e:  # the library raises a bare Exception for unreadable or corrupt files
-                raise NodeError(f"cannot read tokenizer '{path}': {e}") from None
+                raise node.NodeError(f"cannot read tokenizer '{path}': {e}") from None
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -83,30 +83,31 @@ class Prompt(StatelessNode):
         value = entry.get("state")
         if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.dtype.is_floating_point:
             got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise RequestError(f"state must be a 1-D float array, got {got}", "state")
+            raise node.RequestError(f"state must be a 1-D float array, got {got}", "state")
         if value.numel() > self.state_dim:
-            raise RequestError(f"state has {value.numel()} values; the model takes at most {self.state_dim}",
-                               "state")
+            raise node.RequestError(f"state has {value.numel()} values; the model takes at most {self.state_dim}",
+                                    "state")
         if not bool(torch.isfinite(value).all()):
-            raise RequestError("state holds NaN or infinite values", "state")
+            raise node.RequestError("state holds NaN or infinite values", "state")
         padded = np.zeros(self.state_dim, dtype=np.float32)
         padded[: value.numel()] = value.detach().to("cpu", torch.float32).numpy()
         return padded
 
-    def phase_build(self, batch: Batch) -> Batch:
+    def phase_build(self, batch: node.Batch) -> node.Batch:
         out = []
         for entry in batch:
             instruction = entry.get("instruction")
             if not isinstance(instruction, str):
-                raise RequestError(f"instruction must be a string, got {type(instruction).__name__}", "instruction")
+                raise node.RequestError(f"instruction must be a string, got {type(instruction).__name__}",
+                                        "instruction")
             if not instruction.strip():
-                raise RequestError("instruction is empty", "instruction")
+                raise node.RequestError("instruction is empty", "instruction")
             ids = self.encode(prompt_text(instruction, self.state(entry)))
             if len(ids) > self.max_prompt:
-                raise RequestError(f"the prompt (instruction and state) is {len(ids)} tokens; the model takes at "
-                                   f"most {self.max_prompt}", "instruction")
+                raise node.RequestError(f"the prompt (instruction and state) is {len(ids)} tokens; the model takes at "
+                                        f"most {self.max_prompt}", "instruction")
             if max(ids) >= self.vocab:
-                raise RequestError(f"the tokenizer gave an id >= the vocabulary ({self.vocab})", "instruction")
+                raise node.RequestError(f"the tokenizer gave an id >= the vocabulary ({self.vocab})", "instruction")
             # host tensors: the VLM checks the ids on the host before it uploads them
             out.append({"tokens": torch.tensor(ids, dtype=torch.int32)})
         return out

@@ -29,16 +29,16 @@ from torch import nn
 
 from mstar_models.layers.init import seeded_init_
 from mstar_models.layers.mlp import Mlp
-from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 from mstar_runtime.ops.ports import one_rank
 
 LN_EPS = 1e-6  # SigLIP's layer_norm_eps
 
 
-def _int(spec: NodeSpec, name: str, default: int | None = None) -> int:
+def _int(spec: node.NodeSpec, name: str, default: int | None = None) -> int:
     value = spec.arch_args.get(name, spec.settings.get(name, spec.config.get(name, default)))
     if isinstance(value, bool) or not isinstance(value, int):
-        raise NodeError(f"node '{spec.name}' ({spec.engine}): needs an integer '{name}', got {value!r}")
+        raise node.NodeError(f"node '{spec.name}' ({spec.engine}): needs an integer '{name}', got {value!r}")
     return value
 
 
@@ -108,12 +108,12 @@ class _Projector(nn.Module):
         self.linear = nn.Linear(dim, width, **factory)
 
 
-class SiglipTower(StatelessNode):
+class SiglipTower(node.StatelessNode):
     """encode(images: u8[N, image, image, 3]) -> (tokens: [N, (image / patch)^2, projection])."""
 
     checkpoint_prefix: ClassVar[str] = "model.paligemma_with_expert.paligemma.model."
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         one_rank(spec, "SiglipTower")
         dim, heads = _int(spec, "hidden"), _int(spec, "heads")
@@ -130,20 +130,20 @@ class SiglipTower(StatelessNode):
         """A RequestError on `images` unless they are [N, image, image, channels] uint8, 1 <= N <= cameras."""
         shape = tuple(images.shape) if isinstance(images, torch.Tensor) else None
         if shape is None or images.dtype != torch.uint8 or len(shape) != 4:
-            raise RequestError(f"images must be a uint8 array [cameras, {self.image}, {self.image}, "
-                               f"{self.channels}], got {shape if shape is not None else type(images).__name__}"
-                               + (f" of {images.dtype}" if shape is not None else ""), "images")
+            raise node.RequestError(f"images must be a uint8 array [cameras, {self.image}, {self.image}, "
+                                    f"{self.channels}], got {shape if shape is not None else type(images).__name__}"
+                                    + (f" of {images.dtype}" if shape is not None else ""), "images")
         n, h, w, c = shape
         if c != self.channels:
-            raise RequestError(f"images must have {self.channels} channels (RGB), got {c}", "images")
+            raise node.RequestError(f"images must have {self.channels} channels (RGB), got {c}", "images")
         if (h, w) != (self.image, self.image):
-            raise RequestError(f"images must be {self.image} x {self.image} (resize with padding first), "
-                               f"got {h} x {w}", "images")
+            raise node.RequestError(f"images must be {self.image} x {self.image} (resize with padding first), "
+                                    f"got {h} x {w}", "images")
         if not 1 <= n <= self.cameras:
-            raise RequestError(f"images must hold 1 to {self.cameras} cameras (leave a missing one out), got {n}",
-                               "images")
+            raise node.RequestError(f"images must hold 1 to {self.cameras} cameras (leave a missing one out), got {n}",
+                                    "images")
 
-    def phase_encode(self, batch: Batch) -> Batch:
+    def phase_encode(self, batch: node.Batch) -> node.Batch:
         for entry in batch:
             self.check(entry["images"])
         counts = [int(entry["images"].shape[0]) for entry in batch]

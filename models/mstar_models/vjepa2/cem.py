@@ -21,7 +21,7 @@ import hashlib
 
 import torch
 
-from mstar_runtime.ops.node import Batch, RequestError, StatelessNode
+from mstar_runtime.ops import node
 
 XYZ = slice(0, 3)
 GRIPPER = 6
@@ -72,40 +72,40 @@ def refit(actions: torch.Tensor, energy: torch.Tensor, mean: torch.Tensor, std: 
     return wm * mean + (1 - wm) * new_mean, ws * std + (1 - ws) * new_std
 
 
-class CemPlanner(StatelessNode):
-    def phase_init(self, batch: Batch) -> Batch:
+class CemPlanner(node.StatelessNode):
+    def phase_init(self, batch: node.Batch) -> node.Batch:
         out = []
         for e in batch:
             if e["horizon"] < 1:
-                raise RequestError(f"rollout must be >= 1, got {e['horizon']}", "rollout")
+                raise node.RequestError(f"rollout must be >= 1, got {e['horizon']}", "rollout")
             mean, std = init_distribution(e["horizon"], e["maxnorm"])
             out.append({"mean": mean.to(self.spec.device), "std": std.to(self.spec.device)})
         return out
 
-    def phase_sample(self, batch: Batch) -> Batch:
+    def phase_sample(self, batch: node.Batch) -> node.Batch:
         out = []
         for e in batch:
             mean, std, samples = e["mean"].float(), e["std"].float(), e["samples"]
             if samples < 2:
-                raise RequestError(f"samples must be >= 2, got {samples}", "samples")
+                raise node.RequestError(f"samples must be >= 2, got {samples}", "samples")
             noise = cem_noise(e["seed"], e["iteration"], samples, mean.shape[0])
             out.append({"actions": sample_actions(mean, std, noise, e["maxnorm"])})
         return out
 
-    def phase_score(self, batch: Batch) -> Batch:
+    def phase_score(self, batch: node.Batch) -> node.Batch:
         return [{"energy": (e["predicted"].float() - e["goal"][-1:].float()).abs().mean(dim=(1, 2))}
                 for e in batch]
 
-    def phase_refit(self, batch: Batch) -> Batch:
+    def phase_refit(self, batch: node.Batch) -> node.Batch:
         out = []
         for e in batch:
             energy = e["energy"]
             if not 1 <= e["topk"] <= energy.shape[0]:
-                raise RequestError(f"topk must be in 1..samples ({energy.shape[0]}), got {e['topk']}", "topk")
+                raise node.RequestError(f"topk must be in 1..samples ({energy.shape[0]}), got {e['topk']}", "topk")
             momenta = (e["momentum_mean"], e["momentum_std"], e["momentum_mean_gripper"], e["momentum_std_gripper"])
             mean, std = refit(e["actions"], energy, e["mean"].float(), e["std"].float(), e["topk"], momenta)
             out.append({"mean": mean, "std": std})
         return out
 
-    def phase_first(self, batch: Batch) -> Batch:
+    def phase_first(self, batch: node.Batch) -> node.Batch:
         return [{"action": e["mean"][0]} for e in batch]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_models.vjepa2.layers import LN_EPS, Block, grid_positions, rope_tables
-from mstar_runtime.ops.node import Batch, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -34,10 +34,10 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv3d(in_chans, dim, kernel_size=k, stride=k, device=device, dtype=dtype)
 
 
-class VitEncoder(StatelessNode):
+class VitEncoder(node.StatelessNode):
     """frames u8 [N, H, W, 3] -> latents [N, (img/patch)^2, dim]."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         a, cfg = spec.arch_args, spec.config
         dev, dt = spec.device, spec.dtype
@@ -92,14 +92,14 @@ class VitEncoder(StatelessNode):
         return torch.cat(outs)
 
     # ------------------------------------------------------------------ phases
-    def phase_encode(self, batch: Batch) -> Batch:
+    def phase_encode(self, batch: node.Batch) -> node.Batch:
         for entry in batch:
             f = entry["frames"]
             if f.dim() != 4 or f.shape[-1] != 3 or f.dtype != torch.uint8:
-                raise RequestError(f"frames must be u8 [N, H, W, 3], got {f.dtype} {list(f.shape)}", "frames")
+                raise node.RequestError(f"frames must be u8 [N, H, W, 3], got {f.dtype} {list(f.shape)}", "frames")
             if f.shape[0] == 0 or f.shape[1] == 0 or f.shape[2] == 0:  # resizing an empty frame fails
-                raise RequestError(f"frames must hold at least one frame of at least 1 x 1 px, got shape "
-                                   f"{list(f.shape)}", "frames")
+                raise node.RequestError(f"frames must hold at least one frame of at least 1 x 1 px, got shape "
+                                        f"{list(f.shape)}", "frames")
         counts = [int(e["frames"].shape[0]) for e in batch]
         sizes = {tuple(e["frames"].shape[1:3]) for e in batch if e["frames"].shape[0]}
         if len(sizes) <= 1:  # one forward for the whole batch (the common case: same camera)

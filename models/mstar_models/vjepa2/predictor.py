@@ -62,16 +62,7 @@ from torch import nn
 
 from mstar_models.vjepa2.layers import LN_EPS, Block, rope_tables
 from mstar_models.vjepa2.pose import compute_new_pose
-from mstar_runtime.ops.node import (
-    AttentionContext,
-    Batch,
-    KVGeometry,
-    KVNode,
-    NodeError,
-    NodeSpec,
-    RequestError,
-    SeqPlan,
-)
+from mstar_runtime.ops import node
 from mstar_runtime.ops.readback import upload, upload_tensor
 
 log = logging.getLogger(__name__)
@@ -80,15 +71,15 @@ COND_TOKENS = 2  # action, state (3 with extrinsics, which the released model do
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _geometry(spec: NodeSpec) -> tuple[int, int, int]:
+def _geometry(spec: node.NodeSpec) -> tuple[int, int, int]:
     """(tokens per frame, tokens per step, max steps) from the plan's config and settings."""
     tpf = int(spec.config["tokens_per_frame"])
     max_steps = int(spec.settings.get("max_steps", spec.config.get("max_steps", 32)))
     return tpf, tpf + COND_TOKENS, max_steps
 
 
-class ACPredictor(KVNode):
-    def __init__(self, spec: NodeSpec):
+class ACPredictor(node.KVNode):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         a = spec.arch_args
         dev, dt = spec.device, spec.dtype
@@ -115,25 +106,25 @@ class ACPredictor(KVNode):
         self._row_kernels: dict[int, object | None] = {}  # id(pool) -> FlashInferRowPrefill or None
 
     @property
-    def kv_geometry(self) -> KVGeometry:
-        return KVGeometry(len(self.predictor_blocks), self.heads, self.head_dim)
+    def kv_geometry(self) -> node.KVGeometry:
+        return node.KVGeometry(len(self.predictor_blocks), self.heads, self.head_dim)
 
     @classmethod
-    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: node.NodeSpec) -> node.SeqPlan:
         _, per, max_steps = _geometry(spec)
         if phase == "prefill":
             steps = shapes["frames"][0]
             if not 1 <= steps <= max_steps:
-                raise RequestError(f"the context needs 1 to {max_steps} frames, got {steps}", "frames")
-            return SeqPlan((steps - 1) * per, mask="block_causal", block_size=per)
+                raise node.RequestError(f"the context needs 1 to {max_steps} frames, got {steps}", "frames")
+            return node.SeqPlan((steps - 1) * per, mask="block_causal", block_size=per)
         if phase == "step":
             rows = shapes["actions"][0]
             if rows < 1:
-                raise RequestError("actions need at least one trajectory", "actions")
+                raise node.RequestError("actions need at least one trajectory", "actions")
             if rows > 1:  # the node attends per row itself; see the module docstring for "full"
-                return SeqPlan(rows * per, mask="full")
-            return SeqPlan(rows * per, mask="block_causal", block_size=per)
-        raise NodeError(f"node '{spec.name}' has no phase '{phase}'")
+                return node.SeqPlan(rows * per, mask="full")
+            return node.SeqPlan(rows * per, mask="block_causal", block_size=per)
+        raise node.NodeError(f"node '{spec.name}' has no phase '{phase}'")
 
     # ------------------------------------------------------------------ tensors
     def embed(self, frames: torch.Tensor, states: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
@@ -170,7 +161,7 @@ class ACPredictor(KVNode):
         return F.layer_norm(z, (self.enc_dim,)) if self.normalize_reps else z
 
     # ------------------------------------------------------------------ phases
-    def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_prefill(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         parts, outs = [], []
         dev = self.spec.device  # walk inputs (the context pose, say) arrive on the host
         for entry, seq in zip(batch, attn.seqs):
@@ -178,18 +169,18 @@ class ACPredictor(KVNode):
             steps = int(frames.shape[0])
             self._check_frames(frames, "frames")
             if tuple(states.shape) != (steps, self.action_encoder.in_features):
-                raise RequestError(f"states must be [{steps}, 7] (one per context frame), got "
-                                   f"{list(states.shape)}", "states")
+                raise node.RequestError(f"states must be [{steps}, 7] (one per context frame), got "
+                                        f"{list(states.shape)}", "states")
             if actions.dim() != 3 or actions.shape[1] < steps - 1:
-                raise RequestError(f"actions must be [B, >= {steps - 1}, 7] (the history actions first), "
-                                   f"got {list(actions.shape)}", "actions")
+                raise node.RequestError(f"actions must be [B, >= {steps - 1}, 7] (the history actions first), "
+                                        f"got {list(actions.shape)}", "actions")
             hist = actions[:1, : steps - 1]
             if steps > 1 and not torch.equal(actions[:, : steps - 1], hist.expand(actions.shape[0], -1, -1)):
-                raise RequestError("every trajectory must share the history actions "
-                                   f"actions[:, :{steps - 1}] (the context is shared)", "actions")
+                raise node.RequestError("every trajectory must share the history actions "
+                                        f"actions[:, :{steps - 1}] (the context is shared)", "actions")
             if seq.start != 0:
-                raise RequestError("predictor.prefill needs an empty KV context; restart it by forking "
-                                   "an empty tag over it", "frames")
+                raise node.RequestError("predictor.prefill needs an empty KV context; restart it by forking "
+                                        "an empty tag over it", "frames")
             seq.state.clear()
             seq.state.update(T=steps, hist=(steps - 1) * self.tokens_per_step, rows=None, done=0)
             if steps > 1:
@@ -202,28 +193,28 @@ class ACPredictor(KVNode):
             attn.run_graphed(lambda x, c, s: self.stack(x, c, s, attn.attend), x, cos, sin)
         return outs
 
-    def phase_step(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_step(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         per = self.tokens_per_step
         xs, steps, rows_of, news = [], [], [], []
         for entry, seq in zip(batch, attn.seqs):
             st = seq.state
             if "T" not in st:
-                raise RequestError("predictor.step before predictor.prefill on this context", "actions")
+                raise node.RequestError("predictor.step before predictor.prefill on this context", "actions")
             actions = upload_tensor(entry["actions"], self.spec.device)
             rows, t = int(actions.shape[0]), st["T"] - 1 + st["done"]
             if t >= self.max_steps:
-                raise RequestError(f"step {t} is past the predictor's {self.max_steps} steps "
-                                   "(context frames + horizon)", "actions")
+                raise node.RequestError(f"step {t} is past the predictor's {self.max_steps} steps "
+                                        "(context frames + horizon)", "actions")
             if actions.dim() != 3 or actions.shape[1] <= t:
-                raise RequestError(f"step {t} needs actions[:, {t}]; got actions {list(actions.shape)}", "actions")
+                raise node.RequestError(f"step {t} needs actions[:, {t}]; got actions {list(actions.shape)}", "actions")
             if st["rows"] not in (None, rows):
-                raise RequestError(f"a rollout keeps its {st['rows']} trajectories; got {rows}", "actions")
+                raise node.RequestError(f"a rollout keeps its {st['rows']} trajectories; got {rows}", "actions")
             frame = self._rows(upload_tensor(entry["frame"], self.spec.device), rows, "frame")
             state = self._rows(upload_tensor(entry["state"], self.spec.device), rows, "state")
             self._check_frames(frame, "frame")
             if seq.start != st["hist"] + st["done"] * rows * per:
-                raise NodeError(f"node '{self.spec.name}': KV context at {seq.start} tokens, expected "
-                                f"{st['hist'] + st['done'] * rows * per}")
+                raise node.NodeError(f"node '{self.spec.name}': KV context at {seq.start} tokens, expected "
+                                     f"{st['hist'] + st['done'] * rows * per}")
             act = actions[:, t]
             xs.append(self.embed(frame, state, act))
             steps.append(torch.full((rows,), t, device=act.device))
@@ -242,7 +233,7 @@ class ACPredictor(KVNode):
         return [{"frame": f, "state": s} for f, s in zip(frames, news)]
 
     # ------------------------------------------------------------------ per-row attention
-    def _row_attend(self, attn: AttentionContext, rows_of: list[int]) -> Attend:
+    def _row_attend(self, attn: node.AttentionContext, rows_of: list[int]) -> Attend:
         """Attention where row b of an entry sees the shared history and its own blocks only."""
         pool = attn.extra["pool"]
         meta = attn.extra["metadata"]
@@ -286,8 +277,8 @@ class ACPredictor(KVNode):
     # ------------------------------------------------------------------ checks
     def _check_frames(self, frames: torch.Tensor, port: str) -> None:
         if frames.dim() != 3 or tuple(frames.shape[1:]) != (self.tokens_per_frame, self.enc_dim):
-            raise RequestError(f"{port} must be [*, {self.tokens_per_frame}, {self.enc_dim}], got "
-                               f"{list(frames.shape)}", port)
+            raise node.RequestError(f"{port} must be [*, {self.tokens_per_frame}, {self.enc_dim}], got "
+                                    f"{list(frames.shape)}", port)
 
     @staticmethod
     def _rows(x: torch.Tensor, rows: int, port: str) -> torch.Tensor:
@@ -295,7 +286,7 @@ class ACPredictor(KVNode):
             return x
         if x.shape[0] == 1:
             return x.expand(rows, *x.shape[1:])
-        raise RequestError(f"{port} has {x.shape[0]} rows; the actions have {rows} trajectories", port)
+        raise node.RequestError(f"{port} has {x.shape[0]} rows; the actions have {rows} trajectories", port)
 
 
 # ---------------------------------------------------------------------------- rows as attention entries

@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from mstar_models.whisper.decoder import NEG_INF, whisper_scores
+from mstar_runtime import sampling
+from mstar_runtime.ops import node
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
-from mstar_runtime.ops.node import NodeError, RequestError
 from mstar_runtime.ops.ports import fed_token
-from mstar_runtime.sampling import SamplingColumns, sample_columns, sampling_row
 
 if TYPE_CHECKING:
     from mstar_models.whisper.decoder import Decoder
@@ -44,17 +44,17 @@ if TYPE_CHECKING:
 _STATE = ("last", "penult", "ts_max")  # device scalars of the state, columns as they are
 
 
-def step_phase(node: Decoder) -> CohortPhase:
-    tb, eot = node.layout.timestamp_begin, node.layout.eot
+def step_phase(decoder: Decoder) -> CohortPhase:
+    tb, eot = decoder.layout.timestamp_begin, decoder.layout.eot
     # a sampled row's top-k is the node's fixed one (a greedy row's is 0): one topk of that k
     # over all rows gives every sampled row's k-th score
-    top_k = min(node.sampling_ports.fixed_top_k or 0, node.vocab)
+    top_k = min(decoder.sampling_ports.fixed_top_k or 0, decoder.vocab)
 
     def join(state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
         if "begin" not in state:
-            raise RequestError("a decoder step on a text context that was never prefilled", "token")
+            raise node.RequestError("a decoder step on a text context that was never prefilled", "token")
         fed_token(inputs)  # a plain call's entry (a cohort's join sees no fed input)
-        cols = sampling_row(state["sampling"], state["n"])  # host values: uploaded without a wait
+        cols = sampling.sampling_row(state["sampling"], state["n"])  # host values: uploaded without a wait
         cols.update({k: state[k].reshape(()) for k in _STATE})
         cols.update(n=torch.tensor(state["n"]), timestamps=torch.tensor(state["timestamps"]),
                     min_new=torch.tensor(state["min_new"]), max_new=torch.tensor(state["max_new"]))
@@ -67,14 +67,14 @@ def step_phase(node: Decoder) -> CohortPhase:
 
     def step(b: CohortStep) -> dict[str, torch.Tensor]:
         if b.attend_to is None:
-            raise NodeError(f"node '{node.spec.name}': a cohort step of `step` needs its `cross` context "
-                            "(the engine gave no attend_to)")
+            raise node.NodeError(f"node '{decoder.spec.name}': a cohort step of `step` needs its `cross` context "
+                                 "(the engine gave no attend_to)")
         c = b.cols
         ids = b.inputs["token"].reshape(-1).to(torch.long)
-        logits = node.logits(node.forward_hidden(ids, b.positions, b.attend, b.attend_to))
-        scores = whisper_scores(logits, node.rules, c["n"], c["last"], c["penult"], c["ts_max"], c["timestamps"],
+        logits = decoder.logits(decoder.forward_hidden(ids, b.positions, b.attend, b.attend_to))
+        scores = whisper_scores(logits, decoder.rules, c["n"], c["last"], c["penult"], c["ts_max"], c["timestamps"],
                                 c["min_new"])
-        tokens = sample_columns(scores, SamplingColumns.from_cohort(c))
+        tokens = sampling.sample_columns(scores, sampling.SamplingColumns.from_cohort(c))
         # the log-probability under the scores a sampled row drew from (its top-k kept), as `_next`
         kept = scores
         if top_k:
@@ -88,7 +88,7 @@ def step_phase(node: Decoder) -> CohortPhase:
         c["n"].add_(1)
         c["step"].add_(1)
         # transformers' max_length: after this token the sequence fills the 448 positions
-        done = (tokens == eot) | (c["n"] >= c["max_new"]) | (b.positions + 2 >= node.max_text)
+        done = (tokens == eot) | (c["n"] >= c["max_new"]) | (b.positions + 2 >= decoder.max_text)
         return {"token": tokens.to(torch.int32)[:, None], "logprob": logprob, "done": done}
 
     return CohortPhase(join=join, step=step, leave=leave)

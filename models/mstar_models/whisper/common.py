@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_models.layers.attention import MultiHeadAttention
-from mstar_runtime.ops.node import NodeError, NodeSpec
+from mstar_runtime.ops import node
 from mstar_runtime.ops.ports import one_rank
 
 LN_EPS = 1e-5  # nn.LayerNorm's default, as transformers' Whisper layers use
@@ -19,7 +19,7 @@ LN_EPS = 1e-5  # nn.LayerNorm's default, as transformers' Whisper layers use
 class Sizes:
     """The `whisper_encoder` / `whisper_decoder` arch sizes of a node."""
 
-    def __init__(self, spec: NodeSpec, *names: str):
+    def __init__(self, spec: node.NodeSpec, *names: str):
         one_rank(spec)
         a = spec.arch_args
         try:
@@ -27,9 +27,10 @@ class Sizes:
             self.heads, self.intermediate = int(a["heads"]), int(a["intermediate"])
             self.extra = {n: int(a[n]) for n in names}
         except (KeyError, TypeError, ValueError) as e:
-            raise NodeError(f"node '{spec.name}' needs its arch's sizes ({e})") from None
+            raise node.NodeError(f"node '{spec.name}' needs its arch's sizes ({e})") from None
         if self.hidden % self.heads:
-            raise NodeError(f"node '{spec.name}': hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+            raise node.NodeError(f"node '{spec.name}': hidden ({self.hidden}) must be a multiple of heads "
+                                 f"({self.heads})")
         self.head_dim = self.hidden // self.heads
 
 

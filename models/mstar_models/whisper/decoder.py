@@ -68,28 +68,19 @@ from mstar_models.layers.attention import cross_plan
 from mstar_models.layers.init import seeded_init_
 from mstar_models.whisper.common import LN_EPS, Layer, Sizes
 from mstar_models.whisper.tokens import Layout, layout_of
+from mstar_runtime import sampling
+from mstar_runtime.ops import node
 from mstar_runtime.ops.cohort import Attend, AttendTo, CohortPhase
-from mstar_runtime.ops.node import (
-    AttentionContext,
-    Batch,
-    KVGeometry,
-    KVNode,
-    NodeError,
-    NodeSpec,
-    RequestError,
-    SeqPlan,
-)
 from mstar_runtime.ops.ports import scalar
 from mstar_runtime.ops.readback import Lazy, Readback, upload
-from mstar_runtime.sampling import REQUIRED, SamplingPorts, read_sampling, sample
 
 NEG_INF = float("-inf")
 
 
-def _int_list(spec: NodeSpec, name: str) -> list[int]:
+def _int_list(spec: node.NodeSpec, name: str) -> list[int]:
     value = spec.config.get(name, [])
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise NodeError(f"node '{spec.name}': the config value {name} must be a list of token ids, got {value!r}")
+        raise node.NodeError(f"node '{spec.name}': the config value {name} must be a list of token ids, got {value!r}")
     return value
 
 
@@ -102,7 +93,7 @@ class Rules:
         v = layout.vocab
         for t in (*suppress, *begin_suppress):
             if not 0 <= t < v:
-                raise NodeError(f"suppressed token {t} is outside the vocabulary of {v}")
+                raise node.NodeError(f"suppressed token {t} is outside the vocabulary of {v}")
         self.suppress = torch.zeros(v, dtype=torch.bool, device=device)
         self.suppress[list(suppress)] = True
         self.begin = torch.zeros(v, dtype=torch.bool, device=device)
@@ -151,19 +142,19 @@ def whisper_scores(logits: torch.Tensor, rules: Rules, n: torch.Tensor, last: to
     return torch.where(timestamps[:, None], t, s)
 
 
-class Decoder(KVNode):
+class Decoder(node.KVNode):
     """The Whisper decoder node; see the module docstring for its phases and state."""
 
     checkpoint_prefix: ClassVar[str] = "model.decoder."
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.sizes = s = Sizes(spec, "vocab", "target_positions")
         self.vocab, self.max_text = s.extra["vocab"], s.extra["target_positions"]
         self.layout = layout_of(spec)
         if self.layout.vocab != self.vocab:
-            raise NodeError(f"node '{spec.name}': the config's vocab {self.layout.vocab} is not the arch's "
-                            f"{self.vocab}")
+            raise node.NodeError(f"node '{spec.name}': the config's vocab {self.layout.vocab} is not the arch's "
+                                 f"{self.vocab}")
         self.embed_tokens = nn.Embedding(self.vocab, s.hidden)
         self.embed_positions = nn.Embedding(self.max_text, s.hidden)
         self.layers = nn.ModuleList(Layer(s, cross=True) for _ in range(s.layers))
@@ -174,32 +165,32 @@ class Decoder(KVNode):
         self.to(device=spec.device, dtype=spec.dtype)
         initial = spec.config.get("max_initial_timestamp", 50)
         if initial is not None and (not isinstance(initial, int) or isinstance(initial, bool) or initial < 0):
-            raise NodeError(f"node '{spec.name}': max_initial_timestamp must be an int >= 0, got {initial!r}")
+            raise node.NodeError(f"node '{spec.name}': max_initial_timestamp must be an int >= 0, got {initial!r}")
         top_k = spec.config.get("sample_top_k", 0)
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
-            raise NodeError(f"node '{spec.name}': sample_top_k must be an int >= 0, got {top_k!r}")
+            raise node.NodeError(f"node '{spec.name}': sample_top_k must be an int >= 0, got {top_k!r}")
         # a sampled decode draws among the top_k best scores (a greedy one has top-k off)
-        self.sampling_ports = SamplingPorts(temperature=REQUIRED, finite=True, fixed_top_k=top_k)
+        self.sampling_ports = sampling.SamplingPorts(temperature=sampling.REQUIRED, finite=True, fixed_top_k=top_k)
         self.rules = Rules(self.layout, _int_list(spec, "suppress_tokens"), _int_list(spec, "begin_suppress_tokens"),
                            initial, spec.device)
 
     @property
-    def kv_geometry(self) -> KVGeometry:
-        return KVGeometry(self.sizes.layers, self.sizes.heads, self.sizes.head_dim)
+    def kv_geometry(self) -> node.KVGeometry:
+        return node.KVGeometry(self.sizes.layers, self.sizes.heads, self.sizes.head_dim)
 
     @classmethod
-    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: node.NodeSpec) -> node.SeqPlan:
         if phase == "listen":
             return cross_plan(shapes)
         if phase == "detect" or phase == "step":
-            return SeqPlan(q_len=1)
+            return node.SeqPlan(q_len=1)
         if phase == "prefill":
             head, tail = tuple(shapes.get("head", ())), tuple(shapes.get("tail", ()))
             if len(head) != 1 or len(tail) != 1 or head[0] == 0:
-                raise RequestError(f"head and tail must be 1-D token lists (head non-empty), got {head} and {tail}",
-                                   "prompt")
-            return SeqPlan(q_len=head[0] + 1 + tail[0])
-        raise NodeError(f"node '{spec.name}' (whisper.Decoder) has no phase '{phase}'")
+                raise node.RequestError(f"head and tail must be 1-D token lists (head non-empty), got {head} and "
+                                        f"{tail}", "prompt")
+            return node.SeqPlan(q_len=head[0] + 1 + tail[0])
+        raise node.NodeError(f"node '{spec.name}' (whisper.Decoder) has no phase '{phase}'")
 
     # ------------------------------------------------------------------ math
     def forward_hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
@@ -233,15 +224,15 @@ class Decoder(KVNode):
         return step_phase(self)
 
     # ------------------------------------------------------------------ phases
-    def phase_listen(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_listen(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         s = self.sizes
         for entry, seq in zip(batch, attn.seqs, strict=True):
             states = entry.get("states")
             if not isinstance(states, torch.Tensor) or states.dim() != 2 or states.shape[1] != s.hidden:
                 got = tuple(states.shape) if isinstance(states, torch.Tensor) else type(states).__name__
-                raise RequestError(f"states must be [frames, {s.hidden}], got {got}", "states")
+                raise node.RequestError(f"states must be [frames, {s.hidden}], got {got}", "states")
             if seq.start:
-                raise RequestError("the cross-attention context already holds a window's states", "states")
+                raise node.RequestError("the cross-attention context already holds a window's states", "states")
         x = torch.cat([entry["states"] for entry in batch]).to(device=self.embed_tokens.weight.device,
                                                                dtype=self.embed_tokens.weight.dtype)
         for i, layer in enumerate(self.layers):
@@ -249,21 +240,22 @@ class Decoder(KVNode):
             attn.write(i, k, v)
         return [{} for _ in batch]
 
-    def _check_cross(self, attn: AttentionContext) -> None:
+    def _check_cross(self, attn: node.AttentionContext) -> None:
         for seq in attn.seqs:
             if not seq.read_lens or seq.read_lens[0] == 0:
-                raise RequestError("a decoder step before the window's audio was encoded (its cross context is empty)")
+                raise node.RequestError("a decoder step before the window's audio was encoded (its cross context "
+                                        "is empty)")
 
-    def phase_detect(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_detect(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         self._check_cross(attn)
         lay = self.layout
         asked = []
         for entry, seq in zip(batch, attn.seqs, strict=True):
             if seq.start:
-                raise RequestError("language detection runs once per window, on a fresh probe context", "language")
+                raise node.RequestError("language detection runs once per window, on a fresh probe context", "language")
             lang = _token(entry, "language")
             if lang != -1 and not 0 <= lang - lay.first_language < lay.languages:
-                raise RequestError(f"language must be a language token or -1 (detect), got {lang}", "language")
+                raise node.RequestError(f"language must be a language token or -1 (detect), got {lang}", "language")
             asked.append(lang)
         dev = self.embed_tokens.weight.device
         ids = torch.full((len(batch),), lay.sot, dtype=torch.long, device=dev)
@@ -273,28 +265,30 @@ class Decoder(KVNode):
         lang = torch.where(wanted >= 0, wanted, detected).to(torch.int32)
         return [{"lang": lang[i : i + 1]} for i in range(len(batch))]
 
-    def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_prefill(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         self._check_cross(attn)
         dev = self.embed_tokens.weight.device
         pieces = []
         for entry, seq in zip(batch, attn.seqs, strict=True):
             if seq.start:
-                raise RequestError("prefill on a text context that already holds tokens", "prompt")
+                raise node.RequestError("prefill on a text context that already holds tokens", "prompt")
             head, lang, tail = (_ids(entry, p, self.vocab) for p in ("head", "lang", "tail"))
             if lang.numel() != 1:
-                raise RequestError(f"lang must be one token, got {lang.numel()}", "lang")
+                raise node.RequestError(f"lang must be one token, got {lang.numel()}", "lang")
             # the language token is the probe's output (on the device), the rest the prompt node's
             prompt = torch.cat([head.to(dev), lang.to(dev), tail.to(dev)])
             if prompt.numel() != seq.q_len:
-                raise NodeError(f"node '{self.spec.name}': a prompt of {prompt.numel()} tokens got {seq.q_len} slots")
+                raise node.NodeError(f"node '{self.spec.name}': a prompt of {prompt.numel()} tokens got "
+                                     f"{seq.q_len} slots")
             if seq.q_len >= self.max_text:
-                raise RequestError(f"the prompt of {seq.q_len} tokens leaves no room in the decoder's "
-                                   f"{self.max_text} positions", "prompt")
-            params = read_sampling(entry, self.sampling_ports)
+                raise node.RequestError(f"the prompt of {seq.q_len} tokens leaves no room in the decoder's "
+                                        f"{self.max_text} positions", "prompt")
+            params = sampling.read_sampling(entry, self.sampling_ports)
             max_new = params.max_tokens
             min_new = scalar(entry, "min_tokens", int, 0)
             if not 0 <= min_new <= max_new:
-                raise RequestError(f"min_tokens must lie in [0, max_tokens = {max_new}], got {min_new}", "min_tokens")
+                raise node.RequestError(f"min_tokens must lie in [0, max_tokens = {max_new}], got {min_new}",
+                                        "min_tokens")
             timestamps = scalar(entry, "timestamps", bool)
             seq.state.update(begin=seq.q_len, timestamps=bool(timestamps), max_new=max_new, min_new=min_new, n=0,
                              sampling=params,
@@ -317,7 +311,7 @@ class Decoder(KVNode):
             o["no_speech"] = no_speech[i : i + 1]
         return out
 
-    def _next(self, logits: torch.Tensor, attn: AttentionContext) -> Batch:
+    def _next(self, logits: torch.Tensor, attn: node.AttentionContext) -> node.Batch:
         """Score, pick and record prefill's first token per entry; `done` as a lazy flag of the
         picked tokens (a later token is the column step's, cohort.py)."""
         states = attn.states
@@ -328,7 +322,8 @@ class Decoder(KVNode):
         min_new = upload([st["min_new"] for st in states], torch.long, dev) if any(st["min_new"] for st in states) \
             else None
         scores = whisper_scores(logits, self.rules, n, last, penult, ts_max, ts_on, min_new)
-        tokens = sample(scores, [st["sampling"] for st in states], [None] * len(states), [st["n"] for st in states])
+        params = [st["sampling"] for st in states]
+        tokens = sampling.sample(scores, params, [None] * len(states), [st["n"] for st in states])
         # the picked token's log-probability under the scores (before any temperature), as
         # transformers' `_retrieve_avg_logprobs` takes it for the fallback's threshold
         # (a sampled row's over its top_k scores, the distribution it drew from)
@@ -346,7 +341,7 @@ class Decoder(KVNode):
             st["penult"], st["last"], st["ts_max"] = last[i], tokens[i], new_max[i]
         back = Readback(tokens)
         tok32 = tokens.to(torch.int32)
-        out: Batch = []
+        out: node.Batch = []
         for i, (st, seq) in enumerate(zip(states, attn.seqs, strict=True)):
             st["n"] += 1
             kv_after = seq.start + seq.q_len
@@ -361,19 +356,19 @@ def _token(entry: Mapping[str, Any], port: str) -> int:
     value = entry.get(port)
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.dtype.is_floating_point:
-            raise RequestError(f"{port} must be one integer token id", port)
+            raise node.RequestError(f"{port} must be one integer token id", port)
         return int(value.reshape(()))
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    raise RequestError(f"{port} must be one integer token id, got {type(value).__name__}", port)
+    raise node.RequestError(f"{port} must be one integer token id, got {type(value).__name__}", port)
 
 
 def _ids(entry: Mapping[str, Any], port: str, vocab: int) -> torch.Tensor:
     t = entry.get(port)
     if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
-        raise RequestError(f"{port} must be a 1-D tensor of integer token ids", port)
+        raise node.RequestError(f"{port} must be a 1-D tensor of integer token ids", port)
     if t.numel():
         lo, hi = t.aminmax()
         if int(lo) < 0 or int(hi) >= vocab:
-            raise RequestError(f"{port} token ids must lie in [0, {vocab}), got [{int(lo)}, {int(hi)}]", port)
+            raise node.RequestError(f"{port} token ids must lie in [0, {vocab}), got [{int(lo)}, {int(hi)}]", port)
     return t.to(torch.long)

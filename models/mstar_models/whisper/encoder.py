@@ -21,7 +21,7 @@ from torch import nn
 
 from mstar_models.layers.init import seeded_init_
 from mstar_models.whisper.common import LN_EPS, Layer, Sizes, sinusoids
-from mstar_runtime.ops.node import Batch, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 
 
 class Positions(nn.Module):
@@ -32,12 +32,12 @@ class Positions(nn.Module):
         self.register_buffer("weight", sinusoids(length, channels))
 
 
-class Encoder(StatelessNode):
+class Encoder(node.StatelessNode):
     """encode(mel: f32[mels, 3000]) -> (states: [source_positions, hidden]); see the module docstring."""
 
     checkpoint_prefix: ClassVar[str] = "model.encoder."
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.sizes = s = Sizes(spec, "mels", "source_positions")
         self.mels, self.positions = s.extra["mels"], s.extra["source_positions"]
@@ -49,13 +49,13 @@ class Encoder(StatelessNode):
         seeded_init_(self, spec.name)
         self.to(device=spec.device, dtype=spec.dtype)
 
-    def phase_encode(self, batch: Batch) -> Batch:
+    def phase_encode(self, batch: node.Batch) -> node.Batch:
         frames = 2 * self.positions
         for entry in batch:
             mel = entry.get("mel")
             if not isinstance(mel, torch.Tensor) or tuple(mel.shape) != (self.mels, frames):
                 got = tuple(mel.shape) if isinstance(mel, torch.Tensor) else type(mel).__name__
-                raise RequestError(f"mel must be [{self.mels}, {frames}], got {got}", "mel")
+                raise node.RequestError(f"mel must be [{self.mels}, {frames}], got {got}", "mel")
         x = torch.stack([entry["mel"] for entry in batch]).to(device=self.conv1.weight.device,
                                                               dtype=self.conv1.weight.dtype)
         return [{"states": h} for h in self.forward(x).unbind(0)]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 
 SAMPLE_RATE = 16000
 N_FFT = 400
@@ -70,42 +70,42 @@ def log_mel(audio: torch.Tensor, filters: torch.Tensor, window: torch.Tensor) ->
     return (torch.maximum(logs, floor) + 4.0) / 4.0
 
 
-class LogMel(StatelessNode):
+class LogMel(node.StatelessNode):
     """extract(audio: f32[S]) -> (mel: f32[mels, F], frames: int); see the module docstring."""
 
     sampling_rate = SAMPLE_RATE  # what `mstar_runtime.media` resamples an audio file to for this walk
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         mels = spec.config.get("mels")
         if not isinstance(mels, int) or isinstance(mels, bool) or mels < 1:
-            raise NodeError(f"node '{spec.name}': the config value mels must be a positive int, got {mels!r}")
+            raise node.NodeError(f"node '{spec.name}': the config value mels must be a positive int, got {mels!r}")
         self.mels = mels
         seconds = spec.config.get("max_audio_seconds", WINDOW_SECONDS)
         if not isinstance(seconds, int | float) or isinstance(seconds, bool) or seconds < WINDOW_SECONDS:
-            raise NodeError(f"node '{spec.name}': max_audio_seconds must be a number >= {WINDOW_SECONDS}, "
-                            f"got {seconds!r}")
+            raise node.NodeError(f"node '{spec.name}': max_audio_seconds must be a number >= {WINDOW_SECONDS}, "
+                                 f"got {seconds!r}")
         self.max_samples = int(seconds * SAMPLE_RATE)
         self.register_buffer("filters", torch.from_numpy(mel_filters(mels)).to(torch.float32), persistent=False)
         self.register_buffer("window", torch.hann_window(N_FFT), persistent=False)
         self.to(device=spec.device)
 
-    def phase_extract(self, batch: Batch) -> Batch:
+    def phase_extract(self, batch: node.Batch) -> node.Batch:
         dev = self.filters.device
         short = torch.zeros(len(batch), N_SAMPLES, dtype=torch.float32, device=dev)
         long: dict[int, torch.Tensor] = {}
         for i, entry in enumerate(batch):
             audio = entry.get("audio")
             if not isinstance(audio, torch.Tensor) or audio.dim() != 1 or not audio.is_floating_point():
-                raise RequestError("audio must be a 1-D float tensor of 16 kHz samples", "audio")
+                raise node.RequestError("audio must be a 1-D float tensor of 16 kHz samples", "audio")
             if audio.numel() == 0:
-                raise RequestError("audio is empty: there is nothing to transcribe", "audio")
+                raise node.RequestError("audio is empty: there is nothing to transcribe", "audio")
             if audio.numel() > self.max_samples:
-                raise RequestError(f"audio of {audio.numel()} samples ({audio.numel() / SAMPLE_RATE:.2f} s) is "
-                                   f"longer than the {self.max_samples / SAMPLE_RATE:g} s this model takes "
-                                   f"({self.max_samples} samples)", "audio")
+                raise node.RequestError(f"audio of {audio.numel()} samples ({audio.numel() / SAMPLE_RATE:.2f} s) is "
+                                        f"longer than the {self.max_samples / SAMPLE_RATE:g} s this model takes "
+                                        f"({self.max_samples} samples)", "audio")
             if not bool(torch.isfinite(audio).all()):
-                raise RequestError("audio holds NaN or infinite samples", "audio")
+                raise node.RequestError("audio holds NaN or infinite samples", "audio")
             if audio.numel() > N_SAMPLES:
                 long[i] = audio.to(device=dev, dtype=torch.float32)
             else:

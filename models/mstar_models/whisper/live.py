@@ -48,7 +48,7 @@ import torch
 
 from mstar_models.whisper.features import HOP, N_FFT, N_FRAMES, SAMPLE_RATE, WINDOW_SECONDS
 from mstar_models.whisper.windows import FRAME_SECONDS, check_settings, window_at
-from mstar_runtime.ops.node import Batch, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 from mstar_runtime.ops.ports import scalar
 
 
@@ -66,7 +66,7 @@ def digest(window: torch.Tensor) -> str:
 def _samples(entry: dict[str, Any], port: str) -> torch.Tensor:
     value = entry.get(port)
     if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.is_floating_point():
-        raise RequestError("audio must be a 1-D float tensor of 16 kHz samples", "audio")
+        raise node.RequestError("audio must be a 1-D float tensor of 16 kHz samples", "audio")
     return value
 
 
@@ -77,55 +77,56 @@ def _json_list(entry: dict[str, Any], port: str) -> list[Any]:
     except ValueError:
         value = None
     if not isinstance(value, list):
-        raise RequestError(f"{port} must be a JSON list", port)
+        raise node.RequestError(f"{port} must be a JSON list", port)
     return value
 
 
-class Live(StatelessNode):
+class Live(node.StatelessNode):
     """start / hear / note / settle; see the module docstring."""
 
     sampling_rate = SAMPLE_RATE  # what a client's audio is resampled to for this walk (mstar_runtime.media)
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.max_attempts = int(spec.config.get("max_attempts", 1))
         self.max_samples = int(spec.config.get("max_audio_seconds", WINDOW_SECONDS) * SAMPLE_RATE)
 
-    def phase_start(self, batch: Batch) -> Batch:
-        out: Batch = []
+    def phase_start(self, batch: node.Batch) -> node.Batch:
+        out: node.Batch = []
         for entry in batch:
             check_settings(entry, 0, self.max_attempts)  # the audio's length is checked as it arrives
             out.append({"heard": torch.zeros(0), "seek": 0, "cond": scalar(entry, "condition", bool),
                         "segs": "[]", "checks": "[]", "asked": entry.get("language")})
         return out
 
-    def phase_hear(self, batch: Batch) -> Batch:
-        out: Batch = []
+    def phase_hear(self, batch: node.Batch) -> node.Batch:
+        out: node.Batch = []
         for entry in batch:
             part, heard = _samples(entry, "samples"), _samples(entry, "heard")
             if heard.numel() + part.numel() > self.max_samples:
-                raise RequestError(f"audio of more than {self.max_samples} samples "
-                                   f"({self.max_samples / SAMPLE_RATE:g} s) is more than this model takes", "audio")
+                raise node.RequestError(f"audio of more than {self.max_samples} samples "
+                                        f"({self.max_samples / SAMPLE_RATE:g} s) is more than this model takes",
+                                        "audio")
             if not bool(torch.isfinite(part).all()):
-                raise RequestError("audio holds NaN or infinite samples", "audio")
+                raise node.RequestError("audio holds NaN or infinite samples", "audio")
             heard = torch.cat([heard, part.to(heard.device, torch.float32)])
             # `transcribe`'s rule: more than 3,000 frames (a few samples past 30 s are one window still)
             if heard.numel() // HOP > N_FRAMES and not scalar(entry, "timestamps", bool):
-                raise RequestError("audio over 30 s is transcribed 30 s window by window, each starting at a "
-                                   "timestamp the model wrote: it needs timestamps = true", "timestamps")
+                raise node.RequestError("audio over 30 s is transcribed 30 s window by window, each starting at a "
+                                        "timestamp the model wrote: it needs timestamps = true", "timestamps")
             ready = heard.numel() >= samples_for(scalar(entry, "seek", int))
             out.append({"heard": heard, "ready": int(ready), "idle": not ready})
         return out
 
-    def phase_note(self, batch: Batch) -> Batch:
-        out: Batch = []
+    def phase_note(self, batch: node.Batch) -> node.Batch:
+        out: node.Batch = []
         for entry in batch:
             seek, nxt = scalar(entry, "seek", int), scalar(entry, "next", int)
             checks = _json_list(entry, "checks")
             before, after = _json_list(entry, "segs"), _json_list(entry, "next_segs")
             window = entry.get("window")
             if not isinstance(window, torch.Tensor) or window.dim() != 2:
-                raise RequestError("window must be the window's features [mels, 3000]", "window")
+                raise node.RequestError("window must be the window's features [mels, 3000]", "window")
             checks.append({"seek": seek, "segs": len(before), "cond": scalar(entry, "cond", bool),
                            "digest": digest(window)})
             new = after[len(before):]
@@ -137,16 +138,16 @@ class Live(StatelessNode):
                         "finished": nxt >= scalar(entry, "frames", int), "line": json.dumps(line) + "\n"})
         return out
 
-    def phase_ids(self, batch: Batch) -> Batch:
+    def phase_ids(self, batch: node.Batch) -> node.Batch:
         return [{"tokens": torch.tensor([t for s in _json_list(e, "segs") for t in s["tokens"]], dtype=torch.int32)}
                 for e in batch]
 
-    def phase_settle(self, batch: Batch) -> Batch:
-        out: Batch = []
+    def phase_settle(self, batch: node.Batch) -> node.Batch:
+        out: node.Batch = []
         for entry in batch:
             mel, frames = entry.get("mel"), scalar(entry, "frames", int)
             if not isinstance(mel, torch.Tensor) or mel.dim() != 2 or mel.shape[1] != frames:
-                raise RequestError(f"mel must be [mels, {frames}]", "mel")
+                raise node.RequestError(f"mel must be [mels, {frames}]", "mel")
             check_settings(entry, frames, self.max_attempts)
             seek, cond, segs, asked = (scalar(entry, "seek", int), scalar(entry, "cond", bool),
                                        _json_list(entry, "segs"), entry.get("asked"))

@@ -40,13 +40,13 @@ from mstar_models.whisper.tokens import (
     checkpoint_tokenizer,
     layout_of,
 )
-from mstar_runtime.ops.node import Batch, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 
 TASKS = ("transcribe", "translate")
 
 
-class _Tokenized(StatelessNode):
-    def __init__(self, spec: NodeSpec):
+class _Tokenized(node.StatelessNode):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.layout: Layout = layout_of(spec)
         self.tokenizer: Tokenizer = byte_tokenizer(self.layout)
@@ -62,34 +62,34 @@ class _Tokenized(StatelessNode):
 def language_code(value: Any, layout: Layout) -> str:
     """A request's language as a code of this vocabulary ("" for detect); a RequestError otherwise."""
     if not isinstance(value, str):
-        raise RequestError(f"language must be a string, got {type(value).__name__}", "language")
+        raise node.RequestError(f"language must be a string, got {type(value).__name__}", "language")
     lang = value.strip().lower()
     if not lang:
         return ""
     code = LANGUAGE_BY_NAME.get(lang, lang)
     if code not in LANGUAGE_CODES[: layout.languages]:
-        raise RequestError(f"unknown language {value!r}: give an ISO-639-1 code such as 'en' or a name such as "
-                           "'english', or leave it empty to detect it", "language")
+        raise node.RequestError(f"unknown language {value!r}: give an ISO-639-1 code such as 'en' or a name such as "
+                                "'english', or leave it empty to detect it", "language")
     return code
 
 
 class Prompt(_Tokenized):
     """build(language: str, task: str, timestamps: bool, prompt: str) -> (head, language, tail)."""
 
-    def phase_build(self, batch: Batch) -> Batch:
+    def phase_build(self, batch: node.Batch) -> node.Batch:
         lay = self.layout
-        out: Batch = []
+        out: node.Batch = []
         for entry in batch:
             code = language_code(entry.get("language", ""), lay)
             task = entry.get("task")
             if task not in TASKS:
-                raise RequestError(f"task must be one of {', '.join(TASKS)}, got {task!r}", "task")
+                raise node.RequestError(f"task must be one of {', '.join(TASKS)}, got {task!r}", "task")
             timestamps = entry.get("timestamps")
             if not isinstance(timestamps, bool):
-                raise RequestError(f"timestamps must be a bool, got {type(timestamps).__name__}", "timestamps")
+                raise node.RequestError(f"timestamps must be a bool, got {type(timestamps).__name__}", "timestamps")
             text = entry.get("prompt", "")
             if not isinstance(text, str):
-                raise RequestError(f"prompt must be a string, got {type(text).__name__}", "prompt")
+                raise node.RequestError(f"prompt must be a string, got {type(text).__name__}", "prompt")
             head = [lay.sot]
             if text.strip():
                 ids = self.tokenizer.encode(" " + text.strip(), add_special_tokens=False).ids
@@ -106,15 +106,15 @@ class Transcript(_Tokenized):
     """finish(segments: str, lang: i32[1]) -> (text, language, segments);
     detokenize(tokens: i32[N]) -> (text: str)."""
 
-    def phase_finish(self, batch: Batch) -> Batch:
-        out: Batch = []
+    def phase_finish(self, batch: node.Batch) -> node.Batch:
+        out: node.Batch = []
         for entry in batch:
             try:
                 segs = json.loads(entry.get("segments") or "")
             except (TypeError, ValueError):
                 segs = None
             if not isinstance(segs, list) or not all(isinstance(s, dict) and "tokens" in s for s in segs):
-                raise RequestError("segments must be the windows node's JSON list of segments", "segments")
+                raise node.RequestError("segments must be the windows node's JSON list of segments", "segments")
             lang = entry.get("lang")
             code = self.layout.language_of(int(lang.reshape(-1)[0])) if isinstance(lang, torch.Tensor) else ""
             for i, s in enumerate(segs):
@@ -128,11 +128,11 @@ class Transcript(_Tokenized):
         """The text of token ids: special tokens and timestamps dropped."""
         return self.tokenizer.decode([t for t in ids if 0 <= t < self.layout.eot], skip_special_tokens=True)
 
-    def phase_detokenize(self, batch: Batch) -> Batch:
-        out: Batch = []
+    def phase_detokenize(self, batch: node.Batch) -> node.Batch:
+        out: node.Batch = []
         for entry in batch:
             tokens = entry.get("tokens")
             if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
-                raise RequestError("tokens must be a 1-D tensor of token ids", "tokens")
+                raise node.RequestError("tokens must be a 1-D tensor of token ids", "tokens")
             out.append({"text": self.text_of([int(t) for t in tokens.tolist()])})
         return out

@@ -23,7 +23,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from mstar_models.tokenizers import load_tokenizer
-from mstar_runtime.ops.node import NodeError, NodeSpec
+from mstar_runtime.ops import node
 
 # whisper-large-v3's 100 languages in token order (transformers' tokenization_whisper.LANGUAGES)
 LANGUAGES = (
@@ -110,19 +110,19 @@ class Layout:
         return self.translate if task == "translate" else self.transcribe
 
 
-def layout_of(spec: NodeSpec) -> Layout:
+def layout_of(spec: node.NodeSpec) -> Layout:
     """The layout from the model config (`eot`, `sot`, `languages`, `vocab`), checked."""
     c = spec.config
     try:
         layout = Layout(int(c["eot"]), int(c["sot"]), int(c["languages"]), int(c["vocab"]))
     except (KeyError, TypeError, ValueError) as e:
-        raise NodeError(f"node '{spec.name}': the Whisper token layout needs config values eot, sot, "
-                        f"languages and vocab ({e})") from None
+        raise node.NodeError(f"node '{spec.name}': the Whisper token layout needs config values eot, sot, "
+                             f"languages and vocab ({e})") from None
     if not 1 <= layout.languages <= len(LANGUAGE_CODES):
-        raise NodeError(f"node '{spec.name}': languages must be 1..{len(LANGUAGE_CODES)}, got {layout.languages}")
+        raise node.NodeError(f"node '{spec.name}': languages must be 1..{len(LANGUAGE_CODES)}, got {layout.languages}")
     if layout.timestamp_begin + 1501 > layout.vocab:
-        raise NodeError(f"node '{spec.name}': vocab {layout.vocab} has no room for the 1501 timestamp tokens "
-                        f"after {layout.timestamp_begin}")
+        raise node.NodeError(f"node '{spec.name}': vocab {layout.vocab} has no room for the 1501 timestamp tokens "
+                             f"after {layout.timestamp_begin}")
     return layout
 
 

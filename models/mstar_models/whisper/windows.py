@@ -52,7 +52,7 @@ import torch
 
 from mstar_models.whisper.features import N_FRAMES
 from mstar_models.whisper.tokens import TIME_PRECISION, Layout, layout_of
-from mstar_runtime.ops.node import Batch, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 from mstar_runtime.ops.ports import scalar
 
 INPUT_STRIDE = 2  # mel frames per encoder position (the second convolution's stride)
@@ -82,12 +82,13 @@ def temperatures(entry: Mapping[str, Any]) -> list[float]:
     first = scalar(entry, "temperature", float, finite=True)
     rest = entry.get("fallback_temperatures")
     if not isinstance(rest, torch.Tensor) or rest.dim() != 1:
-        raise RequestError("fallback_temperatures must be a 1-D list of temperatures", "fallback_temperatures")
+        raise node.RequestError("fallback_temperatures must be a 1-D list of temperatures", "fallback_temperatures")
     temps = [first, *(float(t) for t in rest.double().tolist())]
     if first < 0:
-        raise RequestError(f"temperature must be >= 0, got {first}", "temperature")
+        raise node.RequestError(f"temperature must be >= 0, got {first}", "temperature")
     if not all(math.isfinite(t) and t >= 0 for t in temps[1:]):
-        raise RequestError(f"fallback_temperatures must be finite and >= 0, got {temps[1:]}", "fallback_temperatures")
+        raise node.RequestError(f"fallback_temperatures must be finite and >= 0, got {temps[1:]}",
+                                "fallback_temperatures")
     return temps
 
 
@@ -95,26 +96,26 @@ def check_settings(entry: Mapping[str, Any], frames: int, max_attempts: int) -> 
     """`start`'s checks of a request's long-form settings, as RequestErrors naming the field
     (the live walk's `live.start` and `live.settle` make them too, live.py)."""
     if frames > N_FRAMES and not scalar(entry, "timestamps", bool):
-        raise RequestError(f"audio of {frames / 100:.2f} s is transcribed 30 s window by window, each "
-                           "starting at a timestamp the model wrote: it needs timestamps = true", "timestamps")
+        raise node.RequestError(f"audio of {frames / 100:.2f} s is transcribed 30 s window by window, each "
+                                "starting at a timestamp the model wrote: it needs timestamps = true", "timestamps")
     temps = temperatures(entry)
     if len(temps) > max_attempts:
-        raise RequestError(f"{len(temps)} temperatures in all; at most {max_attempts} attempts are "
-                           "decoded per window", "fallback_temperatures")
+        raise node.RequestError(f"{len(temps)} temperatures in all; at most {max_attempts} attempts are "
+                                "decoded per window", "fallback_temperatures")
     ratio = scalar(entry, "compression_ratio_threshold", float, finite=True)
     logprob = scalar(entry, "logprob_threshold", float, finite=True)
     no_speech = scalar(entry, "no_speech_threshold", float, finite=True)
     if ratio < 0:
-        raise RequestError(f"compression_ratio_threshold must be >= 0 (0: off), got {ratio}",
-                           "compression_ratio_threshold")
+        raise node.RequestError(f"compression_ratio_threshold must be >= 0 (0: off), got {ratio}",
+                                "compression_ratio_threshold")
     if logprob > 0:
-        raise RequestError(f"logprob_threshold must be <= 0 (0: off), got {logprob}", "logprob_threshold")
+        raise node.RequestError(f"logprob_threshold must be <= 0 (0: off), got {logprob}", "logprob_threshold")
     if not 0 <= no_speech <= 1:
-        raise RequestError(f"no_speech_threshold must lie in [0, 1] (0: off), got {no_speech}",
-                           "no_speech_threshold")
+        raise node.RequestError(f"no_speech_threshold must lie in [0, 1] (0: off), got {no_speech}",
+                                "no_speech_threshold")
     if no_speech and not logprob:
-        raise RequestError("no_speech_threshold skips a window whose mean log-probability is below "
-                           "logprob_threshold: give that too", "no_speech_threshold")
+        raise node.RequestError("no_speech_threshold skips a window whose mean log-probability is below "
+                                "logprob_threshold: give that too", "no_speech_threshold")
 
 
 def window_at(mel: torch.Tensor, seek: int, frames: int) -> tuple[torch.Tensor, int]:
@@ -157,14 +158,14 @@ def window_segments(seq: Sequence[int], seek: int, span: int, tb: int) -> tuple[
 def _ids(entry: Mapping[str, Any], port: str) -> list[int]:
     value = entry.get(port)
     if not isinstance(value, torch.Tensor) or value.dim() != 1:
-        raise RequestError(f"{port} must be a 1-D tensor", port)
+        raise node.RequestError(f"{port} must be a 1-D tensor", port)
     return [int(v) for v in value.tolist()]
 
 
 def _floats(entry: Mapping[str, Any], port: str) -> list[float]:
     value = entry.get(port)
     if not isinstance(value, torch.Tensor) or value.dim() != 1:
-        raise RequestError(f"{port} must be a 1-D tensor", port)
+        raise node.RequestError(f"{port} must be a 1-D tensor", port)
     return [float(v) for v in value.float().tolist()]
 
 
@@ -175,36 +176,36 @@ def _segments(entry: Mapping[str, Any]) -> list[dict[str, Any]]:
     except ValueError:
         segs = None
     if not isinstance(segs, list):
-        raise RequestError("segs must be the JSON list of the segments so far", "segs")
+        raise node.RequestError("segs must be the JSON list of the segments so far", "segs")
     return segs
 
 
-class Windows(StatelessNode):
+class Windows(node.StatelessNode):
     """start / cut / judge / advance; see the module docstring."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.layout: Layout = layout_of(spec)
         self.max_text = int(spec.config.get("target_positions", 448))
         self.max_attempts = int(spec.config.get("max_attempts", 1))
 
-    def phase_start(self, batch: Batch) -> Batch:
-        out: Batch = []
+    def phase_start(self, batch: node.Batch) -> node.Batch:
+        out: node.Batch = []
         for entry in batch:
             frames = scalar(entry, "frames", int)
             check_settings(entry, frames, self.max_attempts)
             out.append({"seek": 0, "cond": scalar(entry, "condition", bool), "segs": "[]", "finished": frames <= 0})
         return out
 
-    def phase_cut(self, batch: Batch) -> Batch:
+    def phase_cut(self, batch: node.Batch) -> node.Batch:
         lay = self.layout
-        out: Batch = []
+        out: node.Batch = []
         for entry in batch:
             mel, seek, frames = entry.get("mel"), scalar(entry, "seek", int), scalar(entry, "frames", int)
             if not isinstance(mel, torch.Tensor) or mel.dim() != 2 or mel.shape[1] != frames:
-                raise RequestError(f"mel must be [mels, {frames}]", "mel")
+                raise node.RequestError(f"mel must be [mels, {frames}]", "mel")
             if seek < 0:
-                raise RequestError(f"seek must be >= 0, got {seek}", "seek")
+                raise node.RequestError(f"seek must be >= 0, got {seek}", "seek")
             # a seek past the end is the speculative window after the last (thrown away): empty
             window, span = window_at(mel, seek, frames)
             head = _ids(entry, "head")
@@ -224,8 +225,8 @@ class Windows(StatelessNode):
                         "got": torch.zeros(0, dtype=torch.int32), "stats": torch.zeros(len(STATS) + 1)})
         return out
 
-    def phase_judge(self, batch: Batch) -> Batch:
-        out: Batch = []
+    def phase_judge(self, batch: node.Batch) -> node.Batch:
+        out: node.Batch = []
         for entry in batch:
             seq = _ids(entry, "tokens") + _ids(entry, "last")
             logprobs = _floats(entry, "logprobs") + _floats(entry, "logprob")
@@ -248,9 +249,9 @@ class Windows(StatelessNode):
                         "stats": torch.tensor([avg, ratio, no_speech, temp, float(skip)])})
         return out
 
-    def phase_advance(self, batch: Batch) -> Batch:
+    def phase_advance(self, batch: node.Batch) -> node.Batch:
         tb = self.layout.timestamp_begin
-        out: Batch = []
+        out: node.Batch = []
         for entry in batch:
             seq, stats = _ids(entry, "tokens"), _floats(entry, "stats")
             seek, span, frames = (scalar(entry, p, int) for p in ("seek", "span", "frames"))

@@ -278,3 +278,18 @@ def test_the_shipped_plan_names_the_feature(chain_plan: Path, tmp_path: Path, ca
     assert mstarc(["explain", str(chain_plan)]) == 0
     assert "[cohort chain: chain.s4 fed token<-token | chain.s5 fed none, chained token<-chain.s4.token]" in \
         capsys.readouterr().out
+
+
+def test_a_wasted_iteration_runs_the_chains_first_call_only(chain_plan: Path) -> None:
+    """What a chained cohort must match (docs/runtime.md, "Decode cohorts": chains): the
+    generic loop reads iteration i's flag once iteration i+1's first call is back, so a
+    stopped row's wasted iteration runs `lm.decode` and never `lm2.decode`: lm2 decodes once a
+    valid iteration, lm once more per request."""
+    conductor = _engine(chain_plan, "generic")
+    got = _run(conductor, CHAINS)
+    assert all(h.state == FINISHED for h in got)
+    entries = {phase: s["entries"] for phase, s in conductor.workers[0].stats()["nodes"]["lm2"].items()}
+    lm = conductor.workers[0].stats()["nodes"]["lm"]["decode"]["entries"]
+    valid = sum(int(h.outputs["echoed"].numel()) for h in got)
+    assert entries["decode"] == valid and lm == valid + sum(h.stats.wasted_steps for h in got)
+    assert sum(h.stats.wasted_steps for h in got) == len(CHAINS)  # each row's flag ended its loop

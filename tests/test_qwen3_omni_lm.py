@@ -383,6 +383,27 @@ def test_speech_batch_equals_each_request_alone(lm_nodes: dict[str, Any], encode
     assert not torch.equal(together[1]["a"], together[1]["b"])
 
 
+def test_the_talker_prefill_state_owns_its_tensors(plan: Plan) -> None:
+    """A request's talker state keeps its own tensors, not views of the prefill batch's: the
+    tts_pad row (`pad`) was a row of the whole batch's projected prompt [tokens, hidden], which
+    stayed alive as long as any request of the batch did."""
+    talker = TalkerMoE(node_spec(plan, "talker")).eval()
+    load_weights(talker, plan, "talker", "dummy")
+    run = Harness(talker, TALKER, watch=None)
+    width = talker.thinker_hidden
+    entries = [(rid, {"states": torch.randn(n, width), "mm": torch.zeros(n, dtype=torch.bool),
+                      "positions": torch.arange(n, dtype=torch.float32).expand(3, n), **GREEDY,
+                      "repetition_penalty": 1.0, "max_frames": 4})
+               for rid, n in (("a", 12), ("b", 9))]
+    run.step("prefill", entries)
+    for rid, _ in entries:
+        state = run.engine.state(rid, "main")
+        for key, t in state.items():
+            if isinstance(t, torch.Tensor):
+                held = t.untyped_storage().nbytes()
+                assert held == t.numel() * t.element_size(), (rid, key, held)
+
+
 # ------------------------------------------------------------------------------ bad input
 def test_bad_inputs_fail_the_request_with_a_clear_error(plan: Plan, lm_nodes: dict[str, Any],
                                                         encoded: dict[str, torch.Tensor]) -> None:

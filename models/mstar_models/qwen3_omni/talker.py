@@ -230,7 +230,8 @@ class TalkerMoE(DecoderNode):
             seq.state.clear()
             seq.state.update(
                 sampling=params, max_frames=max_frames, frames=0, codec=bos.clone(),
-                pad=text[offset + n - PROMPT_TAIL], delta=float(pos[0, -1]) + 1 - n,
+                # its own copy: a view would keep the batch's whole projected prompt alive
+                pad=text[offset + n - PROMPT_TAIL].clone(), delta=float(pos[0, -1]) + 1 - n,
                 finished=torch.zeros((), dtype=torch.bool, device=dev),
                 seen=torch.zeros(self.vocab, dtype=torch.bool, device=dev),
                 # the walk gives the thinker, the talker and the predictor one seed: each draws

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from mstar_runtime.ops.node import NodeError
+from mstar_runtime.ops import node
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
@@ -14,4 +14,4 @@ def load_tokenizer(path: Path) -> Tokenizer:
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # the library raises a bare Exception for unreadable or corrupt files
-        raise NodeError(f"cannot read tokenizer '{path}': {e}") from None
+        raise node.NodeError(f"cannot read tokenizer '{path}': {e}") from None

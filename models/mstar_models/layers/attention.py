@@ -33,7 +33,7 @@ from torch import nn
 from mstar_models.layers.linear import FusedRows, RowParallel
 from mstar_models.layers.norm import RMSNorm
 from mstar_models.layers.rotary import apply_rope
-from mstar_runtime.ops.node import RequestError, SeqPlan
+from mstar_runtime.ops import node
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -106,10 +106,10 @@ class MultiHeadAttention(FusedRows):
         return k.reshape(shape), v.reshape(shape)
 
 
-def cross_plan(shapes: Mapping[str, tuple[int, ...]], port: str = "states") -> SeqPlan:
+def cross_plan(shapes: Mapping[str, tuple[int, ...]], port: str = "states") -> node.SeqPlan:
     """The KV plan of a phase that stores the encoder states at `port` ([frames, hidden]) as a
     cross-attention's keys and values: one entry a frame, all written at once (mask "full")."""
     shape = tuple(shapes.get(port, ()))
     if len(shape) != 2:
-        raise RequestError(f"{port} must be [frames, hidden], got shape {shape}", port)
-    return SeqPlan(q_len=shape[0], mask="full")
+        raise node.RequestError(f"{port} must be [frames, hidden], got shape {shape}", port)
+    return node.SeqPlan(q_len=shape[0], mask="full")

@@ -38,8 +38,7 @@ from torch import nn
 
 from mstar_models.layers.attention import Attend, Attention
 from mstar_models.layers.norm import RMSNorm
-from mstar_runtime.ops import fused
-from mstar_runtime.ops.node import KVGeometry, KVNode
+from mstar_runtime.ops import fused, node
 
 AfterLayer = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -75,11 +74,11 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(hidden, eps, unit_offset=unit_offset, **factory)
 
     @property
-    def kv_geometry(self) -> KVGeometry:
+    def kv_geometry(self) -> node.KVGeometry:
         """This rank's K/V layout (one entry per token and layer, this rank's KV heads): what
         the node's `kv_geometry` gives the engine to size its pool."""
         attn = self.layers[0].self_attn
-        return KVGeometry(len(self.layers), attn.kv_heads, attn.head_dim)
+        return node.KVGeometry(len(self.layers), attn.kv_heads, attn.head_dim)
 
     def quantize_fp8_(self) -> None:
         """Every layer's attention and MLP projections to FP8 (`FusedRows.quantize_fp8_`); a
@@ -121,14 +120,14 @@ class Decoder(nn.Module):
         return self.norm(h)
 
 
-class DecoderNode(KVNode):
+class DecoderNode(node.KVNode):
     """A KV node whose paged K/V are written by the `Decoder` at `self.model`: its
     `kv_geometry` is that stack's (this rank's KV heads), which sizes the node's pool."""
 
     model: Decoder
 
     @property
-    def kv_geometry(self) -> KVGeometry:
+    def kv_geometry(self) -> node.KVGeometry:
         return self.model.kv_geometry
 
     def quantize_weights(self, fmt: str) -> None:

@@ -67,12 +67,11 @@ from mstar_models.layers.embedding import LMHead, VocabEmbedding, lm_logits
 from mstar_models.layers.init import seeded_init_
 from mstar_models.layers.mlp import GatedMLP
 from mstar_models.layers.rotary import llama3_inv_freq, rope_tables
+from mstar_runtime import sampling
 from mstar_runtime.kv.prefix_cache import token_keys
-from mstar_runtime.ops import tp
-from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
+from mstar_runtime.ops import node, tp
 from mstar_runtime.ops.ports import config_value, max_seq_len
 from mstar_runtime.ops.readback import Lazy, Readback, upload_tensor
-from mstar_runtime.sampling import REQUIRED, SamplingParams, SamplingPorts, read_sampling, sample
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -85,7 +84,8 @@ TOKEN_DEFAULTS = {
 }
 
 # the prefill's sampling ports (the walk gives every one; a seed it may leave out)
-SAMPLING_PORTS = SamplingPorts(temperature=REQUIRED, top_p=REQUIRED, repetition_penalty=REQUIRED)
+SAMPLING_PORTS = sampling.SamplingPorts(temperature=sampling.REQUIRED, top_p=sampling.REQUIRED,
+                                        repetition_penalty=sampling.REQUIRED)
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -99,14 +99,14 @@ def _code_items(codes: torch.Tensor, code: int, i: int) -> torch.Tensor:
 class LlamaBackbone(DecoderNode):
     """The Orpheus LLM node; see the module docstring for its phases, state and settings."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         g = lambda name, *default: config_value(spec, name, *default, owner="LlamaBackbone")  # noqa: E731
         self.vocab, self.hidden, self.layers = int(g("vocab")), int(g("hidden")), int(g("layers"))
         self.heads, self.kv_heads, self.head_dim = int(g("heads")), int(g("kv_heads")), int(g("head_dim"))
         self.tied = bool(g("tie_embeddings", False))
         if self.heads % self.kv_heads or self.head_dim % 2:
-            raise NodeError(
+            raise node.NodeError(
                 f"node '{spec.name}': heads ({self.heads}) must be a multiple of kv_heads "
                 f"({self.kv_heads}) and head_dim ({self.head_dim}) even"
             )
@@ -117,7 +117,7 @@ class LlamaBackbone(DecoderNode):
         self.max_seq_len = max_seq_len(spec)
         self.audio_only = spec.settings.get("audio_only", False) is True
         if self.audio_only and self.audio_offset + self.frame_tokens * self.codebook > self.vocab:
-            raise NodeError(f"node '{spec.name}': audio_only needs the audio ids below vocab {self.vocab}")
+            raise node.NodeError(f"node '{spec.name}': audio_only needs the audio ids below vocab {self.vocab}")
         intermediate = int(g("intermediate"))
         self._init_tp(spec, intermediate)
 
@@ -143,7 +143,7 @@ class LlamaBackbone(DecoderNode):
         inv_freq = llama3_inv_freq(self.head_dim, float(g("rope_theta", 500000.0)))
         self.register_buffer("inv_freq", inv_freq.to(spec.device), persistent=False)
 
-    def _init_tp(self, spec: NodeSpec, intermediate: int) -> None:
+    def _init_tp(self, spec: node.NodeSpec, intermediate: int) -> None:
         """This rank's share of the node (`tp.MegatronLayout`: q/k/v and gate/up by output
         features, o_proj and down_proj by input features, then an all-reduce; the embedding and
         the head, tied or not, by vocab rows; KV heads split or replicated)."""
@@ -155,23 +155,23 @@ class LlamaBackbone(DecoderNode):
 
     # ------------------------------------------------------------------ contract
     @classmethod
-    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: node.NodeSpec) -> node.SeqPlan:
         if phase == "prefill":
             shape = tuple(shapes["prompt"])
             if len(shape) != 1 or shape[0] < 1:
-                raise RequestError(f"prompt must be a 1-D, non-empty token list, got shape {shape}", "prompt")
+                raise node.RequestError(f"prompt must be a 1-D, non-empty token list, got shape {shape}", "prompt")
             limit = max_seq_len(spec)
             if shape[0] > limit:
-                raise RequestError(
+                raise node.RequestError(
                     f"prompt of {shape[0]} tokens is longer than max_seq_len {limit}", "prompt"
                 )
-            return SeqPlan(q_len=shape[0])
+            return node.SeqPlan(q_len=shape[0])
         if phase == "decode":
-            return SeqPlan(q_len=1)
-        raise NodeError(f"node '{spec.name}' (LlamaBackbone) has no phase '{phase}'")
+            return node.SeqPlan(q_len=1)
+        raise node.NodeError(f"node '{spec.name}' (LlamaBackbone) has no phase '{phase}'")
 
     @classmethod
-    def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: NodeSpec) -> list[int] | None:
+    def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: node.NodeSpec) -> list[int] | None:
         """A prefill's KV depends on its prompt's token ids (and what precedes them) only."""
         return token_keys(inputs.get("prompt")) if phase == "prefill" else None
 
@@ -186,7 +186,7 @@ class LlamaBackbone(DecoderNode):
         return decode_phase(self)
 
     # ------------------------------------------------------------------ phases
-    def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_prefill(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         # Validate every entry before touching any state: a RequestError makes the conductor
         # rerun the entries one by one, which must find them as they were.
         # a prefix found cached (`seq.cached` leading prompt tokens) is in the KV already: the
@@ -232,18 +232,18 @@ class LlamaBackbone(DecoderNode):
     # ------------------------------------------------------------------ sampling
     def _check_prefill(
         self, entry: Mapping[str, Any], start: int, q_len: int
-    ) -> tuple[torch.Tensor, SamplingParams, int]:
+    ) -> tuple[torch.Tensor, sampling.SamplingParams, int]:
         prompt = entry.get("prompt")
         if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0:
-            raise RequestError("prompt must be a 1-D, non-empty tensor of token ids", "prompt")
+            raise node.RequestError("prompt must be a 1-D, non-empty tensor of token ids", "prompt")
         if prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
-            raise RequestError(f"prompt must hold integer token ids, got {prompt.dtype}", "prompt")
+            raise node.RequestError(f"prompt must hold integer token ids, got {prompt.dtype}", "prompt")
         if prompt.numel() != q_len:
-            raise NodeError(
+            raise node.NodeError(
                 f"node '{self.spec.name}': prefill of {prompt.numel()} tokens got {q_len} KV slots"
             )
         if start + q_len > self.max_seq_len:
-            raise RequestError(
+            raise node.RequestError(
                 f"prompt of {q_len} tokens (context {start + q_len}) is longer than "
                 f"max_seq_len {self.max_seq_len}",
                 "prompt",
@@ -251,14 +251,14 @@ class LlamaBackbone(DecoderNode):
         # free for the prompt builder's host tensors; a device prompt costs one read per request
         lo, hi = prompt.aminmax()
         if int(lo) < 0 or int(hi) >= self.vocab:
-            raise RequestError(
+            raise node.RequestError(
                 f"prompt token ids must lie in [0, {self.vocab}), got [{int(lo)}, {int(hi)}]", "prompt"
             )
-        params = read_sampling(entry, SAMPLING_PORTS)
+        params = sampling.read_sampling(entry, SAMPLING_PORTS)
         return prompt, params, params.max_tokens
 
     def _new_history(
-        self, prompt: torch.Tensor, start: int, max_tokens: int, params: SamplingParams
+        self, prompt: torch.Tensor, start: int, max_tokens: int, params: sampling.SamplingParams
     ) -> torch.Tensor | None:
         if params.repetition_penalty == 1.0:
             return None
@@ -269,7 +269,7 @@ class LlamaBackbone(DecoderNode):
         hist[start : start + prompt.numel()] = prompt
         return hist
 
-    def _next_tokens(self, logits: torch.Tensor, attn: AttentionContext) -> Batch:
+    def _next_tokens(self, logits: torch.Tensor, attn: node.AttentionContext) -> node.Batch:
         """Sample one token per entry (one sampler call for the batch) and map it to its code.
 
         Nothing here waits for the device: the code position `k` lives on the device, the
@@ -289,7 +289,7 @@ class LlamaBackbone(DecoderNode):
             None if st["history"] is None else st["history"][: min(kv, st["history"].numel())]
             for st, kv in zip(states, kv_after)
         ]
-        tokens = sample(logits, [st["sampling"] for st in states], histories, [st["step"] for st in states])
+        tokens = sampling.sample(logits, [st["sampling"] for st in states], histories, [st["step"] for st in states])
         codes = tokens - lo
         is_code = (codes >= 0) & (codes < self.codebook)
         for st, k_next in zip(states, (k + is_code).unbind(0)):
@@ -300,7 +300,7 @@ class LlamaBackbone(DecoderNode):
         tok32 = tokens.to(torch.int32)
         # the step's codes as one host int32 tensor, made on first use; each entry's items are a view
         codes_host = Lazy(lambda: torch.tensor(back.values()[1], dtype=torch.int32))
-        out: Batch = []
+        out: node.Batch = []
         for i, (st, kv) in enumerate(zip(states, kv_after)):
             st["step"] += 1
             # the limits are host facts; only end_of_speech needs the sampled token

@@ -22,24 +22,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mstar_runtime import sampling
+from mstar_runtime.ops import node
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
-from mstar_runtime.ops.node import RequestError
 from mstar_runtime.ops.ports import fed_token
-from mstar_runtime.sampling import SamplingColumns, sample_columns, sampling_row
 
 if TYPE_CHECKING:
     from mstar_models.orpheus.backbone import LlamaBackbone
 
 
-def decode_phase(node: LlamaBackbone) -> CohortPhase:
-    width = node.max_seq_len + 1
-    device = node.inv_freq.device
+def decode_phase(backbone: LlamaBackbone) -> CohortPhase:
+    width = backbone.max_seq_len + 1
+    device = backbone.inv_freq.device
 
     def join(state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
         if "sampling" not in state:
-            raise RequestError("decode on a KV context that was never prefilled", "token")
+            raise node.RequestError("decode on a KV context that was never prefilled", "token")
         fed_token(inputs)  # a plain call's entry: its fed token (a cohort's join sees none)
-        cols = sampling_row(state["sampling"], state["step"])  # host values: uploaded without a wait
+        cols = sampling.sampling_row(state["sampling"], state["step"])  # host values: uploaded without a wait
         hist = torch.full((width,), -1, dtype=torch.long, device=device)
         if state["history"] is not None:
             hist[: state["history"].numel()] = state["history"]
@@ -58,19 +58,19 @@ def decode_phase(node: LlamaBackbone) -> CohortPhase:
         # the fed token at its KV position (a wasted decode after `done` may write past a row's
         # own history: its leave copies back only the part the request owns)
         c["history"].scatter_(1, b.positions.clamp(max=width - 1)[:, None], ids[:, None])
-        logits = node.head(node.forward_hidden(ids, b.positions, b.attend))
-        lo = node.audio_offset + (c["k"] % node.frame_tokens) * node.codebook
-        if node.audio_only:
+        logits = backbone.head(backbone.forward_hidden(ids, b.positions, b.attend))
+        lo = backbone.audio_offset + (c["k"] % backbone.frame_tokens) * backbone.codebook
+        if backbone.audio_only:
             vocab = torch.arange(logits.shape[1], device=logits.device)[None, :]
-            allowed = ((vocab >= lo[:, None]) & (vocab < lo[:, None] + node.codebook)) | (vocab == node.eos)
+            allowed = ((vocab >= lo[:, None]) & (vocab < lo[:, None] + backbone.codebook)) | (vocab == backbone.eos)
             logits = logits.masked_fill(~allowed, float("-inf"))
-        tokens = sample_columns(logits, SamplingColumns.from_cohort(c, history=c["history"]))
+        tokens = sampling.sample_columns(logits, sampling.SamplingColumns.from_cohort(c, history=c["history"]))
         codes = tokens - lo
-        is_code = (codes >= 0) & (codes < node.codebook)
+        is_code = (codes >= 0) & (codes < backbone.codebook)
         c["k"].add_(is_code.long())
         c["step"].add_(1)
         kv_after = b.positions + 1
-        done = (c["step"] >= c["max_tokens"]) | (kv_after >= node.max_seq_len) | (tokens == node.eos)
+        done = (c["step"] >= c["max_tokens"]) | (kv_after >= backbone.max_seq_len) | (tokens == backbone.eos)
         return {"token": tokens.to(torch.int32)[:, None], "code": codes.to(torch.int32)[:, None],
                 "code:count": is_code.long(), "done": done}
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mstar_models.tokenizers import load_tokenizer
-from mstar_runtime.ops.node import Batch, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 
 START_OF_HUMAN, END_OF_HUMAN, START_OF_AI, START_OF_SPEECH = 128259, 128260, 128261, 128257
 BOS, EOT = 128000, 128009  # Llama 3's <|begin_of_text|> and <|eot_id|>
@@ -31,10 +31,10 @@ BUNDLED_TOKENIZER = Path(__file__).resolve().parent / "tokenizer_tiny.json"
 CHECKPOINT_TOKENIZER = "tokenizer.json"
 
 
-class PromptBuilder(StatelessNode):
+class PromptBuilder(node.StatelessNode):
     """build(text: str, voice: str) -> (tokens: i32[T]); see the module docstring."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.tokenizer_path = BUNDLED_TOKENIZER
         self.tokenizer = load_tokenizer(BUNDLED_TOKENIZER)
@@ -57,7 +57,7 @@ class PromptBuilder(StatelessNode):
             out.append(PREFIX + ids + SUFFIX)
         return out
 
-    def phase_build(self, batch: Batch) -> Batch:
+    def phase_build(self, batch: node.Batch) -> node.Batch:
         texts = [_text(entry) for entry in batch]
         voices = [_voice(entry) for entry in batch]
         # host tensors: the backbone checks the ids on the host and uploads them without a
@@ -68,14 +68,14 @@ class PromptBuilder(StatelessNode):
 def _text(entry: dict[str, Any]) -> str:
     text = entry.get("text")
     if not isinstance(text, str):
-        raise RequestError(f"text must be a string, got {type(text).__name__}", "text")
+        raise node.RequestError(f"text must be a string, got {type(text).__name__}", "text")
     if not text.strip():
-        raise RequestError("text is empty: there is nothing to say", "text")
+        raise node.RequestError("text is empty: there is nothing to say", "text")
     return text
 
 
 def _voice(entry: dict[str, Any]) -> str:
     voice = entry.get("voice")
     if voice not in VOICES:
-        raise RequestError(f"unknown voice {voice!r}; voices: {', '.join(VOICES)}", "voice")
+        raise node.RequestError(f"unknown voice {voice!r}; voices: {', '.join(VOICES)}", "voice")
     return voice

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_runtime.engine.stateless_graphs import GraphPhase, Prepared, run_phase
-from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 from mstar_runtime.ops.readback import Readback, upload_tensor
 
 # Orpheus' 7-code frame (docs/models/orpheus.md, Facts): position in the frame -> SNAC layer.
@@ -274,36 +274,36 @@ def counter_normal(keys: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tens
 
 
 # ------------------------------------------------------------------------------- node
-class SnacDecoder(StatelessNode):
+class SnacDecoder(node.StatelessNode):
     """decode(codes: i32[28]) -> (pcm: f32[2048]); see the module docstring."""
 
     # the SNAC checkpoint ships beside the backbone's: --weights DIR holds it in DIR/snac/
     checkpoint_subdir: ClassVar[str] = "snac"
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         a = _config(spec)
         self.codebook_size = a["codebook_size"]
         strides = tuple(a["vq_strides"])
         if strides != ORPHEUS_VQ_STRIDES:
-            raise NodeError(f"node '{spec.name}': the Orpheus 7-code layout needs vq_strides "
-                            f"{list(ORPHEUS_VQ_STRIDES)}, got {list(strides)}")
+            raise node.NodeError(f"node '{spec.name}': the Orpheus 7-code layout needs vq_strides "
+                                 f"{list(ORPHEUS_VQ_STRIDES)}, got {list(strides)}")
         latent = a["encoder_dim"] * 2 ** len(a["encoder_rates"])  # config.json's latent_dim=None
         rates = tuple(a["decoder_rates"])
         if a["decoder_dim"] % 2 ** len(rates):
-            raise NodeError(f"node '{spec.name}': decoder_dim {a['decoder_dim']} is not divisible "
-                            f"by 2^{len(rates)}")
+            raise node.NodeError(f"node '{spec.name}': decoder_dim {a['decoder_dim']} is not divisible "
+                                 f"by 2^{len(rates)}")
         self.latent_len = WINDOW_FRAMES * strides[0]  # latent steps of one window (16)
         attn = a["attn_window"]
         if attn and (self.latent_len % attn or a["decoder_dim"] % _ATTN_HEAD_DIM):
-            raise NodeError(f"node '{spec.name}': attn_window {attn} must divide the window's "
-                            f"{self.latent_len} latent steps and decoder_dim be a multiple of "
-                            f"{_ATTN_HEAD_DIM}")
+            raise node.NodeError(f"node '{spec.name}': attn_window {attn} must divide the window's "
+                                 f"{self.latent_len} latent steps and decoder_dim be a multiple of "
+                                 f"{_ATTN_HEAD_DIM}")
         self.frame_samples = math.prod(rates) * strides[0]  # 2048
         want = spec.config.get("snac_window_samples")
         if want is not None and want != self.frame_samples:
-            raise NodeError(f"node '{spec.name}': snac_window_samples is {want}, but the rates give "
-                            f"{self.frame_samples} samples per coarse frame")
+            raise node.NodeError(f"node '{spec.name}': snac_window_samples is {want}, but the rates give "
+                                 f"{self.frame_samples} samples per coarse frame")
         # noise lengths per DecoderBlock: the latent length times the rates so far
         self.noise_lens = [self.latent_len * math.prod(rates[: i + 1]) for i in range(len(rates))]
         self.has_noise = bool(a["noise"])
@@ -363,20 +363,20 @@ class SnacDecoder(StatelessNode):
         """The stateless-graph contract (runtime/mstar_runtime/engine/stateless_graphs.py) for `decode`."""
         return self._decode_phase() if phase == "decode" else None
 
-    def phase_decode(self, batch: Batch) -> Batch:
+    def phase_decode(self, batch: node.Batch) -> node.Batch:
         return run_phase(self._decode_phase(), batch)  # eagerly: the engine's runner is not here
 
     def _decode_phase(self) -> GraphPhase:
         return GraphPhase(self.device, self._prepare_decode, self.decode_windows, _finish_decode)
 
-    def _prepare_decode(self, batch: Batch) -> Prepared:
+    def _prepare_decode(self, batch: node.Batch) -> Prepared:
         """Validation and inputs of `decode_windows` (module docstring, "CUDA graphs")."""
         for entry in batch:
             c = entry["codes"]
             if not isinstance(c, torch.Tensor) or tuple(c.shape) != (self.window,) or c.is_floating_point():
                 got = tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__
-                raise RequestError(f"codes must be {self.window} integer SNAC codes (4 frames of 7), "
-                                   f"got {got}", "codes")
+                raise node.RequestError(f"codes must be {self.window} integer SNAC codes (4 frames of 7), "
+                                        f"got {got}", "codes")
         words = torch.tensor([key_words(int(e.get("seed", 0)), int(e.get("codes:index", 0))) for e in batch],
                              dtype=torch.int64)
         codes = [entry["codes"] for entry in batch]
@@ -393,7 +393,7 @@ class SnacDecoder(StatelessNode):
     def _reject_bad_codes(self, report: list[list[int]]) -> None:
         for bad, first in report:
             if bad:
-                raise RequestError(f"codes must lie in [0, {self.codebook_size}); got {first}", "codes")
+                raise node.RequestError(f"codes must lie in [0, {self.codebook_size}); got {first}", "codes")
 
 
 def bad_code_report(windows: torch.Tensor, codebook_size: int) -> torch.Tensor:
@@ -406,11 +406,11 @@ def bad_code_report(windows: torch.Tensor, codebook_size: int) -> torch.Tensor:
     return torch.stack([bad.long(), torch.where(bad, first, torch.zeros_like(first))], dim=1)
 
 
-def _finish_decode(batch: Batch, pcm: torch.Tensor) -> Batch:
+def _finish_decode(batch: node.Batch, pcm: torch.Tensor) -> node.Batch:
     return [{"pcm": p} for p in pcm.unbind(0)]
 
 
-def _config(spec: NodeSpec) -> Mapping[str, Any]:
+def _config(spec: node.NodeSpec) -> Mapping[str, Any]:
     """The SNAC sizes: the node's `arch snac_decoder(...)` arguments (what its weights were
     checked against), else the model config's `snac_*` values."""
     names = ("encoder_dim", "encoder_rates", "decoder_dim", "decoder_rates", "codebook_dim",
@@ -424,6 +424,6 @@ def _config(spec: NodeSpec) -> Mapping[str, Any]:
         elif f"snac_{n}" in spec.config:
             out[n] = spec.config[f"snac_{n}"]
         else:
-            raise NodeError(f"node '{spec.name}': SNAC setting '{n}' is neither an arch argument "
-                            f"nor config 'snac_{n}'")
+            raise node.NodeError(f"node '{spec.name}': SNAC setting '{n}' is neither an arch argument "
+                                 f"nor config 'snac_{n}'")
     return out

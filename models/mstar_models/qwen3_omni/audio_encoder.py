@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 from mstar_runtime.ops.ports import arch_values, setting_value
 
 # released thinker_config.audio_config values the arch line does not carry
@@ -127,25 +127,25 @@ class AudioEncoderLayer(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
 
-class AudioEncoder(StatelessNode):
+class AudioEncoder(node.StatelessNode):
     """encode(mel: f32[mel_bins, F]) -> (embeds: [Na, hidden]); see the module docstring."""
 
     checkpoint_prefix: ClassVar[str] = "thinker.audio_tower."
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         a = _args(spec)
         d, c, self.mel_bins = a["dim"], a["conv_dim"], a["mel_bins"]
         if d % a["heads"] or d % 2:
-            raise NodeError(f"node '{spec.name}': dim {d} must be even and divisible by heads {a['heads']}")
+            raise node.NodeError(f"node '{spec.name}': dim {d} must be even and divisible by heads {a['heads']}")
         self.out_dim = a["out_dim"]
         self.n_window = int(setting_value(spec, "n_window", N_WINDOW, "audio_"))
         self.n_window_infer = int(setting_value(spec, "n_window_infer", N_WINDOW_INFER, "audio_"))
         self.conv_chunksize = int(setting_value(spec, "conv_chunksize", CONV_CHUNKSIZE, "audio_"))
         self.chunk = 2 * self.n_window
         if self.n_window_infer % self.chunk:
-            raise NodeError(f"node '{spec.name}': n_window_infer {self.n_window_infer} is not a multiple of "
-                            f"2 * n_window = {self.chunk}")
+            raise node.NodeError(f"node '{spec.name}': n_window_infer {self.n_window_infer} is not a multiple of "
+                                 f"2 * n_window = {self.chunk}")
         self.tokens_per_chunk = conv_out_len(self.chunk)
         self.window_tokens = self.tokens_per_chunk * (self.n_window_infer // self.chunk)
         self.conv2d1 = nn.Conv2d(1, c, 3, 2, padding=1)
@@ -226,7 +226,7 @@ class AudioEncoder(StatelessNode):
         return out
 
     # ---- the phase
-    def phase_encode(self, batch: Batch) -> Batch:
+    def phase_encode(self, batch: node.Batch) -> node.Batch:
         """Each entry's clips (`clips`: frames per clip of its mel; absent or empty: one clip)
         encoded apart, as transformers' audio tower encodes each of its `feature_lens` in one
         call (a short clip beside others is padded there, as here), and their rows joined in
@@ -250,8 +250,8 @@ class AudioEncoder(StatelessNode):
         frames = [int(v) for v in clips.reshape(-1).tolist()] if isinstance(clips, torch.Tensor) \
             and not clips.is_floating_point() else None
         if frames is None or any(n <= 0 for n in frames) or sum(frames) != mel.shape[1]:
-            raise RequestError(f"clips must be positive frame counts that add up to the mel's {mel.shape[1]} frames, "
-                               f"got {clips if frames is None else frames}", "mel")
+            raise node.RequestError(f"clips must be positive frame counts that add up to the mel's {mel.shape[1]} "
+                                    f"frames, got {clips if frames is None else frames}", "mel")
         return frames
 
     def _mel(self, entry: Mapping[str, Any]) -> torch.Tensor:
@@ -259,12 +259,12 @@ class AudioEncoder(StatelessNode):
         if not isinstance(mel, torch.Tensor) or not mel.is_floating_point() or mel.dim() != 2 \
                 or mel.shape[0] != self.mel_bins:
             got = f"{mel.dtype} {list(mel.shape)}" if isinstance(mel, torch.Tensor) else type(mel).__name__
-            raise RequestError(f"mel must be a float tensor [{self.mel_bins}, frames], got {got}", "mel")
+            raise node.RequestError(f"mel must be a float tensor [{self.mel_bins}, frames], got {got}", "mel")
         if mel.numel() and not bool(torch.isfinite(mel).all()):
-            raise RequestError("mel holds NaN or infinite values", "mel")
+            raise node.RequestError("mel holds NaN or infinite values", "mel")
         return mel
 
 
-def _args(spec: NodeSpec) -> dict[str, int]:
+def _args(spec: node.NodeSpec) -> dict[str, int]:
     names = ("layers", "dim", "heads", "ffn", "mel_bins", "conv_dim", "out_dim")
     return {n: int(v) for n, v in arch_values(spec, names, "qwen3_omni_audio").items()}

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 from mstar_runtime.ops.ports import arch_values, setting_value
 
 SLIDING_WINDOW = 72  # released code2wav_config.sliding_window
@@ -240,27 +240,28 @@ class PreTransformer(nn.Module):
 
 
 # ------------------------------------------------------------------------------- node
-class Code2Wav(StatelessNode):
+class Code2Wav(node.StatelessNode):
     """decode(codes: i32[W, G]) -> (pcm: f32[S]); see the module docstring."""
 
     checkpoint_prefix: ClassVar[str] = "code2wav."
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         a = _args(spec)
         h, self.groups, self.codebook_size = a["hidden"], a["quantizers"], a["codebook_size"]
         rates, ratios = tuple(a["upsample_rates"]), tuple(a["upsampling_ratios"])
         dd = a["decoder_dim"]
         if dd % 2 ** len(rates):
-            raise NodeError(f"node '{spec.name}': decoder_dim {dd} is not divisible by 2^{len(rates)}")
+            raise node.NodeError(f"node '{spec.name}': decoder_dim {dd} is not divisible by 2^{len(rates)}")
         if a["heads"] % a["kv_heads"]:
-            raise NodeError(f"node '{spec.name}': heads {a['heads']} is not a multiple of kv_heads {a['kv_heads']}")
+            raise node.NodeError(f"node '{spec.name}': heads {a['heads']} is not a multiple of kv_heads "
+                                 f"{a['kv_heads']}")
         window = int(setting_value(spec, "sliding_window", SLIDING_WINDOW, "c2w_"))
         theta = float(setting_value(spec, "rope_theta", ROPE_THETA, "c2w_"))
         eps = float(setting_value(spec, "rms_norm_eps", RMS_EPS, "c2w_"))
         self.max_windows = int(spec.settings.get("max_windows_per_forward", MAX_WINDOWS))
         if self.max_windows < 1:
-            raise NodeError(f"node '{spec.name}': max_windows_per_forward must be >= 1, got {self.max_windows}")
+            raise node.NodeError(f"node '{spec.name}': max_windows_per_forward must be >= 1, got {self.max_windows}")
         self.samples_per_frame = math.prod(rates) * math.prod(ratios)
         # each decoder block maps L -> (L - 1) * r: the trim is the same for every window length
         self.trim = self.samples_per_frame - _decoded_length(1, rates, ratios)
@@ -307,11 +308,11 @@ class Code2Wav(StatelessNode):
     def device(self) -> torch.device:
         return self.code_embedding.weight.device
 
-    def phase_decode(self, batch: Batch) -> Batch:
+    def phase_decode(self, batch: node.Batch) -> node.Batch:
         windows = [self._window(entry) for entry in batch]
         contexts = [self._context(entry, w.shape[0]) for entry, w in zip(batch, windows, strict=True)]
         longest = max((w.shape[0] for w in windows), default=0)
-        out: Batch = []
+        out: node.Batch = []
         if longest == 0:
             return [{"pcm": torch.zeros(0, dtype=torch.float32, device=self.device)} for _ in batch]
         codes = torch.zeros(len(windows), self.groups, longest, dtype=torch.long, device=self.device)
@@ -329,25 +330,25 @@ class Code2Wav(StatelessNode):
         c = entry.get("codes")
         if not isinstance(c, torch.Tensor) or c.is_floating_point() or c.dtype == torch.bool:
             got = c.dtype if isinstance(c, torch.Tensor) else type(c).__name__
-            raise RequestError(f"codes must be an integer tensor [W, {self.groups}], got {got}", "codes")
+            raise node.RequestError(f"codes must be an integer tensor [W, {self.groups}], got {got}", "codes")
         if c.dim() != 2 or c.shape[1] != self.groups:
-            raise RequestError(f"codes must be [W, {self.groups}] (frames x code groups), got {list(c.shape)}",
-                               "codes")
+            raise node.RequestError(f"codes must be [W, {self.groups}] (frames x code groups), got {list(c.shape)}",
+                                    "codes")
         if c.numel() and c.device.type == "cpu":
             # host codes (a client's) are checked here; codes on the device come from the talker,
             # in range by construction, and reading them would wait for every queued frame
             lo, hi = int(c.min()), int(c.max())
             if lo < 0 or hi >= self.codebook_size:
                 bad = lo if lo < 0 else hi
-                raise RequestError(f"codes must lie in [0, {self.codebook_size}); got {bad}", "codes")
+                raise node.RequestError(f"codes must lie in [0, {self.codebook_size}); got {bad}", "codes")
         return c
 
     @staticmethod
     def _context(entry: Mapping[str, Any], frames: int) -> int:
         ctx = entry.get("codes:context", 0)
         if isinstance(ctx, bool) or not isinstance(ctx, int) or not 0 <= ctx <= frames:
-            raise RequestError(f"codes:context must be an int in [0, {frames}] (the window's frames), "
-                               f"got {ctx!r}", "codes")
+            raise node.RequestError(f"codes:context must be an int in [0, {frames}] (the window's frames), "
+                                    f"got {ctx!r}", "codes")
         return ctx
 
 
@@ -358,7 +359,7 @@ def _decoded_length(frames: int, rates: Sequence[int], ratios: Sequence[int]) ->
     return n
 
 
-def _args(spec: NodeSpec) -> dict[str, Any]:
+def _args(spec: node.NodeSpec) -> dict[str, Any]:
     names = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "codebook_size", "quantizers",
              "upsampling_ratios", "upsample_rates", "decoder_dim")
     out = arch_values(spec, names, "qwen3_omni_code2wav")

@@ -38,7 +38,7 @@ from mstar_models.layers.decoder import Decoder
 from mstar_models.layers.linear import StackedWeights
 from mstar_models.layers.mlp import GatedMLP
 from mstar_models.layers.rotary import inv_freq, rope_tables
-from mstar_runtime.sampling import pick_from_cdf, uniforms
+from mstar_runtime import sampling
 
 TOP_K, TOP_P = 50, 0.8  # HF's talker passes these to the code predictor's generate when sampling
 
@@ -72,7 +72,7 @@ class CodePredictor(nn.Module):
         cos_all, sin_all = rope_tables(positions, self.freq, dt)
         # every draw of the frame at once: uniforms(seed, draws + g) for the G - 1 steps
         steps = torch.arange(self.groups - 1, device=dev)
-        u = uniforms(seed[:, None].expand(n, self.groups - 1), draws[:, None] + steps)
+        u = sampling.uniforms(seed[:, None].expand(n, self.groups - 1), draws[:, None] + steps)
         x, codes, embeds = first.reshape(2 * n, self.hidden), [], []
         for g in range(self.groups - 1):
             start, q = (0, 2) if g == 0 else (g + 1, 1)
@@ -118,5 +118,5 @@ def sample_top_k_top_p(logits: torch.Tensor, greedy: torch.Tensor, u: torch.Tens
     values, ids = torch.topk(logits, k, dim=-1)
     probs = torch.softmax(values, dim=-1)
     kept = values.masked_fill(torch.cumsum(probs, dim=-1) - probs >= TOP_P, float("-inf"))
-    pick = pick_from_cdf(kept, u)  # the sampler's inverse-CDF draw, over the k values
+    pick = sampling.pick_from_cdf(kept, u)  # the sampler's inverse-CDF draw, over the k values
     return torch.where(greedy, logits.argmax(dim=-1), ids.gather(1, pick[:, None])[:, 0])

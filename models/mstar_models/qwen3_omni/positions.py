@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from mstar_models.qwen3_omni.tokens import TokenIds
-from mstar_runtime.ops.node import RequestError
+from mstar_runtime.ops import node
 
 Grid = Sequence[int]  # (t, h, w) in patches, before the spatial merge
 
@@ -88,12 +88,12 @@ def rope_index(
     n_image = after.count(tok.image_token_id)
     n_video = after.count(tok.audio_start_token_id if use_audio_in_video else tok.video_token_id)
     if n_image != len(image_grids) or n_video != len(video_grids):
-        raise RequestError(
+        raise node.RequestError(
             f"the prompt has {n_image} image(s) and {n_video} video(s) but {len(image_grids)} image and "
             f"{len(video_grids)} video grid(s)", "grid"
         )
     if n_video and len(video_seconds) != n_video:
-        raise RequestError(f"{n_video} video(s) need as many seconds-per-patch values", "video_seconds")
+        raise node.RequestError(f"{n_video} video(s) need as many seconds-per-patch values", "video_seconds")
     has_vision = tok.image_token_id in ids or tok.video_token_id in ids
     has_audio = tok.audio_token_id in ids
     left = {"image": n_image, "video": n_video, "audio": n_audio}
@@ -107,7 +107,7 @@ def rope_index(
     def audio_len(marker: int) -> int:
         if audio_lengths is not None:
             if at["audio"] >= len(audio_lengths):
-                raise RequestError(f"more audio segments than the {len(audio_lengths)} audio length(s)", "audio")
+                raise node.RequestError(f"more audio segments than the {len(audio_lengths)} audio length(s)", "audio")
             return int(audio_lengths[at["audio"]])
         return _count_until(ids, marker, tok.audio_token_id, tok.audio_end_token_id)
 
@@ -125,7 +125,7 @@ def rope_index(
         )
         first = min(vis, aud)
         if first > n:
-            raise RequestError("a multimodal segment has no start marker where its placeholders are", "ids")
+            raise node.RequestError("a multimodal segment has no start marker where its placeholders are", "ids")
         text = first - st
         if text:
             pieces.append(_seq(text, start))
@@ -167,13 +167,13 @@ def rope_index(
             left["audio"] -= 1
             left["video"] -= 1
         else:
-            raise RequestError(f"vision start at {vis} is followed by neither an image nor a video", "ids")
+            raise node.RequestError(f"vision start at {vis} is followed by neither an image nor a video", "ids")
         pieces.append(_seq(marks, next_start()))
     if st < n:
         pieces.append(_seq(n - st, next_start()))
     positions = torch.cat([p.float() for p in pieces], dim=1)
     if positions.shape[1] != n:
-        raise RequestError(
+        raise node.RequestError(
             f"the prompt's placeholders do not match its grids / audio lengths ({positions.shape[1]} "
             f"positions for {n} tokens)", "ids"
         )

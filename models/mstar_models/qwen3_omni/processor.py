@@ -69,7 +69,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from mstar_models.qwen3_omni.audio_encoder import N_WINDOW, encoded_length
 from mstar_models.tokenizers import load_tokenizer
-from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 
 BUNDLED_TOKENIZER = Path(__file__).resolve().parent / "tokenizer_tiny.json"
 QWEN2_SPLIT = (  # transformers' Qwen2Tokenizer PRETOKENIZE_REGEX
@@ -198,7 +198,7 @@ class Features:
         return replace(self, **out)
 
 
-def _features(spec: NodeSpec, checkpoint: Mapping[str, Any] | None = None) -> Features:
+def _features(spec: node.NodeSpec, checkpoint: Mapping[str, Any] | None = None) -> Features:
     """Defaults, then the model config, then a checkpoint's preprocessor_config.json, then node settings;
     the patch and mel sizes must still be what the encoders take."""
     cfg = spec.config
@@ -209,8 +209,8 @@ def _features(spec: NodeSpec, checkpoint: Mapping[str, Any] | None = None) -> Fe
             "temporal_patch_size": cfg.get("vis_temporal_patch")}
     for name, value in want.items():
         if value is not None and getattr(f, name) != value:
-            raise NodeError(f"node '{spec.name}': preprocessing {name} is {getattr(f, name)}, but the model's "
-                            f"encoders take {value}")
+            raise node.NodeError(f"node '{spec.name}': preprocessing {name} is {getattr(f, name)}, but the model's "
+                                 f"encoders take {value}")
     return f
 
 
@@ -253,7 +253,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     """Height and width, multiples of `factor`, near the image's aspect ratio, with a pixel count in
     [min_pixels, max_pixels] (Qwen2-VL's rule)."""
     if max(height, width) > 200 * min(height, width):
-        raise RequestError(f"image aspect ratio must be below 200, got {height} x {width}", "image")
+        raise node.RequestError(f"image aspect ratio must be below 200, got {height} x {width}", "image")
     h = round(height / factor) * factor
     w = round(width / factor) * factor
     if h * w > max_pixels:
@@ -326,7 +326,7 @@ def bundled_tokenizer(vocab: int, ids: TokenIds | None = None) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(spec))
 
 
-def configured_ids(spec: NodeSpec, vocab: int) -> TokenIds:
+def configured_ids(spec: node.NodeSpec, vocab: int) -> TokenIds:
     """`token_ids(vocab)` with the ids the model config (or the node's arch line) sets under the
     thinker's names (`audio_token_id`, `user_token_id`, ...: mstar_models.qwen3_omni.tokens)."""
     values = dict(token_ids(vocab).__dict__)
@@ -352,7 +352,7 @@ def qwen2_tokenizer(folder: Path) -> Tokenizer:
         config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")) \
             if (folder / "tokenizer_config.json").is_file() else {}
     except (OSError, ValueError) as e:
-        raise NodeError(f"cannot read the tokenizer files in '{folder}': {e}") from None
+        raise node.NodeError(f"cannot read the tokenizer files in '{folder}': {e}") from None
     merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="",
                                fuse_unk=False, byte_fallback=False))
@@ -370,8 +370,8 @@ def qwen2_tokenizer(folder: Path) -> Tokenizer:
         tok.add_tokens([token])
     for i, t in added.items():
         if tok.token_to_id(t["content"]) != int(i):
-            raise NodeError(f"tokenizer in '{folder}': added token {t['content']!r} got id "
-                            f"{tok.token_to_id(t['content'])}, its tokenizer_config.json says {i}")
+            raise node.NodeError(f"tokenizer in '{folder}': added token {t['content']!r} got id "
+                                 f"{tok.token_to_id(t['content'])}, its tokenizer_config.json says {i}")
     return tok
 
 
@@ -389,7 +389,7 @@ def checkpoint_template(folder: Path) -> str | None:
             if isinstance(value, str):
                 return value
     except (OSError, ValueError) as e:
-        raise NodeError(f"cannot read the chat template in '{folder}': {e}") from None
+        raise node.NodeError(f"cannot read the chat template in '{folder}': {e}") from None
     return None
 
 
@@ -408,20 +408,20 @@ def compile_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateError as e:
-        raise NodeError(f"the chat template does not compile: {e}") from None
+        raise node.NodeError(f"the chat template does not compile: {e}") from None
 
 
 # ------------------------------------------------------------------------------ node
-class Processor(StatelessNode):
+class Processor(node.StatelessNode):
     """build(prompt, system, audio, image) -> (ids, mel, pixels, grid); detokenize(token) -> (piece)."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         vocab = int(spec.config.get("vocab", REAL_IDS.audio + 1))
         try:
             self.ids = configured_ids(spec, vocab)
         except ValueError as e:
-            raise NodeError(f"node '{spec.name}': {e}") from None
+            raise node.NodeError(f"node '{spec.name}': {e}") from None
         self.vocab = vocab
         self.n_window = int(spec.config.get("audio_n_window", N_WINDOW))
         self.tokenizer = controls_special(bundled_tokenizer(vocab, self.ids))
@@ -452,15 +452,15 @@ class Processor(StatelessNode):
             try:
                 values = json.loads(pre.read_text(encoding="utf-8"))
             except (OSError, ValueError) as e:
-                raise NodeError(f"cannot read '{pre}': {e}") from None
+                raise node.NodeError(f"cannot read '{pre}': {e}") from None
             self._set_features(_features(self.spec, values))
 
     def _use_tokenizer(self, tok: Tokenizer, folder: Path) -> None:
         for field, name in TOKEN_NAMES.items():
             want, got = getattr(self.ids, field), tok.token_to_id(name)
             if got != want:
-                raise NodeError(f"node '{self.spec.name}': the tokenizer in '{folder}' has {name!r} at id {got}; "
-                                f"the model's other nodes use {want} (vocab {self.vocab})")
+                raise node.NodeError(f"node '{self.spec.name}': the tokenizer in '{folder}' has {name!r} at id {got}; "
+                                     f"the model's other nodes use {want} (vocab {self.vocab})")
         self.tokenizer = controls_special(tok)
 
     # ---- build
@@ -488,17 +488,17 @@ class Processor(StatelessNode):
         try:
             turns = json.loads(raw)
         except ValueError as e:
-            raise RequestError(f"history is not valid JSON: {e}", "history") from None
+            raise node.RequestError(f"history is not valid JSON: {e}", "history") from None
         if not isinstance(turns, list):
-            raise RequestError("history must be a JSON list of turns", "history")
+            raise node.RequestError("history must be a JSON list of turns", "history")
         out = []
         for i, t in enumerate(turns):
             ok = isinstance(t, dict) and set(t) <= {"role", "content", "audio"} \
                 and t.get("role") in ("user", "assistant", "system") and isinstance(t.get("content", ""), str)
             n = t.get("audio", 0) if isinstance(t, dict) else 0
             if not ok or isinstance(n, bool) or not isinstance(n, int) or n < 0 or (n and t["role"] != "user"):
-                raise RequestError(f"history[{i}] must be {{\"role\": \"user\" | \"assistant\" | \"system\", "
-                                   "\"content\": text, \"audio\": samples (user turns)}", "history")
+                raise node.RequestError(f"history[{i}] must be {{\"role\": \"user\" | \"assistant\" | \"system\", "
+                                        "\"content\": text, \"audio\": samples (user turns)}", "history")
             out.append({"role": t["role"], "content": t.get("content", ""), "audio": n})
         return out
 
@@ -508,14 +508,15 @@ class Processor(StatelessNode):
         sizes = [t["audio"] for t in history if t["audio"]]
         total = 0 if wave is None else int(wave.shape[0])
         if sum(sizes) > total:
-            raise RequestError(f"history's turns hold {sum(sizes)} samples of audio, but audio has {total}", "history")
+            raise node.RequestError(f"history's turns hold {sum(sizes)} samples of audio, but audio has {total}",
+                                    "history")
         least = self.features.n_fft // 2 + 1
         if any(n < least for n in sizes):
-            raise RequestError(f"a history turn's audio is under {least} samples", "history")
+            raise node.RequestError(f"a history turn's audio is under {least} samples", "history")
         rest = total - sum(sizes)
         if 0 < rest < least:
-            raise RequestError(f"audio after the history's clips is {rest} samples; at least {least} are needed",
-                               "audio")
+            raise node.RequestError(f"audio after the history's clips is {rest} samples; at least {least} are needed",
+                                    "audio")
         if wave is None:
             return [], False
         clips = list(torch.split(wave, [*sizes, rest])) if rest else list(torch.split(wave, sizes))
@@ -526,9 +527,9 @@ class Processor(StatelessNode):
             return self.template.render(messages=messages, add_generation_prompt=True, tools=None, documents=None,
                                         bos_token=None, eos_token="<|im_end|>")
         except jinja2.exceptions.TemplateError as e:
-            raise RequestError(f"the chat template refused the conversation: {e}", "prompt") from None
+            raise node.RequestError(f"the chat template refused the conversation: {e}", "prompt") from None
 
-    def phase_build(self, batch: Batch) -> Batch:
+    def phase_build(self, batch: node.Batch) -> node.Batch:
         f = self.features
         prepared = []
         for e in batch:
@@ -537,10 +538,10 @@ class Processor(StatelessNode):
             prepared.append((_text(e, "prompt"), _text(e, "system"), clips, heard, self._image(e), history))
         for prompt, _, _, heard, img, _ in prepared:
             if not prompt.strip() and not heard and img is None:
-                raise RequestError("prompt is empty and there is no audio or image: nothing to answer", "prompt")
+                raise node.RequestError("prompt is empty and there is no audio or image: nothing to answer", "prompt")
         texts = [self.render(self.messages(p, s, a, i is not None, h)) for p, s, _, a, i, h in prepared]
         encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
-        out: Batch = []
+        out: node.Batch = []
         for (_, _, clips, _, img, _), enc in zip(prepared, encodings, strict=True):
             # one mel per clip, joined along time; `clips` says where each ends (the encoder
             # encodes them apart, as transformers' audio tower does with feature_lens)
@@ -569,8 +570,8 @@ class Processor(StatelessNode):
         want = {self.ids.audio: len(n_audio), self.ids.image: int(n_image is not None),
                 self.ids.video: 0}
         if counts != want:
-            raise RequestError("the prompt contains an audio, image or video placeholder token; "
-                               "send media as the audio / image inputs", "prompt")
+            raise node.RequestError("the prompt contains an audio, image or video placeholder token; "
+                                    "send media as the audio / image inputs", "prompt")
         out: list[int] = []
         clips = iter(n_audio)
         for t in ids:
@@ -588,17 +589,17 @@ class Processor(StatelessNode):
             return None
         if not isinstance(a, torch.Tensor) or not a.is_floating_point() or a.dim() != 1:
             got = f"{a.dtype} {list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
-            raise RequestError(f"audio must be float mono samples [A] at {self.features.sampling_rate} Hz, "
-                               f"got {got}", "audio")
+            raise node.RequestError(f"audio must be float mono samples [A] at {self.features.sampling_rate} Hz, "
+                                    f"got {got}", "audio")
         f = self.features
         if a.shape[0] <= f.n_fft // 2:  # the centred STFT reflects n_fft / 2 samples at each end
-            raise RequestError(f"audio is {a.shape[0]} samples; at least {f.n_fft // 2 + 1} are needed", "audio")
+            raise node.RequestError(f"audio is {a.shape[0]} samples; at least {f.n_fft // 2 + 1} are needed", "audio")
         if a.shape[0] > f.max_audio_seconds * f.sampling_rate:
-            raise RequestError(f"audio is {a.shape[0] / f.sampling_rate:.1f} s; at most {f.max_audio_seconds:g} s",
-                               "audio")
+            raise node.RequestError(f"audio is {a.shape[0] / f.sampling_rate:.1f} s; at most {f.max_audio_seconds:g} s",
+                                    "audio")
         a = a.detach().to("cpu", torch.float32)
         if not bool(torch.isfinite(a).all()):
-            raise RequestError("audio holds NaN or infinite samples", "audio")
+            raise node.RequestError("audio holds NaN or infinite samples", "audio")
         return a
 
     def _image(self, entry: Mapping[str, Any]) -> np.ndarray | None:
@@ -607,25 +608,25 @@ class Processor(StatelessNode):
             return None
         if not isinstance(img, torch.Tensor) or img.dtype != torch.uint8 or img.dim() != 3 or img.shape[2] != 3:
             got = f"{img.dtype} {list(img.shape)}" if isinstance(img, torch.Tensor) else type(img).__name__
-            raise RequestError(f"image must be u8 [H, W, 3] RGB, got {got}", "image")
+            raise node.RequestError(f"image must be u8 [H, W, 3] RGB, got {got}", "image")
         return img.detach().cpu().numpy()
 
     # ---- detokenize
-    def phase_detokenize(self, batch: Batch) -> Batch:
-        out: Batch = []
+    def phase_detokenize(self, batch: node.Batch) -> node.Batch:
+        out: node.Batch = []
         for entry in batch:
             t = entry.get("token")
             if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dim() > 1:
-                raise RequestError("token must be integer token ids [N]", "token")
+                raise node.RequestError("token must be integer token ids [N]", "token")
             ids = [int(v) for v in t.reshape(-1).tolist()]
             if any(not 0 <= v < self.vocab for v in ids):
-                raise RequestError(f"token ids must lie in [0, {self.vocab})", "token")
+                raise node.RequestError(f"token ids must lie in [0, {self.vocab})", "token")
             if "token:context" not in entry:  # plain ids (the server renders a reply this way)
                 out.append({"piece": self.tokenizer.decode(ids, skip_special_tokens=True)})
                 continue
             context = entry["token:context"]
             if isinstance(context, bool) or not isinstance(context, int) or not 0 <= context <= len(ids):
-                raise RequestError(f"token:context must be an int in [0, {len(ids)}], got {context!r}", "token")
+                raise node.RequestError(f"token:context must be an int in [0, {len(ids)}], got {context!r}", "token")
             out.append({"piece": self._new_text(ids, context)})
         return out
 
@@ -662,6 +663,6 @@ class Processor(StatelessNode):
 def _text(entry: Mapping[str, Any], port: str) -> str:
     value = entry.get(port, "")
     if not isinstance(value, str):
-        raise RequestError(f"{port} must be a string, got {type(value).__name__}", port)
+        raise node.RequestError(f"{port} must be a string, got {type(value).__name__}", port)
     return value
 

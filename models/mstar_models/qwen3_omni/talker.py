@@ -82,24 +82,17 @@ from mstar_models.qwen3_omni.code_predictor import CodePredictor
 from mstar_models.qwen3_omni.lm_common import attention_sizes
 from mstar_models.qwen3_omni.positions import default_mrope_section
 from mstar_models.qwen3_omni.tokens import TokenIds
+from mstar_runtime import sampling
+from mstar_runtime.ops import node
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
-from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
 from mstar_runtime.ops.ports import config_value, max_seq_len
 from mstar_runtime.ops.readback import upload
-from mstar_runtime.sampling import (
-    REQUIRED,
-    SamplingColumns,
-    SamplingParams,
-    SamplingPorts,
-    read_sampling,
-    sample_columns,
-    signed64,
-)
 
 PROMPT_TAIL = 5  # rows of the talker prefill that carry codec embeddings: nothink .. codec_pad
 # the prefill's sampling ports: do_sample False is greedy; the token limit is `max_frames`
-SAMPLING_PORTS = SamplingPorts(temperature=REQUIRED, top_k=0, top_p=1.0, repetition_penalty=REQUIRED,
-                               limit="max_frames", do_sample="do_sample")
+SAMPLING_PORTS = sampling.SamplingPorts(temperature=sampling.REQUIRED, top_k=0, top_p=1.0,
+                                        repetition_penalty=sampling.REQUIRED, limit="max_frames",
+                                        do_sample="do_sample")
 
 
 class ResizeMLP(nn.Module):
@@ -119,7 +112,7 @@ class TalkerMoE(DecoderNode):
 
     checkpoint_prefix: ClassVar[str] = "talker."
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim = attention_sizes(spec, "TalkerMoE")
         g = lambda name, *default: config_value(spec, name, *default)  # noqa: E731 - a local shorthand
@@ -129,14 +122,14 @@ class TalkerMoE(DecoderNode):
         normalize = bool(g("talker_norm_topk_prob", True))
         self.section = [int(s) for s in g("talker_mrope_section", default_mrope_section(self.head_dim))]
         if len(self.section) != 3 or sum(self.section) != self.head_dim // 2:
-            raise NodeError(f"node '{spec.name}': talker_mrope_section {self.section} must be 3 values summing "
-                            f"to head_dim / 2 = {self.head_dim // 2}")
+            raise node.NodeError(f"node '{spec.name}': talker_mrope_section {self.section} must be 3 values summing "
+                                 f"to head_dim / 2 = {self.head_dim // 2}")
         self.tok = TokenIds.from_spec(spec)
         for name in ("codec_pad_id", "codec_bos_id", "codec_eos_token_id", "codec_nothink_id",
                      "codec_think_bos_id", "codec_think_eos_id"):
             if not 0 <= getattr(self.tok, name) < self.vocab:
-                raise NodeError(f"node '{spec.name}': {name} {getattr(self.tok, name)} is outside the codec "
-                                f"vocab ({self.vocab})")
+                raise node.NodeError(f"node '{spec.name}': {name} {getattr(self.tok, name)} is outside the codec "
+                                     f"vocab ({self.vocab})")
         self.max_seq_len = max_seq_len(spec)
         eps = float(g("rms_eps", 1e-6))
         kernel = str(spec.settings.get("moe_kernel", "auto"))
@@ -154,14 +147,14 @@ class TalkerMoE(DecoderNode):
         self.hidden_projection = ResizeMLP(self.thinker_hidden, proj, self.hidden, **factory)
         self.groups = int(g("code_groups"))
         if self.groups < 2:
-            raise NodeError(f"node '{spec.name}': code_groups must be >= 2, got {self.groups}")
+            raise node.NodeError(f"node '{spec.name}': code_groups must be >= 2, got {self.groups}")
         self.code_predictor = CodePredictor(
             int(g("cp_layers")), int(g("cp_hidden")), int(g("cp_heads")), int(g("cp_kv_heads")), int(g("cp_head_dim")),
             int(g("cp_intermediate")), int(g("codebook_size")), self.groups, eps, float(g("cp_rope_theta", 1e6)),
             **factory)
         if self.code_predictor.hidden != self.hidden:
-            raise NodeError(f"node '{spec.name}': cp_hidden ({self.code_predictor.hidden}) must equal the talker's "
-                            f"hidden ({self.hidden}): the predictor reads the talker's hidden state")
+            raise node.NodeError(f"node '{spec.name}': cp_hidden ({self.code_predictor.hidden}) must equal the "
+                                 f"talker's hidden ({self.hidden}): the predictor reads the talker's hidden state")
         seeded_init_(self, spec.name)
         self.register_buffer("freq", inv_freq(self.head_dim, float(g("rope_theta", 1e6))).to(spec.device),
                              persistent=False)
@@ -174,19 +167,19 @@ class TalkerMoE(DecoderNode):
 
     # ------------------------------------------------------------------ contract
     @classmethod
-    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: node.NodeSpec) -> node.SeqPlan:
         if phase == "prefill":
             shape = tuple(shapes.get("states", ()))
             if len(shape) != 2 or shape[0] < 8:
-                raise RequestError(f"states must be [S >= 8, thinker hidden] (the thinker's speech prefill), got "
-                                   f"shape {shape}", "states")
+                raise node.RequestError(f"states must be [S >= 8, thinker hidden] (the thinker's speech prefill), got "
+                                        f"shape {shape}", "states")
             if shape[0] > max_seq_len(spec):
-                raise RequestError(f"talker prompt of {shape[0]} rows is longer than max_seq_len "
-                                   f"{max_seq_len(spec)}", "states")
-            return SeqPlan(q_len=shape[0])
+                raise node.RequestError(f"talker prompt of {shape[0]} rows is longer than max_seq_len "
+                                        f"{max_seq_len(spec)}", "states")
+            return node.SeqPlan(q_len=shape[0])
         if phase in ("frame", "frame_pad"):
-            return SeqPlan(q_len=1)
-        raise NodeError(f"node '{spec.name}' (TalkerMoE) has no phase '{phase}'")
+            return node.SeqPlan(q_len=1)
+        raise node.NodeError(f"node '{spec.name}' (TalkerMoE) has no phase '{phase}'")
 
     # ------------------------------------------------------------------ math
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +201,7 @@ class TalkerMoE(DecoderNode):
         return torch.where(mm[:, None], self.hidden_projection(states), text)
 
     # ------------------------------------------------------------------ phases
-    def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_prefill(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         checked = [self._check_prefill(entry, seq.start, seq.q_len) for entry, seq in zip(batch, attn.seqs)]
         dev = self.freq.device
         text = self.project(torch.cat([c[0] for c in checked]), torch.cat([c[1] for c in checked]))
@@ -236,34 +229,35 @@ class TalkerMoE(DecoderNode):
                 seen=torch.zeros(self.vocab, dtype=torch.bool, device=dev),
                 # the walk gives the thinker, the talker and the predictor one seed: each draws
                 # from its own stream of it, so their (seed, step) draws are not the same numbers
-                seed=signed64(params.stream(1).seed), cp_seed=signed64(params.stream(2).seed), cp_draws=0,
-                cp_greedy=params.greedy,
+                seed=sampling.signed64(params.stream(1).seed), cp_seed=sampling.signed64(params.stream(2).seed),
+                cp_draws=0, cp_greedy=params.greedy,
             )
             offset += n
         return [{} for _ in batch]
 
     def _check_prefill(
         self, entry: Mapping[str, Any], start: int, q_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, SamplingParams, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, sampling.SamplingParams, int]:
         dev, dt = self.freq.device, self.codec_head.weight.dtype
         if start:
-            raise RequestError("the talker prefill starts a request's talker context; this one has "
-                               f"{start} tokens already", "states")
+            raise node.RequestError("the talker prefill starts a request's talker context; this one has "
+                                    f"{start} tokens already", "states")
         states, mm, pos = entry.get("states"), entry.get("mm"), entry.get("positions")
         if not isinstance(states, torch.Tensor) or states.dim() != 2 or states.shape[1] != self.thinker_hidden:
-            raise RequestError(f"states must be [S, {self.thinker_hidden}]", "states")
+            raise node.RequestError(f"states must be [S, {self.thinker_hidden}]", "states")
         n = states.shape[0]
         if n != q_len:
-            raise NodeError(f"node '{self.spec.name}': prefill of {n} rows got {q_len} KV slots")
+            raise node.NodeError(f"node '{self.spec.name}': prefill of {n} rows got {q_len} KV slots")
         if not isinstance(mm, torch.Tensor) or tuple(mm.shape) != (n,):
-            raise RequestError(f"mm must be a bool tensor [{n}]", "mm")
+            raise node.RequestError(f"mm must be a bool tensor [{n}]", "mm")
         if not isinstance(pos, torch.Tensor) or tuple(pos.shape) != (3, n):
-            raise RequestError(f"positions must be [3, {n}]", "positions")
+            raise node.RequestError(f"positions must be [3, {n}]", "positions")
         name = str(entry.get("speaker", "ethan")).lower()
         if name not in self.tok.speakers:
-            raise RequestError(f"unknown speaker {name!r}; known: {', '.join(sorted(self.tok.speakers))}", "speaker")
+            raise node.RequestError(f"unknown speaker {name!r}; known: {', '.join(sorted(self.tok.speakers))}",
+                                    "speaker")
         speaker = int(self.tok.speakers[name])
-        params = read_sampling(entry, SAMPLING_PORTS)
+        params = sampling.read_sampling(entry, SAMPLING_PORTS)
         max_frames = params.max_tokens
         return (states.to(device=dev, dtype=dt), mm.to(device=dev, dtype=torch.bool), pos.to(device=dev,
                 dtype=torch.float32), speaker, params, max_frames)
@@ -278,10 +272,10 @@ class TalkerMoE(DecoderNode):
         residual codes, and the codec-embedding sum that is the next frame's `codec`."""
         hidden = self.model.forward_layers(text + codec, *self.tables(positions[None, :].expand(3, -1)), attend)
         logits = self.logits(hidden)
-        pen = cols.sampling.penalty[:, None]
+        pen = cols.draw.penalty[:, None]
         logits = torch.where(seen, torch.where(logits < 0, logits * pen, logits / pen), logits)
-        plain = dataclasses.replace(cols.sampling, penalty=torch.ones_like(cols.sampling.penalty))
-        sampled = sample_columns(logits, plain)
+        plain = dataclasses.replace(cols.draw, penalty=torch.ones_like(cols.draw.penalty))
+        sampled = sampling.sample_columns(logits, plain)
         eos = self.tok.codec_eos_token_id
         stop = finished | (cols.frames >= cols.max_frames)
         code0 = torch.where(stop, eos, sampled)
@@ -311,9 +305,9 @@ class TalkerMoE(DecoderNode):
     def _cohort_join(self, state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
         text = inputs.get("text")  # a plain call's entry of `frame` holds it (a cohort's join sees none)
         if text is not None and (not isinstance(text, torch.Tensor) or tuple(text.shape) != (1, self.thinker_hidden)):
-            raise RequestError(f"text must be one item [1, {self.thinker_hidden}]", "text")
+            raise node.RequestError(f"text must be one item [1, {self.thinker_hidden}]", "text")
         if "sampling" not in state:
-            raise RequestError("a talker frame on a context that was never prefilled", "text")
+            raise node.RequestError("a talker frame on a context that was never prefilled", "text")
         ints, floats, flags = _host_row(state)
         return {"ints": torch.tensor(ints, dtype=torch.long), "floats": torch.tensor(floats, dtype=torch.float32),
                 "flags": torch.tensor(flags, dtype=torch.bool), "codec": state["codec"], "seen": state["seen"],
@@ -355,7 +349,7 @@ _GREEDY, _CP_GREEDY = range(2)
 def _host_row(st: Mapping[str, Any]) -> tuple[list[int], list[float], list[bool]]:
     """A request's frame columns from its talker state (the step adds each row's position to
     its delta column)."""
-    p: SamplingParams = st["sampling"]
+    p: sampling.SamplingParams = st["sampling"]
     ints = [st["frames"], st["max_frames"], 0 if p.greedy else p.top_k, st["seed"], st["cp_seed"], st["cp_draws"]]
     floats = [float(st["delta"]), 1.0 if p.greedy else p.temperature, 1.0 if p.greedy else p.top_p,
               p.repetition_penalty]
@@ -366,7 +360,7 @@ def _host_row(st: Mapping[str, Any]) -> tuple[list[int], list[float], list[bool]
 class FrameColumns:
     """A frame's per-row settings as device columns (views of the packed int / float / flag columns)."""
 
-    sampling: SamplingColumns  # the talker's layer-0 draw (its step is the frame index)
+    draw: sampling.SamplingColumns  # the talker's layer-0 draw (its step is the frame index)
     frames: torch.Tensor  # i64 [n]: frames already decoded
     max_frames: torch.Tensor  # i64 [n]
     cp_greedy: torch.Tensor  # bool [n]
@@ -378,10 +372,10 @@ class FrameColumns:
         greedy = flags[:, _GREEDY]
         # a pad row of a graph bucket is all zeros: temperature 1 keeps its (discarded) draw finite
         temperature = torch.where(floats[:, _TEMPERATURE] > 0, floats[:, _TEMPERATURE], 1.0)
-        sampling = SamplingColumns(
+        draw = sampling.SamplingColumns(
             temperature=temperature, top_k=ints[:, _TOP_K], top_p=floats[:, _TOP_P], penalty=floats[:, _PENALTY],
             greedy=greedy, seed=ints[:, _SEED], step=ints[:, _FRAMES], history=None)
-        return FrameColumns(sampling=sampling, frames=ints[:, _FRAMES], max_frames=ints[:, _MAX_FRAMES],
+        return FrameColumns(draw=draw, frames=ints[:, _FRAMES], max_frames=ints[:, _MAX_FRAMES],
                             cp_greedy=flags[:, _CP_GREEDY], cp_seed=ints[:, _CP_SEED], cp_draws=ints[:, _CP_DRAWS])
 
 

@@ -86,28 +86,18 @@ from mstar_models.layers.rotary import inv_freq, mrope_tables
 from mstar_models.qwen3_omni.lm_common import attention_sizes, grids, rows, token_ids
 from mstar_models.qwen3_omni.positions import default_mrope_section, rope_index
 from mstar_models.qwen3_omni.tokens import TokenIds
+from mstar_runtime import sampling
 from mstar_runtime.kv.prefix_cache import media_key, token_keys
-from mstar_runtime.ops import tp
+from mstar_runtime.ops import node, tp
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
 from mstar_runtime.ops.column_call import rows_of
-from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
 from mstar_runtime.ops.ports import config_value, fed_token, max_seq_len
 from mstar_runtime.ops.readback import upload
-from mstar_runtime.sampling import (
-    REQUIRED,
-    SamplingColumns,
-    SamplingParams,
-    SamplingPorts,
-    read_sampling,
-    sample,
-    sample_columns,
-    sampling_row,
-)
 
 PREFILLS = ("prefill", "prefill_speech")
 DECODES = ("decode", "decode_speech")
 # the prefills' sampling ports: top-k and top-p off unless given, no repetition penalty
-SAMPLING_PORTS = SamplingPorts(temperature=REQUIRED, top_k=0, top_p=1.0)
+SAMPLING_PORTS = sampling.SamplingPorts(temperature=sampling.REQUIRED, top_k=0, top_p=1.0)
 
 
 @dataclass
@@ -122,7 +112,7 @@ class _Prompt:
     positions: torch.Tensor  # [3, T] float32, from the context's start
     delta: float
     grids: list[tuple[int, int, int]]
-    params: SamplingParams
+    params: sampling.SamplingParams
     max_tokens: int
 
 
@@ -162,7 +152,7 @@ class ThinkerMoE(DecoderNode):
 
     checkpoint_prefix: ClassVar[str] = "thinker."
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         sizes = attention_sizes(spec, "ThinkerMoE", sharded=True)
         self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim = sizes
@@ -172,11 +162,11 @@ class ThinkerMoE(DecoderNode):
         self._init_tp(spec, inter)
         self.section = [int(s) for s in g("mrope_section", default_mrope_section(self.head_dim))]
         if len(self.section) != 3 or sum(self.section) != self.head_dim // 2:
-            raise NodeError(f"node '{spec.name}': mrope_section {self.section} must be 3 values summing to "
-                            f"head_dim / 2 = {self.head_dim // 2}")
+            raise node.NodeError(f"node '{spec.name}': mrope_section {self.section} must be 3 values summing to "
+                                 f"head_dim / 2 = {self.head_dim // 2}")
         self.tap = int(g("accept_hidden_layer", 24))
         if not 0 <= self.tap <= self.layers:
-            raise NodeError(f"node '{spec.name}': accept_hidden_layer {self.tap} is not in [0, {self.layers}]")
+            raise node.NodeError(f"node '{spec.name}': accept_hidden_layer {self.tap} is not in [0, {self.layers}]")
         self.tok = TokenIds.from_spec(spec)
         # the talker's 3-D positions follow the talker config's time scale (the same in the release)
         pps = config_value(spec, "talker_position_id_per_seconds", self.tok.position_id_per_seconds)
@@ -203,7 +193,7 @@ class ThinkerMoE(DecoderNode):
                              persistent=False)
         self.attention_scale = self.head_dim**-0.5
 
-    def _init_tp(self, spec: NodeSpec, inter: int) -> None:
+    def _init_tp(self, spec: node.NodeSpec, inter: int) -> None:
         """This rank's share (`tp.MegatronLayout`: query and KV heads split, or KV heads
         replicated when tp is a multiple of them; every expert's intermediate features split;
         the embedding and the head by vocab rows; the router and the norms whole)."""
@@ -220,20 +210,21 @@ class ThinkerMoE(DecoderNode):
 
     # ------------------------------------------------------------------ contract
     @classmethod
-    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: node.NodeSpec) -> node.SeqPlan:
         if phase in PREFILLS:
             shape = tuple(shapes.get("ids", ()))
             if len(shape) != 1 or shape[0] < 1:
-                raise RequestError(f"ids must be a 1-D, non-empty token list, got shape {shape}", "ids")
+                raise node.RequestError(f"ids must be a 1-D, non-empty token list, got shape {shape}", "ids")
             if shape[0] > max_seq_len(spec):
-                raise RequestError(f"prompt of {shape[0]} tokens is longer than max_seq_len {max_seq_len(spec)}", "ids")
-            return SeqPlan(q_len=shape[0])
+                raise node.RequestError(f"prompt of {shape[0]} tokens is longer than max_seq_len {max_seq_len(spec)}",
+                                        "ids")
+            return node.SeqPlan(q_len=shape[0])
         if phase in DECODES:
-            return SeqPlan(q_len=1)
-        raise NodeError(f"node '{spec.name}' (ThinkerMoE) has no phase '{phase}'")
+            return node.SeqPlan(q_len=1)
+        raise node.NodeError(f"node '{spec.name}' (ThinkerMoE) has no phase '{phase}'")
 
     @classmethod
-    def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: NodeSpec) -> list[int] | None:
+    def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: node.NodeSpec) -> list[int] | None:
         """A text prefill's KV depends on its ids, and at the audio and image placeholders on
         the rows put there (their bytes' `media_key`, each clip's apart; an image's also on its
         grids and deepstack rows). A speech prefill's keys stop before its first multimodal position:
@@ -259,10 +250,10 @@ class ThinkerMoE(DecoderNode):
         return [media.get(k, k) for k in keys] if media else keys
 
     # ------------------------------------------------------------------ phases
-    def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_prefill(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         return self._prefill(batch, attn, speech=False)
 
-    def phase_prefill_speech(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_prefill_speech(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         return self._prefill(batch, attn, speech=True)
 
     # ------------------------------------------------------------------ math
@@ -282,7 +273,7 @@ class ThinkerMoE(DecoderNode):
         self,
         h: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionContext,
+        attn: node.AttentionContext,
         deepstack: torch.Tensor | None = None,
         at_image: torch.Tensor | None = None,
         tap: list[torch.Tensor] | None = None,
@@ -312,7 +303,7 @@ class ThinkerMoE(DecoderNode):
         return out
 
     # ------------------------------------------------------------------ prefill
-    def _prefill(self, batch: Batch, attn: AttentionContext, speech: bool) -> Batch:
+    def _prefill(self, batch: node.Batch, attn: node.AttentionContext, speech: bool) -> node.Batch:
         # every entry is checked before any state changes: a RequestError makes the conductor
         # rerun the entries one by one, which must find them as they were
         # a prefix found cached (`seq.cached` leading tokens, text prefill only) is in the KV
@@ -375,41 +366,41 @@ class ThinkerMoE(DecoderNode):
     ) -> _Prompt:
         ids = token_ids(entry, "ids", self.vocab)
         if ids.numel() != q_len:
-            raise NodeError(f"node '{self.spec.name}': prefill of {ids.numel()} tokens got {q_len} KV slots")
+            raise node.NodeError(f"node '{self.spec.name}': prefill of {ids.numel()} tokens got {q_len} KV slots")
         if start + q_len > self.max_seq_len:
-            raise RequestError(f"prompt of {q_len} tokens (context {start + q_len}) is longer than max_seq_len "
-                               f"{self.max_seq_len}", "ids")
+            raise node.RequestError(f"prompt of {q_len} tokens (context {start + q_len}) is longer than max_seq_len "
+                                    f"{self.max_seq_len}", "ids")
         tokens = ids.tolist()
         dev, dt, hid = self.freq.device, self.model.embed_tokens.weight.dtype, self.hidden
         audio, image = rows(entry, "audio", hid, dt, dev), rows(entry, "image", hid, dt, dev)
         tok = self.tok
         if tok.video_token_id in tokens:
-            raise RequestError("video placeholders in the prompt, but this node takes no video input", "ids")
+            raise node.RequestError("video placeholders in the prompt, but this node takes no video input", "ids")
         n_audio, n_image = tokens.count(tok.audio_token_id), tokens.count(tok.image_token_id)
         if n_audio != audio.shape[0]:
-            raise RequestError(f"the prompt has {n_audio} audio placeholders but the audio encoder gave "
-                               f"{audio.shape[0]} rows", "audio")
+            raise node.RequestError(f"the prompt has {n_audio} audio placeholders but the audio encoder gave "
+                                    f"{audio.shape[0]} rows", "audio")
         if n_image != image.shape[0]:
-            raise RequestError(f"the prompt has {n_image} image placeholders but the vision encoder gave "
-                               f"{image.shape[0]} rows", "image")
+            raise node.RequestError(f"the prompt has {n_image} image placeholders but the vision encoder gave "
+                                    f"{image.shape[0]} rows", "image")
         image_grids = grids(entry, "grid")
         merged = sum(t * h * w // tok.vis_merge**2 for t, h, w in image_grids)
         if merged != n_image:
-            raise RequestError(f"the image grids {image_grids} give {merged} merged patches; the prompt has "
-                               f"{n_image} image placeholders", "grid")
+            raise node.RequestError(f"the image grids {image_grids} give {merged} merged patches; the prompt has "
+                                    f"{n_image} image placeholders", "grid")
         deep = entry.get("deepstack")
         if not isinstance(deep, torch.Tensor) or deep.numel() == 0:
             deep = torch.zeros(0, n_image, hid, dtype=dt, device=dev)
         elif deep.dim() != 3 or deep.shape[1:] != (n_image, hid) or deep.shape[0] > self.layers:
-            raise RequestError(f"deepstack must be [D <= {self.layers}, {n_image}, {hid}], got {list(deep.shape)}",
-                               "deepstack")
+            raise node.RequestError(f"deepstack must be [D <= {self.layers}, {n_image}, {hid}], got {list(deep.shape)}",
+                                    "deepstack")
         positions, delta = rope_index(tokens, tok, image_grids)
         if start:  # a prompt that continues a context: its positions continue the context's
             if "delta" not in state:
-                raise RequestError("a prefill that continues a context the thinker never prefilled", "ids")
+                raise node.RequestError("a prefill that continues a context the thinker never prefilled", "ids")
             base = start + float(state["delta"])
             positions, delta = positions + base, delta + float(state["delta"])
-        params = read_sampling(entry, SAMPLING_PORTS)
+        params = sampling.read_sampling(entry, SAMPLING_PORTS)
         max_tokens = params.max_tokens
         if speech:
             self._check_speech(tokens)
@@ -419,11 +410,12 @@ class ThinkerMoE(DecoderNode):
     def _check_speech(self, tokens: list[int]) -> None:
         tok, n = self.tok, len(tokens)
         if n < 3 or tokens[n - 3] != tok.im_start_token_id or tokens[n - 2] != tok.assistant_token_id:
-            raise RequestError("a speech prompt must end with the assistant header <|im_start|>assistant\\n", "ids")
+            raise node.RequestError("a speech prompt must end with the assistant header <|im_start|>assistant\\n",
+                                    "ids")
         for name in ("tts_pad_token_id", "tts_bos_token_id", "tts_eos_token_id"):
             if not 0 <= getattr(tok, name) < self.vocab:
-                raise NodeError(f"node '{self.spec.name}': {name} {getattr(tok, name)} is outside the vocab "
-                                f"({self.vocab}); set it in the walk's config")
+                raise node.NodeError(f"node '{self.spec.name}': {name} {getattr(tok, name)} is outside the vocab "
+                                     f"({self.vocab}); set it in the walk's config")
 
     def _talker_prompt(self, p: _Prompt, embeds: torch.Tensor, tapped: torch.Tensor) -> dict[str, torch.Tensor]:
         """What the talker's prefill reads (HF `generate`'s `_get_talker_user_parts` / `_assistant_parts`).
@@ -457,13 +449,13 @@ class ThinkerMoE(DecoderNode):
         return {"states": states, "mm": mm, "positions": positions[:, :-1].to(dev)}
 
     # ------------------------------------------------------------------ sampling
-    def _first_tokens(self, logits: torch.Tensor, prompts: list[_Prompt], attn: AttentionContext,
-                      speech: bool) -> Batch:
+    def _first_tokens(self, logits: torch.Tensor, prompts: list[_Prompt], attn: node.AttentionContext,
+                      speech: bool) -> node.Batch:
         """The prefill's first token per entry (one sampler call, at sampler step 0), its
         outputs as the decode's column step gives them (`_outputs`); `done` is True where a
         limit ends the reply at its first token (a host fact), else lazy (the end-of-text check)."""
         n = len(prompts)
-        tokens = sample(logits, [p.params for p in prompts], [None] * n, [0] * n)
+        tokens = sampling.sample(logits, [p.params for p in prompts], [None] * n, [0] * n)
         limits = [p.max_tokens <= 1 or seq.start + seq.q_len >= self.max_seq_len
                   for p, seq in zip(prompts, attn.seqs, strict=True)]
         done = (tokens == self.tok.im_end_token_id) | upload(limits, torch.bool, tokens.device)
@@ -508,9 +500,9 @@ class ThinkerMoE(DecoderNode):
 
     def _cohort_join(self, state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
         if "sampling" not in state:
-            raise RequestError("decode on a KV context that was never prefilled", "token")
+            raise node.RequestError("decode on a KV context that was never prefilled", "token")
         fed_token(inputs)  # a plain call's entry: its fed token (a cohort's join sees none)
-        cols = sampling_row(state["sampling"], state["step"])
+        cols = sampling.sampling_row(state["sampling"], state["step"])
         cols.update(max_tokens=torch.tensor(state["max_tokens"]),
                     delta=torch.tensor(float(state["delta"]), dtype=torch.float32))
         return cols
@@ -523,7 +515,7 @@ class ThinkerMoE(DecoderNode):
         ids = b.inputs["token"].reshape(-1).to(torch.long)
         logits = self._step_logits(ids, b.positions.to(torch.float32) + c["delta"], b.attend)
         # no repetition penalty in the thinker: the sampler skips that stage without a history
-        tokens = sample_columns(logits, SamplingColumns.from_cohort(c))
+        tokens = sampling.sample_columns(logits, sampling.SamplingColumns.from_cohort(c))
         c["step"].add_(1)
         done = (c["step"] >= c["max_tokens"]) | (b.positions + 1 >= self.max_seq_len) | \
             (tokens == self.tok.im_end_token_id)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mstar_runtime.ops.node import NodeError, NodeSpec
+from mstar_runtime.ops import node
 
 SPEAKERS = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
 # the bundled tiny tokenizer (processor.TINY_IDS): Qwen's added tokens 151643.. at 479.., its role words
@@ -68,7 +68,7 @@ class TokenIds:
         return dataclasses.replace(real, **moved, **TINY_ROLES)
 
     @classmethod
-    def from_spec(cls, spec: NodeSpec) -> TokenIds:
+    def from_spec(cls, spec: node.NodeSpec) -> TokenIds:
         """The node's ids: the defaults for its model's thinker vocabulary (config `vocab`), then
         the config's own values."""
         vocab = spec.config.get("vocab", spec.arch_args.get("vocab", 152064))
@@ -81,8 +81,8 @@ class TokenIds:
                     break
         speakers = values.get("speakers")
         if speakers is not None and not isinstance(speakers, Mapping):
-            raise NodeError(f"node '{spec.name}': config 'speakers' must map names to codec ids, got {speakers!r}")
+            raise node.NodeError(f"node '{spec.name}': config 'speakers' must map names to codec ids, got {speakers!r}")
         try:
             return dataclasses.replace(base, **values)
         except TypeError as e:
-            raise NodeError(f"node '{spec.name}': bad token-id config: {e}") from None
+            raise node.NodeError(f"node '{spec.name}': bad token-id config: {e}") from None

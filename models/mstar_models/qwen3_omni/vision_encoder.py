@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_models.qwen3_omni.audio_encoder import Segments
-from mstar_runtime.ops.node import Batch, NodeError, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 from mstar_runtime.ops.ports import arch_values
 
 ROPE_THETA = 10000.0  # the vision config's default rope_parameters (axial)
@@ -113,12 +113,12 @@ class PatchMerger(nn.Module):
         return h
 
 
-class VisionEncoder(StatelessNode):
+class VisionEncoder(node.StatelessNode):
     """encode(pixels: f32[P, patch_dim], grid: i32[K, 3]) -> (embeds [Nv, out], deepstack [D, Nv, out])."""
 
     checkpoint_prefix: ClassVar[str] = "thinker.visual."
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         a = _args(spec)
         h, self.heads, self.merge = a["hidden"], a["heads"], a["merge"]
@@ -129,13 +129,14 @@ class VisionEncoder(StatelessNode):
         self.deepstack = [int(i) for i in a["deepstack"]]
         head_dim = h // self.heads
         if h % self.heads or head_dim % 4:
-            raise NodeError(f"node '{spec.name}': hidden {h} / heads {self.heads} must be a multiple of 4 "
-                            "(2-D RoPE splits head_dim in four)")
+            raise node.NodeError(f"node '{spec.name}': hidden {h} / heads {self.heads} must be a multiple of 4 "
+                                 "(2-D RoPE splits head_dim in four)")
         if any(not 0 <= i < a["depth"] for i in self.deepstack):
-            raise NodeError(f"node '{spec.name}': deepstack taps {self.deepstack} must be blocks of 0..{a['depth'] - 1}")
+            raise node.NodeError(f"node '{spec.name}': deepstack taps {self.deepstack} must be blocks of "
+                                 f"0..{a['depth'] - 1}")
         self.side = round(a["positions"] ** 0.5)
         if self.side * self.side != a["positions"]:
-            raise NodeError(f"node '{spec.name}': positions {a['positions']} is not a square grid")
+            raise node.NodeError(f"node '{spec.name}': positions {a['positions']} is not a square grid")
         self.patch_embed = PatchEmbed(self.in_channels, h, self.temporal, self.patch)
         self.pos_embed = nn.Embedding(a["positions"], h)
         self.blocks = nn.ModuleList(VisionBlock(h, self.heads, a["intermediate"]) for _ in range(a["depth"]))
@@ -209,7 +210,7 @@ class VisionEncoder(StatelessNode):
         return self.merger(x), deep
 
     # ---- the phase
-    def phase_encode(self, batch: Batch) -> Batch:
+    def phase_encode(self, batch: node.Batch) -> node.Batch:
         grids = [self._grid(entry) for entry in batch]
         pixels = [self._pixels(entry, g) for entry, g in zip(batch, grids, strict=True)]
         dtype = self.pos_embed.weight.dtype
@@ -229,14 +230,15 @@ class VisionEncoder(StatelessNode):
         g = entry.get("grid")
         if not isinstance(g, torch.Tensor) or g.is_floating_point() or g.dim() != 2 or g.shape[1] != 3:
             got = f"{g.dtype} {list(g.shape)}" if isinstance(g, torch.Tensor) else type(g).__name__
-            raise RequestError(f"grid must be an integer tensor [K, 3] of (t, h, w) patch counts, got {got}", "grid")
+            raise node.RequestError(f"grid must be an integer tensor [K, 3] of (t, h, w) patch counts, got {got}",
+                                    "grid")
         rows = [tuple(int(v) for v in row) for row in g.tolist()]
         for t, h, w in rows:
             if t < 1 or h < 1 or w < 1 or h % self.merge or w % self.merge:
-                raise RequestError(f"grid row ({t}, {h}, {w}) must be positive with h and w multiples of "
-                                   f"{self.merge}", "grid")
+                raise node.RequestError(f"grid row ({t}, {h}, {w}) must be positive with h and w multiples of "
+                                        f"{self.merge}", "grid")
             if max(h, w) > 200 * min(h, w):
-                raise RequestError(f"grid row ({t}, {h}, {w}) has an aspect ratio above 200", "grid")
+                raise node.RequestError(f"grid row ({t}, {h}, {w}) has an aspect ratio above 200", "grid")
         return rows  # type: ignore[return-value]
 
     def _pixels(self, entry: Mapping[str, Any], grid: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -245,12 +247,12 @@ class VisionEncoder(StatelessNode):
         if not isinstance(p, torch.Tensor) or not p.is_floating_point() or p.dim() != 2 \
                 or p.shape[1] != self.patch_dim or p.shape[0] != want:
             got = f"{p.dtype} {list(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
-            raise RequestError(f"pixels must be a float tensor [{want}, {self.patch_dim}] (the grid's patches), "
-                               f"got {got}", "pixels")
+            raise node.RequestError(f"pixels must be a float tensor [{want}, {self.patch_dim}] (the grid's patches), "
+                                    f"got {got}", "pixels")
         return p
 
 
-def _args(spec: NodeSpec) -> dict[str, Any]:
+def _args(spec: node.NodeSpec) -> dict[str, Any]:
     names = ("depth", "hidden", "heads", "intermediate", "patch", "temporal_patch", "merge", "positions",
              "deepstack", "out_dim")
     out = arch_values(spec, names, "qwen3_omni_vision")

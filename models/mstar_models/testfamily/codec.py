@@ -13,17 +13,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_models.testfamily.common import chunk_context, seeded_init_, setting
-from mstar_runtime.ops.node import Batch, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 
 # phase -> the consumer port it reads (one port per stream, one stream per chunk policy)
 PHASE_PORTS = {"decode_window": "window", "decode_block": "block", "decode_frames": "frames"}
 
 
-class TinyCodec(StatelessNode):
+class TinyCodec(node.StatelessNode):
     """decode_window(window: i32[win]) / decode_block(block: i32[N]) / decode_frames(frames: i32[N])
     -> (pcm: f32[(items - context) * hop])."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.codebook, self.hop = int(setting(spec, "codebook")), int(setting(spec, "hop"))
         dim, self.kernel = int(setting(spec, "codec_dim")), int(setting(spec, "codec_kernel"))
@@ -33,24 +33,24 @@ class TinyCodec(StatelessNode):
         seeded_init_(self, spec)
         self.to(device=spec.device, dtype=spec.dtype)
 
-    def phase_decode_window(self, batch: Batch) -> Batch:
+    def phase_decode_window(self, batch: node.Batch) -> node.Batch:
         return self.decode(batch, "window")
 
-    def phase_decode_block(self, batch: Batch) -> Batch:
+    def phase_decode_block(self, batch: node.Batch) -> node.Batch:
         return self.decode(batch, "block")
 
-    def phase_decode_frames(self, batch: Batch) -> Batch:
+    def phase_decode_frames(self, batch: node.Batch) -> node.Batch:
         return self.decode(batch, "frames")
 
-    def decode(self, batch: Batch, port: str) -> Batch:
+    def decode(self, batch: node.Batch, port: str) -> node.Batch:
         chunks = [entry[port] for entry in batch]
         for c in chunks:
             if c.dim() != 1 or c.numel() == 0:
-                raise RequestError(
+                raise node.RequestError(
                     f"{port} must be a 1-D, non-empty chunk of codes, got {tuple(c.shape)}", port
                 )
             if int(c.min()) < 0 or int(c.max()) >= self.codebook:
-                raise RequestError(f"codes must lie in [0, {self.codebook})", port)
+                raise node.RequestError(f"codes must lie in [0, {self.codebook})", port)
         contexts = [chunk_context(entry, port, c.numel()) for entry, c in zip(batch, chunks, strict=True)]
         # Right-padding is safe for a causal conv: padded items never reach earlier outputs.
         codes = nn.utils.rnn.pad_sequence([c.long() for c in chunks], batch_first=True)

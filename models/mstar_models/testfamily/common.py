@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar_runtime.ops.node import NodeError, NodeSpec, RequestError
+from mstar_runtime.ops import node
 from mstar_runtime.ops.ports import config_value
 
 # The runtime passes a stream chunk to its consumer port P as the items tensor `entry[P]` and
@@ -20,12 +20,12 @@ from mstar_runtime.ops.ports import config_value
 CONTEXT_SUFFIX = ":context"
 
 
-def setting(spec: NodeSpec, name: str) -> Any:
+def setting(spec: node.NodeSpec, name: str) -> Any:
     """A size or constant of the node: its `arch` argument if it has one, else the model config."""
     return config_value(spec, name, note=" (neither an arch argument nor config)")
 
 
-def llama_sizes(spec: NodeSpec) -> tuple[int, int, int, int, int, int]:
+def llama_sizes(spec: node.NodeSpec) -> tuple[int, int, int, int, int, int]:
     """(vocab, hidden, layers, heads, kv_heads, head_dim) of a node on the `llama` arch, as ints."""
     vocab, hidden, layers, heads, kv_heads, head_dim = (
         int(setting(spec, n)) for n in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim"))
@@ -38,20 +38,20 @@ def start_reply(entry: Mapping[str, Any], seq: Any, vocab: int, limit: int, limi
     port; sets the tag's reply state (`gen_base`, `max_new`) on `seq` and returns the tokens."""
     tokens = entry["tokens"]
     if tokens.dim() != 1 or tokens.numel() == 0:
-        raise RequestError(f"tokens must be 1-D and non-empty, got shape {tuple(tokens.shape)}", "tokens")
+        raise node.RequestError(f"tokens must be 1-D and non-empty, got shape {tuple(tokens.shape)}", "tokens")
     if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
-        raise RequestError(f"token ids must lie in [0, {vocab})", "tokens")
+        raise node.RequestError(f"token ids must lie in [0, {vocab})", "tokens")
     if seq.start + seq.q_len > limit:
-        raise RequestError(f"context of {seq.start + seq.q_len} tokens exceeds {limit_name} {limit}", "tokens")
+        raise node.RequestError(f"context of {seq.start + seq.q_len} tokens exceeds {limit_name} {limit}", "tokens")
     max_new = as_int(entry, "max_new")
     if max_new < 1:
-        raise RequestError(f"max_new must be >= 1, got {max_new}", "max_new")
+        raise node.RequestError(f"max_new must be >= 1, got {max_new}", "max_new")
     seq.state["gen_base"] = seq.start + seq.q_len - 1
     seq.state["max_new"] = max_new
     return tokens
 
 
-def seeded_init_(module: nn.Module, spec: NodeSpec) -> None:
+def seeded_init_(module: nn.Module, spec: node.NodeSpec) -> None:
     """Fill every parameter from a generator seeded by the class name and the node's `seed`
     setting, so that two builds from one NodeSpec have identical weights whatever the global
     RNG state (a recomputed request, a reference and a worker process all agree).
@@ -80,7 +80,7 @@ def chunk_context(entry: dict[str, Any], port: str, items: int) -> int:
     """The context count the runtime gives with a stream chunk (see CONTEXT_SUFFIX)."""
     key = port + CONTEXT_SUFFIX
     if key not in entry:
-        raise NodeError(
+        raise node.NodeError(
             f"stream chunk for port '{port}' arrived without '{key}': the runtime must pass the chunk's "
             "number of context items next to its tensor"
         )
@@ -88,7 +88,7 @@ def chunk_context(entry: dict[str, Any], port: str, items: int) -> int:
     if isinstance(context, torch.Tensor):
         context = int(context.item())
     if isinstance(context, bool) or not isinstance(context, int) or not 0 <= context <= items:
-        raise NodeError(f"'{key}' must be an int in [0, {items}], got {context!r}")
+        raise node.NodeError(f"'{key}' must be an int in [0, {items}], got {context!r}")
     return context
 
 
@@ -97,7 +97,7 @@ def as_int(entry: dict[str, Any], port: str) -> int:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"input '{port}' must be an integer, got {value!r}", port)
+        raise node.RequestError(f"input '{port}' must be an integer, got {value!r}", port)
     return value
 
 
@@ -106,5 +106,5 @@ def as_float(entry: dict[str, Any], port: str) -> float:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RequestError(f"input '{port}' must be a number, got {value!r}", port)
+        raise node.RequestError(f"input '{port}' must be a number, got {value!r}", port)
     return float(value)

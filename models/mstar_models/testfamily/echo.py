@@ -30,8 +30,8 @@ import torch
 from mstar_models.layers.decoder import DecoderNode
 from mstar_models.testfamily.common import llama_sizes, seeded_init_, setting, start_reply
 from mstar_models.testfamily.lm import TinyLM, llama_model
+from mstar_runtime.ops import node
 from mstar_runtime.ops.cohort import Attend, CohortPhase, CohortStep, Columns
-from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
 from mstar_runtime.ops.ports import fed_token, one_rank
 
 DEFAULT_MAX_SEQ_LEN = 4096  # the compiler's default of the `max_seq_len` node setting
@@ -40,12 +40,12 @@ DEFAULT_MAX_SEQ_LEN = 4096  # the compiler's default of the `max_seq_len` node s
 class EchoLM(DecoderNode):
     """prefill(tokens: i32[T], max_new: int) / decode(token: i32[1]) -> (token: i32[1], done: bool)."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         one_rank(spec, "EchoLM")
         self.vocab, self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim = llama_sizes(spec)
         if self.heads != 1 or self.kv_heads != 1 or self.hidden != self.head_dim:
-            raise NodeError(f"node '{spec.name}' (EchoLM): needs heads = kv_heads = 1 and hidden = head_dim")
+            raise node.NodeError(f"node '{spec.name}' (EchoLM): needs heads = kv_heads = 1 and hidden = head_dim")
         self.max_seq_len = int(spec.settings.get("max_seq_len", DEFAULT_MAX_SEQ_LEN))
         self.model = llama_model(self.vocab, self.hidden, self.layers, 1, 1, self.head_dim,
                                  int(setting(spec, "intermediate")), 1e-6)
@@ -54,10 +54,10 @@ class EchoLM(DecoderNode):
 
     # ------------------------------------------------------------------ contract
     @classmethod
-    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: node.NodeSpec) -> node.SeqPlan:
         if phase in ("prefill", "decode"):  # the same ports and KV use as TinyLM's
             return TinyLM.kv_plan(phase, shapes, spec)
-        raise NodeError(f"node '{spec.name}' (EchoLM) has no phase '{phase}'")
+        raise node.NodeError(f"node '{spec.name}' (EchoLM) has no phase '{phase}'")
 
     def cohort_phase(self, phase: str) -> CohortPhase | None:
         """`decode`, written only as a column step (ops/cohort.py; `run` calls it through ops/column_call.py)."""
@@ -67,7 +67,7 @@ class EchoLM(DecoderNode):
 
     def _cohort_join(self, state: dict, inputs: Mapping) -> Columns:
         if "gen_base" not in state:
-            raise RequestError("decode on a KV context that was never prefilled", "token")
+            raise node.RequestError("decode on a KV context that was never prefilled", "token")
         fed_token(inputs)  # a plain call's entry: its fed token (a cohort's join sees none)
         dev = self.model.embed_tokens.weight.device
         return {"gen_base": torch.tensor(state["gen_base"], device=dev),
@@ -81,7 +81,7 @@ class EchoLM(DecoderNode):
         return {"token": tokens[:, None], "done": done}
 
     # ------------------------------------------------------------------ phases
-    def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_prefill(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         ids = [start_reply(entry, seq, self.vocab, self.max_seq_len, "max_seq_len")
                for entry, seq in zip(batch, attn.seqs, strict=True)]
         tokens = self.next_tokens(torch.cat(ids).long(), attn.attend)
@@ -98,8 +98,8 @@ class EchoLM(DecoderNode):
         step = out[:, 0, 0].round().long()
         return ((ids + step) % self.vocab).to(torch.int32)
 
-    def _outputs(self, tokens: torch.Tensor, attn: AttentionContext) -> Batch:
-        out: Batch = []
+    def _outputs(self, tokens: torch.Tensor, attn: node.AttentionContext) -> node.Batch:
+        out: node.Batch = []
         for i, seq in enumerate(attn.seqs):
             kv_after = seq.start + seq.q_len
             done = kv_after - seq.state["gen_base"] >= seq.state["max_new"] or kv_after >= self.max_seq_len

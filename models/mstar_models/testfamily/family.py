@@ -18,7 +18,7 @@ from mstar_models.testfamily.codec import TinyCodec
 from mstar_models.testfamily.flow import TinyFlow
 from mstar_models.testfamily.lm import TinyLM
 from mstar_models.testfamily.prompt import TinyPrompt
-from mstar_runtime.ops.node import NodeSpec
+from mstar_runtime.ops import node
 
 _REAL: dict[str, Any] = {
     "layers": 2,
@@ -117,13 +117,13 @@ def node_spec(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
-) -> NodeSpec:
+) -> node.NodeSpec:
     _, engine, setting_names = NODES[name]
     arch_args = {k: config[k] for k in LLAMA_ARGS} if name == "lm" else {}
     settings: dict[str, Any] = {k: config[k] for k in setting_names}
     if seed:
         settings["seed"] = seed
-    return NodeSpec(
+    return node.NodeSpec(
         name=name,
         engine=engine,
         config=dict(config),
@@ -143,6 +143,6 @@ def build_family(
     """Build the nodes of a variant (float32), optionally with config values overridden."""
     config = {**CONFIGS[variant], **(overrides or {})}
     nodes = {name: cls(node_spec(name, config, device, seed=seed)) for name, (cls, _, _) in NODES.items()}
-    for node in nodes.values():
-        node.eval()
+    for instance in nodes.values():
+        instance.eval()
     return Family.from_nodes(nodes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from mstar_models.testfamily.common import as_float, as_int, setting
-from mstar_runtime.ops.node import Batch, NodeSpec, RequestError, StatelessNode
+from mstar_runtime.ops import node
 
 
 def noise(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -18,33 +18,33 @@ def noise(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
 
 
-class TinyFlow(StatelessNode):
+class TinyFlow(node.StatelessNode):
     """init(seed: int) -> (x: f32[L, C]); time(index: int, steps: int) -> (t: f32[1], dt: f32[1]);
     step(x, v_cond, v_uncond: f32[L, C], dt: f32[1], scale: float) -> (x: f32[L, C])."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.shape = (int(setting(spec, "latent_len")), int(setting(spec, "latent_dim")))
 
     def _tensor(self, values: torch.Tensor) -> torch.Tensor:
         return values.to(device=self.spec.device, dtype=self.spec.dtype)
 
-    def phase_init(self, batch: Batch) -> Batch:
+    def phase_init(self, batch: node.Batch) -> node.Batch:
         # One generator per request is the point (per-request seeds), so this loop is the work.
         return [{"x": self._tensor(noise(as_int(entry, "seed"), self.shape))} for entry in batch]
 
-    def phase_time(self, batch: Batch) -> Batch:
-        out: Batch = []
+    def phase_time(self, batch: node.Batch) -> node.Batch:
+        out: node.Batch = []
         for entry in batch:
             index, steps = as_int(entry, "index"), as_int(entry, "steps")
             if steps < 1 or not 0 <= index < steps:
-                raise RequestError(f"need 0 <= index < steps, got index={index} steps={steps}", "index")
+                raise node.RequestError(f"need 0 <= index < steps, got index={index} steps={steps}", "index")
             t = torch.tensor([1.0 - index / steps], dtype=torch.float32)
             dt = torch.tensor([1.0 / steps], dtype=torch.float32)
             out.append({"t": self._tensor(t), "dt": self._tensor(dt)})
         return out
 
-    def phase_step(self, batch: Batch) -> Batch:
+    def phase_step(self, batch: node.Batch) -> node.Batch:
         x = torch.stack([entry["x"] for entry in batch])
         v_cond = torch.stack([entry["v_cond"] for entry in batch])
         v_uncond = torch.stack([entry["v_uncond"] for entry in batch])

@@ -29,8 +29,8 @@ from mstar_models.layers.linear import Weight
 from mstar_models.layers.mlp import GatedMLP
 from mstar_models.testfamily.common import llama_sizes, seeded_init_, setting, start_reply
 from mstar_runtime.kv.prefix_cache import token_keys
+from mstar_runtime.ops import node
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
-from mstar_runtime.ops.node import AttentionContext, Batch, NodeError, NodeSpec, RequestError, SeqPlan
 from mstar_runtime.ops.ports import fed_token, one_rank
 from mstar_runtime.ops.readback import Lazy, Readback
 
@@ -70,7 +70,7 @@ class TinyLM(DecoderNode):
     """prefill(tokens: i32[T], max_new: int) / decode(token: i32[1]) -> (token: i32[1],
     code: i32[0 or 1], done: bool, hidden: f32[1, hidden]); denoise(x: f32[L, C], t: f32[1]) -> (v: f32[L, C])."""
 
-    def __init__(self, spec: NodeSpec):
+    def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         one_rank(spec, "TinyLM")
         g = lambda name: setting(spec, name)  # noqa: E731 - a local shorthand
@@ -79,7 +79,7 @@ class TinyLM(DecoderNode):
         self.eos, self.codebook, self.max_context = int(g("eos")), int(g("codebook")), int(g("max_context"))
         self.latent_dim = int(g("latent_dim"))
         if self.heads % self.kv_heads or self.hidden % 2 or self.head_dim % 2:
-            raise NodeError(
+            raise node.NodeError(
                 f"node '{spec.name}': heads must be a multiple of kv_heads; hidden and head_dim even"
             )
         self.model = llama_model(
@@ -103,25 +103,25 @@ class TinyLM(DecoderNode):
 
     # ------------------------------------------------------------------ contract
     @classmethod
-    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: NodeSpec) -> SeqPlan:
+    def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: node.NodeSpec) -> node.SeqPlan:
         if phase == "prefill":
             n = int(shapes["tokens"][0]) if len(shapes["tokens"]) == 1 else 0
             if n < 1:
-                raise RequestError(
+                raise node.RequestError(
                     f"prefill needs a 1-D, non-empty token list, got shape {tuple(shapes['tokens'])}",
                     "tokens",
                 )
-            return SeqPlan(q_len=n)
+            return node.SeqPlan(q_len=n)
         if phase == "decode":
-            return SeqPlan(q_len=1)
+            return node.SeqPlan(q_len=1)
         if phase == "denoise":
             # The latent block attends to the context and to itself, and leaves no KV behind:
             # every Euler step and every CFG branch queries the same context.
-            return SeqPlan(q_len=int(shapes["x"][0]), mask="full", keep=False)
-        raise NodeError(f"node '{spec.name}' (TinyLM) has no phase '{phase}'")
+            return node.SeqPlan(q_len=int(shapes["x"][0]), mask="full", keep=False)
+        raise node.NodeError(f"node '{spec.name}' (TinyLM) has no phase '{phase}'")
 
     @classmethod
-    def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: NodeSpec) -> list[int] | None:
+    def prefix_content(cls, phase: str, inputs: Mapping[str, Any], spec: node.NodeSpec) -> list[int] | None:
         """A prefill's KV depends on its token ids (and what precedes them) only: they are its keys."""
         return token_keys(inputs.get("tokens")) if phase == "prefill" else None
 
@@ -134,7 +134,7 @@ class TinyLM(DecoderNode):
 
     def _cohort_join(self, state: dict, inputs: Mapping) -> Columns:
         if "gen_base" not in state:
-            raise RequestError("decode on a KV context that was never prefilled", "token")
+            raise node.RequestError("decode on a KV context that was never prefilled", "token")
         fed_token(inputs)  # a plain call's entry: its fed token (a cohort's join sees none)
         return {"gen_base": torch.tensor(state["gen_base"]), "max_new": torch.tensor(state["max_new"])}
 
@@ -149,7 +149,7 @@ class TinyLM(DecoderNode):
                 "done": limit | eos, "hidden": hidden[:, None, :]}
 
     # ------------------------------------------------------------------ phases
-    def phase_prefill(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_prefill(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         # a prefix found cached (`seq.cached`) is in the KV already: only the rest is computed,
         # through run_graphed (a row-wise function: prefix caching's chunks cut it, engine/chunked.py)
         ids = [start_reply(entry, seq, self.vocab, self.max_context, "max_context")[seq.cached:]
@@ -158,11 +158,11 @@ class TinyLM(DecoderNode):
                                   torch.cat(ids).long(), attn.positions())
         return self._next_tokens(attn.last_rows(hidden), attn)
 
-    def phase_denoise(self, batch: Batch, attn: AttentionContext) -> Batch:
+    def phase_denoise(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
         xs = [entry["x"] for entry in batch]
         for x in xs:
             if x.dim() != 2 or x.shape[1] != self.latent_dim:
-                raise RequestError(f"x must be [L, {self.latent_dim}], got {tuple(x.shape)}", "x")
+                raise node.RequestError(f"x must be [L, {self.latent_dim}], got {tuple(x.shape)}", "x")
         t = torch.cat([entry["t"].reshape(1) for entry in batch]).to(self.flow_time.weight.dtype)
         temb = self.flow_time(time_features(t, self.hidden).to(t.dtype))  # [B, hidden]
         lens = torch.tensor([x.shape[0] for x in xs], device=temb.device)
@@ -180,13 +180,13 @@ class TinyLM(DecoderNode):
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
         return F.linear(hidden, weight)
 
-    def _next_tokens(self, last: torch.Tensor, attn: AttentionContext) -> Batch:
+    def _next_tokens(self, last: torch.Tensor, attn: node.AttentionContext) -> node.Batch:
         """Greedy next tokens. `code` and `done` depend on the token, so they are `Lazy` (as in
         Orpheus' backbone): the step never waits for the device, and every runtime test with
         this model goes through the interpreter's lanes (runtime/mstar_runtime/ops/readback.py)."""
         tokens = self.logits(last).argmax(dim=-1).to(torch.int32)
         back = Readback(tokens)
-        out: Batch = []
+        out: node.Batch = []
         for i, seq in enumerate(attn.seqs):
             kv_after = seq.start + seq.q_len
             produced = kv_after - seq.state["gen_base"]

@@ -40,7 +40,7 @@ def scan(folder: str | Path) -> I.CheckpointIR:
     """All safetensors headers of a weights folder (index-driven when an index exists)."""
     root = Path(folder)
     if not root.is_dir():
-        raise CheckpointError(f"weights folder '{folder}' does not exist")
+        raise CheckpointError(f"weights folder '{folder}' {'is not a folder' if root.exists() else 'does not exist'}")
     index = root / "model.safetensors.index.json"
     if index.exists():
         try:

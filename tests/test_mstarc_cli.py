@@ -186,6 +186,10 @@ def test_weights_folder_headers(tmp_path: Path, capsys: pytest.CaptureFixture[st
     code = main(["check", ORPHEUS, "--variant", "tiny", "--weights", str(tmp_path)])
     assert code == 1
     assert f"error[E062]: weights folder '{tmp_path / 'snac'}' does not exist" in capsys.readouterr().err
+    (tmp_path / "snac").write_text("")  # a file where the folder should be: said so, not "does not exist"
+    assert main(["check", ORPHEUS, "--variant", "tiny", "--weights", str(tmp_path)]) == 1
+    assert f"error[E062]: weights folder '{tmp_path / 'snac'}' is not a folder" in capsys.readouterr().err
+    (tmp_path / "snac").unlink()
     (tmp_path / "snac").mkdir()  # SNAC's own checkpoint lives in the sub-folder the walk names
     snac = json.dumps({"decoder.model.0.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 0]}}).encode()
     (tmp_path / "snac" / "model.safetensors").write_bytes(struct.pack("<Q", len(snac)) + snac)

@@ -97,6 +97,9 @@ def test_dummy_weights_are_deterministic_and_finite(plan: Plan) -> None:
 def test_unknown_source(plan: Plan, tmp_path: Path) -> None:
     with pytest.raises(WeightsError, match="weights folder '.*nowhere' does not exist"):
         lm(plan, tmp_path / "nowhere")
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(WeightsError, match="weights folder '.*a-file' is not a folder"):
+        lm(plan, tmp_path / "a-file")
     (tmp_path / "empty").mkdir()
     with pytest.raises(WeightsError, match="holds no .safetensors files"):
         lm(plan, tmp_path / "empty")
@@ -171,6 +174,17 @@ def test_missing_shard_file(plan: Plan, weights: dict[str, torch.Tensor], tmp_pa
 def test_corrupt_file(plan: Plan, tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
     with pytest.raises(WeightsError, match="has a corrupt safetensors header"):
+        lm(plan, tmp_path)
+
+
+def test_a_truncated_file_names_itself(plan: Plan, weights: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    """A whole header over cut-off data (an interrupted download): safetensors refuses the open,
+    which reached the user as an internal error with its traceback."""
+    path = tmp_path / "model.safetensors"
+    save_file(weights, str(path))
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(WeightsError, match=r"checkpoint file '.*model.safetensors' is truncated or corrupt: "
+                                           r".*\(reading tensor '[^']+'\)"):
         lm(plan, tmp_path)
 
 

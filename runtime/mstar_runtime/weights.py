@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from mstar_runtime import safetensors_header
@@ -227,9 +227,8 @@ def _fill_weights(module: nn.Module, plan: Plan, node: str, source: str | Path) 
     subdir = str(plan.node(node).settings.get("checkpoint_subdir") or getattr(type(module), "checkpoint_subdir", ""))
     folder = Path(src) / subdir if subdir else Path(src)
     if not folder.is_dir():
-        raise WeightsError(
-            f"node '{node}': weights folder '{folder}' does not exist (use 'dummy' for random weights)"
-        )
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise WeightsError(f"node '{node}': weights folder '{folder}' {what} (use 'dummy' for random weights)")
     checkpoint = Checkpoint.open(folder)
     checkpoint.verify_against(plan, subdir)
     arch = {t.name: t.shape for t in info.arch.tensors} if info.arch is not None else {}
@@ -431,12 +430,16 @@ class Checkpoint:
     def read(self, tensor: str, slices: tuple[slice, ...]) -> torch.Tensor:
         """The tensor (or this rank's slice of it) on the CPU; only that slice is read."""
         file = self.files_of[tensor]
-        handle = self._open.get(file)
-        if handle is None:
-            handle = self._open[file] = safe_open(str(self.folder / file), framework="pt", device="cpu")
-        if all(s == slice(None) for s in slices):
-            return handle.get_tensor(tensor)
-        return handle.get_slice(tensor)[slices]
+        try:
+            handle = self._open.get(file)
+            if handle is None:
+                handle = self._open[file] = safe_open(str(self.folder / file), framework="pt", device="cpu")
+            if all(s == slice(None) for s in slices):
+                return handle.get_tensor(tensor)
+            return handle.get_slice(tensor)[slices]
+        except SafetensorError as e:  # the header parsed, the rest did not: a cut-off copy, say
+            raise WeightsError(f"checkpoint file '{self.folder / file}' is truncated or corrupt: {e} "
+                               f"(reading tensor '{tensor}')") from None
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], str]:

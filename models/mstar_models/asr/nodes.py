@@ -36,7 +36,7 @@ from mstar_models.layers.attention import Attention, cross_plan
 from mstar_models.layers.decoder import DecoderNode
 from mstar_models.layers.linear import Weight
 from mstar_models.layers.norm import RMSNorm
-from mstar_models.testfamily.common import llama_sizes, seeded_init_, setting
+from mstar_models.testfamily.common import llama_sizes, seed_and_place_, setting
 from mstar_models.testfamily.lm import apply_rope, llama_model, rope_tables
 from mstar_runtime.ops import node
 from mstar_runtime.ops.ports import one_rank
@@ -78,8 +78,7 @@ class Encoder(node.StatelessNode):
         self.model = llama_model(s.vocab, s.hidden, s.layers, s.heads, s.kv_heads, s.head_dim, s.intermediate,
                                  RMS_EPS)
         self.lm_head = Weight.empty(s.vocab, s.hidden)
-        seeded_init_(self, spec)
-        self.to(device=spec.device, dtype=spec.dtype)
+        seed_and_place_(self, spec)
 
     def quantize_weights(self, fmt: str) -> None:
         """`weights: fp8` (the loader, after filling): the stack's projections, as a DecoderNode's."""
@@ -149,8 +148,7 @@ class Decoder(DecoderNode):
             layer.encoder_attn = Attention(s.hidden, s.heads, s.kv_heads, s.head_dim)
             layer.encoder_attn_layer_norm = RMSNorm(s.hidden, RMS_EPS)
         self.lm_head = Weight.empty(s.vocab, s.hidden)
-        seeded_init_(self, spec)
-        self.to(device=spec.device, dtype=spec.dtype)
+        seed_and_place_(self, spec)
 
     @classmethod
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: node.NodeSpec) -> node.SeqPlan:

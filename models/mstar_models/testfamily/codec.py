@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar_models.testfamily.common import chunk_context, seeded_init_, setting
+from mstar_models.testfamily.common import chunk_context, seed_and_place_, setting
 from mstar_runtime.ops import node
 
 # phase -> the consumer port it reads (one port per stream, one stream per chunk policy)
@@ -30,8 +30,7 @@ class TinyCodec(node.StatelessNode):
         self.embed = nn.Embedding(self.codebook, dim)
         self.conv = nn.Conv1d(dim, dim, self.kernel)
         self.up = nn.Linear(dim, self.hop)
-        seeded_init_(self, spec)
-        self.to(device=spec.device, dtype=spec.dtype)
+        seed_and_place_(self, spec)
 
     def phase_decode_window(self, batch: node.Batch) -> node.Batch:
         return self.decode(batch, "window")

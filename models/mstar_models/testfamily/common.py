@@ -51,10 +51,11 @@ def start_reply(entry: Mapping[str, Any], seq: Any, vocab: int, limit: int, limi
     return tokens
 
 
-def seeded_init_(module: nn.Module, spec: node.NodeSpec) -> None:
-    """Fill every parameter from a generator seeded by the class name and the node's `seed`
-    setting, so that two builds from one NodeSpec have identical weights whatever the global
-    RNG state (a recomputed request, a reference and a worker process all agree).
+def seed_and_place_(module: nn.Module, spec: node.NodeSpec) -> None:
+    """Fill every parameter from a CPU generator seeded by the class name and the node's `seed`
+    setting, then move the module to the node's device and dtype: two builds from one NodeSpec
+    have identical weights whatever the global RNG state (a recomputed request, a reference and
+    a worker process all agree).
 
     Linear/conv weights ~ N(0, 1/fan_in), embeddings ~ N(0, 0.1^2), norm weights 1 + N(0, 0.1^2),
     biases ~ N(0, 0.1^2): random enough that every weight matters for the outputs."""
@@ -74,6 +75,7 @@ def seeded_init_(module: nn.Module, spec: node.NodeSpec) -> None:
                 fan_in = p[0].numel() if p.dim() > 1 else p.numel()
                 values = torch.randn(p.shape, generator=gen) / fan_in**0.5
             p.copy_(values.to(p.dtype))
+    module.to(device=spec.device, dtype=spec.dtype)
 
 
 def chunk_context(entry: dict[str, Any], port: str, items: int) -> int:

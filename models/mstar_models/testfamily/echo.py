@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import torch
 
 from mstar_models.layers.decoder import DecoderNode
-from mstar_models.testfamily.common import llama_sizes, seeded_init_, setting, start_reply
+from mstar_models.testfamily.common import llama_sizes, seed_and_place_, setting, start_reply
 from mstar_models.testfamily.lm import TinyLM, llama_model
 from mstar_runtime.ops import node
 from mstar_runtime.ops.cohort import Attend, CohortPhase, CohortStep, Columns
@@ -49,8 +49,7 @@ class EchoLM(DecoderNode):
         self.max_seq_len = int(spec.settings.get("max_seq_len", DEFAULT_MAX_SEQ_LEN))
         self.model = llama_model(self.vocab, self.hidden, self.layers, 1, 1, self.head_dim,
                                  int(setting(spec, "intermediate")), 1e-6)
-        seeded_init_(self, spec)
-        self.to(device=spec.device, dtype=spec.dtype)
+        seed_and_place_(self, spec)
 
     # ------------------------------------------------------------------ contract
     @classmethod

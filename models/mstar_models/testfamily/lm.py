@@ -27,7 +27,7 @@ from mstar_models.layers.decoder import Decoder, DecoderNode
 from mstar_models.layers.embedding import VocabEmbedding
 from mstar_models.layers.linear import Weight
 from mstar_models.layers.mlp import GatedMLP
-from mstar_models.testfamily.common import llama_sizes, seeded_init_, setting, start_reply
+from mstar_models.testfamily.common import llama_sizes, seed_and_place_, setting, start_reply
 from mstar_runtime.kv.prefix_cache import token_keys
 from mstar_runtime.ops import node
 from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
@@ -40,7 +40,7 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 def llama_model(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
                 intermediate: int, eps: float) -> Decoder:
     """`model.*` of a Llama checkpoint on the layer library (`embed_tokens`, `layers.{i}.*`, `norm`),
-    uninitialised: the node fills it (`common.seeded_init_`)."""
+    uninitialised: the node fills it (`common.seed_and_place_`)."""
     return Decoder(layers, hidden, heads, kv_heads, head_dim, eps, lambda i: GatedMLP(hidden, intermediate),
                    embed=VocabEmbedding(vocab, hidden))
 
@@ -98,8 +98,7 @@ class TinyLM(DecoderNode):
         self.flow_in = nn.Linear(self.latent_dim, self.hidden)
         self.flow_time = nn.Linear(self.hidden, self.hidden)
         self.flow_out = nn.Linear(self.hidden, self.latent_dim)
-        seeded_init_(self, spec)
-        self.to(device=spec.device, dtype=spec.dtype)
+        seed_and_place_(self, spec)
 
     # ------------------------------------------------------------------ contract
     @classmethod

@@ -27,7 +27,7 @@ from torch import nn
 
 from mstar_models.layers.decoder import DecoderNode
 from mstar_models.layers.linear import Weight
-from mstar_models.testfamily.common import as_int, llama_sizes, seeded_init_, setting
+from mstar_models.testfamily.common import as_int, llama_sizes, seed_and_place_, setting
 from mstar_models.testfamily.lm import llama_model, rope_tables
 from mstar_runtime.ops import node
 from mstar_runtime.ops.ports import one_rank
@@ -73,8 +73,7 @@ class Backbone(_Llama):
     def __init__(self, spec: node.NodeSpec):
         super().__init__(spec)
         self.max_prefix = int(spec.settings.get("max_seq_len", 0)) or None
-        seeded_init_(self, spec)
-        self.to(device=spec.device, dtype=spec.dtype)
+        seed_and_place_(self, spec)
 
     @classmethod
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: node.NodeSpec) -> node.SeqPlan:
@@ -110,8 +109,7 @@ class ActionExpert(_Llama):
                                  f"({self.action_dim}); the embedding and head are the action projections")
         self.action_time_mlp_in = nn.Linear(2 * self.hidden, self.hidden)
         self.action_time_mlp_out = nn.Linear(self.hidden, self.hidden)
-        seeded_init_(self, spec)
-        self.to(device=spec.device, dtype=spec.dtype)
+        seed_and_place_(self, spec)
 
     @classmethod
     def kv_plan(cls, phase: str, shapes: Mapping[str, tuple[int, ...]], spec: node.NodeSpec) -> node.SeqPlan:

@@ -217,6 +217,22 @@ def test_all_good_batch_exits_0(testfamily_plan: Path, tmp_path: Path, capsys: p
     assert "finished: 5" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("ok", [True, False], ids=["finished", "failed"])
+def test_a_request_named_summary_keeps_its_record(testfamily_plan: Path, tmp_path: Path, ok: bool) -> None:
+    """The batch's summary.json was written over the record of a request whose id is 'summary'
+    (or the other way round): such a request's files get a hashed stem, as an id that does not
+    make a file name does."""
+    requests = tmp_path / "r.jsonl"
+    inputs = {"prompt": "hi", "max_new": 2 if ok else "two"}
+    requests.write_text(json.dumps({"id": "summary", "walk": "chat", "inputs": inputs}) + "\n")
+    out = tmp_path / "o"
+    assert main([str(testfamily_plan), "--requests", str(requests), "--out", str(out)]) == (0 if ok else 1)
+    assert json.loads((out / "summary.json").read_text())["requests"] == 1
+    (record,) = [json.loads(p.read_text()) for p in out.glob("summary-????????.json")]
+    assert record["id"] == "summary" and record["state"] == ("finished" if ok else "failed")
+    assert all((out / name).is_file() and name.startswith("summary-") for name in record["files"])
+
+
 def test_a_batch_runs_marked_loops_as_cohorts_with_the_generic_paths_tokens(testfamily_plan: Path,
                                                                             tmp_path: Path) -> None:
     inputs = [{"prompt": f"hi {i}", "max_new": 5} for i in range(4)]

@@ -309,6 +309,10 @@ def count_requests(f: BinaryIO, max_bytes: int = MAX_BATCH_LINE_BYTES) -> int | 
     return n
 
 
+SUMMARY = "summary"  # the batch's own record, `summary.json`
+RESERVED = (SUMMARY,)  # a request with that id gets a hashed file stem, not the batch's file
+
+
 class BatchRun:
     """Submits a batch file's requests (at most `window` in flight), collects them as they
     end, writes their files, keeps the counts."""
@@ -332,7 +336,7 @@ class BatchRun:
                              "finish_reason": reason}
         record = {**record, "line": line}
         program = {"walk": walk, "outputs": []}
-        write_outputs(self.out, file_id or rid, program, {}, self.m.plan.config, summary=record)
+        write_outputs(self.out, file_id or rid, program, {}, self.m.plan.config, summary=record, reserved=RESERVED)
         self.failures.append({"line": line, "id": rid, "walk": walk, "error": message, "field": field,
                               "finish_reason": reason})
         self.bar.write(f"{PROG}: line {line} (id '{rid}'): {message}", file=sys.stderr)
@@ -375,7 +379,7 @@ class BatchRun:
             self.fail(line, handle.id, handle.walk, e.message, e.field, e.finish_reason, summary)
             return True
         write_outputs(self.out, handle.id, self.m.plan.walk(handle.walk), outputs, self.m.plan.config,
-                      summary=summary)
+                      summary=summary, reserved=RESERVED)
         self.finished += 1
         self.bar.update(1)
         return True
@@ -421,12 +425,12 @@ def batch(m: MStar, requests: str | PathLike[str], out: str | PathLike[str]) -> 
         "cohort_steps": int(st.get("cohort_steps", 0)),  # decode cohort steps (0 where no marked loop ran as a cohort)
         "failures": sorted(run.failures, key=lambda f: f["line"]),
     }
-    (out / "summary.json").write_text(json.dumps(jsonable(summary), indent=2) + "\n", encoding="utf-8")
+    (out / f"{SUMMARY}.json").write_text(json.dumps(jsonable(summary), indent=2) + "\n", encoding="utf-8")
     print(f"requests: {summary['requests']}  finished: {summary['finished']}  failed: {summary['failed']}")
     print(f"wall time: {wall:.2f} s  throughput: {summary['requests_per_s']} requests/s")
     print(f"steps: {summary['steps']}  mean batch size: {summary['mean_batch']}  "
           f"wasted speculative steps: {summary['wasted_steps']}  preemptions: {summary['preemptions']}")
-    print(f"summary -> {out / 'summary.json'}")
+    print(f"summary -> {out / f'{SUMMARY}.json'}")
     return 1 if run.failures else 0
 
 

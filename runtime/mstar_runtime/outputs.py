@@ -24,7 +24,7 @@ import json
 import math
 import re
 import wave
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +36,12 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 _MAX_NAME = 100
 
 
-def safe_name(text: str) -> str:
-    """A file-name-safe form of a client-chosen id: no separators, no leading dot, bounded length."""
+def safe_name(text: str, reserved: Collection[str] = ()) -> str:
+    """A file-name-safe form of a client-chosen id: no separators, no leading dot, bounded length;
+    never one of `reserved` (a file the run writes itself: a batch's `summary`)."""
     clean = _SAFE.sub("_", text).lstrip(".")[:_MAX_NAME] or "request"
-    if clean != text:  # two ids that sanitise alike ('a/b', 'a_b') must not overwrite each other
+    # two ids that sanitise alike ('a/b', 'a_b') must not overwrite each other, nor an id the run's own file
+    if clean != text or clean in reserved:
         clean = f"{clean}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
     return clean
 
@@ -141,16 +143,18 @@ def write_outputs(
     plan_config: Mapping[str, Any],
     *,
     summary: Mapping[str, Any] | None = None,
+    reserved: Collection[str] = (),
 ) -> list[Path]:
     """Write every output of one request, then its `<request_id>.json` record; returns the paths
     (output files first, in `output_order`, the record last).
 
     `summary` is what the record says about the request beyond its files (the API's
     `RequestHandle.summary()`: state, error, field, finish_reason, timings, steps, ...).
+    `reserved`: file stems the caller writes itself (`safe_name`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = safe_name(request_id)
+    stem = safe_name(request_id, reserved)
     declared = {o["name"]: o.get("type") for o in walk_program.get("outputs", [])}
     rate = int(plan_config.get("sample_rate", DEFAULT_SAMPLE_RATE))
     paths = [write_output(out, stem, name, outputs[name], declared.get(name), rate)

@@ -233,6 +233,18 @@ def test_a_request_named_summary_keeps_its_record(testfamily_plan: Path, tmp_pat
     assert all((out / name).is_file() and name.startswith("summary-") for name in record["files"])
 
 
+def test_an_id_with_a_dot_does_not_name_another_requests_file(testfamily_plan: Path, tmp_path: Path) -> None:
+    """'x.tokens' wrote its record as x.tokens.json: the tokens file of request 'x'."""
+    requests = tmp_path / "r.jsonl"
+    requests.write_text("".join(json.dumps({"id": rid, "walk": "chat", "inputs": {"prompt": "hi", "max_new": n}})
+                                + "\n" for rid, n in (("x", 3), ("x.tokens", 2))))
+    out = tmp_path / "o"
+    assert main([str(testfamily_plan), "--requests", str(requests), "--out", str(out)]) == 0
+    assert isinstance(json.loads((out / "x.tokens.json").read_text()), list)  # x's tokens, not a record
+    (record,) = [json.loads(p.read_text()) for p in out.glob("x_tokens-????????.json")]
+    assert record["id"] == "x.tokens" and record["state"] == "finished"
+
+
 def test_a_batch_runs_marked_loops_as_cohorts_with_the_generic_paths_tokens(testfamily_plan: Path,
                                                                             tmp_path: Path) -> None:
     inputs = [{"prompt": f"hi {i}", "max_new": 5} for i in range(4)]

@@ -32,14 +32,16 @@ import torch
 
 DEFAULT_SAMPLE_RATE = 24000
 _AUDIO_NAME = re.compile(r"(^|[_\-.])(audio|pcm|wav|speech|waveform)($|[_\-.0-9])", re.IGNORECASE)
-_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+# no '.': a request's files are <stem>.json and <stem>.<output>.<ext>, so a stem with a dot
+# ('x.codes') would name a file of another request's ('x')
+_SAFE = re.compile(r"[^A-Za-z0-9_-]")
 _MAX_NAME = 100
 
 
 def safe_name(text: str, reserved: Collection[str] = ()) -> str:
-    """A file-name-safe form of a client-chosen id: no separators, no leading dot, bounded length;
-    never one of `reserved` (a file the run writes itself: a batch's `summary`)."""
-    clean = _SAFE.sub("_", text).lstrip(".")[:_MAX_NAME] or "request"
+    """A file-name-safe form of a client-chosen id: no separators, no dot, bounded length; never
+    one of `reserved` (a file the run writes itself: a batch's `summary`)."""
+    clean = _SAFE.sub("_", text)[:_MAX_NAME] or "request"
     # two ids that sanitise alike ('a/b', 'a_b') must not overwrite each other, nor an id the run's own file
     if clean != text or clean in reserved:
         clean = f"{clean}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"

@@ -3,9 +3,11 @@
 The compiler marks such a loop with `{"links": [mark, ...]}`, one single-call mark per call
 in body order, each with `chained` where it takes an earlier call's result of the same
 iteration (docs/plan-format.md, "Cohort loops"); the plan then requires `cohort_chains`.
-The runtime loads such plans and, for now, runs the loop on the generic path, iteration by
-iteration (docs/runtime.md, "Decode cohorts": chains), so the plan as compiled and without
-its marks (`without_cohorts`) give the same outputs, and no cohort forms for the loop.
+The runtime runs such a loop as one cohort whose rows are aligned across one column set per
+call (engine/cohort_chain.py; docs/runtime.md, "Decode cohorts": chains), in the conductor's
+process; elsewhere the interpreter runs it. Either way the plan as compiled and without its
+marks (`without_cohorts`) give the same outputs: batched or alone, rows joining at
+different steps, finishing at once, cancelled, preempted, on a small pool.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ from typing import Any
 
 import pytest
 from support import as_run
-from test_cohort_cases import _engine, _run, _same, _with_walks
+from test_cohort_cases import MOVED_PLACEMENT, _engine, _run, _same, _with_walks
 from test_cohort_mark import compile_walk, loops
 
-from mstar_runtime.control.conductor import FINISHED
+from mstar_runtime.control.cohort import Cohort
+from mstar_runtime.control.conductor import CANCELLED, FINISHED, Conductor
 from mstar_runtime.plan import loader
 from mstar_runtime.plan.loader import PlanError, load_plan, planfile
+from mstar_runtime.worker.remote import RemoteWorker
+from mstar_runtime.worker.tp_dispatch import TPCohort
+from mstar_runtime.worker.worker import Worker
 from mstarc.cli import main as mstarc
 from mstarc.cohorts import cohort_mark, why_not
 from mstarc.explain import program_lines
@@ -234,7 +240,9 @@ FAMILY_CHAIN = """
   }
   edge prompt.tokens -> lm2.tokens
   edge lm.token -> lm2.token
-  walk chain(prompt: str, max_new: int = 8) -> (tokens: i32[N], echoed: i32[M]) {
+  // After the loop lm2 decodes once more on the context the loop left it (its wasted
+  // iteration's token truncated, as the generic path leaves it).
+  walk chain(prompt: str, max_new: int = 8) -> (tokens: i32[N], echoed: i32[M], hidden: f32[H, hidden]) {
     ids = prompt.encode(text = prompt)
     token, code, done, h = lm.prefill(tokens = ids, max_new = max_new) @main
     e0, c0, d0, h0 = lm2.prefill(tokens = ids, max_new = max_new_tokens)
@@ -244,28 +252,120 @@ FAMILY_CHAIN = """
       e, c2, d2, h2 = lm2.decode(token = token)
       emit tokens += token
       emit echoed += e
+      acc states += h2
     }
+    last, lc, ld, lh = lm2.decode(token = token)
+    emit echoed += last
+    emit hidden = states
   }
 """
 
 CHAINS = [("chain", {"prompt": f"chain {i} " * (1 + i % 3), "max_new": m}) for i, m in enumerate([1, 3, 8, 5, 12])]
 
 
-def test_a_chain_runs_on_the_generic_path_for_now(chain_plan: Path) -> None:
-    """The marked chain loads and runs iteration by iteration: no cohort forms for it, and its
-    outputs are the unmarked plan's, batched or alone (rows that finish early: max_new 1)."""
+def _chain_cohort(conductor: Conductor) -> Cohort:
+    (cohort,) = [c for key, c in conductor.cohorts.items() if key[3] == "chain.l1"]
+    assert cohort.chain and [link.call["node"] for link in cohort.links] == ["lm", "lm2"]
+    return cohort
+
+
+def _lm2_decodes(conductor: Conductor) -> int:
+    """Entries of lm2's plain `decode` calls (not its cohort steps)."""
+    return int(conductor.workers[0].stats()["nodes"]["lm2"].get("decode", {}).get("entries", 0))
+
+
+def test_a_chain_runs_as_one_cohort_with_the_generic_paths_outputs(chain_plan: Path) -> None:
+    """Both calls a step, batched or alone, rows of one max_new finishing at once (their first
+    step a wasted one), equal the unmarked plan; lm2 runs no plain decode in the loop."""
     plan = load_plan(chain_plan, device="cpu")
     (loop,) = (op for op in loader.iter_ops(plan.walk("chain")["program"]) if op["op"] == "loop")
     assert [link["call"] for link in loop["cohort"]["links"]] == ["chain.s4", "chain.s5"]
     cohort, generic = _engine(chain_plan, "cohort"), _engine(chain_plan, "generic")
     got, want = _run(cohort, CHAINS), _run(generic, CHAINS)
-    assert cohort.stats["cohort_steps"] == 0 and not cohort.cohorts  # the chain stayed generic
+    chain = _chain_cohort(cohort)
+    assert chain.stats["joins"] == len(CHAINS) and chain.stats["row_steps"] > chain.stats["steps"]
+    assert chain.stats["wasted_steps"] == len(CHAINS) and generic.stats["cohort_steps"] == 0
+    assert _lm2_decodes(cohort) == len(CHAINS)  # the one after each loop
     alone = [_run(_engine(chain_plan, "cohort"), [r])[0] for r in CHAINS]
     for c, g, a in zip(got, want, alone, strict=True):
         assert c.state == FINISHED, c.error
         _same(c, g)
         _same(a, g)
-    assert [int(c.outputs["echoed"].numel()) for c in got] == [0, 2, 7, 4, 11]
+        assert c.stats.steps == g.stats.steps and c.stats.wasted_steps == g.stats.wasted_steps == 1
+    assert [int(c.outputs["echoed"].numel()) for c in got] == [1, 3, 8, 5, 12]
+    assert cohort.kv.used_pages() == 0 and chain.n == 0
+
+
+def test_rows_join_a_chain_at_different_steps(chain_plan: Path) -> None:
+    want = _run(_engine(chain_plan, "generic"), CHAINS)
+    conductor = _engine(chain_plan, "cohort")
+    handles = []
+    for r in CHAINS:  # each request arrives two engine steps after the one before
+        handles.append(conductor.submit(*r))
+        for _ in range(2):
+            conductor.step()
+    conductor.run_until_idle()
+    assert _chain_cohort(conductor).stats["joins"] == len(CHAINS)
+    for h, g in zip(handles, want, strict=True):
+        assert h.state == FINISHED, h.error
+        _same(h, g)
+
+
+def test_a_cancelled_row_leaves_every_link_and_the_others_go_on(chain_plan: Path) -> None:
+    want = _run(_engine(chain_plan, "generic"), CHAINS)
+    conductor = _engine(chain_plan, "cohort")
+    handles = [conductor.submit(*r) for r in CHAINS]
+    target = handles[4]  # twelve tokens
+    for _ in range(200):
+        chain = next((c for key, c in conductor.cohorts.items() if key[3] == "chain.l1"), None)
+        if chain is not None and any(m.request is target for m in chain.members) and chain.stats["steps"] >= 4:
+            break
+        assert conductor.step()
+    assert conductor.cancel(target.id) and target.state == CANCELLED
+    assert all(m.request is not target for m in _chain_cohort(conductor).members)
+    conductor.run_until_idle()
+    for h, g in zip(handles, want, strict=True):
+        if h is not target:
+            assert h.state == FINISHED, h.error
+            _same(h, g)
+    assert conductor.kv.used_pages() == 0
+
+
+@pytest.mark.parametrize("kw", [{"preempt_every": 1}, {"preempt_every": 3}, {"cap": 6}])
+def test_a_chain_survives_preemption_and_a_small_pool(chain_plan: Path, kw: dict[str, int]) -> None:
+    requests = [("chain", {"prompt": f"squeeze {i} " + "q" * (4 * i), "max_new": m}) for i, m in enumerate([7, 20, 30, 12])]
+    want = _run(_engine(chain_plan, "generic"), requests)
+    conductor = _engine(chain_plan, "cohort", **kw)
+    got = _run(conductor, requests)
+    assert conductor.stats["preemptions"] > 0 and _chain_cohort(conductor).stats["steps"] > 0, kw
+    for c, g in zip(got, want, strict=True):
+        assert c.state == FINISHED, c.error
+        _same(c, g)
+
+
+def test_a_chain_stays_generic_where_no_chained_cohort_runs_it(chain_plan: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that has no chained columns (a worker process, a TP group's fan-out), or a
+    link whose node offers no column step: the loop runs iteration by iteration, as the
+    unmarked plan runs it, and the single-call loops keep their cohorts."""
+    assert not hasattr(RemoteWorker, "cohort_chain_open") and not hasattr(TPCohort, "cohort_chain_open")
+    want = _run(_engine(chain_plan, "generic"), CHAINS)
+    real = Worker.cohort_open
+    # lm2's columns are refused as a node's without a column step refuses them (TinyLM runs its
+    # plain decode from its column step, so the node itself must keep offering it)
+    monkeypatch.setattr(Worker, "cohort_open", lambda self, key, node, *a: node != "lm2" and real(self, key, node, *a))
+    no_link = _engine(chain_plan, "cohort")
+    got = {"no column step": _run(no_link, CHAINS)}
+    monkeypatch.undo()
+    monkeypatch.delattr(Worker, "cohort_chain_open")
+    no_chain = _engine(chain_plan, "cohort")
+    got["no chained columns"] = _run(no_chain, CHAINS)
+    for conductor, (why, handles) in zip((no_link, no_chain), got.items(), strict=True):
+        assert conductor.stats["cohort_steps"] == 0, why
+        assert _lm2_decodes(conductor) == sum(int(h.outputs["echoed"].numel()) for h in handles), why
+        for c, g in zip(handles, want, strict=True):
+            assert c.state == FINISHED, (why, c.error)
+            _same(c, g)
 
 
 def test_without_cohorts_unmarks_a_chain(chain_plan: Path) -> None:
@@ -276,7 +376,8 @@ def test_without_cohorts_unmarks_a_chain(chain_plan: Path) -> None:
 def test_the_shipped_plan_names_the_feature(chain_plan: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "cohort_chains" in planfile.read(chain_plan)["requires"]
     assert mstarc(["explain", str(chain_plan)]) == 0
-    assert "[cohort chain: chain.s4 fed token<-token | chain.s5 fed none, chained token<-chain.s4.token]" in \
+    assert ("[cohort chain: chain.s4 fed token<-token | chain.s5 fed none, acc states<-hidden (out), "
+            "chained token<-chain.s4.token]") in \
         capsys.readouterr().out
 
 
@@ -284,12 +385,53 @@ def test_a_wasted_iteration_runs_the_chains_first_call_only(chain_plan: Path) ->
     """What a chained cohort must match (docs/runtime.md, "Decode cohorts": chains): the
     generic loop reads iteration i's flag once iteration i+1's first call is back, so a
     stopped row's wasted iteration runs `lm.decode` and never `lm2.decode`: lm2 decodes once a
-    valid iteration, lm once more per request."""
+    valid iteration (and once after the loop), lm once more per request."""
     conductor = _engine(chain_plan, "generic")
     got = _run(conductor, CHAINS)
     assert all(h.state == FINISHED for h in got)
     entries = {phase: s["entries"] for phase, s in conductor.workers[0].stats()["nodes"]["lm2"].items()}
     lm = conductor.workers[0].stats()["nodes"]["lm"]["decode"]["entries"]
-    valid = sum(int(h.outputs["echoed"].numel()) for h in got)
-    assert entries["decode"] == valid and lm == valid + sum(h.stats.wasted_steps for h in got)
+    valid = sum(int(h.outputs["echoed"].numel()) for h in got) - len(got)  # less the decode after each loop
+    assert entries["decode"] == valid + len(got) and lm == valid + sum(h.stats.wasted_steps for h in got)
     assert sum(h.stats.wasted_steps for h in got) == len(CHAINS)  # each row's flag ended its loop
+
+
+MOVED_CHAIN = """
+  walk moved(prompt: str, max_new: int = 8) -> (tokens: i32[N], echoed: i32[M]) {
+    ids = prompt.encode(text = prompt)
+    token, code, done, h = lm.prefill(tokens = ids, max_new = max_new) @main
+    e0, c0, d0, h0 = lm2.prefill(tokens = ids, max_new = max_new_tokens)
+    parallel {
+      branch dec {
+        dynamic_loop max = max_new_tokens until done carry token, done {
+          token, c, done, hid = lm.decode(token = token) @main
+          e, c2, d2, h2 = lm2.decode(token = token)
+          emit tokens += token
+          emit echoed += e
+        }
+      }
+      branch other { other_ids = prompt.encode(text = prompt) }
+    }
+  }
+"""
+
+
+def test_a_chain_whose_contexts_moved_stays_generic(tmp_path: Path) -> None:
+    """The loop on rank 1, the prefills on rank 0: the plan moves both contexts into the chain's
+    calls, which the generic steps do; the chain runs no cohort, and gives one rank's outputs."""
+    placement = tmp_path / "cpu2_moved.yaml"
+    placement.write_text(MOVED_PLACEMENT.replace("      lm: {ranks: [0, 1], tp: 1}",
+                                                 "      lm: {ranks: [0, 1], tp: 1}\n      lm2: {ranks: [0, 1], tp: 1}"))
+    one = _with_walks(FAMILY_CHAIN.split("  // After the loop")[0] + MOVED_CHAIN, tmp_path / "one.plan")
+    two = _with_walks(FAMILY_CHAIN.split("  // After the loop")[0] + MOVED_CHAIN, tmp_path / "two.plan", placement)
+    plan = load_plan(two, device="cpu")
+    (loop,) = (op for op in loader.iter_ops(plan.walk("moved")["program"]) if op["op"] == "loop")
+    assert "links" in loop["cohort"] and loop["body"]["body"][-4]["ranks"] == [1]  # marked, on rank 1
+    requests = [("moved", {"prompt": f"move me {i}", "max_new": m}) for i, m in enumerate([3, 8, 1])]
+    want = _run(_engine(one, "generic"), requests)
+    conductor = Conductor(plan, {r: Worker(plan, r, "cpu", "init") for r in (0, 1)})
+    got = _run(conductor, requests)
+    assert conductor.stats["kv_moves"] >= len(requests) and conductor.stats["cohort_steps"] == 0
+    for c, g in zip(got, want, strict=True):
+        assert c.state == FINISHED, c.error
+        _same(c, g)

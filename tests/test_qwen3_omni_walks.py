@@ -15,8 +15,8 @@ plan's loader; its Code2Wav is re-drawn at scales that keep the audio unclipped
   context covers the receptive field (a copy of the walk with an 8-frame sliding window and
   16 frames of history).
 - A batch of requests equals each request alone, and so does a run with forced preemption;
-  the plan as compiled (the chat decode loop is a cohort) and without its cohort marks give
-  the same outputs; chat requests
+  the plan as compiled (the chat decode loop is a cohort, the speech loop a chained one) and
+  without its cohort marks give the same outputs; chat requests
   with the walk's default sampling (top-k 20, top-p 0.8) and other top-k settings decode on
   the cohort path, with no generic decode call, and give the generic path's text.
 """
@@ -320,6 +320,9 @@ def test_cohorts_give_the_generic_paths_outputs(plan_path: Path, checkpoint: Pat
             outs[path] = [h.result(timeout=120) for h in [m.submit(w, i) for w, i in REQUESTS]]
             steps = m.conductor.stats["cohort_steps"]
             assert steps > 0 if path == "cohort" else steps == 0
+            # the speech loop (a thinker step, then a talker frame of its item) is one chained cohort
+            speech = [c for key, c in m.conductor.cohorts.items() if key[3] == "speech.l1"]
+            assert [c.stats["joins"] for c in speech] == ([2] if path == "cohort" else [])
     assert all(same(a, b) for a, b in zip(outs["cohort"], outs["generic"], strict=True))
 
 

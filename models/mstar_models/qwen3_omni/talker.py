@@ -292,10 +292,11 @@ class TalkerMoE(DecoderNode):
     # ------------------------------------------------------------------ one frame, a column step
     def cohort_phase(self, phase: str) -> CohortPhase | None:
         """`frame` and `frame_pad`, written only as column steps (runtime/mstar_runtime/ops/cohort.py):
-        the tts_pad loop after the text, whose body is that one call, runs as a decode cohort;
-        the speech loop's frames (its body also runs the thinker, so the compiler never marks
-        it) and the first frame run as a one-step cohort (ops/column_call.py; on a GPU through
-        the phase's CUDA graphs, the talker step, the predictor's 15 and all sampling in one)."""
+        the tts_pad loop after the text, whose body is that one call, runs as a decode cohort,
+        the speech loop's frames as the second link of a chained one (engine/cohort_chain.py,
+        `text` the thinker step's item on the device); where no chained cohort runs that loop,
+        its frames and the first frame run as a one-step cohort (ops/column_call.py; on a GPU
+        through the phase's CUDA graphs, the talker step, the predictor's 15 and all sampling in one)."""
         if phase not in ("frame", "frame_pad"):
             return None
         project = phase == "frame"

@@ -488,8 +488,8 @@ class ThinkerMoE(DecoderNode):
         one token per row, the state as columns (the sampling settings and sampler step,
         `max_tokens`, the MRoPE `delta`); `decode_speech` also gives the talker's `item`. A
         plain batched call runs them as a one-step cohort (ops/column_call.py): the speech
-        loop (its body also runs the talker, so the compiler never marks it) and a chat
-        decode no cohort takes. At tp > 1 every rank of the group runs the step
+        loop where no chained cohort runs it (its body also runs the talker: a chain,
+        engine/cohort_chain.py) and a chat decode no cohort takes. At tp > 1 every rank of the group runs the step
         (`tp_dispatch.TPCohort`, or the plain call on every rank): the embedding's and layers'
         all-reduces and the gathered logits are inside it, so every rank samples the same token."""
         if phase not in DECODES:

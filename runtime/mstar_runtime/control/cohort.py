@@ -32,6 +32,11 @@ rows that have an event -- never Python per row:
 A replay after preemption may group a row's items differently (flush points depend on
 buffer room); `Request.emit` counts what the client has in items, so it gets each once.
 
+A chain (a loop body of several calls: the mark's `links`) is one cohort with one `Link` per
+call: each link has its own KV context, pages and worker columns, the rows are the same on
+every link, and the worker steps the links in body order (engine/cohort_chain.py); its
+ports are named `k.port` (link k), so events and outputs are read as for one call.
+
 Stream items pushed in groups and emits appended as one value per flush give the same
 buffers and outputs as the item-by-item generic path (`concat` of appended values). What a
 row could not push when it leaves is handed to its task, which pushes it with backpressure.
@@ -56,7 +61,7 @@ from mstar_runtime.kv.block_table import pinned
 from mstar_runtime.ops.cohort import count_key
 from mstar_runtime.ops.node import RequestError, SeqPlan
 from mstar_runtime.ops.readback import resolve
-from mstar_runtime.plan.planfile import cohort_call
+from mstar_runtime.plan.planfile import cohort_links
 
 CohortKey = tuple[str, str, tuple[int, ...], str]  # (node, phase, ranks, loop id)
 FLUSH_EVERY = 8  # steps between flushes of a row's emits when no stream chunk is due
@@ -100,52 +105,88 @@ class Joining:
 
 
 @dataclass(eq=False)
+class Link:
+    """One call of a cohort's loop as its rows' KV contexts see it: a loop of one call has one,
+    a chain (engine/cohort_chain.py) one per call, in body order."""
+
+    key: CohortKey  # its columns on the worker
+    call: dict[str, Any]  # the call op
+    shape: CohortShape
+    bm: BlockManager
+    max_len: int
+    max_pages: int
+    rows: int
+    prefix: str = ""  # its ports' prefix in the cohort's ports and inputs ("" for a loop of one call)
+    # the call's inputs -> how a step uses the row's context (its node's kv_plan)
+    kv_plan: Callable[[Mapping[str, Any]], SeqPlan] = lambda inputs: SeqPlan(1)
+    # a request id -> (pages, length) of each context the call reads, as they are when its row
+    # joins (None: the call reads none)
+    read_rows: Callable[[str], list[tuple[list[int], int]]] | None = None
+    tokens: int | None = None  # KV tokens a row adds per step (the first row's kv_plan says)
+    keep: bool = True  # whether a step keeps its tokens (the first row's kv_plan says): else no pages
+
+    def __post_init__(self) -> None:
+        self.lens = np.zeros(self.rows, dtype=np.int64)  # KV tokens before the row's next step
+        self.pages = np.zeros(self.rows, dtype=np.int64)  # pages its table holds
+
+    @property
+    def tag(self) -> str:
+        return self.call.get("tag") or "main"
+
+    def inputs(self, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """This call's own inputs of an `EnterCohort`'s (a chain's are prefixed by link)."""
+        if not self.prefix:
+            return inputs
+        return {port[len(self.prefix):]: v for port, v in inputs.items() if port.startswith(self.prefix)}
+
+
+@dataclass(eq=False)
 class Member:
     request: Request
     task: WalkTask
     enter: EnterCohort
-    key: tuple[str, str]  # (request id, tag): its KV context
+    keys: list[tuple[str, str]]  # (request id, tag): its KV context on each link
     row: int
-    join_len: int  # KV tokens when it joined
+    join_lens: list[int]  # KV tokens of each link's context when it joined
     pending_flag: Any  # the loop's `until` flag bound before the loop (read after its first launch), or None
     alive: bool = True
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Its first call's KV context."""
+        return self.keys[0]
 
 
 class Cohort:
     """The rows of one marked loop on one rank (see the module docstring)."""
 
     def __init__(self, key: CohortKey, op: dict[str, Any], ports: dict[str, PortSpec], worker: Any,
-                 bm: BlockManager, rows: int, max_len: int, max_pages: int, host: CohortHost, *,
-                 kv_plan: Callable[[Mapping[str, Any]], SeqPlan] = lambda inputs: SeqPlan(1),
-                 read_rows: Callable[[str], list[tuple[list[int], int]]] | None = None,
-                 flush_every: int = FLUSH_EVERY):
-        """`read_rows`: a request id -> (pages, length) of each context the loop's call reads, as
-        they are when its row joins (None: the call reads none)."""
-        self.key, self.op, self.ports, self.worker, self.bm = key, op, ports, worker, bm
-        self.kv_plan = kv_plan  # the call's inputs -> how a step uses the row's context (its node's kv_plan)
-        self.read_rows = read_rows
-        self.tokens: int | None = None  # KV tokens a row adds per step (the first row's kv_plan says)
-        self.keep = True  # whether a step keeps its tokens (the first row's kv_plan says): else no pages
-        self.rows, self.max_len, self.max_pages, self.flush_every = rows, max_len, max_pages, flush_every
+                 links: Sequence[Link], rows: int, host: CohortHost, *, flush_every: int = FLUSH_EVERY):
+        """`ports`: every output port of every link, by its prefixed name."""
+        self.key, self.op, self.ports, self.worker = key, op, ports, worker
+        self.links = list(links)
+        self.chain = len(self.links) > 1
+        self.rows, self.flush_every = rows, flush_every
         self.host = host
-        mark = op["cohort"]
-        call = cohort_call(op)
-        self.port_of = {name: port for port, name in call["results"]}  # result var -> port
-        self.shape = cohort_shape(op, ports)
-        self.emits: list[tuple[str, str]] = [tuple(e) for e in mark["emits"]]  # (output, port)
-        self.feeds: list[tuple[str, str]] = [(f["stream"], f["port"]) for f in call.get("feeds", ())]
+        self.port_of: dict[str, str] = {}  # result var -> its (prefixed) port
+        self.emits: list[tuple[str, str]] = []  # (output, port)
+        self.feeds: list[tuple[str, str]] = []  # (stream, port)
         # (acc name, output port, "in" | "out", the var it accumulates): every valid step's value
         # of the port is kept on the host; "in" accumulates the value an iteration starts with
+        self.accs: list[tuple[str, str, str, str]] = []
         acc_vars = {a["name"]: a["value"].get("var") for a in op.get("acc") or ()}
-        self.accs: list[tuple[str, str, str, str]] = [(n, p, w, acc_vars[n]) for n, p, w in mark.get("accs") or ()]
+        for link, mark in zip(self.links, cohort_links(op["cohort"]), strict=True):
+            p = link.prefix
+            self.port_of.update({name: p + port for port, name in link.call["results"]})
+            self.emits += [(out, p + port) for out, port in mark["emits"]]
+            self.feeds += [(f["stream"], p + f["port"]) for f in link.call.get("feeds", ())]
+            self.accs += [(n, p + port, w, acc_vars[n]) for n, port, w in mark.get("accs") or ()]
         self.until_port = self.port_of.get(op["until"]) if op.get("dynamic") else None
         self.max_iters = int(op["max"]) if op.get("max") is not None else None
         self.members: list[Member] = []  # row order
         self._by_request: dict[str, Member] = {}  # request id -> its row (every request's release asks)
         self.step_index = 0
-        # host mirrors, per row
-        self.lens = np.zeros(rows, dtype=np.int64)  # KV tokens before the row's next step
-        self.pages = np.zeros(rows, dtype=np.int64)  # pages its table holds
+        # host mirrors, per row (each link's lengths and pages are its own)
         self.iters = np.zeros(rows, dtype=np.int64)  # steps launched
         self.valid = np.zeros(rows, dtype=np.int64)  # steps whose outputs were applied
         self.since = np.zeros(rows, dtype=np.int64)  # valid steps since the last flush
@@ -171,40 +212,44 @@ class Cohort:
         return len(self.members)
 
     def join(self, joining: Sequence[Joining]) -> None:
-        """Add requests as the last rows, in order, in one worker call (each one's KV context
-        must hold at least one token, unless its steps keep nothing): all of them or none.
-        RequestError declines one (its `request_ids` name it) and nothing changes: a step of
-        it would not add the cohort's tokens and keep them (or not) as the cohort's rows do,
-        or its node's join refuses it; a WorkerStepError (the worker failed the join) and
-        WorkerLost change nothing here either."""
+        """Add requests as the last rows, in order, in one worker call per link (each one's KV
+        context must hold at least one token, unless its steps keep nothing): all of them or
+        none. RequestError declines one (its `request_ids` name it) and nothing changes: a
+        step of it would not add the cohort's tokens and keep them (or not) as the cohort's
+        rows do, or its node's join refuses it; a WorkerStepError (the worker failed the
+        join) and WorkerLost change nothing here either."""
         first = self.n
-        tokens, keep = self.tokens, self.keep
-        rows: list[JoinRow] = []
+        steps = [(link.tokens, link.keep) for link in self.links]
+        rows: list[list[JoinRow]] = [[] for _ in self.links]
         members: list[Member] = []
         for j in joining:
-            plan = self.kv_plan(j.enter.inputs)
-            row_keep = plan.keep if tokens is None else keep
-            if plan.q_len < 1 or plan.q_len != (tokens or plan.q_len) or plan.keep != row_keep:
-                err = RequestError(f"a step of {plan.q_len} tokens ({'kept' if plan.keep else 'not kept'}) in a "
-                                   f"cohort of {tokens or plan.q_len}-token steps ({'kept' if row_keep else 'not kept'})")
-                err.request_ids = [j.request.id]  # type: ignore[attr-defined]
-                raise err
-            tokens, keep = plan.q_len, plan.keep
-            rows.append(self._join_row(j, plan.q_len))
-            members.append(Member(j.request, j.task, j.enter, (j.request.id, j.tag), first + len(members),
-                                  rows[-1].length,
+            for li, link in enumerate(self.links):
+                tokens, keep = steps[li]
+                plan = link.kv_plan(link.inputs(j.enter.inputs))
+                row_keep = plan.keep if tokens is None else keep
+                if plan.q_len < 1 or plan.q_len != (tokens or plan.q_len) or plan.keep != row_keep:
+                    err = RequestError(f"a step of {plan.q_len} tokens ({'kept' if plan.keep else 'not kept'}) in a "
+                                       f"cohort of {tokens or plan.q_len}-token steps "
+                                       f"({'kept' if row_keep else 'not kept'})")
+                    err.request_ids = [j.request.id]  # type: ignore[attr-defined]
+                    raise err
+                steps[li] = (plan.q_len, plan.keep)
+                rows[li].append(self._join_row(j, link, plan.q_len))
+            members.append(Member(j.request, j.task, j.enter, [(j.request.id, link.tag) for link in self.links],
+                                  first + len(members), [r[-1].length for r in rows],
                                   j.enter.env.get(self.op["until"]) if self.until_port is not None else None))
-        if not rows:
+        if not members:
             return
-        self.worker.cohort_join(self.key, first, rows)
-        self.tokens, self.keep = tokens, keep
-        end = first + len(rows)
+        self._join_links(first, rows, members)
+        for link, (tokens, keep), link_rows in zip(self.links, steps, rows, strict=True):
+            link.tokens, link.keep = tokens, keep
+            link.lens[first : first + len(link_rows)] = [r.length for r in link_rows]
+            link.pages[first : first + len(link_rows)] = [len(r.pages) for r in link_rows]
+        end = first + len(members)
         for a in (self.iters, self.valid, self.since, *self.nitems.values(), *self.flushed.values(),
                   *self.pushed.values()):
             a[first:end] = 0
-        self.lens[first:end] = [r.length for r in rows]
-        self.pages[first:end] = [len(r.pages) for r in rows]
-        self.limit[first:end] = [NEVER if r.steps is None else r.steps for r in rows]
+        self.limit[first:end] = [NEVER if r.steps is None else r.steps for r in rows[0]]
         for m in members:
             self.members.append(m)
             self._by_request[m.request.id] = m
@@ -214,16 +259,31 @@ class Cohort:
             self.due[m.row] = self._next_due(m, m.row)
         self.stats["joins"] += len(members)
 
-    def _join_row(self, j: Joining, tokens: int) -> JoinRow:
-        """What the worker's columns need of a joining request (its context as the BlockManager has it)."""
-        key = (j.request.id, j.tag)
-        own = key in self.bm
-        enter = j.enter
-        return JoinRow(j.request.id, j.tag, {in_port: enter.inputs[in_port] for in_port, _ in self.shape.fed},
-                       {port: enter.inputs[port] for port in self.shape.invariant},
-                       self.bm.page_table(key) if own else [], self.bm.seq_len(key) if own else 0,
+    def _join_links(self, first: int, rows: list[list[JoinRow]], members: list[Member]) -> None:
+        """The worker calls of a join: each link's rows (a link that refuses leaves the earlier
+        ones as they were: their columns count `first` rows again); for a chain, whether each
+        row's flag already said stop (read here: a later link must not step such a row)."""
+        for li, link in enumerate(self.links):
+            try:
+                self.worker.cohort_join(link.key, first, rows[li])
+            except Exception:
+                for earlier in self.links[:li]:
+                    self.worker.cohort_shrink(earlier.key, first)
+                raise
+        if self.chain:
+            self.worker.cohort_chain_join(self.key, first, [m.pending_flag is not None and read_flag(m.pending_flag)
+                                                            for m in members])
+
+    def _join_row(self, j: Joining, link: Link, tokens: int) -> JoinRow:
+        """What the worker's columns of `link` need of a joining request (its context as the BlockManager has it)."""
+        key = (j.request.id, link.tag)
+        own = key in link.bm
+        enter, inputs = j.enter, link.inputs(j.enter.inputs)
+        return JoinRow(j.request.id, link.tag, {in_port: inputs[in_port] for in_port, _ in link.shape.fed},
+                       {port: inputs[port] for port in link.shape.invariant},
+                       link.bm.page_table(key) if own else [], link.bm.seq_len(key) if own else 0,
                        enter.count if enter.count is not None else self.max_iters, tokens,
-                       self.read_rows(j.request.id) if self.read_rows is not None else [])
+                       link.read_rows(j.request.id) if link.read_rows is not None else [])
 
     def remove(self, request: Request) -> bool:
         """Drop a request's row without resuming it (preempted, cancelled, failed). True if it was here."""
@@ -249,10 +309,11 @@ class Cohort:
         if not self._reserve_pages():
             return
         n = self.n
-        result = self.worker.cohort_step(self.key, n)
+        result = self.worker.cohort_chain_step(self.key, n) if self.chain else self.worker.cohort_step(self.key, n)
         result.index = self.step_index
-        if self.keep:
-            self.lens[:n] += self.tokens or 1
+        for link in self.links:
+            if link.keep:
+                link.lens[:n] += link.tokens or 1
         self.iters[:n] += 1
         self.stats["steps"] += 1
         self.stats["row_steps"] += n
@@ -281,45 +342,56 @@ class Cohort:
             self._take(*prev)
 
     def _reserve_pages(self) -> bool:
-        """The pages every row's next step writes into (one where its next token starts a page;
-        as many as its block spans; none when it keeps nothing); False when no row is left to step."""
-        if not self.keep:
-            return bool(self.members)
-        ps, q = self.bm.page_size, self.tokens or 1
+        """The pages every row's next step writes into, on every link (one where its next token
+        starts a page; as many as its block spans; none when it keeps nothing); False when no
+        row is left to step."""
         while self.members:
-            n = self.n
-            short = -(-(self.lens[:n] + q) // ps) - self.pages[:n]  # pages the next step still needs
-            rows, cols, pages = [], [], []
-            blocked: Member | None = None  # the first row that could not get its page
-            for r in np.nonzero(short > 0)[0].tolist():
-                m = self.members[r]
-                for _ in range(int(short[r])):
-                    if self.pages[r] >= self.max_pages or self.bm.free_pages == 0:
-                        blocked = m
+            blocked = None
+            for li, link in enumerate(self.links):
+                if link.keep:
+                    blocked = self._link_pages(li, link)
+                    if blocked is not None:
                         break
-                    pages.append(self.bm.add_page(m.key))
-                    cols.append(int(self.pages[r]))
-                    rows.append(r)
-                    self.pages[r] += 1
-                if blocked is not None:
-                    break
-            self.worker.cohort_add_pages(self.key, np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64),
-                                         np.array(pages, dtype=np.int64))
             if blocked is None:
                 return True
-            if self.pages[blocked.row] >= self.max_pages:  # the node let its context outgrow the plan's bound
-                self.host.fail(blocked.request, f"the KV context of node '{self.key[0]}' grew past its max_seq_len "
-                          f"({self.max_len} tokens)")
+            link, m = blocked
+            if link.pages[m.row] >= link.max_pages:  # the node let its context outgrow the plan's bound
+                self.host.fail(m.request, f"the KV context of node '{link.key[0]}' grew past its max_seq_len "
+                               f"({link.max_len} tokens)")
                 continue
             self._sync_lengths()
             if not self.host.free_pages(self):
                 return False
         return False
 
+    def _link_pages(self, li: int, link: Link) -> tuple[Link, Member] | None:
+        """Pages for one link's rows, in row order, until one cannot have its page (that row)."""
+        ps, q = link.bm.page_size, link.tokens or 1
+        n = self.n
+        short = -(-(link.lens[:n] + q) // ps) - link.pages[:n]  # pages the next step still needs
+        rows, cols, pages = [], [], []
+        blocked: tuple[Link, Member] | None = None  # the first row that could not get its page
+        for r in np.nonzero(short > 0)[0].tolist():
+            m = self.members[r]
+            for _ in range(int(short[r])):
+                if link.pages[r] >= link.max_pages or link.bm.free_pages == 0:
+                    blocked = (link, m)
+                    break
+                pages.append(link.bm.add_page(m.keys[li]))
+                cols.append(int(link.pages[r]))
+                rows.append(r)
+                link.pages[r] += 1
+            if blocked is not None:
+                break
+        self.worker.cohort_add_pages(link.key, np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64),
+                                     np.array(pages, dtype=np.int64))
+        return blocked
+
     def _sync_lengths(self) -> None:
-        """Tell the BlockManager every row's length (a preemption may look at them)."""
-        for m in self.members if self.keep else ():
-            self.bm.set_length(m.key, int(self.lens[m.row]))
+        """Tell each BlockManager every row's length (a preemption may look at them)."""
+        for li, link in enumerate(self.links):
+            for m in self.members if link.keep else ():
+                link.bm.set_length(m.keys[li], int(link.lens[m.row]))
 
     # ------------------------------------------------------------------ outputs and events
     def _take(self, result: CohortResult, rows_at_launch: np.ndarray, snapshot: list[Member]) -> None:
@@ -429,11 +501,16 @@ class Cohort:
         valid = int(self.valid[r])
         wasted = int(self.iters[r]) - valid  # read before _drop_row moves the last row here
         self.stats["wasted_steps"] += wasted
-        m.request.stats.steps += int(self.iters[r])
-        if self.keep:
-            self.bm.set_length(m.key, int(self.lens[r]))
-            self.bm.truncate(m.key, m.join_len + valid * (self.tokens or 1))  # the speculative step after the last valid one
-        self.worker.cohort_leave(self.key, r, m.key[0], m.key[1], int(self.iters[r]))
+        # as the generic loop counts its calls: a wasted iteration runs the first call only
+        m.request.stats.steps += int(self.iters[r]) + valid * (len(self.links) - 1)
+        for li, link in enumerate(self.links):
+            key = m.keys[li]
+            if link.keep:
+                link.bm.set_length(key, int(link.lens[r]))
+                # the speculative step after the last valid one
+                link.bm.truncate(key, m.join_lens[li] + valid * (link.tokens or 1))
+            # a chain's later links ran no wasted step for it (engine/cohort_chain.py held their state)
+            self.worker.cohort_leave(link.key, r, key[0], key[1], int(self.iters[r]) if li == 0 else valid)
         carry = {}
         if valid:
             for name in self.op["carry"]:
@@ -503,8 +580,12 @@ class Cohort:
             rows[rows == last] = r
         if r != last:
             mover = self.members[last]
-            self.worker.cohort_move(self.key, last, r)
-            for a in (self.lens, self.pages, self.iters, self.valid, self.since, self.due, self.limit):
+            for link in self.links:
+                self.worker.cohort_move(link.key, last, r)
+                link.lens[r], link.pages[r] = link.lens[last], link.pages[last]
+            if self.chain:
+                self.worker.cohort_chain_move(self.key, last, r)
+            for a in (self.iters, self.valid, self.since, self.due, self.limit):
                 a[r] = a[last]
             for group in (self.nitems, self.flushed, self.pushed):
                 for a in group.values():
@@ -514,12 +595,14 @@ class Cohort:
             mover.row = r
             self.members[r] = mover
         self.members.pop()
-        self.worker.cohort_shrink(self.key, self.n)
+        for link in self.links:
+            self.worker.cohort_shrink(link.key, self.n)
 
 
-def cohort_shape(op: dict[str, Any], ports: dict[str, PortSpec], reads: tuple[CohortRead, ...] = ()) -> CohortShape:
-    """What the worker's columns need to know of a marked loop's call (from its `cohort` mark)."""
-    mark, call = op["cohort"], cohort_call(op)
+def cohort_shape(mark: Mapping[str, Any], call: Mapping[str, Any], ports: Mapping[str, PortSpec],
+                 reads: tuple[CohortRead, ...] = ()) -> CohortShape:
+    """What the worker's columns need to know of a marked loop's call (from its single-call
+    mark, a chain's link's included: `ports` the call's own, unprefixed)."""
     return CohortShape(call["phase"], tuple(tuple(f) for f in mark["fed"]), tuple(mark["invariant"]), tuple(ports),
                        reads, tuple(mark.get("index") or ()))
 
@@ -539,4 +622,4 @@ def port_specs(node_outputs: dict[str, Any], phase_outputs: tuple[str, ...]) -> 
     return specs
 
 
-__all__ = ["Cohort", "CohortHost", "CohortKey", "Joining", "PortSpec", "cohort_shape", "port_specs"]
+__all__ = ["Cohort", "CohortHost", "CohortKey", "Joining", "Link", "PortSpec", "cohort_shape", "port_specs"]

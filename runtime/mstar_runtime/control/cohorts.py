@@ -11,7 +11,10 @@ by iteration: the generic path) only where no cohort can run it: its node is not
 or opens no column step (`cohort_open`), its TP group is not all worker processes, or the
 plan moves a context its call reads between ranks (the generic step moves it). A loop whose
 call reads other contexts is otherwise a cohort whose rows carry their read tables. A chain
-(a mark of several calls, `links`) never gets here: the interpreter runs it itself for now.
+(a mark of several calls, `links`) is a cohort of one `Link` per call, stepped in body order
+(engine/cohort_chain.py), where the node of every call is in the conductor's process (not a
+worker process, not a TP group), reads no other context, has no context the plan moves, and
+offers a column step; elsewhere the interpreter runs it.
 
 `Cohorts` makes each loop's `Cohort` on first use and keeps the issue order of each one's
 next step (`order`), which the scheduler weighs against the ready calls. What a cohort or a
@@ -26,7 +29,16 @@ from typing import Any, Protocol
 
 import torch
 
-from mstar_runtime.control.cohort import Cohort, CohortHost, CohortKey, Joining, cohort_shape, port_specs
+from mstar_runtime.control.cohort import (
+    Cohort,
+    CohortHost,
+    CohortKey,
+    Joining,
+    Link,
+    PortSpec,
+    cohort_shape,
+    port_specs,
+)
 from mstar_runtime.control.interpreter import EnterCohort, WalkTask
 from mstar_runtime.control.kv_contexts import KVContexts
 from mstar_runtime.control.requests import Request
@@ -34,7 +46,7 @@ from mstar_runtime.control.scheduler import Standing
 from mstar_runtime.engine.cohort_engine import CohortRead
 from mstar_runtime.ops.node import RequestError, SeqPlan
 from mstar_runtime.plan.loader import Plan
-from mstar_runtime.plan.planfile import cohort_call
+from mstar_runtime.plan.planfile import cohort_call, cohort_links
 from mstar_runtime.worker.remote import WorkerLost, can_submit
 from mstar_runtime.worker.tp_dispatch import TPCohort, TPDispatch
 from mstar_runtime.worker.worker import WorkerStepError
@@ -98,42 +110,99 @@ class Cohorts:
         cohort = self.by_key.get(key)
         if cohort is not None or key in self._none:
             return cohort
+        cohort = self._chain(key, op) if "links" in op["cohort"] else self._single(key, op, call)
+        if cohort is None:
+            self._none.add(key)
+            return None
+        self.by_key[key] = cohort
+        return cohort  # its step order is set when its first row joins (enter)
+
+    def _single(self, key: CohortKey, op: dict[str, Any], call: dict[str, Any]) -> Cohort | None:
+        """A loop of one call's cohort, or None where it stays generic."""
+        node, ranks = key[0], key[2]
         # one rank's worker (in process or a worker process), or a TP group's fan-out, whose
         # members are worker processes
         group = len(ranks) > 1 and all(can_submit(self.workers[r]) for r in ranks[1:])
         worker = TPCohort(self.tp, ranks) if group else self.workers.get(ranks[0])
-        info = self.plan.node(node)
         read_ops = list(call.get("reads") or ())
         reads = tuple(self._read_spec(r, ranks[0]) for r in read_ops)
         # a context the loop reads that the plan moves between ranks (or keeps on another) is
         # the generic step's to move or report
         names = {f"{r['node']}@{r['tag']}" for r in read_ops}
         elsewhere = None in reads or any(k[2] in names for k in self.contexts.moves)
-        if (info.engine != "kv" or (len(ranks) > 1 and not group) or elsewhere
+        if (self.plan.node(node).engine != "kv" or (len(ranks) > 1 and not group) or elsewhere
                 or not hasattr(worker, "cohort_open")):
-            self._none.add(key)
             return None
-        bm = self.contexts.pages.managers[(node, ranks[0])]
-        max_len = self.plan.kv_pool(node, ranks[0]).max_seq_len
-        rows = min(self.plan.max_batch, self.row_limits.get(node, self.plan.max_batch))
-        ports = port_specs(info.raw["outputs"], info.phases[phase].outputs)
-        shape = cohort_shape(op, ports, reads)  # type: ignore[arg-type]  # None is not among them (above)
+        ports = self._ports(call, "")
+        link = self._link(key, call, op["cohort"], ports, "", self._rows(node), reads)  # type: ignore[arg-type]
+        if not worker.cohort_open(key, node, link.shape, link.rows, link.max_pages):
+            return None
+
+        def read_rows(request_id: str) -> list[tuple[list[int], int]]:
+            return [(s.page_table, s.kv_len) for s in self.contexts.read_slots(ranks[0], request_id, read_ops)]
+
+        link.read_rows = read_rows if read_ops else None
+        return Cohort(key, op, ports, worker, [link], link.rows, self.host)
+
+    def _chain(self, key: CohortKey, op: dict[str, Any]) -> Cohort | None:
+        """A chain's cohort (engine/cohort_chain.py), or None where it stays generic: only a
+        worker in the conductor's process chains (not a worker process, not a TP group), and
+        only calls that read no other context, whose contexts the plan does not move, on kv
+        nodes that offer a column step, each chained output a port of one value a row."""
+        marks = cohort_links(op["cohort"])
+        calls = [next(c for c in op["body"]["body"] if c.get("op") == "call" and c.get("id") == m["call"])
+                 for m in marks]
+        ranks = key[2]
+        worker = self.workers.get(ranks[0])
+        steps = {c["id"] for c in calls}
+        if (len(ranks) > 1 or not hasattr(worker, "cohort_chain_open") or any(c.get("reads") for c in calls)
+                or any(self.plan.node(c["node"]).engine != "kv" for c in calls)
+                or any(k[1] in steps for k in self.contexts.moves)):
+            return None
+        ports: dict[str, PortSpec] = {}
+        links = []
+        rows = self._rows(*(c["node"] for c in calls))  # every link's node holds every row
+        for k, (mark, call) in enumerate(zip(marks, calls, strict=True)):
+            own = self._ports(call, f"{k}.")
+            ports.update(own)
+            links.append(self._link((call["node"], call["phase"], ranks, f"{op['id']}/{k}"), call, mark, own,
+                                    f"{k}.", rows))
+        imports = [(k, port, at, out) for k, mark in enumerate(marks) for port, at, out in mark.get("chained") or ()]
+        if any(ports[f"{at}.{out}"].items for _, _, at, out in imports):
+            return None  # an item list (a count a row) is no column a later link reads as its input
+        until = None
+        if op.get("dynamic"):
+            at = next(k for k, c in enumerate(calls) for port, name in c["results"] if name == op["until"])
+            until = (at, next(port for port, name in calls[at]["results"] if name == op["until"]))
+        opened = worker.cohort_chain_open(key, [(lk.key, lk.call["node"], lk.shape, lk.max_pages) for lk in links],
+                                          rows, imports, until)
+        return Cohort(key, op, ports, worker, links, rows, self.host) if opened else None
+
+    def _ports(self, call: dict[str, Any], prefix: str) -> dict[str, PortSpec]:
+        """The PortSpecs of a call's outputs, by prefixed name (`prefix` + port)."""
+        info = self.plan.node(call["node"])
+        specs = port_specs(info.raw["outputs"], info.phases[call["phase"]].outputs)
+        return {prefix + name: spec for name, spec in specs.items()}
+
+    def _rows(self, *nodes: str) -> int:
+        """A cohort's rows: the plan's `max_batch`, or less where a node's `max_batch` setting says so."""
+        return min(self.plan.max_batch, *(self.row_limits.get(n, self.plan.max_batch) for n in nodes))
+
+    def _link(self, key: CohortKey, call: dict[str, Any], mark: dict[str, Any], ports: dict[str, PortSpec],
+              prefix: str, rows: int, reads: tuple[CohortRead, ...] = ()) -> Link:
+        """One call's `Link`: its pool's BlockManager on the call's rank, its bounds, its shape."""
+        node, phase, rank = call["node"], call["phase"], key[2][0]
+        bm = self.contexts.pages.managers[(node, rank)]
+        max_len = self.plan.kv_pool(node, rank).max_seq_len
+        shape = cohort_shape(mark, call, {p[len(prefix):]: s for p, s in ports.items()}, reads)
         max_pages = -(-max_len // bm.page_size) + 1  # one more: a speculative step after the node's own limit
-        if not worker.cohort_open(key, node, shape, rows, max_pages):
-            self._none.add(key)
-            return None
         cls, spec = self.contexts.node_class(node)
 
         def kv_plan(inputs: Mapping[str, Any]) -> SeqPlan:
             return cls.kv_plan(phase, {p: tuple(v.shape) for p, v in inputs.items() if isinstance(v, torch.Tensor)},
                                spec)
 
-        def read_rows(request_id: str) -> list[tuple[list[int], int]]:
-            return [(s.page_table, s.kv_len) for s in self.contexts.read_slots(ranks[0], request_id, read_ops)]
-
-        cohort = self.by_key[key] = Cohort(key, op, ports, worker, bm, rows, max_len, max_pages, self.host,
-                                           kv_plan=kv_plan, read_rows=read_rows if read_ops else None)
-        return cohort  # its step order is set when its first row joins (enter)
+        return Link(key, call, shape, bm, max_len, max_pages, rows, prefix, kv_plan)
 
     def _read_spec(self, read: dict[str, Any], rank: int) -> CohortRead | None:
         """A context the loop's call reads, with the most pages it can span (its tag's
@@ -202,14 +271,18 @@ class Cohorts:
 
     @staticmethod
     def _extends(cohort: Cohort, key: tuple[str, str], y: EnterCohort) -> bool:
-        """Whether the row's steps have a context to extend: one of at least a token, unless
-        they keep nothing (π0.5's expert); a call the node's kv_plan refuses goes generic (the
-        generic step reports it)."""
-        try:
-            keep = cohort.kv_plan(y.inputs).keep
-        except RequestError:
-            return False
-        return not keep or (key in cohort.bm and cohort.bm.seq_len(key) >= 1)
+        """Whether the row's steps have a context to extend on every link: one of at least a
+        token, unless they keep nothing (π0.5's expert); a call the node's kv_plan refuses goes
+        generic (the generic step reports it)."""
+        for link in cohort.links:
+            own = (key[0], link.tag)
+            try:
+                keep = link.kv_plan(link.inputs(y.inputs)).keep
+            except RequestError:
+                return False
+            if keep and not (own in link.bm and link.bm.seq_len(own) >= 1):
+                return False
+        return True
 
     def _join(self, cohort: Cohort, group: list[Joining]) -> None:
         """Join the group in one call; a row the cohort refuses (`RequestError`: the generic
@@ -235,5 +308,6 @@ class Cohorts:
                 group = [j for j in group if j not in bad] if bad else []
                 continue
             for j in group:
-                j.request.homes[(cohort.key[0], j.tag)] = cohort.key[2][0]
+                for link in cohort.links:
+                    j.request.homes[(link.call["node"], link.tag)] = cohort.key[2][0]
             return

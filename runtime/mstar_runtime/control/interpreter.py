@@ -14,8 +14,8 @@ It runs until it needs something from the conductor and yields it:
 - `ForkKV`: copy a KV context of this request to another tag (shared pages). In a
   speculative iteration a fork is preceded by one that keeps the destination under a backup
   tag, so that throwing the iteration away can undo it (`ForkUndo` in the KV log).
-- `EnterCohort`: a loop the compiler marked as a cohort of one call (`op["cohort"]`, fixed or
-  dynamic; a chain of several calls runs here for now) asks to run
+- `EnterCohort`: a loop the compiler marked as a cohort (`op["cohort"]`, fixed or dynamic; a
+  chain of several calls too) asks to run
   as a row of the conductor's decode cohort (runtime/mstar_runtime/control/cohort.py);
   resumed with a `CohortExit` when the row leaves the loop, or with `None` when the
   conductor declines (the node offers no column step or refuses the row, the cohort is
@@ -260,12 +260,18 @@ class Frame:
         raise WalkError(f"acc {name} outside of a loop")  # the compiler rejects this; defensive
 
 
-def _single_cohort(op: dict[str, Any]) -> bool:
-    """Whether a loop asks to run as a cohort row: its mark is a single call's. A chain's mark
-    (`links`: a body of several calls, Qwen3-Omni's speech loop) runs here, iteration by
-    iteration, each call a batched step (docs/runtime.md, "Decode cohorts": chains)."""
-    mark = op.get("cohort")
-    return mark is not None and "links" not in mark
+def _cohort_inputs(op: dict[str, Any], value: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
+    """A marked loop's inputs as its row joins: its call's arguments by port; a chain's, each
+    link's by `k.port`, but for the `chained` ones (an earlier link's output, not bound yet)."""
+    mark = op["cohort"]
+    if "links" not in mark:
+        return {port: value(arg) for port, arg in cohort_call(op)["args"].items()}
+    calls = {c["id"]: c for c in op["body"]["body"] if c.get("op") == "call"}
+    out = {}
+    for k, link in enumerate(mark["links"]):
+        chained = {port for port, _, _ in link.get("chained") or ()}
+        out.update({f"{k}.{port}": value(arg) for port, arg in calls[link["call"]]["args"].items() if port not in chained})
+    return out
 
 
 def read_flag(value: Any) -> bool:
@@ -415,7 +421,7 @@ class Interpreter:
             name = op["count"].get("var")
             limit = f"0..{op['max']}" if op.get("max") is not None else ">= 0"
             raise RequestError(f"'{name}' = {count} is outside {limit} (the bound of loop {op['id']})", name)
-        if _single_cohort(op) and count > 0:
+        if op.get("cohort") is not None and count > 0:
             done = yield from self._enter_cohort(op, env, frame, count)
             if done:
                 return
@@ -440,7 +446,7 @@ class Interpreter:
         undone (the destination's context was kept under a backup tag before each), its
         effects dropped, and one wasted step is counted.
         """
-        if _single_cohort(op):
+        if op.get("cohort") is not None:
             done = yield from self._enter_cohort(op, env, frame, None)
             if done:
                 return
@@ -473,10 +479,9 @@ class Interpreter:
         """Ask to run a marked loop as a cohort row; True (the generator's value) when it did:
         its carried values are bound and what it could not push is pushed. False: the
         conductor declined, and the caller runs the loop itself."""
-        call = cohort_call(op)
         # the index ports' first value (the cohort counts them up per row)
         at = {**env, op["index"]: 0} if op.get("index") else env
-        inputs = {port: resolve(self._value(arg, at)) for port, arg in call["args"].items()}
+        inputs = _cohort_inputs(op, lambda arg: resolve(self._value(arg, at)))
         done: CohortExit | None = yield EnterCohort(op, env, frame, inputs, count)
         if done is None:
             return False

@@ -208,6 +208,12 @@ class CohortColumns:
         # every token position a read table spans (attend_block gathers them all, masked by length)
         self._read_pos = [torch.arange(rc.table.max_pages * rc.pool.page_size, device=device) for rc in self.reads]
         self.eager_reads = list(eager_reads) or [None] * len(self.reads)
+        # a chain's link (engine/cohort_chain.py): input ports taken from an earlier link's
+        # output of the same step (that link's columns, its port), and the output ports this
+        # step leaves in `exports` ([rows, ...], made on its first step) for later links
+        self.imports: dict[str, tuple[CohortColumns, str]] = {}
+        self.export_ports: set[str] = set()
+        self.exports: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ rows
     def join(self, row: int, state: dict[str, Any], fed: Mapping[str, Any], invariant: Mapping[str, Any],
@@ -407,6 +413,7 @@ class CohortColumns:
         inputs = {port: buf[:rows] for port, buf in self.fed.items()}
         inputs.update({port: col[:rows] for port, col in self.inv.items()})
         inputs.update({port: col[:rows] for port, col in self.index.items()})
+        inputs.update({port: src.exports[out_port][:rows] for port, (src, out_port) in self.imports.items()})
         cols = {name: col[:rows] for name, col in self.cols.items()}
         with torch.inference_mode():
             out = self.cphase.step(CohortStep(rows, inputs, cols, positions, attend, self.device,
@@ -420,9 +427,20 @@ class CohortColumns:
                 dst.copy_(out[out_port].reshape(dst.shape))
             for col in self.index.values():
                 col[:rows].add_(1)
+            for port in self.export_ports:
+                self._export(port, out[port])
             if self.keep:  # else the block is thrown away: the row's context stays as it is
                 self.lens[:rows] += q_len if active is None else active.long() * q_len
             return _pack(out, keys, rows)
+
+    def _export(self, port: str, value: torch.Tensor) -> None:
+        """Leave this step's `[rows, ...]` value of `port` where later links read it (a buffer of
+        the cohort's capacity, made at the first step: a captured step writes and reads it in place)."""
+        buf = self.exports.get(port)
+        if buf is None or tuple(buf.shape[1:]) != tuple(value.shape[1:]) or buf.dtype != value.dtype:
+            buf = self.exports[port] = torch.zeros((self.rows, *value.shape[1:]), dtype=value.dtype,
+                                                   device=self.device)
+        buf[: value.shape[0]].copy_(value)
 
     def _block_layout(self, j: int, rows: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Read context j's gather for `attend_block`: every row's pages and offsets of all the

@@ -16,9 +16,9 @@ the step's `[n, ...]` outputs become the entries' output values:
 
 So the call never waits for the device (as a hand-written generic decode does not), and the
 interpreter's lanes resolve the lazy values a step late. This is the path of a loop the
-compiler did not mark (a body of several calls: Qwen3-Omni's speech loop), of a
-cohort-capable loop whose cohort is full or declined the row, and of a one-off call of the
-phase. Where the engine bound a graph runner to the step (the plan's `cuda-graphs` pass
+compiler did not mark, of a marked loop no cohort runs (a chain of several calls in a worker
+process, say), of a cohort-capable loop whose cohort is full or declined the row, and of a
+one-off call of the phase. Where the engine bound a graph runner to the step (the plan's `cuda-graphs` pass
 captures the phase) and the step adds one token over the row's own context, it runs through
 `attn.run_graphed`: the fed inputs, the columns and the positions are its rows, so on a GPU
 one CUDA graph per batch bucket replays it. A replay runs no Python, so what the step

@@ -137,6 +137,6 @@ def cohort_links(mark: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 def cohort_call(loop: Mapping[str, Any]) -> dict[str, Any]:
     """The call a loop's (non-null) `cohort` mark names: the one call of its body, which may
-    start with value transfers into it (docs/plan-format.md, "Cohort loops")."""
-    call_id = loop["cohort"]["call"]
+    start with value transfers into it (docs/plan-format.md, "Cohort loops"); a chain's first."""
+    call_id = cohort_links(loop["cohort"])[0]["call"]
     return next(op for op in loop["body"]["body"] if op.get("op") == "call" and op.get("id") == call_id)

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from mstar_runtime.engine.cohort_chain import ChainColumns, ChainResult
 from mstar_runtime.engine.cohort_engine import CohortColumns, CohortGraphs, CohortResult, CohortShape, JoinRow
 from mstar_runtime.engine.engines import (
     AttentionBackend,
@@ -127,6 +128,7 @@ class Worker:
         self._stats: dict[tuple[str, str], _PhaseStats] = {}
         self._cohorts: dict[Any, CohortColumns] = {}
         self._cohort_engine: dict[Any, KVCacheEngine] = {}
+        self._chains: dict[Any, ChainColumns] = {}
         on_gpu = self.device.type == "cuda"
         if attention_backend is None and on_gpu:
             # FlashInfer when it imports, else the reference (logged once which): one backend,
@@ -240,6 +242,34 @@ class Worker:
                                            eager_attention=eager, read_pools=read_pools, eager_reads=eager_reads)
         self._cohort_engine[key] = engine
         return True
+
+    def cohort_chain_open(self, key: Any, links: Sequence[tuple[Any, str, CohortShape, int]], rows: int,
+                          imports: Sequence[tuple[int, str, int, str]], flag: tuple[int, str] | None) -> bool:
+        """Open each link's columns (`(key, node, shape, max_pages)`, as `cohort_open`) and
+        chain them under `key` (engine/cohort_chain.py); False when a link's node offers no
+        column step. Only a worker in the conductor's process chains (a worker process or a
+        TP group has no such call: the loop stays generic)."""
+        if not all(self.cohort_open(k, node, shape, rows, pages) for k, node, shape, pages in links):
+            return False
+        prefixes = [f"{i}." for i in range(len(links))]
+        self._chains[key] = ChainColumns([self._cohorts[k] for k, *_ in links], prefixes, imports, flag)
+        return True
+
+    def cohort_chain_join(self, key: Any, first: int, stops: Sequence[bool]) -> None:
+        self._chains[key].join(first, stops)
+
+    def cohort_chain_move(self, key: Any, src: int, dst: int) -> None:
+        self._chains[key].move(src, dst)
+
+    def cohort_chain_step(self, key: Any, n: int) -> ChainResult:
+        chain = self._chains[key]
+        try:
+            return chain.step(n)
+        except WorkerStepError:
+            raise
+        except Exception as e:
+            link = chain.links[0]
+            raise WorkerStepError(link.node, link.shape.phase, f"{type(e).__name__}: {e}") from e
 
     def cohort_join(self, key: Any, first: int, rows: Sequence[JoinRow]) -> None:
         """Rows `first`, `first + 1`, ... join (`CohortColumns.join_rows`: all or none; a

@@ -360,6 +360,15 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert re.fullmatch(r"mstar-run \S+ \(plan schema \d+\.\d+\)\n", capsys.readouterr().out)
 
 
+def test_an_input_given_twice_is_refused(testfamily_plan: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The second value used to win, the first dropped without a word."""
+    with pytest.raises(SystemExit) as e:
+        main([str(testfamily_plan), "--walk", "generate", "--input", "prompt=a", "-i", "prompt=b"])
+    assert e.value.code == 2
+    assert "mstar-run: error: Invalid value for '--input' / '-i': gives 'prompt' twice ('prompt=a' and " \
+           "'prompt=b')" in capsys.readouterr().err
+
+
 def test_usage_errors_name_the_environment_variable(testfamily_plan: Path, monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("MSTAR_PORT", "70000")

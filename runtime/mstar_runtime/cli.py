@@ -139,12 +139,15 @@ def parse_json_value(walk: str, name: str, t: Mapping[str, Any] | None, value: A
 
 
 def split_pairs(pairs: Sequence[str]) -> dict[str, str]:
-    """`--input NAME=VALUE` pairs as {name: text}; ValueError naming the first malformed one."""
+    """`--input NAME=VALUE` pairs as {name: text}; ValueError naming the first malformed one, or
+    a name given twice (the first value would be dropped without a word)."""
     out: dict[str, str] = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep or not name:
             raise ValueError(f"--input expects NAME=VALUE, got '{pair}'")
+        if name in out:
+            raise ValueError(f"--input gives '{name}' twice ('{name}={out[name]}' and '{pair}')")
         out[name] = text
     return out
 

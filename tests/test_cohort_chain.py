@@ -13,10 +13,13 @@ different steps, finishing at once, cancelled, preempted, on a small pool.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from support import as_run
 from test_cohort_cases import MOVED_PLACEMENT, _engine, _run, _same, _with_walks
 from test_cohort_mark import compile_walk, loops
@@ -435,3 +438,108 @@ def test_a_chain_whose_contexts_moved_stays_generic(tmp_path: Path) -> None:
     for c, g in zip(got, want, strict=True):
         assert c.state == FINISHED, c.error
         _same(c, g)
+
+
+# -------------------------------------------------------------------------------- the worker's half
+def test_a_padded_chain_step_equals_an_eager_one() -> None:
+    """`ChainColumns` over two TinyLMs (b decodes a's token of the same step, read from a's
+    device buffer), once eager over exactly n rows and once padded to batch buckets as a graphed
+    step is (`CohortGraphs`, run eagerly on the CPU): pad rows of a's buffer are b's pad rows,
+    the real rows give the same tokens and hidden states as rows join, leave and cross buckets;
+    a row marked stopped leaves b's node columns as they were."""
+    from test_cohort_graphs import BUCKETS, CONFIG, PAGE, PAGES, PORTS, ROWS
+
+    from mstar_models.testfamily import TinyLM
+    from mstar_models.testfamily.family import node_spec
+    from mstar_runtime.engine.cohort_chain import ChainColumns
+    from mstar_runtime.engine.cohort_engine import (
+        CohortColumns,
+        CohortGraphs,
+        CohortShape,
+        ReferenceCohortDecode,
+    )
+    from mstar_runtime.engine.engines import KVCacheEngine, KVSlots, StepEntry
+    from mstar_runtime.kv.attention import paged_attention
+    from mstar_runtime.kv.block_manager import BlockManager
+
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    lms = {"a": TinyLM(node_spec("lm", CONFIG, cpu, torch.float32)).eval(),
+           "b": TinyLM(node_spec("lm", CONFIG, cpu, torch.float32, seed=1)).eval()}
+    shapes = {"a": CohortShape("decode", (("token", "token"),), (), PORTS["decode"]),
+              "b": CohortShape("decode", (), (), PORTS["decode"])}
+    runs = ("eager", "padded")
+    engines = {(run, n): KVCacheEngine(lm, PAGES, PAGE, torch.float32, cpu, attention_backend=paged_attention,
+                                       output_ports=PORTS, graphs={"decode": BUCKETS}, capture_graphs=False)
+               for run in runs for n, lm in lms.items()}
+    blocks = {key: BlockManager(PAGES, PAGE) for key in engines}
+    columns = {}
+    for (run, n), e in engines.items():
+        graphs = (CohortGraphs(list(BUCKETS), PAGES, lambda b, m, e=e: ReferenceCohortDecode(e.pool, None), capture=False)
+                  if run == "padded" else None)
+        columns[(run, n)] = CohortColumns(e.pool, lms[n].cohort_phase("decode"), shapes[n], ROWS, 4096 // PAGE + 1, cpu,
+                                          scale=None, node=n, q_heads=8, graphs=graphs)
+    chains = {run: ChainColumns([columns[(run, "a")], columns[(run, "b")]], ["0.", "1."], [(1, "token", 0, "token")],
+                                (0, "done")) for run in runs}
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(16, 272, (int(torch.randint(5, 60, (1,), generator=g)),), generator=g) for _ in range(7)]
+    rows: list[int] = []
+
+    def join(i: int) -> None:
+        for (run, n), c in columns.items():
+            key, bm = (f"r{i}", "main"), blocks[(run, n)]
+            entry = StepEntry(f"r{i}", None, {"tokens": prompts[i], "max_new": 4000},
+                              KVSlots(0, len(prompts[i]), bm.append(key, len(prompts[i])), bm.page_table(key)))
+            token = engines[(run, n)].run("prefill", [entry])[0]["token"]
+            c.join(len(rows), engines[(run, n)].state(f"r{i}", None), {"token": token} if n == "a" else {}, {},
+                   bm.page_table(key), bm.seq_len(key))
+        for chain in chains.values():
+            chain.join(len(rows), [False])
+        rows.append(i)
+
+    def leave(row: int) -> None:
+        last = len(rows) - 1
+        for chain in chains.values():
+            for c in chain.links:
+                if row != last:
+                    c.move(last, row)
+                c.n = last
+            if row != last:
+                chain.move(last, row)
+        rows[row] = rows[last]
+        rows.pop()
+
+    plan = [("join", 0), ("step", 3), ("join", 1), ("join", 2), ("step", 6), ("join", 3), ("join", 4),
+            ("leave", 1), ("step", 4), ("join", 5), ("join", 6), ("step", 5), ("leave", 0), ("step", 3)]
+    for what, arg in plan:
+        if what in ("join", "leave"):
+            (join if what == "join" else leave)(arg)
+            continue
+        for _ in range(arg):
+            n = len(rows)
+            for (run, name), c in columns.items():
+                bm = blocks[(run, name)]
+                need = [r for r in range(n) if c.host_lens[r] % PAGE == 0]
+                pages = [bm.add_page((f"r{rows[r]}", "main")) for r in need]
+                c.add_pages(np.array(need, dtype=np.int64), c.host_lens[need] // PAGE, np.array(pages, dtype=np.int64))
+            out = {run: chain.step(n).arrays() for run, chain in chains.items()}
+            for key in ("0.token", "1.token"):
+                assert np.array_equal(out["eager"][key], out["padded"][key]), key
+            for key in ("0.hidden", "1.hidden"):
+                torch.testing.assert_close(torch.from_numpy(out["padded"][key]), torch.from_numpy(out["eager"][key]),
+                                           atol=1e-5, rtol=1e-5)
+    assert columns[("padded", "b")].graphs.replays > 0
+    # a stopped row: b's node columns of that row are put back after b's step, the others' kept
+    chain, b = chains["eager"], columns[("eager", "b")]
+    b.cols["max_new"][: len(rows)] = torch.arange(len(rows))
+    chain.stopped[: len(rows)] = False
+    chain.stopped[1] = True
+    real = b.cphase.step
+
+    def bumping(batch: Any) -> dict[str, torch.Tensor]:  # a step that moves a node column
+        batch.cols["max_new"].add_(100)
+        return real(batch)
+
+    b.cphase = dataclasses.replace(b.cphase, step=bumping)
+    chain.step(len(rows))
+    assert b.cols["max_new"][: len(rows)].tolist() == [100 + r if r != 1 else 1 for r in range(len(rows))]

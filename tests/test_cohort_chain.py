@@ -261,6 +261,22 @@ FAMILY_CHAIN = """
     emit echoed += last
     emit hidden = states
   }
+  // The flag is the second call's, and an acc takes the value a carried result of the second
+  // call has as each iteration starts (before the first call).
+  walk chain_flag(prompt: str, max_new: int = 8) -> (tokens: i32[N], echoed: i32[M], starts: i32[K]) {
+    ids = prompt.encode(text = prompt)
+    token, code, d0, h = lm.prefill(tokens = ids, max_new = max_new_tokens) @main
+    e, c0, d2, h0 = lm2.prefill(tokens = ids, max_new = max_new)
+    emit tokens += token
+    dynamic_loop max = max_new_tokens until d2 carry token, e, d2 {
+      acc begun += e
+      token, c, done, hid = lm.decode(token = token) @main
+      e, c2, d2, h2 = lm2.decode(token = token)
+      emit tokens += token
+      emit echoed += e
+    }
+    emit starts = begun
+  }
 """
 
 CHAINS = [("chain", {"prompt": f"chain {i} " * (1 + i % 3), "max_new": m}) for i, m in enumerate([1, 3, 8, 5, 12])]
@@ -297,6 +313,22 @@ def test_a_chain_runs_as_one_cohort_with_the_generic_paths_outputs(chain_plan: P
         assert c.stats.steps == g.stats.steps and c.stats.wasted_steps == g.stats.wasted_steps == 1
     assert [int(c.outputs["echoed"].numel()) for c in got] == [1, 3, 8, 5, 12]
     assert cohort.kv.used_pages() == 0 and chain.n == 0
+
+
+def test_a_chain_whose_flag_is_its_second_calls(chain_plan: Path) -> None:
+    requests = [("chain_flag", {"prompt": f"flag {i}", "max_new": m}) for i, m in enumerate([1, 2, 6, 11])]
+    plan = load_plan(chain_plan, device="cpu")
+    (loop,) = (op for op in loader.iter_ops(plan.walk("chain_flag")["program"]) if op["op"] == "loop")
+    assert loop["cohort"]["links"][1]["accs"] == [["begun", "token", "in"]]
+    cohort, generic = _engine(chain_plan, "cohort"), _engine(chain_plan, "generic")
+    got, want = _run(cohort, requests), _run(generic, requests)
+    (chain,) = [c for key, c in cohort.cohorts.items() if key[3] == "chain_flag.l1"]
+    assert chain.stats["joins"] == len(requests) and chain.until_port == "1.done"
+    for c, g in zip(got, want, strict=True):
+        assert c.state == FINISHED, c.error
+        _same(c, g)
+    assert [int(c.outputs["echoed"].numel()) for c in got] == [0, 1, 5, 10]  # max_new - 1: the prefill's one first
+    assert [int(c.outputs["starts"].numel()) for c in got] == [0, 1, 5, 10]
 
 
 def test_rows_join_a_chain_at_different_steps(chain_plan: Path) -> None:

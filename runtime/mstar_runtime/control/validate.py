@@ -17,6 +17,9 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float
                 "i64": torch.int64, "u8": torch.uint8, "bool": torch.bool}
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def _fail(walk: str, name: str, message: str) -> RequestError:
     return RequestError(f"walk '{walk}', input '{name}': {message}", name)
 
@@ -30,6 +33,8 @@ def coerce(walk: str, name: str, t: Mapping[str, Any], value: Any) -> Any:
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise _fail(walk, name, f"expected an integer, got {value!r}")
+        if not INT64_MIN <= value <= INT64_MAX:  # a node holds it in an int64 (a seed would wrap)
+            raise _fail(walk, name, f"{value} is outside the 64-bit integers ({INT64_MIN} to {INT64_MAX})")
         return value
     if kind == "float":
         if isinstance(value, bool) or not isinstance(value, int | float):

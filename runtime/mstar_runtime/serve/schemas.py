@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
+from mstar_runtime.control.validate import INT64_MAX, INT64_MIN
+
 try:
     from pydantic import (
         AfterValidator,
@@ -41,7 +43,6 @@ except ImportError:  # pragma: no cover - the `serve` extra is not installed; se
 
     StrictBool, StrictFloat, StrictInt, StrictStr = bool, float, int, str  # type: ignore[misc]
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_INPUT_CHARS = 4096  # OpenAI's limit for /v1/audio/speech input
 MAX_PROMPT_CHARS = 32000  # OpenAI's limit for image prompts
 SIZE_PATTERN = r"^(auto|[1-9][0-9]{0,4}x[1-9][0-9]{0,4})$"

@@ -305,6 +305,8 @@ def test_a_chain_runs_as_one_cohort_with_the_generic_paths_outputs(chain_plan: P
     assert chain.stats["joins"] == len(CHAINS) and chain.stats["row_steps"] > chain.stats["steps"]
     assert chain.stats["wasted_steps"] == len(CHAINS) and generic.stats["cohort_steps"] == 0
     assert _lm2_decodes(cohort) == len(CHAINS)  # the one after each loop
+    nodes = cohort.workers[0].stats()["nodes"]  # each link's steps counted as a cohort's
+    assert nodes["lm"]["decode:cohort"]["steps"] == nodes["lm2"]["decode:cohort"]["steps"] == chain.stats["steps"]
     alone = [_run(_engine(chain_plan, "cohort"), [r])[0] for r in CHAINS]
     for c, g, a in zip(got, want, alone, strict=True):
         assert c.state == FINISHED, c.error

@@ -21,7 +21,7 @@ leaves them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,12 +69,14 @@ class ChainColumns:
     def move(self, src: int, dst: int) -> None:
         self.stopped[dst] = self.stopped[src]
 
-    def step(self, n: int) -> ChainResult:
+    def step(self, n: int, run: Callable[[int], CohortResult] | None = None) -> ChainResult:
+        """One chained step of rows 0..n-1; `run(k)` steps link k (default: its `step(n)`; the
+        worker's own entry point, so that each link's steps are counted as a cohort's)."""
         held = self.stopped[:n].clone()
         parts = []
         for k, (link, prefix) in enumerate(zip(self.links, self.prefixes, strict=True)):
             before = {name: col[:n].clone() for name, col in link.cols.items()} if k else {}
-            parts.append((prefix, link.step(n)))
+            parts.append((prefix, run(k) if run is not None else link.step(n)))
             for name, col in link.cols.items() if k else ():
                 mask = held.reshape(n, *([1] * (col.dim() - 1)))
                 col[:n].copy_(torch.where(mask, before[name], col[:n]))

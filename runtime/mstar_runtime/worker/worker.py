@@ -129,6 +129,7 @@ class Worker:
         self._cohorts: dict[Any, CohortColumns] = {}
         self._cohort_engine: dict[Any, KVCacheEngine] = {}
         self._chains: dict[Any, ChainColumns] = {}
+        self._chain_keys: dict[Any, list[Any]] = {}  # a chain's link keys, in body order
         on_gpu = self.device.type == "cuda"
         if attention_backend is None and on_gpu:
             # FlashInfer when it imports, else the reference (logged once which): one backend,
@@ -253,6 +254,7 @@ class Worker:
             return False
         prefixes = [f"{i}." for i in range(len(links))]
         self._chains[key] = ChainColumns([self._cohorts[k] for k, *_ in links], prefixes, imports, flag)
+        self._chain_keys[key] = [k for k, *_ in links]
         return True
 
     def cohort_chain_join(self, key: Any, first: int, stops: Sequence[bool]) -> None:
@@ -262,13 +264,14 @@ class Worker:
         self._chains[key].move(src, dst)
 
     def cohort_chain_step(self, key: Any, n: int) -> ChainResult:
-        chain = self._chains[key]
+        """Each link's step through `cohort_step` (its stats and failures are that link's)."""
+        keys = self._chain_keys[key]
         try:
-            return chain.step(n)
+            return self._chains[key].step(n, lambda k: self.cohort_step(keys[k], n))
         except WorkerStepError:
             raise
-        except Exception as e:
-            link = chain.links[0]
+        except Exception as e:  # the restore between the links' steps
+            link = self._chains[key].links[0]
             raise WorkerStepError(link.node, link.shape.phase, f"{type(e).__name__}: {e}") from e
 
     def cohort_join(self, key: Any, first: int, rows: Sequence[JoinRow]) -> None:

@@ -197,6 +197,7 @@ def test_an_idle_engine_sleeps(m: MStar) -> None:
         ("generate", {"prompt": "x", "max_new": "many"}, "max_new", "expected an integer"),
         ("generate", {"prompt": "x", "max_new": 2**63}, "max_new", "outside the 64-bit integers"),  # CLI, batch, API
         ("generate", {"prompt": 3}, "prompt", "expected a string"),
+        ("generate", "x", "inputs", "must be a mapping of input name to value"),  # was an AttributeError
         ("generate", {"prompt": "x", "bogus": 1}, "bogus", "unknown input"),
     ],
 )

@@ -380,6 +380,9 @@ class MStar:
         resampled to the walk's rate, or a `.safetensors` file) where the walk takes an image
         or a tensor."""
         program = self.plan.walk(walk)  # UnknownWalk, a RequestError naming the field 'walk'
+        if inputs is not None and not isinstance(inputs, Mapping):
+            raise RequestError(f"inputs of walk '{walk}' must be a mapping of input name to value "
+                               f"(inputs={{'name': value}}), got {type(inputs).__name__}", "inputs")
         inputs = media.to_walk_values(walk, program, inputs or {}, lambda name: self.input_rate(walk, name))
         values = check_submit(walk, program, inputs, streaming=streaming, config=self.plan.config,
                               request_id=request_id, timeout=timeout)

@@ -72,17 +72,22 @@ class ChainColumns:
     def step(self, n: int, run: Callable[[int], CohortResult] | None = None) -> ChainResult:
         """One chained step of rows 0..n-1; `run(k)` steps link k (default: its `step(n)`; the
         worker's own entry point, so that each link's steps are counted as a cohort's)."""
-        held = self.stopped[:n].clone()
+        # (in inference mode, as the steps themselves: the columns and buffers may be inference tensors)
+        with torch.inference_mode():
+            held = self.stopped[:n].clone()
         parts = []
         for k, (link, prefix) in enumerate(zip(self.links, self.prefixes, strict=True)):
-            before = {name: col[:n].clone() for name, col in link.cols.items()} if k else {}
+            with torch.inference_mode():
+                before = {name: col[:n].clone() for name, col in link.cols.items()} if k else {}
             parts.append((prefix, run(k) if run is not None else link.step(n)))
-            for name, col in link.cols.items() if k else ():
-                mask = held.reshape(n, *([1] * (col.dim() - 1)))
-                col[:n].copy_(torch.where(mask, before[name], col[:n]))
+            with torch.inference_mode():
+                for name, col in link.cols.items() if k else ():
+                    mask = held.reshape(n, *([1] * (col.dim() - 1)))
+                    col[:n].copy_(torch.where(mask, before[name], col[:n]))
         if self.flag is not None:
-            link, port = self.flag
-            self.stopped[:n].copy_(self.links[link].exports[port][:n].reshape(n).bool())
+            at, port = self.flag
+            with torch.inference_mode():
+                self.stopped[:n].copy_(self.links[at].exports[port][:n].reshape(n).bool())
         return ChainResult(n, parts)
 
 

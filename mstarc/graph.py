@@ -1,6 +1,6 @@
 """The IR graph: the model's topology and every walk's dataflow, as networkx multigraphs.
 
-`build(model)` (called at the end of `mstarc.lower`) makes a `GraphIR` of two graphs:
+`build(model)` (called at the end of `mstarc.lower`) makes a `GraphIR` (mstarc/ir.py) of two graphs:
 
 `topology`: a vertex per model node (`node:NAME`, `ir=NodeIR`) and per walk (`walk:NAME`,
   `ir=WalkIR`); an edge per declared edge or stream between node vertices (key the edge id,
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
@@ -59,37 +58,8 @@ _Defs = frozenset[str]  # ids of the calls whose result may reach a read
 REGION_KINDS = ("walk", "loop", "branch", "on_stream")  # vertices that own a body (`children`)
 
 
-@dataclass(frozen=True)
-class GraphIR:
-    topology: nx.MultiDiGraph
-    flow: nx.MultiDiGraph
-
-    def with_flow(self, flow: nx.MultiDiGraph) -> GraphIR:
-        return GraphIR(self.topology, flow)
-
-    def vertex(self, vid: str) -> dict[str, Any]:
-        return self.flow.nodes[vid]
-
-    def walk_vertices(self, walk: str) -> list[str]:
-        """A walk's statement vertices in pre-order (the walk vertex first)."""
-        out: list[str] = []
-        stack = [walk]
-        while stack:
-            v = stack.pop()
-            out.append(v)
-            stack.extend(reversed(self.flow.nodes[v].get("children", ())))
-        return out
-
-    def uses(self) -> list[tuple[str, str, str, dict[str, Any]]]:
-        """Every use edge that moves data (a `consumer`), in discovery order."""
-        edges = [(u, v, k, d) for u, v, k, d in self.flow.edges(keys=True, data=True)
-                 if d.get("kind") == "use" and d.get("consumer") is not None]
-        edges.sort(key=lambda e: e[3]["seq"])
-        return edges
-
-
-def build(model: I.ModelIR) -> GraphIR:
-    return GraphIR(_topology(model), _flow(model))
+def build(model: I.ModelIR) -> I.GraphIR:
+    return I.GraphIR(_topology(model), _flow(model))
 
 
 def _topology(model: I.ModelIR) -> nx.MultiDiGraph:
@@ -458,7 +428,7 @@ def lca_children(flow: nx.MultiDiGraph, a: str, b: str) -> tuple[str, str, str] 
     return na["parent"], a, b
 
 
-def dump(graph: GraphIR) -> str:
+def dump(graph: I.GraphIR) -> str:
     """The graph as stable text (for --print-after): the topology's edges, then per walk each
     statement (indented by region) with the values it reads, and the values nothing reads."""
     flow, topo = graph.flow, graph.topology

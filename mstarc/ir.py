@@ -1,7 +1,7 @@
 """The IR: an elaborated model (one config variant) as nodes, edges and walk region trees.
 
 `mstarc.lower` builds a `ModelIR` from the AST, with its networkx graph (`ModelIR.graph`, a
-`mstarc.graph.GraphIR`: the topology and every walk's dataflow); every pass in
+`GraphIR`: the topology and every walk's dataflow, built by `mstarc.graph`); every pass in
 `mstarc.passes` is a pure function `ModelIR -> ModelIR` that fills one of the result fields
 at the bottom of `ModelIR` and, where it changes the graph, gives it a new one (via
 `dataclasses.replace`, never by mutation). Cycles, reachability, values that cross ranks and
@@ -16,13 +16,14 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import networkx as nx
+
 # one dtype table, the plan records' (re-exported: the passes read I.DTYPE_BYTES)
 from mstar_runtime.plan.records import DTYPE_BYTES  # noqa: F401
 from mstarc.diagnostics import Span
 
 if TYPE_CHECKING:
     from mstarc.archs import ArchSpec
-    from mstarc.graph import GraphIR
 
 ConfigValue = int | float | str | bool | list
 
@@ -325,6 +326,38 @@ class CheckpointIR:
 
 
 @dataclass(frozen=True)
+class GraphIR:
+    """A model's two graphs (`mstarc.graph` builds them and documents their vertices and edges):
+    `topology`, the nodes, walks and the edges between them, and `flow`, every walk's dataflow."""
+
+    topology: nx.MultiDiGraph
+    flow: nx.MultiDiGraph
+
+    def with_flow(self, flow: nx.MultiDiGraph) -> GraphIR:
+        return GraphIR(self.topology, flow)
+
+    def vertex(self, vid: str) -> dict[str, Any]:
+        return self.flow.nodes[vid]
+
+    def walk_vertices(self, walk: str) -> list[str]:
+        """A walk's statement vertices in pre-order (the walk vertex first)."""
+        out: list[str] = []
+        stack = [walk]
+        while stack:
+            v = stack.pop()
+            out.append(v)
+            stack.extend(reversed(self.flow.nodes[v].get("children", ())))
+        return out
+
+    def uses(self) -> list[tuple[str, str, str, dict[str, Any]]]:
+        """Every use edge that moves data (a `consumer`), in discovery order."""
+        edges = [(u, v, k, d) for u, v, k, d in self.flow.edges(keys=True, data=True)
+                 if d.get("kind") == "use" and d.get("consumer") is not None]
+        edges.sort(key=lambda e: e[3]["seq"])
+        return edges
+
+
+@dataclass(frozen=True)
 class ModelIR:
     name: str
     variant: str
@@ -336,7 +369,7 @@ class ModelIR:
     transitions: tuple[TransitionIR, ...]
     checkpoint: CheckpointIR = field(default_factory=lambda: CheckpointIR("none"))
     span: Span = field(default=_NO_SPAN, compare=False)
-    # the topology and the walks' dataflow (mstarc.graph); built by lower, transformed by place
+    # the topology and the walks' dataflow (mstarc.graph builds it); built by lower, transformed by place
     graph: GraphIR | None = field(default=None, compare=False, repr=False)
     # ---- filled by passes (None until the pass ran) ----
     verified: bool = False

@@ -54,7 +54,6 @@ from typing import Any
 
 from mstarc import ir as I
 from mstarc.diagnostics import DiagnosticSink, Span
-from mstarc.graph import GraphIR
 from mstarc.placement import SPREAD, NodePlacement, PlacementSpec, RankGroup
 
 SCALAR_BYTES = {"int": 8, "float": 8, "bool": 1}  # what a scalar value costs on the wire, about
@@ -259,8 +258,8 @@ def _check_reads(model: I.ModelIR, call_ranks: dict[str, tuple[int, ...]], spans
                    f"place '{c.node}' on the ranks of '{owner}' (the same tensor-parallel group)")
 
 
-def _transfers(graph: GraphIR, call_ranks: dict[str, tuple[int, ...]]
-               ) -> tuple[tuple[TransferIR, ...], GraphIR, dict[TransferIR, dict[str, Any]]]:
+def _transfers(graph: I.GraphIR, call_ranks: dict[str, tuple[int, ...]]
+               ) -> tuple[tuple[TransferIR, ...], I.GraphIR, dict[TransferIR, dict[str, Any]]]:
     """Every use edge whose value lives on ranks that do not hold its reader becomes a path
     value -> transfer vertex -> reader (one transfer per destination rank), in the graph's
     discovery order: walks in source order, each walk's reads as reaching definitions found
@@ -460,7 +459,7 @@ class _CallResolver:
         self.call_ranks: dict[str, tuple[int, ...]] = {}
         self.reported: set[tuple[str, str]] = set()
 
-    def run(self, graph: GraphIR) -> None:
+    def run(self, graph: I.GraphIR) -> None:
         flow = graph.flow
         for v in graph.walk_vertices(self.walk.name):
             d = flow.nodes[v]

@@ -376,6 +376,23 @@ def test_converter_names_the_bad_tensor(tmp_path: Path, official_state: dict[str
     assert not (tmp_path / "out").exists()  # nothing half-written
 
 
+@pytest.mark.parametrize(("config", "message"), [
+    ("not json", "Expecting value"),
+    ("[1]", "a JSON list, not an object"),
+    (json.dumps({**TINY, "encoder_rates": 5}), "argument 'encoder_rates' must be a list of integers"),
+    (json.dumps({**TINY, "decoder_dim": None}), "argument 'decoder_dim' must be an integer >= 1, got None"),
+], ids=["not-json", "a-list", "rates", "null-dim"])
+def test_converter_names_a_bad_config(tmp_path: Path, official_state: dict[str, torch.Tensor], config: str,
+                                      message: str) -> None:
+    """A config.json that is no JSON object, or whose values make no decoder, was a traceback."""
+    folder = tmp_path / "official"
+    folder.mkdir()
+    torch.save(official_state, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text(config)
+    with pytest.raises(convert_snac.ConvertError, match=f"'.*config.json' is not a SNAC config.json: .*{message}"):
+        convert_snac.convert(folder, tmp_path / "out")
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory, official_state: dict[str, torch.Tensor]) -> Path:
     root = tmp_path_factory.mktemp("conv")

@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from mstarc.archs.snac import snac_decoder
+from mstarc.archs.spec import ArchError
 
 BIN, CONFIG, OUT = "pytorch_model.bin", "config.json", "model.safetensors"
 KEEP = ("quantizer.", "decoder.")
@@ -93,14 +94,27 @@ def expected_tensors(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return {t.name: tuple(t.shape) for t in spec.tensors}
 
 
+def _expected(path: Path) -> dict[str, tuple[int, ...]]:
+    """The decoder's tensors that the config.json at `path` describes; a ConvertError naming the
+    file for one that is no JSON object or whose values do not make a decoder."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+        return expected_tensors(config)
+    except ConvertError:
+        raise
+    except (ValueError, TypeError, ArchError) as e:  # JSON, UTF-8, or a value the arch refuses
+        raise ConvertError(f"'{path}' is not a SNAC config.json: {e}") from None
+
+
 def convert(src: Path, dst: Path) -> dict[str, torch.Tensor]:
     """SRC_DIR (pytorch_model.bin + config.json) -> DST_DIR (model.safetensors + config.json)."""
     src, dst = Path(src), Path(dst)
     for f in (BIN, CONFIG):
         if not (src / f).is_file():
             raise ConvertError(f"'{src / f}' does not exist")
-    config = json.loads((src / CONFIG).read_text(encoding="utf-8"))
-    want = expected_tensors(config)
+    want = _expected(src / CONFIG)
     try:
         state = torch.load(src / BIN, map_location="cpu", weights_only=True)
     except Exception as e:  # weights_only refuses anything but tensors and plain containers

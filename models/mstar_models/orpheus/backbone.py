@@ -70,7 +70,8 @@ from mstar_models.layers.rotary import llama3_inv_freq, rope_tables
 from mstar_runtime import sampling
 from mstar_runtime.kv.prefix_cache import token_keys
 from mstar_runtime.ops import node, tp
-from mstar_runtime.ops.ports import config_value, max_seq_len
+from mstar_runtime.ops.cohort import CohortPhase, CohortStep, Columns
+from mstar_runtime.ops.ports import config_value, fed_token, max_seq_len
 from mstar_runtime.ops.readback import Lazy, Readback, upload_tensor
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -175,15 +176,65 @@ class LlamaBackbone(DecoderNode):
         """A prefill's KV depends on its prompt's token ids (and what precedes them) only."""
         return token_keys(inputs.get("prompt")) if phase == "prefill" else None
 
-    def cohort_phase(self, phase: str) -> Any:
-        """`decode`, written only as a column step (models/mstar_models/orpheus/cohort.py; a plain
-        batched call runs it through runtime/mstar_runtime/ops/column_call.py); under
-        TP every rank of the group runs it (its all-reduces and the gathered logits inside)."""
+    # ------------------------------------------------------------------ decode, a column step
+    def cohort_phase(self, phase: str) -> CohortPhase | None:
+        """`decode`, written only as a column step for decode cohorts (runtime/mstar_runtime/ops/cohort.py;
+        a plain batched call runs it as a one-step cohort through runtime/mstar_runtime/ops/column_call.py);
+        under TP every rank of the group runs it (its all-reduces and the gathered logits inside).
+
+        Every row at once and with no host value: the per-request state a prefill leaves in
+        `attn.states[i]` becomes device columns at join and goes back into the state at leave:
+
+          sampling columns  temperature, top_k, top_p, penalty, greedy, seed, step (`sampling.SamplingColumns`)
+          k                 audio codes emitted so far (the code position of the next one is k % 7)
+          max_tokens        tokens the request may generate in all
+          history           int64 [max_seq_len + 1]: the token at each KV position, -1 where unknown
+                            (all -1 for a request without repetition penalty: nothing reads it then)
+
+        Outputs per row: `token` [1], `code` [1] with `code:count` 0 or 1, `done`."""
         if phase != "decode":
             return None
-        from mstar_models.orpheus.cohort import decode_phase
+        return CohortPhase(join=self._cohort_join, step=self._cohort_step, leave=self._cohort_leave,
+                           max_items={"code": 1})
 
-        return decode_phase(self)
+    def _cohort_join(self, state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
+        if "sampling" not in state:
+            raise node.RequestError("decode on a KV context that was never prefilled", "token")
+        fed_token(inputs)  # a plain call's entry: its fed token (a cohort's join sees none)
+        cols = sampling.sampling_row(state["sampling"], state["step"])  # host values: uploaded without a wait
+        hist = torch.full((self.max_seq_len + 1,), -1, dtype=torch.long, device=self.inv_freq.device)
+        if state["history"] is not None:
+            hist[: state["history"].numel()] = state["history"]
+        cols.update(k=state["k"].reshape(()), max_tokens=torch.tensor(state["max_tokens"]), history=hist)
+        return cols
+
+    def _cohort_leave(self, state: dict[str, Any], cols: Columns, steps: int) -> None:
+        state["step"] += steps
+        state["k"] = cols["k"]
+        if state["history"] is not None:
+            state["history"].copy_(cols["history"][: state["history"].numel()])
+
+    def _cohort_step(self, b: CohortStep) -> dict[str, torch.Tensor]:
+        c = b.cols
+        ids = b.inputs["token"].reshape(-1).to(torch.long)
+        # the fed token at its KV position (a wasted decode after `done` may write past a row's
+        # own history: its leave copies back only the part the request owns)
+        c["history"].scatter_(1, b.positions.clamp(max=self.max_seq_len)[:, None], ids[:, None])
+        logits = self.head(self.forward_hidden(ids, b.positions, b.attend))
+        lo = self.audio_offset + (c["k"] % self.frame_tokens) * self.codebook
+        if self.audio_only:
+            vocab = torch.arange(logits.shape[1], device=logits.device)[None, :]
+            allowed = ((vocab >= lo[:, None]) & (vocab < lo[:, None] + self.codebook)) | (vocab == self.eos)
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        tokens = sampling.sample_columns(logits, sampling.SamplingColumns.from_cohort(c, history=c["history"]))
+        codes = tokens - lo
+        is_code = (codes >= 0) & (codes < self.codebook)
+        c["k"].add_(is_code.long())
+        c["step"].add_(1)
+        kv_after = b.positions + 1
+        done = (c["step"] >= c["max_tokens"]) | (kv_after >= self.max_seq_len) | (tokens == self.eos)
+        return {"token": tokens.to(torch.int32)[:, None], "code": codes.to(torch.int32)[:, None],
+                "code:count": is_code.long(), "done": done}
 
     # ------------------------------------------------------------------ phases
     def phase_prefill(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:

@@ -277,6 +277,19 @@ FAMILY_CHAIN = """
     }
     emit starts = begun
   }
+  // lm2 starts on a context of its own prompt (a longer one fills its pool first).
+  walk chain_wide(prompt: str, other: str, max_new: int = 8) -> (tokens: i32[N], echoed: i32[M]) {
+    ids = prompt.encode(text = prompt)
+    wide = prompt.encode(text = other)
+    token, code, done, h = lm.prefill(tokens = ids, max_new = max_new) @main
+    e0, c0, d0, h0 = lm2.prefill(tokens = wide, max_new = max_new_tokens)
+    dynamic_loop max = max_new_tokens until done carry token, done {
+      token, c, done, hid = lm.decode(token = token) @main
+      e, c2, d2, h2 = lm2.decode(token = token)
+      emit tokens += token
+      emit echoed += e
+    }
+  }
 """
 
 CHAINS = [("chain", {"prompt": f"chain {i} " * (1 + i % 3), "max_new": m}) for i, m in enumerate([1, 3, 8, 5, 12])]
@@ -378,6 +391,19 @@ def test_a_chain_survives_preemption_and_a_small_pool(chain_plan: Path, kw: dict
     for c, g in zip(got, want, strict=True):
         assert c.state == FINISHED, c.error
         _same(c, g)
+
+
+def test_a_row_that_outgrows_a_later_links_pool_fails_naming_that_node(chain_plan: Path) -> None:
+    """Two pages of 16 tokens a pool: lm's context fits (3 + 20 tokens), lm2's does not (21 + 20)."""
+    requests = [("chain_wide", {"prompt": "ok", "other": "q" * 20, "max_new": 20}),
+                ("chain_wide", {"prompt": "ok", "other": "", "max_new": 3})]
+    for path in ("cohort", "generic"):
+        conductor = _engine(chain_plan, path, cap=2)
+        big, small = _run(conductor, requests)
+        assert big.state == "failed" and "node 'lm2'" in (big.error or "") and "can never fit" in big.error, \
+            (path, big.error)
+        assert small.state == FINISHED, (path, small.error)
+        assert (conductor.stats["cohort_steps"] > 0) == (path == "cohort")
 
 
 def test_a_chain_stays_generic_where_no_chained_cohort_runs_it(chain_plan: Path,

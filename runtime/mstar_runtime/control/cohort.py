@@ -182,6 +182,8 @@ class Cohort:
             self.feeds += [(f["stream"], p + f["port"]) for f in link.call.get("feeds", ())]
             self.accs += [(n, p + port, w, acc_vars[n]) for n, port, w in mark.get("accs") or ()]
         self.until_port = self.port_of.get(op["until"]) if op.get("dynamic") else None
+        # (node, rank) of the pool whose page the last step could not get (`host.free_pages` names it)
+        self.short_pool: tuple[str, int] = (key[0], key[2][0])
         self.max_iters = int(op["max"]) if op.get("max") is not None else None
         self.members: list[Member] = []  # row order
         self._by_request: dict[str, Member] = {}  # request id -> its row (every request's release asks)
@@ -360,6 +362,7 @@ class Cohort:
                                f"({link.max_len} tokens)")
                 continue
             self._sync_lengths()
+            self.short_pool = (link.key[0], link.key[2][0])
             if not self.host.free_pages(self):
                 return False
         return False

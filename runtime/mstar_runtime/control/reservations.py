@@ -72,9 +72,9 @@ class Reservations:
         if victim is None:
             return False
         if len(self.contexts.holders(self.host.running)) == 1:
-            node, _, ranks, _ = cohort.key
+            node, rank = cohort.short_pool  # the pool the step could not get a page of (a chain's link's)
             self.host.fail(victim, f"request needs more KV pages for node '{node}' than its pool holds "
-                      f"({self.kv.capacity_tokens((node, ranks[0]))} tokens); it can never fit")
+                      f"({self.kv.capacity_tokens((node, rank))} tokens); it can never fit")
             return True
         self.host.preempt(victim)
         return True

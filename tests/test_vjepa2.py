@@ -253,6 +253,22 @@ def test_converted_official_checkpoint_loads(plan_path: Path, tmp_path: Path) ->
             assert torch.equal(v, want[k]), (name, k)
 
 
+@pytest.mark.parametrize(("content", "says"), [(b"junk\n", "is not a checkpoint torch.load reads"),
+                                               (None, "holds a list, not a dict with 'encoder'")],
+                         ids=["junk", "a-list"])
+def test_the_converter_names_a_file_that_is_no_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          content: bytes | None, says: str) -> None:
+    """Was a traceback (the unpickler's KeyError, an AttributeError on a list)."""
+    convert = _tool("tools/convert_vjepa2.py")
+    path = tmp_path / "x.pt"
+    if content is None:
+        torch.save([torch.zeros(1)], path)
+    else:
+        path.write_bytes(content)
+    assert convert([str(path), str(tmp_path / "w")]) == 1
+    assert f"convert_vjepa2: '{path}' {says}" in capsys.readouterr().err
+
+
 def test_bench_smoke(tmp_path: Path) -> None:
     bench = _tool("tools/bench/vjepa2.py")
     out = tmp_path / "bench.json"

@@ -57,7 +57,15 @@ def convert(pt_path: Path, out_dir: Path, dtype: torch.dtype | None = None) -> P
     """Read the official `.pt` once (weights_only: no code runs) and write `model.safetensors`."""
     from safetensors.torch import save_file
 
-    checkpoint = torch.load(pt_path, map_location="cpu", weights_only=True)
+    try:
+        checkpoint = torch.load(pt_path, map_location="cpu", weights_only=True)
+    except OSError:  # a missing or unreadable file: the tool says so as it is
+        raise
+    except Exception as e:  # noqa: BLE001 - not a checkpoint (or one weights_only refuses): the unpickler's error, any kind
+        raise ValueError(f"'{pt_path}' is not a checkpoint torch.load reads with weights_only: "
+                         f"{type(e).__name__}: {e}") from None
+    if not isinstance(checkpoint, Mapping):
+        raise ValueError(f"'{pt_path}' holds a {type(checkpoint).__name__}, not a dict with 'encoder' and 'predictor'")
     tensors = official_to_flat(checkpoint, dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / "model.safetensors"

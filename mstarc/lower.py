@@ -44,7 +44,7 @@ def lower(model: ast.Model, variant: str, source: str, weights: Path | None = No
     config = resolve_variant(model, variant, ckpt_cfg, sink, budget)
     if config is None:
         sink.check()
-    lw = _Lowerer(config or {}, ckpt_cfg, sink, budget)
+    lw = _Lowerer(config or {}, ckpt_cfg, sink, budget, partial=sink.has_errors)
     nodes = lw.nodes(model.nodes)
     edges = lw.edges(model.edges, model.streams, {w.name.name for w in model.walks})
     walks = lw.walks(model.walks)
@@ -58,8 +58,10 @@ def lower(model: ast.Model, variant: str, source: str, weights: Path | None = No
 
 class _Lowerer:
     def __init__(self, config: dict[str, I.ConfigValue], ckpt: CheckpointConfig, sink: DiagnosticSink,
-                 budget: ValueBudget | None = None):
+                 budget: ValueBudget | None = None, partial: bool = False):
         self.config, self.ckpt, self.sink = config, ckpt, sink
+        # some settings failed (reported where they failed): a use of a missing one says nothing more
+        self.partial = partial
         self.budget = budget if budget is not None else ValueBudget()
         self.node_names: set[str] = set()
 
@@ -67,7 +69,7 @@ class _Lowerer:
     def _config_lookup(self, name: str, span: Span) -> I.ConfigValue:
         if name in self.config:
             return self.config[name]
-        raise EvalError("E011", f"unknown config value '{name}'", span)
+        raise EvalError("E011", "" if self.partial else f"unknown config value '{name}'", span)
 
     def value(self, expr: ast.Expr) -> I.ConfigValue | None:
         try:
@@ -75,7 +77,8 @@ class _Lowerer:
             self.budget.charge(v, expr.span)  # recorded in the IR (and the plan) once more
             return v
         except EvalError as e:
-            self.sink.error(e.code, e.message, e.span, e.hint)
+            if e.message:  # empty: a failed setting's use, reported where the setting failed
+                self.sink.error(e.code, e.message, e.span, e.hint)
             return None
 
     def constant(self, value: I.ConfigValue, span: Span) -> I.ConfigValue:

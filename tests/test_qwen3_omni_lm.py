@@ -383,10 +383,11 @@ def test_speech_batch_equals_each_request_alone(lm_nodes: dict[str, Any], encode
     assert not torch.equal(together[1]["a"], together[1]["b"])
 
 
-def test_the_talker_prefill_state_owns_its_tensors(plan: Plan) -> None:
-    """A request's talker state keeps its own tensors, not views of the prefill batch's: the
-    tts_pad row (`pad`) was a row of the whole batch's projected prompt [tokens, hidden], which
-    stayed alive as long as any request of the batch did."""
+def test_the_talker_state_is_the_request_s_own(plan: Plan) -> None:
+    """A request's talker prefill keeps its own tensors, not views of the batch's: the tts_pad
+    row (`pad`) was a row of the whole batch's projected prompt [tokens, hidden], which stayed
+    alive as long as any request of the batch did. And a later frame call leaves the state of
+    a row that is not in it as it was."""
     talker = TalkerMoE(node_spec(plan, "talker")).eval()
     load_weights(talker, plan, "talker", "dummy")
     run = Harness(talker, TALKER, watch=None)
@@ -394,7 +395,7 @@ def test_the_talker_prefill_state_owns_its_tensors(plan: Plan) -> None:
     entries = [(rid, {"states": torch.randn(n, width), "mm": torch.zeros(n, dtype=torch.bool),
                       "positions": torch.arange(n, dtype=torch.float32).expand(3, n), **GREEDY,
                       "repetition_penalty": 1.0, "max_frames": 4})
-               for rid, n in (("a", 12), ("b", 9))]
+               for rid, n in (("a", 12), ("b", 9), ("c", 10))]
     run.step("prefill", entries)
     for rid, _ in entries:
         state = run.engine.state(rid, "main")
@@ -402,6 +403,16 @@ def test_the_talker_prefill_state_owns_its_tensors(plan: Plan) -> None:
             if isinstance(t, torch.Tensor):
                 held = t.untyped_storage().nbytes()
                 assert held == t.numel() * t.element_size(), (rid, key, held)
+    # A frame's leave keeps views of the call's own columns (ops/column_call.py: no copy per row
+    # and column); what that needs: no later call writes them, so a row that left keeps its state.
+    run.step("frame_pad", [("a", {}), ("b", {})])
+    b = run.engine.state("b", "main")
+    kept = {key: t.clone() for key, t in b.items() if isinstance(t, torch.Tensor)}
+    a_codec = run.engine.state("a", "main")["codec"].clone()
+    for _ in range(2):  # as many rows as the call b was in: a buffer kept for such calls would be written
+        run.step("frame_pad", [("a", {}), ("c", {})])
+    assert not torch.equal(run.engine.state("a", "main")["codec"], a_codec)  # a's columns were written
+    assert all(torch.equal(b[key], t) for key, t in kept.items()), [k for k, t in kept.items() if not torch.equal(b[k], t)]
 
 
 # ------------------------------------------------------------------------------ bad input

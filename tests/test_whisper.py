@@ -273,7 +273,7 @@ def test_bad_input_names_the_field(plan: Path, inputs: dict, field: str) -> None
 
 
 def test_min_tokens_holds_back_the_end_of_text_only() -> None:
-    from mstar_models.whisper.decoder import Rules, whisper_scores
+    from mstar_models.whisper.scores import Rules, whisper_scores
 
     rules = Rules(LAYOUT, SUPPRESS, [220, LAYOUT.eot], 50, torch.device("cpu"))
     logits = torch.zeros(2, LAYOUT.vocab)

@@ -1,4 +1,4 @@
-"""Whisper's decoder `step` as a cohort column step (models/mstar_models/whisper/cohort.py) on CPU.
+"""Whisper's decoder `step` as a cohort column step (`Decoder.cohort_phase`, whisper/decoder.py) on CPU.
 
 The column step is the decoder's only `step`. Over several rows, as a cohort (its columns
 kept over the steps) and in plain calls (`Decoder.run`: each call joins the host state,

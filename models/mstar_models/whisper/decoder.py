@@ -28,7 +28,7 @@ Phases (models/whisper/whisper.walk):
 temperature divides them): what the long-form fallback averages (windows.py).
 
 Decoding is transformers' `WhisperForConditionalGeneration.generate` for one window, as its
-generation config sets it up (`whisper_scores`, applied in its order): the begin
+generation config sets it up (`whisper_scores`, scores.py, applied in its order): the begin
 suppressions (`begin_suppress_tokens` at the first generated token), `suppress_tokens`
 always, and with timestamps the timestamp rules of `WhisperTimeStampLogitsProcessor`
 (no `<|notimestamps|>`; timestamps in pairs; never decreasing; the first token a timestamp
@@ -42,7 +42,7 @@ generated tokens, or when the sequence reaches the 448 target positions (transfo
 `max_length`); a decode after `done` (the runtime's speculative step) runs on clamped
 positions and its results are thrown away.
 
-`step` is written once, as the column step of cohort.py (`cohort_phase`): a decode cohort
+`step` is written once, as a column step (`cohort_phase`): a decode cohort
 runs it over its device-resident columns, and `run` runs it over a plain batch of entries as
 a one-step cohort (runtime/mstar_runtime/ops/column_call.py; a row the cohort declines, the
 plan without its cohort marks). `prefill` picks its first token from the per-entry host
@@ -57,7 +57,7 @@ generated), `sampling` (the `SamplingParams` that `read_sampling` gives), and de
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -67,14 +67,13 @@ from torch import nn
 from mstar_models.layers.attention import cross_plan
 from mstar_models.layers.init import seeded_init_
 from mstar_models.whisper.common import LN_EPS, Layer, Sizes
-from mstar_models.whisper.tokens import Layout, layout_of
+from mstar_models.whisper.scores import NEG_INF, Rules, whisper_scores
+from mstar_models.whisper.tokens import layout_of
 from mstar_runtime import sampling
 from mstar_runtime.ops import node
-from mstar_runtime.ops.cohort import Attend, AttendTo, CohortPhase
-from mstar_runtime.ops.ports import scalar
+from mstar_runtime.ops.cohort import Attend, AttendTo, CohortPhase, CohortStep, Columns
+from mstar_runtime.ops.ports import fed_token, scalar
 from mstar_runtime.ops.readback import Lazy, Readback, upload
-
-NEG_INF = float("-inf")
 
 
 def _int_list(spec: node.NodeSpec, name: str) -> list[int]:
@@ -84,62 +83,7 @@ def _int_list(spec: node.NodeSpec, name: str) -> list[int]:
     return value
 
 
-class Rules:
-    """The generation config's token rules as device masks; `whisper_scores` applies them."""
-
-    def __init__(self, layout: Layout, suppress: Sequence[int], begin_suppress: Sequence[int],
-                 max_initial_timestamp: int | None, device: torch.device):
-        self.layout = layout
-        v = layout.vocab
-        for t in (*suppress, *begin_suppress):
-            if not 0 <= t < v:
-                raise node.NodeError(f"suppressed token {t} is outside the vocabulary of {v}")
-        self.suppress = torch.zeros(v, dtype=torch.bool, device=device)
-        self.suppress[list(suppress)] = True
-        self.begin = torch.zeros(v, dtype=torch.bool, device=device)
-        self.begin[list(begin_suppress)] = True
-        self.max_initial = max_initial_timestamp
-        self.vocab_ids = torch.arange(v, device=device)
-        self.languages = torch.ones(v, dtype=torch.bool, device=device)
-        self.languages[layout.first_language : layout.first_language + layout.languages] = False
-
-
-def whisper_scores(logits: torch.Tensor, rules: Rules, n: torch.Tensor, last: torch.Tensor, penult: torch.Tensor,
-                   ts_max: torch.Tensor, timestamps: torch.Tensor, min_new: torch.Tensor | None = None) -> torch.Tensor:
-    """Float32 logits [B, V] -> the scores greedy decoding takes the argmax of (see the module
-    docstring). Per row: `n` tokens generated so far, the `last` and `penult` of them (any value
-    when there are fewer), the highest timestamp `ts_max` (-1: none), `timestamps` on or off,
-    and `min_new`, the tokens before which `<|endoftext|>` is suppressed (transformers'
-    `MinNewTokensLengthLogitsProcessor`, which runs before the others). Pure tensor code (no
-    host read, no per-row Python)."""
-    lay = rules.layout
-    tb, ids = lay.timestamp_begin, rules.vocab_ids[None, :]
-    first = (n == 0)[:, None]
-    s = logits
-    if min_new is not None:
-        s = s.masked_fill((n < min_new)[:, None] & (ids == lay.eot), NEG_INF)
-    s = s.masked_fill(first & rules.begin[None, :], NEG_INF)
-    s = s.masked_fill(rules.suppress[None, :], NEG_INF)
-    # the timestamp rules, for the rows that want timestamps
-    t = s.clone()
-    t[:, lay.notimestamps] = NEG_INF
-    last_ts = ((n >= 1) & (last >= tb))[:, None]
-    pen_ts = ((n < 2) | (penult >= tb))[:, None]
-    is_ts = ids >= tb
-    t = t.masked_fill(last_ts & pen_ts & is_ts, NEG_INF)  # a pair just closed: text (or eot) next
-    t = t.masked_fill(last_ts & ~pen_ts & (ids < lay.eot), NEG_INF)  # an open timestamp: no text
-    # never below the last timestamp (nor equal to it, unless it closes the pair it opened)
-    floor = torch.where(ts_max < 0, torch.full_like(ts_max, tb),
-                        torch.where((last_ts & ~pen_ts)[:, 0], ts_max, ts_max + 1))
-    t = t.masked_fill(is_ts & (ids < floor[:, None]), NEG_INF)
-    t = t.masked_fill(first & ~is_ts, NEG_INF)  # the first token is a timestamp ...
-    if rules.max_initial is not None:  # ... of at most max_initial_timestamp steps
-        t = t.masked_fill(first & (ids > tb + rules.max_initial), NEG_INF)
-    logprobs = F.log_softmax(t.float(), dim=-1)
-    ts_mass = logprobs[:, tb:].logsumexp(dim=-1)
-    best_text = logprobs[:, :tb].max(dim=-1).values
-    t = t.masked_fill((ts_mass > best_text)[:, None] & ~is_ts, NEG_INF)
-    return torch.where(timestamps[:, None], t, s)
+_STATE = ("last", "penult", "ts_max")  # device scalars of the state, columns as they are
 
 
 class Decoder(node.KVNode):
@@ -198,7 +142,7 @@ class Decoder(node.KVNode):
         """Packed ids [N] at `positions` [N] -> final-normed hidden [N, hidden]; self-attention
         through `attend(layer, q, k, v)` over the call's own context, cross-attention through
         `attend_to(layer, q, 0)` over the `cross` context it reads: an `AttentionContext`'s
-        methods on the generic path, a `CohortStep`'s in the cohort's column step (cohort.py)."""
+        methods on the generic path, a `CohortStep`'s in the column step (`_cohort_step`)."""
         pos = positions.clamp(max=self.max_text - 1)  # a speculative step past the end: thrown away
         h = self.embed_tokens(ids) + self.embed_positions(pos)
         n = h.shape[0]
@@ -214,14 +158,78 @@ class Decoder(node.KVNode):
         """Float32 logits [N, vocab], computed in the weights' dtype as transformers' `proj_out` does."""
         return F.linear(hidden, self.embed_tokens.weight).float()
 
+    # ------------------------------------------------------------------ step, a column step
     def cohort_phase(self, phase: str) -> CohortPhase | None:
-        """`step`, written only as a column step (cohort.py; `run` calls it through
-        ops/column_call.py); every other phase is a `phase_<name>` method."""
+        """`step`, written only as a column step (runtime/mstar_runtime/ops/cohort.py): a decode
+        cohort runs it over its rows, `run` over a plain batch as a one-step cohort
+        (runtime/mstar_runtime/ops/column_call.py); every other phase is a `phase_<name>` method.
+        It scores and picks as prefill does its first token (`_next`), for every row at once and
+        with no host value: the per-(request, text) state that prefill writes into
+        `attn.states[i]` becomes device columns at join and goes back into the state at leave:
+
+        sampling columns        temperature, top_k, top_p, penalty, greedy, seed, step
+                                (`sampling.SamplingColumns`; `step` starts at `n`: the draw
+                                of token n has step index n, as prefill's of token 0 has 0)
+        n                       tokens generated so far
+        last, penult, ts_max    the last two generated tokens and the highest timestamp (-1: none)
+        timestamps              the timestamp rules on or off
+        min_new, max_new        `<|endoftext|>` held back below min_new; done at max_new
+
+      Self-attention goes through `CohortStep.attend` (the row's `text` context), cross-attention
+      through `CohortStep.attend_to(layer, q, 0)` (its `cross` context, the phase's one `reads`),
+      in the decoder's own layer loop (`Decoder.forward_hidden`). Outputs per row: `token` [1],
+      `logprob` [1], `done`. Join refuses (RequestError naming `token`) a text context never
+      prefilled and, in a plain call (where it sees the entry's fed token), a token that is not
+      one integer id of shape [1]; its range is not read (it is this node's own output, on the
+      device: a host read would wait for the step before). A step whose `cross` context is empty
+      (before `listen`) is refused by column_call, as by a cohort's join."""
         if phase != "step":
             return None
-        from mstar_models.whisper.cohort import step_phase  # cohort.py imports this module
+        return CohortPhase(join=self._cohort_join, step=self._cohort_step, leave=self._cohort_leave)
 
-        return step_phase(self)
+    def _cohort_join(self, state: dict[str, Any], inputs: Mapping[str, Any]) -> Columns:
+        if "begin" not in state:
+            raise node.RequestError("a decoder step on a text context that was never prefilled", "token")
+        fed_token(inputs)  # a plain call's entry (a cohort's join sees no fed input)
+        cols = sampling.sampling_row(state["sampling"], state["n"])  # host values: uploaded without a wait
+        cols.update({k: state[k].reshape(()) for k in _STATE})
+        cols.update(n=torch.tensor(state["n"]), timestamps=torch.tensor(state["timestamps"]),
+                    min_new=torch.tensor(state["min_new"]), max_new=torch.tensor(state["max_new"]))
+        return cols
+
+    def _cohort_leave(self, state: dict[str, Any], cols: Columns, steps: int) -> None:
+        state["n"] += steps  # the host count, as the generic path keeps it (the column is on the device)
+        for k in _STATE:
+            state[k] = cols[k]
+
+    def _cohort_step(self, b: CohortStep) -> dict[str, torch.Tensor]:
+        if b.attend_to is None:
+            raise node.NodeError(f"node '{self.spec.name}': a cohort step of `step` needs its `cross` context "
+                                 "(the engine gave no attend_to)")
+        c = b.cols
+        ids = b.inputs["token"].reshape(-1).to(torch.long)
+        logits = self.logits(self.forward_hidden(ids, b.positions, b.attend, b.attend_to))
+        scores = whisper_scores(logits, self.rules, c["n"], c["last"], c["penult"], c["ts_max"], c["timestamps"],
+                                c["min_new"])
+        tokens = sampling.sample_columns(scores, sampling.SamplingColumns.from_cohort(c))
+        # the log-probability under the scores a sampled row drew from (its top-k kept), as `_next`;
+        # a sampled row's top-k is the node's fixed one (a greedy row's is 0): one topk of that k
+        # over all rows gives every sampled row's k-th score
+        kept, top_k = scores, min(self.sampling_ports.fixed_top_k or 0, self.vocab)
+        if top_k:
+            kth = torch.where(c["top_k"] > 0, scores.topk(top_k, dim=-1).values[:, -1], NEG_INF)
+            kept = scores.masked_fill(scores < kth[:, None], NEG_INF)
+        logprob = F.log_softmax(kept.float(), dim=-1).gather(1, tokens[:, None])
+        tb = self.layout.timestamp_begin
+        new_max = torch.where(tokens >= tb, torch.maximum(c["ts_max"], tokens), c["ts_max"])
+        c["penult"].copy_(c["last"])
+        c["last"].copy_(tokens)
+        c["ts_max"].copy_(new_max)
+        c["n"].add_(1)
+        c["step"].add_(1)
+        # transformers' max_length: after this token the sequence fills the 448 positions
+        done = (tokens == self.layout.eot) | (c["n"] >= c["max_new"]) | (b.positions + 2 >= self.max_text)
+        return {"token": tokens.to(torch.int32)[:, None], "logprob": logprob, "done": done}
 
     # ------------------------------------------------------------------ phases
     def phase_listen(self, batch: node.Batch, attn: node.AttentionContext) -> node.Batch:
@@ -313,7 +321,7 @@ class Decoder(node.KVNode):
 
     def _next(self, logits: torch.Tensor, attn: node.AttentionContext) -> node.Batch:
         """Score, pick and record prefill's first token per entry; `done` as a lazy flag of the
-        picked tokens (a later token is the column step's, cohort.py)."""
+        picked tokens (a later token is the column step's, `_cohort_step`)."""
         states = attn.states
         dev = logits.device
         n = upload([st["n"] for st in states], torch.long, dev)

@@ -369,6 +369,19 @@ def test_the_launch_module_needs_torchrun_and_checks_its_options() -> None:
         launch.options(["--peer-timeout", "0", "p.plan"])
 
 
+@pytest.mark.parametrize(("change", "says"), [
+    ({"RANK": "5"}, r"RANK 5 is not in 0..WORLD_SIZE-1 \(1\)"),  # waited out the start timeout
+    ({"LOCAL_RANK": "1"}, r"LOCAL_RANK 1 is not in 0..LOCAL_WORLD_SIZE-1 \(1\)"),
+    ({"MASTER_PORT": "99999"}, r"MASTER_PORT 99999 is not a port"),  # a TypeError inside TCPStore
+])
+def test_torchrun_variables_set_by_hand_are_checked(change: dict[str, str], says: str) -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+           "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    launch.Torchrun.from_env(env)
+    with pytest.raises(launch.LaunchError, match=f"torchrun's variables do not fit: {says}"):
+        launch.Torchrun.from_env({**env, **change})
+
+
 def _torchrun(rank: int, world: int, local_rank: int, local_world: int, node: int, nodes: int) -> launch.Torchrun:
     return launch.Torchrun.from_env({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
                                      "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(node),

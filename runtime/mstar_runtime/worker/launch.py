@@ -110,13 +110,22 @@ class Torchrun:
                 "mstar_runtime.worker.launch PLAN ...`, or `mstar-run PLAN` on one host"
             )
         try:
-            return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
-                       int(env["LOCAL_WORLD_SIZE"]), int(env["GROUP_RANK"]),
-                       int(env.get("GROUP_WORLD_SIZE", "0")) or -1, env["MASTER_ADDR"], int(env["MASTER_PORT"]),
-                       int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                       env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True")
+            tr = cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
+                     int(env["LOCAL_WORLD_SIZE"]), int(env["GROUP_RANK"]),
+                     int(env.get("GROUP_WORLD_SIZE", "0")) or -1, env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                     int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                     env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True")
         except ValueError as e:
             raise LaunchError(f"a torchrun variable is not a number: {e}") from None
+        # torchrun sets them consistently; set by hand they may not be (a rank past the world
+        # would wait out the start timeout for a store, a bad port fail inside torch)
+        for ok, what in ((0 <= tr.rank < tr.world, f"RANK {tr.rank} is not in 0..WORLD_SIZE-1 ({tr.world})"),
+                         (0 <= tr.local_rank < tr.local_world,
+                          f"LOCAL_RANK {tr.local_rank} is not in 0..LOCAL_WORLD_SIZE-1 ({tr.local_world})"),
+                         (1 <= tr.master_port <= 65535, f"MASTER_PORT {tr.master_port} is not a port (1 to 65535)")):
+            if not ok:
+                raise LaunchError(f"torchrun's variables do not fit: {what}")
+        return tr
 
     @property
     def where(self) -> str:

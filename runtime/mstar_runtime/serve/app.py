@@ -37,11 +37,11 @@ from mstar_runtime.serve.common import (
     NOT_FOUND,
     SERVER,
     ApiError,
-    Flight,
     api_key_digest,
     bad_request,
     submit_error,
 )
+from mstar_runtime.serve.flight import Flight
 from mstar_runtime.serve.io import decode_image_text
 from mstar_runtime.serve.schemas import INT64_MAX, INT64_MIN
 from mstar_runtime.serve.state import default_voice

@@ -85,7 +85,8 @@ from mstar_runtime.serve.app import (
     walk_extras,
 )
 from mstar_runtime.serve.chat_template import ChatTemplate, template_for
-from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
+from mstar_runtime.serve.common import ApiError, ClientGone, bad_request
+from mstar_runtime.serve.flight import Flight
 from mstar_runtime.serve.io import b64, decode_image_text, pcm16, wav_header
 from mstar_runtime.serve.media import SpeechWalk, voice_of
 from mstar_runtime.serve.schemas import MAX_STR, ChatCompletionRequest, InputAudioPart

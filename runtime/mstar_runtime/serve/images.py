@@ -43,7 +43,8 @@ import torch
 from mstar_runtime.api import RequestFailed
 from mstar_runtime.control.bounds import image_grid
 from mstar_runtime.serve.app import ERROR_RESPONSES, check_model, error_response, start_flight, walk_extras
-from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
+from mstar_runtime.serve.common import ApiError, ClientGone, bad_request
+from mstar_runtime.serve.flight import Flight
 from mstar_runtime.serve.io import b64, decode_image, form_value, png_bytes
 from mstar_runtime.serve.schemas import (
     INT64_MAX,

@@ -37,7 +37,8 @@ from mstar_runtime.api import RequestFailed
 from mstar_runtime.control.requests import stream_inputs
 from mstar_runtime.media import input_rate
 from mstar_runtime.serve.app import ERROR_RESPONSES, error_response, start_flight, validation_error
-from mstar_runtime.serve.common import ApiError, Flight, bad_request
+from mstar_runtime.serve.common import ApiError, bad_request
+from mstar_runtime.serve.flight import Flight
 from mstar_runtime.serve.pcm_stream import PcmStream
 from mstar_runtime.serve.realtime_protocol import StreamResampler
 from mstar_runtime.serve.walks import _streamed, _whole, _Wire

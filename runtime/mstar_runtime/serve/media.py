@@ -45,7 +45,8 @@ from mstar_runtime.media import (  # the audio a client sends: shared with the C
     resample,
 )
 from mstar_runtime.serve.app import ERROR_RESPONSES, check_model, error_response, start_flight, walk_extras
-from mstar_runtime.serve.common import ClientGone, Flight, bad_request
+from mstar_runtime.serve.common import ClientGone, bad_request
+from mstar_runtime.serve.flight import Flight
 from mstar_runtime.serve.io import b64, pcm16, wav_header
 from mstar_runtime.serve.schemas import SpeechRequest
 from mstar_runtime.serve.state import (  # re-exported: the speech walk is found there

@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from mstar_runtime.api import RequestHandle
 from mstar_runtime.outputs import is_audio_name
-
-if TYPE_CHECKING:
-    from mstar_runtime.serve.common import Flight
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # inter-token gaps of a decode loop: a few ms per step on a GPU, tens on a busy CPU
@@ -38,6 +36,23 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0
 RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
 
 MODEL = "model_name"
+
+
+class Observed(Protocol):
+    """What `Metrics.observe_flight` reads of a request the server served (a `serve.flight.Flight`,
+    which is built on the state that holds these metrics, so it is named here by what it has)."""
+
+    walk: str
+    route: str
+    handle: RequestHandle  # its `stats`
+    t0: float  # perf_counter at submit
+    first_at: dict[str, float]  # output name -> seconds from submit to its first item
+    token_gaps: list[float]
+    first_token_s: float | None
+    last_token_s: float | None
+    tokens: int
+    prompt_tokens: int
+    audio_samples: int
 
 # name, type, help, key in MStar.stats(): read at scrape time
 _ENGINE: tuple[tuple[str, str, str, str], ...] = (
@@ -213,7 +228,7 @@ class Metrics:
     def response(self, route: str, status: int) -> None:
         self.responses.labels(self.model_name, route, str(status)).inc()
 
-    def observe_flight(self, flight: Flight, outcome: str) -> None:
+    def observe_flight(self, flight: Observed, outcome: str) -> None:
         m, w = self.model_name, flight.walk
         self.requests.labels(m, w, outcome).inc()
         st = flight.handle.stats
@@ -255,4 +270,4 @@ class Metrics:
         return encode(self.registry), content_type
 
 
-__all__ = ["ITL_BUCKETS", "LATENCY_BUCKETS", "RTF_BUCKETS", "Metrics", "hit_rate", "kv_usage"]
+__all__ = ["ITL_BUCKETS", "LATENCY_BUCKETS", "RTF_BUCKETS", "Metrics", "Observed", "hit_rate", "kv_usage"]

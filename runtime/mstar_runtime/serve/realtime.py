@@ -70,7 +70,8 @@ from mstar_runtime.serve.chat import (
     render_prompt,
     system_input,
 )
-from mstar_runtime.serve.common import ApiError, ClientGone, Flight
+from mstar_runtime.serve.common import ApiError, ClientGone
+from mstar_runtime.serve.flight import Flight
 from mstar_runtime.serve.realtime_protocol import (
     CLIENT_RATE,
     MAX_BUFFER_SECONDS,

@@ -200,7 +200,7 @@ class _Server:
     async def _shutdown(self, sig: int) -> None:
         timeout = self.state.config.shutdown_timeout
         name = signal.Signals(sig).name if sig in iter(signal.Signals) else str(sig)
-        print(f"mstar-run: {name}: draining {len(self.state.flights)} request(s), up to {timeout:g} s",
+        print(f"mstar-run: {name}: draining {self.state.in_flight} request(s), up to {timeout:g} s",
               file=sys.stderr, flush=True)
         left = await self.state.drain(timeout)
         if left:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from os import PathLike
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mstar_runtime.api import MStar
 from mstar_runtime.plan.loader import Plan
@@ -30,9 +30,6 @@ from mstar_runtime.serve.io import sample_rate
 from mstar_runtime.serve.metrics import Metrics
 from mstar_runtime.serve.schemas import input_adapters
 from mstar_runtime.serve.text import TextCodec
-
-if TYPE_CHECKING:
-    from mstar_runtime.serve.common import Flight
 
 log = logging.getLogger("mstar_runtime.serve.server")
 MAX_BODY_BYTES = 64 << 20  # a base64 image edit fits; a runaway upload does not
@@ -167,7 +164,7 @@ class ServerState:
         self.api_key_digest = api_key_digest(config.api_key) if config.api_key else None
         self.loop_limits = {w: loop_limits(m.plan.walk(w)) for w in m.plan.walks}
         self.input_types = {w: input_adapters(m.plan.walk(w)) for w in m.plan.walks}  # one rule for every route
-        self.flights: set[Flight] = set()
+        self.in_flight = 0  # requests in flight: each `serve.flight.Flight` counts itself in and out
         # paths whose body is a streamed walk input (serve.live): read as it arrives, never
         # buffered, bounded by the walk's own limit on that input instead of max_body_bytes
         self.streamed_paths: set[str] = set()
@@ -234,29 +231,33 @@ class ServerState:
                                code="shutting_down", headers={"Retry-After": "5"})
         elif (dead := self.engine_problem()) is not None:
             problem = engine_unavailable(f"the engine is not serving: {dead}")
-        elif len(self.flights) >= self.config.max_pending:
-            problem = ApiError(503, f"the server has {len(self.flights)} requests in flight (max_pending "
+        elif self.in_flight >= self.config.max_pending:
+            problem = ApiError(503, f"the server has {self.in_flight} requests in flight (max_pending "
                                f"{self.config.max_pending}); retry later", type=SERVER, code="overloaded",
                                headers={"Retry-After": "1"})
         if problem is not None:
             self.metrics.rejected(walk)
             raise problem
 
+    def flight_began(self) -> None:
+        self.in_flight += 1
+
     def flight_ended(self) -> None:
-        if not self.flights:
+        self.in_flight -= 1
+        if not self.in_flight:
             self._idle.set()
 
     async def drain(self, timeout: float) -> int:
         """Stop admission, wait up to `timeout` s for in-flight requests; the number left."""
         self.draining = True
         deadline = time.monotonic() + timeout
-        while self.flights and (left := deadline - time.monotonic()) > 0:
+        while self.in_flight and (left := deadline - time.monotonic()) > 0:
             self._idle.clear()
             try:
                 await asyncio.wait_for(self._idle.wait(), min(left, 0.5))
             except TimeoutError:
                 pass
-        return len(self.flights)
+        return self.in_flight
 
     def snapshot(self) -> tuple[Mapping[str, Any], dict[str, float]]:
         """The engine's stats and the server's gauges of this moment (for a scrape)."""
@@ -266,7 +267,7 @@ class ServerState:
     def server_gauges(self, stats: Mapping[str, Any]) -> dict[str, float]:
         return {
             "mstar_requests_active": float(stats.get("requests", {}).get("active", 0)),
-            "mstar_server_inflight": float(len(self.flights)),
+            "mstar_server_inflight": float(self.in_flight),
             "mstar_server_draining": 1.0 if self.draining else 0.0,
             "mstar_realtime_sessions": float(self.realtime_sessions),
             "mstar_engine_healthy": 0.0 if self.engine_problem() else 1.0,

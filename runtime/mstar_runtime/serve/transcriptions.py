@@ -61,7 +61,8 @@ import torch
 from mstar_runtime.api import RequestFailed
 from mstar_runtime.media import MAX_RATE, MIN_RATE, resample
 from mstar_runtime.serve.app import ERROR_RESPONSES, check_model, start_flight, walk_extras
-from mstar_runtime.serve.common import ApiError, ClientGone, Flight, bad_request
+from mstar_runtime.serve.common import ApiError, ClientGone, bad_request
+from mstar_runtime.serve.flight import Flight
 from mstar_runtime.serve.io import form_value
 from mstar_runtime.serve.web import File, Form, Request, UploadFile
 

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from mstar_runtime.api import RequestFailed
 from mstar_runtime.serve.app import ERROR_RESPONSES, decode_images, error_response, start_flight
-from mstar_runtime.serve.common import NOT_FOUND, ApiError, ClientGone, Flight
+from mstar_runtime.serve.common import NOT_FOUND, ApiError, ClientGone
+from mstar_runtime.serve.flight import Flight
 from mstar_runtime.serve.io import wire_value
 from mstar_runtime.serve.schemas import WalkRequestBase, input_annotation
 from mstar_runtime.serve.web import Request

@@ -6,7 +6,8 @@ the same facts: per rank its device, nodes, weights and KV bytes, TP degree, cap
 graphs with their batch buckets, and stream buffers with their policies; for a placement
 with hosts, each host's ranks and every transfer between hosts with the bytes it carries
 per step; then each walk's step program as an indented tree (a loop marked as a cohort
-says so, with its fed-back ports).
+says so, with its fed-back ports; any other loop says why it runs iteration by iteration:
+the first cohort rule it breaks, `mstarc.cohorts.why_not`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jinja2
 
 from mstar_runtime import untrusted
 from mstar_runtime.plan.routes import ROUTES
+from mstarc.cohorts import why_not
 from mstarc.lower import POLICY_OPTIONAL, POLICY_PARAMS
 
 GIB = 1 << 30
@@ -68,7 +70,7 @@ def program_lines(op: dict[str, Any], depth: int = 0) -> list[tuple[int, str]]:
         head += f" index {op['index']}" if op.get("index") else ""
         head += f" carry {', '.join(op['carry'])}" if op.get("carry") else ""
         notes = [f"captured whole: {op['graph']}"] if op.get("graph") else []
-        notes += [_cohort(op["cohort"])] if op.get("cohort") else []
+        notes.append(_cohort(op["cohort"]) if op.get("cohort") else _not_cohort(op))
         head += f"   [{'; '.join(notes)}]" if notes else ""
         return [(depth, head)] + program_lines(op["body"], depth + 1)
     if kind == "parallel":
@@ -102,6 +104,13 @@ def _cohort(mark: dict[str, Any]) -> str:
         return f"cohort: {_link(mark)}"
     ids = [link["call"] for link in mark["links"]]
     return "cohort chain: " + " | ".join(f"{link['call']} {_link(link, ids)}" for link in mark["links"])
+
+
+def _not_cohort(loop: dict[str, Any]) -> str:
+    """Why an unmarked loop runs on the generic (per-iteration) path: the first cohort rule
+    it breaks; a loop that breaks none was marked by no compiler (a 1.0 plan's loops)."""
+    why = why_not(loop)
+    return f"not a cohort: {why}" if why else "not a cohort: not marked (a plan from before schema 1.1)"
 
 
 def _link(mark: dict[str, Any], ids: list[str] | None = None) -> str:

@@ -92,6 +92,40 @@ def test_graph_replays_equal_eager_and_reference(cuda: torch.device, tensor_core
     assert ((a - b).norm() / b.norm()) < 2e-2
 
 
+def test_a_column_step_with_other_ports_is_not_replayed(cuda: torch.device) -> None:
+    """TinyLM's decode is a column step (ops/column_call.py): its captured graph reads each
+    input where the captured entries' ports put it (sorted by name: 'a' before 'token'). A step
+    whose entries carry 'z' instead ('token' first) would replay with 'z' read as the token;
+    it runs eagerly instead, and agrees with the reference."""
+    from mstar_runtime.kv.flashinfer_backend import FlashInferBackend
+
+    lm = TinyLM(node_spec("lm", CONFIG, cuda, torch.bfloat16)).eval()
+    engines = {
+        "reference": KVCacheEngine(lm, PAGES, PAGE, torch.bfloat16, cuda, attention_backend=paged_attention,
+                                   output_ports=PORTS),
+        "eager": KVCacheEngine(lm, PAGES, PAGE, torch.bfloat16, cuda, output_ports=PORTS,
+                               attention_backend=FlashInferBackend(cuda)),
+        "graphs": KVCacheEngine(lm, PAGES, PAGE, torch.bfloat16, cuda, output_ports=PORTS,
+                                attention_backend=FlashInferBackend(cuda), graphs={"decode": BUCKETS}),
+    }
+    runner = engines["graphs"].graph_runners["decode"]
+    drivers = {name: KVDriver(e, PAGES, PAGE) for name, e in engines.items()}
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(16, 272, (20 + 7 * i,), generator=g).to(cuda) for i in range(3)]
+    tokens = {}
+    for name, d in drivers.items():
+        outs = d.step("prefill", [(f"r{i}", {"tokens": p, "max_new": 4000}, len(p)) for i, p in enumerate(prompts)])
+        if name == "reference":
+            tokens = {f"r{i}": o["token"] for i, o in enumerate(outs)}
+    for step, (extra, replays) in enumerate((("a", 1), ("z", 1), ("a", 2))):
+        items = [(rid, {"token": t, extra: torch.full_like(t, 7)}, 1) for rid, t in tokens.items()]
+        results = {name: d.step("decode", items) for name, d in drivers.items()}
+        assert runner.replays == replays, (step, extra)
+        assert_graphed_agree(results, "hidden", f"step {step} (extra port '{extra}')")
+        tokens = {rid: o["token"] for rid, o in zip(tokens, results["reference"], strict=True)}
+    assert runner.renamed == 1 and runner.failed is None
+
+
 def test_a_replayed_step_equals_the_reference_and_never_syncs(cuda: torch.device) -> None:
     """The runner alone (no node): capture on the first call, then a step with other lengths and
     another bucket, replayed under torch's sync debug mode -- copies, plan() and replay only."""

@@ -369,6 +369,27 @@ def test_an_input_given_twice_is_refused(testfamily_plan: Path, capsys: pytest.C
            "'prompt=b')" in capsys.readouterr().err
 
 
+def test_a_stdout_reader_that_goes_away_ends_the_run_quietly(testfamily_plan: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`mstar-run ... --stream | head -1`: the next line's write is a BrokenPipeError, which was
+    reported as 'cannot access the output files: Broken pipe'."""
+    import io
+
+    class HeadOne(io.StringIO):
+        def write(self, text: str) -> int:
+            if "\n" in self.getvalue():
+                raise BrokenPipeError(32, "Broken pipe")
+            return super().write(text)
+
+    head = HeadOne()
+    monkeypatch.setattr(sys, "stdout", head)
+    code = main([str(testfamily_plan), "--walk", "generate", "--input", "prompt=hi", "--input", "max_new=4",
+                 "--stream", "--out", str(tmp_path)])
+    assert code == 1 and head.getvalue().startswith("stream ")
+    assert capsys.readouterr().err == ""
+
+
 def test_usage_errors_name_the_environment_variable(testfamily_plan: Path, monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("MSTAR_PORT", "70000")

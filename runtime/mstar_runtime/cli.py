@@ -533,12 +533,25 @@ def _guard(fn: Callable[[], Any]) -> Any:
         return _error(e)
     except UserError as e:
         return _error(e)
+    except BrokenPipeError:  # stdout's reader went away (`mstar-run ... --stream | head`): no one to tell
+        _drop_stdout()
+        return 1
     except OSError as e:  # the output folder or a file read: missing permissions, a full disk
         where = f"'{e.filename}'" if e.filename else "the output files"
         return _error(f"cannot access {where}: {e.strerror or e}")
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush at exit does not fail on
+    the closed pipe again (Python's documented way to leave quietly after a BrokenPipeError)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # no real file descriptor behind stdout (a test's stand-in)
+        return
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
 
 
 def _startup_errors() -> tuple[type[BaseException], ...]:

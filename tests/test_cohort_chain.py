@@ -506,7 +506,7 @@ def test_a_padded_chain_step_equals_an_eager_one() -> None:
     device buffer), once eager over exactly n rows and once padded to batch buckets as a graphed
     step is (`CohortGraphs`, run eagerly on the CPU): pad rows of a's buffer are b's pad rows,
     the real rows give the same tokens and hidden states as rows join, leave and cross buckets;
-    a row marked stopped leaves b's node columns as they were."""
+    a row marked stopped leaves b's node columns as they were for one step, in both runs."""
     from test_cohort_graphs import BUCKETS, CONFIG, PAGE, PAGES, PORTS, ROWS
 
     from mstar_models.testfamily import TinyLM
@@ -569,6 +569,13 @@ def test_a_padded_chain_step_equals_an_eager_one() -> None:
         rows[row] = rows[last]
         rows.pop()
 
+    def grow(n: int) -> None:  # a page for each row whose next token starts one
+        for (run, name), c in columns.items():
+            bm = blocks[(run, name)]
+            need = [r for r in range(n) if c.host_lens[r] % PAGE == 0]
+            pages = [bm.add_page((f"r{rows[r]}", "main")) for r in need]
+            c.add_pages(np.array(need, dtype=np.int64), c.host_lens[need] // PAGE, np.array(pages, dtype=np.int64))
+
     plan = [("join", 0), ("step", 3), ("join", 1), ("join", 2), ("step", 6), ("join", 3), ("join", 4),
             ("leave", 1), ("step", 4), ("join", 5), ("join", 6), ("step", 5), ("leave", 0), ("step", 3)]
     for what, arg in plan:
@@ -577,11 +584,7 @@ def test_a_padded_chain_step_equals_an_eager_one() -> None:
             continue
         for _ in range(arg):
             n = len(rows)
-            for (run, name), c in columns.items():
-                bm = blocks[(run, name)]
-                need = [r for r in range(n) if c.host_lens[r] % PAGE == 0]
-                pages = [bm.add_page((f"r{rows[r]}", "main")) for r in need]
-                c.add_pages(np.array(need, dtype=np.int64), c.host_lens[need] // PAGE, np.array(pages, dtype=np.int64))
+            grow(n)
             out = {run: chain.step(n).arrays() for run, chain in chains.items()}
             for key in ("0.token", "1.token"):
                 assert np.array_equal(out["eager"][key], out["padded"][key]), key
@@ -589,17 +592,25 @@ def test_a_padded_chain_step_equals_an_eager_one() -> None:
                 torch.testing.assert_close(torch.from_numpy(out["padded"][key]), torch.from_numpy(out["eager"][key]),
                                            atol=1e-5, rtol=1e-5)
     assert columns[("padded", "b")].graphs.replays > 0
-    # a stopped row: b's node columns of that row are put back after b's step, the others' kept
-    chain, b = chains["eager"], columns[("eager", "b")]
-    b.cols["max_new"][: len(rows)] = torch.arange(len(rows))
-    chain.stopped[: len(rows)] = False
-    chain.stopped[1] = True
-    real = b.cphase.step
+    # a row stopped while the others go on: b's node columns of that row are put back after
+    # b's step (eagerly, and inside the padded step, as inside its graph), the others' kept;
+    # the step's own flag (a's `done`) stops no row, so the next step holds none
+    n = len(rows)
+    for run, chain in chains.items():
+        b = columns[(run, "b")]
+        b.cols["max_new"][:n] = torch.arange(n)
+        chain.stopped[:n] = False
+        chain.stopped[1] = True
 
-    def bumping(batch: Any) -> dict[str, torch.Tensor]:  # a step that moves a node column
-        batch.cols["max_new"].add_(100)
-        return real(batch)
+        def bumping(batch: Any, real: Any = b.cphase.step) -> dict[str, torch.Tensor]:  # a step that moves a node column
+            batch.cols["max_new"].add_(100)
+            return real(batch)
 
-    b.cphase = dataclasses.replace(b.cphase, step=bumping)
-    chain.step(len(rows))
-    assert b.cols["max_new"][: len(rows)].tolist() == [100 + r if r != 1 else 1 for r in range(len(rows))]
+        b.cphase = dataclasses.replace(b.cphase, step=bumping)
+        grow(n)
+        first = chain.step(n).arrays()
+        assert b.cols["max_new"][:n].tolist() == [100 + r if r != 1 else 1 for r in range(n)], run
+        assert not first["0.done"].any() and not chain.stopped[:n].any(), run
+        grow(n)
+        chain.step(n)
+        assert b.cols["max_new"][:n].tolist() == [200 + r if r != 1 else 101 for r in range(n)], run

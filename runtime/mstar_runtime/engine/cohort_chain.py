@@ -13,10 +13,12 @@ The generic loop runs a wasted (speculative) iteration's first call only (it rea
 previous iteration's flag once that call is back), so a step launched before the previous
 step's flag is read keeps the later links' node columns of the rows that flag stopped as
 they were: `stopped` (a device column, the flag's port of the last step, or the prefill's
-flag for a row's first step) selects the rows whose columns are put back after each later
-link's step. Their outputs are never applied and their K/V past the valid steps is
-truncated by the conductor, so those rows leave the later links where the generic path
-leaves them.
+flag for a row's first step) is each later link's `CohortColumns.hold`, the rows whose node
+columns its step puts back, inside the step (so inside its CUDA graph: no launch outside it,
+no host wait; docs/runtime.md, "Decode cohorts": chains, says what it costs). `stopped` is
+written only after the last link's step, so every later link reads the last step's flag.
+Their outputs are never applied and their K/V past the valid steps is truncated by the
+conductor, so those rows leave the later links where the generic path leaves them.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class ChainColumns:
             self.links[flag[0]].export_ports.add(flag[1])
         first = self.links[0]
         self.stopped = torch.zeros(first.rows, dtype=torch.bool, device=first.device)
+        if flag is not None:  # a fixed loop stops no row on a flag: its later links hold nothing
+            for link in self.links[1:]:
+                link.hold = self.stopped
 
     def join(self, first: int, stops: Sequence[bool]) -> None:
         """Rows `first`, ... joined every link: whether each one's flag (its prefill's) already said stop."""
@@ -72,18 +77,8 @@ class ChainColumns:
     def step(self, n: int, run: Callable[[int], CohortResult] | None = None) -> ChainResult:
         """One chained step of rows 0..n-1; `run(k)` steps link k (default: its `step(n)`; the
         worker's own entry point, so that each link's steps are counted as a cohort's)."""
-        # (in inference mode, as the steps themselves: the columns and buffers may be inference tensors)
-        with torch.inference_mode():
-            held = self.stopped[:n].clone()
-        parts = []
-        for k, (link, prefix) in enumerate(zip(self.links, self.prefixes, strict=True)):
-            with torch.inference_mode():
-                before = {name: col[:n].clone() for name, col in link.cols.items()} if k else {}
-            parts.append((prefix, run(k) if run is not None else link.step(n)))
-            with torch.inference_mode():
-                for name, col in link.cols.items() if k else ():
-                    mask = held.reshape(n, *([1] * (col.dim() - 1)))
-                    col[:n].copy_(torch.where(mask, before[name], col[:n]))
+        parts = [(prefix, run(k) if run is not None else link.step(n))
+                 for k, (link, prefix) in enumerate(zip(self.links, self.prefixes, strict=True))]
         if self.flag is not None:
             at, port = self.flag
             with torch.inference_mode():

@@ -14,7 +14,8 @@ A step (`step(n)`) runs the node's `CohortPhase.step` over rows 0..n-1 (the cond
 rows dense): positions are the lengths, each row's new K/V (one token, or the phase's block
 of `tokens`) goes to the slots its table gives, attention is one call for all rows. On a GPU with FlashInfer and a scratch page
 (`CohortGraphs`), the whole step -- forward, sampling, stop flags, the fed-back copy, the
-K/V append, the length update -- is one CUDA graph per batch bucket, padded with rows that
+K/V append, the length update, a chain's later link putting back the node columns of the
+rows it holds (`hold`) -- is one CUDA graph per batch bucket, padded with rows that
 touch only the scratch page; elsewhere it runs eagerly over exactly n rows with
 `decode_attention`. Every output port comes back in one packed `Readback` per dtype class
 (integers, floats), read by the conductor one step late.
@@ -214,6 +215,9 @@ class CohortColumns:
         self.imports: dict[str, tuple[CohortColumns, str]] = {}
         self.export_ports: set[str] = set()
         self.exports: dict[str, torch.Tensor] = {}
+        # a chain's later link: the rows ([rows] bool, the chain's `stopped`) whose node columns
+        # a step leaves as it found them (their outputs are computed, never applied), or None
+        self.hold: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ rows
     def join(self, row: int, state: dict[str, Any], fed: Mapping[str, Any], invariant: Mapping[str, Any],
@@ -415,7 +419,10 @@ class CohortColumns:
         inputs.update({port: col[:rows] for port, col in self.index.items()})
         inputs.update({port: src.exports[out_port][:rows] for port, (src, out_port) in self.imports.items()})
         cols = {name: col[:rows] for name, col in self.cols.items()}
+        hold = self.hold[:rows] if self.hold is not None and cols else None
         with torch.inference_mode():
+            # on the device, captured with the step: no host wait, no launch outside the graph
+            before = {name: col.clone() for name, col in cols.items()} if hold is not None else {}
             out = self.cphase.step(CohortStep(rows, inputs, cols, positions, attend, self.device,
                                               attend_to if self.reads else None,
                                               attend_block if self.reads else None,
@@ -431,7 +438,10 @@ class CohortColumns:
                 self._export(port, out[port])
             if self.keep:  # else the block is thrown away: the row's context stays as it is
                 self.lens[:rows] += q_len if active is None else active.long() * q_len
-            return _pack(out, keys, rows)
+            packed = _pack(out, keys, rows)  # copies: the outputs are the step's, held rows' too
+            for name, col in cols.items() if hold is not None else ():
+                torch.where(hold.reshape(rows, *([1] * (col.dim() - 1))), before[name], col, out=col)
+            return packed
 
     def _export(self, port: str, value: torch.Tensor) -> None:
         """Leave this step's `[rows, ...]` value of `port` where later links read it (a buffer of

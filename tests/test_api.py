@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from mstar_runtime.api import EngineClosed, MStar, RequestFailed, RequestHandle
+from mstar_runtime.control.scheduler import PrefixChunkError
 from mstar_runtime.ops.node import RequestError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -208,6 +209,12 @@ def test_bad_input_raises_request_error_naming_the_field(m: MStar, walk: str, in
         m.submit(walk, inputs)
     assert e.value.field == field and words in str(e.value)
     assert m.stats()["requests"]["submitted"] == before  # nothing was queued
+
+
+def test_a_prefix_chunk_without_prefix_caching_is_refused(testfamily_plan: Path) -> None:
+    """It would be ignored, as mstar-run's --prefix-chunk without --prefix-caching would."""
+    with pytest.raises(PrefixChunkError, match=r"prefix_chunk=64 goes with prefix_caching=True"):
+        MStar.load(testfamily_plan, prefix_chunk=64)
 
 
 def test_request_id_in_use_is_refused(fresh: Callable[..., MStar]) -> None:

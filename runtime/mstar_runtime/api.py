@@ -65,7 +65,12 @@ from mstar_runtime.control.conductor import (
     stream_inputs,
 )
 from mstar_runtime.control.requests import check_submit
-from mstar_runtime.control.scheduler import DEFAULT_PREFIX_CHUNK, check_prefix_chunk, check_window_gather
+from mstar_runtime.control.scheduler import (
+    DEFAULT_PREFIX_CHUNK,
+    PrefixChunkError,
+    check_prefix_chunk,
+    check_window_gather,
+)
 from mstar_runtime.control.validate import TORCH_DTYPES
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.output_stream import OutputStream, RequestFailed
@@ -329,7 +334,7 @@ class MStar:
     def load(cls, plan_path: str | PathLike[str], *, weights: str | PathLike[str] = "dummy",
              device: str | None = None, max_running: int | None = None, preempt_every: int | None = None,
              request_timeout: float | None = None, prefix_caching: bool = False,
-             prefix_chunk: int = DEFAULT_PREFIX_CHUNK, window_gather: int = 0) -> MStar:
+             prefix_chunk: int | None = None, window_gather: int = 0) -> MStar:
         """Load a plan (a bad one raises `PlanError`, unchanged), start its workers and the engine."""
         plan = load_plan(plan_path, device=device)
         return cls.from_plan(plan, weights=weights, max_running=max_running, preempt_every=preempt_every,
@@ -339,13 +344,17 @@ class MStar:
     @classmethod
     def from_plan(cls, plan: Plan, *, weights: str | PathLike[str] = "dummy", max_running: int | None = None,
                   preempt_every: int | None = None, request_timeout: float | None = None,
-                  prefix_caching: bool = False, prefix_chunk: int = DEFAULT_PREFIX_CHUNK,
+                  prefix_caching: bool = False, prefix_chunk: int | None = None,
                   window_gather: int = 0) -> MStar:
         """Like `load`, for a plan already loaded (the CLI checks its inputs against it first).
-        A `prefix_chunk` that is not a positive multiple of the plan's page size (with prefix
-        caching on) is a `PrefixChunkError`, a `window_gather` that is not an int from 0 to 8 a
+        `prefix_chunk` (default `DEFAULT_PREFIX_CHUNK`) goes with `prefix_caching=True`: given
+        without it, or not a positive multiple of the plan's page size, it is a
+        `PrefixChunkError`; a `window_gather` that is not an int from 0 to 8 a
         `WindowGatherError` (both ValueErrors), before any worker starts."""
         check_window_gather(window_gather)
+        if prefix_chunk is not None and not prefix_caching:  # it would be ignored (as mstar-run refuses it)
+            raise PrefixChunkError(f"prefix_chunk={prefix_chunk!r} goes with prefix_caching=True")
+        prefix_chunk = DEFAULT_PREFIX_CHUNK if prefix_chunk is None else prefix_chunk
         if prefix_caching:
             check_prefix_chunk(prefix_chunk, plan.page_size)
         workers, shutdown = start_workers(plan, weights)

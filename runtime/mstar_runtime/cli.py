@@ -493,7 +493,8 @@ def run_server(plan: str | PathLike[str], config: ServeConfig | None = None, *,
 
         loaded = load_plan(plan, device=options.device)  # a bad plan is one line here, before a process starts
         if options.prefix_caching:  # so is a prefix chunk the plan's pages do not divide
-            check_prefix_chunk(options.prefix_chunk, loaded.page_size)
+            check_prefix_chunk(DEFAULT_PREFIX_CHUNK if options.prefix_chunk is None else options.prefix_chunk,
+                               loaded.page_size)
         try:  # a walk that does not fit a route it declares, too: before the weights load
             served_routes(loaded.walks)
         except RouteMisfit as e:
@@ -681,7 +682,8 @@ def command(ctx: click.Context, **p: Any) -> int:
     _check_usage(ctx, p)
     options = EngineOptions(weights=p["weights"], device=p["device"], threads=p["threads"],
                             preempt_every=p["preempt_every"], prefix_caching=p["prefix_caching"],
-                            prefix_chunk=p["prefix_chunk"], window_gather=p["window_gather"],
+                            prefix_chunk=p["prefix_chunk"] if p["prefix_caching"] else None,
+                            window_gather=p["window_gather"],
                             request_timeout=p["request_timeout"] if p["serve"] else None)
     if p["walk"] is not None:
         return run_walk(p["plan"], p["walk"], p["inputs"], out=p["out"] or "out", stream=p["stream"],

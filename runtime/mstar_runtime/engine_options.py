@@ -12,7 +12,6 @@ from os import PathLike
 import torch
 
 from mstar_runtime.api import MStar
-from mstar_runtime.control.scheduler import DEFAULT_PREFIX_CHUNK
 from mstar_runtime.plan.loader import Plan
 
 
@@ -28,7 +27,7 @@ class EngineOptions:
     request_timeout: float | None = None
     preempt_every: int | None = None
     prefix_caching: bool = False
-    prefix_chunk: int = DEFAULT_PREFIX_CHUNK
+    prefix_chunk: int | None = None  # with prefix_caching; None: DEFAULT_PREFIX_CHUNK
     window_gather: int = 0  # steps a codec window may wait for others (docs/runtime.md, "Window gather")
 
 

@@ -546,7 +546,7 @@ def test_deep_json_in_free_fields_is_refused_not_a_crash(where: str, plan_body: 
 @needs_fifo
 @pytest.mark.parametrize("declared", [{"kind": "image"}, {"kind": "tensor", "dtype": "f32", "dims": ["S"]}])
 def test_an_input_file_that_is_a_named_pipe_is_refused(declared: dict[str, Any], tmp_path: Path) -> None:
-    from mstar_runtime.cli import parse_text
+    from mstar_runtime.cli_inputs import parse_text
     from mstar_runtime.ops.node import RequestError
 
     os.mkfifo(tmp_path / "clip")
@@ -558,7 +558,7 @@ def test_an_input_file_that_is_a_named_pipe_is_refused(declared: dict[str, Any],
 @pytest.mark.parametrize("text", ["[" * 64 + "1" + "]" * 64, "[" * 65 + "1" + "]" * 65, '{"a": ' * 500 + "1" + "}" * 500,
                                   "[1e999]", "[1e39]", "[NaN]", "[-Infinity]", '["1"]', "[[1], [1, 2]]"])
 def test_a_tensor_input_that_cannot_be_one_is_that_inputs_error(text: str) -> None:
-    from mstar_runtime.cli import parse_text
+    from mstar_runtime.cli_inputs import parse_text
     from mstar_runtime.ops.node import RequestError
 
     declared = {"kind": "tensor", "dtype": "f32", "dims": ["N"]}
@@ -573,7 +573,7 @@ def test_a_tensor_input_that_cannot_be_one_is_that_inputs_error(text: str) -> No
 
 @pytest.mark.parametrize("text", ["inf", "-inf", "nan", "1e999", "Infinity"])
 def test_a_float_input_is_finite(text: str) -> None:
-    from mstar_runtime.cli import parse_text
+    from mstar_runtime.cli_inputs import parse_text
     from mstar_runtime.ops.node import RequestError
 
     with pytest.raises(RequestError, match="expected a finite number") as info:

@@ -24,7 +24,8 @@ from support import as_run
 
 from mstar_runtime import cli
 from mstar_runtime.api import MStar
-from mstar_runtime.cli import main, parse_text
+from mstar_runtime.cli import main
+from mstar_runtime.cli_inputs import parse_text
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.outputs import safe_name, write_outputs
 from mstar_runtime.plan.loader import load_plan

@@ -98,7 +98,7 @@ def test_a_deeply_nested_plan_is_a_plan_error_at_load(depth: int, tmp_path: Path
 
 @pytest.mark.parametrize("depth", [65, 5_000, 100_000])
 def test_a_deeply_nested_tensor_input_is_a_request_error(depth: int) -> None:
-    from mstar_runtime.cli import parse_text
+    from mstar_runtime.cli_inputs import parse_text
     from mstar_runtime.ops.node import RequestError
 
     with pytest.raises(RequestError, match="nests too deeply") as info:

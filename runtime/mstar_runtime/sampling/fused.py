@@ -54,9 +54,11 @@ except ImportError:  # pragma: no cover - depends on the install
 _BLOCK = 512  # entries a radix pass handles at once: [_BLOCK, 16] digit accumulators in registers
 _SCAN = 2048  # entries a scan (maximum, draw) handles at once
 _LEVELS = 8  # 4-bit digits of a 32-bit key
-_NONE = 2147483647
 
 if triton is not None:
+    # "no index": a kernel reads a global only as a constexpr (the interpreter takes a plain int,
+    # the compiler does not)
+    _NONE = tl.constexpr(2147483647)
 
     @triton.jit
     def keys_of(x):
@@ -98,7 +100,7 @@ if triton is not None:
         prefix = tl.zeros([], dtype=tl.uint32)
         below = tl.zeros([], dtype=tl.int32)
         for level in range(levels):
-            c, _ = level_sums(cnt, r, level, S, SP)
+            c, c_sum = level_sums(cnt, r, level, S, SP)
             d = tl.min(tl.where(below + tl.cumsum(c, axis=0) > rank, digits, 15), axis=0)
             below += tl.sum(tl.where(digits < d, c, 0), axis=0)
             prefix = prefix * 16 + d.to(tl.uint32)
@@ -116,12 +118,12 @@ if triton is not None:
     def replay_mass(mass_part, r, levels, p, S, SP: tl.constexpr):
         """The first `levels` digits of v* (the top-p cut), as a prefix."""
         digits = tl.arange(0, 16)
-        m0, _ = level_sums(mass_part, r, 0, S, SP)
+        m0, m0_sum = level_sums(mass_part, r, 0, S, SP)
         q = (1.0 - p) * tl.sum(m0, axis=0)
         prefix = tl.zeros([], dtype=tl.uint32)
         below = tl.zeros([], dtype=tl.float32)
         for level in range(levels):
-            ms, _ = level_sums(mass_part, r, level, S, SP)
+            ms, ms_sum = level_sums(mass_part, r, level, S, SP)
             d = mass_digit(ms, below, q)
             below += tl.sum(tl.where(digits < d, ms, 0.0), axis=0)
             prefix = prefix * 16 + d.to(tl.uint32)
@@ -183,11 +185,11 @@ if triton is not None:
         r = tl.program_id(0)
         s = tl.program_id(1)
         k = tl.load(top_k + r)
-        _, _, bad = row_max(pmax, parg, pnan, r, S, SP)
+        top, top_at, bad = row_max(pmax, parg, pnan, r, S, SP)
         if (not bad) & (tl.load(greedy + r) == 0) & (k > 0) & (k < vocab):
             prefix = replay_count(cnt, r, level, (vocab - k).to(tl.int32), S, SP)
             row = scores + r.to(tl.int64) * stride
-            c, _ = digit_sums(row, s * seg, tl.minimum(s * seg + seg, vocab), 0.0, 0, prefix, 28 - 4 * level,
+            c, c_sum = digit_sums(row, s * seg, tl.minimum(s * seg + seg, vocab), 0.0, 0, prefix, 28 - 4 * level,
                               True, False, BLOCK)
             tl.store(cnt + ((r * 8 + level) * S + s) * 16 + tl.arange(0, 16), c)
 
@@ -197,7 +199,7 @@ if triton is not None:
         r = tl.program_id(0)
         s = tl.program_id(1)
         p = tl.load(top_p + r)
-        m, _, bad = row_max(pmax, parg, pnan, r, S, SP)
+        m, m_at, bad = row_max(pmax, parg, pnan, r, S, SP)
         if (not bad) & (tl.load(greedy + r) == 0) & ((p < 1.0) | (level == 0)):
             lo_key = row_cut(cnt, top_k, r, vocab, S, SP)
             prefix = replay_mass(mass, r, level, p, S, SP)
@@ -214,7 +216,7 @@ if triton is not None:
         mass partials: at every level the digits above the chosen one hold entries above v*."""
         segs = tl.arange(0, SP)
         digits = tl.arange(0, 16)
-        m0, _ = level_sums(mass, r, 0, S, SP)
+        m0, m0_sum = level_sums(mass, r, 0, S, SP)
         q = (1.0 - p) * tl.sum(m0, axis=0)
         prefix = tl.zeros([], dtype=tl.uint32)
         kept = tl.zeros([SP], dtype=tl.float32)
@@ -248,7 +250,7 @@ if triton is not None:
         if (not bad) & (tl.load(greedy + r) == 0):
             segs = tl.arange(0, SP)
             cut_key = row_cut(cnt, top_k, r, vocab, S, SP)
-            _, m0 = level_sums(mass, r, 0, S, SP)
+            m0_cnt, m0 = level_sums(mass, r, 0, S, SP)
             kept = tl.sum(m0, axis=1)  # p = 1: everything at or above the top-k cut
             dropped_here = tl.zeros([SP], dtype=tl.int32)
             if p < 1.0:
@@ -289,6 +291,14 @@ if triton is not None:
                 run += total
                 seen += tl.sum(tie.to(tl.int32), axis=0)
                 start += SCAN
+        # the crossing block again: what a while loop's body binds is not visible after it
+        offs = start + tl.arange(0, SCAN)
+        x = tl.load(row + offs, mask=offs < hi, other=float("-inf"))
+        key = keys_of(x)
+        tie = (offs < hi) & (key == cut_key)
+        rank = seen + tl.cumsum(tie.to(tl.int32), axis=0)
+        kept = (offs < hi) & ((key > cut_key) | (tie & (rank > skip)))
+        w = tl.where(kept, tl.exp(x - m), 0.0).to(tl.float64)
         cdf = run + tl.cumsum(w, axis=0)
         found = tl.min(tl.where((cdf > target) & (w > 0), offs, _NONE), axis=0)
         return tl.where(found == _NONE, fallback, found)

@@ -142,8 +142,8 @@ def test_orpheus_vocabulary_on_the_gpu_eager_and_captured(kind: str) -> None:
 
 @pytest.mark.gpu
 def test_the_fused_kernels_draw_the_stages_tokens_and_a_row_its_own_alone() -> None:
-    """256 rows of Orpheus' vocabulary: `sampling.fused` against the stage (`sample_columns`,
-    the torch ops) on the same logits, settings, seeds and steps, every row that is not
+    """256 rows of Orpheus' vocabulary: `sampling.fused` against the torch ops (`sample_torch`,
+    the stage's CPU path) on the same logits, settings, seeds and steps, every row that is not
     ambiguous equal; captured in a CUDA graph, the same tokens; a row drawn alone, its token."""
     from mstar_runtime.sampling import fused, stage, uniforms
 
@@ -158,7 +158,8 @@ def test_the_fused_kernels_draw_the_stages_tokens_and_a_row_its_own_alone() -> N
     def drawn(c: SamplingColumns, rows: slice = slice(None)) -> torch.Tensor:
         return fused.sample_rows(stage._penalised(x[rows], c), c.top_k, c.top_p, c.greedy, uniforms(c.seed, c.step))
 
-    got, want = drawn(cols), sample_columns(x, cols)
+    got, want = drawn(cols), stage.sample_torch(x, cols)
+    assert torch.equal(sample_columns(x, cols), got)  # the stage's GPU path is the fused one
     amb = ambiguous_rows(x.cpu(), SamplingColumns(**{f: None if t is None else t.cpu() for f, t in vars(cols).items()}))
     bad = (got.cpu() != want.cpu()) & ~amb
     assert not bool(bad.any()), f"rows {bad.nonzero().flatten().tolist()}"

@@ -2,10 +2,10 @@
 
     python tools/probes/sampler_parts.py [--rows 64 256] [--vocab 156940]
 
-Times (CUDA events, median of 20) the whole stage (and, where Triton is, the candidate
-`sampling.fused` kernels on the penalised scores at several launch shapes, and both captured
-in a CUDA graph) for Orpheus' settings (T 0.6, top-p 0.8,
-repetition penalty 1.3 over 256 ids) and its parts, and the kernels a sort-free top-p would be
+Times (CUDA events, median of 20) the whole stage (its GPU path: `sampling.fused` where Triton
+is), the same stage in torch ops (`sample_torch`), the `sampling.fused` kernels alone on the
+penalised scores at several launch shapes, and the three captured in a CUDA graph, for
+Orpheus' settings (T 0.6, top-p 0.8, repetition penalty 1.3 over 256 ids), and its parts, and the kernels a sort-free top-p would be
 made of (torch.topk at several k, a per-row histogram by scatter_add), on flat logits (what
 random weights give) and peaked ones (what a trained model gives): a probe for the sampler's
 design, not a benchmark.
@@ -52,7 +52,8 @@ def measure(b: int, kind: str, scale: float, vocab: int) -> dict[str, float]:
     hist = [torch.randint(0, vocab, (256,)) for _ in range(b)]
     cols = columns_of(params, hist, list(range(b)), "cuda")
     key = f"B{b}-{kind}"
-    out[f"{key} stage"] = timed(lambda: st.sample_columns(logits, cols))
+    out[f"{key} stage"] = timed(lambda: st.sample_columns(logits, cols))  # the fused kernels where Triton is
+    out[f"{key} torch stage"] = timed(lambda: st.sample_torch(logits, cols))
     pen = st._penalised(logits, cols)
     if fused.available():
         out.update(fused_shapes(key, logits, pen, cols))
@@ -85,8 +86,8 @@ FUSED_SHAPES = [(None, 512, 8), (8, 512, 8), (32, 512, 8), (16, 256, 4), (16, 25
 
 
 def fused_shapes(key: str, logits: torch.Tensor, pen: torch.Tensor, cols: object) -> dict[str, float]:
-    """The candidate `sampling.fused` kernels: eager at several (segments, block, warps), and
-    the default shape and the stage each captured in a CUDA graph (what a decode step runs)."""
+    """The `sampling.fused` kernels: eager at several (segments, block, warps), and the default
+    shape, the stage and the torch stage each captured in a CUDA graph (what a decode step runs)."""
     from mstar_runtime.sampling import fused
     from mstar_runtime.sampling import stage as st
 
@@ -97,7 +98,8 @@ def fused_shapes(key: str, logits: torch.Tensor, pen: torch.Tensor, cols: object
                                                                  segments=s, block=b, warps=w)
         out[f"{key} fused S={segs or 'default'} block={block} warps={warps}"] = timed(run)
     for name, fn in (("fused", lambda: fused.sample_rows(pen, cols.top_k, cols.top_p, cols.greedy, u)),
-                     ("stage", lambda: st.sample_columns(logits, cols))):
+                     ("stage", lambda: st.sample_columns(logits, cols)),
+                     ("torch stage", lambda: st.sample_torch(logits, cols))):
         fn()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

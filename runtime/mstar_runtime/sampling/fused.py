@@ -1,17 +1,20 @@
 """Top-k, top-p and the draw of the sampling stage as Triton kernels, without a sort (GPU).
 
 `sample_rows` takes the float32 scores after the repetition penalty and the temperature
-(`stage._penalised`) and the rows' uniforms, and draws the tokens `stage.sample_columns` draws
+(`stage._penalised`) and the rows' uniforms, and draws the tokens `stage.sample_torch` draws
 up to float rounding: a draw that lands within rounding distance of a token boundary, or a
 top-p cut whose cumulative mass is within rounding of 1 - top_p, may take the neighbour (as the
 torch ops' own GPU scan already does against the CPU's). tests/test_sampling_fused.py checks it
 in Triton's interpreter on the CPU, tests/test_sampling_stage.py on the GPU at Orpheus' size.
 
-It is a candidate for the stage's GPU path, not yet what the stage runs: the torch ops sort
-the whole vocabulary (2.8 of 6.2 ms at B = 256 on an H200), and this form has not been timed on
-a GPU (`tools/probes/sampler_parts.py` times it). Its first form, one program per row, drew
-the same tokens on the H200 but took 5.5 ms at B = 1 and 12.3 ms at B = 256 (eager): one
-multiprocessor per row, latency-bound. Hence the segments below.
+It is the stage's path on a GPU with Triton (`stage.sample_columns`; `stage.sample_torch` keeps
+the torch ops, which sort the whole vocabulary). Measured on the H200 (2026-12-06,
+`tools/probes/sampler_parts.py --rows 1 64 256`, BENCHMARKS.md), captured in a CUDA graph with
+512-entry blocks (256, the default now, was faster still eager): 0.17 / 0.83 / 3.08 ms at B = 1
+/ 64 / 256 against the torch stage's 0.38 / 1.75 / 5.82 (which also holds the penalty and the
+temperature, 0.2-0.5 ms eager). Its first form, one program per row, took 5.5 ms at B = 1 and
+12.3 ms at B = 256 (eager): one multiprocessor per row, latency-bound. Hence the segments
+below.
 
 Each row is cut into `S` segments (`segments_for`: about 16, by the vocabulary alone, so that a
 row's sums do not depend on the batch, and a few rows still keep many multiprocessors busy) and
@@ -51,7 +54,9 @@ try:  # CUDA builds of torch ship Triton; CPU ones do not (the torch ops serve t
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-_BLOCK = 512  # entries a radix pass handles at once: [_BLOCK, 16] digit accumulators in registers
+# entries a radix pass handles at once ([_BLOCK, 16] digit accumulators in registers): 256 at 8
+# warps was the fastest shape measured on the H200 at B = 1, 64 and 256 (2026-12-06, BENCHMARKS.md)
+_BLOCK = 256
 _SCAN = 2048  # entries a scan (maximum, draw) handles at once
 _LEVELS = 8  # 4-bit digits of a 32-bit key
 
@@ -310,12 +315,14 @@ def available() -> bool:
 
 
 _SEGMENTS = 16
+_SEGMENT_MIN = 512  # entries a segment has at least (short rows are latency, not bandwidth)
 
 
 def segments_for(vocab: int) -> int:
-    """Segments a row is cut into: `_SEGMENTS`, fewer for a vocabulary of fewer _BLOCKs. Never
-    the batch size: a row's sums, and so its token, must not depend on the other rows."""
-    return max(1, min(_SEGMENTS, vocab // _BLOCK))
+    """Segments a row is cut into: `_SEGMENTS`, fewer for a vocabulary of fewer than 512 entries
+    a segment. Never the batch size: a row's sums, and so its token, must not depend on the
+    other rows."""
+    return max(1, min(_SEGMENTS, vocab // _SEGMENT_MIN))
 
 
 def sample_rows(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, greedy: torch.Tensor,

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from mstar_runtime.sampling import fused
 from mstar_runtime.sampling.columns import SamplingColumns, columns_of
 from mstar_runtime.sampling.params import SamplingParams
 from mstar_runtime.sampling.seeds import uniforms
@@ -65,8 +66,24 @@ def _check_shapes(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 
 def sample_columns(logits: torch.Tensor, cols: SamplingColumns) -> torch.Tensor:
-    """The stage: one token id per row (int64 [n]) from the rows' device columns."""
-    scores = _top_k_top_p(_penalised(logits, cols), cols.top_k, cols.top_p)
+    """The stage: one token id per row (int64 [n]) from the rows' device columns. On a GPU with
+    Triton, top-k, top-p and the draw are `sampling.fused`'s sort-free kernels (the same tokens
+    as `sample_torch` up to rounding at a boundary; about half its time captured, BENCHMARKS.md
+    2026-12-06); elsewhere the torch ops."""
+    scores = _penalised(logits, cols)
+    if scores.is_cuda and fused.available():
+        return fused.sample_rows(scores, cols.top_k, cols.top_p, cols.greedy, uniforms(cols.seed, cols.step))
+    return _draw_torch(scores, cols)
+
+
+def sample_torch(logits: torch.Tensor, cols: SamplingColumns) -> torch.Tensor:
+    """`sample_columns` with the torch ops on every device: the GPU tests' reference for the
+    fused kernels, and the CPU's stage."""
+    return _draw_torch(_penalised(logits, cols), cols)
+
+
+def _draw_torch(scores: torch.Tensor, cols: SamplingColumns) -> torch.Tensor:
+    scores = _top_k_top_p(scores, cols.top_k, cols.top_p)
     return torch.where(cols.greedy, scores.argmax(dim=-1), pick_from_cdf(scores, uniforms(cols.seed, cols.step)))
 
 

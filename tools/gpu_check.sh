@@ -112,6 +112,10 @@ EOF
 #   profile  tools/bench/profile_orpheus.py (a host profile and a device timeline of the decode loop)
 #            at each batch size of PROFILE_BATCHES (default 16; B or B:path, path cohort or generic),
 #            into $OUT/profile-b<B>-<path>.txt
+#   probes   tools/probes/sampler_parts.py --rows 1 64 256 (the sampling stage, fused and torch,
+#            eager and captured; $OUT/sampler_parts.json) and tools/probes/prefix_hit_miss.py
+#            (Orpheus' prefix-cache hit against its miss and no cache, bits and times, with the
+#            kernel tables of each mode; $OUT/prefix_probe/), 90 + 150 s at most
 #   tests    pytest -m gpu
 #   bench    tools/bench/orpheus.py, then tools/bench/vjepa2.py if time is left
 #   orpheus  tools/bench/orpheus.py only
@@ -146,6 +150,15 @@ if [[ "$STAGES" == *" profile "* ]]; then
     rc=$?; echo "profile exit code $rc"; [ $rc -eq 0 ] || STATUS=1
     head -4 "$OUT/profile-b$b-$path.txt" 2>/dev/null
   done
+fi
+
+if [[ "$STAGES" == *" probes "* ]]; then
+  stage "tools/probes/sampler_parts.py --rows 1 64 256"
+  timeout 90 $PY tools/probes/sampler_parts.py --rows 1 64 256
+  rc=$?; echo "sampler probe exit code $rc"; [ $rc -eq 0 ] || STATUS=1
+  stage "tools/probes/prefix_hit_miss.py --device cuda"
+  timeout 150 $PY tools/probes/prefix_hit_miss.py --device cuda --out "$OUT/prefix_probe"
+  rc=$?; echo "prefix probe exit code $rc"; [ $rc -eq 0 ] || STATUS=1
 fi
 
 # ---------------------------------------------------------------------------- 2. GPU tests

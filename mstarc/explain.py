@@ -18,21 +18,15 @@ from typing import Any
 
 import jinja2
 
-from mstar_runtime import untrusted
+from mstar_runtime import sizes, untrusted
 from mstar_runtime.plan.routes import ROUTES
 from mstarc.cohorts import why_not
 from mstarc.lower import POLICY_OPTIONAL, POLICY_PARAMS
 
-GIB = 1 << 30
-
 
 def human_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+    """A size as explain shows it: two decimals (`80.00 GiB`), `-` where it is not known."""
+    return "-" if n is None else sizes.human_bytes(n, digits=2)
 
 
 def carried(nbytes: int | None, per: list[str]) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from mstar_runtime.sizes import GIB, human_bytes
 from mstarc import limits
 from mstarc.diagnostics import CompileError, DiagnosticSink, Span
 
@@ -28,7 +29,6 @@ SPREAD = "spread"
 DEFAULT_KV_MEMORY_FRACTION = 0.9
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_MAX_BATCH = 64
-GIB = 1 << 30
 TB = 10**12
 
 _TOP_KEYS = ("placement", "devices", "hosts", "kv_memory_fraction", "page_size", "max_batch", "default_rank",
@@ -77,7 +77,7 @@ class DeviceSpec:
 
     @property
     def label(self) -> str:
-        return f"{self.type} {self.name}, {self.memory_bytes / GIB:.1f} GiB"
+        return f"{self.type} {self.name}, {human_bytes(self.memory_bytes)}"
 
 
 @dataclass(frozen=True)

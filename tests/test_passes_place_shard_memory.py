@@ -614,7 +614,7 @@ def test_model_does_not_fit() -> None:
     sources = SourceCache()
     sources.add("gpu24g.yaml", (ROOT / "tests" / "placements" / "gpu24g.yaml").read_text())
     assert "\n".join(render(d, sources) for d in info.value.diagnostics) == """\
-gpu24g.yaml:5:5: error[E060]: rank 0 (cuda RTX-24G, 24.0 GiB) needs 27.5 GiB for weights, 0.1 GiB for the \
+gpu24g.yaml:5:5: error[E060]: rank 0 (cuda RTX-24G, 24.0 GiB) needs 27.5 GiB for weights, 79.9 MiB for the \
 CUDA-graph pool and 1.1 GiB of workspace: 28.7 GiB in all; largest nodes: llm 27.5 GiB
    5 |   - {rank: 0, type: cuda, name: RTX-24G, memory_gib: 24, hbm_tb_s: 1.0}
      |     ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
@@ -629,9 +629,17 @@ def test_qwen3_omni_does_not_fit_one_24g_gpu() -> None:
     with pytest.raises(CompileError) as info:
         memory(shard_tp(place(model, spec)))
     assert [d.header() for d in info.value.diagnostics] == [
-        "gpu24g.yaml:5:5: error[E060]: rank 0 (cuda RTX-24G, 24.0 GiB) needs 65.7 GiB for weights, 0.1 GiB for the "
-        "CUDA-graph pool and 0.7 GiB of workspace: 66.5 GiB in all; largest nodes: thinker 56.9 GiB, "
+        "gpu24g.yaml:5:5: error[E060]: rank 0 (cuda RTX-24G, 24.0 GiB) needs 65.7 GiB for weights, 114.0 MiB for the "
+        "CUDA-graph pool and 693.1 MiB of workspace: 66.5 GiB in all; largest nodes: thinker 56.9 GiB, "
         "talker 6.2 GiB, audio_enc 1.2 GiB"]
+
+
+def test_sub_gib_sizes_read_in_smaller_units() -> None:
+    """A figure under 1 GiB is given in MiB (or KiB, B), never as `0.0 GiB`."""
+    got = errors(llm_model(TINY), "devices: {count: 1, type: cuda, memory_gib: 0.1}\n").splitlines()[0]
+    assert got == ("p.yaml:1:10: error[E060]: rank 0 (cuda cuda, 102.4 MiB) needs 208.6 KiB for weights, "
+                   "36.1 MiB for the CUDA-graph pool and 266.1 MiB of workspace: 302.4 MiB in all; "
+                   "largest nodes: llm 208.6 KiB")
 
 
 @needs_archs

@@ -14,6 +14,7 @@ from support import compile_model
 from mstar_runtime.ops.node import RequestError
 from mstar_runtime.plan import loader as plan_module
 from mstar_runtime.plan.loader import Plan, PlanError, UnknownWalk, iter_ops, load_plan, planfile
+from mstar_runtime.sizes import human_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("orpheus", "bagel", "vjepa2", "qwen3_omni", "testfamily")
@@ -266,6 +267,9 @@ def test_plan_larger_than_host_memory_is_refused(
     monkeypatch.setattr(plan_module, "_host_memory_bytes", lambda: mem.used_bytes(graphs=False) - 1)
     msg = load_error(plans["cuda"], device="cpu")
     assert "running on the CPU needs" in msg and "kv_pages_cap" in msg
+    # the sizes are written as the compiler writes them (mstar_runtime.sizes): sub-GiB in MiB
+    need = mem.used_bytes(graphs=False)
+    assert f"needs {human_bytes(need)} (weights" in msg and f"has {human_bytes(need - 1)};" in msg
     assert load_plan(plans["cuda"], device="cpu", kv_pages_cap=1).kv_pages("llm") == 1
 
 

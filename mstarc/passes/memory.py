@@ -62,6 +62,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from mstar_runtime.sizes import MIB, human_bytes
 from mstarc import ir as I
 from mstarc.diagnostics import DiagnosticSink
 from mstarc.passes.cuda_graphs import (
@@ -73,8 +74,6 @@ from mstarc.passes.cuda_graphs import (
 )
 from mstarc.passes.shard_tp import ShardSpec, fp8_tensors, stored_bytes
 
-GIB = 1 << 30
-MIB = 1 << 20
 DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_PREFILL_TOKENS = 8192
 DEFAULT_MOE_TOP_K = 8
@@ -136,10 +135,6 @@ class MemoryIR:
                 "weights_source": dict(sorted(self.weights_source.items()))}
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB"
-
-
 def memory(model: I.ModelIR) -> I.ModelIR:
     sink = DiagnosticSink()
     pl, sharding = model.placement, model.sharding
@@ -155,9 +150,10 @@ def memory(model: I.ModelIR) -> I.ModelIR:
         if need > rank.memory_bytes:
             too_full.add(rank.rank)
             largest = sorted(weights.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
-            sink.error("E060", f"{rank.label} needs {_gib(sum(weights.values()))} for weights, {_gib(graph)} for "
-                       f"the CUDA-graph pool and {_gib(ws)} of workspace: {_gib(need)} in all; largest nodes: "
-                       + ", ".join(f"{n} {_gib(b)}" for n, b in largest), rank.span,
+            sink.error("E060", f"{rank.label} needs {human_bytes(sum(weights.values()))} for weights, "
+                       f"{human_bytes(graph)} for the CUDA-graph pool and {human_bytes(ws)} of workspace: "
+                       f"{human_bytes(need)} in all; largest nodes: "
+                       + ", ".join(f"{n} {human_bytes(b)}" for n, b in largest), rank.span,
                        "use more ranks (or `default_rank: spread`), a higher tp for the largest node, "
                        "or a smaller variant")
         budget = max(0, int(pl.kv_memory_fraction * (rank.memory_bytes - need)))

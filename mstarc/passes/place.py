@@ -52,6 +52,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mstar_runtime.sizes import human_bytes
 from mstarc import ir as I
 from mstarc.diagnostics import DiagnosticSink, Span
 from mstarc.placement import SPREAD, NodePlacement, PlacementSpec, RankGroup
@@ -73,7 +74,7 @@ class RankIR:
 
     @property
     def label(self) -> str:
-        return f"rank {self.rank} ({self.type} {self.name}, {self.memory_bytes / (1 << 30):.1f} GiB)"
+        return f"rank {self.rank} ({self.type} {self.name}, {human_bytes(self.memory_bytes)})"
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "type": self.type, "name": self.name, "memory_bytes": self.memory_bytes,

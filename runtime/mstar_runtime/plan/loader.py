@@ -76,6 +76,7 @@ from mstar_runtime.plan.views import (
     WeightFile,
     WeightsSpec,
 )
+from mstar_runtime.sizes import human_bytes
 
 # What other modules import from here (the loader's import path is the plan's public one):
 __all__ = ["DEVICES", "ENGINES", "NODE_DTYPES", "PROGRAM_OPS", "SUPPORTED_FEATURES", "ArchSpec", "KVPoolSpec",
@@ -168,8 +169,8 @@ def _hardware_fit(path: str, parts: Mapping[str, Any], device: str | None, cap: 
         if have is not None and need > have:
             raise PlanError(
                 path,
-                f"running on the CPU needs {need / 2**30:.1f} GiB (weights, KV pools, workspace) but this "
-                f"machine has {have / 2**30:.1f} GiB; cap the KV pools (load_plan(..., kv_pages_cap=N)) or "
+                f"running on the CPU needs {human_bytes(need)} (weights, KV pools, workspace) but this "
+                f"machine has {human_bytes(have)}; cap the KV pools (load_plan(..., kv_pages_cap=N)) or "
                 "compile for a placement with less memory",
             )
         return "cpu"
@@ -199,9 +200,9 @@ def _hardware_fit(path: str, parts: Mapping[str, Any], device: str | None, cap: 
         if props.total_memory < need:
             raise PlanError(
                 path,
-                f"rank {mem.rank} needs {need / 2**30:.1f} GiB (weights, KV pool, CUDA graphs, "
-                f"workspace) but GPU {gpu} ({props.name}) has {props.total_memory / 2**30:.1f} "
-                "GiB; compile it for a placement that matches this GPU",
+                f"rank {mem.rank} needs {human_bytes(need)} (weights, KV pool, CUDA graphs, "
+                f"workspace) but GPU {gpu} ({props.name}) has {human_bytes(props.total_memory)}; "
+                "compile it for a placement that matches this GPU",
             )
     return "cuda"
 

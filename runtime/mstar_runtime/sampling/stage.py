@@ -26,8 +26,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from mstar_runtime.sampling import fused
 from mstar_runtime.sampling.columns import SamplingColumns, columns_of
+from mstar_runtime.sampling.fused import available as fused_available
+from mstar_runtime.sampling.fused import sample_rows as fused_rows
 from mstar_runtime.sampling.params import SamplingParams
 from mstar_runtime.sampling.seeds import uniforms
 
@@ -71,8 +72,8 @@ def sample_columns(logits: torch.Tensor, cols: SamplingColumns) -> torch.Tensor:
     as `sample_torch` up to rounding at a boundary; about half its time captured, BENCHMARKS.md
     2026-12-06); elsewhere the torch ops."""
     scores = _penalised(logits, cols)
-    if scores.is_cuda and fused.available():
-        return fused.sample_rows(scores, cols.top_k, cols.top_p, cols.greedy, uniforms(cols.seed, cols.step))
+    if scores.is_cuda and fused_available():
+        return fused_rows(scores, cols.top_k, cols.top_p, cols.greedy, uniforms(cols.seed, cols.step))
     return _draw_torch(scores, cols)
 
 

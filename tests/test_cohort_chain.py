@@ -26,6 +26,7 @@ from test_cohort_mark import compile_walk, loops
 
 from mstar_runtime.control.cohort import Cohort
 from mstar_runtime.control.conductor import CANCELLED, FINISHED, Conductor
+from mstar_runtime.ops.readback import Lazy
 from mstar_runtime.plan import loader
 from mstar_runtime.plan.loader import PlanError, load_plan, planfile
 from mstar_runtime.worker.remote import RemoteWorker
@@ -344,6 +345,40 @@ def test_a_chain_whose_flag_is_its_second_calls(chain_plan: Path) -> None:
         _same(c, g)
     assert [int(c.outputs["echoed"].numel()) for c in got] == [0, 1, 5, 10]  # max_new - 1: the prefill's one first
     assert [int(c.outputs["starts"].numel()) for c in got] == [0, 1, 5, 10]
+
+
+def test_a_row_joins_a_chain_on_its_unread_prefill_flag(chain_plan: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row whose prefill's flag said stop joins beside rows that go on, every flag unread at
+    join (the join copies each one's device value into `stopped`, so the later link holds
+    that row on its first step), and leaves once that step is launched, with the generic
+    path's outputs. The max_new = 1 row's flag, a host True from the node, is handed to the
+    join as the device-backed `Lazy` a column prefill gives (ops/column_call.py `rows_of`)."""
+    requests = [("chain_flag", {"prompt": f"flag {i}", "max_new": m}) for i, m in enumerate([4, 1, 6])]
+    want = _run(_engine(chain_plan, "generic"), requests)
+    conductor = _engine(chain_plan, "cohort")
+    real = Cohort._join_links
+    seen: list[tuple[list[Lazy], list[bool]]] = []
+
+    def join_links(self: Cohort, first: int, rows: Any, members: Any) -> None:
+        for m in members:
+            if m.pending_flag is True:
+                m.pending_flag = Lazy(lambda: True, torch.ones((), dtype=torch.long))
+        flags = [m.pending_flag for m in members]
+        assert all(isinstance(f, Lazy) and not f.resolved for f in flags)
+        real(self, first, rows, members)
+        assert not any(f.resolved for f in flags)  # the host read none of them at join
+        stopped = conductor.workers[0]._chains[self.key].stopped
+        seen.append((flags, stopped[first : first + len(members)].tolist()))
+
+    monkeypatch.setattr(Cohort, "_join_links", join_links)
+    got = _run(conductor, requests)
+    assert seen and all(f.resolved for flags, _ in seen for f in flags)  # read once a step was launched
+    assert [s for _, stopped in seen for s in stopped] == [False, True, False]
+    for c, g in zip(got, want, strict=True):
+        assert c.state == FINISHED, c.error
+        _same(c, g)
+        assert c.stats.steps == g.stats.steps and c.stats.wasted_steps == g.stats.wasted_steps
+    assert [int(c.outputs["echoed"].numel()) for c in got] == [3, 0, 5]
 
 
 def test_rows_join_a_chain_at_different_steps(chain_plan: Path) -> None:

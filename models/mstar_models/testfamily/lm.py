@@ -185,12 +185,13 @@ class TinyLM(DecoderNode):
         this model goes through the interpreter's lanes (runtime/mstar_runtime/ops/readback.py)."""
         tokens = self.logits(last).argmax(dim=-1).to(torch.int32)
         back = Readback(tokens)
+        eos = tokens == self.eos  # each `done`'s device value (a chain's join copies it unread)
         out: node.Batch = []
         for i, seq in enumerate(attn.seqs):
             kv_after = seq.start + seq.q_len
             produced = kv_after - seq.state["gen_base"]
             limit = produced >= seq.state["max_new"] or kv_after >= self.max_context
-            is_eos = Lazy(lambda i=i: back.values()[i] == self.eos)
+            is_eos = Lazy(lambda i=i: back.values()[i] == self.eos, eos[i])
             out.append({
                 "token": tokens[i : i + 1],
                 "code": Lazy(lambda i=i, e=is_eos: tokens[i:i] if e.get() else tokens[i : i + 1] % self.codebook),

@@ -60,7 +60,7 @@ from mstar_runtime.kv.block_manager import BlockManager
 from mstar_runtime.kv.block_table import pinned
 from mstar_runtime.ops.cohort import count_key
 from mstar_runtime.ops.node import RequestError, SeqPlan
-from mstar_runtime.ops.readback import resolve
+from mstar_runtime.ops.readback import Lazy, resolve
 from mstar_runtime.plan.planfile import cohort_links
 
 CohortKey = tuple[str, str, tuple[int, ...], str]  # (node, phase, ranks, loop id)
@@ -264,7 +264,8 @@ class Cohort:
     def _join_links(self, first: int, rows: list[list[JoinRow]], members: list[Member]) -> None:
         """The worker calls of a join: each link's rows (a link that refuses leaves the earlier
         ones as they were: their columns count `first` rows again); for a chain, whether each
-        row's flag already said stop (read here: a later link must not step such a row)."""
+        row's flag already said stop (a later link must not step such a row): its device
+        value where it has one (`join_flag`), unread, as `step` reads it a step late."""
         for li, link in enumerate(self.links):
             try:
                 self.worker.cohort_join(link.key, first, rows[li])
@@ -273,8 +274,7 @@ class Cohort:
                     self.worker.cohort_shrink(earlier.key, first)
                 raise
         if self.chain:
-            self.worker.cohort_chain_join(self.key, first, [m.pending_flag is not None and read_flag(m.pending_flag)
-                                                            for m in members])
+            self.worker.cohort_chain_join(self.key, first, [join_flag(m.pending_flag) for m in members])
 
     def _join_row(self, j: Joining, link: Link, tokens: int) -> JoinRow:
         """What the worker's columns of `link` need of a joining request (its context as the BlockManager has it)."""
@@ -602,6 +602,19 @@ class Cohort:
             self.worker.cohort_shrink(link.key, self.n)
 
 
+def join_flag(flag: Any) -> bool | torch.Tensor:
+    """A joining chain row's flag as `ChainColumns.join` takes it, without waiting for the
+    device where it can: a tensor as it is, an unread `Lazy` its device source; a `Lazy`
+    with none (a node's own readback) is read here, which waits for what made it."""
+    if flag is None:
+        return False
+    if isinstance(flag, torch.Tensor):
+        return flag
+    if isinstance(flag, Lazy) and not flag.resolved and flag.device is not None:
+        return flag.device
+    return read_flag(flag)
+
+
 def cohort_shape(mark: Mapping[str, Any], call: Mapping[str, Any], ports: Mapping[str, PortSpec],
                  reads: tuple[CohortRead, ...] = ()) -> CohortShape:
     """What the worker's columns need to know of a marked loop's call (from its single-call
@@ -625,4 +638,5 @@ def port_specs(node_outputs: dict[str, Any], phase_outputs: tuple[str, ...]) -> 
     return specs
 
 
-__all__ = ["Cohort", "CohortHost", "CohortKey", "Joining", "Link", "PortSpec", "cohort_shape", "port_specs"]
+__all__ = ["Cohort", "CohortHost", "CohortKey", "Joining", "Link", "PortSpec", "cohort_shape", "join_flag",
+           "port_specs"]

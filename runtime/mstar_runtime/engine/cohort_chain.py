@@ -66,10 +66,17 @@ class ChainColumns:
             for link in self.links[1:]:
                 link.hold = self.stopped
 
-    def join(self, first: int, stops: Sequence[bool]) -> None:
-        """Rows `first`, ... joined every link: whether each one's flag (its prefill's) already said stop."""
+    def join(self, first: int, stops: Sequence[bool | torch.Tensor]) -> None:
+        """Rows `first`, ... joined every link: whether each one's flag (its prefill's) already
+        said stop, a host bool or a device tensor whose first element says it (copied where
+        it is, never read: the conductor reads it once the row's first step is launched)."""
         end = first + len(stops)
-        self.stopped[first:end].copy_(pinned(np.array(stops, dtype=np.bool_)), non_blocking=True)
+        on_device = [(i, s) for i, s in enumerate(stops) if isinstance(s, torch.Tensor) and s.numel()]
+        host = [not isinstance(s, torch.Tensor) and bool(s) for s in stops]  # an empty tensor says no stop
+        self.stopped[first:end].copy_(pinned(np.array(host, dtype=np.bool_)), non_blocking=True)
+        with torch.inference_mode():
+            for i, s in on_device:  # after the upload above, in stream order
+                self.stopped[first + i].copy_(s.reshape(-1)[0], non_blocking=True)
 
     def move(self, src: int, dst: int) -> None:
         self.stopped[dst] = self.stopped[src]

@@ -196,7 +196,8 @@ def rows_of(out: Mapping[str, torch.Tensor], n: int) -> Batch:
     flags = [key for key, t in out.items() if t.dtype == torch.bool and key not in counted]
     # one readback of every count and flag, `[n, len(host_cols)]`, and the column of each
     host_cols = {key: j for j, key in enumerate([count_key(key) for key in counted] + flags)}
-    back = Readback(torch.stack([out[k].reshape(n).long() for k in host_cols], dim=1)) if host_cols else None
+    cols = torch.stack([out[k].reshape(n).long() for k in host_cols], dim=1) if host_cols else None
+    back = Readback(cols) if cols is not None else None
     items = {key: Readback(out[key]) for key in counted}  # in their own dtype: one copy per port
     plain = [key for key in out if key not in items and key not in host_cols]
     rows: Batch = []
@@ -205,7 +206,9 @@ def rows_of(out: Mapping[str, torch.Tensor], n: int) -> Batch:
         for key in counted:
             row[key] = _lazy_items(items[key], back, i, host_cols[count_key(key)])  # type: ignore[arg-type]
         for key in flags:
-            row[key] = Lazy(lambda i=i, j=host_cols[key]: bool(back.array()[i, j]))  # type: ignore[union-attr]
+            # `cols` is this step's own (no later step writes it): a chain's join copies it on the device
+            row[key] = Lazy(lambda i=i, j=host_cols[key]: bool(back.array()[i, j]),  # type: ignore[union-attr]
+                            cols[i, host_cols[key]])  # type: ignore[index]
         rows.append(row)
     return rows
 

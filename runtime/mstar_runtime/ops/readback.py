@@ -96,14 +96,23 @@ class Readback:
 class Lazy:
     """A value computed on first use, at most once: `Lazy(fn).get()` is `fn()`, cached.
 
-    `fn` typically reads a `Readback`; a lazy value that is never resolved costs no wait."""
+    `fn` typically reads a `Readback`; a lazy value that is never resolved costs no wait.
+    `device`, where given, is the device tensor the value is read from (a flag's: its one
+    element is nonzero where the value is true), for a consumer that can use it where it
+    is without reading it (a chain's join, engine/cohort_chain.py)."""
 
-    __slots__ = ("_fn", "_value", "_done")
+    __slots__ = ("_fn", "_value", "_done", "device")
 
-    def __init__(self, fn: Callable[[], Any]):
+    def __init__(self, fn: Callable[[], Any], device: torch.Tensor | None = None):
         self._fn: Callable[[], Any] | None = fn
         self._value: Any = None
         self._done = False
+        self.device = device
+
+    @property
+    def resolved(self) -> bool:
+        """Whether `get()` has run (its value read)."""
+        return self._done
 
     def get(self) -> Any:
         if not self._done:

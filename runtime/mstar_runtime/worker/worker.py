@@ -257,7 +257,7 @@ class Worker:
         self._chain_keys[key] = [k for k, *_ in links]
         return True
 
-    def cohort_chain_join(self, key: Any, first: int, stops: Sequence[bool]) -> None:
+    def cohort_chain_join(self, key: Any, first: int, stops: Sequence[bool | torch.Tensor]) -> None:
         self._chains[key].join(first, stops)
 
     def cohort_chain_move(self, key: Any, src: int, dst: int) -> None:

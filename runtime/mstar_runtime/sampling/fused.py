@@ -275,21 +275,27 @@ if triton is not None:
             tl.store(out + r, token.to(tl.int64))
 
     @triton.jit
+    def kept_block(row, start, hi, m, cut_key, skip, seen, SCAN: tl.constexpr):
+        """One block of a segment's scan from `start`: its offsets, its ties with cut_key and the
+        float64 mass of its kept entries (key above cut_key, or equal past the first `skip` such
+        entries of the segment, `seen` of them in the blocks before)."""
+        offs = start + tl.arange(0, SCAN)
+        x = tl.load(row + offs, mask=offs < hi, other=float("-inf"))
+        key = keys_of(x)
+        tie = (offs < hi) & (key == cut_key)
+        rank = seen + tl.cumsum(tie.to(tl.int32), axis=0)
+        kept = (offs < hi) & ((key > cut_key) | (tie & (rank > skip)))
+        return offs, tie, tl.where(kept, tl.exp(x - m), 0.0).to(tl.float64)
+
+    @triton.jit
     def scan_segment(row, lo, hi, m, cut_key, skip, run, target, fallback, SCAN: tl.constexpr):
         """The first kept entry of [lo, hi) at which run + the cumulative mass (float64) exceeds
-        target. Kept: key above cut_key, or equal to it past the segment's first `skip` such
-        entries. Block sums up to the block that crosses, then one scan inside it."""
+        target. Block sums up to the block that crosses, then one scan inside it."""
         start = lo
         seen = tl.zeros([], dtype=tl.int32)
         go = True
         while go:
-            offs = start + tl.arange(0, SCAN)
-            x = tl.load(row + offs, mask=offs < hi, other=float("-inf"))
-            key = keys_of(x)
-            tie = (offs < hi) & (key == cut_key)
-            rank = seen + tl.cumsum(tie.to(tl.int32), axis=0)
-            kept = (offs < hi) & ((key > cut_key) | (tie & (rank > skip)))
-            w = tl.where(kept, tl.exp(x - m), 0.0).to(tl.float64)
+            offs, tie, w = kept_block(row, start, hi, m, cut_key, skip, seen, SCAN)
             total = tl.sum(w, axis=0)
             go = (run + total <= target) & (start + SCAN < hi)
             if go:
@@ -297,13 +303,7 @@ if triton is not None:
                 seen += tl.sum(tie.to(tl.int32), axis=0)
                 start += SCAN
         # the crossing block again: what a while loop's body binds is not visible after it
-        offs = start + tl.arange(0, SCAN)
-        x = tl.load(row + offs, mask=offs < hi, other=float("-inf"))
-        key = keys_of(x)
-        tie = (offs < hi) & (key == cut_key)
-        rank = seen + tl.cumsum(tie.to(tl.int32), axis=0)
-        kept = (offs < hi) & ((key > cut_key) | (tie & (rank > skip)))
-        w = tl.where(kept, tl.exp(x - m), 0.0).to(tl.float64)
+        offs, tie, w = kept_block(row, start, hi, m, cut_key, skip, seen, SCAN)
         cdf = run + tl.cumsum(w, axis=0)
         found = tl.min(tl.where((cdf > target) & (w > 0), offs, _NONE), axis=0)
         return tl.where(found == _NONE, fallback, found)

@@ -22,7 +22,7 @@ import pytest
 import torch
 from support import as_run
 from test_cohort_cases import MOVED_PLACEMENT, _engine, _run, _same, _with_walks
-from test_cohort_mark import compile_walk, loops
+from test_cohort_mark import LM_NODE, compile_walk, loops
 
 from mstar_runtime.control.cohort import Cohort
 from mstar_runtime.control.conductor import CANCELLED, FINISHED, Conductor
@@ -39,17 +39,7 @@ from mstarc.explain import program_lines
 MODEL = """\
 model m {
   variant tiny { }
-  node lm : kv = m.LM {
-    arch llama(layers=1, hidden=16, heads=2, kv_heads=1, head_dim=8, intermediate=32, vocab=64)
-    in prompt : i32[T]
-    in token : i32[1]
-    in temperature : float
-    out token : i32[1]
-    out done : bool
-    out hidden : f32[1, 16]
-    phase prefill(prompt) -> (token, done, hidden)
-    phase decode(token, temperature) -> (token, done, hidden)
-  }
+""" + LM_NODE + """\
   node talk : kv = m.LM {
     arch llama(layers=1, hidden=16, heads=2, kv_heads=1, head_dim=8, intermediate=32, vocab=64)
     in prompt : i32[T]

@@ -82,9 +82,8 @@ def test_marks_are_deterministic(testfamily: dict[str, Any], tmp_path: Path) -> 
     assert planfile.dump_body(again) == planfile.dump_body(testfamily)
 
 
-MODEL = """\
-model m {
-  variant tiny { }
+# the decoding LM node of the test models here and in tests/test_cohort_chain.py
+LM_NODE = """\
   node lm : kv = m.LM {
     arch llama(layers=1, hidden=16, heads=2, kv_heads=1, head_dim=8, intermediate=32, vocab=64)
     in prompt : i32[T]
@@ -96,6 +95,12 @@ model m {
     phase prefill(prompt) -> (token, done, hidden)
     phase decode(token, temperature) -> (token, done, hidden)
   }
+"""
+
+MODEL = """\
+model m {
+  variant tiny { }
+""" + LM_NODE + """\
   node tok : stateless = m.Tok {
     in token : i32[1]
     out piece : str

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from test_cohort_mark import MODEL, compile_walk, loops
+from test_cohort_mark import WALKS as MARK_WALKS
 
 from mstarc.cli import main
 from mstarc.explain import program_lines
@@ -33,15 +34,7 @@ WALKS = (
     }
   }""",
     # a second call, on a stateless node: no chain (a chain's calls are kv calls)
-    """two(prompt: i32[T]) -> (tokens: i32[N], text: str) {
-    token, done, h = lm.prefill(prompt=prompt)
-    dynamic_loop max=8 until done carry token, done {
-      token, done, hid = lm.decode(token=token, temperature=1.0)
-      piece = tok.detokenize(token=token)
-      emit tokens += token
-      emit text += piece
-    }
-  }""",
+    MARK_WALKS["two_calls"],
 )
 
 

@@ -444,6 +444,8 @@ def test_a_chain_stays_generic_where_no_chained_cohort_runs_it(chain_plan: Path,
     monkeypatch.setattr(Worker, "cohort_open", lambda self, key, node, *a: node != "lm2" and real(self, key, node, *a))
     no_link = _engine(chain_plan, "cohort")
     got = {"no column step": _run(no_link, CHAINS)}
+    # lm's link opened before lm2's was refused: its columns are dropped again
+    assert not no_link.workers[0]._cohorts and not no_link.workers[0]._chains
     monkeypatch.undo()
     monkeypatch.delattr(Worker, "cohort_chain_open")
     no_chain = _engine(chain_plan, "cohort")

@@ -248,9 +248,16 @@ class Worker:
                           imports: Sequence[tuple[int, str, int, str]], flag: tuple[int, str] | None) -> bool:
         """Open each link's columns (`(key, node, shape, max_pages)`, as `cohort_open`) and
         chain them under `key` (engine/cohort_chain.py); False when a link's node offers no
-        column step. Only a worker in the conductor's process chains (a worker process or a
-        TP group has no such call: the loop stays generic)."""
+        column step, and then the links' columns are as they were before the call (those it
+        opened dropped, those it replaced put back). Only a worker in the conductor's process
+        chains (a worker process or a TP group has no such call: the loop stays generic)."""
+        before = [(k, self._cohorts.get(k), self._cohort_engine.get(k)) for k, *_ in links]
         if not all(self.cohort_open(k, node, shape, rows, pages) for k, node, shape, pages in links):
+            for k, columns, engine in before:
+                self._cohorts.pop(k, None)
+                self._cohort_engine.pop(k, None)
+                if columns is not None and engine is not None:
+                    self._cohorts[k], self._cohort_engine[k] = columns, engine
             return False
         prefixes = [f"{i}." for i in range(len(links))]
         self._chains[key] = ChainColumns([self._cohorts[k] for k, *_ in links], prefixes, imports, flag)
@@ -264,14 +271,15 @@ class Worker:
         self._chains[key].move(src, dst)
 
     def cohort_chain_step(self, key: Any, n: int) -> ChainResult:
-        """Each link's step through `cohort_step` (its stats and failures are that link's)."""
-        keys = self._chain_keys[key]
+        """Each link's step through `cohort_step` (its stats and failures are that link's),
+        then `stopped` from the flag's port (a failure there is the flag link's)."""
+        keys, chain = self._chain_keys[key], self._chains[key]
         try:
-            return self._chains[key].step(n, lambda k: self.cohort_step(keys[k], n))
+            return chain.step(n, lambda k: self.cohort_step(keys[k], n))
         except WorkerStepError:
             raise
-        except Exception as e:  # the restore between the links' steps
-            link = self._chains[key].links[0]
+        except Exception as e:  # the copy of the flag's port into `stopped`, after the last link's step
+            link = chain.links[chain.flag[0] if chain.flag is not None else 0]
             raise WorkerStepError(link.node, link.shape.phase, f"{type(e).__name__}: {e}") from e
 
     def cohort_join(self, key: Any, first: int, rows: Sequence[JoinRow]) -> None:

@@ -30,6 +30,7 @@ from mstar_runtime.ops.readback import Lazy
 from mstar_runtime.plan import loader
 from mstar_runtime.plan.loader import PlanError, load_plan, planfile
 from mstar_runtime.worker.remote import RemoteWorker
+from mstar_runtime.worker.startup import shutdown_workers, start_workers
 from mstar_runtime.worker.tp_dispatch import TPCohort
 from mstar_runtime.worker.worker import Worker
 from mstarc.cli import main as mstarc
@@ -433,10 +434,10 @@ def test_a_row_that_outgrows_a_later_links_pool_fails_naming_that_node(chain_pla
 
 def test_a_chain_stays_generic_where_no_chained_cohort_runs_it(chain_plan: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """A worker that has no chained columns (a worker process, a TP group's fan-out), or a
-    link whose node offers no column step: the loop runs iteration by iteration, as the
-    unmarked plan runs it, and the single-call loops keep their cohorts."""
-    assert not hasattr(RemoteWorker, "cohort_chain_open") and not hasattr(TPCohort, "cohort_chain_open")
+    """A worker that has no chained columns (a TP group's fan-out, a proxy of a worker that
+    offers none), or a link whose node offers no column step: the loop runs iteration by
+    iteration, as the unmarked plan runs it."""
+    assert not hasattr(TPCohort, "cohort_chain_open") and hasattr(RemoteWorker, "cohort_chain_open")
     want = _run(_engine(chain_plan, "generic"), CHAINS)
     real = Worker.cohort_open
     # lm2's columns are refused as a node's without a column step refuses them (TinyLM runs its
@@ -525,6 +526,84 @@ def test_a_chain_whose_contexts_moved_stays_generic(tmp_path: Path) -> None:
     for c, g in zip(got, want, strict=True):
         assert c.state == FINISHED, c.error
         _same(c, g)
+
+
+# -------------------------------------------------------------------------------- a worker process
+REMOTE_PLACEMENT = """\
+placement: cpu2_chain
+devices: {count: 2, type: cpu, name: cpu, memory_gib: 4}
+kv_memory_fraction: 0.9
+page_size: 16
+max_batch: 8
+default_rank: 0
+models:
+  testfamily:
+    nodes:
+      lm: 1
+      lm2: 1
+"""
+REMOTE = CHAINS + [("chain_flag", {"prompt": f"flag {i}", "max_new": m}) for i, m in enumerate([1, 2, 6, 11])]
+
+
+@pytest.fixture(scope="module")
+def remote_chain(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The chain plan with both LMs on rank 1, a worker process (the prompt node on rank 0),
+    its workers started once for the module's conductors."""
+    d = tmp_path_factory.mktemp("chain-remote")
+    (d / "cpu2_chain.yaml").write_text(REMOTE_PLACEMENT)
+    plan = load_plan(_with_walks(FAMILY_CHAIN, d / "remote.plan", d / "cpu2_chain.yaml"), device="cpu")
+    workers = start_workers(plan, "init", "cpu")
+    try:
+        yield plan, workers
+    finally:
+        shutdown_workers(workers)
+
+
+@pytest.mark.parametrize("kw", [{}, {"overlap": False, "preempt_every": 3}], ids=["overlap", "preempted"])
+def test_a_chain_in_a_worker_process_equals_the_generic_path(chain_plan: Path, remote_chain: Any,
+                                                             kw: dict[str, Any]) -> None:
+    """Both LMs in a worker process: the chain's calls travel as typed messages (ChainOpen,
+    each link's CohortJoin and a ChainJoin, ChainStep answered by one packed readback of both
+    links, ChainMove, each link's leave), batched, a flag of either link, rows finishing at
+    once and at their first step, preempted; the outputs are one rank's generic ones."""
+    plan, workers = remote_chain
+    want = _run(_engine(chain_plan, "generic", preempt_every=kw.get("preempt_every")), REMOTE)
+    conductor = Conductor(plan, workers, **kw)
+    got = _run(conductor, REMOTE)
+    chain = _chain_cohort(conductor)
+    assert isinstance(chain.worker, RemoteWorker) and chain.key[2] == (1,)
+    assert chain.stats["row_steps"] > chain.stats["steps"] > 0 and chain.stats["wasted_steps"] >= len(CHAINS)
+    if kw.get("preempt_every"):
+        assert conductor.stats["preemptions"] > 0
+    for c, g in zip(got, want, strict=True):
+        assert c.state == FINISHED, c.error
+        _same(c, g)
+        assert c.stats.steps == g.stats.steps or kw.get("preempt_every")  # a replay counts its steps again
+    assert conductor.kv.used_pages() == 0 and chain.n == 0
+
+
+def test_a_chain_in_a_worker_process_takes_late_joins_and_a_cancel(chain_plan: Path, remote_chain: Any) -> None:
+    plan, workers = remote_chain
+    want = _run(_engine(chain_plan, "generic"), CHAINS)
+    conductor = Conductor(plan, workers)
+    handles = []
+    for r in CHAINS:  # each request arrives two engine steps after the one before
+        handles.append(conductor.submit(*r))
+        for _ in range(2):
+            conductor.step()
+    target = handles[4]  # twelve tokens, the last to join
+    for _ in range(400):
+        chain = next((c for key, c in conductor.cohorts.items() if key[3] == "chain.l1"), None)
+        if chain is not None and any(m.request is target for m in chain.members) and chain.stats["steps"] >= 8:
+            break
+        assert conductor.step()
+    assert conductor.cancel(target.id) and target.state == CANCELLED
+    conductor.run_until_idle()
+    assert _chain_cohort(conductor).stats["joins"] == len(CHAINS)
+    for h, g in zip(handles[:4], want[:4], strict=True):
+        assert h.state == FINISHED, h.error
+        _same(h, g)
+    assert conductor.kv.used_pages() == 0
 
 
 # -------------------------------------------------------------------------------- the worker's half

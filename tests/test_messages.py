@@ -120,6 +120,17 @@ def samples() -> list[Message]:
                             values=[TensorMeta("floats", "float32", [8, 4096])],
                             inline={"ints": torch.arange(16).reshape(8, 2)}, elapsed_s=0.004, waited_s=0.25),
         codec.CohortStepped(step_id=10, rank=2, layout=[], values=[]),
+        # chained cohorts: the links open in one message, each a CohortOpen
+        codec.ChainOpen(step_id=11, cohort=3, links=[
+            codec.CohortOpen(step_id=0, cohort=4, node="thinker", phase="decode_speech", fed=[["token", "token"]],
+                             invariant=[], outputs=["token", "item", "done"], rows=32, max_pages=65),
+            codec.CohortOpen(step_id=0, cohort=5, node="talker", phase="frame", fed=[], invariant=["speaker"],
+                             outputs=["codes"], rows=32, max_pages=65)],
+            imports=[codec.ChainImport(link=1, port="text", source=0, output="item")], flag_link=0, flag_port="done"),
+        codec.ChainOpen(step_id=12, cohort=6, links=[], imports=[]),
+        codec.ChainJoin(cohort=3, first=2, stops=[False, True]),
+        codec.ChainMove(cohort=3, src=4, dst=1),
+        codec.ChainStep(step_id=13, cohort=3, n=5, send_outputs=False),
         # the API process <-> the engine process (mstar_runtime.engine_process)
         codec.EngineSubmit("r1", "tts", {"text": codec.Value(scalar="hi"),
                                          "x": codec.Value(tensor=torch.arange(3, dtype=torch.int32))}, 30.0),
@@ -198,6 +209,10 @@ def test_allowlist_is_explicit_and_complete() -> None:
         "cohort_add_pages",
         "cohort_step",
         "cohort_stepped",
+        "chain_open",
+        "chain_join",
+        "chain_move",
+        "chain_step",
         "engine_submit",
         "engine_output",
         "engine_finish",

@@ -12,9 +12,10 @@ or opens no column step (`cohort_open`), its TP group is not all worker processe
 plan moves a context its call reads between ranks (the generic step moves it). A loop whose
 call reads other contexts is otherwise a cohort whose rows carry their read tables. A chain
 (a mark of several calls, `links`) is a cohort of one `Link` per call, stepped in body order
-(engine/cohort_chain.py), where the node of every call is in the conductor's process (not a
-worker process, not a TP group), reads no other context, has no context the plan moves, and
-offers a column step; elsewhere the interpreter runs it.
+(engine/cohort_chain.py), where every call is on one rank (in the conductor's process or a
+worker process, whose chain calls are messages too; not a TP group), reads no other
+context, has no context the plan moves, and offers a column step; elsewhere the
+interpreter runs it.
 
 `Cohorts` makes each loop's `Cohort` on first use and keeps the issue order of each one's
 next step (`order`), which the scheduler weighs against the ready calls. What a cohort or a
@@ -145,8 +146,8 @@ class Cohorts:
         return Cohort(key, op, ports, worker, [link], link.rows, self.host)
 
     def _chain(self, key: CohortKey, op: dict[str, Any]) -> Cohort | None:
-        """A chain's cohort (engine/cohort_chain.py), or None where it stays generic: only a
-        worker in the conductor's process chains (not a worker process, not a TP group), and
+        """A chain's cohort (engine/cohort_chain.py), or None where it stays generic: only the
+        worker of one rank chains (in this process or a worker process; not a TP group), and
         only calls that read no other context, whose contexts the plan does not move, on kv
         nodes that offer a column step, each chained output a port of one value a row."""
         marks = cohort_links(op["cohort"])

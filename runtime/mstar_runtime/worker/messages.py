@@ -22,7 +22,9 @@ conductor -> worker: ``StepRequest``, ``ForkKV``, ``CopySlots``, ``DropTag``, ``
 a torchrun launch's control connection the worker first sends ``Hello``. Decode cohorts
 (a marked loop of a node on this worker): conductor -> worker ``CohortOpen`` and ``CohortJoin``
 (answered by ``CohortReply``), ``CohortStep`` (answered by ``CohortStepped``, the step's packed
-readback), ``CohortLeave``, ``CohortMove``, ``CohortShrink``, ``CohortAddPages`` (no answer).
+readback), ``CohortLeave``, ``CohortMove``, ``CohortShrink``, ``CohortAddPages`` (no answer); a
+chained cohort's ``ChainOpen`` (answered by ``CohortReply``), ``ChainStep`` (``CohortStepped``),
+``ChainJoin``, ``ChainMove`` (no answer).
 
 Between the API process and an engine process (``mstar_runtime.engine_process``): API ->
 engine ``EngineSubmit``, ``EngineCancel``, ``EngineAck``, ``EngineStatsRequest``, ``Shutdown``;
@@ -30,6 +32,7 @@ engine -> API ``EngineReady`` (once), ``EngineOutput``, ``EngineFinish``, ``Engi
 walk values ride as ``Value`` (a scalar, a small tensor, or a ``ShmRef`` to shared memory).
 """
 
+import typing
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -540,6 +543,68 @@ class EngineStatsReply:
     fault_detail: str | None = None
 
 
+# A chained cohort (engine/cohort_chain.py): one cohort id for the chain, one per link, each
+# link's rows joined, left, moved, shrunk and paged by the single-call messages above.
+@dataclass(frozen=True, slots=True)
+class ChainImport:
+    """Link ``link``'s input ``port`` is link ``source``'s output ``output`` of the same step."""
+
+    link: int
+    port: str
+    source: int
+    output: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChainOpen:
+    """Conductor -> worker: open each of ``links`` (as its ``CohortOpen`` would; ``step_id``
+    unused there, the same ``rows`` in each) and chain them as cohort ``cohort``; ``flag_link``
+    and ``flag_port`` the loop's ``until`` (None: a fixed loop). Answered by ``CohortReply``
+    (``ok`` False: a link's node offers no column step, and no link stays opened)."""
+
+    type: ClassVar[str] = "chain_open"
+    step_id: int
+    cohort: int
+    links: list[CohortOpen]
+    imports: list[ChainImport]
+    flag_link: int | None = None
+    flag_port: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ChainJoin:
+    """Conductor -> worker: rows ``first``, ... of chain ``cohort`` joined every link;
+    ``stops``: whether each one's flag (its prefill's) already said stop. No answer."""
+
+    type: ClassVar[str] = "chain_join"
+    cohort: int
+    first: int
+    stops: list[bool]
+
+
+@dataclass(frozen=True, slots=True)
+class ChainMove:
+    """Conductor -> worker: row ``src``'s chain state (its stop flag) moves to row ``dst``. No answer."""
+
+    type: ClassVar[str] = "chain_move"
+    cohort: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChainStep:
+    """Conductor -> worker: one chained step of rows 0..n-1, answered by ``CohortStepped``
+    (every link's packed readback in one, its ports named ``k.port``; ``send_outputs`` as
+    ``CohortStep``'s)."""
+
+    type: ClassVar[str] = "chain_step"
+    step_id: int
+    cohort: int
+    n: int
+    send_outputs: bool = True
+
+
 @dataclass(frozen=True, slots=True)
 class EngineReady:
     """Engine -> API, once: the plan is loaded and the engine serves (``error``: it could not start)."""
@@ -574,6 +639,10 @@ Message = (
     | CohortAddPages
     | CohortStep
     | CohortStepped
+    | ChainOpen
+    | ChainJoin
+    | ChainMove
+    | ChainStep
     | EngineSubmit
     | EngineOutput
     | EngineFinish
@@ -584,48 +653,13 @@ Message = (
     | EngineReady
 )
 
-# The allowlists: the only classes decode will ever instantiate.
-MESSAGE_TYPES: dict[str, type] = {
-    cls.type: cls
-    for cls in (
-        StepRequest,
-        StepResult,
-        StepRejected,
-        ForkKV,
-        CopySlots,
-        DropTag,
-        ImportKV,
-        ExportKV,
-        KVExported,
-        FreeRequest,
-        Shutdown,
-        WorkerReady,
-        WorkerError,
-        Heartbeat,
-        Hello,
-        CohortOpen,
-        CohortJoin,
-        CohortReply,
-        CohortLeave,
-        CohortMove,
-        CohortShrink,
-        CohortAddPages,
-        CohortStep,
-        CohortStepped,
-        EngineSubmit,
-        EngineOutput,
-        EngineFinish,
-        EngineCancel,
-        EngineAck,
-        EngineStatsRequest,
-        EngineStatsReply,
-        EngineReady,
-    )
-}
+# The allowlists: the only classes decode will ever instantiate (the union's members).
+MESSAGE_TYPES: dict[str, type] = {cls.type: cls for cls in typing.get_args(Message)}
 # KVSlots and ReadSlots are the engine's records (engine/engines.py), CohortRead the cohort's
-# (engine/cohort_engine.py), declared once there
+# (engine/cohort_engine.py), declared once there; a CohortOpen rides in a ChainOpen too
 STRUCT_TYPES: frozenset[type] = frozenset({StepEntry, ResultEntry, TensorMeta, KVSlots, ReadSlots, SlotCopy, ShmRef,
-                                           Value, PackedPort, CohortJoinRow, CohortRead})
+                                           Value, PackedPort, CohortJoinRow, CohortRead, CohortOpen,
+                                           ChainImport})
 
 
 register(MESSAGE_TYPES.values(), STRUCT_TYPES)

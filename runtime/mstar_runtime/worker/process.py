@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 ANSWER_TIMEOUT_S = 300.0  # a step that takes longer than this means a hung worker
 COHORT_MESSAGES = (m.CohortOpen, m.CohortJoin, m.CohortStep, m.CohortLeave, m.CohortMove, m.CohortShrink,
-                   m.CohortAddPages)
+                   m.CohortAddPages, m.ChainOpen, m.ChainJoin, m.ChainMove, m.ChainStep)
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
@@ -179,14 +179,18 @@ class _Server:
         """A decode cohort's message (runtime/mstar_runtime/worker/remote_cohort.py): open and
         join are answered (`CohortReply`), a step by its readback; the rest are not."""
         w, cid = self.worker, msg.cohort
-        if isinstance(msg, m.CohortStep):
+        if isinstance(msg, (m.CohortStep, m.ChainStep)):
             self._cohort_step(msg)
         elif isinstance(msg, m.CohortOpen):
-            shape = CohortShape(msg.phase, tuple((a, b) for a, b in msg.fed), tuple(msg.invariant), tuple(msg.outputs),
-                                tuple(msg.reads), tuple(msg.index))
-            self.cohort_nodes[cid] = msg.node
+            shape = self._shape(msg)
             self._reply(msg.step_id, [],
                         lambda: w.cohort_open(cid, msg.node, shape, msg.rows, msg.max_pages))
+        elif isinstance(msg, m.ChainOpen):
+            self._chain_open(msg)
+        elif isinstance(msg, m.ChainJoin):
+            w.cohort_chain_join(cid, msg.first, msg.stops)
+        elif isinstance(msg, m.ChainMove):
+            w.cohort_chain_move(cid, msg.src, msg.dst)
         elif isinstance(msg, m.CohortJoin):
             received = recv_tensors([v for r in msg.rows for v in r.values], 0, self.comm, self.device)  # first
             rows, at = [], 0
@@ -211,6 +215,21 @@ class _Server:
             w.cohort_add_pages(cid, np.array(msg.rows, dtype=np.int64), np.array(msg.cols, dtype=np.int64),
                                np.array(msg.pages, dtype=np.int64))
 
+    def _shape(self, msg: m.CohortOpen) -> CohortShape:
+        """The cohort's shape as the message gives it (its node kept for a join's refs)."""
+        self.cohort_nodes[msg.cohort] = msg.node
+        return CohortShape(msg.phase, tuple((a, b) for a, b in msg.fed), tuple(msg.invariant), tuple(msg.outputs),
+                           tuple(msg.reads), tuple(msg.index))
+
+    def _chain_open(self, msg: m.ChainOpen) -> None:
+        rows = {link.rows for link in msg.links}
+        if len(rows) != 1:
+            raise ProtocolError(f"chain {msg.cohort}'s links have rows {sorted(rows)}, not one count")
+        links = [(link.cohort, link.node, self._shape(link), link.max_pages) for link in msg.links]
+        imports = [(i.link, i.port, i.source, i.output) for i in msg.imports]
+        flag = (msg.flag_link, msg.flag_port) if msg.flag_link is not None else None
+        self._reply(msg.step_id, [], lambda: self.worker.cohort_chain_open(msg.cohort, links, rows.pop(), imports, flag))
+
     def _reply(self, step_id: int, request_ids: list[str], call: Any) -> None:
         """Run an answered cohort call: `CohortReply` (ok: what it returned, None counting as
         True), `StepRejected` for a node's RequestError (naming the requests it names, else
@@ -226,11 +245,12 @@ class _Server:
             return
         write_frame(self.out, m.CohortReply(step_id, self.rank, ok is not False))
 
-    def _cohort_step(self, msg: m.CohortStep) -> None:
+    def _cohort_step(self, msg: m.CohortStep | m.ChainStep) -> None:
         t0 = time.perf_counter()
         tensors: list[torch.Tensor] = []
         try:
-            result = self.worker.cohort_step(msg.cohort, msg.n)
+            step = self.worker.cohort_chain_step if isinstance(msg, m.ChainStep) else self.worker.cohort_step
+            result = step(msg.cohort, msg.n)
             layout: list[m.PackedPort] = []
             metas: list[m.TensorMeta] = []
             inline: dict[str, torch.Tensor] = {}

@@ -268,7 +268,7 @@ class RemoteWorker(RemoteProcess, RemoteCohorts):
             self._acks.append(handle)
         return handle
 
-    def _ask(self, msg: m.CohortOpen | m.CohortJoin, node: str, what: str,
+    def _ask(self, msg: m.CohortOpen | m.CohortJoin | m.ChainOpen, node: str, what: str,
              tensors: Sequence[Any]) -> m.CohortReply:
         """Send a cohort message that is answered at once (its values' buffer after it) and wait
         for its `CohortReply`; a step in flight is finished first. Raises `RequestError` (the

@@ -7,10 +7,13 @@ marked loop of a node in a worker process runs as a cohort there (the worker pro
 `Worker` holds the columns and runs the step, runtime/mstar_runtime/worker/process.py):
 
     open:   CohortOpen frame -> CohortReply (ok: the node offers a column step)
+            a chain's: ChainOpen frame (every link's CohortOpen) -> CohortReply
     join:   CohortJoin frame (every joining row) -> dist.send(values) ; worker: CohortReply, or StepRejected
     step:   CohortStep frame ; worker: CohortStepped frame (the packed readback inline,
-            or over torch.distributed when it is over the inline limit)
-    leave, move, shrink, add pages: one frame each, no answer
+            or over torch.distributed when it is over the inline limit); a chain's:
+            ChainStep frame ; worker: CohortStepped (every link's readback side by side)
+    leave, move, shrink, add pages: one frame each, no answer (a chain's rows: each link's);
+            a chain's join (its rows' stop flags) and move: ChainJoin, ChainMove
 
 A step goes out like any step (`submit`'s rules: at most one full step in flight, messages
 posted meanwhile held until its answer is in); its `CohortResult` fetches the answer when
@@ -54,14 +57,41 @@ class RemoteCohorts:
     _cohort_names: dict[int, tuple[str, str]]  # id -> (node, phase), for messages
 
     def cohort_open(self, key: Any, node: str, shape: CohortShape, rows: int, max_pages: int) -> bool:
-        """`Worker.cohort_open` in the worker process; the same key always gets the same id,
-        so a later conductor of the same plan finds the columns (and graphs) it made."""
+        """`Worker.cohort_open` in the worker process."""
+        return self._ask(self._open(key, node, shape, rows, max_pages), node, "cohort_open", []).ok
+
+    def _open(self, key: Any, node: str, shape: CohortShape, rows: int, max_pages: int) -> m.CohortOpen:
+        """The `CohortOpen` of cohort `key`; the same key always gets the same id, so a later
+        conductor of the same plan finds the columns (and graphs) it made."""
         cid = self._cohort_ids.setdefault(key, len(self._cohort_ids) + 1)
         self._cohort_names[cid] = (node, shape.phase)
-        msg = m.CohortOpen(0, cid, node, shape.phase, [list(f) for f in shape.fed], list(shape.invariant),
-                           list(shape.outputs), rows, max_pages, list(shape.reads), list(shape.index))
-        reply = self._ask(msg, node, "cohort_open", [])
-        return reply.ok
+        return m.CohortOpen(0, cid, node, shape.phase, [list(f) for f in shape.fed], list(shape.invariant),
+                            list(shape.outputs), rows, max_pages, list(shape.reads), list(shape.index))
+
+    def cohort_chain_open(self, key: Any, links: Sequence[tuple[Any, str, CohortShape, int]], rows: int,
+                          imports: Sequence[tuple[int, str, int, str]], flag: tuple[int, str] | None) -> bool:
+        """`Worker.cohort_chain_open` in the worker process: every link's `CohortOpen` in one
+        `ChainOpen` (a refused link leaves none opened there); the chain is named in
+        messages by its first link's node and phase."""
+        opens = [self._open(k, node, shape, rows, pages) for k, node, shape, pages in links]
+        cid = self._cohort_ids.setdefault(key, len(self._cohort_ids) + 1)
+        self._cohort_names[cid] = self._cohort_names[opens[0].cohort]
+        msg = m.ChainOpen(0, cid, opens, [m.ChainImport(*i) for i in imports], *(flag or (None, "")))
+        return self._ask(msg, links[0][1], "cohort_chain_open", []).ok
+
+    def cohort_chain_join(self, key: Any, first: int, stops: Sequence[bool | torch.Tensor]) -> None:
+        """Whether each joined row's flag already said stop, read here: a flag of a node in a
+        worker process came back with its step's outputs (an empty tensor says no stop)."""
+        said = [bool(s.numel()) and bool(s.reshape(-1)[0]) if isinstance(s, torch.Tensor) else bool(s) for s in stops]
+        self._post(m.ChainJoin(self._cohort_ids[key], first, said))
+
+    def cohort_chain_move(self, key: Any, src: int, dst: int) -> None:
+        self._post(m.ChainMove(self._cohort_ids[key], src, dst))
+
+    def cohort_chain_step(self, key: Any, n: int) -> CohortResult:
+        """One chained step, as `cohort_step`: every link's readback in one answer, its ports `k.port`."""
+        handle = self.cohort_submit(key, n, chain=True)
+        return CohortResult(n, [], None, None, fetch=handle.result)
 
     def cohort_join(self, key: Any, first: int, rows: Sequence[JoinRow],
                     refs: Sequence[Mapping[str, str]] | None = None) -> None:
@@ -127,9 +157,9 @@ class RemoteCohorts:
         handle = self.cohort_submit(key, n)
         return CohortResult(n, [], None, None, fetch=handle.result)
 
-    def cohort_submit(self, key: Any, n: int, *, send_outputs: bool = True) -> StepHandle:
-        """Send one cohort step; the handle's result is its `CohortResult` (an empty one for
-        an acknowledgement, `send_outputs=False`)."""
+    def cohort_submit(self, key: Any, n: int, *, send_outputs: bool = True, chain: bool = False) -> StepHandle:
+        """Send one cohort step (`chain`: a chained one); the handle's result is its
+        `CohortResult` (an empty one for an acknowledgement, `send_outputs=False`)."""
         cid = self._cohort_ids[key]
         node, phase = self._cohort_names[cid]
         with self._lock:
@@ -138,7 +168,8 @@ class RemoteCohorts:
                 self._take_acks()
             self._check_alive()
             step_id = next(self._step_ids)
-            self._send_bytes(m.encode(m.CohortStep(step_id, cid, n, send_outputs)))
+            step = m.ChainStep if chain else m.CohortStep
+            self._send_bytes(m.encode(step(step_id, cid, n, send_outputs)))
             return self._register(StepBatch(node, phase, []), step_id, send_outputs,
                                   cohort=n)
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mstar_runtime.engine.cohort_chain import ChainResult
 from mstar_runtime.engine.cohort_engine import CohortResult
 from mstar_runtime.kv.block_manager import SlotCopy
 from mstar_runtime.ops.readback import resolve
@@ -225,14 +226,21 @@ def copy_from_wire(copy: m.SlotCopy) -> SlotCopy:
     )
 
 
-def readback_values(result: CohortResult) -> tuple[list[m.PackedPort], dict[str, torch.Tensor]]:
+def readback_values(result: CohortResult | ChainResult) -> tuple[list[m.PackedPort], dict[str, torch.Tensor]]:
     """A cohort step's packed readback as an answer's layout and values (`ints`, `floats`), on
-    the host: waits for the readback's copy only (never for later work)."""
-    values = {}
-    for name, rb in (("ints", result.ints), ("floats", result.floats)):
-        if rb is not None:
-            values[name] = torch.from_numpy(np.ascontiguousarray(rb.array()))
-    return [m.PackedPort(k, f, w) for k, f, w in result.layout], values
+    the host: waits for the readback's copy only (never for later work). A chained step's
+    links are one readback: their blocks side by side, their ports named `k.port`."""
+    parts = result.parts if isinstance(result, ChainResult) else [("", result)]
+    layout: list[m.PackedPort] = []
+    blocks: dict[str, list[np.ndarray]] = {"ints": [], "floats": []}
+    for prefix, part in parts:
+        layout += [m.PackedPort(prefix + k, f, w) for k, f, w in part.layout]
+        for name, rb in (("ints", part.ints), ("floats", part.floats)):
+            if rb is not None:
+                blocks[name].append(rb.array())  # [n, width]
+    values = {name: torch.from_numpy(np.ascontiguousarray(bs[0] if len(bs) == 1 else np.concatenate(bs, axis=1)))
+              for name, bs in blocks.items() if bs}
+    return layout, values
 
 
 def plan_digest(plan: Plan) -> str:

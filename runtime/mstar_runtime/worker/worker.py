@@ -9,7 +9,8 @@ bookkeeping its BlockManagers decide (`fork`, `copy_slots`, `free`; `export_kv` 
 `import_kv` for a KV context the plan moves between ranks), and, for decode
 cohorts, the `cohort_*` calls: open (the device columns of a marked loop, if its node offers
 a column step), join rows (several in one call) / leave / move a row, add pages, and step all rows at once
-(engine/cohort_engine.py). A worker process serves the same calls as messages
+(engine/cohort_engine.py); a chain's `cohort_chain_*` calls open, join, move and step its
+links together (engine/cohort_chain.py). A worker process serves the same calls as messages
 (worker/process.py; the conductor's side in worker/remote_cohort.py), and a tensor-parallel
 node's cohort makes them on every rank of its group (`tp_dispatch.TPCohort`); `key` is
 whatever the caller names the cohort by (the conductor's key here, an id from the wire there).
@@ -249,8 +250,9 @@ class Worker:
         """Open each link's columns (`(key, node, shape, max_pages)`, as `cohort_open`) and
         chain them under `key` (engine/cohort_chain.py); False when a link's node offers no
         column step, and then the links' columns are as they were before the call (those it
-        opened dropped, those it replaced put back). Only a worker in the conductor's process
-        chains (a worker process or a TP group has no such call: the loop stays generic)."""
+        opened dropped, those it replaced put back). A worker process serves it, and the
+        other `cohort_chain_*` calls, as messages (worker/process.py); a TP group's fan-out
+        has no such call (the loop stays generic)."""
         before = [(k, self._cohorts.get(k), self._cohort_engine.get(k)) for k, *_ in links]
         if not all(self.cohort_open(k, node, shape, rows, pages) for k, node, shape, pages in links):
             for k, columns, engine in before:

@@ -1,7 +1,9 @@
 """`sampling.fused` (top-k, top-p and the draw as Triton kernels) in Triton's interpreter on the
 CPU: every row draws the stage's token (`sample_columns`, the torch ops) unless its top-p
 boundary is ambiguous, on a vocabulary of several segments with ties, masked entries, greedy
-rows, NaN rows and every kind of setting, with the default segment count and with others.
+rows, NaN rows and every kind of setting, with the default launch shape and with others (segments,
+digit widths, accumulator layouts, block skipping). And the kernels compiled for sm_90 (no GPU
+needed), since Triton's compiler refuses code its interpreter runs.
 
 The kernels run in a subprocess with TRITON_INTERPRET=1 (the variable is read when the kernels
 are defined, at import). Skipped where Triton is not installed (CPU builds of torch have none);
@@ -32,7 +34,12 @@ if tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4):
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 3001  # 5 segments of 640 entries by default (fused.segments_for)
 
-DRIVER = """
+# launch shapes (`fused.sample_rows`'s keywords): the default, other segment counts, 2-bit digits
+# with every pass skipping blocks, 8-bit digits in the old [block, bins] accumulators
+SHAPES = [{}, {"segments": 1}, {"segments": 3}, {"segments": 3, "bits": 2, "skip_bits": 0},
+          {"bits": 8, "block": 64, "by_digit": False}]
+
+DRIVER = f"SHAPES = {SHAPES!r}\n" + """
 import dataclasses, json, sys
 from safetensors.torch import load_file
 from mstar_runtime.sampling import fused, stage
@@ -42,10 +49,10 @@ saved = load_file(sys.argv[1])
 x = saved.pop("x")
 cols = SamplingColumns(**{f.name: saved.get(f.name) for f in dataclasses.fields(SamplingColumns)})
 out = {}
-for segments in (None, 1, 3):
+for shape in SHAPES:
     got = fused.sample_rows(stage._penalised(x, cols), cols.top_k, cols.top_p, cols.greedy,
-                            uniforms(cols.seed, cols.step), segments=segments)
-    out[str(segments)] = got.tolist()
+                            uniforms(cols.seed, cols.step), **shape)
+    out[str(shape)] = got.tolist()
 print(json.dumps(out))
 """
 
@@ -76,8 +83,46 @@ def test_the_kernels_draw_the_stages_tokens_in_the_interpreter(tmp_path: Path) -
     want = sample_columns(x, cols)
     amb = ambiguous_rows(x, cols)
     amb[7] = True  # a NaN row: the kernels draw 0, the torch ops' greedy argmax takes the NaN
-    assert int(drawn["None"][7]) == 0
-    for segments, got in drawn.items():
+    assert int(drawn["{}"][7]) == 0
+    assert len(drawn) == len(SHAPES)
+    for shape, got in drawn.items():
         bad = (torch.tensor(got) != want) & ~amb
-        assert not bool(bad.any()), f"segments={segments}: rows {bad.nonzero().flatten().tolist()}"
+        assert not bool(bad.any()), f"{shape}: rows {bad.nonzero().flatten().tolist()}"
     assert float(amb.float().mean()) <= 0.15
+
+
+def compiled(fn: object, args: dict[str, str], consts: dict[str, object]) -> None:
+    """Compile one kernel for an H100/H200 (sm_90) through ptxas, as a launch there would."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**args, **{name: "constexpr" for name in consts}}
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 8})
+
+
+@pytest.mark.slow
+def test_the_kernels_compile_for_the_gpu_in_every_launch_shape() -> None:
+    """Every kernel with each set of constexprs `sample_rows` launches at Orpheus' vocabulary, at
+    the default shape and at the probe's others: the interpreter accepts what the compiler does
+    not (a plain int global, a name rebound with another type, a constexpr `a if c else b`)."""
+    import triton
+
+    from mstar_runtime.sampling import fused
+
+    f32, i32 = "*fp32", "*i32"
+    row = {"scores": f32, "stride": "i32", "vocab": "i32", "seg": "i32", "S": "i32", "pmax": f32, "parg": i32,
+           "pnan": i32}
+    sel = {**row, "greedy": "*i1", "top_k": "*i64"}
+    mass = {**sel, "top_p": f32, "cnt": i32, "mass": f32, "ties": i32}
+    draw = {**sel, "top_p": f32, "u": "*fp64", "cnt": i32, "mass": f32, "ties": i32, "out": "*i64"}
+    sp = triton.next_power_of_2(fused.segments_for(156_940))
+    compiled(fused.seg_max, row, {"SCAN": fused._SCAN})
+    for bits, block, by_digit in ((fused._BITS, fused._BLOCK, True), (2, 512, True), (4, 256, False), (8, 64, True)):
+        compiled(fused.seg_draw, draw, {"SP": sp, "SCAN": fused._SCAN, "BITS": bits})
+        shape = {"SP": sp, "BLOCK": block, "BITS": bits, "BY_DIGIT": by_digit}
+        for skip in (False, True):
+            compiled(fused.seg_count, {**sel, "cnt": i32, "level": "i32"}, {**shape, "SKIP": skip})
+            for last in (False, True):
+                compiled(fused.seg_mass, {**mass, "level": "i32"}, {**shape, "SKIP": skip, "LAST": last})

@@ -4,11 +4,12 @@
 
 Times (CUDA events, median of 20) the whole stage (its GPU path: `sampling.fused` where Triton
 is), the same stage in torch ops (`sample_torch`), the `sampling.fused` kernels alone on the
-penalised scores at several launch shapes, and the three captured in a CUDA graph, for
-Orpheus' settings (T 0.6, top-p 0.8, repetition penalty 1.3 over 256 ids), and its parts, and the kernels a sort-free top-p would be
-made of (torch.topk at several k, a per-row histogram by scatter_add), on flat logits (what
-random weights give) and peaked ones (what a trained model gives): a probe for the sampler's
-design, not a benchmark.
+penalised scores at several launch shapes (FUSED_SHAPES: the 2026-12-06 form among them), and
+the stage, the torch stage and the fused kernels at the default and the old shape captured in a
+CUDA graph, for Orpheus' settings (T 0.6, top-p 0.8, repetition penalty 1.3 over 256 ids), and
+its parts, and the kernels a sort-free top-p would be made of (torch.topk at several k, a
+per-row histogram by scatter_add), on flat logits (what random weights give) and peaked ones
+(what a trained model gives): a probe for the sampler's design, not a benchmark.
 """
 
 from __future__ import annotations
@@ -82,22 +83,36 @@ def measure(b: int, kind: str, scale: float, vocab: int) -> dict[str, float]:
     return out
 
 
-FUSED_SHAPES = [(None, 512, 8), (8, 512, 8), (32, 512, 8), (16, 256, 4), (16, 256, 8), (16, 1024, 8), (16, 512, 16)]
+# `fused.sample_rows`'s launch shapes timed (keyword arguments; {} is the default). "old" is the
+# form timed on 2026-12-06 ([block, 16] one-hot accumulators, 256-entry blocks, no block skipping),
+# so one run gives before and after.
+OLD = {"block": 256, "by_digit": False, "skip_bits": 32}
+FUSED_SHAPES: dict[str, dict[str, object]] = {
+    "default": {}, "old": OLD, "block=512": {"block": 512}, "block=1024": {"block": 1024},
+    "no skip": {"skip_bits": 32}, "skip from 12 bits": {"skip_bits": 12}, "skip from 20 bits": {"skip_bits": 20},
+    "bits=2": {"bits": 2}, "bits=8 block=64": {"bits": 8, "block": 64}, "S=8": {"segments": 8},
+    "S=32": {"segments": 32}, "warps=4": {"warps": 4},
+}
 
 
 def fused_shapes(key: str, logits: torch.Tensor, pen: torch.Tensor, cols: object) -> dict[str, float]:
-    """The `sampling.fused` kernels: eager at several (segments, block, warps), and the default
-    shape, the stage and the torch stage each captured in a CUDA graph (what a decode step runs)."""
+    """The `sampling.fused` kernels: eager at each of FUSED_SHAPES (and how many rows draw another
+    token than the default shape: rounding only, so ~0), and the default and old shapes, the stage
+    and the torch stage each captured in a CUDA graph (what a decode step runs)."""
     from mstar_runtime.sampling import fused
     from mstar_runtime.sampling import stage as st
 
     out: dict[str, float] = {}
     u = torch.rand(pen.shape[0], device="cuda", dtype=torch.float64)
-    for segs, block, warps in FUSED_SHAPES:
-        run = lambda s=segs, b=block, w=warps: fused.sample_rows(pen, cols.top_k, cols.top_p, cols.greedy, u,  # noqa: E731
-                                                                 segments=s, block=b, warps=w)
-        out[f"{key} fused S={segs or 'default'} block={block} warps={warps}"] = timed(run)
-    for name, fn in (("fused", lambda: fused.sample_rows(pen, cols.top_k, cols.top_p, cols.greedy, u)),
+
+    def rows(**shape: object) -> torch.Tensor:
+        return fused.sample_rows(pen, cols.top_k, cols.top_p, cols.greedy, u, **shape)
+
+    want = rows()
+    for name, shape in FUSED_SHAPES.items():
+        out[f"{key} fused {name}"] = timed(lambda shape=shape: rows(**shape))
+        out[f"{key} fused {name}: rows unlike default"] = float((rows(**shape) != want).sum())
+    for name, fn in (("fused", rows), ("fused old", lambda: rows(**OLD)),
                      ("stage", lambda: st.sample_columns(logits, cols)),
                      ("torch stage", lambda: st.sample_torch(logits, cols))):
         fn()
@@ -119,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         for kind, scale in (("flat", 1.0), ("peaked", 8.0)):
             out.update(measure(b, kind, scale, args.vocab))
     for k, v in out.items():
-        print(f"{k:40s} {v:10.3f}")
+        print(f"{k:56s} {v:10.3f}")
     dest = Path(os.environ.get("OUT", ".")) / "sampler_parts.json"
     dest.write_text(json.dumps(out, indent=1))
 

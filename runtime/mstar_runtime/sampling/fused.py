@@ -9,12 +9,21 @@ in Triton's interpreter on the CPU, tests/test_sampling_stage.py on the GPU at O
 
 It is the stage's path on a GPU with Triton (`stage.sample_columns`; `stage.sample_torch` keeps
 the torch ops, which sort the whole vocabulary). Measured on the H200 (2026-12-06,
-`tools/probes/sampler_parts.py --rows 1 64 256`, BENCHMARKS.md), captured in a CUDA graph with
-512-entry blocks (256, the default now, was faster still eager): 0.17 / 0.83 / 3.08 ms at B = 1
-/ 64 / 256 against the torch stage's 0.38 / 1.75 / 5.82 (which also holds the penalty and the
-temperature, 0.2-0.5 ms eager). Its first form, one program per row, took 5.5 ms at B = 1 and
-12.3 ms at B = 256 (eager): one multiprocessor per row, latency-bound. Hence the segments
-below.
+`tools/probes/sampler_parts.py --rows 1 64 256`, BENCHMARKS.md), captured in a CUDA graph, in
+the form before the accumulators below were turned (the probe's "old" shape): 0.17 / 0.83 /
+3.08 ms at B = 1 / 64 / 256 against the torch stage's 0.38 / 1.75 / 5.82 (which also holds the
+penalty and the temperature, 0.2-0.5 ms eager); the present form is not timed yet. Its first
+form, one program per row, took 5.5 ms at B = 1 and 12.3 ms at B = 256 (eager): one
+multiprocessor per row, latency-bound. Hence the segments below.
+
+A radix pass is bound by its instructions more than by its reads (at B = 64 the rows fit in
+L2): an entry's digit selects one of 2**`_BITS` accumulators, a compare and a predicated add
+each. So the accumulators are [2**BITS, BLOCK], all of an entry's in the thread that loaded it
+(sm_90 code: ~58 instructions an entry, no shared memory); the old [BLOCK, 2**BITS] form sent
+each entry's digit and mass through shared memory to 16 threads, 4 barriers a block. 4-bit
+digits need about the fewest instructions over a whole select (2 bits: twice the passes; 8
+bits: 16 times the accumulators). From a 16-bit prefix on (`_SKIP_BITS`) few entries of a row
+share the prefix, and a pass skips the blocks that hold none (the sums stay the same).
 
 Each row is cut into `S` segments (`segments_for`: about 16, by the vocabulary alone, so that a
 row's sums do not depend on the batch, and a few rows still keep many multiprocessors busy) and
@@ -25,11 +34,11 @@ segments in a fixed order), so every program of every launch finds the same ones
 1. `seg_max`: each segment's maximum, its first index and its NaN count (a greedy row's token
    is the row's first maximum; a row with a NaN draws token 0, as the torch path's padding
    rows do).
-2. `seg_count`, 8 launches: top-k (0 < k < vocab) as the torch path takes it (the k-th largest
-   value; ties stay), by a radix select over the float32 bits in order-preserving form: 4 bits
-   a launch, each counting its segment's entries per digit among those that share the digits
-   chosen so far.
-3. `seg_mass`, 8 launches: top-p (p < 1), the same radix select weighted by exp(x - max): the
+2. `seg_count`, 32 / `_BITS` launches: top-k (0 < k < vocab) as the torch path takes it (the
+   k-th largest value; ties stay), by a radix select over the float32 bits in order-preserving
+   form: `_BITS` bits a launch, each counting its segment's entries per digit among those that
+   share the digits chosen so far.
+3. `seg_mass`, 32 / `_BITS` launches: top-p (p < 1), the same radix select weighted by exp(x - max): the
    value v* where the ascending cumulative mass first exceeds (1 - p) * total (the first kept
    entry of the torch path's stable ascending sort), and how many of the entries equal to v*
    are dropped (ties go by id, lowest first, as a stable sort orders them). A row with p = 1
@@ -40,7 +49,7 @@ segments in a fixed order), so every program of every launch finds the same ones
    kept entry, in vocabulary order, whose cumulative mass (float64) exceeds it (past the end by
    rounding: the row's maximum, always kept).
 Within a program each lane keeps its own sums over the segment and the lanes are reduced once
-(a reduction per block is latency a program cannot hide). Every sum is a fixed tree, so a row
+(a reduction per block is a barrier; only the skipping passes pay one, to skip a block's work). Every sum is a fixed tree, so a row
 draws the same token every run and in any batch (another segment count may round otherwise).
 """
 
@@ -54,11 +63,17 @@ try:  # CUDA builds of torch ship Triton; CPU ones do not (the torch ops serve t
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-# entries a radix pass handles at once ([_BLOCK, 16] digit accumulators in registers): 256 at 8
-# warps was the fastest shape measured on the H200 at B = 1, 64 and 256 (2026-12-06, BENCHMARKS.md)
+# entries a radix pass handles at once ([2**_BITS, _BLOCK] digit accumulators in registers: one
+# entry a thread at 8 warps)
 _BLOCK = 256
 _SCAN = 2048  # entries a scan (maximum, draw) handles at once
-_LEVELS = 8  # 4-bit digits of a 32-bit key
+# bits of the key a radix pass decides: 32 // _BITS passes for top-k, as many for top-p, each with
+# 2**_BITS accumulators an entry. 8 bits halves the passes but costs 16 times the accumulators (a
+# register file's worth at 8 warps); tools/probes/sampler_parts.py times 2, 4 and 8.
+_BITS = 4
+# prefix length (bits) from which a radix pass skips the blocks none of whose entries share the
+# prefix (a block reduction each; deep prefixes are held by a few entries of a row)
+_SKIP_BITS = 16
 
 if triton is not None:
     # "no index": a kernel reads a global only as a constexpr (the interpreter takes a plain int,
@@ -91,55 +106,57 @@ if triton is not None:
         return m, tl.where(arg == _NONE, 0, arg), bad
 
     @triton.jit
-    def level_sums(part, r, level, S, SP: tl.constexpr):
-        """A level's per-digit sums over the segments (fixed order), and the [SP, 16] partials."""
+    def level_sums(part, r, level, S, SP: tl.constexpr, BITS: tl.constexpr):
+        """A level's per-digit sums over the segments (fixed order), and the [SP, 2**BITS] partials."""
         s = tl.arange(0, SP)
-        d = tl.arange(0, 16)
-        tile = tl.load(part + ((r * 8 + level) * S + s[:, None]) * 16 + d[None, :], mask=(s < S)[:, None], other=0)
+        d = tl.arange(0, 1 << BITS)
+        at = ((r * (32 // BITS) + level) * S + s[:, None]) * (1 << BITS) + d[None, :]
+        tile = tl.load(part + at, mask=(s < S)[:, None], other=0)
         return tl.sum(tile, axis=0), tile
 
     @triton.jit
-    def replay_count(cnt, r, levels, rank, S, SP: tl.constexpr):
+    def replay_count(cnt, r, levels, rank, S, SP: tl.constexpr, BITS: tl.constexpr):
         """The first `levels` digits of the key of ascending rank `rank` (0-based), as a prefix."""
-        digits = tl.arange(0, 16)
+        digits = tl.arange(0, 1 << BITS)
         prefix = tl.zeros([], dtype=tl.uint32)
         below = tl.zeros([], dtype=tl.int32)
         for level in range(levels):
-            c, c_sum = level_sums(cnt, r, level, S, SP)
-            d = tl.min(tl.where(below + tl.cumsum(c, axis=0) > rank, digits, 15), axis=0)
+            c, c_tile = level_sums(cnt, r, level, S, SP, BITS)
+            d = tl.min(tl.where(below + tl.cumsum(c, axis=0) > rank, digits, (1 << BITS) - 1), axis=0)
             below += tl.sum(tl.where(digits < d, c, 0), axis=0)
-            prefix = prefix * 16 + d.to(tl.uint32)
+            prefix = (prefix << BITS) | d.to(tl.uint32)
         return prefix
 
     @triton.jit
-    def mass_digit(mass, below, q):
+    def mass_digit(mass, below, q, BITS: tl.constexpr):
         """The first digit at which below + the cumulative mass exceeds q (past the end by
         rounding: the last digit with mass)."""
-        digits = tl.arange(0, 16)
+        digits = tl.arange(0, 1 << BITS)
         last = tl.max(tl.where(mass > 0, digits, 0), axis=0)
         return tl.min(tl.where((below + tl.cumsum(mass, axis=0) > q) & (mass > 0), digits, last), axis=0)
 
     @triton.jit
-    def replay_mass(mass_part, r, levels, p, S, SP: tl.constexpr):
+    def replay_mass(mass_part, r, levels, p, S, SP: tl.constexpr, BITS: tl.constexpr):
         """The first `levels` digits of v* (the top-p cut), as a prefix."""
-        digits = tl.arange(0, 16)
-        m0, m0_sum = level_sums(mass_part, r, 0, S, SP)
+        digits = tl.arange(0, 1 << BITS)
+        m0, m0_tile = level_sums(mass_part, r, 0, S, SP, BITS)
         q = (1.0 - p) * tl.sum(m0, axis=0)
         prefix = tl.zeros([], dtype=tl.uint32)
         below = tl.zeros([], dtype=tl.float32)
         for level in range(levels):
-            ms, ms_sum = level_sums(mass_part, r, level, S, SP)
-            d = mass_digit(ms, below, q)
+            ms, ms_tile = level_sums(mass_part, r, level, S, SP, BITS)
+            d = mass_digit(ms, below, q, BITS)
             below += tl.sum(tl.where(digits < d, ms, 0.0), axis=0)
-            prefix = prefix * 16 + d.to(tl.uint32)
+            prefix = (prefix << BITS) | d.to(tl.uint32)
         return prefix
 
     @triton.jit
-    def row_cut(cnt, top_k, r, vocab, S, SP: tl.constexpr):
+    def row_cut(cnt, top_k, r, vocab, S, SP: tl.constexpr, BITS: tl.constexpr):
         """The top-k cut key of row r (0: top-k off), replayed from the count partials."""
         k = tl.load(top_k + r)
         on = (k > 0) & (k < vocab)
-        return tl.where(on, replay_count(cnt, r, tl.where(on, 8, 0), (vocab - k).to(tl.int32), S, SP), 0)
+        return tl.where(on, replay_count(cnt, r, tl.where(on, 32 // BITS, 0), (vocab - k).to(tl.int32), S, SP, BITS),
+                        0)
 
     @triton.jit
     def seg_max(scores, stride, vocab, seg, S, pmax, parg, pnan, SCAN: tl.constexpr):
@@ -164,77 +181,110 @@ if triton is not None:
         tl.store(pnan + r * S + s, tl.sum(nans, axis=0))
 
     @triton.jit
-    def digit_sums(row, lo, hi, m, lo_key, prefix, shift, COUNT: tl.constexpr, MASS: tl.constexpr,
-                   BLOCK: tl.constexpr):
-        """Per 4-bit digit at `shift`: the count and the exp(x - m) mass of the entries in
-        [lo, hi) whose key is >= lo_key and whose digits above `shift` equal `prefix`."""
-        digits = tl.arange(0, 16)
-        cnt = tl.zeros([BLOCK, 16], dtype=tl.int32)
-        mass = tl.zeros([BLOCK, 16], dtype=tl.float32)
+    def digit_sums(row, lo, hi, m, lo_key, prefix, level, COUNT: tl.constexpr, MASS: tl.constexpr,
+                   BLOCK: tl.constexpr, BITS: tl.constexpr, BY_DIGIT: tl.constexpr, SKIP: tl.constexpr):
+        """Per digit of `level`: the count and the exp(x - m) mass of the entries in [lo, hi)
+        whose key is >= lo_key and whose digits above `level` equal `prefix`. The accumulators
+        are [2**BITS, BLOCK] (BY_DIGIT: each entry's digits in one thread) or [BLOCK, 2**BITS]
+        (the 2026-12-06 form: each entry's digit and mass go to 2**BITS threads through shared
+        memory); SKIP: blocks with no entry under the prefix add nothing (a block reduction)."""
+        bins = tl.arange(0, 1 << BITS)
+        # (the compiler folds a constexpr `if` statement, not a constexpr `a if c else b`)
+        if BY_DIGIT:
+            cnt = tl.zeros([1 << BITS, BLOCK], dtype=tl.int32)
+            mass = tl.zeros([1 << BITS, BLOCK], dtype=tl.float32)
+        else:
+            cnt = tl.zeros([BLOCK, 1 << BITS], dtype=tl.int32)
+            mass = tl.zeros([BLOCK, 1 << BITS], dtype=tl.float32)
+        shift = 32 - BITS * (level + 1)
         for start in range(lo, hi, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             x = tl.load(row + offs, mask=offs < hi, other=float("-inf"))
             key = keys_of(x)
-            t = key >> shift  # then >> 4: a uint32 shifted by 32 (the first level) is undefined
-            hit = (offs < hi) & (key >= lo_key) & ((t >> 4) == prefix)
-            onehot = tl.where(hit, (t & 15).to(tl.int32), 16)[:, None] == digits[None, :]
-            if COUNT:
-                cnt += onehot.to(tl.int32)
-            if MASS:
-                mass += tl.where(onehot, tl.exp(x - m)[:, None], 0.0)
-        return tl.sum(cnt, axis=0), tl.sum(mass, axis=0)
+            t = key >> shift  # then >> BITS: a uint32 shifted by 32 (the first level) is undefined
+            hit = (offs < hi) & (key >= lo_key) & ((t >> BITS) == prefix)
+            any_hit = True
+            if SKIP:
+                any_hit = tl.max(hit.to(tl.int32), axis=0) > 0
+            if any_hit:
+                digit = tl.where(hit, (t & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS)
+                w = tl.exp(x - m)
+                if BY_DIGIT:
+                    onehot = bins[:, None] == digit[None, :]
+                    w2 = w[None, :]
+                else:
+                    onehot = digit[:, None] == bins[None, :]
+                    w2 = w[:, None]
+                if COUNT:
+                    cnt = tl.where(onehot, cnt + 1, cnt)
+                if MASS:
+                    mass = tl.where(onehot, mass + w2, mass)
+        if BY_DIGIT:
+            c = tl.sum(cnt, axis=1)
+            ms = tl.sum(mass, axis=1)
+        else:
+            c = tl.sum(cnt, axis=0)
+            ms = tl.sum(mass, axis=0)
+        return c, ms
 
     @triton.jit
     def seg_count(scores, stride, vocab, seg, S, pmax, parg, pnan, greedy, top_k, cnt, level,
-                  SP: tl.constexpr, BLOCK: tl.constexpr):
+                  SP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, BY_DIGIT: tl.constexpr,
+                  SKIP: tl.constexpr):
         r = tl.program_id(0)
         s = tl.program_id(1)
         k = tl.load(top_k + r)
-        top, top_at, bad = row_max(pmax, parg, pnan, r, S, SP)
-        if (not bad) & (tl.load(greedy + r) == 0) & (k > 0) & (k < vocab):
-            prefix = replay_count(cnt, r, level, (vocab - k).to(tl.int32), S, SP)
-            row = scores + r.to(tl.int64) * stride
-            c, c_sum = digit_sums(row, s * seg, tl.minimum(s * seg + seg, vocab), 0.0, 0, prefix, 28 - 4 * level,
-                              True, False, BLOCK)
-            tl.store(cnt + ((r * 8 + level) * S + s) * 16 + tl.arange(0, 16), c)
+        if (tl.load(greedy + r) == 0) & (k > 0) & (k < vocab):  # most rows leave here, reading no partials
+            top, top_at, bad = row_max(pmax, parg, pnan, r, S, SP)
+            if not bad:
+                prefix = replay_count(cnt, r, level, (vocab - k).to(tl.int32), S, SP, BITS)
+                row = scores + r.to(tl.int64) * stride
+                c, c_mass = digit_sums(row, s * seg, tl.minimum(s * seg + seg, vocab), 0.0, 0, prefix, level,
+                                       True, False, BLOCK, BITS, BY_DIGIT, SKIP)
+                at = ((r * (32 // BITS) + level) * S + s) * (1 << BITS)
+                tl.store(cnt + at + tl.arange(0, 1 << BITS), c)
 
     @triton.jit
     def seg_mass(scores, stride, vocab, seg, S, pmax, parg, pnan, greedy, top_k, top_p, cnt, mass, ties, level,
-                 SP: tl.constexpr, BLOCK: tl.constexpr):
+                 SP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, BY_DIGIT: tl.constexpr,
+                 SKIP: tl.constexpr, LAST: tl.constexpr):
         r = tl.program_id(0)
         s = tl.program_id(1)
         p = tl.load(top_p + r)
         m, m_at, bad = row_max(pmax, parg, pnan, r, S, SP)
         if (not bad) & (tl.load(greedy + r) == 0) & ((p < 1.0) | (level == 0)):
-            lo_key = row_cut(cnt, top_k, r, vocab, S, SP)
-            prefix = replay_mass(mass, r, level, p, S, SP)
+            lo_key = row_cut(cnt, top_k, r, vocab, S, SP, BITS)
+            prefix = replay_mass(mass, r, level, p, S, SP, BITS)
             row = scores + r.to(tl.int64) * stride
-            c, ms = digit_sums(row, s * seg, tl.minimum(s * seg + seg, vocab), m, lo_key, prefix, 28 - 4 * level,
-                               level == 7, True, BLOCK)
-            tl.store(mass + ((r * 8 + level) * S + s) * 16 + tl.arange(0, 16), ms)
-            if level == 7:
-                tl.store(ties + (r * S + s) * 16 + tl.arange(0, 16), c)
+            # LAST (level == 32 // BITS - 1, a constexpr: counting costs as much as the mass)
+            c, ms = digit_sums(row, s * seg, tl.minimum(s * seg + seg, vocab), m, lo_key, prefix, level,
+                               LAST, True, BLOCK, BITS, BY_DIGIT, SKIP)
+            at = ((r * (32 // BITS) + level) * S + s) * (1 << BITS) + tl.arange(0, 1 << BITS)
+            tl.store(mass + at, ms)
+            if LAST:
+                tl.store(ties + (r * S + s) * (1 << BITS) + tl.arange(0, 1 << BITS), c)
 
     @triton.jit
-    def top_p_segments(mass, ties, r, p, m, S, SP: tl.constexpr):
+    def top_p_segments(mass, ties, r, p, m, S, SP: tl.constexpr, BITS: tl.constexpr):
         """(v*, each segment's kept mass, each segment's dropped entries equal to v*) from the
         mass partials: at every level the digits above the chosen one hold entries above v*."""
         segs = tl.arange(0, SP)
-        digits = tl.arange(0, 16)
-        m0, m0_sum = level_sums(mass, r, 0, S, SP)
+        digits = tl.arange(0, 1 << BITS)
+        m0, m0_tile = level_sums(mass, r, 0, S, SP, BITS)
         q = (1.0 - p) * tl.sum(m0, axis=0)
         prefix = tl.zeros([], dtype=tl.uint32)
         kept = tl.zeros([SP], dtype=tl.float32)
         below = tl.zeros([], dtype=tl.float32)
         d = tl.zeros([], dtype=tl.int32)
-        for level in range(8):
-            ms, tile = level_sums(mass, r, level, S, SP)
-            d = mass_digit(ms, below, q)
+        for level in range(32 // BITS):
+            ms, tile = level_sums(mass, r, level, S, SP, BITS)
+            d = mass_digit(ms, below, q, BITS)
             below += tl.sum(tl.where(digits < d, ms, 0.0), axis=0)
             kept += tl.sum(tl.where(digits[None, :] > d, tile, 0.0), axis=1)
-            prefix = prefix * 16 + d.to(tl.uint32)
+            prefix = (prefix << BITS) | d.to(tl.uint32)
         e_v = tl.exp(value_of(prefix) - m)
-        tie_tile = tl.load(ties + (r * S + segs[:, None]) * 16 + digits[None, :], mask=(segs < S)[:, None], other=0)
+        at = (r * S + segs[:, None]) * (1 << BITS) + digits[None, :]
+        tie_tile = tl.load(ties + at, mask=(segs < S)[:, None], other=0)
         seg_ties = tl.sum(tl.where(digits[None, :] == d, tie_tile, 0), axis=1)
         # ties of v* go by id, lowest first: the first `drop` of them (over the segments in order)
         room = tl.where(e_v > 0, (q - below) / e_v, 0.0)
@@ -245,7 +295,7 @@ if triton is not None:
 
     @triton.jit
     def seg_draw(scores, stride, vocab, seg, S, pmax, parg, pnan, greedy, top_k, top_p, u, cnt, mass, ties, out,
-                 SP: tl.constexpr, SCAN: tl.constexpr):
+                 SP: tl.constexpr, SCAN: tl.constexpr, BITS: tl.constexpr):
         r = tl.program_id(0)
         s = tl.program_id(1)
         p = tl.load(top_p + r)
@@ -254,12 +304,12 @@ if triton is not None:
         mine = s == 0  # who writes the token when no scan is needed
         if (not bad) & (tl.load(greedy + r) == 0):
             segs = tl.arange(0, SP)
-            cut_key = row_cut(cnt, top_k, r, vocab, S, SP)
-            m0_cnt, m0 = level_sums(mass, r, 0, S, SP)
+            cut_key = row_cut(cnt, top_k, r, vocab, S, SP, BITS)
+            m0_sum, m0 = level_sums(mass, r, 0, S, SP, BITS)
             kept = tl.sum(m0, axis=1)  # p = 1: everything at or above the top-k cut
             dropped_here = tl.zeros([SP], dtype=tl.int32)
             if p < 1.0:
-                cut_key, kept, dropped_here = top_p_segments(mass, ties, r, p, m, S, SP)
+                cut_key, kept, dropped_here = top_p_segments(mass, ties, r, p, m, S, SP, BITS)
             kept64 = tl.where(segs < S, kept, 0.0).to(tl.float64)
             target = tl.load(u + r) * tl.sum(kept64, axis=0)
             ends = tl.cumsum(kept64, axis=0)
@@ -327,14 +377,18 @@ def segments_for(vocab: int) -> int:
 
 def sample_rows(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, greedy: torch.Tensor,
                 u: torch.Tensor, *, segments: int | None = None, block: int = _BLOCK, scan: int = _SCAN,
-                warps: int = 8) -> torch.Tensor:
+                warps: int = 8, bits: int = _BITS, by_digit: bool = True, skip_bits: int = _SKIP_BITS
+                ) -> torch.Tensor:
     """One token id per row (int64 [n]) from float32 scores [n, V] (after penalty and temperature),
     the rows' top-k (int64), top-p (float32), greedy flags and uniforms (float64). `segments`
-    (default `segments_for`), `block`, `scan` and `warps`: the launches' shape, for
+    (default `segments_for`), `block`, `scan`, `warps`, `bits` (2, 4 or 8), `by_digit` and
+    `skip_bits` (32: never skip; see `digit_sums`): the launches' shape, for
     tools/probes/sampler_parts.py to time others (the same tokens up to rounding)."""
     n, vocab = scores.shape
     if scores.dtype != torch.float32 or scores.stride(1) != 1:
         raise ValueError(f"need float32 scores with unit stride, got {scores.dtype}, strides {scores.stride()}")
+    if bits not in (2, 4, 8):
+        raise ValueError(f"need 2, 4 or 8 bits a radix pass, got {bits}")
     out = torch.empty(n, dtype=torch.int64, device=scores.device)
     if not n:
         return out
@@ -343,19 +397,24 @@ def sample_rows(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
     seg = -(-per // block) * block  # a whole number of blocks a segment
     S = -(-vocab // seg)
     SP = triton.next_power_of_2(S)
+    levels, bins = 32 // bits, 1 << bits
     dev = scores.device
     pmax = torch.empty(n * S, dtype=torch.float32, device=dev)
     parg = torch.empty(n * S, dtype=torch.int32, device=dev)
     pnan = torch.empty(n * S, dtype=torch.int32, device=dev)
-    cnt = torch.zeros(n * _LEVELS * S * 16, dtype=torch.int32, device=dev)
-    mass = torch.zeros(n * _LEVELS * S * 16, dtype=torch.float32, device=dev)
-    ties = torch.zeros(n * S * 16, dtype=torch.int32, device=dev)
+    cnt = torch.zeros(n * levels * S * bins, dtype=torch.int32, device=dev)
+    mass = torch.zeros(n * levels * S * bins, dtype=torch.float32, device=dev)
+    ties = torch.zeros(n * S * bins, dtype=torch.int32, device=dev)
     grid = (n, S)
     row = (scores, scores.stride(0), vocab, seg, S, pmax, parg, pnan)
+    shape = dict(SP=SP, BLOCK=block, BITS=bits, BY_DIGIT=by_digit, num_warps=warps)
     seg_max[grid](*row, SCAN=scan, num_warps=warps)
-    for level in range(_LEVELS):
-        seg_count[grid](*row, greedy, top_k, cnt, level, SP=SP, BLOCK=block, num_warps=warps)
-    for level in range(_LEVELS):
-        seg_mass[grid](*row, greedy, top_k, top_p, cnt, mass, ties, level, SP=SP, BLOCK=block, num_warps=warps)
-    seg_draw[grid](*row, greedy, top_k, top_p, u, cnt, mass, ties, out, SP=SP, SCAN=scan, num_warps=warps)
+    for level in range(levels):
+        skip = level * bits >= skip_bits
+        seg_count[grid](*row, greedy, top_k, cnt, level, SKIP=skip, **shape)
+    for level in range(levels):
+        skip = level * bits >= skip_bits
+        seg_mass[grid](*row, greedy, top_k, top_p, cnt, mass, ties, level, SKIP=skip, LAST=level == levels - 1,
+                       **shape)
+    seg_draw[grid](*row, greedy, top_k, top_p, u, cnt, mass, ties, out, SP=SP, SCAN=scan, BITS=bits, num_warps=warps)
     return out

@@ -5,9 +5,10 @@ in body order, each with `chained` where it takes an earlier call's result of th
 iteration (docs/plan-format.md, "Cohort loops"); the plan then requires `cohort_chains`.
 The runtime runs such a loop as one cohort whose rows are aligned across one column set per
 call (engine/cohort_chain.py; docs/runtime.md, "Decode cohorts": chains), in the conductor's
-process; elsewhere the interpreter runs it. Either way the plan as compiled and without its
-marks (`without_cohorts`) give the same outputs: batched or alone, rows joining at
-different steps, finishing at once, cancelled, preempted, on a small pool.
+process or in a worker process (its calls typed messages); elsewhere (a TP group) the
+interpreter runs it. Either way the plan as compiled and without its marks
+(`without_cohorts`) give the same outputs: batched or alone, rows joining at different
+steps, finishing at once, cancelled, preempted, on a small pool.
 """
 
 from __future__ import annotations

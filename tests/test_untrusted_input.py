@@ -113,6 +113,15 @@ def test_a_deeply_nested_batch_line_is_that_lines_error() -> None:
     assert item.error is not None and "nests too deeply" in str(item.error)
 
 
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_batch_line_with_a_non_json_constant_is_that_lines_error(constant: str) -> None:
+    """Python's writer emits NaN for float('nan'); the line is refused, not a traceback."""
+    from mstar_runtime.cli import parse_line
+
+    item = parse_line(None, 2, '{"walk": "act", "inputs": {"state": [0.5, ' + constant + ']}}')
+    assert item.error is not None and f"{constant} is not JSON" in str(item.error), item
+
+
 # ---- what diagnostics print -------------------------------------------------------------------
 
 def test_a_byte_order_mark_is_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

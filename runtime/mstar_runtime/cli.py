@@ -124,7 +124,7 @@ def parse_line(plan: Plan, line: int, text: str, rates: Callable[[str, str], int
         obj = untrusted.loads_json(text)
     except json.JSONDecodeError as e:
         return BatchLine(line, fallback, error=RequestError(f"malformed JSON: {e.msg} (column {e.colno})"))
-    except untrusted.JSONTooDeep as e:
+    except (untrusted.JSONTooDeep, untrusted.JSONConstant) as e:
         return BatchLine(line, fallback, error=RequestError(f"malformed JSON: {e}"))
     if not isinstance(obj, dict):
         return BatchLine(line, fallback, error=RequestError(f"expected a JSON object, got {type(obj).__name__}"))

@@ -94,10 +94,17 @@ class JSONTooDeep(ValueError):
         super().__init__(f"JSON nests too deeply (over {max_depth} levels)")
 
 
+class JSONConstant(ValueError):
+    """`NaN`, `Infinity` or `-Infinity` in JSON text: Python's reader takes them; JSON has none."""
+
+    def __init__(self, name: str):
+        super().__init__(f"{name} is not JSON (write a finite number, or null)")
+
+
 def loads_json(text: str | bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """`json.loads` of standard JSON, refusing text nested deeper than `max_depth`
-    (`JSONTooDeep`, a ValueError) and `NaN`/`Infinity` (a ValueError; `json.JSONDecodeError`
-    for malformed text, as `json.loads` raises)."""
+    (`JSONTooDeep`, a ValueError) and `NaN`/`Infinity` (`JSONConstant`, a ValueError;
+    `json.JSONDecodeError` for malformed text, as `json.loads` raises)."""
     try:
         value = json.loads(text, parse_constant=_no_constant)
     except RecursionError:
@@ -108,7 +115,7 @@ def loads_json(text: str | bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
 
 
 def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")  # Python's reader takes NaN and Infinity; JSON has neither
+    raise JSONConstant(name)
 
 
 def nesting_exceeds(value: Any, max_depth: int) -> bool:
